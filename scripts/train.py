@@ -1,0 +1,19 @@
+"""Entry point: `python scripts/train.py --config configs/train/debug_model.toml [--section.key=value ...]`.
+
+Works under `torchrun` (any number of processes and nodes) and as plain `python`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+try:
+    import trainer  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,373 @@
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.profiling import (
+    TRACE_SUFFIX, classify, format_summary, fp8_warning, is_fp8_gemm, load_trace_events,
+    maybe_enable_profiling, maybe_record_memory_history, profiler_steps, summarize_events,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "summarize_trace.py"
+STEP_MARKER = re.compile(r"train_step_(\d+)$")
+
+
+class _Model(torch.nn.Module):
+    """Two Linear layers: exactly two aten::addmm per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _fp32_step(model):
+    model(torch.randn(8, 32)).square().mean().backward()
+
+
+def _fp8_step(model):
+    # What torchao's Float8Linear runs on CPU: a GEMM of float8_e4m3fn operands with fp32 scales.
+    a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.tensor(1.0)
+    torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def _train(trace_dir, *, num_steps=8, start_step=3, end_step=5, rank=0, body=_fp32_step,
+           expect_fp8=False, logger=None, first_step=1):
+    model = _Model()
+    with maybe_enable_profiling(enable=True, start_step=start_step, end_step=end_step,
+                                trace_dir=str(trace_dir), rank=rank, record_shapes=False,
+                                with_stack=False, profile_memory=False, expect_fp8=expect_fp8,
+                                logger=logger) as prof:
+        for step in range(first_step, num_steps + 1):
+            with torch.profiler.record_function(f"train_step_{step}"):
+                body(model)
+            prof.step(step)
+
+
+def _step_markers(events):
+    return sorted(int(m.group(1)) for e in events if (m := STEP_MARKER.match(e["name"])))
+
+
+@pytest.fixture
+def test_logger(caplog):
+    # Our own logger, which propagates to caplog whatever setup_logging did to "trainer".
+    caplog.set_level(logging.INFO)
+    return logging.getLogger("test_profiling")
+
+
+@pytest.fixture(scope="module")
+def fp32_trace_dir(tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp("fp32_trace")
+    _train(trace_dir)
+    return trace_dir
+
+
+# --- the window ---------------------------------------------------------------------------------
+
+
+def test_window_3_to_5_records_exactly_steps_3_to_5(fp32_trace_dir):
+    assert sorted(os.listdir(fp32_trace_dir)) == [f"rank0_step3-5{TRACE_SUFFIX}", "summary_step3-5.txt"]
+    events = load_trace_events(str(fp32_trace_dir / f"rank0_step3-5{TRACE_SUFFIX}"))
+    assert _step_markers(events) == [3, 4, 5]
+    assert profiler_steps(events) == [3, 4, 5]  # the profiler's own markers are train steps too
+    # Exactly the ops of 3 steps: each forward runs two aten::addmm.
+    assert sum(e["name"] == "aten::addmm" for e in events) == 3 * 2
+    summary_text = (fp32_trace_dir / "summary_step3-5.txt").read_text()
+    assert summary_text.startswith("Kernel summary of steps 3-5 (3 steps)")
+    assert summary_text.rstrip().endswith("FP8 GEMMs ran: no (only bf16/fp32 GEMMs)")
+
+
+@pytest.mark.parametrize(("start_step", "end_step"), [(1, 1), (1, 3), (2, 4), (8, 8)])
+def test_window_edges(tmp_path, start_step, end_step):
+    # start_step 1 has no warmup step; 8 is the loop's last step.
+    _train(tmp_path, start_step=start_step, end_step=end_step)
+    events = load_trace_events(str(tmp_path / f"rank0_step{start_step}-{end_step}{TRACE_SUFFIX}"))
+    assert _step_markers(events) == list(range(start_step, end_step + 1))
+
+
+def test_other_ranks_write_a_trace_but_no_summary(tmp_path):
+    _train(tmp_path, rank=3)
+    assert os.listdir(tmp_path) == [f"rank3_step3-5{TRACE_SUFFIX}"]
+
+
+def test_run_ending_inside_the_window_flushes_what_it_recorded(tmp_path, test_logger, caplog):
+    _train(tmp_path, num_steps=4, logger=test_logger)
+    assert sorted(os.listdir(tmp_path)) == [f"rank0_step3-4{TRACE_SUFFIX}", "summary_step3-4.txt"]
+    events = load_trace_events(str(tmp_path / f"rank0_step3-4{TRACE_SUFFIX}"))
+    assert _step_markers(events) == [3, 4]
+    assert "trace of window 3-5 holds steps 3-4 only: the run ended after step 4" in caplog.text
+
+
+def test_run_failing_inside_the_window_flushes_the_failing_step(tmp_path, test_logger, caplog):
+    steps_run = []
+
+    def body(model):
+        steps_run.append(len(steps_run) + 1)
+        _fp32_step(model)
+        if steps_run[-1] == 5:
+            raise RuntimeError("boom in step 5")
+
+    with pytest.raises(RuntimeError, match="boom in step 5"):
+        _train(tmp_path, body=body, logger=test_logger)
+    events = load_trace_events(str(tmp_path / f"rank0_step3-5{TRACE_SUFFIX}"))
+    assert _step_markers(events) == [3, 4, 5]  # step 5 up to the failure
+    assert "trace of window 3-5 holds steps 3-5; the run failed during step 5, which is incomplete" in caplog.text
+
+
+def test_run_ending_before_the_window_says_no_trace(tmp_path, test_logger, caplog):
+    _train(tmp_path, num_steps=2, logger=test_logger)
+    assert os.listdir(tmp_path) == []
+    assert ("No profiler trace written for profiling window 3-5: the run ended before it finished a "
+            "step of it") in caplog.text
+
+
+def test_resumed_run_is_profiled_by_train_step(tmp_path, test_logger, caplog):
+    # Resumed from a checkpoint at step 4: the window is still train steps, not loop iterations.
+    # Step 4 ran before the profiler could know it was not step 1, so the trace starts at 5.
+    _train(tmp_path, first_step=4, start_step=3, end_step=6, logger=test_logger)
+    events = load_trace_events(str(tmp_path / f"rank0_step5-6{TRACE_SUFFIX}"))
+    assert _step_markers(events) == profiler_steps(events) == [5, 6]
+    assert "trace of window 3-6 holds steps 5-6 only: the run resumed at step 4" in caplog.text
+
+
+def test_run_resumed_after_the_window_says_no_trace(tmp_path, test_logger, caplog):
+    _train(tmp_path, first_step=11, num_steps=16, logger=test_logger)
+    assert os.listdir(tmp_path) == []
+    assert "No profiler trace written for profiling window 3-5: the run started at step 11" in caplog.text
+
+
+def test_disabled_does_nothing(tmp_path):
+    with maybe_enable_profiling(enable=False, start_step=3, end_step=5, trace_dir=str(tmp_path / "t"),
+                                rank=0, record_shapes=False, with_stack=False, profile_memory=False,
+                                expect_fp8=True) as prof:
+        for step in range(1, 8):
+            prof.step(step)
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize(("start_step", "end_step", "message"), [
+    (5, 3, r"profiling.end_step=3 is before profiling.start_step=5"),
+    (0, 3, r"profiling.start_step=0 must be >= 1"),
+])
+def test_invalid_window_is_a_value_error(tmp_path, start_step, end_step, message):
+    with pytest.raises(ValueError, match=message):
+        with maybe_enable_profiling(enable=True, start_step=start_step, end_step=end_step,
+                                    trace_dir=str(tmp_path), rank=0, record_shapes=False,
+                                    with_stack=False, profile_memory=False, expect_fp8=False):
+            pass
+
+
+# --- the FP8 verdict ----------------------------------------------------------------------------
+
+WARNING = ("mixed_precision='fp8' but no FP8 GEMM kernel ran in steps 3-5: this run trained in bf16. "
+           "See docs/fp8.md#troubleshooting")
+
+
+def test_fp8_run_says_yes_and_does_not_warn(tmp_path, test_logger, caplog):
+    _train(tmp_path, body=_fp8_step, expect_fp8=True, logger=test_logger)
+    verdict = (tmp_path / "summary_step3-5.txt").read_text().rstrip().splitlines()[-1]
+    assert verdict == "FP8 GEMMs ran: yes (3 calls: aten::_scaled_mm)"
+    assert "no FP8 GEMM" not in caplog.text
+
+
+def test_fp32_run_expecting_fp8_warns(tmp_path, test_logger, caplog):
+    _train(tmp_path, expect_fp8=True, logger=test_logger)
+    assert WARNING in caplog.text
+    assert [r.levelno for r in caplog.records if WARNING in r.getMessage()] == [logging.WARNING]
+
+
+def test_fp32_run_not_expecting_fp8_does_not_warn(tmp_path, test_logger, caplog):
+    _train(tmp_path, expect_fp8=False, logger=test_logger)
+    assert "FP8 GEMMs ran: no (only bf16/fp32 GEMMs)" in caplog.text
+    assert "no FP8 GEMM kernel ran" not in caplog.text
+
+
+def test_torchao_float8_training_counts_as_fp8(tmp_path):
+    # The trainer's FP8 path; if torchao stops calling aten::_scaled_mm, the detector must follow.
+    from torchao.float8 import convert_to_float8_training
+
+    model = convert_to_float8_training(_Model())
+    with torch.profiler.profile() as prof:
+        _fp32_step(model)
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    summary = summarize_events(load_trace_events(str(tmp_path / "t.json")), num_steps=1)
+    assert summary.fp8_gemm_ran and summary.fp8_gemm_names[0] == "aten::_scaled_mm"
+    assert fp8_warning(summary) is None
+
+
+def test_fp8_warning_text(fp32_trace_dir):
+    events = load_trace_events(str(fp32_trace_dir / f"rank0_step3-5{TRACE_SUFFIX}"))
+    assert fp8_warning(summarize_events(events, num_steps=3)) == WARNING
+
+
+# --- classifying kernel names -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "category", "fp8"), [
+    # H100 cuBLASLt and cuBLAS 13 (nvjet) GEMMs; the qq/qr nvjet names were seen with _scaled_mm.
+    ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_segment_k_off"
+     "_kernel__5x_cublas", "gemm", True),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off"
+     "_kernel__5x_cublas", "gemm", False),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "gemm", False),
+    ("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_bias_TNT", "gemm", False),
+    ("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT", "gemm", True),
+    ("nvjet_sm90_qrtst_64x128_128x8_2x1_v_bz_algo2_TNN", "gemm", True),
+    ("cutlass3x_sm90_tensorop_gemm_e4m3_e4m3_f32_bf16_bf16_128x128x128_1x1x1_0_tnn_align16", "gemm", True),
+    ("triton_tem_fused__scaled_mm_0", "gemm", True),
+    ("aten::_scaled_mm", "gemm", True),
+    ("aten::_scaled_grouped_mm", "gemm", True),
+    ("aten::mm", "gemm", False),
+    ("aten::addmm", "gemm", False),
+    ("triton_tem_fused_mm_0", "gemm", False),
+    # The eager cast to float8 is not a GEMM, though its name says float8.
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::float8_copy_kernel_cuda("
+     "at::TensorIteratorBase&)::{lambda(c10::BFloat16)#2}, std::array<char*, 2ul> >", "other", False),
+    ("ncclDevKernel_AllGather_RING_LL", "communication", False),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication", False),
+    ("c10d::allreduce_", "communication", False),
+    ("aten::broadcast_tensors", "other", False),
+    ("flash_fwd_kernel", "attention", False),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+     "cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> > >", "attention", False),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<>::Params)",
+     "attention", False),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_cga1x1x1_kernel0_0",
+     "attention", False),
+    ("aten::communication_free_summary_op", "other", False),
+])
+def test_classify(name, category, fp8):
+    assert (classify(name), is_fp8_gemm(name)) == (category, fp8)
+
+
+def _event(name, cat, ts, dur, external_id=None, tid=1):
+    return {"name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
+            "external_id": external_id}
+
+
+def test_summary_of_a_gpu_trace():
+    events = [
+        _event("ProfilerStep#7", "user_annotation", 0, 200),
+        _event("aten::_scaled_mm", "cpu_op", 0, 5, external_id=42),
+        _event("aten::mm", "cpu_op", 5, 5, external_id=43),
+        # An FP8 GEMM kernel of a name no pattern knows: it counts through the op that launched it.
+        _event("some_future_kernel", "kernel", 10, 50, external_id=42, tid=7),
+        _event("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_NNT", "kernel", 60, 30, external_id=43, tid=7),
+        _event("flash_fwd_kernel", "kernel", 100, 40, tid=7),
+        _event("ncclDevKernel_AllGather_RING_LL", "kernel", 110, 20, tid=9),  # overlaps on another stream
+        _event("void at::native::vectorized_elementwise_kernel<4>", "kernel", 190, 10, tid=7),
+    ]
+    summary = summarize_events(events, num_steps=1)
+    assert summary.device == "cuda" and summary.steps == (7, 7)
+    assert summary.total_us == 150 and summary.wall_us == 200 and summary.busy_us == 130
+    assert summary.category_us == {"gemm": 80, "attention": 40, "communication": 20, "other": 10}
+    assert (summary.fp8_gemm_calls, summary.fp8_gemm_names) == (1, ["some_future_kernel"])
+    text = format_summary(summary, top=2)
+    assert "device idle 35.0% of wall" in text and "GEMM 53.3% | attention 26.7%" in text
+    assert text.splitlines()[-1] == "FP8 GEMMs ran: yes (1 calls: some_future_kernel)"
+    assert len(text.splitlines()) == 4 + 2 + 1
+
+
+def test_summary_of_a_cpu_trace_counts_self_time():
+    events = [
+        _event("aten::linear", "cpu_op", 0, 100),
+        _event("aten::t", "cpu_op", 2, 8),
+        _event("aten::addmm", "cpu_op", 10, 80),
+        _event("aten::relu", "cpu_op", 150, 50),
+    ]
+    summary = summarize_events(events, num_steps=2)
+    assert summary.device == "cpu" and summary.steps is None
+    assert {s.name: s.total_us for s in summary.ops} == {
+        "aten::addmm": 80, "aten::relu": 50, "aten::linear": 12, "aten::t": 8}
+    assert summary.category_us["gemm"] == 80 and summary.total_us == 150 and summary.busy_us == 150
+    assert format_summary(summary).splitlines()[-1] == "FP8 GEMMs ran: no (only bf16/fp32 GEMMs)"
+
+
+# --- scripts/summarize_trace.py -----------------------------------------------------------------
+
+
+def _script(*args):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # it must find trainer itself
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("summarize_trace", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+summarize_trace = _load_script()
+
+
+def test_script_prints_the_summary_of_a_trace_dir(fp32_trace_dir):
+    result = _script(fp32_trace_dir, "--top", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"== {fp32_trace_dir / f'rank0_step3-5{TRACE_SUFFIX}'}"
+    assert lines[1].startswith("Kernel summary of steps 3-5 (3 steps)")
+    assert lines[-1] == "FP8 GEMMs ran: no (only bf16/fp32 GEMMs)"
+    # The offline summary is the one the run wrote.
+    assert (fp32_trace_dir / "summary_step3-5.txt").read_text().splitlines()[:3] == lines[1:4]
+
+
+def test_script_on_a_missing_dir_exits_2_with_one_line(tmp_path):
+    result = _script(tmp_path / "missing")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"summarize_trace.py: no such file or folder: {tmp_path / 'missing'}\n"
+
+
+def test_script_on_a_dir_without_traces_exits_2(tmp_path, capsys):
+    (tmp_path / "summary_step3-5.txt").write_text("not a trace")
+    assert summarize_trace.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"summarize_trace.py: no trace files (*.json, *.json.gz) under {tmp_path}\n"
+
+
+def test_script_expect_fp8_fails_a_bf16_trace(fp32_trace_dir, capsys):
+    assert summarize_trace.main([str(fp32_trace_dir), "--expect-fp8"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"WARNING: {WARNING}"
+
+
+# --- memory snapshots ---------------------------------------------------------------------------
+
+
+def test_memory_snapshot_on_cpu_warns_once_and_does_nothing(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)
+    caplog.set_level(logging.INFO)
+    with maybe_record_memory_history(enable=True, snapshot_dir=str(tmp_path / "s"), rank=0) as memory:
+        assert memory.dump("step3") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "profiling.memory_snapshot=true needs CUDA: this run records no memory snapshot"]
+    assert not (tmp_path / "s").exists()
+
+
+def test_oom_dumps_a_snapshot_and_points_to_it(tmp_path, monkeypatch):
+    # The CUDA calls are faked; the wrapper's behaviour around them is what is pinned here.
+    history = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kwargs: history.append((enabled, kwargs)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_text("snapshot"))
+    path = tmp_path / "s" / "rank2_oom.pickle"
+    with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+        with maybe_record_memory_history(enable=True, snapshot_dir=str(tmp_path / "s"), rank=2) as memory:
+            assert memory.dump("step3") == str(tmp_path / "s" / "rank2_step3.pickle")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert path.read_text() == "snapshot"
+    message = str(info.value)
+    assert str(path) in message and "docs/debug.md" in message and "Tried to allocate 2.00 GiB" in message
+    assert history == [("all", {"max_entries": 100_000}), (None, {})]

@@ -1,0 +1,519 @@
+"""Job configuration: section dataclasses, TOML loading, command-line overrides.
+
+A `JobConfig` is built once, from defaults < TOML < command line, and validated
+while it is built: every user error (unknown key, wrong type, value outside its
+`Literal`, inconsistent combination) raises `ConfigError` with one line that
+names the key, before any process group, data or model exists.
+
+Every field carries a docstring (the string literal under it); `docs/config.md`
+is generated from them by `python -m trainer.config --markdown`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; its message is one line."""
+
+
+MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
+
+
+@dataclass
+class JobSection:
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: resolved config, metrics.jsonl, tb/, checkpoints."""
+    description: str = ""
+    """Free text logged at start; say what this run is for."""
+
+
+@dataclass
+class ModelSection:
+    name: str = "llama3"
+    """Model family. Only 'llama3' exists today."""
+    flavor: str = "debug"
+    """Size preset: debug, 1b, 3b, 8b, 70b, 405b (see trainer/models/llama.py)."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 keeps the flavor's own (128256 for the Llama 3 sizes, 512 for debug)."""
+    n_layers: int = 0
+    """Number of transformer blocks; 0 keeps the flavor's own (benchmarks use fewer)."""
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    """Number of optimizer steps to run."""
+    batch_size: int = 8
+    """Sequences per data-parallel rank per microbatch; global batch = batch_size x dp x grad_accum_steps."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    grad_accum_steps: int = 1
+    """Microbatches accumulated before each optimizer step."""
+    mixed_precision: MixedPrecision = "bf16"
+    """Compute dtype. fp8 = bf16 compute with torchao float8 linears; master weights stay fp32."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
+    seed: int = 0
+    """Seed for weights and dropout-free RNG; the data order has its own seed in [data]."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower); for bitwise-reproducible debugging."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (see selective_ac_every) or full (every block)."""
+    selective_ac_every: int = 0
+    """With selective AC: 0 = per-op policy that keeps matmul and attention outputs; N > 0 = full AC on every Nth block."""
+    compile_model: bool = False
+    """torch.compile each transformer block and the output head with its loss."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """What a NaN/inf loss or gradient norm does: stop the run naming the step, or skip that optimizer step."""
+
+
+@dataclass
+class OptimizerSection:
+    name: Literal["adamw"] = "adamw"
+    """Optimizer. AdamW with decoupled weight decay."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (applied to every parameter)."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """Kernel choice: auto = fused on CUDA, foreach on CPU."""
+
+
+@dataclass
+class SchedulerSection:
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to optimizer.lr."""
+    decay_type: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Shape after warmup: cosine or linear to min_lr_ratio, wsd = constant then linear decay, constant = none."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optimizer.lr."""
+    wsd_decay_ratio: float = 0.2
+    """For wsd: the fraction of train.steps spent in the final decay."""
+
+
+@dataclass
+class DataSection:
+    source: Literal["default", "synthetic", "shards"] = "default"
+    """default = Python's documentation text that ships with Python (byte-level, no download); synthetic = random tokens; shards = files made by scripts/prepare_data.py."""
+    path: str = ""
+    """For source='shards': a folder of .bin shards or a glob."""
+    tokenizer: str = "byte"
+    """'byte' or the path of the tokenizer.json the shards were written with (checked against each shard)."""
+    seed: int = 0
+    """Seed of the sample order."""
+    shuffle: bool = True
+    """Shuffle samples each epoch (with data.seed)."""
+
+
+@dataclass
+class DistributedSection:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP when > 1: shard inside a replica, replicate across)."""
+    dp_shard: int = -1
+    """FSDP2 shard degree; -1 = whatever the other degrees leave of the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallel on the norms and loss parallel on the output)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models; not implemented yet)."""
+    pp: int = 1
+    """Pipeline-parallel degree (not implemented yet)."""
+    cp: int = 1
+    """Context-parallel degree (not implemented yet)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered weights after forward (ZeRO-3); false keeps them until backward (ZeRO-2, more memory)."""
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the sharded master weights and optimizer state; bf16 saves memory at some accuracy cost."""
+    loss_parallel: bool = True
+    """With tp > 1: keep logits sharded over the vocabulary when computing the loss."""
+    init_timeout_seconds: int = 600
+    """Timeout of collectives (process group init included)."""
+
+
+@dataclass
+class Float8Section:
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao float8 scaling recipe."""
+    enable_fsdp_float8_all_gather: bool = True
+    """All-gather weights in float8 under FSDP2 (tensorwise only); halves all-gather bytes."""
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (for machines without FP8 kernels; tests)."""
+    exclude_fqns: list[str] = field(default_factory=list)
+    """Extra module names (or fqn substrings) to keep in bf16; an entry matching no Linear is an error."""
+    require: bool = False
+    """Fail instead of running bf16 when this CUDA GPU has no FP8 tensor cores (compute capability < 8.9)."""
+
+
+@dataclass
+class CheckpointSection:
+    enable: bool = False
+    """Save checkpoints and resume automatically from the latest complete one in folder."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints; 0 keeps all. Never deletes the only complete one."""
+    load_step: int = -1
+    """Step to resume from; -1 = the latest complete checkpoint."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Write checkpoints in the background (async) while training continues."""
+    initial_load_path: str = ""
+    """Start a new run from the model weights of this checkpoint (no optimizer, no step)."""
+    model_only: bool = False
+    """At the end of training, also export the model weights only (see export_dtype)."""
+    export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Dtype of the final weights-only export."""
+
+
+@dataclass
+class ProfilingSection:
+    enable: bool = False
+    """Record a torch.profiler trace of steps start_step..end_step."""
+    start_step: int = 3
+    """First profiled step (1-based, inclusive)."""
+    end_step: int = 5
+    """Last profiled step (inclusive)."""
+    trace_dir: str = "profiler_traces/trace"
+    """Where traces (rank{r}_step{a}-{b}.json.gz) and the kernel summary go."""
+    record_shapes: bool = False
+    """Record operator input shapes."""
+    with_stack: bool = False
+    """Record Python stacks (large traces)."""
+    profile_memory: bool = False
+    """Record tensor allocations in the trace."""
+    memory_snapshot: bool = False
+    """CUDA only: record allocator history and dump a snapshot after the window and on OOM."""
+
+
+@dataclass
+class MetricsSection:
+    log_freq: int = 10
+    """Log (console, metrics.jsonl, TensorBoard) every this many steps, and at the first and last step."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard scalars under {job.dump_folder}/tb/."""
+    enable_jsonl: bool = True
+    """Append one JSON object per logged step to {job.dump_folder}/metrics.jsonl."""
+    loss_spike_factor: float = 3.0
+    """Flag a loss spike when loss > this x its running mean."""
+    fp8_stats_freq: int = 0
+    """Every this many steps, write per-layer FP8 amax/scale statistics to TensorBoard; 0 = off."""
+
+
+_SECTIONS: dict[str, type] = {
+    "job": JobSection,
+    "model": ModelSection,
+    "train": TrainSection,
+    "optimizer": OptimizerSection,
+    "scheduler": SchedulerSection,
+    "data": DataSection,
+    "distributed": DistributedSection,
+    "float8": Float8Section,
+    "checkpoint": CheckpointSection,
+    "profiling": ProfilingSection,
+    "metrics": MetricsSection,
+}
+
+
+@dataclass
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    data: DataSection = field(default_factory=DataSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    float8: Float8Section = field(default_factory=Float8Section)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.train.mixed_precision == "fp8"
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+# TrainSection.is_fp8 mirrors JobConfig.is_fp8 for code that only holds the section.
+TrainSection.is_fp8 = property(lambda self: self.mixed_precision == "fp8")  # type: ignore[attr-defined]
+
+
+def _validate(cfg: JobConfig) -> None:
+    """Cross-field and range checks; each failure is one line naming the key."""
+    t, d = cfg.train, cfg.distributed
+    if t.is_fp8 and d.tp > 1:
+        raise ConfigError(
+            "FP8 + Tensor Parallelism is not yet supported: train.mixed_precision='fp8' with "
+            f"distributed.tp={d.tp}. Use distributed.tp=1 with FSDP (dp_shard) for FP8, "
+            "or keep tp and set train.mixed_precision='bf16'."
+        )
+    positive = {
+        "train.steps": t.steps,
+        "train.batch_size": t.batch_size,
+        "train.seq_len": t.seq_len,
+        "train.grad_accum_steps": t.grad_accum_steps,
+        "metrics.log_freq": cfg.metrics.log_freq,
+        "checkpoint.interval": cfg.checkpoint.interval,
+        "distributed.dp_replicate": d.dp_replicate,
+        "distributed.tp": d.tp,
+        "distributed.ep": d.ep,
+        "distributed.pp": d.pp,
+        "distributed.cp": d.cp,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if d.dp_shard == 0 or d.dp_shard < -1:
+        raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
+    for key in ("n_layers", "vocab_size"):
+        if getattr(cfg.model, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(cfg.model, key)} must be >= 0 (0 = the flavor's own)")
+    if t.max_norm < 0:
+        raise ConfigError(f"train.max_norm={t.max_norm} must be >= 0 (0 disables clipping)")
+    if t.selective_ac_every < 0:
+        raise ConfigError(f"train.selective_ac_every={t.selective_ac_every} must be >= 0")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    if not 0 <= cfg.scheduler.min_lr_ratio <= 1:
+        raise ConfigError(f"scheduler.min_lr_ratio={cfg.scheduler.min_lr_ratio} must be in [0, 1]")
+    if not 0 < cfg.scheduler.wsd_decay_ratio <= 1:
+        raise ConfigError(f"scheduler.wsd_decay_ratio={cfg.scheduler.wsd_decay_ratio} must be in (0, 1]")
+    if cfg.scheduler.warmup_steps < 0:
+        raise ConfigError(f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be >= 0")
+    f8 = cfg.float8
+    if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "
+            f"(got recipe='{f8.recipe}'); set --float8.enable_fsdp_float8_all_gather=false"
+        )
+    p = cfg.profiling
+    if p.enable and not 1 <= p.start_step <= p.end_step:
+        raise ConfigError(
+            f"profiling window start_step={p.start_step}, end_step={p.end_step} must satisfy 1 <= start_step <= end_step"
+        )
+    if cfg.data.source == "shards" and not cfg.data.path:
+        raise ConfigError("data.source='shards' needs data.path: a folder of .bin shards made by scripts/prepare_data.py")
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = nxt.value.value.strip()
+    return docs
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean {close[0]}?)" if close else f" (valid: {', '.join(choices)})"
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
+    """Check (TOML) or parse (command line) one value against its annotation."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            listed = ", ".join(repr(a) for a in allowed)
+            raise ConfigError(f"{key}={value!r} is not one of {listed}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if from_cli and isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list of {item_tp.__name__}")
+        return [_coerce(f"{key}[{i}]", v, item_tp, from_cli=from_cli) for i, v in enumerate(value)]
+    if tp is bool:
+        if from_cli and isinstance(value, str):
+            lowered = value.lower()
+            if lowered in ("true", "1", "yes"):
+                return True
+            if lowered in ("false", "0", "no"):
+                return False
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if from_cli and isinstance(value, str):
+            try:
+                value = int(value.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if from_cli and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _apply(raw: dict[str, dict[str, Any]], section: str, key: str, value: Any, *, from_cli: bool) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown section [{section}]{_suggest(section, list(_SECTIONS))}")
+    types = _field_types(_SECTIONS[section])
+    if key not in types:
+        raise ConfigError(f"unknown key [{section}].{key}{_suggest(key, list(types))}")
+    raw.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, types[key], from_cli=from_cli)
+
+
+def parse_overrides(args: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """Split argv into --config PATH and (section.key, value) overrides."""
+    config_path: str | None = None
+    overrides: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; use --config PATH and --section.key=value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"--{name} needs a value (--{name}=VALUE or --{name} VALUE)")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        if name in ("config", "job.config_file"):
+            config_path = value
+            continue
+        if "." not in name:
+            raise ConfigError(f"--{name}: expected --section.key (e.g. --train.steps=10)")
+        overrides.append((name, value))
+    return config_path, overrides
+
+
+def load_job_config(args: list[str] | None = None, *, toml_path: str | None = None) -> JobConfig:
+    """Build a JobConfig from defaults < TOML (--config) < --section.key overrides."""
+    config_path, overrides = parse_overrides(list(args or []))
+    config_path = config_path or toml_path
+    raw: dict[str, dict[str, Any]] = {}
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {config_path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{config_path}: top-level key {section!r} must be a [section]")
+            for key, value in values.items():
+                _apply(raw, section, key, value, from_cli=False)
+    for name, value in overrides:
+        section, _, key = name.partition(".")
+        _apply(raw, section, key, value, from_cli=True)
+    sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    return JobConfig(**sections)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def config_markdown() -> str:
+    """docs/config.md, generated from the dataclasses (a test checks it is current)."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated by `python -m trainer.config --markdown > docs/config.md`; do not edit by hand.",
+        "Every key can be set in the TOML file or on the command line as `--section.key=value`",
+        "(precedence: command line > TOML > default). Unknown keys are errors.",
+        "",
+    ]
+    for section, cls in _SECTIONS.items():
+        docs, types = field_docs(cls), _field_types(cls)
+        out += [f"## [{section}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            type_name = _type_name(types[f.name])
+            out.append(f"| `{f.name}` | {type_name} | `{_toml_value(default)}` | {docs.get(f.name, '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " \\| ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list[{typing.get_args(tp)[0].__name__}]"
+    return tp.__name__
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        print(config_markdown(), end="")
+    else:
+        print("usage: python -m trainer.config --markdown", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,20 @@
+"""Data pipeline: tokenizers, token shards, sample sources and the data-parallel loader."""
+
+from trainer.data.shards import DataError, ShardInfo, open_shard, write_shard
+from trainer.data.sources import DefaultTextSource, ShardSource, SyntheticSource
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_fingerprint
+
+__all__ = [
+    "ByteTokenizer", "DataError", "DefaultTextSource", "HFTokenizer", "ShardInfo", "ShardSource",
+    "SyntheticSource", "TokenDataLoader", "build_data_loader", "build_tokenizer", "open_shard",
+    "tokenizer_fingerprint", "write_shard",
+]
+
+
+def __getattr__(name):
+    # The loader imports torch (~1 s); scripts/prepare_data.py only needs tokenizers and shards.
+    if name in ("TokenDataLoader", "build_data_loader"):
+        from trainer.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,133 @@
+"""Deterministic, resumable, data-parallel batching over a sample source.
+
+Step s consumes the global sample positions [s * G, (s + 1) * G) with
+G = batch_size * dp_degree * grad_accum_steps. Position p is sample
+permutation(p // num_samples)[p % num_samples], where the permutation of epoch e comes from
+np.random.default_rng([seed, e]). Microbatch m of rank r takes the step's positions
+[(m * dp_degree + r) * batch_size, (m * dp_degree + r + 1) * batch_size). So the samples of a
+step depend only on G, not on how it is split across ranks and microbatches, and resuming
+only needs the number of positions consumed.
+"""
+
+import glob
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.data.shards import DataError
+from trainer.data.sources import DefaultTextSource, ShardSource, SyntheticSource
+from trainer.data.tokenizer import tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("default", "synthetic", "shards")
+
+
+class TokenDataLoader:
+    def __init__(self, source, *, seq_len: int, batch_size: int, grad_accum_steps: int, dp_rank: int,
+                 dp_degree: int, seed: int, shuffle: bool = True):
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size),
+                            ("grad_accum_steps", grad_accum_steps), ("dp_degree", dp_degree)):
+            if value < 1:
+                raise DataError(f"{name}={value} must be >= 1")
+        if not 0 <= dp_rank < dp_degree:
+            raise DataError(f"dp_rank={dp_rank} must be in [0, dp_degree={dp_degree})")
+        self.source = source
+        self.seq_len, self.batch_size, self.grad_accum_steps = seq_len, batch_size, grad_accum_steps
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.seed, self.shuffle = seed, shuffle
+        self.num_samples = source.num_samples(seq_len)  # raises DataError when no sample fits
+        self.global_batch_size = batch_size * dp_degree * grad_accum_steps
+        self.consumed_samples = 0
+        self._permutation_epoch, self._permutation = None, None
+        # Pinned host memory makes the caller's .to(device, non_blocking=True) truly asynchronous.
+        self._pin_memory = torch.cuda.is_available()
+
+    def _permutation_for(self, epoch: int) -> np.ndarray:
+        # One epoch's permutation is num_samples int64s (800 MB at 1e8 samples); keep only the current one.
+        if self._permutation_epoch != epoch:
+            self._permutation = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._permutation_epoch = epoch
+        return self._permutation
+
+    def sample_indices(self, positions: np.ndarray) -> np.ndarray:
+        """Map global sample positions to source sample indices."""
+        offsets = positions % self.num_samples
+        if not (self.shuffle and self.source.permute):
+            return offsets
+        epochs = positions // self.num_samples
+        indices = np.empty_like(positions)
+        for epoch in np.unique(epochs):  # a microbatch spans at most a few epochs
+            mask = epochs == epoch
+            indices[mask] = self._permutation_for(int(epoch))[offsets[mask]]
+        return indices
+
+    def _microbatch(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = np.arange(start, start + self.batch_size, dtype=np.int64)
+        rows = np.stack([self.source.get_sample(int(i), self.seq_len) for i in self.sample_indices(positions)])
+        rows = torch.from_numpy(rows)
+        inputs, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        if self._pin_memory:
+            inputs, labels = inputs.pin_memory(), labels.pin_memory()
+        return inputs, labels
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's grad_accum_steps (inputs, labels) pairs of [batch_size, seq_len] for the next step."""
+        batch = [self._microbatch(self.consumed_samples + (m * self.dp_degree + self.dp_rank) * self.batch_size)
+                 for m in range(self.grad_accum_steps)]
+        self.consumed_samples += self.global_batch_size
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "shuffle": self.shuffle,
+                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        # The global batch size may change on resume: the position is counted in samples.
+        # Anything that changes which sample a position maps to would silently repeat or skip data.
+        for key in ("seq_len", "num_samples", "seed", "shuffle"):
+            if key not in state:
+                raise DataError(f"data loader state has no '{key}'; the checkpoint is not from this loader")
+            if state[key] != getattr(self, key):
+                raise DataError(f"cannot resume data loader: checkpoint has {key}={state[key]!r} but this run has "
+                                f"{key}={getattr(self, key)!r}; resume with the same data, seq_len and seed, "
+                                "or start a new run")
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def _shard_paths(path: str) -> list[str]:
+    if not path:
+        raise DataError("[data].source='shards' needs [data].path: a directory of .bin shards or a glob")
+    paths = sorted(glob.glob(str(Path(path) / "*.bin"))) if Path(path).is_dir() else sorted(glob.glob(path))
+    if not paths:
+        raise DataError(f"no shard files found at [data].path='{path}'; create them with "
+                        "python scripts/prepare_data.py --input FILES --output DIR")
+    return paths
+
+
+def build_data_loader(*, source: str, path: str, tokenizer: str, seed: int, shuffle: bool, seq_len: int,
+                      batch_size: int, grad_accum_steps: int, dp_rank: int, dp_degree: int,
+                      vocab_size: int) -> TokenDataLoader:
+    """Build and fully validate the training data loader (opens every shard, checks every header)."""
+    if source == "default":
+        if tokenizer != "byte":
+            raise DataError(f"[data].source='default' is byte-tokenized but [data].tokenizer is '{tokenizer}'; "
+                            "set [data].tokenizer='byte' or use [data].source='shards'")
+        data = DefaultTextSource(vocab_size=vocab_size)
+    elif source == "synthetic":
+        data = SyntheticSource(vocab_size=vocab_size, seed=seed)
+    elif source == "shards":
+        data = ShardSource(_shard_paths(path), vocab_size=vocab_size,
+                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    else:
+        raise DataError(f"[data].source='{source}' is not one of {', '.join(map(repr, SOURCES))}")
+    loader = TokenDataLoader(data, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=grad_accum_steps,
+                             dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=shuffle)
+    logger.info("data: %r, %d samples of seq_len %d, global batch %d samples/step "
+                "(rank %d/%d: %d microbatches of %d), shuffle=%s",
+                data, loader.num_samples, seq_len, loader.global_batch_size, dp_rank, dp_degree,
+                grad_accum_steps, batch_size, shuffle and data.permute)
+    return loader

@@ -1,0 +1,140 @@
+"""Sample sources: sequences of fixed-length token windows.
+
+A source has `num_samples(seq_len)` and `get_sample(index, seq_len)`, which returns seq_len + 1
+int64 tokens (inputs = [:-1], labels = [1:]). Window k of a token stream covers tokens
+[k * seq_len, k * seq_len + seq_len + 1): windows do not overlap as inputs, and the extra
+token is the label of the last input.
+"""
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.shards import DataError, open_shard
+from trainer.data.tokenizer import ByteTokenizer
+
+
+def _num_windows(num_tokens: int, seq_len: int) -> int:
+    return max(num_tokens - 1, 0) // seq_len
+
+
+def _window(tokens: np.ndarray, k: int, seq_len: int) -> np.ndarray:
+    return np.asarray(tokens[k * seq_len: k * seq_len + seq_len + 1], dtype=np.int64)
+
+
+def _check_index(index: int, num_samples: int) -> None:
+    if not 0 <= index < num_samples:
+        raise IndexError(f"sample index {index} out of range [0, {num_samples})")
+
+
+class ShardSource:
+    """Windows inside each memory-mapped shard; shards are ordered by sorted path."""
+
+    permute = True
+
+    def __init__(self, paths: Sequence[str | Path], *, vocab_size: int, tokenizer_fingerprint: str):
+        if not paths:
+            raise DataError("ShardSource needs at least one shard path")
+        self.shards = [open_shard(p) for p in sorted(map(Path, paths))]
+        for shard in self.shards:
+            if shard.tokenizer_fingerprint != tokenizer_fingerprint:
+                raise DataError(f"shard {shard.path} was written with tokenizer {shard.tokenizer_fingerprint} "
+                                f"but [data].tokenizer is {tokenizer_fingerprint}; re-run scripts/prepare_data.py "
+                                "with the configured tokenizer or point [data].tokenizer at the one used")
+            if shard.max_token_id >= vocab_size:
+                raise DataError(f"shard {shard.path} has token id {shard.max_token_id} >= model vocab_size "
+                                f"{vocab_size}; raise the model's vocab_size to at least {shard.max_token_id + 1}")
+        self.num_tokens = sum(s.num_tokens for s in self.shards)
+        self._cumulative: dict[int, np.ndarray] = {}
+
+    def _cumulative_windows(self, seq_len: int) -> np.ndarray:
+        if seq_len in self._cumulative:
+            return self._cumulative[seq_len]
+        counts = [_num_windows(s.num_tokens, seq_len) for s in self.shards]
+        if sum(counts) == 0:
+            raise DataError(f"shards hold no full sample of seq_len {seq_len}: each sample needs seq_len+1 = "
+                            f"{seq_len + 1} tokens inside one shard, the largest shard has "
+                            f"{max(s.num_tokens for s in self.shards)}; add data or lower seq_len")
+        return self._cumulative.setdefault(seq_len, np.cumsum(counts))
+
+    def num_samples(self, seq_len: int) -> int:
+        return int(self._cumulative_windows(seq_len)[-1])
+
+    def get_sample(self, index: int, seq_len: int) -> np.ndarray:
+        cumulative = self._cumulative_windows(seq_len)
+        _check_index(index, int(cumulative[-1]))
+        # cumulative[i] is the first global index past shard i, so side="right" finds the owner.
+        i = int(np.searchsorted(cumulative, index, side="right"))
+        local = index - (int(cumulative[i - 1]) if i else 0)
+        return _window(self.shards[i].tokens, local, seq_len)
+
+    def __repr__(self) -> str:
+        return f"ShardSource({len(self.shards)} shards, {self.num_tokens:,} tokens)"
+
+
+@functools.cache
+def _default_tokens() -> np.ndarray:
+    # Ships with every CPython, so the default run needs no download.
+    from pydoc_data.topics import topics
+
+    tok = ByteTokenizer()
+    ids = []
+    for key in sorted(topics):
+        ids += tok.encode(topics[key])
+        ids.append(tok.eos_id)
+    tokens = np.array(ids, dtype=np.uint16)
+    tokens.flags.writeable = False  # shared by every DefaultTextSource
+    return tokens
+
+
+class DefaultTextSource:
+    """Python's documentation topics (pydoc_data), byte-tokenized, EOS after each topic."""
+
+    permute = True
+
+    def __init__(self, *, vocab_size: int):
+        if vocab_size < ByteTokenizer.vocab_size:
+            raise DataError(f"[data].source='default' is byte-tokenized and needs vocab_size >= "
+                            f"{ByteTokenizer.vocab_size}, got {vocab_size}; use [data].source='synthetic' "
+                            "or a bigger vocab")
+        self.tokens = _default_tokens()
+        self.num_tokens = len(self.tokens)
+
+    def num_samples(self, seq_len: int) -> int:
+        num = _num_windows(self.num_tokens, seq_len)
+        if num == 0:
+            raise DataError(f"the default corpus has {self.num_tokens} tokens, fewer than seq_len+1 = "
+                            f"{seq_len + 1}; lower seq_len or use [data].source='shards'")
+        return num
+
+    def get_sample(self, index: int, seq_len: int) -> np.ndarray:
+        _check_index(index, self.num_samples(seq_len))
+        return _window(self.tokens, index, seq_len)
+
+    def __repr__(self) -> str:
+        return f"DefaultTextSource(pydoc topics, {self.num_tokens:,} byte tokens)"
+
+
+class SyntheticSource:
+    """Uniform random tokens; sample i depends only on (seed, i), so any rank can make any sample."""
+
+    # Samples are already i.i.d., and a permutation of an effectively infinite range cannot be built.
+    permute = False
+
+    def __init__(self, *, vocab_size: int, seed: int):
+        if vocab_size < 1:
+            raise DataError(f"SyntheticSource needs vocab_size >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def num_samples(self, seq_len: int) -> int:
+        return 2**40 // seq_len
+
+    def get_sample(self, index: int, seq_len: int) -> np.ndarray:
+        _check_index(index, self.num_samples(seq_len))
+        return np.random.default_rng([self.seed, index]).integers(0, self.vocab_size, seq_len + 1, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"SyntheticSource(vocab_size={self.vocab_size}, seed={self.seed})"

@@ -1,0 +1,84 @@
+"""Tokenizers: a dependency-free byte tokenizer and a wrapper around a HF tokenizer.json."""
+
+import hashlib
+from pathlib import Path
+
+from trainer.data.shards import DataError
+
+# Tried in order; the first one the vocabulary has is the end-of-document token.
+_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+_BOS_TOKENS = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "<|bos|>")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; 256 and 257 are BOS and EOS."""
+
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+    fingerprint = "byte-v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        # Special ids have no bytes; a window may also cut a multi-byte character in half.
+        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _file_fingerprint(path: Path) -> str:
+    return "hf-sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+class HFTokenizer:
+    """A HF `tokenizers` tokenizer.json; needs the optional `tokenizers` package."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("reading tokenizer.json needs the optional extra: pip install 'trainer[tokenizers]'") from None
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust bindings raise a bare Exception for every parse error
+            raise DataError(f"could not read tokenizer {path}: {e}") from None
+        self.path = path
+        self.fingerprint = _file_fingerprint(path)
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._first_token_id(_BOS_TOKENS)
+        self.eos_id = self._first_token_id(_EOS_TOKENS)
+        if self.eos_id is None:
+            raise DataError(f"tokenizer {path} has none of the end-of-document tokens {', '.join(_EOS_TOKENS)}; "
+                            "add one to its vocabulary so documents can be separated")
+
+    def _first_token_id(self, candidates) -> int | None:
+        ids = (self._tokenizer.token_to_id(t) for t in candidates)
+        return next((i for i in ids if i is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _tokenizer_path(spec: str) -> Path:
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"tokenizer file {spec} not found; set [data].tokenizer to 'byte' or a path to a tokenizer.json")
+    return path
+
+
+def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    """`spec` is "byte" or a path to a HF tokenizer.json."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(_tokenizer_path(spec))
+
+
+def tokenizer_fingerprint(spec: str) -> str:
+    """The fingerprint `build_tokenizer(spec)` would have, without needing the `tokenizers` package.
+
+    Training only compares fingerprints against shard headers, so it should not need the
+    optional package that only data preparation uses.
+    """
+    return ByteTokenizer.fingerprint if spec == "byte" else _file_fingerprint(_tokenizer_path(spec))

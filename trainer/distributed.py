@@ -1,0 +1,65 @@
+"""Process group and device: CUDA + NCCL when a GPU is there, else CPU + gloo."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as torchrun sets it; 1 for a plain `python` launch."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(*, timeout_seconds: int) -> DistEnv:
+    """Join (or, without torchrun, create) the process group and pick the device.
+
+    A plain `python scripts/train.py` gets a 1-process group on an in-memory
+    store, so every code path (FSDP2, DCP, collectives) is the same as under torchrun.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = world_size_from_env()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # gloo alongside NCCL for CPU-side collectives (checkpoint planning, barriers on CPU tensors).
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(seconds=timeout_seconds)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        else:
+            assert world_size == 1, "WORLD_SIZE > 1 without MASTER_ADDR: launch with torchrun"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_determinism(*, seed: int, deterministic: bool) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

@@ -1,0 +1,198 @@
+"""Throughput, MFU, memory and health metrics: console line, metrics.jsonl, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peak in FLOP/s, from the vendors' datasheets (SXM parts
+# unless named). MFU is model FLOPs / (time * this). FP8 runs are read against the
+# same bf16 peak, so an FP8 speedup shows up as MFU above what bf16 can reach.
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.5e12),
+    ("H200", 989.5e12),
+    ("H800", 989.5e12),
+    ("GH200", 989.5e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("MI300X", 1307e12),
+]
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """bf16 dense peak of this device, or None when unknown (CPU): MFU is then not reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    logger.warning("no bf16 peak known for %s: MFU will not be reported (add it to PEAK_BF16_FLOPS)", name)
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, float]:
+    """(peak allocated, peak reserved) in GiB since the last reset; CPU: peak RSS twice."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+    return rss, rss
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int  # tokens processed by this device in the interval
+    seconds: float  # wall time of the interval
+    steps_in_interval: int
+
+
+class MetricsLogger:
+    """Rank 0 writes; every rank may call (others do nothing)."""
+
+    def __init__(
+        self,
+        *,
+        dump_folder: str,
+        rank: int,
+        total_steps: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        device: torch.device,
+        enable_tensorboard: bool,
+        enable_jsonl: bool,
+        loss_spike_factor: float,
+        fp8_converted_fraction: float | None,
+    ):
+        self.rank = rank
+        self.total_steps = total_steps
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.device = device
+        self.loss_spike_factor = loss_spike_factor
+        self.fp8_converted_fraction = fp8_converted_fraction
+        self.running_loss: float | None = None
+        self.num_nonfinite = 0
+        self.num_loss_spikes = 0
+        self.start_time = time.perf_counter()
+        self.jsonl = None
+        self.tb = None
+        if rank != 0:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        if enable_jsonl:
+            self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a")
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"))
+
+    def record_nonfinite(self) -> None:
+        self.num_nonfinite += 1
+
+    def log(self, s: StepStats, *, first_step: int) -> dict:
+        """Compute derived values, print one line, append to jsonl and TensorBoard."""
+        tps = s.tokens / s.seconds if s.seconds > 0 else 0.0
+        tflops = tps * self.flops_per_token / 1e12
+        mfu = 100 * tps * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        mem_alloc, mem_reserved = peak_memory_gib(self.device)
+        spike = False
+        if math.isfinite(s.loss):
+            if self.running_loss is not None and s.loss > self.loss_spike_factor * self.running_loss:
+                spike = True
+                self.num_loss_spikes += 1
+            # EMA of logged losses; slow enough that a spike stands out against it.
+            self.running_loss = s.loss if self.running_loss is None else 0.9 * self.running_loss + 0.1 * s.loss
+        elapsed = time.perf_counter() - self.start_time
+        done = s.step - first_step + 1
+        eta = elapsed / done * (self.total_steps - s.step) if done > 0 else float("nan")
+        record = {
+            "step": s.step,
+            "loss": s.loss,
+            "grad_norm": s.grad_norm,
+            "lr": s.lr,
+            "tps": tps,
+            "tflops": tflops,
+            "mfu": mfu,
+            "step_time_s": s.seconds / max(1, s.steps_in_interval),
+            "memory_peak_gib": mem_alloc,
+            "memory_reserved_gib": mem_reserved,
+            "loss_spike": spike,
+            "nonfinite_count": self.num_nonfinite,
+            "elapsed_s": elapsed,
+        }
+        if self.fp8_converted_fraction is not None:
+            record["fp8_converted_fraction"] = self.fp8_converted_fraction
+        if self.rank != 0:
+            return record
+        mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
+        line = (
+            f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f} | grad_norm {s.grad_norm:7.3f} | "
+            f"lr {s.lr:.2e} | tps {tps:,.0f} | tflops {tflops:6.1f} | {mfu_text} | "
+            f"mem {mem_alloc:5.2f}/{mem_reserved:5.2f} GiB | eta {_fmt_duration(eta)}"
+        )
+        logger.info(line + ("  << LOSS SPIKE" if spike else ""))
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            scalars = {
+                "train/loss": s.loss,
+                "train/grad_norm": s.grad_norm,
+                "train/lr": s.lr,
+                "perf/tokens_per_second": tps,
+                "perf/tflops": tflops,
+                "perf/step_time_s": record["step_time_s"],
+                "memory/peak_gib": mem_alloc,
+                "memory/reserved_gib": mem_reserved,
+                "health/nonfinite_count": self.num_nonfinite,
+                "health/loss_spikes": self.num_loss_spikes,
+            }
+            if mfu is not None:
+                scalars["perf/mfu"] = mfu
+            if self.fp8_converted_fraction is not None:
+                scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, s.step)
+        return record
+
+    def add_scalars(self, scalars: dict[str, float], step: int) -> None:
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

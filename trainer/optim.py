@@ -1,0 +1,67 @@
+"""AdamW and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import nn
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    implementation: Literal["auto", "fused", "foreach", "for-loop"],
+    device: torch.device,
+) -> torch.optim.AdamW:
+    if implementation == "auto":
+        implementation = "fused" if device.type == "cuda" else "foreach"
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        fused=implementation == "fused",
+        foreach=implementation == "foreach",
+    )
+
+
+def lr_lambda(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_type: Literal["cosine", "linear", "wsd", "constant"],
+    min_lr_ratio: float,
+    wsd_decay_ratio: float,
+) -> float:
+    """LR multiplier for optimizer step `step` (0-based: the first step uses step=0).
+
+    Warmup reaches the peak at step warmup_steps - 1, so step 0 already trains
+    (lr = peak / warmup_steps) instead of wasting a step at lr 0.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_type == "constant":
+        return 1.0
+    if decay_type == "wsd":
+        decay_steps = max(1, int(total_steps * wsd_decay_ratio))
+        decay_start = max(warmup_steps, total_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = (step - decay_start) / max(1, total_steps - decay_start)
+        return 1.0 - (1.0 - min_lr_ratio) * min(progress, 1.0)
+    progress = min((step - warmup_steps) / max(1, total_steps - warmup_steps), 1.0)
+    if decay_type == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, **schedule) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, **schedule))

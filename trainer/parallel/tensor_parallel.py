@@ -1,0 +1,64 @@
+"""Tensor parallelism with sequence parallel norms and a vocabulary-parallel loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    """Megatron-style TP on every block; activations between blocks are sharded on the sequence dim.
+
+    Column-parallel q/k/v and gate/up, row-parallel o/down, so each block needs one
+    all-gather in and one reduce-scatter out per sublayer. With loss_parallel the
+    logits stay sharded over the vocabulary and the loss runs under
+    `torch.distributed.tensor.parallel.loss_parallel()`.
+    """
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output_head.proj": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        ),
+        "attention.q_proj": ColwiseParallel(),
+        "attention.k_proj": ColwiseParallel(),
+        "attention.v_proj": ColwiseParallel(),
+        "attention.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    args = model.args
+    tp = tp_mesh.size()
+    if args.n_heads % tp or args.n_kv_heads % tp:
+        raise ValueError(
+            f"distributed.tp={tp} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}"
+        )
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    # The rope cache is indexed by position; SP shards the sequence only between
+    # blocks, and attention sees the full (replicated) sequence, so it stays whole.
+    assert isinstance(model.rope, torch.Tensor)

@@ -1,0 +1,454 @@
+"""Profiler traces of a window of train steps, a kernel summary that says whether FP8 GEMMs ran,
+and CUDA memory snapshots. docs/debug.md says how to read what these write."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import gzip
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity
+
+_log = logging.getLogger(__name__)
+
+# The TensorBoard profiler plugin lists only files matching `<worker>[.<span>].pt.trace.json[.gz]`
+# (WORKER_PATTERN in pytorch/kineto tb_plugin/torch_tb_profiler/consts.py); Perfetto and
+# chrome://tracing read any name.
+TRACE_SUFFIX = ".pt.trace.json.gz"
+
+# Kernel/op names are classified by the first of these that matches (case-insensitive); the order
+# matters: NCCL kernel names contain "Reduce", and fused attention kernels contain "cutlass"/"wgmma".
+CATEGORY_PATTERNS: dict[str, re.Pattern[str]] = {
+    "communication": re.compile(
+        r"nccl|gloo|c10d::|record_param_comms|all_?gather|reduce_?scatter|all_?reduce|all_?to_?all"
+        r"|broadcast(?!_tensors)",
+        re.I,
+    ),
+    # cuDNN runs no convolutions in a transformer; here it is the cuDNN SDPA backend.
+    "attention": re.compile(r"flash|fmha|attention|attn|sdpa|cudnn", re.I),
+    # `mm` only as a word of its own (aten::mm, triton_tem_fused_mm_0, MmBackward0), not inside
+    # words like "comm" or "summary".
+    "gemm": re.compile(
+        r"gemm|gemv|matmul|addmm|bmm|scaled_(?:grouped_)?mm|(?<![a-z])mm(?=backward|[^a-z]|$)"
+        r"|cutlass|xmma|nvjet|cublas|wgmma",
+        re.I,
+    ),
+}
+CATEGORY_LABELS = {"gemm": "GEMM", "attention": "attention", "communication": "communication",
+                   "other": "elementwise/other"}
+
+# An FP8 GEMM is any op/kernel named like `scaled_mm` (aten::_scaled_mm, aten::_scaled_grouped_mm,
+# inductor's triton_tem_fused__scaled_mm_0), or a GEMM whose name carries an FP8 dtype:
+# cuBLASLt `sm90_xmma_gemm_e4m3bf16_e4m3f32_...`, cutlass `..._e4m3_e4m3_...`/`f8f8bf16`, and
+# cuBLAS 13 nvjet kernels, whose first letters after `nvjet_[smXX_]` are the operand types:
+# `nvjet_sm90_qqtst_...` has two e4m3 operands, `qrtst` one e5m2, while bf16 is
+# `nvjet_sm90_tst_...` (all seen on an H100 with torch 2.11+cu130). The dtype marker alone is not enough: the eager
+# cast kernel `float8_copy_kernel_cuda` runs even when the GEMM itself falls back to bf16.
+FP8_OP_PATTERN = re.compile(r"scaled_(?:grouped_)?mm", re.I)
+FP8_DTYPE_PATTERN = re.compile(r"e4m3|e5m2|fp8|float8|f8f8|_f8|qgmma|nvjet_(?:sm\d+_)?[qr]{2}", re.I)
+
+_STEP_MARKER = re.compile(r"ProfilerStep#(\d+)$")
+_TRACE_NAME = re.compile(r"rank\d+_step(\d+)-(\d+)\.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel summary: pure functions over Chrome-trace events, live or from a file.
+
+
+def classify(name: str) -> str:
+    """"gemm", "attention", "communication" or "other" for a kernel or op name."""
+    for category, pattern in CATEGORY_PATTERNS.items():
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def is_fp8_gemm(name: str) -> bool:
+    return bool(FP8_OP_PATTERN.search(name)) or (
+        classify(name) == "gemm" and bool(FP8_DTYPE_PATTERN.search(name))
+    )
+
+
+def load_trace_events(path: str) -> list[dict]:
+    """The complete ("X") events of a Chrome trace (.json or .json.gz) as dicts with name, cat,
+    ts and dur (microseconds), pid, tid and external_id (which links a kernel to its CPU op)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a readable Chrome trace: {e}") from e
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise ValueError(f"{path} is not a Chrome trace: it has no traceEvents")
+    return [
+        {"name": e["name"], "cat": e.get("cat", ""), "ts": float(e["ts"]), "dur": float(e["dur"]),
+         "pid": e.get("pid"), "tid": e.get("tid"),
+         "external_id": (e.get("args") or {}).get("External id")}
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and "dur" in e
+    ]
+
+
+def profiler_steps(events: list[dict]) -> list[int]:
+    """The step numbers of the ProfilerStep#N markers in a trace, sorted."""
+    return sorted({int(m.group(1)) for e in events if e["cat"] == "user_annotation"
+                   and (m := _STEP_MARKER.match(e["name"]))})
+
+
+def trace_steps(path: str, events: list[dict]) -> tuple[int, int] | None:
+    """First and last train step of a trace: from a rank{r}_step{a}-{b} file name, which
+    maybe_enable_profiling gives its traces (when a run ends inside the window, the trace also holds
+    a ProfilerStep#N marker for the step that never ran), else from its ProfilerStep#N markers."""
+    if m := _TRACE_NAME.match(os.path.basename(path)):
+        return int(m.group(1)), int(m.group(2))
+    marked = profiler_steps(events)
+    return (marked[0], marked[-1]) if marked else None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpStat:
+    name: str
+    category: str
+    calls: int
+    total_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSummary:
+    device: str
+    """"cuda": GPU kernel time; "cpu": self time of aten ops (a CPU trace has no kernels)."""
+    num_steps: int
+    steps: tuple[int, int] | None
+    """First and last train step in the trace; None when unknown."""
+    total_us: float
+    """Summed device time; on GPU, kernels on overlapping streams all count."""
+    wall_us: float
+    """First to last moment of the trace's steps and device events."""
+    busy_us: float
+    """Time during which at least one kernel (op) ran; wall - busy is launch gaps, syncs, input waits."""
+    category_us: dict[str, float]
+    ops: list[OpStat]
+    """Every kernel (op), by total time, largest first."""
+    num_gemm_calls: int
+    fp8_gemm_calls: int
+    fp8_gemm_names: list[str]
+
+    @property
+    def fp8_gemm_ran(self) -> bool:
+        return self.fp8_gemm_calls > 0
+
+    @property
+    def step_range(self) -> str:
+        return f"steps {self.steps[0]}-{self.steps[1]}" if self.steps else "the recorded steps"
+
+
+def _self_times(ops: list[dict]) -> list[float]:
+    """Each op's time minus that of the ops nested in it on its thread, so a microsecond counts
+    once, for the op doing the work (aten::addmm, not the aten::linear around it)."""
+    self_us = [e["dur"] for e in ops]
+    by_thread: dict[tuple, list[int]] = collections.defaultdict(list)
+    for i, e in enumerate(ops):
+        by_thread[(e["pid"], e["tid"])].append(i)
+    for indices in by_thread.values():
+        indices.sort(key=lambda i: (ops[i]["ts"], -ops[i]["dur"]))
+        stack: list[int] = []
+        for i in indices:
+            while stack and ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"] <= ops[i]["ts"]:
+                stack.pop()
+            if stack:
+                self_us[stack[-1]] -= ops[i]["dur"]
+            stack.append(i)
+    return [max(t, 0.0) for t in self_us]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def summarize_events(events: list[dict], *, num_steps: int,
+                     steps: tuple[int, int] | None = None) -> TraceSummary:
+    """Kernel summary of a trace's events (see load_trace_events for their keys); `steps` (first,
+    last) defaults to the trace's ProfilerStep#N markers."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps={num_steps} must be >= 1")
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    cpu_ops = [e for e in events if e["cat"] == "cpu_op"]
+    fp8_ids: set = set()
+    if kernels:
+        device, timed = "cuda", kernels
+        times = [e["dur"] for e in kernels]
+        # A kernel launched by aten::_scaled_mm is an FP8 GEMM whatever its name, so a cuBLAS
+        # naming scheme these patterns do not know yet still counts.
+        fp8_ids = {e["external_id"] for e in cpu_ops
+                   if e["external_id"] is not None and FP8_OP_PATTERN.search(e["name"])}
+    else:
+        device, timed = "cpu", cpu_ops
+        times = _self_times(cpu_ops)
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
+    fp8_calls: collections.Counter[str] = collections.Counter()
+    for e, t in zip(timed, times):
+        totals[e["name"]] += t
+        calls[e["name"]] += 1
+        if is_fp8_gemm(e["name"]) or (fp8_ids and e["external_id"] in fp8_ids):
+            fp8_calls[e["name"]] += 1
+    ops = sorted((OpStat(n, "gemm" if n in fp8_calls else classify(n), calls[n], t)
+                  for n, t in totals.items()),
+                 key=lambda s: -s.total_us)
+    category_us = dict.fromkeys(CATEGORY_LABELS, 0.0)
+    for s in ops:
+        category_us[s.category] += s.total_us
+
+    if steps is None and (marked := profiler_steps(events)):
+        steps = (marked[0], marked[-1])
+    markers = [e for e in events if e["cat"] == "user_annotation" and _STEP_MARKER.match(e["name"])]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in timed + markers]
+    # Nested CPU ops lie inside their parents, so the union over all of them is the top-level time.
+    busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed])
+    return TraceSummary(
+        device=device,
+        num_steps=num_steps,
+        steps=steps,
+        total_us=sum(times),
+        wall_us=(max(s for _, s in spans) - min(s for s, _ in spans)) if spans else 0.0,
+        busy_us=busy,
+        category_us=category_us,
+        ops=ops,
+        num_gemm_calls=sum(s.calls for s in ops if s.category == "gemm"),
+        fp8_gemm_calls=sum(fp8_calls.values()),
+        fp8_gemm_names=[n for n, _ in fp8_calls.most_common()],
+    )
+
+
+def _short(name: str, width: int) -> str:
+    name = name.removeprefix("void ")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def fp8_verdict(summary: TraceSummary) -> str:
+    if summary.fp8_gemm_ran:
+        names = ", ".join(_short(n, 70) for n in summary.fp8_gemm_names[:3])
+        more = ", ..." if len(summary.fp8_gemm_names) > 3 else ""
+        return f"FP8 GEMMs ran: yes ({summary.fp8_gemm_calls} calls: {names}{more})"
+    if summary.num_gemm_calls == 0:
+        return "FP8 GEMMs ran: no (no GEMM ran at all)"
+    return "FP8 GEMMs ran: no (only bf16/fp32 GEMMs)"
+
+
+def format_summary(summary: TraceSummary, *, top: int = 15) -> str:
+    """A compact table; the last line is the FP8 verdict."""
+    n = summary.num_steps
+    what = "GPU kernels" if summary.device == "cuda" else "aten ops' self time (no GPU kernels in this trace)"
+    total = summary.total_us or 1.0
+    idle = 1.0 - summary.busy_us / summary.wall_us if summary.wall_us else 0.0
+    lines = [
+        f"Kernel summary of {summary.step_range} ({n} step{'s' * (n != 1)}), timing {what}",
+        f"  device time {summary.total_us / n / 1e3:.2f} ms/step, wall {summary.wall_us / n / 1e3:.2f}"
+        f" ms/step, device idle {idle:.1%} of wall (launch gaps, host syncs, input waits)",
+        "  " + " | ".join(f"{CATEGORY_LABELS[c]} {t / total:.1%}" for c, t in summary.category_us.items()),
+        f"  {'ms/step':>9} {'calls/step':>10} {'share':>6}  {'category':<17}  name",
+    ]
+    for s in summary.ops[:top]:
+        lines.append(f"  {s.total_us / n / 1e3:9.3f} {s.calls / n:10.1f} {s.total_us / total:6.1%}"
+                     f"  {CATEGORY_LABELS[s.category]:<17}  {_short(s.name, 90)}")
+    lines.append(fp8_verdict(summary))
+    return "\n".join(lines)
+
+
+def fp8_warning(summary: TraceSummary) -> str | None:
+    """The warning for a run that asked for FP8 but ran no FP8 GEMM; None when FP8 GEMMs ran."""
+    if summary.fp8_gemm_ran:
+        return None
+    return (f"mixed_precision='fp8' but no FP8 GEMM kernel ran in {summary.step_range}: this run "
+            "trained in bf16. See docs/fp8.md#troubleshooting")
+
+
+# ---------------------------------------------------------------------------------------------
+# A profiler trace of train steps start_step..end_step.
+
+
+def _window_action(step: int, *, start_step: int, end_step: int) -> ProfilerAction:
+    """What the profiler does during train step `step`: warm up in the step before the window (so
+    the profiler's start-up cost lands there, not in the first recorded step), record the window,
+    and save the trace as its last step ends."""
+    if step == start_step - 1:
+        return ProfilerAction.WARMUP
+    if start_step <= step < end_step:
+        return ProfilerAction.RECORD
+    if step == end_step:
+        return ProfilerAction.RECORD_AND_SAVE
+    return ProfilerAction.NONE
+
+
+class _NoProfiler:
+    def step(self, step: int) -> None:
+        pass
+
+
+class _WindowProfiler:
+    def __init__(self, *, start_step: int, end_step: int, trace_dir: str, rank: int,
+                 record_shapes: bool, with_stack: bool, profile_memory: bool, expect_fp8: bool,
+                 log: logging.Logger):
+        self.start_step, self.end_step = start_step, end_step
+        self.trace_dir, self.rank, self.expect_fp8, self.log = trace_dir, rank, expect_fp8, log
+        self.first_step: int | None = None
+        self.recorded: list[int] = []
+        self.crashed = False
+        self.trace_path: str | None = None
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(
+            activities=activities,
+            # profile() asks for schedule(0) before any step has run, i.e. for the loop's step 1.
+            schedule=lambda step: _window_action(max(step, 1), start_step=start_step, end_step=end_step),
+            on_trace_ready=self._on_trace_ready,
+            record_shapes=record_shapes,
+            with_stack=with_stack,
+            profile_memory=profile_memory,
+        )
+        # profile counts its steps from 0; step() keeps that count equal to the train step about to
+        # run, so the schedule sees train steps and the trace's ProfilerStep#N markers are train steps.
+        self.prof.step_num = 1
+
+    def step(self, step: int) -> None:
+        """Call right after train step `step` (1-based) has finished."""
+        if self.first_step is None:
+            # Before this call the profiler assumed the loop began at step 1; a run resumed from a
+            # checkpoint began later, so its first step was profiled (or not) as step 1 would be.
+            self.first_step = step
+        if self.prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
+            self.recorded.append(step)
+        self.prof.step_num = step  # profile.step() moves on to step + 1 and asks the schedule for it
+        self.prof.step()
+
+    def _on_trace_ready(self, prof: torch.profiler.profile) -> None:
+        # Called as step end_step ends, or on exit with the window still open: then the trace also
+        # holds what ran after the last finished step, and the failing step if the run raised.
+        steps = self.recorded + ([prof.step_num] if self.crashed else [])
+        if not steps:
+            return
+        first, last = steps[0], steps[-1]
+        os.makedirs(self.trace_dir, exist_ok=True)
+        self.trace_path = os.path.join(self.trace_dir, f"rank{self.rank}_step{first}-{last}{TRACE_SUFFIX}")
+        prof.export_chrome_trace(self.trace_path)
+        if self.crashed or (first, last) != (self.start_step, self.end_step):
+            why = (f"; the run failed during step {last}, which is incomplete" if self.crashed
+                   else f" only: the run ended after step {last}" if last < self.end_step
+                   else f" only: the run resumed at step {self.first_step}")
+            self.log.warning(f"profiler trace of window {self.start_step}-{self.end_step} holds steps "
+                             f"{first}-{last}{why}")
+        self.log.info(f"Profiler trace of steps {first}-{last} written to {self.trace_path} "
+                      "(open it in https://ui.perfetto.dev)")
+        if self.rank != 0:
+            return
+        # Summarize the file just written, not prof.events(): the live summary and
+        # scripts/summarize_trace.py then read the same events the same way.
+        summary = summarize_events(load_trace_events(self.trace_path), num_steps=len(steps),
+                                   steps=(first, last))
+        text = format_summary(summary)
+        with open(os.path.join(self.trace_dir, f"summary_step{first}-{last}.txt"), "w") as f:
+            f.write(text + "\n")
+        self.log.info(text)
+        if self.expect_fp8 and (warning := fp8_warning(summary)):
+            bar = "!" * 100
+            self.log.warning(f"\n{bar}\n{warning}\n{bar}")
+
+
+@contextlib.contextmanager
+def maybe_enable_profiling(*, enable: bool, start_step: int, end_step: int, trace_dir: str, rank: int,
+                           record_shapes: bool, with_stack: bool, profile_memory: bool,
+                           expect_fp8: bool, logger: logging.Logger | None = None) -> Iterator:
+    """Yields an object whose step(step) the loop calls right after each train step (1, 2, ...).
+
+    When enabled, train steps start_step..end_step are traced into
+    trace_dir/rank{rank}_step{start}-{end}.pt.trace.json.gz, and rank 0 writes the kernel summary
+    to trace_dir/summary_step{start}-{end}.txt and logs it (with a warning block when expect_fp8
+    and no FP8 GEMM ran). A run that ends inside the window still writes what was recorded.
+    """
+    if start_step < 1:
+        raise ValueError(f"profiling.start_step={start_step} must be >= 1 (train steps count from 1)")
+    if end_step < start_step:
+        raise ValueError(f"profiling.end_step={end_step} is before profiling.start_step={start_step}")
+    if not enable:
+        yield _NoProfiler()
+        return
+    log = logger or _log
+    window = _WindowProfiler(start_step=start_step, end_step=end_step, trace_dir=trace_dir, rank=rank,
+                             record_shapes=record_shapes, with_stack=with_stack,
+                             profile_memory=profile_memory, expect_fp8=expect_fp8, log=log)
+    log.info(f"Profiling steps {start_step}-{end_step} into {trace_dir} (record_shapes={record_shapes}, "
+             f"with_stack={with_stack}, profile_memory={profile_memory})")
+    try:
+        with window.prof:
+            try:
+                yield window
+            except BaseException:
+                window.crashed = True
+                raise
+    finally:
+        if window.trace_path is None:
+            why = (f"the run started at step {window.first_step}, after it"
+                   if window.first_step is not None and window.first_step > end_step
+                   else "the run ended before it finished a step of it")
+            log.warning(f"No profiler trace written for profiling window {start_step}-{end_step}: {why}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA memory snapshots.
+
+
+class _NoMemoryRecorder:
+    def dump(self, tag: str) -> str | None:
+        return None
+
+
+class _MemoryRecorder:
+    def __init__(self, *, snapshot_dir: str, rank: int):
+        self.snapshot_dir, self.rank = snapshot_dir, rank
+
+    def dump(self, tag: str) -> str:
+        """Write the allocator history so far to snapshot_dir/rank{rank}_{tag}.pickle."""
+        os.makedirs(self.snapshot_dir, exist_ok=True)
+        path = os.path.join(self.snapshot_dir, f"rank{self.rank}_{tag}.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        return path
+
+
+@contextlib.contextmanager
+def maybe_record_memory_history(*, enable: bool, snapshot_dir: str, rank: int) -> Iterator:
+    """Records the CUDA allocator's history; yields an object whose dump(tag) writes a snapshot
+    (None when not recording). An OOM inside dumps `oom` and re-raises with the file's path."""
+    if not enable:
+        yield _NoMemoryRecorder()
+        return
+    if not torch.cuda.is_available():
+        _log.warning("profiling.memory_snapshot=true needs CUDA: this run records no memory snapshot")
+        yield _NoMemoryRecorder()
+        return
+    recorder = _MemoryRecorder(snapshot_dir=snapshot_dir, rank=rank)
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    _log.info(f"Recording CUDA allocator history for memory snapshots in {snapshot_dir}")
+    try:
+        yield recorder
+    except torch.cuda.OutOfMemoryError as e:
+        path = recorder.dump("oom")
+        raise torch.cuda.OutOfMemoryError(
+            f"rank {rank} ran out of CUDA memory; allocator snapshot written to {path}: open it at "
+            f"https://pytorch.org/memory_viz and see docs/debug.md#out-of-memory\n{e}"
+        ) from e
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

@@ -1,0 +1,263 @@
+"""The training loop. `scripts/train.py` parses the config and calls `train(cfg)`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trainer.config import JobConfig
+from trainer.data import build_data_loader
+from trainer.distributed import DistEnv, destroy_distributed, init_distributed, set_determinism, world_size_from_env
+from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
+from trainer.models import Llama, flops_per_token, model_args_for, num_params
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.parallel import ParallelDims, build_parallel_model
+from trainer.parallel.float8 import precompute_float8_scales
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/inf loss or gradient norm with train.on_nonfinite='stop'."""
+
+
+@dataclass
+class TrainState:
+    """Everything besides model/optimizer/scheduler/data that a resume needs."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)  # logged losses, for tests and summaries
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (bf16/fp8 need none).
+
+    Works on DTensor gradients, unlike torch.amp.GradScaler with FSDP2.
+    """
+
+    def __init__(self, *, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self._good_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale /= 2
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0:
+            self.scale *= 2
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], *, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
+    """True global L2 norm over all gradients (DTensors on any mesh) and optional clipping.
+
+    `unscale` divides gradients first (fp16 loss scaling). Returns the norm of the
+    unscaled gradients as a plain tensor, identical on every rank.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if unscale != 1.0:
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], 1.0 / unscale)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        # Partial over sharded mesh axes: full_tensor() all-reduces the squared sums.
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t, d = cfg.train, cfg.distributed
+        # Everything a user can get wrong is checked before the process group or any tensor exists.
+        self.parallel_dims = ParallelDims(
+            dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, world_size=world_size_from_env(),
+            ep=d.ep, pp=d.pp, cp=d.cp,
+        )
+        self.model_args = model_args_for(
+            cfg.model.flavor, vocab_size=cfg.model.vocab_size, n_layers=cfg.model.n_layers, max_seq_len=t.seq_len
+        )
+        self.env: DistEnv = init_distributed(timeout_seconds=d.init_timeout_seconds)
+        self.device = self.env.device
+        set_determinism(seed=t.seed, deterministic=t.deterministic)
+        self.mesh, self.dp_mesh = self.parallel_dims.build_mesh(self.device.type)
+        logger.info("parallelism: %s on %s", self.parallel_dims.summary, self.device)
+
+        self.data_loader = build_data_loader(
+            source=cfg.data.source, path=cfg.data.path, tokenizer=cfg.data.tokenizer, seed=cfg.data.seed,
+            shuffle=cfg.data.shuffle, seq_len=t.seq_len, batch_size=t.batch_size,
+            grad_accum_steps=t.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
+            dp_degree=self.parallel_dims.dp, vocab_size=self.model_args.vocab_size,
+        )
+
+        self.model, self.float8 = self._build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optimizer
+        self.optimizer = build_optimizer(
+            self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+            implementation=o.implementation, device=self.device,
+        )
+        s = cfg.scheduler
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps, decay_type=s.decay_type,
+            min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,
+        )
+        self.scaler = LossScaler(enabled=t.mixed_precision == "fp16")
+        self.precompute_fp8_scales = bool(
+            self.float8 and self.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
+        )
+        self.state = TrainState()
+        self.metrics = MetricsLogger(
+            dump_folder=cfg.job.dump_folder, rank=self.env.rank, total_steps=t.steps,
+            flops_per_token=flops_per_token(self.model_args, t.seq_len), peak_flops=device_peak_flops(self.device),
+            device=self.device, enable_tensorboard=cfg.metrics.enable_tensorboard,
+            enable_jsonl=cfg.metrics.enable_jsonl, loss_spike_factor=cfg.metrics.loss_spike_factor,
+            fp8_converted_fraction=self.float8.converted_fraction if self.float8 else None,
+        )
+        self.stop_requested = False
+
+    def _build_model(self):
+        cfg, args = self.cfg, self.model_args
+        with torch.device("meta"):
+            model = Llama(args)
+        logger.info(
+            "model: llama3 %s, %s parameters (%s non-embedding), dim=%d, layers=%d, heads=%d/%d kv, vocab=%d",
+            cfg.model.flavor, f"{num_params(model):,}", f"{num_params(model, exclude_embeddings=True):,}",
+            args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
+        )
+        built = build_parallel_model(model, cfg, self.parallel_dims, self.mesh, self.device)
+        # Materialize only this rank's shards, then fill them as if the model were whole.
+        model.to_empty(device=self.device)
+        model.init_weights(seed=cfg.train.seed)
+        model.train()
+        return model, built.float8
+
+    # -- one step ------------------------------------------------------------
+
+    def loss_context(self):
+        if self.parallel_dims.tp > 1 and self.cfg.distributed.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, float]:
+        """Forward/backward over the microbatches and one optimizer step.
+
+        Returns (this rank's mean loss as a device tensor, global grad norm).
+        """
+        n = len(microbatches)
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            with self.loss_context():
+                loss = self.model(inputs, labels)
+                # Every microbatch has the same number of tokens, so the mean of the
+                # microbatch means is the mean over the whole global batch.
+                (loss * (self.scaler.scale / n)).backward()
+            loss_sum += loss.detach()
+        norm = clip_grad_norm(self.params, max_norm=self.cfg.train.max_norm, unscale=self.scaler.scale)
+        # note: a CPU-GPU sync point; the norm is global, so every rank takes the same branch.
+        grad_norm = norm.item()
+        finite = math.isfinite(grad_norm)
+        self.scaler.update(finite)
+        if finite:
+            self.optimizer.step()
+            if self.precompute_fp8_scales:
+                precompute_float8_scales(self.model)
+        elif self.scaler.enabled:
+            logger.warning("step %d: fp16 overflow, skipping the step; loss scale now %g", self.state.step + 1,
+                           self.scaler.scale)
+        else:
+            self.metrics.record_nonfinite()
+            local_loss = (loss_sum / n).item()
+            message = (
+                f"non-finite loss or gradient at step {self.state.step + 1} "
+                f"(loss={local_loss}, grad_norm={grad_norm})"
+            )
+            if self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    message + ": stopping. Lower optimizer.lr or raise scheduler.warmup_steps, "
+                    "or set train.on_nonfinite='skip' to skip such steps (see docs/debug.md)"
+                )
+            logger.warning("%s: skipping this optimizer step (train.on_nonfinite='skip')", message)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_sum / n, grad_norm
+
+    # -- the loop ------------------------------------------------------------
+
+    def _request_stop(self, signum, frame) -> None:
+        logger.warning("received %s: stopping after this step", signal.Signals(signum).name)
+        self.stop_requested = True
+
+    def run(self) -> TrainState:
+        cfg, t = self.cfg, self.cfg.train
+        Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
+        if self.env.rank == 0:
+            (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
+        previous = signal.signal(signal.SIGTERM, self._request_stop)
+        first_step = self.state.step + 1
+        interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+        local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp // self.env.world_size
+        try:
+            while self.state.step < t.steps and not self.stop_requested:
+                lr = self.scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step(self.data_loader.next_batch())
+                self.state.step += 1
+                interval_steps += 1
+                interval_tokens += local_tokens
+                step = self.state.step
+                if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps:
+                    # Mean over data-parallel ranks (TP ranks hold the same loss).
+                    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+                    loss_value = loss.item()
+                    self.state.losses.append(loss_value)
+                    self.metrics.log(
+                        StepStats(step=step, loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=interval_tokens,
+                                  seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps),
+                        first_step=first_step,
+                    )
+                    interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        logger.info("training finished at step %d", self.state.step)
+        return self.state
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def train(cfg: JobConfig) -> TrainState:
+    """Build everything, train, and always tear down (writers, process group)."""
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        return trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_distributed()
