@@ -196,7 +196,7 @@ class ProfilingSection:
     end_step: int = 5
     """Last profiled step (inclusive)."""
     trace_dir: str = "profiler_traces/trace"
-    """Where traces (rank{r}_step{a}-{b}.json.gz) and the kernel summary go."""
+    """Where traces (rank{r}_step{a}-{b}.pt.trace.json.gz), the kernel summary and memory snapshots go."""
     record_shapes: bool = False
     """Record operator input shapes."""
     with_stack: bool = False

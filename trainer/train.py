@@ -22,7 +22,8 @@ from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
 from trainer.models import Llama, flops_per_token, model_args_for, num_params
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallel import ParallelDims, build_parallel_model
-from trainer.parallel.float8 import precompute_float8_scales
+from trainer.parallel.float8 import float8_weight_stats, precompute_float8_scales
+from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 
 logger = logging.getLogger(__name__)
 
@@ -220,32 +221,52 @@ class Trainer:
         if self.env.rank == 0:
             (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
         previous = signal.signal(signal.SIGTERM, self._request_stop)
-        first_step = self.state.step + 1
-        interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
-        local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp // self.env.world_size
+        p = cfg.profiling
+        profiling = maybe_enable_profiling(
+            enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=p.trace_dir,
+            rank=self.env.rank, record_shapes=p.record_shapes, with_stack=p.with_stack,
+            profile_memory=p.profile_memory, expect_fp8=cfg.is_fp8 and not cfg.float8.emulate,
+        )
+        memory = maybe_record_memory_history(
+            enable=p.memory_snapshot, snapshot_dir=str(Path(p.trace_dir) / "memory_snapshot"), rank=self.env.rank
+        )
         try:
-            while self.state.step < t.steps and not self.stop_requested:
-                lr = self.scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step(self.data_loader.next_batch())
-                self.state.step += 1
-                interval_steps += 1
-                interval_tokens += local_tokens
-                step = self.state.step
-                if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps:
-                    # Mean over data-parallel ranks (TP ranks hold the same loss).
-                    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
-                    loss_value = loss.item()
-                    self.state.losses.append(loss_value)
-                    self.metrics.log(
-                        StepStats(step=step, loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=interval_tokens,
-                                  seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps),
-                        first_step=first_step,
-                    )
-                    interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+            with profiling as profiler, memory as memory_recorder:
+                self._loop(profiler, memory_recorder)
         finally:
             signal.signal(signal.SIGTERM, previous)
         logger.info("training finished at step %d", self.state.step)
         return self.state
+
+    def _loop(self, profiler, memory_recorder) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        first_step = self.state.step + 1
+        interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+        # Tokens this device processes per step (TP ranks share their dp rank's tokens).
+        local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
+        while self.state.step < t.steps and not self.stop_requested:
+            lr = self.scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(self.data_loader.next_batch())
+            self.state.step += 1
+            step = self.state.step
+            interval_steps += 1
+            interval_tokens += local_tokens
+            profiler.step(step)
+            if step == cfg.profiling.end_step:
+                memory_recorder.dump(f"step{step}")
+            if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps:
+                # Mean over data-parallel ranks (TP ranks hold the same loss).
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+                loss_value = loss.item()
+                self.state.losses.append(loss_value)
+                self.metrics.log(
+                    StepStats(step=step, loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=int(interval_tokens),
+                              seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps),
+                    first_step=first_step,
+                )
+                interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
+            if self.float8 and self.float8.enabled and cfg.metrics.fp8_stats_freq and step % cfg.metrics.fp8_stats_freq == 0:
+                self.metrics.add_scalars(float8_weight_stats(self.model), step)
 
     def close(self) -> None:
         self.metrics.close()

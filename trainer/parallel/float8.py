@@ -196,3 +196,24 @@ def precompute_float8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def float8_weight_stats(model: nn.Module) -> dict[str, float]:
+    """Per converted layer: weight amax and the tensorwise e4m3 scale it implies.
+
+    A tiny amax (scale near its upper range) means small weights lose precision to
+    underflow; a growing amax shows outliers building up. For TensorBoard.
+    """
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    stats: dict[str, float] = {}
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, Float8Linear):
+            weight = mod.weight.full_tensor() if isinstance(mod.weight, DTensor) else mod.weight
+            amax = weight.detach().abs().max().float().item()
+            name = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            stats[f"fp8/weight_amax/{name}"] = amax
+            stats[f"fp8/weight_scale/{name}"] = fp8_max / max(amax, 1e-12)
+    return stats
