@@ -179,7 +179,9 @@ class Trainer:
                 # Every microbatch has the same number of tokens, so the mean of the
                 # microbatch means is the mean over the whole global batch.
                 (loss * (self.scaler.scale / n)).backward()
-            loss_sum += loss.detach()
+            loss = loss.detach()
+            # Under loss parallel the loss is a replicated DTensor.
+            loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
         norm = clip_grad_norm(self.params, max_norm=self.cfg.train.max_norm, unscale=self.scaler.scale)
         # note: a CPU-GPU sync point; the norm is global, so every rank takes the same branch.
         grad_norm = norm.item()

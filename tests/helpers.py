@@ -1,0 +1,54 @@
+"""Run the real trainer in subprocesses (1 process or torchrun) and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "scripts" / "train.py")
+DEBUG_CONFIG = str(REPO / "configs" / "train" / "debug_model.toml")
+
+# Small, fp32 and deterministic: comparisons across layouts hold to fp32 rounding.
+FAST = [
+    "--config", DEBUG_CONFIG,
+    "--train.seq_len=64",
+    "--train.mixed_precision=fp32",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = "1"  # 2-4 processes on a 2-core machine
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("/tmp") / "trainer_inductor_cache"))
+    return e
+
+
+def launch(args: list[str], *, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, TRAIN, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+
+
+def train(args: list[str], dump: Path, *, nproc: int = 1) -> list[dict]:
+    """Run training; return the metrics.jsonl records. Fails the test with the output on error."""
+    proc = launch([*args, f"--job.dump_folder={dump}"], nproc=nproc)
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return read_metrics(dump)
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+
+
+def column(records: list[dict], key: str) -> list[float]:
+    return [r[key] for r in records]

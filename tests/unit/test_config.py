@@ -1,0 +1,134 @@
+"""Config loading, overrides, validation errors, shipped configs and the generated reference."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, launch
+from trainer.config import _SECTIONS, ConfigError, JobConfig, config_markdown, field_docs, load_job_config
+
+CONFIGS = sorted((REPO / "configs" / "train").glob("*.toml"))
+
+
+def test_defaults_toml_and_cli_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[train]\nsteps = 7\nbatch_size = 3\n[float8]\nexclude_fqns = ["output_head.proj"]\n')
+    cfg = load_job_config(["--config", str(toml), "--train.steps=9", "--optimizer.lr", "0.5"])
+    assert cfg.train.steps == 9  # CLI beats TOML
+    assert cfg.train.batch_size == 3  # TOML beats default
+    assert cfg.train.seq_len == 256  # default
+    assert cfg.optimizer.lr == 0.5  # space-separated form
+    assert cfg.float8.exclude_fqns == ["output_head.proj"]
+    cfg = load_job_config(["--float8.exclude_fqns=a.b,c", "--train.compile_model=true", "--train.max_norm=2"])
+    assert cfg.float8.exclude_fqns == ["a.b", "c"]
+    assert cfg.train.compile_model is True and cfg.train.max_norm == 2.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train.mixed_precision=FP8"], "train.mixed_precision='FP8' is not one of 'fp32', 'fp16', 'bf16', 'fp8'"),
+        (["--train.mixed_precision=float8"], "train.mixed_precision='float8' is not one of"),
+        (["--train.bach_size=2"], "unknown key [train].bach_size (did you mean batch_size?)"),
+        (["--trian.steps=2"], "unknown section [trian] (did you mean train?)"),
+        (["--train.steps=ten"], "train.steps='ten' must be an integer"),
+        (["--train.compile_model=maybe"], "train.compile_model='maybe' must be true or false"),
+        (["--train.batch_size=0"], "train.batch_size=0 must be >= 1"),
+        (["--distributed.dp_shard=0"], "distributed.dp_shard=0 must be >= 1, or -1"),
+        (["--data.source=shards"], "data.source='shards' needs data.path"),
+        (["--float8.recipe=rowwise"], "float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise'"),
+        (["--profiling.enable=true", "--profiling.start_step=5", "--profiling.end_step=3"], "profiling window"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--train.steps"], "--train.steps needs a value"),
+        (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+    ],
+)
+def test_bad_values_name_the_key(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_job_config(args)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_toml_type_errors(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[train]\nsteps = "10"\n')
+    with pytest.raises(ConfigError, match=r"train.steps='10' must be an integer"):
+        load_job_config(["--config", str(toml)])
+    toml.write_text("[train]\nlearning_rate = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown key \[train\].learning_rate"):
+        load_job_config(["--config", str(toml)])
+    toml.write_text("steps = 1\n")
+    with pytest.raises(ConfigError, match="must be a \\[section\\]"):
+        load_job_config(["--config", str(toml)])
+    toml.write_text("[train\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_job_config(["--config", str(toml)])
+
+
+def test_fp8_with_tp_is_rejected_by_post_init() -> None:
+    cfg = load_job_config(["--train.mixed_precision=bf16", "--distributed.tp=2"])
+    assert not cfg.is_fp8 and not cfg.train.is_fp8
+    with pytest.raises(ValueError) as e:
+        JobConfig(train=dataclasses.replace(cfg.train, mixed_precision="fp8"), distributed=cfg.distributed)
+    assert str(e.value).startswith("FP8 + Tensor Parallelism is not yet supported")
+    assert "distributed.tp=1" in str(e.value)  # says what to do instead
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path: Path) -> None:
+    cfg = load_job_config(["--config", str(path)])
+    # The resolved config (saved as TOML in the dump folder) loads back to the same config.
+    again = load_job_config(["--config", str(_write(cfg.to_toml()))])
+    assert again == cfg
+
+
+def _write(text: str) -> Path:
+    import tempfile
+
+    f = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+    f.write(text)
+    f.close()
+    return Path(f.name)
+
+
+def test_fp8_reference_recipe() -> None:
+    cfg = load_job_config(["--config", str(REPO / "configs/train/7b_16gpu_fp8.toml")])
+    assert cfg.is_fp8 and cfg.model.flavor == "8b"
+    assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 2)
+    assert cfg.train.activation_checkpointing == "full" and cfg.train.compile_model
+    assert cfg.distributed.dp_shard == -1 and cfg.distributed.tp == 1
+
+
+def test_every_field_has_a_docstring() -> None:
+    for name, cls in _SECTIONS.items():
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"[{name}] fields without a docstring: {missing}"
+
+
+def test_config_reference_is_current() -> None:
+    current = (REPO / "docs" / "config.md").read_text()
+    assert current == config_markdown(), "docs/config.md is stale: run python -m trainer.config --markdown > docs/config.md"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train.mixed_precision=FP8"], "config error: train.mixed_precision='FP8' is not one of"),
+        (["--train.bach_size=2"], "config error: unknown key [train].bach_size (did you mean batch_size?)"),
+        (
+            ["--config", str(REPO / "configs/train/7b_16gpu_fp8.toml"), "--distributed.tp=2"],
+            "config error: FP8 + Tensor Parallelism is not yet supported",
+        ),
+    ],
+)
+def test_cli_prints_one_line_and_exits_nonzero(args: list[str], message: str) -> None:
+    proc = launch(args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1

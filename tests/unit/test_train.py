@@ -1,0 +1,102 @@
+"""End-to-end runs of the debug config, the LR schedule, and non-finite handling."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DEBUG_CONFIG, column, launch, train
+from trainer.config import load_job_config
+from trainer.distributed import destroy_distributed
+from trainer.optim import lr_lambda
+from trainer.train import NonFiniteError, Trainer
+
+
+def test_debug_run_learns_and_writes_metrics(tmp_path: Path) -> None:
+    proc = launch(["--config", DEBUG_CONFIG, "--train.steps=30", f"--job.dump_folder={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from tests.helpers import read_metrics
+
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 5, 10, 15, 20, 25, 30]
+    for key in ("step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_peak_gib"):
+        assert key in records[0]
+    losses = column(records, "loss")
+    assert losses[0] == pytest.approx(math.log(512), rel=0.1)  # starts near uniform over the vocab
+    assert losses[-1] < losses[0] - 2.5  # byte-level text is learnable fast
+    assert all(r["tps"] > 0 for r in records)
+    assert records[0]["mfu"] is None  # no known peak on CPU
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    saved = load_job_config(["--config", str(tmp_path / "config.toml")])
+    assert saved.train.steps == 30 and saved.job.dump_folder == str(tmp_path)
+    assert "step     30/30" in proc.stdout
+
+
+def test_tensorboard_has_the_scalars(tmp_path: Path) -> None:
+    train(["--config", DEBUG_CONFIG, "--train.steps=2", "--train.seq_len=32", "--metrics.log_freq=1"], tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_second", "memory/peak_gib"} <= tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_precisions_train(precision: str, tmp_path: Path) -> None:
+    records = train(["--config", DEBUG_CONFIG, "--train.steps=12", "--train.seq_len=64",
+                     f"--train.mixed_precision={precision}", "--metrics.log_freq=1"], tmp_path)
+    losses = column(records, "loss")
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_lr_schedule_shapes() -> None:
+    common = dict(warmup_steps=4, total_steps=20, min_lr_ratio=0.1, wsd_decay_ratio=0.25)
+    cos = [lr_lambda(s, decay_type="cosine", **common) for s in range(20)]
+    assert cos[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert cos[4] == 1.0 and cos[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
+    assert all(a >= b for a, b in zip(cos[4:], cos[5:]))
+    lin = [lr_lambda(s, decay_type="linear", **common) for s in range(21)]
+    assert lin[20] == pytest.approx(0.1) and lin[12] == pytest.approx(1 - 0.9 * 0.5)
+    wsd = [lr_lambda(s, decay_type="wsd", **common) for s in range(21)]
+    assert wsd[4:15] == [1.0] * 11 and wsd[20] == pytest.approx(0.1) and 0.1 < wsd[17] < 1.0
+    assert lr_lambda(100, decay_type="constant", **common) == 1.0
+
+
+def _trainer_with_nan(tmp_path: Path, on_nonfinite: str) -> Trainer:
+    cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.steps=3", "--train.seq_len=32", "--metrics.log_freq=1",
+                           f"--train.on_nonfinite={on_nonfinite}", f"--job.dump_folder={tmp_path}",
+                           "--metrics.enable_tensorboard=false"])
+    trainer = Trainer(cfg)
+    weight = trainer.model.layers["1"].mlp.up_proj.weight
+    with torch.no_grad():
+        weight.to_local()[0, 0] = float("nan")
+    return trainer
+
+
+def test_nonfinite_stops_naming_the_step(tmp_path: Path) -> None:
+    trainer = _trainer_with_nan(tmp_path, "stop")
+    try:
+        with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient at step 1 .*train.on_nonfinite='skip'"):
+            trainer.run()
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+
+def test_nonfinite_skip_counts_and_keeps_weights(tmp_path: Path) -> None:
+    trainer = _trainer_with_nan(tmp_path, "skip")
+    try:
+        before = trainer.model.tok_embeddings.weight.to_local().clone()
+        trainer.run()
+        # Every step was skipped: no optimizer update reached the weights.
+        assert torch.equal(before, trainer.model.tok_embeddings.weight.to_local())
+        assert trainer.metrics.num_nonfinite == 3
+    finally:
+        trainer.close()
+        destroy_distributed()
