@@ -33,7 +33,9 @@ def main(argv: list[str]) -> int:
         # User-facing errors (bad data, bad parallel degrees, FP8 unavailable with
         # float8.require, non-finite loss) are raised with one-line messages.
         if type(e).__module__.startswith(("trainer", "builtins")):
-            print(f"error (rank {rank}): {e}", file=sys.stderr)
+            # One line per node, not one per rank: every rank usually hits the same error.
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                print(f"error (rank {rank}): {e}", file=sys.stderr)
             return 1
         raise
     except KeyboardInterrupt:

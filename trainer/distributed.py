@@ -50,8 +50,13 @@ def init_distributed(*, timeout_seconds: int) -> DistEnv:
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(*, barrier: bool = True) -> None:
+    """Tear down the process group. The barrier (skipped on error paths, where a peer
+    may be gone) keeps a rank from destroying gloo while a peer still talks to it,
+    which otherwise aborts at exit ("terminate called without an active exception")."""
     if dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

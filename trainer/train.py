@@ -276,11 +276,13 @@ class Trainer:
 
 def train(cfg: JobConfig) -> TrainState:
     """Build everything, train, and always tear down (writers, process group)."""
-    trainer = None
+    trainer, ok = None, False
     try:
         trainer = Trainer(cfg)
-        return trainer.run()
+        state = trainer.run()
+        ok = True
+        return state
     finally:
         if trainer is not None:
             trainer.close()
-        destroy_distributed()
+        destroy_distributed(barrier=ok)
