@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
 from trainer.distributed import DistEnv, destroy_distributed, init_distributed, set_determinism, world_size_from_env
@@ -38,12 +39,15 @@ class TrainState:
 
     step: int = 0
     losses: list[float] = field(default_factory=list)  # logged losses, for tests and summaries
+    mixed_precision: str = ""  # this run's train.mixed_precision, saved so a resume can say what changed
+    resumed_mixed_precision: str = ""  # what the loaded checkpoint was written with ("" = not resumed)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"step": self.step, "mixed_precision": self.mixed_precision}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
+        self.resumed_mixed_precision = str(sd.get("mixed_precision", ""))
 
 
 class LossScaler:
@@ -138,6 +142,19 @@ class Trainer:
             fp8_converted_fraction=self.float8.converted_fraction if self.float8 else None,
         )
         self.stop_requested = False
+
+        # Last: it needs every stateful piece, and resuming overwrites their fresh state.
+        self.state.mixed_precision = t.mixed_precision
+        pd = self.parallel_dims
+        self.checkpoint = CheckpointManager(
+            cfg.checkpoint, dump_folder=cfg.job.dump_folder,
+            state=CheckpointState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                  data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler),
+            run=RunInfo(flavor=cfg.model.flavor, model_args=self.model_args, mixed_precision=t.mixed_precision,
+                        layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
+                                "world_size": self.env.world_size}),
+        )
+        self.checkpoint.resume()
 
     def _build_model(self):
         cfg, args = self.cfg, self.model_args
@@ -269,9 +286,13 @@ class Trainer:
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
             if self.float8 and self.float8.enabled and cfg.metrics.fp8_stats_freq and step % cfg.metrics.fp8_stats_freq == 0:
                 self.metrics.add_scalars(float8_weight_stats(self.model), step)
+            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=self.stop_requested)
 
     def close(self) -> None:
-        self.metrics.close()
+        try:
+            self.checkpoint.close()  # a background save completes (or fails loudly) before exit
+        finally:
+            self.metrics.close()
 
 
 def train(cfg: JobConfig) -> TrainState:

@@ -1,0 +1,165 @@
+"""FP8 conversion: which Linears convert, loud guards, the log lines, and numerics vs bf16."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import DEBUG_CONFIG, column, launch, train
+from trainer.models import FLAVORS, Llama
+from trainer.parallel.float8 import TP_MESSAGE, apply_float8, select_float8_linears
+
+CPU = torch.device("cpu")
+DENSE_PROJ = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def debug_model() -> Llama:
+    model = Llama(FLAVORS["debug"])
+    model.init_weights(seed=0)
+    return model
+
+
+class ToyMoEBlock(nn.Module):
+    """Dense attention plus MoE modules named the way MoE models name them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self.attention, name, nn.Linear(64, 64, bias=False))
+        self.moe = nn.Module()
+        self.moe.router = nn.Linear(64, 8, bias=False)
+        self.moe.experts = nn.ModuleList(nn.Linear(64, 128, bias=False) for _ in range(2))
+        self.moe.shared_expert = nn.Module()
+        self.moe.shared_expert.up_proj = nn.Linear(64, 128, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(64, 128, bias=False)
+
+
+def fp8(model: nn.Module, **kw):
+    args = dict(recipe="tensorwise", enable_fsdp_float8_all_gather=True, exclude_fqns=[], emulate=False,
+                require=False, device=CPU)
+    args.update(kw)
+    return apply_float8(model, **args)
+
+
+def test_dense_model_converts_every_projection_and_the_head(caplog) -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = debug_model()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        report = fp8(model)
+    n = FLAVORS["debug"].n_layers
+    expected = {f"layers.{i}.{p}" for i in range(n) for p in DENSE_PROJ} | {"output_head.proj"}
+    assert set(report.converted) == expected
+    converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == expected
+    messages = [r.getMessage() for r in caplog.records]
+    assert "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=True" in messages
+    assert f"converted {len(expected)}/{len(expected)} Linear layers; excluded: none" in messages
+    assert report.converted_fraction == 1.0
+
+
+def test_moe_experts_router_and_shared_experts_stay_bf16() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": ToyMoEBlock(), "1": ToyMoEBlock()})
+    converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=[])
+    assert num_linear == 2 * 9
+    assert set(converted) == {f"layers.{i}.attention.{p}_proj" for i in (0, 1) for p in "qkvo"} | {
+        "layers.0.mlp.gate_proj", "layers.1.mlp.gate_proj"}
+    assert excluded["layers.0.moe.router"] == "MoE expert/router"
+    assert excluded["layers.1.moe.experts.1"] == "MoE expert/router"
+    assert excluded["layers.0.moe.shared_expert.up_proj"] == "MoE expert/router"
+
+
+def test_exclusions_typos_and_shapes(caplog) -> None:
+    model = debug_model()
+    with pytest.raises(ValueError, match=r"float8.exclude_fqns entry 'output_haed.proj' matches no Linear layer"):
+        select_float8_linears(model, exclude_fqns=["output_haed.proj"])
+    converted, excluded, _ = select_float8_linears(model, exclude_fqns=["output_head.proj", "layers.0.mlp"])
+    assert excluded["output_head.proj"] == "float8.exclude_fqns"
+    assert {f for f, r in excluded.items() if r == "float8.exclude_fqns"} == {
+        "output_head.proj", "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.0.mlp.down_proj"}
+    # A dim not divisible by 16 cannot go through torch._scaled_mm: excluded and reported.
+    odd = nn.Module()
+    odd.attention = nn.Module()
+    odd.attention.q_proj = nn.Linear(64, 40, bias=False)
+    odd.attention.k_proj = nn.Linear(64, 48, bias=False)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        report = fp8(odd)
+    assert report.converted == ["attention.k_proj"]
+    assert report.excluded == {"attention.q_proj": "shape 64x40 not divisible by 16"}
+    assert "converted 1/2 Linear layers; excluded: attention.q_proj (shape 64x40 not divisible by 16)" in [
+        r.getMessage() for r in caplog.records]
+
+
+def test_state_dict_keys_and_values_do_not_depend_on_conversion() -> None:
+    plain, converted = debug_model(), debug_model()
+    fp8(converted)
+    a, b = plain.state_dict(), converted.state_dict()
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    plain.load_state_dict(b)  # and they load into each other
+    converted.load_state_dict(a)
+
+
+def test_gpu_without_fp8_warns_loudly_or_fails(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    gpu = torch.device("cuda", 0)
+    model = debug_model()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        report = fp8(model, device=gpu)
+    assert not report.enabled and not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "FP8 IS UNAVAILABLE ON THIS GPU" in text and "compute capability 8.0" in text and "BF16 instead" in text
+    with pytest.raises(ValueError, match="float8.require=true, so stopping"):
+        fp8(debug_model(), device=gpu, require=True)
+
+
+def test_refuses_tensor_parallel_weights() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = debug_model()
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"layers.0.attention.q_proj": ColwiseParallel()})
+        with pytest.raises(ValueError) as e:
+            fp8(model)
+        assert str(e.value).startswith("FP8 + Tensor Parallelism is not yet supported")
+        assert str(e.value) == TP_MESSAGE.format(what="layers.0.attention.q_proj.weight is already a tensor-parallel DTensor")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cli_logs_confirmation_only_for_fp8(tmp_path: Path) -> None:
+    base = ["--config", DEBUG_CONFIG, "--train.steps=2", "--train.seq_len=32"]
+    out = launch([*base, "--train.mixed_precision=fp8", f"--job.dump_folder={tmp_path / 'a'}"]).stdout
+    assert "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=True" in out
+    assert "converted 29/29 Linear layers; excluded: none" in out
+    assert "real torch._scaled_mm path" in out
+    out = launch([*base, "--train.mixed_precision=fp8", "--float8.recipe=rowwise",
+                  "--float8.enable_fsdp_float8_all_gather=false", "--float8.emulate=true",
+                  f"--job.dump_folder={tmp_path / 'b'}"]).stdout
+    assert "Applied Float8 training: recipe=ROWWISE, fsdp_float8_all_gather=False" in out
+    assert "EMULATED" in out
+    out = launch([*base, "--train.mixed_precision=bf16", f"--job.dump_folder={tmp_path / 'c'}"]).stdout
+    assert "Applied Float8 training" not in out and "Linear layers" not in out
+
+
+def test_fp8_loss_tracks_bf16(tmp_path: Path) -> None:
+    args = ["--config", DEBUG_CONFIG, "--train.steps=20", "--train.seq_len=64", "--metrics.log_freq=1",
+            "--metrics.enable_tensorboard=false"]
+    bf16 = column(train([*args, "--train.mixed_precision=bf16"], tmp_path / "bf16"), "loss")
+    f8 = column(train([*args, "--train.mixed_precision=fp8"], tmp_path / "fp8"), "loss")
+    assert f8[0] == pytest.approx(bf16[0], rel=0.01)  # same init and data: the first loss is nearly equal
+    assert f8 != bf16  # and fp8 really changed the numerics
+    tail = lambda xs: sum(xs[-5:]) / 5  # noqa: E731
+    assert tail(f8) == pytest.approx(tail(bf16), rel=0.03)
