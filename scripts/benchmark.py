@@ -1,0 +1,121 @@
+"""Throughput of the real training path (Trainer.train_step) for one config in several precisions.
+
+    python scripts/benchmark.py --config configs/train/llama3_8b.toml --precisions bf16,fp8 \
+        --warmup 5 --steps 15 -- --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 \
+        --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true
+
+Everything after `--` is a normal config override. Prints, per precision: tokens/s per
+GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
+989 TFLOP/s (H100/H200 dense bf16), peak memory, and the speedup over the first
+precision. Timed with a device sync around each step; the median of --steps steps
+after --warmup steps (compilation happens in warmup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+try:
+    import trainer  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from trainer.config import ConfigError, load_job_config
+from trainer.distributed import destroy_distributed
+from trainer.log import setup_logging
+from trainer.models import flops_per_token
+from trainer.train import Trainer
+
+H100_BF16_PEAK = 989e12
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int) -> dict:
+    cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", f"--train.steps={warmup + steps}",
+                           "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false"])
+    trainer = Trainer(cfg)
+    try:
+        device, t = trainer.device, cfg.train
+        times = []
+        for i in range(warmup + steps):
+            batch = trainer.data_loader.next_batch()
+            sync(device)
+            start = time.perf_counter()
+            trainer.train_step(batch)
+            sync(device)
+            times.append(time.perf_counter() - start)
+            if i == warmup - 1 and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+        step_s = statistics.median(times[warmup:])
+        world = trainer.env.world_size
+        tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum_steps * trainer.parallel_dims.dp / world
+        tps = tokens_per_gpu / step_s
+        model_flops = tps * flops_per_token(trainer.model_args, t.seq_len)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        return {
+            "precision": precision,
+            "step_s": step_s,
+            "step_s_spread": [min(times[warmup:]), max(times[warmup:])],
+            "tokens_per_s_per_gpu": tps,
+            "model_tflops_per_gpu": model_flops / 1e12,
+            "mfu_pct": 100 * model_flops / H100_BF16_PEAK,
+            "peak_memory_gib": peak,
+            "float8_converted": len(trainer.float8.converted) if trainer.float8 else 0,
+            "first_step_s": times[0],
+        }
+    finally:
+        trainer.close()
+        del trainer
+        destroy_distributed()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--precisions", default="bf16,fp8")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--json", help="append one JSON line per precision to this file")
+    args, overrides = parser.parse_known_args()
+    overrides = [o for o in overrides if o != "--"]
+    setup_logging(0)
+    argv = ["--config", args.config, *overrides]
+    try:
+        load_job_config(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps) for p in args.precisions.split(",")]
+    base = results[0]["tokens_per_s_per_gpu"]
+    print(f"\n{args.label or args.config}: {' '.join(overrides)}")
+    print(f"{'precision':>9} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} {'vs ' + results[0]['precision']:>8}")
+    for r in results:
+        r["speedup"] = r["tokens_per_s_per_gpu"] / base
+        r["label"], r["overrides"] = args.label, overrides
+        print(f"{r['precision']:>9} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
+              f"{r['model_tflops_per_gpu']:8.1f} {r['mfu_pct']:6.1f} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

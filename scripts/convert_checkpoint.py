@@ -1,0 +1,121 @@
+"""Convert between our DCP checkpoints and Hugging Face Llama folders (one process, no GPU needed).
+
+Export a training checkpoint's model weights (safetensors + config.json, loadable
+by transformers' LlamaForCausalLM):
+
+    python scripts/convert_checkpoint.py export outputs/run/checkpoint/step-1000 outputs/run/hf \\
+        [--dtype bfloat16|float32] [--max-shard-size 5GB]
+
+    (a checkpoint folder instead of a step-N folder means its latest complete checkpoint)
+
+Import Hugging Face Llama weights as a model-only checkpoint for checkpoint.initial_load_path:
+
+    python scripts/convert_checkpoint.py import /models/Llama-3.2-1B outputs/llama1b-init --flavor 1b
+    python scripts/train.py --config ... --model.flavor=1b --checkpoint.initial_load_path=outputs/llama1b-init
+
+Needs safetensors (pip install -e '.[hf]'). Errors are one line, naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+
+try:
+    import trainer  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+logger = logging.getLogger("trainer")
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not m:
+        raise ValueError(f"--max-shard-size={text!r}: expected a size like 5GB, 500MB or 1000000")
+    unit = m.group(2).rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit])
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step-N folder as is; a checkpoint folder -> its latest complete checkpoint."""
+    from trainer.checkpoint import CHECKPOINT_JSON, CheckpointError, scan_checkpoints
+
+    if (path / CHECKPOINT_JSON).exists() or not path.is_dir():
+        return path
+    complete, incomplete = scan_checkpoints(path)
+    for p, why in incomplete:
+        logger.warning("ignoring incomplete checkpoint %s: %s", p, why)
+    if not complete:
+        raise CheckpointError(f"{path} holds no complete checkpoint (no step-N folder with {CHECKPOINT_JSON})")
+    return complete[max(complete)]
+
+
+def export(args: argparse.Namespace) -> None:
+    import torch
+
+    from trainer.checkpoint import args_from_json, load_full_model_weights
+    from trainer.export import require_safetensors, write_hf_export
+
+    require_safetensors("export")
+    source = resolve_checkpoint(Path(args.checkpoint))
+    info, weights = load_full_model_weights(source)
+    model_args = args_from_json(info["model"])
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    logger.info("exporting %s (step %s, llama3 %s, saved with mixed_precision=%s)", source, info.get("step"),
+                info["model"].get("flavor"), info.get("mixed_precision"))
+    write_hf_export(Path(args.out), args=model_args, shapes={k: tuple(v.shape) for k, v in weights.items()},
+                    fetch=lambda fqns: {k: weights[k] for k in fqns}, dtype=dtype,
+                    max_shard_bytes=parse_size(args.max_shard_size))
+
+
+def import_hf(args: argparse.Namespace) -> None:
+    from trainer.checkpoint import RunInfo, save_model_only
+    from trainer.export import read_hf_weights
+    from trainer.models import model_args_for
+
+    model_args = model_args_for(args.flavor, vocab_size=args.vocab_size, n_layers=args.n_layers)
+    weights = read_hf_weights(args.hf_folder, args=model_args)
+    run = RunInfo(flavor=args.flavor, model_args=model_args, mixed_precision="hf-import")
+    out = save_model_only(Path(args.out), weights, run=run, source=str(Path(args.hf_folder).resolve()))
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
+    logger.info("imported %d tensors (%s) from %s into %s; use --checkpoint.initial_load_path=%s "
+                "--model.flavor=%s", len(weights), ", ".join(dtypes), args.hf_folder, out, out, args.flavor)
+
+
+def main(argv: list[str]) -> int:
+    from trainer.log import setup_logging
+
+    setup_logging(0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="DCP checkpoint -> Hugging Face safetensors + config.json")
+    e.add_argument("checkpoint", help="a step-N checkpoint folder, or a checkpoint folder (its latest)")
+    e.add_argument("out", help="output folder (replaced if it exists)")
+    e.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    e.add_argument("--max-shard-size", default="5GB", help="split into model-0000i-of-0000n files above this")
+    i = sub.add_parser("import", help="Hugging Face Llama folder -> model-only DCP checkpoint (initial_load_path)")
+    i.add_argument("hf_folder")
+    i.add_argument("out")
+    i.add_argument("--flavor", required=True, help="model.flavor the weights must match (debug, 1b, 3b, 8b, ...)")
+    i.add_argument("--vocab-size", type=int, default=0, help="model.vocab_size, if not the flavor's")
+    i.add_argument("--n-layers", type=int, default=0, help="model.n_layers, if not the flavor's")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            export(args)
+        else:
+            import_hf(args)
+    except ValueError as e:
+        if type(e).__module__.startswith(("trainer", "builtins", "__main__")):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

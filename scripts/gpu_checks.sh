@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one call (the device machine is lent by the minute).
+#   bash scripts/gpu_checks.sh [tests] [bench8b] [bench1b] [accuracy] [ac]   (default: all)
+# Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if ! python3 -c "import torchao" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+STEPS=${@:-tests bench8b bench1b accuracy ac}
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, torchao, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'torchao', torchao.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+B="python3 scripts/benchmark.py --json $OUT/bench.jsonl"
+BENCH_8B="--config configs/train/llama3_8b.toml -- --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
+BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
+for s in $STEPS; do case $s in
+  tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+  bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096" --warmup 6 --steps 10 $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
+  bench1b) $B --label "1B, batch 8, seq 4096" --warmup 6 --steps 10 $BENCH_1B 2>&1 | tee "$OUT/bench1b.log" | grep -v "^\[rank" ;;
+  accuracy)
+    for p in bf16 fp8; do
+      python3 scripts/train.py --config configs/train/llama3_1b.toml --data.source=default --train.steps=300 \
+        --train.batch_size=4 --train.seq_len=2048 --train.compile_model=true --train.mixed_precision=$p \
+        --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --checkpoint.enable=false --metrics.log_freq=10 \
+        --job.dump_folder=/tmp/acc_$p 2>&1 | grep -E "step +[0-9]+/|Applied|converted" | tee "$OUT/accuracy_$p.log" | tail -3
+      cp /tmp/acc_$p/metrics.jsonl "$OUT/accuracy_$p.jsonl"
+    done ;;
+  ac)
+    for v in "compile none --train.compile_model=true --train.activation_checkpointing=none" \
+             "eager none --train.compile_model=false --train.activation_checkpointing=none" \
+             "compile selective --train.compile_model=true --train.activation_checkpointing=selective" \
+             "compile full --train.compile_model=true --train.activation_checkpointing=full"; do
+      set -- $v; label="$1 AC=$2"; shift 2
+      torchrun --standalone --nproc_per_node=$NGPU scripts/train.py --config configs/train/llama3_1b.toml \
+        --data.source=synthetic --train.steps=50 --train.batch_size=4 --train.seq_len=4096 --checkpoint.enable=false \
+        --metrics.log_freq=10 --job.dump_folder=/tmp/ac_run "$@" 2>&1 | grep -E "step +50/" | sed "s/^/[$label] /" | tee -a "$OUT/ac.log"
+      rm -rf /tmp/ac_run
+    done ;;
+esac; done
+echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
+for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" | grep -v "^\[rank"; done
+for p in bf16 fp8; do [ -f "$OUT/accuracy_$p.log" ] && echo "accuracy $p: $(tail -1 "$OUT/accuracy_$p.log")"; done
+[ -f "$OUT/ac.log" ] && cat "$OUT/ac.log"
+exit 0
