@@ -42,7 +42,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int) -> dict:
+def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None) -> dict:
     cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", f"--train.steps={warmup + steps}",
                            "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false"])
     trainer = Trainer(cfg)
@@ -59,6 +59,8 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int) -> di
             if i == warmup - 1 and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         step_s = statistics.median(times[warmup:])
+        if profile_dir:
+            profile_steps(trainer, Path(profile_dir) / precision)
         world = trainer.env.world_size
         tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum_steps * trainer.parallel_dims.dp / world
         tps = tokens_per_gpu / step_s
@@ -84,6 +86,21 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int) -> di
             torch.cuda.empty_cache()
 
 
+def profile_steps(trainer: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
+    """Trace a few more steps and print the kernel summary (where the time goes)."""
+    from trainer.profiling import format_summary, load_trace_events, summarize_events
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    path = trace_dir / "trace.json.gz"
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            trainer.train_step(trainer.data_loader.next_batch())
+        sync(trainer.device)
+    prof.export_chrome_trace(str(path))
+    print(format_summary(summarize_events(load_trace_events(str(path)), num_steps=num_steps), top=25))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
@@ -92,6 +109,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--label", default="")
     parser.add_argument("--json", help="append one JSON line per precision to this file")
+    parser.add_argument("--profile-dir", help="also trace 2 steps per precision here and print the kernel summary")
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
     setup_logging(0)
@@ -101,7 +119,7 @@ def main() -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps) for p in args.precisions.split(",")]
+    results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir) for p in args.precisions.split(",")]
     base = results[0]["tokens_per_s_per_gpu"]
     print(f"\n{args.label or args.config}: {' '.join(overrides)}")
     print(f"{'precision':>9} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} {'vs ' + results[0]['precision']:>8}")

@@ -21,7 +21,7 @@ BENCH_8B="--config configs/train/llama3_8b.toml -- --model.n_layers=8 --train.ba
 BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-  bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096" --warmup 6 --steps 10 $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
+  bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
   bench1b) $B --label "1B, batch 8, seq 4096" --warmup 6 --steps 10 $BENCH_1B 2>&1 | tee "$OUT/bench1b.log" | grep -v "^\[rank" ;;
   accuracy)
     for p in bf16 fp8; do

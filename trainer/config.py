@@ -141,8 +141,8 @@ class DistributedSection:
     """Pipeline-parallel degree (not implemented yet)."""
     cp: int = 1
     """Context-parallel degree (not implemented yet)."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered weights after forward (ZeRO-3); false keeps them until backward (ZeRO-2, more memory)."""
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the sharded master weights and optimizer state; bf16 saves memory at some accuracy cost."""
     loss_parallel: bool = True

@@ -82,13 +82,18 @@ def build_parallel_model(
     dp_mesh = mesh[(DP_REPLICATE, DP_SHARD)] if parallel_dims.dp_replicate > 1 else mesh[DP_SHARD]
     if d.master_dtype == "bf16":
         model.to(torch.bfloat16)
+    # Resharding frees the gathered copy between forward and backward; with one rank
+    # per shard group it frees nothing but still costs a second gather in backward.
+    reshard = d.reshard_after_forward == "always" or (
+        d.reshard_after_forward == "default" and parallel_dims.dp_shard > 1
+    )
     log(
         apply_fsdp(
             model,
             dp_mesh,
             param_dtype=_COMPUTE_DTYPE[t.mixed_precision],
             reduce_dtype=torch.float32,
-            reshard_after_forward=d.reshard_after_forward,
+            reshard_after_forward=reshard,
         )
     )
     return ParallelModel(model=model, float8=report, applied=applied)
