@@ -7,8 +7,8 @@
 Everything after `--` is a normal config override. Prints, per precision: tokens/s per
 GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
 989 TFLOP/s (H100/H200 dense bf16), peak memory, and the speedup over the first
-precision. Timed with a device sync around each step; the median of --steps steps
-after --warmup steps (compilation happens in warmup).
+precision. After --warmup steps (compilation happens there), --steps steps run back
+to back as in training and are timed together between two device syncs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,17 +47,21 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
     trainer = Trainer(cfg)
     try:
         device, t = trainer.device, cfg.train
-        times = []
-        for i in range(warmup + steps):
-            batch = trainer.data_loader.next_batch()
-            sync(device)
+        warmup_times = []
+        for _ in range(warmup):  # compilation, autotuning, allocator warm-up
             start = time.perf_counter()
-            trainer.train_step(batch)
+            trainer.train_step(trainer.data_loader.next_batch())
             sync(device)
-            times.append(time.perf_counter() - start)
-            if i == warmup - 1 and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-        step_s = statistics.median(times[warmup:])
+            warmup_times.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        # Timed like training runs: steps back to back, no host sync between them.
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step(trainer.data_loader.next_batch())
+        sync(device)
+        step_s = (time.perf_counter() - start) / steps
+        trainer.check_finite()
         if profile_dir:
             profile_steps(trainer, Path(profile_dir) / precision)
         world = trainer.env.world_size
@@ -69,13 +72,12 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
         return {
             "precision": precision,
             "step_s": step_s,
-            "step_s_spread": [min(times[warmup:]), max(times[warmup:])],
             "tokens_per_s_per_gpu": tps,
             "model_tflops_per_gpu": model_flops / 1e12,
             "mfu_pct": 100 * model_flops / H100_BF16_PEAK,
             "peak_memory_gib": peak,
             "float8_converted": len(trainer.float8.converted) if trainer.float8 else 0,
-            "first_step_s": times[0],
+            "first_step_s": warmup_times[0],
         }
     finally:
         trainer.close()

@@ -26,9 +26,10 @@ for s in $STEPS; do case $s in
   accuracy)
     for p in bf16 fp8; do
       python3 scripts/train.py --config configs/train/llama3_1b.toml --data.source=default --train.steps=300 \
-        --train.batch_size=4 --train.seq_len=2048 --train.compile_model=true --train.mixed_precision=$p \
-        --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --checkpoint.enable=false --metrics.log_freq=10 \
-        --job.dump_folder=/tmp/acc_$p 2>&1 | grep -E "step +[0-9]+/|Applied|converted" | tee "$OUT/accuracy_$p.log" | tail -3
+        --model.vocab_size=${ACC_VOCAB:-512} --train.batch_size=4 --train.seq_len=2048 --train.compile_model=true \
+        --train.mixed_precision=$p --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --checkpoint.enable=false \
+        --metrics.log_freq=1 \
+        --job.dump_folder=/tmp/acc_$p 2>&1 | grep -E "step +[0-9]+0/|Applied|converted" | tee "$OUT/accuracy_$p.log" | tail -2
       cp /tmp/acc_$p/metrics.jsonl "$OUT/accuracy_$p.jsonl"
     done ;;
   ac)

@@ -25,12 +25,14 @@ checkpoint saved at one parallel layout loads at any other.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import time
+import warnings
 import zlib
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -256,9 +258,14 @@ def read_checkpoint_json(path: Path) -> dict[str, Any]:
     try:
         info = json.loads(file.read_text())
     except FileNotFoundError:
+        if (path / "config.json").exists():
+            raise CheckpointError(
+                f"{file} is missing: {path} looks like a Hugging Face model folder; convert it first: "
+                f"python scripts/convert_checkpoint.py import {path} OUT --flavor FLAVOR"
+            ) from None
         raise CheckpointError(
             f"{file} is missing: {path} is not a complete checkpoint (an interrupted save, or not written by this "
-            "trainer; scripts/convert_checkpoint.py import makes one from Hugging Face weights)"
+            "trainer)"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
@@ -318,6 +325,14 @@ def check_model_keys(metadata, model_sd: dict[str, torch.Tensor], *, path: Path)
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _single_process():
+    # no_dist=True says it: DCP still warns that no process group exists.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:
@@ -441,7 +456,9 @@ class CheckpointManager:
 
     def resume(self) -> None:
         """Load the checkpoint to resume from, or the initial weights, or nothing; say which."""
-        path = self._checkpoint_to_resume() if self.enable else None
+        # Rank 0 decides and tells the others: ranks listing a shared filesystem each on their
+        # own could see different folders (attribute caching) and load different checkpoints.
+        path = self._on_rank0(self._checkpoint_to_resume) if self.enable else None
         if path is not None:
             if self.initial_load_path:
                 logger.info("checkpoint.initial_load_path=%s is not used: resuming %s (it only seeds a new run)",
@@ -451,6 +468,20 @@ class CheckpointManager:
             self._load(Path(self.initial_load_path), model_only=True)
         elif self.enable:
             logger.info("no checkpoint in %s: starting from step 0", self.folder)
+
+    def _on_rank0(self, fn):
+        """fn() on rank 0, its result on every rank; its CheckpointError is raised on every rank."""
+        result: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                result = [("ok", fn())]
+            except CheckpointError as e:
+                result = [("error", str(e))]
+        dist.broadcast_object_list(result, src=0, group=self.pg)
+        kind, value = result[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return value
 
     def _checkpoint_to_resume(self) -> Path | None:
         complete, incomplete = scan_checkpoints(self.folder)
@@ -606,18 +637,10 @@ class CheckpointManager:
         self._prune(step)
 
     def _prune(self, newest: int) -> None:
-        complete, incomplete = scan_checkpoints(self.folder)
-        for path, _ in incomplete:
-            m = _STEP_DIR.match(path.name)
-            if m and m.group(2) and int(m.group(1)) < newest:
-                shutil.rmtree(path, ignore_errors=True)
-                logger.info("removed %s: an interrupted save, superseded by step-%d", path, newest)
-        if self.keep_latest_k <= 0:
-            return
-        # keep_latest_k >= 1 and step-{newest} is complete, so the only complete checkpoint survives.
-        for step in sorted(complete)[:-self.keep_latest_k]:
-            shutil.rmtree(complete[step], ignore_errors=True)
-            logger.info("removed checkpoint %s (keep_latest_k=%d)", complete[step], self.keep_latest_k)
+        for path in prune_checkpoints(self.folder, newest=newest, keep_latest_k=self.keep_latest_k):
+            why = (f"an interrupted save, superseded by step-{newest}" if path.name.endswith(".tmp")
+                   else f"keep_latest_k={self.keep_latest_k}")
+            logger.info("removed %s (%s)", path, why)
 
     # -- export --------------------------------------------------------------
 
@@ -631,7 +654,7 @@ class CheckpointManager:
             out = {}
             for fqn in fqns:
                 t = sd[fqn]
-                # note: an all-gather per tensor; only one full tensor exists at a time on each rank.
+                # note: an all-gather per tensor; ranks other than 0 hold one full tensor at a time.
                 full = t.full_tensor() if isinstance(t, DTensor) else t
                 if self.rank == 0:
                     out[fqn] = full.detach().to("cpu", self.export_dtype)
@@ -651,6 +674,25 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def prune_checkpoints(folder: Path, *, newest: int, keep_latest_k: int) -> list[Path]:
+    """Remove interrupted saves older than step-{newest} and, with keep_latest_k > 0, all but the newest k.
+
+    Called right after step-{newest} became complete, so with k >= 1 the only
+    complete checkpoint always survives. Returns what was removed.
+    """
+    complete, incomplete = scan_checkpoints(folder)
+    removed = []
+    for path, _ in incomplete:
+        m = _STEP_DIR.match(path.name)
+        if m and m.group(2) and int(m.group(1)) < newest:
+            removed.append(path)
+    if keep_latest_k > 0:
+        removed += [complete[step] for step in sorted(complete)[:-keep_latest_k]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -684,7 +726,8 @@ def save_model_only(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    dcp.save({"model": weights}, storage_writer=_ChecksummedWriter(tmp, step=step), no_dist=True)
+    with _single_process():
+        dcp.save({"model": weights}, storage_writer=_ChecksummedWriter(tmp, step=step), no_dist=True)
     files = {}
     for sidecar in sorted(tmp.glob("__*_checksums.json")):
         files.update(json.loads(sidecar.read_text()))
@@ -699,12 +742,15 @@ def save_model_only(
     return path
 
 
-def load_full_model_weights(path: Path, *, dtype: torch.dtype | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_full_model_weights(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(checkpoint.json, {fqn: full tensor}) of a checkpoint's model, in one process without a process group.
 
     Verifies every file first. For conversion scripts and tests; a training run
-    loads sharded instead.
+    loads sharded instead. Needs no torchao, even for a checkpoint of an fp8 run.
     """
+    path = Path(path)
     info = read_checkpoint_json(path)
     metadata = read_dcp_metadata(path, info)
     recorded = info.get("files", {})
@@ -717,7 +763,8 @@ def load_full_model_weights(path: Path, *, dtype: torch.dtype | None = None) -> 
         if key.startswith("model."):
             sd[key[len("model."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     try:
-        dcp.load({"model": sd}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+        with _single_process():
+            dcp.load({"model": sd}, storage_reader=FileSystemReader(str(path)), no_dist=True)
     except Exception as e:
         raise CheckpointError(f"failed to read checkpoint {path}: {_first_line(e)}") from e
     if dtype is not None:

@@ -97,8 +97,8 @@ class OptimizerSection:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (applied to every parameter)."""
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """Kernel choice: auto = fused on CUDA, foreach on CPU."""
+    implementation: Literal["fused", "foreach"] = "fused"
+    """fused = one kernel that also applies clipping and skips non-finite steps on the device; foreach syncs each step."""
 
 
 @dataclass

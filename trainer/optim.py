@@ -16,11 +16,8 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    implementation: Literal["auto", "fused", "foreach", "for-loop"],
-    device: torch.device,
+    implementation: Literal["fused", "foreach"],
 ) -> torch.optim.AdamW:
-    if implementation == "auto":
-        implementation = "fused" if device.type == "cuda" else "foreach"
     return torch.optim.AdamW(
         model.parameters(),
         lr=lr,

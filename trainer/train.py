@@ -51,44 +51,43 @@ class TrainState:
 
 
 class LossScaler:
-    """Dynamic loss scaling for fp16 (bf16/fp8 need none).
+    """Dynamic loss scaling for fp16 (bf16/fp8 need none), kept on the device.
 
-    Works on DTensor gradients, unlike torch.amp.GradScaler with FSDP2.
+    Scale and growth counter are device tensors updated with torch.where, so fp16
+    needs no host sync per step; works on DTensor gradients, unlike
+    torch.amp.GradScaler with FSDP2.
     """
 
-    def __init__(self, *, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000):
+    def __init__(self, *, enabled: bool, device: torch.device, init_scale: float = 2.0**16,
+                 growth_interval: int = 2000):
         self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
-        self._good_steps = 0
+        self.scale = torch.tensor(init_scale if enabled else 1.0, device=device)
+        self.good_steps = torch.zeros((), dtype=torch.int64, device=device)
 
-    def update(self, finite: bool) -> None:
+    def update(self, found_inf: torch.Tensor) -> None:
         if not self.enabled:
             return
-        if not finite:
-            self.scale /= 2
-            self._good_steps = 0
-            return
-        self._good_steps += 1
-        if self._good_steps % self.growth_interval == 0:
-            self.scale *= 2
+        self.good_steps = torch.where(found_inf, 0, self.good_steps + 1)
+        grow = self.good_steps >= self.growth_interval
+        self.scale = torch.where(found_inf, self.scale / 2, torch.where(grow, self.scale * 2, self.scale))
+        self.good_steps = torch.where(grow, 0, self.good_steps)
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale.item(), "good_steps": int(self.good_steps.item())}
+
+    def load_state_dict(self, sd: dict[str, float | int]) -> None:
+        self.scale.fill_(float(sd["scale"]))
+        self.good_steps.fill_(int(sd["good_steps"]))
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], *, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
-    """True global L2 norm over all gradients (DTensors on any mesh) and optional clipping.
-
-    `unscale` divides gradients first (fp16 loss scaling). Returns the norm of the
-    unscaled gradients as a plain tensor, identical on every rank.
-    """
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """True global L2 norm over all gradients (DTensors on any mesh), as a plain device tensor."""
     grads = [p.grad for p in params if p.grad is not None]
-    if unscale != 1.0:
-        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], 1.0 / unscale)
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):
         # Partial over sharded mesh axes: full_tensor() all-reduces the squared sums.
         norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
 
 
@@ -122,14 +121,16 @@ class Trainer:
         o = cfg.optimizer
         self.optimizer = build_optimizer(
             self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation, device=self.device,
+            implementation=o.implementation,
         )
         s = cfg.scheduler
         self.scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps, decay_type=s.decay_type,
             min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,
         )
-        self.scaler = LossScaler(enabled=t.mixed_precision == "fp16")
+        self.fused_optimizer = o.implementation == "fused"
+        self.scaler = LossScaler(enabled=t.mixed_precision == "fp16", device=self.device)
+        self._pending_norms: list[tuple[int, torch.Tensor]] = []
         self.precompute_fp8_scales = bool(
             self.float8 and self.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
         )
@@ -181,10 +182,12 @@ class Trainer:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, float]:
-        """Forward/backward over the microbatches and one optimizer step.
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the microbatches and one optimizer step, without a host sync.
 
-        Returns (this rank's mean loss as a device tensor, global grad norm).
+        Returns (this rank's mean loss, global grad norm), both device tensors. A
+        non-finite step never reaches the weights (the fused optimizer skips it on
+        the device); `check_finite()` reports it on the host later.
         """
         n = len(microbatches)
         loss_sum = torch.zeros((), device=self.device)
@@ -193,40 +196,70 @@ class Trainer:
             labels = labels.to(self.device, non_blocking=True)
             with self.loss_context():
                 loss = self.model(inputs, labels)
+                if isinstance(loss, DTensor):  # replicated under loss parallel
+                    loss = loss.to_local()
                 # Every microbatch has the same number of tokens, so the mean of the
                 # microbatch means is the mean over the whole global batch.
-                (loss * (self.scaler.scale / n)).backward()
-            loss = loss.detach()
-            # Under loss parallel the loss is a replicated DTensor.
-            loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
-        norm = clip_grad_norm(self.params, max_norm=self.cfg.train.max_norm, unscale=self.scaler.scale)
-        # note: a CPU-GPU sync point; the norm is global, so every rank takes the same branch.
-        grad_norm = norm.item()
-        finite = math.isfinite(grad_norm)
-        self.scaler.update(finite)
-        if finite:
-            self.optimizer.step()
-            if self.precompute_fp8_scales:
-                precompute_float8_scales(self.model)
-        elif self.scaler.enabled:
-            logger.warning("step %d: fp16 overflow, skipping the step; loss scale now %g", self.state.step + 1,
-                           self.scaler.scale)
-        else:
-            self.metrics.record_nonfinite()
-            local_loss = (loss_sum / n).item()
-            message = (
-                f"non-finite loss or gradient at step {self.state.step + 1} "
-                f"(loss={local_loss}, grad_norm={grad_norm})"
-            )
-            if self.cfg.train.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    message + ": stopping. Lower optimizer.lr or raise scheduler.warmup_steps, "
-                    "or set train.on_nonfinite='skip' to skip such steps (see docs/debug.md)"
-                )
-            logger.warning("%s: skipping this optimizer step (train.on_nonfinite='skip')", message)
+                (loss * (self.scaler.scale / n) if self.scaler.enabled else loss / n).backward()
+            loss_sum += loss.detach()
+        norm = grad_norm(self.params)
+        if self.scaler.enabled:
+            norm = norm / self.scaler.scale
+        found_inf = ~torch.isfinite(norm)
+        self._optimizer_step(norm, found_inf)
+        self.scaler.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_sum / n, grad_norm
+        self._pending_norms.append((self.state.step + 1, norm))
+        return loss_sum / n, norm
+
+    def _optimizer_step(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
+        max_norm = self.cfg.train.max_norm
+        # Clipping factor >= 1 that the gradients are divided by.
+        clip = torch.clamp(norm / max_norm, min=1.0) if max_norm > 0 else torch.ones_like(norm)
+        if self.fused_optimizer:
+            # The fused AdamW kernel divides gradients by grad_scale (loss scale x clip)
+            # and skips the whole update when found_inf is set: clipping and the
+            # non-finite skip cost no extra pass over the gradients and no host sync.
+            self.optimizer.grad_scale = (self.scaler.scale * clip).nan_to_num(1.0)
+            self.optimizer.found_inf = found_inf.float()
+            self.optimizer.step()
+        else:
+            # note: a CPU-GPU sync point (only with optimizer.implementation='foreach').
+            if found_inf.item():
+                return
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params]
+            torch._foreach_div_(grads, self.scaler.scale * clip)
+            self.optimizer.step()
+        if self.precompute_fp8_scales:
+            precompute_float8_scales(self.model)
+
+    def check_finite(self) -> int:
+        """Report the non-finite steps since the last check; raise under on_nonfinite='stop'.
+
+        note: a CPU-GPU sync point; the loop calls it at log steps (and before saving).
+        Returns the number of non-finite steps found.
+        """
+        if not self._pending_norms:
+            return 0
+        steps = [s for s, _ in self._pending_norms]
+        norms = torch.stack([n for _, n in self._pending_norms]).tolist()
+        self._pending_norms.clear()
+        bad = [(s, x) for s, x in zip(steps, norms) if not math.isfinite(x)]
+        for step, value in bad:
+            if self.scaler.enabled:
+                logger.warning("step %d: fp16 overflow (grad_norm=%s), step skipped; loss scale now %g",
+                               step, value, self.scaler.scale.item())
+                continue
+            self.metrics.record_nonfinite()
+            message = f"non-finite loss or gradient at step {step} (grad_norm={value}); the step was not applied"
+            if self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    message + ". Stopping: lower optimizer.lr or raise scheduler.warmup_steps, "
+                    "or set train.on_nonfinite='skip' to skip such steps (see docs/debug.md)"
+                )
+            logger.warning("%s (train.on_nonfinite='skip')", message)
+        return len(bad)
 
     # -- the loop ------------------------------------------------------------
 
@@ -254,6 +287,7 @@ class Trainer:
                 self._loop(profiler, memory_recorder)
         finally:
             signal.signal(signal.SIGTERM, previous)
+        self.check_finite()
         logger.info("training finished at step %d", self.state.step)
         return self.state
 
@@ -265,7 +299,7 @@ class Trainer:
         local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
         while self.state.step < t.steps and not self.stop_requested:
             lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(self.data_loader.next_batch())
+            loss, norm = self.train_step(self.data_loader.next_batch())
             self.state.step += 1
             step = self.state.step
             interval_steps += 1
@@ -274,12 +308,13 @@ class Trainer:
             if step == cfg.profiling.end_step:
                 memory_recorder.dump(f"step{step}")
             if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps:
+                self.check_finite()
                 # Mean over data-parallel ranks (TP ranks hold the same loss).
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
-                loss_value = loss.item()
+                loss_value, norm_value = loss.item(), norm.item()
                 self.state.losses.append(loss_value)
                 self.metrics.log(
-                    StepStats(step=step, loss=loss_value, grad_norm=grad_norm, lr=lr, tokens=int(interval_tokens),
+                    StepStats(step=step, loss=loss_value, grad_norm=norm_value, lr=lr, tokens=int(interval_tokens),
                               seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps),
                     first_step=first_step,
                 )

@@ -100,3 +100,14 @@ def test_nonfinite_skip_counts_and_keeps_weights(tmp_path: Path) -> None:
     finally:
         trainer.close()
         destroy_distributed()
+
+
+def test_fused_clipping_matches_explicit_clipping(tmp_path: Path) -> None:
+    # The fused AdamW applies the clip factor as grad_scale; foreach clips the gradients first.
+    args = ["--config", DEBUG_CONFIG, "--train.steps=6", "--train.seq_len=32", "--metrics.log_freq=1",
+            "--train.mixed_precision=fp32", "--train.max_norm=0.5", "--metrics.enable_tensorboard=false"]
+    fused = train([*args, "--optimizer.implementation=fused"], tmp_path / "fused")
+    foreach = train([*args, "--optimizer.implementation=foreach"], tmp_path / "foreach")
+    assert max(column(fused, "grad_norm")) > 0.5  # clipping was active
+    assert column(fused, "loss") == pytest.approx(column(foreach, "loss"), rel=1e-5)
+    assert column(fused, "grad_norm") == pytest.approx(column(foreach, "grad_norm"), rel=1e-4)
