@@ -23,20 +23,23 @@ for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
   bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
   bench1b) $B --label "1B, batch 8, seq 4096" --warmup 6 --steps 10 $BENCH_1B 2>&1 | tee "$OUT/bench1b.log" | grep -v "^\[rank" ;;
+  bench1b_ag)  # fp8 with bf16 all-gather (casts inside the compiled graphs instead of before the gather)
+    $B --label "1B, batch 8, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_1B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench1b_ag.log" | grep -v "^\[rank" ;;
   accuracy)
-    for p in bf16 fp8; do
+    for run in "bf16 0" "fp8 0" "bf16 1"; do set -- $run; p=$1; seed=$2
       python3 scripts/train.py --config configs/train/llama3_1b.toml --data.source=default --train.steps=300 \
-        --model.vocab_size=${ACC_VOCAB:-512} --train.batch_size=4 --train.seq_len=2048 --train.compile_model=true \
-        --train.mixed_precision=$p --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --checkpoint.enable=false \
-        --metrics.log_freq=1 \
-        --job.dump_folder=/tmp/acc_$p 2>&1 | grep -E "step +[0-9]+0/|Applied|converted" | tee "$OUT/accuracy_$p.log" | tail -2
-      cp /tmp/acc_$p/metrics.jsonl "$OUT/accuracy_$p.jsonl"
+        --model.vocab_size=512 --train.batch_size=8 --train.seq_len=1024 --train.compile_model=true \
+        --train.mixed_precision=$p --train.seed=$seed --scheduler.warmup_steps=100 --optimizer.lr=3e-4 \
+        --checkpoint.enable=false --metrics.log_freq=1 --metrics.enable_tensorboard=false \
+        --job.dump_folder=/tmp/acc_${p}_$seed 2>&1 | grep -E "step +[0-9]+00/|Applied|converted" | tee "$OUT/accuracy_${p}_$seed.log" | tail -1
+      cp /tmp/acc_${p}_$seed/metrics.jsonl "$OUT/accuracy_${p}_$seed.jsonl"
     done ;;
   ac)
     for v in "compile none --train.compile_model=true --train.activation_checkpointing=none" \
              "eager none --train.compile_model=false --train.activation_checkpointing=none" \
              "compile selective --train.compile_model=true --train.activation_checkpointing=selective" \
-             "compile full --train.compile_model=true --train.activation_checkpointing=full"; do
+             "compile full --train.compile_model=true --train.activation_checkpointing=full" \
+             "compile none-fp8 --train.compile_model=true --train.activation_checkpointing=none --train.mixed_precision=fp8"; do
       set -- $v; label="$1 AC=$2"; shift 2
       torchrun --standalone --nproc_per_node=$NGPU scripts/train.py --config configs/train/llama3_1b.toml \
         --data.source=synthetic --train.steps=50 --train.batch_size=4 --train.seq_len=4096 --checkpoint.enable=false \
@@ -46,6 +49,6 @@ for s in $STEPS; do case $s in
 esac; done
 echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
 for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" | grep -v "^\[rank"; done
-for p in bf16 fp8; do [ -f "$OUT/accuracy_$p.log" ] && echo "accuracy $p: $(tail -1 "$OUT/accuracy_$p.log")"; done
+for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -1 "$f")"; done
 [ -f "$OUT/ac.log" ] && cat "$OUT/ac.log"
 exit 0
