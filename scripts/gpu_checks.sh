@@ -27,7 +27,7 @@ for s in $STEPS; do case $s in
     $B --label "1B, batch 8, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_1B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench1b_ag.log" | grep -v "^\[rank" ;;
   accuracy)
     for run in "bf16 0" "fp8 0" "bf16 1"; do set -- $run; p=$1; seed=$2
-      python3 scripts/train.py --config configs/train/llama3_1b.toml --data.source=default --train.steps=300 \
+      python3 scripts/train.py --config configs/train/llama3_1b.toml --data.source=${ACC_DATA:-stdlib} --train.steps=300 \
         --model.vocab_size=512 --train.batch_size=8 --train.seq_len=1024 --train.compile_model=true \
         --train.mixed_precision=$p --train.seed=$seed --scheduler.warmup_steps=100 --optimizer.lr=3e-4 \
         --checkpoint.enable=false --metrics.log_freq=1 --metrics.enable_tensorboard=false \

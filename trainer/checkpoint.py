@@ -34,6 +34,7 @@ import shutil
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -129,7 +130,7 @@ class CheckpointState(Stateful):
             "lr_scheduler": self.scheduler.state_dict(),
             "dataloader": self.data_loader.state_dict(),
             "train_state": self.train_state.state_dict(),
-            "loss_scaler": {"scale": float(self.loss_scaler.scale), "good_steps": int(self.loss_scaler._good_steps)},
+            "loss_scaler": self.loss_scaler.state_dict(),
             "rng": rng,
         }
 
@@ -143,8 +144,7 @@ class CheckpointState(Stateful):
         self.data_loader.load_state_dict(sd["dataloader"])
         self.train_state.load_state_dict(sd["train_state"])
         if self.loss_scaler.enabled and sd["train_state"].get("mixed_precision") == "fp16":
-            self.loss_scaler.scale = float(sd["loss_scaler"]["scale"])
-            self.loss_scaler._good_steps = int(sd["loss_scaler"]["good_steps"])
+            self.loss_scaler.load_state_dict(sd["loss_scaler"])  # otherwise the scaler keeps its initial scale
         torch.set_rng_state(sd["rng"]["cpu"])
         if "cuda" in sd["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(sd["rng"]["cuda"])
@@ -402,6 +402,8 @@ class CheckpointManager:
     """Saves every `interval` steps (and at the last step and on a SIGTERM stop), resumes, prunes, exports.
 
     All ranks construct it and call every method in the same order (they are collective).
+    Its gloo group `pg` is used by a background save's thread; the main thread uses it only
+    when no save is in flight (after `wait()`), so collectives of the two never interleave.
     """
 
     def __init__(self, section: CheckpointSection, *, dump_folder: str, state: CheckpointState, run: RunInfo):
@@ -562,10 +564,18 @@ class CheckpointManager:
 
     # -- save ----------------------------------------------------------------
 
-    def maybe_save(self, step: int, *, final: bool, stopping: bool) -> None:
-        """After each step: save on the interval, at the last step and when stopping; export at the last step."""
+    def maybe_save(self, step: int, *, final: bool, stopping: bool, before_save: Callable[[], Any] | None = None
+                   ) -> None:
+        """After each step: save on the interval, at the last step and when stopping; export at the last step.
+
+        `before_save` runs on every rank right before a save or export (the trainer's
+        finiteness check, so a run that must stop stops before it is checkpointed).
+        """
         self._poll()
-        if self.enable and step != self.last_saved_step and (step % self.interval == 0 or final or stopping):
+        saving = self.enable and step != self.last_saved_step and (step % self.interval == 0 or final or stopping)
+        if before_save is not None and (saving or (final and self.model_only)):
+            before_save()
+        if saving:
             self.save(step)
         if final and self.model_only:
             self.export(step)
@@ -663,7 +673,8 @@ class CheckpointManager:
         out = write_hf_export(self.folder / f"step-{step}-hf", args=self.run.model_args,
                               shapes={k: tuple(v.shape) for k, v in sd.items()}, fetch=fetch,
                               dtype=self.export_dtype, is_writer=self.rank == 0)
-        dist.barrier(group=self.pg)
+        # Not self.pg: a background save of this step may be using it from its thread right now.
+        dist.barrier()
         return out
 
     def close(self) -> None:

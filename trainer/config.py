@@ -115,8 +115,8 @@ class SchedulerSection:
 
 @dataclass
 class DataSection:
-    source: Literal["default", "synthetic", "shards"] = "default"
-    """default = Python's documentation text that ships with Python (byte-level, no download); synthetic = random tokens; shards = files made by scripts/prepare_data.py."""
+    source: Literal["default", "stdlib", "synthetic", "shards"] = "default"
+    """default = Python's documentation text that ships with Python (byte-level, no download, 0.47M tokens); stdlib = that plus the standard library's source (~13M tokens); synthetic = random tokens; shards = files made by scripts/prepare_data.py."""
     path: str = ""
     """For source='shards': a folder of .bin shards or a glob."""
     tokenizer: str = "byte"

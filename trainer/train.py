@@ -321,7 +321,8 @@ class Trainer:
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
             if self.float8 and self.float8.enabled and cfg.metrics.fp8_stats_freq and step % cfg.metrics.fp8_stats_freq == 0:
                 self.metrics.add_scalars(float8_weight_stats(self.model), step)
-            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=self.stop_requested)
+            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=self.stop_requested,
+                                       before_save=self.check_finite)
 
     def close(self) -> None:
         try:

@@ -407,3 +407,13 @@ def test_prepare_data_leaves_no_partial_dataset_and_refuses_stale_shards(tmp_pat
     (tmp_path / "b.txt").write_text("fine")
     assert prepare_data.main(["--input", str(tmp_path / "b.txt"), "--output", str(out)]) == 2
     assert "already holds 1 .bin files" in capsys.readouterr().err
+
+
+def test_stdlib_source_extends_the_default_corpus():
+    from trainer.data.sources import DefaultTextSource, StdlibTextSource
+
+    default, stdlib = DefaultTextSource(vocab_size=258), StdlibTextSource(vocab_size=258)
+    assert stdlib.num_tokens > 10 * default.num_tokens
+    assert np.array_equal(stdlib.tokens[: default.num_tokens], default.tokens)
+    text = bytes(stdlib.tokens[default.num_tokens: default.num_tokens + 20000].astype(np.uint8)).decode("utf-8", "replace")
+    assert "def " in text and "import" in text  # Python source follows the topics

@@ -1,11 +1,11 @@
 """Data pipeline: tokenizers, token shards, sample sources and the data-parallel loader."""
 
 from trainer.data.shards import DataError, ShardInfo, open_shard, write_shard
-from trainer.data.sources import DefaultTextSource, ShardSource, SyntheticSource
+from trainer.data.sources import DefaultTextSource, ShardSource, StdlibTextSource, SyntheticSource
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_fingerprint
 
 __all__ = [
-    "ByteTokenizer", "DataError", "DefaultTextSource", "HFTokenizer", "ShardInfo", "ShardSource",
+    "ByteTokenizer", "DataError", "DefaultTextSource", "HFTokenizer", "ShardInfo", "ShardSource", "StdlibTextSource",
     "SyntheticSource", "TokenDataLoader", "build_data_loader", "build_tokenizer", "open_shard",
     "tokenizer_fingerprint", "write_shard",
 ]

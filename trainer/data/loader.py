@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from trainer.data.shards import DataError
-from trainer.data.sources import DefaultTextSource, ShardSource, SyntheticSource
+from trainer.data.sources import DefaultTextSource, ShardSource, StdlibTextSource, SyntheticSource
 from trainer.data.tokenizer import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("default", "synthetic", "shards")
+SOURCES = ("default", "stdlib", "synthetic", "shards")
 
 
 class TokenDataLoader:
@@ -112,11 +112,12 @@ def build_data_loader(*, source: str, path: str, tokenizer: str, seed: int, shuf
                       batch_size: int, grad_accum_steps: int, dp_rank: int, dp_degree: int,
                       vocab_size: int) -> TokenDataLoader:
     """Build and fully validate the training data loader (opens every shard, checks every header)."""
-    if source == "default":
+    if source in ("default", "stdlib"):
         if tokenizer != "byte":
-            raise DataError(f"[data].source='default' is byte-tokenized but [data].tokenizer is '{tokenizer}'; "
+            raise DataError(f"[data].source='{source}' is byte-tokenized but [data].tokenizer is '{tokenizer}'; "
                             "set [data].tokenizer='byte' or use [data].source='shards'")
-        data = DefaultTextSource(vocab_size=vocab_size)
+        cls = DefaultTextSource if source == "default" else StdlibTextSource
+        data = cls(vocab_size=vocab_size)
     elif source == "synthetic":
         data = SyntheticSource(vocab_size=vocab_size, seed=seed)
     elif source == "shards":
