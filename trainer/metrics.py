@@ -124,6 +124,9 @@ class MetricsLogger:
         tflops = tps * self.flops_per_token / 1e12
         mfu = 100 * tps * self.flops_per_token / self.peak_flops if self.peak_flops else None
         mem_alloc, mem_reserved = peak_memory_gib(self.device)
+        if self.device.type == "cuda":
+            # Peaks per logged interval, so growth (a leak, a longer sequence) shows up.
+            torch.cuda.reset_peak_memory_stats(self.device)
         spike = False
         if math.isfinite(s.loss):
             if self.running_loss is not None and s.loss > self.loss_spike_factor * self.running_loss:
