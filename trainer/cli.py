@@ -15,11 +15,14 @@ def main(argv: list[str]) -> int:
     from trainer.log import setup_logging
 
     rank = int(os.environ.get("RANK", "0"))
+    # One line per node, not one per rank: every rank hits the same user error.
+    speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0
     setup_logging(rank)
     try:
         cfg = load_job_config(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if speaks:
+            print(f"config error: {e}", file=sys.stderr)
         return 2
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
@@ -33,8 +36,7 @@ def main(argv: list[str]) -> int:
         # User-facing errors (bad data, bad parallel degrees, FP8 unavailable with
         # float8.require, non-finite loss) are raised with one-line messages.
         if type(e).__module__.startswith(("trainer", "builtins")):
-            # One line per node, not one per rank: every rank usually hits the same error.
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            if speaks:
                 print(f"error (rank {rank}): {e}", file=sys.stderr)
             return 1
         raise
