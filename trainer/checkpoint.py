@@ -423,12 +423,6 @@ class CheckpointManager:
         self.last_saved_step = -1
         self._pending: _PendingSave | None = None
         self._stager = None
-        if section.keep_latest_k < 0:
-            raise CheckpointError(f"checkpoint.keep_latest_k={section.keep_latest_k} must be >= 0 (0 keeps all)")
-        if section.load_step < -1:
-            raise CheckpointError(f"checkpoint.load_step={section.load_step} must be >= 0, or -1 for the latest")
-        if section.load_step >= 0 and not section.enable:
-            raise CheckpointError(f"checkpoint.load_step={section.load_step} needs checkpoint.enable=true")
         if self.model_only:
             from trainer.export import require_safetensors
 

@@ -315,6 +315,13 @@ def _validate(cfg: JobConfig) -> None:
         raise ConfigError(f"scheduler.wsd_decay_ratio={cfg.scheduler.wsd_decay_ratio} must be in (0, 1]")
     if cfg.scheduler.warmup_steps < 0:
         raise ConfigError(f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be >= 0")
+    c = cfg.checkpoint
+    if c.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 (0 keeps all)")
+    if c.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step={c.load_step} must be >= 0, or -1 for the latest")
+    if c.load_step >= 0 and not c.enable:
+        raise ConfigError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
     f8 = cfg.float8
     if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
         raise ConfigError(

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -150,7 +149,8 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
     }
     for key, value in expected.items():
         if config.get(key) != value:
-            raise ExportError(f"{where}: {key}={config.get(key)} but the trainer model has {value} ({_describe(args)})")
+            raise ExportError(f"{where}: {key}={config.get(key)} but the trainer model has {value} "
+                              f"({_describe(args)})")
     if config.get("model_type", "llama") != "llama":
         raise ExportError(f"{where}: model_type={config.get('model_type')!r}, expected 'llama'")
     if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
@@ -161,12 +161,13 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
     if has_scaling != (args.rope_scaling is not None) or (
         has_scaling and float(rope.get("factor", 0)) != args.rope_scaling.factor
     ):
-        raise ExportError(f"{where}: rope scaling {rope or None} does not match the trainer model's {args.rope_scaling}")
+        raise ExportError(f"{where}: rope scaling {rope or None} does not match the trainer model's "
+                          f"{args.rope_scaling}")
 
 
 def _describe(args: ModelArgs) -> str:
-    return ", ".join(f"{k}={v}" for k, v in asdict(args).items() if k in ("dim", "n_layers", "n_heads", "n_kv_heads",
-                                                                           "vocab_size"))
+    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+    return ", ".join(f"{k}={getattr(args, k)}" for k in shape)
 
 
 def plan_shards(sizes: dict[str, int], *, max_shard_bytes: int) -> list[list[str]]:
@@ -310,5 +311,6 @@ def read_hf_weights(folder: str | os.PathLike, *, args: ModelArgs) -> dict[str, 
         )
     for fqn, shape in expected.items():
         if tuple(weights[fqn].shape) != shape:
-            raise ExportError(f"{folder}: {to_hf_name(fqn)} has shape {list(weights[fqn].shape)}, expected {list(shape)}")
+            raise ExportError(f"{folder}: {to_hf_name(fqn)} has shape {list(weights[fqn].shape)}, "
+                              f"expected {list(shape)}")
     return {fqn: weights[fqn] for fqn in expected}

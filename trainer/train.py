@@ -267,6 +267,16 @@ class Trainer:
         logger.warning("received %s: stopping after this step", signal.Signals(signum).name)
         self.stop_requested = True
 
+    def _agree_to_stop(self) -> bool:
+        """True on every rank once any rank got SIGTERM, so all stop (and save) after the same step.
+
+        A CPU tensor: the all-reduce goes over gloo and never waits for the GPU.
+        """
+        flag = torch.tensor([int(self.stop_requested)], dtype=torch.int32)
+        if self.env.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def run(self) -> TrainState:
         cfg, t = self.cfg, self.cfg.train
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
@@ -297,7 +307,8 @@ class Trainer:
         interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
         # Tokens this device processes per step (TP ranks share their dp rank's tokens).
         local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
-        while self.state.step < t.steps and not self.stop_requested:
+        stopping = False
+        while self.state.step < t.steps and not stopping:
             lr = self.scheduler.get_last_lr()[0]
             loss, norm = self.train_step(self.data_loader.next_batch())
             self.state.step += 1
@@ -321,7 +332,8 @@ class Trainer:
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
             if self.float8 and self.float8.enabled and cfg.metrics.fp8_stats_freq and step % cfg.metrics.fp8_stats_freq == 0:
                 self.metrics.add_scalars(float8_weight_stats(self.model), step)
-            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=self.stop_requested,
+            stopping = self._agree_to_stop()
+            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=stopping,
                                        before_save=self.check_finite)
 
     def close(self) -> None:

@@ -1,0 +1,419 @@
+"""Checkpoints in one process: exact resume after SIGKILL, kill mid-save, SIGTERM, precision switch,
+bad input, Hugging Face export/import against transformers.
+
+The trainer runs in subprocesses (a 1-process gloo group each); the multi-process
+cases are in tests/distributed/test_checkpoint_distributed.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, TRAIN, env, launch, read_metrics
+from trainer.checkpoint import (
+    CheckpointError, check_file, file_digest, load_full_model_weights, prune_checkpoints, scan_checkpoints,
+)
+from trainer.export import (
+    ExportError, expected_shapes, from_hf_name, plan_shards, read_hf_weights, to_hf_name, write_hf_export,
+)
+from trainer.models.llama import FLAVORS, Llama, ModelArgs, RopeScaling
+
+CONVERT = str(REPO / "scripts" / "convert_checkpoint.py")
+DEBUG = FLAVORS["debug"]
+# Tiny and fast; fp32 + deterministic so a resumed run reproduces the uninterrupted one exactly.
+ARGS = [
+    "--config", str(REPO / "configs" / "train" / "debug_model.toml"),
+    "--train.seq_len=32", "--train.batch_size=2", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
+]
+EXACT = [*ARGS, "--train.mixed_precision=fp32", "--train.deterministic=true"]
+
+
+def _run(args: list[str], dump: Path) -> subprocess.CompletedProcess:
+    proc = launch([*args, f"--job.dump_folder={dump}"], timeout=120)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    # A relaunch appends to metrics.jsonl: the last record of a step is the resumed run's.
+    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+
+
+def _run_until_paused(args: list[str], dump: Path, pause: str) -> str:
+    """Run until the TRAINER_TEST_PAUSE hook blocks, then SIGKILL (no cleanup of any kind runs)."""
+    cmd = [sys.executable, TRAIN, *args, f"--job.dump_folder={dump}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**env(), "TRAINER_TEST_PAUSE": pause})
+    out = []
+    watchdog = threading.Timer(120, proc.kill)  # a hang fails the test instead of blocking it
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("TRAINER_TEST_PAUSE"):
+                break
+        else:
+            raise AssertionError("the run ended without reaching the pause:\n" + "".join(out[-60:]))
+    finally:
+        watchdog.cancel()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    return "".join(out)
+
+
+def _dirs(dump: Path) -> list[str]:
+    return sorted(p.name for p in (dump / "checkpoint").iterdir())
+
+
+def _llama(args: ModelArgs, weights: dict[str, torch.Tensor] | None = None) -> Llama:
+    """A plain (unsharded) fp32 model on CPU: random init, or these weights."""
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)  # also builds the rope cache
+    if weights is not None:
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
+    return model.eval()
+
+
+def _hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    # .float(): transformers 4 loads fp32 by default, 5 the config's dtype; bf16 -> fp32 is exact.
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folder)).float().eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+# -- pure functions -----------------------------------------------------------
+
+
+def test_hf_names_round_trip():
+    fqns = list(expected_shapes(DEBUG))
+    assert len(fqns) == 2 + 9 * DEBUG.n_layers + 1
+    assert to_hf_name("layers.3.attention.q_proj.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert to_hf_name("layers.0.mlp_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert to_hf_name("output_head.proj.weight") == "lm_head.weight"
+    assert [from_hf_name(to_hf_name(f)) for f in fqns] == fqns
+    with pytest.raises(ExportError, match="layers.0.attention.wq.weight"):
+        to_hf_name("layers.0.attention.wq.weight")
+
+
+def test_plan_shards():
+    sizes = {"a": 4, "b": 4, "c": 10, "d": 1}
+    assert plan_shards(sizes, max_shard_bytes=8) == [["a", "b"], ["c"], ["d"]]
+    assert plan_shards(sizes, max_shard_bytes=100) == [["a", "b", "c", "d"]]
+
+
+def _fake_checkpoint(folder: Path, name: str, *, metadata=True, info=True) -> Path:
+    path = folder / name
+    path.mkdir(parents=True)
+    if metadata:
+        (path / ".metadata").write_bytes(b"x")
+    if info:
+        (path / "checkpoint.json").write_text("{}")
+    return path
+
+
+def test_scan_and_prune_keep_latest_k(tmp_path):
+    for name in ("step-5", "step-10", "step-20"):
+        _fake_checkpoint(tmp_path, name)
+    _fake_checkpoint(tmp_path, "step-8.tmp", metadata=False, info=False)  # interrupted, superseded
+    _fake_checkpoint(tmp_path, "step-25.tmp", metadata=False, info=False)  # a save still in progress
+    _fake_checkpoint(tmp_path, "step-15", info=False)  # copied partially
+    (tmp_path / "step-20-hf").mkdir()  # an export: never a checkpoint, never pruned
+    complete, incomplete = scan_checkpoints(tmp_path)
+    assert sorted(complete) == [5, 10, 20]
+    assert sorted(p.name for p, _ in incomplete) == ["step-15", "step-25.tmp", "step-8.tmp"]
+    removed = prune_checkpoints(tmp_path, newest=20, keep_latest_k=2)
+    assert sorted(p.name for p in removed) == ["step-5", "step-8.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-15", "step-20", "step-20-hf",
+                                                          "step-25.tmp"]
+    # The only complete checkpoint is never removed.
+    only = tmp_path / "only"
+    _fake_checkpoint(only, "step-3")
+    assert prune_checkpoints(only, newest=3, keep_latest_k=1) == []
+    assert (only / "step-3").is_dir()
+
+
+def test_check_file_detects_truncation_and_corruption(tmp_path):
+    f = tmp_path / "__0_0.distcp"
+    f.write_bytes(bytes(range(256)) * 64)
+    digest = file_digest(f)
+    assert check_file(f, digest) is None
+    data = bytearray(f.read_bytes())
+    data[1000] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert "is corrupted: crc32" in check_file(f, digest)
+    f.write_bytes(bytes(data[:5000]))
+    assert "is truncated or corrupted: 5,000 bytes, expected 16,384" in check_file(f, digest)
+    assert "is truncated" in check_file(f, None, min_bytes=6000)
+    assert check_file(tmp_path / "nope", digest).endswith("nope is missing")
+
+
+def test_export_with_llama3_rope_scaling_matches_transformers(tmp_path):
+    """Exact export of a randomly initialized model whose config has Llama 3.1 rope scaling."""
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32,
+                     rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0, original_max_seq_len=32),
+                     max_seq_len=128)
+    model = _llama(args)
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    write_hf_export(tmp_path / "hf", args=args, shapes={k: tuple(v.shape) for k, v in weights.items()},
+                    fetch=lambda fqns: {k: weights[k] for k in fqns}, dtype=torch.float32)
+    tokens = torch.randint(0, args.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=1e-4, rtol=0)
+    back = read_hf_weights(tmp_path / "hf", args=args)
+    assert all(torch.equal(back[k], weights[k]) for k in weights)
+    with pytest.raises(ExportError, match="num_hidden_layers=2 but the trainer model has 3"):
+        read_hf_weights(tmp_path / "hf", args=ModelArgs(**{**args.__dict__, "n_layers": 3}))
+
+
+# -- the trainer, relaunched ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigkill_at_step_12_resumes_from_step_10_exactly(tmp_path):
+    """The issue's done-when: 20 steps, interval 5, SIGKILL after step 12, relaunch: steps 11-20 match."""
+    args = [*EXACT, "--train.steps=20", "--train.grad_accum_steps=2", "--checkpoint.interval=5"]
+    _run(args, tmp_path / "ref")
+    ref = _losses(tmp_path / "ref")
+    dump = tmp_path / "run"
+    ckpt = [*args, "--checkpoint.enable=true", "--checkpoint.keep_latest_k=2"]
+    killed_log = _run_until_paused(ckpt, dump, pause="step:12")
+    assert "step     12/20" in killed_log
+    assert _dirs(dump) == ["step-10", "step-5"]
+    relaunch = _run(ckpt, dump)  # the same command, no edits
+    assert f"resumed from checkpoint {dump / 'checkpoint' / 'step-10'} at step 10" in relaunch.stdout
+    resumed = _losses(dump)
+    assert sorted(resumed) == list(range(1, 21))
+    for step in range(11, 21):
+        assert abs(resumed[step] - ref[step]) <= 1e-6, (step, resumed[step], ref[step])
+    assert _dirs(dump) == ["step-15", "step-20"]  # keep_latest_k=2
+
+
+@pytest.mark.slow
+def test_kill_mid_save_leaves_previous_checkpoint_latest(tmp_path):
+    args = [*EXACT, "--train.steps=10", "--checkpoint.interval=5", "--checkpoint.enable=true",
+            "--checkpoint.keep_latest_k=1"]
+    dump = tmp_path / "run"
+    # Pauses inside the save of step 10 after the shard file is written, before the save completes.
+    _run_until_paused(args, dump, pause="save:10")
+    assert _dirs(dump) == ["step-10.tmp", "step-5"]  # keep_latest_k=1 kept the only complete one
+    assert (dump / "checkpoint" / "step-10.tmp" / "__0_0.distcp").exists()
+    relaunch = _run(args, dump)
+    assert "ignoring incomplete checkpoint" in relaunch.stdout and "step-10.tmp" in relaunch.stdout
+    assert "at step 5 " in relaunch.stdout
+    assert _dirs(dump) == ["step-10"]
+    assert json.loads((dump / "checkpoint" / "step-10" / "checkpoint.json").read_text())["step"] == 10
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_stops(tmp_path):
+    dump = tmp_path / "run"
+    cmd = [sys.executable, TRAIN, *ARGS, "--train.mixed_precision=fp32", "--train.steps=1000",
+           "--checkpoint.enable=true", "--checkpoint.interval=1000", f"--job.dump_folder={dump}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env())
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if "step      3/1000" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out.append(proc.stdout.read())
+    watchdog.cancel()
+    assert proc.wait(timeout=30) == 0, "".join(out)[-3000:]
+    last = max(r["step"] for r in read_metrics(dump))
+    assert "received SIGTERM" in "".join(out)
+    assert _dirs(dump) == [f"step-{last}"]
+
+
+@pytest.mark.slow
+def test_precision_switch_by_relaunch(tmp_path):
+    """bf16 warmup -> fp8 body -> bf16 cooldown as relaunches (docs/checkpointing.md, pattern 3).
+
+    constant, constant, then wsd over the whole run: the learning rate of every
+    step equals that of one uninterrupted wsd run.
+    """
+    schedule = ["--scheduler.warmup_steps=1", "--scheduler.wsd_decay_ratio=0.5"]
+    _run([*ARGS, *schedule, "--train.steps=6", "--train.mixed_precision=fp32", "--scheduler.decay_type=wsd"],
+         tmp_path / "single")
+    dump = tmp_path / "run"
+    base = [*ARGS, *schedule, "--checkpoint.enable=true", "--checkpoint.interval=100"]
+    _run([*base, "--train.steps=1", "--train.mixed_precision=bf16", "--scheduler.decay_type=constant"], dump)
+    fp8 = _run([*base, "--train.steps=3", "--train.mixed_precision=fp8", "--scheduler.decay_type=constant"], dump)
+    assert "resumed bf16 checkpoint at step 1 with mixed_precision=fp8" in fp8.stdout
+    assert "Applied Float8 training" in fp8.stdout
+    bf16 = _run([*base, "--train.steps=6", "--train.mixed_precision=bf16", "--scheduler.decay_type=wsd"], dump)
+    assert "resumed fp8 checkpoint at step 3 with mixed_precision=bf16" in bf16.stdout
+    assert "learning rate at step" not in fp8.stdout + bf16.stdout  # no schedule change to warn about
+    lrs = {r["step"]: r["lr"] for r in read_metrics(dump)}
+    assert lrs == {r["step"]: r["lr"] for r in read_metrics(tmp_path / "single")}
+    assert lrs[6] < lrs[3]  # the cooldown decayed
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def layout(step):
+        md = FileSystemReader(str(dump / "checkpoint" / f"step-{step}")).read_metadata().state_dict_metadata
+        return {k: (tuple(v.size), v.properties.dtype) if hasattr(v, "size") else None for k, v in md.items()}
+
+    # The same keys, shapes and dtypes whether written by a bf16 or an fp8 (float8 all-gather) run.
+    assert layout(1) == layout(3)
+    # An fp8 run's checkpoint loads whole (optimizer included) in a process that never imports torchao.
+    check = textwrap.dedent(f"""
+        import sys
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        from trainer.checkpoint import load_full_model_weights
+        info, weights = load_full_model_weights({str(dump / 'checkpoint' / 'step-3')!r})
+        assert info["mixed_precision"] == "fp8" and len(weights) == 39
+        dcp_to_torch_save({str(dump / 'checkpoint' / 'step-3')!r}, {str(tmp_path / 'full.pt')!r})
+        assert "torchao" not in sys.modules, "torchao was imported"
+    """)
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- a finished run: bad input, export, import ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """2 fp32 steps with a checkpoint at step 2 and the final bf16 Hugging Face export."""
+    dump = tmp_path_factory.mktemp("trained")
+    _run([*EXACT, "--train.steps=2", "--checkpoint.enable=true", "--checkpoint.interval=2",
+          "--checkpoint.model_only=true"], dump)
+    return dump / "checkpoint"
+
+
+# Runs trainer.cli.main (what scripts/train.py runs) once per case in one process: each
+# case's rc and stderr, as JSON. Cheaper than a process per case.
+_CLI_CASES = """
+import contextlib, io, json, sys
+from trainer.cli import main
+results = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        rc = main(argv)
+    results[name] = {"rc": rc, "stderr": err.getvalue(), "stdout": out.getvalue()}
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_before_training(trained, tmp_path):
+    def copy(name: str) -> Path:
+        dump = tmp_path / name
+        shutil.copytree(trained / "step-2", dump / "checkpoint" / "step-2")
+        return dump / "checkpoint" / "step-2"
+
+    truncated = copy("truncated") / "__0_0.distcp"
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    corrupted = copy("corrupted") / "__0_0.distcp"
+    with open(corrupted, "r+b") as f:  # same size, different bytes in the middle of the tensor data
+        f.seek(corrupted.stat().st_size // 2)
+        f.write(b"\x7f" * 64)
+    metadata = copy("metadata") / ".metadata"
+    metadata.write_bytes(b"not a pickle")
+    resume = [*EXACT, "--train.steps=3", "--checkpoint.enable=true"]
+    cases = {
+        "missing folder": ([*EXACT, "--checkpoint.initial_load_path=/nonexistent/ckpt"],
+                           "checkpoint /nonexistent/ckpt does not exist"),
+        "missing step": ([*resume, "--checkpoint.load_step=7", f"--job.dump_folder={tmp_path / 'truncated'}"],
+                         "checkpoint.load_step=7: " + str(tmp_path / "truncated" / "checkpoint" / "step-7")),
+        "not a checkpoint": ([*EXACT, f"--checkpoint.initial_load_path={trained / 'step-2-hf'}"],
+                             str(trained / "step-2-hf" / "checkpoint.json") + " is missing"),
+        "truncated shard": ([*resume, f"--job.dump_folder={tmp_path / 'truncated'}"],
+                            f"{truncated} is truncated or corrupted"),
+        "corrupted shard": ([*resume, f"--job.dump_folder={tmp_path / 'corrupted'}"],
+                            f"{corrupted} is corrupted: crc32"),
+        "corrupted metadata": ([*resume, f"--job.dump_folder={tmp_path / 'metadata'}"], f"{metadata} is"),
+        "other shape": ([*EXACT, "--model.n_layers=2", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
+                        f"{trained / 'step-2' / 'checkpoint.json'}: model shape mismatch: the checkpoint is "
+                        "llama3 debug with n_layers=4 (this run: 2)"),
+        "vocab": ([*EXACT, "--model.vocab_size=1024", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
+                  f"{trained / 'step-2' / 'checkpoint.json'}: vocab mismatch: the checkpoint has vocab_size=512, "
+                  "this run has 1024"),
+    }
+    proc = subprocess.run([sys.executable, "-c", _CLI_CASES, json.dumps({k: v[0] for k, v in cases.items()})],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    for name, (_, expected) in cases.items():
+        r = results[name]
+        lines = r["stderr"].strip().splitlines()
+        assert r["rc"] == 1 and len(lines) == 1, (name, r["stderr"])
+        assert lines[0].startswith("error (rank 0): ") and expected in lines[0], (name, lines[0], expected)
+        assert "step      1/" not in r["stdout"], name  # found before training started
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
+    info, weights = load_full_model_weights(trained / "step-2")
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    # The final export of the run: bf16 weights, one model.safetensors.
+    assert sorted(p.name for p in (trained / "step-2-hf").iterdir()) == ["config.json", "model.safetensors"]
+    with torch.no_grad():
+        ours_bf16 = _llama(DEBUG, {k: v.to(torch.bfloat16) for k, v in weights.items()})(tokens)
+    torch.testing.assert_close(_hf_logits(trained / "step-2-hf", tokens), ours_bf16, atol=1e-4, rtol=0)
+    # scripts/convert_checkpoint.py: fp32, sharded.
+    out = tmp_path / "hf32"
+    proc = subprocess.run([sys.executable, CONVERT, "export", str(trained), str(out), "--dtype=float32",
+                           "--max-shard-size=1MB"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    with torch.no_grad():
+        ours = _llama(DEBUG, weights)(tokens)
+    torch.testing.assert_close(_hf_logits(out, tokens), ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_import_hf_weights_as_initial_load_path(trained, tmp_path):
+    imported = tmp_path / "imported"
+    proc = subprocess.run([sys.executable, CONVERT, "import", str(trained / "step-2-hf"), str(imported),
+                           "--flavor=debug"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _, weights = load_full_model_weights(trained / "step-2")
+    info, back = load_full_model_weights(imported)
+    assert info["kind"] == "model_only"
+    assert all(torch.equal(back[k], weights[k].to(torch.bfloat16)) for k in weights)
+    # Wrong flavor: one line naming config.json.
+    bad = subprocess.run([sys.executable, CONVERT, "import", str(trained / "step-2-hf"), str(tmp_path / "x"),
+                          "--flavor=debug", "--n-layers=2"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0
+    assert "config.json: num_hidden_layers=4 but the trainer model has 2" in bad.stderr
+
+    # A new run starts from the imported weights: its step-1 loss is this model's loss on the first batch.
+    run = _run([*EXACT, "--train.steps=1", f"--checkpoint.initial_load_path={imported}"], tmp_path / "run")
+    assert f"loaded model weights from {imported}" in run.stdout
+    from trainer.data import build_data_loader
+
+    loader = build_data_loader(source="default", path="", tokenizer="byte", seed=0, shuffle=True, seq_len=32,
+                               batch_size=2, grad_accum_steps=1, dp_rank=0, dp_degree=1,
+                               vocab_size=DEBUG.vocab_size)
+    (inputs, labels), = loader.next_batch()
+    with torch.no_grad():
+        expected = _llama(DEBUG, back)(inputs, labels).item()
+    assert abs(_losses(tmp_path / "run")[1] - expected) < 1e-5
+
+
+def test_load_full_model_weights_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_full_model_weights(tmp_path / "nope")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "checkpoint.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"checkpoint.json is corrupted \(not valid JSON"):
+        load_full_model_weights(tmp_path / "c")
