@@ -34,6 +34,14 @@ for s in $STEPS; do case $s in
         --job.dump_folder=/tmp/acc_${p}_$seed 2>&1 | grep -E "step +[0-9]+00/|Applied|converted" | tee "$OUT/accuracy_${p}_$seed.log" | tail -1
       cp /tmp/acc_${p}_$seed/metrics.jsonl "$OUT/accuracy_${p}_$seed.jsonl"
     done ;;
+  ckpt)  # bf16 -> fp8 (compiled) -> bf16 by checkpoint and relaunch, async pinned-memory saves
+    A="--config configs/train/llama3_1b.toml --model.n_layers=2 --data.source=stdlib --train.seq_len=1024 --train.batch_size=4 --train.steps=30 --scheduler.decay_type=constant --checkpoint.enable=true --checkpoint.interval=10 --checkpoint.async_mode=async_with_pinned_mem --metrics.log_freq=5 --job.dump_folder=/tmp/ckpt_run"
+    rm -rf /tmp/ckpt_run
+    { python3 scripts/train.py $A --train.mixed_precision=bf16 --train.steps=10
+      python3 scripts/train.py $A --train.mixed_precision=fp8 --train.compile_model=true --train.steps=20
+      python3 scripts/train.py $A --train.mixed_precision=bf16 --checkpoint.model_only=true
+      ls /tmp/ckpt_run/checkpoint; python3 -m pytest -q tests/unit/test_checkpoint.py; } 2>&1 \
+      | grep -E "resumed|Applied Float8|step +(10|20|30)/|saved|export|passed|failed|Error|error|step-" | tee "$OUT/ckpt.log" ;;
   ac)
     for v in "compile none --train.compile_model=true --train.activation_checkpointing=none" \
              "eager none --train.compile_model=false --train.activation_checkpointing=none" \
@@ -51,4 +59,5 @@ echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tes
 for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" | grep -v "^\[rank"; done
 for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -1 "$f")"; done
 [ -f "$OUT/ac.log" ] && cat "$OUT/ac.log"
+[ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 exit 0
