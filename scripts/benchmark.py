@@ -44,13 +44,13 @@ def sync(device: torch.device) -> None:
 def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None) -> dict:
     cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", f"--train.steps={warmup + steps}",
                            "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false"])
-    trainer = Trainer(cfg)
+    runner = Trainer(cfg)
     try:
-        device, t = trainer.device, cfg.train
+        device, t = runner.device, cfg.train
         warmup_times = []
         for _ in range(warmup):  # compilation, autotuning, allocator warm-up
             start = time.perf_counter()
-            trainer.train_step(trainer.data_loader.next_batch())
+            runner.train_step(runner.data_loader.next_batch())
             sync(device)
             warmup_times.append(time.perf_counter() - start)
         if device.type == "cuda":
@@ -58,16 +58,16 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
         # Timed like training runs: steps back to back, no host sync between them.
         start = time.perf_counter()
         for _ in range(steps):
-            trainer.train_step(trainer.data_loader.next_batch())
+            runner.train_step(runner.data_loader.next_batch())
         sync(device)
         step_s = (time.perf_counter() - start) / steps
-        trainer.check_finite()
+        runner.check_finite()
         if profile_dir:
-            profile_steps(trainer, Path(profile_dir) / precision)
-        world = trainer.env.world_size
-        tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum_steps * trainer.parallel_dims.dp / world
+            profile_steps(runner, Path(profile_dir) / precision)
+        world = runner.env.world_size
+        tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum_steps * runner.parallel_dims.dp / world
         tps = tokens_per_gpu / step_s
-        model_flops = tps * flops_per_token(trainer.model_args, t.seq_len)
+        model_flops = tps * flops_per_token(runner.model_args, t.seq_len)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         return {
             "precision": precision,
@@ -76,19 +76,19 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
             "model_tflops_per_gpu": model_flops / 1e12,
             "mfu_pct": 100 * model_flops / H100_BF16_PEAK,
             "peak_memory_gib": peak,
-            "float8_converted": len(trainer.float8.converted) if trainer.float8 else 0,
+            "float8_converted": len(runner.float8.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
         }
     finally:
-        trainer.close()
-        del trainer
+        runner.close()
+        del runner
         destroy_distributed()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def profile_steps(trainer: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
+def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     """Trace a few more steps and print the kernel summary (where the time goes)."""
     from trainer.profiling import format_summary, load_trace_events, summarize_events
 
@@ -97,8 +97,8 @@ def profile_steps(trainer: Trainer, trace_dir: Path, num_steps: int = 2) -> None
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(num_steps):
-            trainer.train_step(trainer.data_loader.next_batch())
-        sync(trainer.device)
+            runner.train_step(runner.data_loader.next_batch())
+        sync(runner.device)
     prof.export_chrome_trace(str(path))
     print(format_summary(summarize_events(load_trace_events(str(path)), num_steps=num_steps), top=25))
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,3 +54,25 @@ def read_metrics(dump: Path) -> list[dict]:
 
 def column(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records]
+
+
+def run_until_paused(cmd: list[str], pause: str, *, timeout: float = 150) -> str:
+    """Start cmd with TRAINER_TEST_PAUSE=pause, wait until a rank reports the pause, then SIGKILL
+    the whole process group (torchrun and every rank): no cleanup of any kind runs."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**env(), "TRAINER_TEST_PAUSE": pause}, start_new_session=True)
+    out = []
+    watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))  # a hang fails, not blocks
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("TRAINER_TEST_PAUSE"):
+                break
+        else:
+            raise AssertionError("the run ended without reaching the pause:\n" + "".join(out[-60:]))
+    finally:
+        watchdog.cancel()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    return "".join(out)

@@ -278,7 +278,7 @@ class Trainer:
         return bool(flag.item())
 
     def run(self) -> TrainState:
-        cfg, t = self.cfg, self.cfg.train
+        cfg = self.cfg
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
         if self.env.rank == 0:
             (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import TRAIN, env, launch, read_metrics  # noqa: E402
+from tests.helpers import TRAIN, env, launch, read_metrics, run_until_paused  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 150  # seconds per launch; each takes 5-15 s, so this only ends a hang early
@@ -40,24 +38,7 @@ def _torchrun(nproc: int, script: str, args: list[str]) -> list[str]:
 
 
 def _run_until_paused(cmd: list[str], pause: str) -> str:
-    """Start cmd with TRAINER_TEST_PAUSE=pause, wait until a rank reports the pause, SIGKILL the whole group."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**env(), "TRAINER_TEST_PAUSE": pause}, start_new_session=True)
-    out = []
-    watchdog = threading.Timer(TIMEOUT, os.killpg, (proc.pid, signal.SIGKILL))  # a hang fails, not blocks
-    watchdog.start()
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith("TRAINER_TEST_PAUSE"):
-                break
-        else:
-            raise AssertionError("the run ended without reaching the pause:\n" + "".join(out[-60:]))
-    finally:
-        watchdog.cancel()
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank, mid-save
-        proc.wait(timeout=30)
-    return "".join(out)
+    return run_until_paused(cmd, pause, timeout=TIMEOUT)
 
 
 def _losses(dump: Path) -> dict[int, float]:

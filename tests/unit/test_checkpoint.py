@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, TRAIN, env, launch, read_metrics
+from tests.helpers import REPO, TRAIN, env, launch, read_metrics, run_until_paused
 from trainer.checkpoint import (
     CheckpointError, check_file, file_digest, load_full_model_weights, prune_checkpoints, scan_checkpoints,
 )
@@ -50,25 +50,7 @@ def _losses(dump: Path) -> dict[int, float]:
 
 
 def _run_until_paused(args: list[str], dump: Path, pause: str) -> str:
-    """Run until the TRAINER_TEST_PAUSE hook blocks, then SIGKILL (no cleanup of any kind runs)."""
-    cmd = [sys.executable, TRAIN, *args, f"--job.dump_folder={dump}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**env(), "TRAINER_TEST_PAUSE": pause})
-    out = []
-    watchdog = threading.Timer(120, proc.kill)  # a hang fails the test instead of blocking it
-    watchdog.start()
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith("TRAINER_TEST_PAUSE"):
-                break
-        else:
-            raise AssertionError("the run ended without reaching the pause:\n" + "".join(out[-60:]))
-    finally:
-        watchdog.cancel()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    return "".join(out)
+    return run_until_paused([sys.executable, TRAIN, *args, f"--job.dump_folder={dump}"], pause, timeout=120)
 
 
 def _dirs(dump: Path) -> list[str]:

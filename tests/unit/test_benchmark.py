@@ -1,0 +1,40 @@
+"""scripts/benchmark.py runs the real train step and reports consistent numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DEBUG_CONFIG, REPO, env
+from trainer.models import flops_per_token, model_args_for
+
+
+def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--precisions", "bf16,fp8",
+         "--warmup", "1", "--steps", "2", "--json", str(out), "--",
+         "--data.source=synthetic", "--train.seq_len=64", "--train.batch_size=2"],
+        capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bf16, fp8 = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
+    assert bf16["float8_converted"] == 0 and fp8["float8_converted"] == 29
+    for r in (bf16, fp8):
+        assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
+        per_token = flops_per_token(model_args_for("debug", max_seq_len=64), 64)
+        assert r["model_tflops_per_gpu"] == pytest.approx(r["tokens_per_s_per_gpu"] * per_token / 1e12)
+        assert r["mfu_pct"] == pytest.approx(100 * r["model_tflops_per_gpu"] * 1e12 / 989e12)
+    assert fp8["speedup"] == pytest.approx(fp8["tokens_per_s_per_gpu"] / bf16["tokens_per_s_per_gpu"])
+    assert "vs bf16" in proc.stdout
+
+
+def test_benchmark_config_error_is_one_line() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--",
+                           "--train.bach_size=2"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "config error: unknown key [train].bach_size (did you mean batch_size?)"
