@@ -82,6 +82,10 @@ class TrainSection:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """What a NaN/inf loss or gradient norm does: stop the run naming the step, or skip that optimizer step."""
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.mixed_precision == "fp8"
+
 
 @dataclass
 class OptimizerSection:
@@ -255,7 +259,7 @@ class JobConfig:
 
     @property
     def is_fp8(self) -> bool:
-        return self.train.mixed_precision == "fp8"
+        return self.train.is_fp8
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -267,10 +271,6 @@ class JobConfig:
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
-
-
-# TrainSection.is_fp8 mirrors JobConfig.is_fp8 for code that only holds the section.
-TrainSection.is_fp8 = property(lambda self: self.mixed_precision == "fp8")  # type: ignore[attr-defined]
 
 
 def _validate(cfg: JobConfig) -> None:
