@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -57,8 +56,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
         raise ValueError(
             f"distributed.tp={tp} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}"
         )
+    # The rope cache stays a plain tensor: sequence parallel shards the sequence only
+    # between sublayers, and attention sees the whole (replicated) sequence.
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
-    # The rope cache is indexed by position; SP shards the sequence only between
-    # blocks, and attention sees the full (replicated) sequence, so it stays whole.
-    assert isinstance(model.rope, torch.Tensor)
