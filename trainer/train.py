@@ -7,7 +7,7 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,6 @@ class TrainState:
     """Everything besides model/optimizer/scheduler/data that a resume needs."""
 
     step: int = 0
-    losses: list[float] = field(default_factory=list)  # logged losses, for tests and summaries
     mixed_precision: str = ""  # this run's train.mixed_precision, saved so a resume can say what changed
     resumed_mixed_precision: str = ""  # what the loaded checkpoint was written with ("" = not resumed)
 
@@ -323,7 +322,6 @@ class Trainer:
                 # Mean over data-parallel ranks (TP ranks hold the same loss).
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
                 loss_value, norm_value = loss.item(), norm.item()
-                self.state.losses.append(loss_value)
                 self.metrics.log(
                     StepStats(step=step, loss=loss_value, grad_norm=norm_value, lr=lr, tokens=int(interval_tokens),
                               seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps),

@@ -201,13 +201,15 @@ def float8_weight_stats(model: nn.Module) -> dict[str, float]:
     from torch.distributed.tensor import DTensor
     from torchao.float8.float8_linear import Float8Linear
 
+    from trainer.models.llama import clean_fqn
+
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     stats: dict[str, float] = {}
     for fqn, mod in model.named_modules():
         if isinstance(mod, Float8Linear):
             weight = mod.weight.full_tensor() if isinstance(mod.weight, DTensor) else mod.weight
             amax = weight.detach().abs().max().float().item()
-            name = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            name = clean_fqn(fqn)
             stats[f"fp8/weight_amax/{name}"] = amax
             stats[f"fp8/weight_scale/{name}"] = fp8_max / max(amax, 1e-12)
     return stats
