@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from trainer.errors import UserError
 from trainer.config import CheckpointSection
 from trainer.models.llama import ModelArgs
 
@@ -69,7 +70,7 @@ _FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A user-facing checkpoint problem (missing, incomplete, corrupted, incompatible); one line."""
 
 

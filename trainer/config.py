@@ -22,14 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration; its message is one line."""
 
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]

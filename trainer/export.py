@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.errors import UserError
 from trainer.models.llama import ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ _NAME_MAP = [
 ]
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A user-facing problem with an export or import; its message is one line."""
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer.errors import UserError
 from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
@@ -29,7 +30,7 @@ from trainer.profiling import maybe_enable_profiling, maybe_record_memory_histor
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """A NaN/inf loss or gradient norm with train.on_nonfinite='stop'."""
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.errors import UserError
+
 MAGIC = b"TRAINERSHARD\x00"
 FORMAT_VERSION = 1
 HEADER_BYTES = 256
@@ -31,7 +33,7 @@ _DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 _FINGERPRINT_BYTES = 64
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A user-facing data problem (bad shard, bad config, bad input file)."""
 
 
