@@ -1,4 +1,8 @@
-"""Command-line handling shared by the scripts: config errors are one line, never a traceback."""
+"""Command-line handling for scripts/train.py: help, config loading, one-line user errors.
+
+Errors the user can fix (`trainer.errors.UserError`) are printed as one line with a
+non-zero exit; anything else is a bug or an environment failure and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,13 @@ import logging
 import os
 import sys
 
-from trainer.config import ConfigError, load_job_config
+from trainer.config import ConfigError, load_job_config, section_help, usage
+from trainer.errors import UserError
 
 logger = logging.getLogger("trainer")
+
+EXIT_USER_ERROR = 1
+EXIT_CONFIG_ERROR = 2
 
 
 def main(argv: list[str]) -> int:
@@ -17,29 +25,46 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     # One line per node, not one per rank: every rank hits the same user error.
     speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if not argv:
+        if speaks:
+            print(usage(), file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if "-h" in argv or "--help" in argv:
+        sections = argv[argv.index("-h" if "-h" in argv else "--help") + 1:]
+        sections = [s for s in sections if not s.startswith("-")]
+        try:
+            text = "\n\n".join(section_help(s) for s in sections) if sections else usage()
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        print(text)
+        return 0
     setup_logging(rank)
     try:
         cfg = load_job_config(argv)
     except ConfigError as e:
         if speaks:
             print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        logger.warning("no --config given: training the built-in defaults (model.flavor=%r, %d steps, data.source=%r) "
+                       "into %s", cfg.model.flavor, cfg.train.steps, cfg.data.source, cfg.job.dump_folder)
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
     logger.info("resolved config:\n%s", cfg.to_toml())
 
-    from trainer.train import NonFiniteError, train
+    from trainer.train import train
 
     try:
         train(cfg)
-    except (ValueError, NonFiniteError) as e:
-        # User-facing errors (bad data, bad parallel degrees, FP8 unavailable with
-        # float8.require, non-finite loss) are raised with one-line messages.
-        if type(e).__module__.startswith(("trainer", "builtins")):
-            if speaks:
-                print(f"error (rank {rank}): {e}", file=sys.stderr)
-            return 1
-        raise
+    except ConfigError as e:  # found by the validation pass (world size, model shapes, data)
+        if speaks:
+            print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except UserError as e:
+        if speaks:
+            print(f"error (rank {rank}): {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"interrupted (rank {rank})", file=sys.stderr)
         return 130

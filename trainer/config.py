@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import sys
 import textwrap
 import typing
@@ -43,8 +44,6 @@ class JobSection:
 
 @dataclass
 class ModelSection:
-    name: str = "llama3"
-    """Model family. Only 'llama3' exists today."""
     flavor: str = "debug"
     """Size preset: debug, 1b, 3b, 8b, 70b, 405b (see trainer/models/llama.py)."""
     vocab_size: int = 0
@@ -87,8 +86,8 @@ class TrainSection:
 
 @dataclass
 class OptimizerSection:
-    name: Literal["adamw"] = "adamw"
-    """Optimizer. AdamW with decoupled weight decay."""
+    """AdamW with decoupled weight decay."""
+
     lr: float = 3e-4
     """Peak learning rate."""
     beta1: float = 0.9
@@ -141,8 +140,6 @@ class DistributedSection:
     """Expert-parallel degree (MoE models; not implemented yet)."""
     pp: int = 1
     """Pipeline-parallel degree (not implemented yet)."""
-    cp: int = 1
-    """Context-parallel degree (not implemented yet)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -223,6 +220,21 @@ class MetricsSection:
     """Every this many steps, write per-layer FP8 amax/scale statistics to TensorBoard; 0 = off."""
 
 
+# One line per section, for `--help` and docs/config.md.
+SECTION_HELP = {
+    "job": "where the run writes and what it is for",
+    "model": "model flavor (size preset) and shape overrides",
+    "train": "steps, batch, sequence length, precision, AC, compile",
+    "optimizer": "AdamW hyperparameters",
+    "scheduler": "learning-rate warmup and decay",
+    "data": "training data source, shards and tokenizer",
+    "distributed": "parallel degrees (dp_replicate, dp_shard, tp, ep, pp) and FSDP2 policy",
+    "float8": "FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')",
+    "checkpoint": "DCP checkpoints, resume, export",
+    "profiling": "torch.profiler window and memory snapshots",
+    "metrics": "log line, metrics.jsonl, TensorBoard",
+}
+
 _SECTIONS: dict[str, type] = {
     "job": JobSection,
     "model": ModelSection,
@@ -253,7 +265,10 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        # The config-only checks; trainer.validate.validate_job adds world size, model and data.
+        from trainer.validate import check_config
+
+        check_config(self)
 
     @property
     def is_fp8(self) -> bool:
@@ -269,70 +284,6 @@ class JobConfig:
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
-
-
-def _validate(cfg: JobConfig) -> None:
-    """Cross-field and range checks; each failure is one line naming the key."""
-    t, d = cfg.train, cfg.distributed
-    if t.is_fp8 and d.tp > 1:
-        raise ConfigError(
-            "FP8 + Tensor Parallelism is not yet supported: train.mixed_precision='fp8' with "
-            f"distributed.tp={d.tp}. Use distributed.tp=1 with FSDP (dp_shard) for FP8, "
-            "or keep tp and set train.mixed_precision='bf16'."
-        )
-    positive = {
-        "train.steps": t.steps,
-        "train.batch_size": t.batch_size,
-        "train.seq_len": t.seq_len,
-        "train.grad_accum_steps": t.grad_accum_steps,
-        "metrics.log_freq": cfg.metrics.log_freq,
-        "checkpoint.interval": cfg.checkpoint.interval,
-        "distributed.dp_replicate": d.dp_replicate,
-        "distributed.tp": d.tp,
-        "distributed.ep": d.ep,
-        "distributed.pp": d.pp,
-        "distributed.cp": d.cp,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
-    if d.dp_shard == 0 or d.dp_shard < -1:
-        raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
-    for key in ("n_layers", "vocab_size"):
-        if getattr(cfg.model, key) < 0:
-            raise ConfigError(f"model.{key}={getattr(cfg.model, key)} must be >= 0 (0 = the flavor's own)")
-    if t.max_norm < 0:
-        raise ConfigError(f"train.max_norm={t.max_norm} must be >= 0 (0 disables clipping)")
-    if t.selective_ac_every < 0:
-        raise ConfigError(f"train.selective_ac_every={t.selective_ac_every} must be >= 0")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
-    if not 0 <= cfg.scheduler.min_lr_ratio <= 1:
-        raise ConfigError(f"scheduler.min_lr_ratio={cfg.scheduler.min_lr_ratio} must be in [0, 1]")
-    if not 0 < cfg.scheduler.wsd_decay_ratio <= 1:
-        raise ConfigError(f"scheduler.wsd_decay_ratio={cfg.scheduler.wsd_decay_ratio} must be in (0, 1]")
-    if cfg.scheduler.warmup_steps < 0:
-        raise ConfigError(f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must be >= 0")
-    c = cfg.checkpoint
-    if c.keep_latest_k < 0:
-        raise ConfigError(f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 (0 keeps all)")
-    if c.load_step < -1:
-        raise ConfigError(f"checkpoint.load_step={c.load_step} must be >= 0, or -1 for the latest")
-    if c.load_step >= 0 and not c.enable:
-        raise ConfigError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
-    f8 = cfg.float8
-    if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
-        raise ConfigError(
-            f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "
-            f"(got recipe='{f8.recipe}'); set --float8.enable_fsdp_float8_all_gather=false"
-        )
-    p = cfg.profiling
-    if p.enable and not 1 <= p.start_step <= p.end_step:
-        raise ConfigError(
-            f"profiling window start_step={p.start_step}, end_step={p.end_step} must satisfy 1 <= start_step <= end_step"
-        )
-    if cfg.data.source == "shards" and not cfg.data.path:
-        raise ConfigError("data.source='shards' needs data.path: a folder of .bin shards made by scripts/prepare_data.py")
 
 
 # ---------------------------------------------------------------------------
@@ -409,6 +360,9 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} must be a number")
+        if not math.isfinite(value):
+            # nan would silently disable comparisons (max_norm=nan turns clipping off).
+            raise ConfigError(f"{key}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -451,27 +405,61 @@ def parse_overrides(args: list[str]) -> tuple[str | None, list[tuple[str, str]]]
     return config_path, overrides
 
 
+def read_toml(config_path: str) -> dict[str, Any]:
+    """The parsed TOML file; every way reading it can fail is one ConfigError line."""
+    path = Path(config_path)
+    if not path.exists():
+        raise ConfigError(f"config file {config_path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {config_path} is not a file (a directory?); pass a .toml file with --config")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file {config_path} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {config_path} is not UTF-8 text (byte {e.start}); TOML files must be UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
+
+
+def _imply_shards(layer: dict[str, Any]) -> None:
+    """A layer (the TOML file, or the command line) that points data at shards means shards.
+
+    Setting data.path or a tokenizer.json without data.source in the same layer selects
+    data.source='shards': `--data.path=dir --data.tokenizer=tok.json` is enough on the
+    command line even when the TOML file says source='default'.
+    """
+    if "source" not in layer and (layer.get("path") or layer.get("tokenizer", "byte") != "byte"):
+        layer["source"] = "shards"
+
+
 def load_job_config(args: list[str] | None = None, *, toml_path: str | None = None) -> JobConfig:
     """Build a JobConfig from defaults < TOML (--config) < --section.key overrides."""
     config_path, overrides = parse_overrides(list(args or []))
     config_path = config_path or toml_path
     raw: dict[str, dict[str, Any]] = {}
     if config_path is not None:
-        path = Path(config_path)
-        if not path.is_file():
-            raise ConfigError(f"config file {config_path} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
-        for section, values in data.items():
+        toml_layer: dict[str, dict[str, Any]] = {}
+        for section, values in read_toml(config_path).items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{config_path}: top-level key {section!r} must be a [section]")
             for key, value in values.items():
-                _apply(raw, section, key, value, from_cli=False)
+                _apply(toml_layer, section, key, value, from_cli=False)
+        if "data" in toml_layer:
+            _imply_shards(toml_layer["data"])
+        raw = toml_layer
+    cli_layer: dict[str, dict[str, Any]] = {}
     for name, value in overrides:
         section, _, key = name.partition(".")
-        _apply(raw, section, key, value, from_cli=True)
+        _apply(cli_layer, section, key, value, from_cli=True)
+    if "data" in cli_layer:
+        _imply_shards(cli_layer["data"])
+    for section, values in cli_layer.items():
+        raw.setdefault(section, {}).update(values)
     sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
     return JobConfig(**sections)
 
@@ -487,6 +475,40 @@ def _toml_value(value: Any) -> str:
     return f'"{escaped}"'
 
 
+def section_help(section: str) -> str:
+    """The keys of one section with type, default and meaning, for `train.py --help SECTION`."""
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown section [{section}]{_suggest(section, list(_SECTIONS))}")
+    cls = _SECTIONS[section]
+    docs, types = field_docs(cls), _field_types(cls)
+    lines = [f"[{section}]  {SECTION_HELP[section]}", ""]
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"  --{section}.{f.name}={_toml_value(default)}    ({_type_name(types[f.name]).replace(chr(92), '')})")
+        lines.extend(f"      {line}" for line in textwrap.wrap(docs.get(f.name, ""), 90))
+    return "\n".join(lines)
+
+
+def usage() -> str:
+    width = max(map(len, _SECTIONS))
+    sections = "\n".join(f"  {name:<{width}}  {SECTION_HELP[name]}" for name in _SECTIONS)
+    return f"""usage: [torchrun ...] scripts/train.py --config FILE.toml [--section.key=value ...]
+       scripts/train.py --help [SECTION]
+
+Trains the model a TOML job config describes. Every key of the TOML file can be
+overridden on the command line as --section.key=value (or --section.key value);
+precedence: command line > TOML > defaults. Unknown keys are errors.
+
+sections:
+{sections}
+
+  --help SECTION   lists that section's keys with their defaults and meaning
+  docs/config.md   the full reference; configs/train/*.toml are ready-made jobs
+
+example:
+  python scripts/train.py --config configs/train/debug_model.toml --train.steps=20"""
+
+
 def config_markdown() -> str:
     """docs/config.md, generated from the dataclasses (a test checks it is current)."""
     out = [
@@ -499,7 +521,8 @@ def config_markdown() -> str:
     ]
     for section, cls in _SECTIONS.items():
         docs, types = field_docs(cls), _field_types(cls)
-        out += [f"## [{section}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        out += [f"## [{section}]", "", f"{SECTION_HELP[section].capitalize()}.", "",
+                "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             type_name = _type_name(types[f.name])

@@ -91,7 +91,11 @@ class MetricsLogger:
         enable_jsonl: bool,
         loss_spike_factor: float,
         fp8_converted_fraction: float | None,
+        resumed_step: int = 0,
     ):
+        """resumed_step=0: a fresh run; older metrics.jsonl and tb/ are moved aside, not appended to.
+        resumed_step=N: the run continues from checkpoint step N; rows after N (written by the run
+        that crashed after its last checkpoint) are dropped so no step appears twice."""
         self.rank = rank
         self.total_steps = total_steps
         self.flops_per_token = flops_per_token
@@ -107,13 +111,20 @@ class MetricsLogger:
         self.tb = None
         if rank != 0:
             return
-        os.makedirs(dump_folder, exist_ok=True)
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        jsonl, tb = folder / "metrics.jsonl", folder / "tb"
+        if resumed_step == 0:
+            set_aside([jsonl, tb])
+        else:
+            truncate_jsonl(jsonl, after_step=resumed_step)
         if enable_jsonl:
-            self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a")
+            self.jsonl = open(jsonl, "a")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"))
+            # purge_step hides events past the resumed step that an earlier writer left.
+            self.tb = SummaryWriter(log_dir=str(tb), purge_step=resumed_step + 1 if resumed_step else None)
 
     def record_nonfinite(self) -> None:
         self.num_nonfinite += 1
@@ -199,3 +210,38 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def set_aside(paths: list[Path]) -> None:
+    """Rename existing outputs of an earlier run to `NAME.prev-N` (N = 1, 2, ...); nothing is deleted."""
+    existing = [p for p in paths if p.exists()]
+    if not existing:
+        return
+    n = 1
+    while any(p.with_name(f"{p.name}.prev-{n}").exists() for p in paths):
+        n += 1
+    for p in existing:
+        p.rename(p.with_name(f"{p.name}.prev-{n}"))
+    logger.info("fresh run: earlier %s moved aside as *.prev-%d", ", ".join(p.name for p in existing), n)
+
+
+def truncate_jsonl(path: Path, *, after_step: int) -> None:
+    """Drop rows with step > after_step (and a torn last line), atomically."""
+    if not path.exists():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step", 0)
+        except json.JSONDecodeError:  # a line torn by a crash mid-write
+            dropped += 1
+            continue
+        if step > after_step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        logger.info("resumed at step %d: dropped %d metrics.jsonl rows written after it", after_step, dropped)

@@ -62,3 +62,13 @@ def lr_lambda(
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, **schedule) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, **schedule))
+
+
+def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
+    """One line: each parameter group's tensor and element counts and its weight decay."""
+    parts = []
+    for i, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        parts.append(f"{f'group {i}: ' if len(optimizer.param_groups) > 1 else ''}{len(params)} tensors, {sum(p.numel() for p in params):,} parameters, "
+                     f"weight_decay={group['weight_decay']:g}, lr={group['lr']:g}")
+    return f"{type(optimizer).__name__}, {len(parts)} group{'s' if len(parts) > 1 else ''}: " + "; ".join(parts)

@@ -379,13 +379,11 @@ def maybe_enable_profiling(*, enable: bool, start_step: int, end_step: int, trac
     to trace_dir/summary_step{start}-{end}.txt and logs it (with a warning block when expect_fp8
     and no FP8 GEMM ran). A run that ends inside the window still writes what was recorded.
     """
-    if start_step < 1:
-        raise ValueError(f"profiling.start_step={start_step} must be >= 1 (train steps count from 1)")
-    if end_step < start_step:
-        raise ValueError(f"profiling.end_step={end_step} is before profiling.start_step={start_step}")
     if not enable:
         yield _NoProfiler()
         return
+    # trainer.validate checked the window for the user.
+    assert 1 <= start_step <= end_step, (start_step, end_step)
     log = logger or _log
     window = _WindowProfiler(start_step=start_step, end_step=end_step, trace_dir=trace_dir, rank=rank,
                              record_shapes=record_shapes, with_stack=with_stack,

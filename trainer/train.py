@@ -21,11 +21,12 @@ from trainer.config import JobConfig
 from trainer.data import build_data_loader
 from trainer.distributed import DistEnv, destroy_distributed, init_distributed, set_determinism, world_size_from_env
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
-from trainer.models import Llama, flops_per_token, model_args_for, num_params
-from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.parallel import ParallelDims, build_parallel_model
+from trainer.models import Llama, flops_per_token, num_params
+from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
+from trainer.parallel import build_parallel_model
 from trainer.parallel.float8 import float8_weight_stats, precompute_float8_scales
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
+from trainer.validate import ResolvedJob, validate_job
 
 logger = logging.getLogger(__name__)
 
@@ -92,36 +93,41 @@ def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, job: ResolvedJob | None = None):
+        """`job` is what `validate_job` resolved (run here when not given): every user error is found
+        before the process group exists."""
+        job = job or validate_job(cfg, world_size=world_size_from_env())
         self.cfg = cfg
         t, d = cfg.train, cfg.distributed
-        # Everything a user can get wrong is checked before the process group or any tensor exists.
-        self.parallel_dims = ParallelDims(
-            dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, world_size=world_size_from_env(),
-            ep=d.ep, pp=d.pp, cp=d.cp,
-        )
-        self.model_args = model_args_for(
-            cfg.model.flavor, vocab_size=cfg.model.vocab_size, n_layers=cfg.model.n_layers, max_seq_len=t.seq_len
-        )
+        self.parallel_dims, self.model_args = job.parallel_dims, job.model_args
         self.env: DistEnv = init_distributed(timeout_seconds=d.init_timeout_seconds)
         self.device = self.env.device
         set_determinism(seed=t.seed, deterministic=t.deterministic)
-        self.mesh, self.dp_mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.parallel_dims.build_meshes(self.device.type)
+        self.dp_mesh = self.parallel_dims.mesh("dp")
         logger.info("parallelism: %s on %s", self.parallel_dims.summary, self.device)
 
         self.data_loader = build_data_loader(
-            source=cfg.data.source, path=cfg.data.path, tokenizer=cfg.data.tokenizer, seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle, seq_len=t.seq_len, batch_size=t.batch_size,
-            grad_accum_steps=t.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
-            dp_degree=self.parallel_dims.dp, vocab_size=self.model_args.vocab_size,
+            job.data_source, seed=cfg.data.seed, shuffle=cfg.data.shuffle, seq_len=t.seq_len,
+            batch_size=t.batch_size, grad_accum_steps=t.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
+            dp_degree=self.parallel_dims.dp,
         )
 
-        self.model, self.float8 = self._build_model()
+        self.model, self.float8 = self._build_model(job)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optimizer
         self.optimizer = build_optimizer(
             self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation,
+        )
+        # The startup lines users check, in this order: Applied Float8 training (from
+        # build_parallel_model), Optimizer groups, Model.
+        logger.info("Optimizer groups: %s", describe_param_groups(self.optimizer))
+        args = self.model_args
+        logger.info(
+            "Model: %s, %s parameters (%s non-embedding), dim=%d, layers=%d, heads=%d/%d kv, vocab=%d",
+            cfg.model.flavor, f"{self._total_params:,}", f"{self._non_embedding_params:,}",
+            args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
         )
         s = cfg.scheduler
         self.scheduler = build_lr_scheduler(
@@ -134,18 +140,9 @@ class Trainer:
         self.precompute_fp8_scales = bool(
             self.float8 and self.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
         )
-        self.state = TrainState()
-        self.metrics = MetricsLogger(
-            dump_folder=cfg.job.dump_folder, rank=self.env.rank, total_steps=t.steps,
-            flops_per_token=flops_per_token(self.model_args, t.seq_len), peak_flops=device_peak_flops(self.device),
-            device=self.device, enable_tensorboard=cfg.metrics.enable_tensorboard,
-            enable_jsonl=cfg.metrics.enable_jsonl, loss_spike_factor=cfg.metrics.loss_spike_factor,
-            fp8_converted_fraction=self.float8.converted_fraction if self.float8 else None,
-        )
+        self.state = TrainState(mixed_precision=t.mixed_precision)
         self.stop_requested = False
 
-        # Last: it needs every stateful piece, and resuming overwrites their fresh state.
-        self.state.mixed_precision = t.mixed_precision
         pd = self.parallel_dims
         self.checkpoint = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder,
@@ -153,25 +150,32 @@ class Trainer:
                                   data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler),
             run=RunInfo(flavor=cfg.model.flavor, model_args=self.model_args, mixed_precision=t.mixed_precision,
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
-                                "world_size": self.env.world_size}),
+                                "ep": pd.ep, "pp": pd.pp, "world_size": self.env.world_size}),
         )
+        # Resuming overwrites the fresh state of every piece above.
         self.checkpoint.resume()
-
-    def _build_model(self):
-        cfg, args = self.cfg, self.model_args
-        with torch.device("meta"):
-            model = Llama(args)
-        logger.info(
-            "model: llama3 %s, %s parameters (%s non-embedding), dim=%d, layers=%d, heads=%d/%d kv, vocab=%d",
-            cfg.model.flavor, f"{num_params(model):,}", f"{num_params(model, exclude_embeddings=True):,}",
-            args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
+        # After resume: a fresh run starts fresh metrics files, a resumed one continues them.
+        self.metrics = MetricsLogger(
+            dump_folder=cfg.job.dump_folder, rank=self.env.rank, total_steps=t.steps,
+            flops_per_token=flops_per_token(self.model_args, t.seq_len), peak_flops=device_peak_flops(self.device),
+            device=self.device, enable_tensorboard=cfg.metrics.enable_tensorboard,
+            enable_jsonl=cfg.metrics.enable_jsonl, loss_spike_factor=cfg.metrics.loss_spike_factor,
+            fp8_converted_fraction=self.float8.converted_fraction if self.float8 else None,
+            resumed_step=self.state.step,
         )
-        built = build_parallel_model(model, cfg, self.parallel_dims, self.mesh, self.device)
+
+    def _build_model(self, job: ResolvedJob):
+        with torch.device("meta"):
+            model = Llama(self.model_args)
+        # Counted before wrappers: FSDP/TP parameters report their global shapes anyway.
+        self._total_params = num_params(model)
+        self._non_embedding_params = num_params(model, exclude_embeddings=True)
+        report = build_parallel_model(model, self.parallel_dims, options=job.build, device=self.device)
         # Materialize only this rank's shards, then fill them as if the model were whole.
         model.to_empty(device=self.device)
-        model.init_weights(seed=cfg.train.seed)
+        model.init_weights(seed=self.cfg.train.seed)
         model.train()
-        return model, built.float8
+        return model, report
 
     # -- one step ------------------------------------------------------------
 
@@ -343,10 +347,12 @@ class Trainer:
 
 
 def train(cfg: JobConfig) -> TrainState:
-    """Build everything, train, and always tear down (writers, process group)."""
+    """Validate, build everything, train, and always tear down (writers, process group)."""
+    # The one validation pass, before the process group or any tensor exists.
+    job = validate_job(cfg, world_size=world_size_from_env())
     trainer, ok = None, False
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, job)
         state = trainer.run()
         ok = True
         return state

@@ -381,11 +381,12 @@ def test_import_hf_weights_as_initial_load_path(trained, tmp_path):
     # A new run starts from the imported weights: its step-1 loss is this model's loss on the first batch.
     run = _run([*EXACT, "--train.steps=1", f"--checkpoint.initial_load_path={imported}"], tmp_path / "run")
     assert f"loaded model weights from {imported}" in run.stdout
-    from trainer.data import build_data_loader
+    from trainer.data import build_data_loader, build_source
 
-    loader = build_data_loader(source="default", path="", tokenizer="byte", seed=0, shuffle=True, seq_len=32,
-                               batch_size=2, grad_accum_steps=1, dp_rank=0, dp_degree=1,
-                               vocab_size=DEBUG.vocab_size)
+    source = build_source(source="default", path="", tokenizer="byte", seed=0, vocab_size=DEBUG.vocab_size,
+                          seq_len=32)
+    loader = build_data_loader(source, seed=0, shuffle=True, seq_len=32, batch_size=2, grad_accum_steps=1,
+                               dp_rank=0, dp_degree=1)
     (inputs, labels), = loader.next_batch()
     with torch.no_grad():
         expected = _llama(DEBUG, back)(inputs, labels).item()

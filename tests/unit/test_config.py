@@ -6,9 +6,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import REPO, launch
 from trainer.config import _SECTIONS, ConfigError, JobConfig, config_markdown, field_docs, load_job_config
+from trainer.models import Llama
+from trainer.parallel.float8 import select_float8_linears
+from trainer.validate import validate_job
 
 CONFIGS = sorted((REPO / "configs" / "train").glob("*.toml"))
 
@@ -40,7 +44,7 @@ def test_defaults_toml_and_cli_precedence(tmp_path: Path) -> None:
         (["--distributed.dp_shard=0"], "distributed.dp_shard=0 must be >= 1, or -1"),
         (["--data.source=shards"], "data.source='shards' needs data.path"),
         (["--float8.recipe=rowwise"], "float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise'"),
-        (["--profiling.enable=true", "--profiling.start_step=5", "--profiling.end_step=3"], "profiling window"),
+        (["--profiling.enable=true", "--profiling.start_step=5", "--profiling.end_step=3"], "the window must satisfy 1 <= start_step <= end_step"),
         (["--checkpoint.keep_latest_k=-1"], "checkpoint.keep_latest_k=-1 must be >= 0"),
         (["--checkpoint.load_step=-2"], "checkpoint.load_step=-2 must be >= 0, or -1"),
         (["--checkpoint.load_step=5"], "checkpoint.load_step=5 needs checkpoint.enable=true"),
@@ -99,11 +103,20 @@ def _write(text: str) -> Path:
 
 
 def test_fp8_reference_recipe() -> None:
-    cfg = load_job_config(["--config", str(REPO / "configs/train/7b_16gpu_fp8.toml")])
-    assert cfg.is_fp8 and cfg.model.flavor == "8b"
-    assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (8, 2)
-    assert cfg.train.activation_checkpointing == "full" and cfg.train.compile_model
-    assert cfg.distributed.dp_shard == -1 and cfg.distributed.tp == 1
+    """The recipe users copy must pass the whole validation pass at the world size it names,
+    with FP8 on every attention/MLP projection and the output head of the 8B model."""
+    # Its data.path names the user's shards; the data check is exercised elsewhere.
+    cfg = load_job_config(["--config", str(REPO / "configs/train/7b_16gpu_fp8.toml"), "--data.source=synthetic"])
+    job = validate_job(cfg, world_size=16)
+    assert (job.parallel_dims.dp_shard, job.parallel_dims.tp) == (16, 1)
+    assert job.model_args.dim == 4096 and job.model_args.n_layers == 32
+    assert job.build.float8 is not None and job.build.float8.recipe == cfg.float8.recipe
+    assert job.build.ac.mode == "full" and job.build.compile
+    assert job.build.fsdp.param_dtype == torch.bfloat16 and job.build.fsdp.reshard_after_forward
+    with torch.device("meta"):
+        model = Llama(job.model_args)
+    converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=list(cfg.float8.exclude_fqns))
+    assert num_linear == 32 * 7 + 1 and len(converted) == num_linear and not excluded
 
 
 def test_every_field_has_a_docstring() -> None:

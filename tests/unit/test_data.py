@@ -12,7 +12,7 @@ import torch
 
 from trainer.data import (
     ByteTokenizer, DataError, DefaultTextSource, HFTokenizer, ShardSource, SyntheticSource, TokenDataLoader,
-    build_data_loader, build_tokenizer, open_shard, tokenizer_fingerprint, write_shard,
+    build_data_loader, build_source, build_tokenizer, open_shard, tokenizer_fingerprint, write_shard,
 )
 from trainer.data import shards
 
@@ -165,14 +165,14 @@ def test_write_shard_refuses_ids_outside_vocab(tmp_path):
 
 def test_shard_source_rejects_token_id_beyond_model_vocab(tmp_path):
     path = write_shard(tmp_path / "s.bin", np.array([1, 128000]), vocab_size=128256, tokenizer_fingerprint=BYTE)
-    with pytest.raises(DataError, match="has token id 128000 >= model vocab_size 512") as excinfo:
+    with pytest.raises(DataError, match="has token id 128000 but the model.s vocabulary has 512 entries; set --model.vocab_size=128256") as excinfo:
         ShardSource([path], vocab_size=512, tokenizer_fingerprint=BYTE)
     _assert_one_line_naming(excinfo, path)
 
 
 def test_shard_source_rejects_other_tokenizer(tmp_path):
     path = write_shard(tmp_path / "s.bin", np.arange(10), vocab_size=258, tokenizer_fingerprint="hf-sha256:aaaa")
-    with pytest.raises(DataError, match="written with tokenizer hf-sha256:aaaa but .data..tokenizer is byte-v1") as e:
+    with pytest.raises(DataError, match="written with tokenizer hf-sha256:aaaa but data.tokenizer is byte-v1") as e:
         ShardSource([path], vocab_size=258, tokenizer_fingerprint=BYTE)
     _assert_one_line_naming(e, path)
 
@@ -212,7 +212,7 @@ def test_default_source_is_pydoc_topics():
     decoded = ByteTokenizer().decode(sample)
     assert len(sample) == 65 and sample.max() < 258 and decoded in text.replace("\0", "")
     assert source.get_sample(0, 64)[0] == topics[sorted(topics)[0]].encode()[0]
-    with pytest.raises(DataError, match="source='synthetic' or a bigger vocab"):
+    with pytest.raises(DataError, match="set --model.vocab_size=258 \(or more\) or --data.source=synthetic"):
         DefaultTextSource(vocab_size=100)
 
 
@@ -328,26 +328,30 @@ def test_resume_rejects_mismatched_state(key, value):
         loader.load_state_dict(state)
 
 
-def test_build_data_loader_sources_and_errors(tmp_path):
-    common = dict(seed=0, shuffle=True, seq_len=8, batch_size=2, grad_accum_steps=1, dp_rank=0, dp_degree=1,
-                  vocab_size=258)
-    assert isinstance(build_data_loader(source="default", path="", tokenizer="byte", **common).source,
-                      DefaultTextSource)
-    assert isinstance(build_data_loader(source="synthetic", path="", tokenizer="byte", **common).source,
-                      SyntheticSource)
+def test_build_source_kinds_and_errors(tmp_path):
+    common = dict(seed=0, seq_len=8, vocab_size=258)
+    assert isinstance(build_source(source="default", path="", tokenizer="byte", **common), DefaultTextSource)
+    assert isinstance(build_source(source="synthetic", path="", tokenizer="byte", **common), SyntheticSource)
     write_shard(tmp_path / "x.bin", np.arange(50), vocab_size=258, tokenizer_fingerprint=BYTE)
     for path in (str(tmp_path), str(tmp_path / "*.bin")):
-        loader = build_data_loader(source="shards", path=path, tokenizer="byte", **common)
+        source = build_source(source="shards", path=path, tokenizer="byte", **common)
+        loader = build_data_loader(source, seed=0, shuffle=True, seq_len=8, batch_size=2, grad_accum_steps=1,
+                                   dp_rank=0, dp_degree=1)
         assert loader.num_samples == 6
     with pytest.raises(DataError, match="prepare_data.py") as excinfo:
-        build_data_loader(source="shards", path=str(tmp_path / "empty"), tokenizer="byte", **common)
+        build_source(source="shards", path=str(tmp_path / "empty"), tokenizer="byte", **common)
     _assert_one_line_naming(excinfo, tmp_path / "empty")
-    with pytest.raises(DataError, match="not one of"):
-        build_data_loader(source="web", path="", tokenizer="byte", **common)
-    with pytest.raises(DataError, match="tokenizer='byte'"):
-        build_data_loader(source="default", path="", tokenizer="tok.json", **common)
-    with pytest.raises(DataError, match="dp_rank=2"):
-        build_data_loader(source="default", path="", tokenizer="byte", **{**common, "dp_rank": 2})
+    with pytest.raises(DataError, match="no full sample of seq_len 64"):
+        build_source(source="shards", path=str(tmp_path), tokenizer="byte", **{**common, "seq_len": 64})
+
+
+def test_vocab_error_names_the_key_and_the_tokenizer_size(tmp_path):
+    # A tokenizer of 2020 entries whose data uses ids up to 2004: the fix is the tokenizer's size.
+    write_shard(tmp_path / "x.bin", np.arange(2005), vocab_size=2020, tokenizer_fingerprint=BYTE)
+    with pytest.raises(DataError) as excinfo:
+        build_source(source="shards", path=str(tmp_path), tokenizer="byte", seed=0, vocab_size=512, seq_len=8)
+    _assert_one_line_naming(excinfo, tmp_path / "x.bin")
+    assert "--model.vocab_size=2020" in str(excinfo.value)
 
 
 # --- scripts/prepare_data.py -------------------------------------------------------------------------------------

@@ -111,3 +111,36 @@ def test_fused_clipping_matches_explicit_clipping(tmp_path: Path) -> None:
     assert max(column(fused, "grad_norm")) > 0.5  # clipping was active
     assert column(fused, "loss") == pytest.approx(column(foreach, "loss"), rel=1e-5)
     assert column(fused, "grad_norm") == pytest.approx(column(foreach, "grad_norm"), rel=1e-4)
+
+
+def test_startup_lines_follow_the_fp8_page(tmp_path: Path) -> None:
+    """`Applied Float8 training`, then `Optimizer groups`, then `Model`, as the FP8 page shows them."""
+    proc = launch(["--config", DEBUG_CONFIG, "--train.steps=1", "--train.seq_len=32", "--train.mixed_precision=fp8",
+                   f"--job.dump_folder={tmp_path}", "--metrics.enable_tensorboard=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    order = [next(i for i, line in enumerate(lines) if key in line)
+             for key in ("Applied Float8 training:", "Optimizer groups:", "Model:")]
+    assert order == sorted(order)
+    groups = lines[order[1]]
+    assert "AdamW, 1 group: 39 tensors, 918,656 parameters, weight_decay=0.1" in groups
+    assert "Model: debug, 918,656 parameters (853,120 non-embedding)" in lines[order[2]]
+
+
+def test_fresh_run_sets_old_metrics_aside_and_resume_drops_rerun_rows(tmp_path: Path) -> None:
+    args = ["--config", DEBUG_CONFIG, "--train.seq_len=32", "--metrics.log_freq=1", "--train.mixed_precision=fp32"]
+    first = train([*args, "--train.steps=3"], tmp_path)
+    assert column(first, "step") == [1, 2, 3]
+    # A second fresh run (no checkpoint) starts a new file; the first one is kept aside.
+    again = train([*args, "--train.steps=2"], tmp_path)
+    assert column(again, "step") == [1, 2]
+    assert [r["step"] for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl.prev-1").read_text().splitlines())] == [1, 2, 3]
+    assert (tmp_path / "tb.prev-1").is_dir()
+    # Checkpoints at 2 and 4 (the last); resuming from step 2 re-runs 3 and 4: each step once, same losses.
+    ckpt = tmp_path / "ckpt"
+    full = train([*args, "--train.steps=4", "--checkpoint.enable=true", "--checkpoint.interval=2"], ckpt)
+    resumed = train([*args, "--train.steps=4", "--checkpoint.enable=true", "--checkpoint.interval=2",
+                     "--checkpoint.load_step=2"], ckpt)
+    assert column(resumed, "step") == [1, 2, 3, 4]
+    assert column(resumed, "loss") == column(full, "loss")
+    assert not list(ckpt.glob("metrics.jsonl.prev-*"))

@@ -6,14 +6,14 @@ from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, 
 
 __all__ = [
     "ByteTokenizer", "DataError", "DefaultTextSource", "HFTokenizer", "ShardInfo", "ShardSource", "StdlibTextSource",
-    "SyntheticSource", "TokenDataLoader", "build_data_loader", "build_tokenizer", "open_shard",
+    "SyntheticSource", "TokenDataLoader", "build_data_loader", "build_source", "build_tokenizer", "open_shard",
     "tokenizer_fingerprint", "write_shard",
 ]
 
 
 def __getattr__(name):
     # The loader imports torch (~1 s); scripts/prepare_data.py only needs tokenizers and shards.
-    if name in ("TokenDataLoader", "build_data_loader"):
+    if name in ("TokenDataLoader", "build_data_loader", "build_source"):
         from trainer.data import loader
 
         return getattr(loader, name)

@@ -28,12 +28,9 @@ SOURCES = ("default", "stdlib", "synthetic", "shards")
 class TokenDataLoader:
     def __init__(self, source, *, seq_len: int, batch_size: int, grad_accum_steps: int, dp_rank: int,
                  dp_degree: int, seed: int, shuffle: bool = True):
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size),
-                            ("grad_accum_steps", grad_accum_steps), ("dp_degree", dp_degree)):
-            if value < 1:
-                raise DataError(f"{name}={value} must be >= 1")
-        if not 0 <= dp_rank < dp_degree:
-            raise DataError(f"dp_rank={dp_rank} must be in [0, dp_degree={dp_degree})")
+        # Invariants: trainer.validate checked the config values these come from.
+        assert min(seq_len, batch_size, grad_accum_steps, dp_degree) >= 1
+        assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
         self.source = source
         self.seq_len, self.batch_size, self.grad_accum_steps = seq_len, batch_size, grad_accum_steps
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
@@ -99,36 +96,38 @@ class TokenDataLoader:
 
 
 def _shard_paths(path: str) -> list[str]:
-    if not path:
-        raise DataError("[data].source='shards' needs [data].path: a directory of .bin shards or a glob")
     paths = sorted(glob.glob(str(Path(path) / "*.bin"))) if Path(path).is_dir() else sorted(glob.glob(path))
     if not paths:
-        raise DataError(f"no shard files found at [data].path='{path}'; create them with "
+        raise DataError(f"no shard files found at data.path='{path}'; create them with "
                         "python scripts/prepare_data.py --input FILES --output DIR")
     return paths
 
 
-def build_data_loader(*, source: str, path: str, tokenizer: str, seed: int, shuffle: bool, seq_len: int,
-                      batch_size: int, grad_accum_steps: int, dp_rank: int, dp_degree: int,
-                      vocab_size: int) -> TokenDataLoader:
-    """Build and fully validate the training data loader (opens every shard, checks every header)."""
+def build_source(*, source: str, path: str, tokenizer: str, seed: int, vocab_size: int, seq_len: int):
+    """Open and check the sample source (every shard header, the vocabulary, room for one sample).
+
+    Part of the validation pass (trainer.validate): it reads headers and memory-maps
+    shards, never their tokens, so it is cheap enough to run before distributed init.
+    """
+    assert source in SOURCES, source  # config parsing checked the choice
     if source in ("default", "stdlib"):
-        if tokenizer != "byte":
-            raise DataError(f"[data].source='{source}' is byte-tokenized but [data].tokenizer is '{tokenizer}'; "
-                            "set [data].tokenizer='byte' or use [data].source='shards'")
-        cls = DefaultTextSource if source == "default" else StdlibTextSource
-        data = cls(vocab_size=vocab_size)
+        data = (DefaultTextSource if source == "default" else StdlibTextSource)(vocab_size=vocab_size)
     elif source == "synthetic":
         data = SyntheticSource(vocab_size=vocab_size, seed=seed)
-    elif source == "shards":
+    else:
         data = ShardSource(_shard_paths(path), vocab_size=vocab_size,
                            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
-    else:
-        raise DataError(f"[data].source='{source}' is not one of {', '.join(map(repr, SOURCES))}")
-    loader = TokenDataLoader(data, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=grad_accum_steps,
+    data.num_samples(seq_len)  # raises DataError when no sample fits
+    return data
+
+
+def build_data_loader(source, *, seed: int, shuffle: bool, seq_len: int, batch_size: int, grad_accum_steps: int,
+                      dp_rank: int, dp_degree: int) -> TokenDataLoader:
+    """The data-parallel loader over a source made (and checked) by build_source."""
+    loader = TokenDataLoader(source, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=grad_accum_steps,
                              dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=shuffle)
     logger.info("data: %r, %d samples of seq_len %d, global batch %d samples/step "
                 "(rank %d/%d: %d microbatches of %d), shuffle=%s",
-                data, loader.num_samples, seq_len, loader.global_batch_size, dp_rank, dp_degree,
-                grad_accum_steps, batch_size, shuffle and data.permute)
+                source, loader.num_samples, seq_len, loader.global_batch_size, dp_rank, dp_degree,
+                grad_accum_steps, batch_size, shuffle and source.permute)
     return loader

@@ -41,11 +41,12 @@ class ShardSource:
         for shard in self.shards:
             if shard.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise DataError(f"shard {shard.path} was written with tokenizer {shard.tokenizer_fingerprint} "
-                                f"but [data].tokenizer is {tokenizer_fingerprint}; re-run scripts/prepare_data.py "
-                                "with the configured tokenizer or point [data].tokenizer at the one used")
+                                f"but data.tokenizer is {tokenizer_fingerprint}; re-run scripts/prepare_data.py "
+                                "with the configured tokenizer or point data.tokenizer at the one used")
             if shard.max_token_id >= vocab_size:
-                raise DataError(f"shard {shard.path} has token id {shard.max_token_id} >= model vocab_size "
-                                f"{vocab_size}; raise the model's vocab_size to at least {shard.max_token_id + 1}")
+                raise DataError(f"shard {shard.path} has token id {shard.max_token_id} but the model's vocabulary "
+                                f"has {vocab_size} entries; set --model.vocab_size={max(shard.vocab_size, shard.max_token_id + 1)} "
+                                "(the tokenizer's vocabulary size)")
         self.num_tokens = sum(s.num_tokens for s in self.shards)
         self._cumulative: dict[int, np.ndarray] = {}
 
@@ -119,9 +120,9 @@ class DefaultTextSource:
 
     def __init__(self, *, vocab_size: int):
         if vocab_size < ByteTokenizer.vocab_size:
-            raise DataError(f"[data].source='default' is byte-tokenized and needs vocab_size >= "
-                            f"{ByteTokenizer.vocab_size}, got {vocab_size}; use [data].source='synthetic' "
-                            "or a bigger vocab")
+            raise DataError(f"data.source='default' is byte-tokenized and needs a vocabulary of at least "
+                            f"{ByteTokenizer.vocab_size} entries, got {vocab_size}; set --model.vocab_size="
+                            f"{ByteTokenizer.vocab_size} (or more) or --data.source=synthetic")
         self.tokens = _default_tokens()
         self.num_tokens = len(self.tokens)
 
@@ -129,7 +130,7 @@ class DefaultTextSource:
         num = _num_windows(self.num_tokens, seq_len)
         if num == 0:
             raise DataError(f"the default corpus has {self.num_tokens} tokens, fewer than seq_len+1 = "
-                            f"{seq_len + 1}; lower seq_len or use [data].source='shards'")
+                            f"{seq_len + 1}; lower --train.seq_len or use --data.source=shards")
         return num
 
     def get_sample(self, index: int, seq_len: int) -> np.ndarray:

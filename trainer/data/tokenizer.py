@@ -66,7 +66,7 @@ class HFTokenizer:
 def _tokenizer_path(spec: str) -> Path:
     path = Path(spec)
     if not path.is_file():
-        raise DataError(f"tokenizer file {spec} not found; set [data].tokenizer to 'byte' or a path to a tokenizer.json")
+        raise DataError(f"tokenizer file {spec} not found; set data.tokenizer to 'byte' or the path of a tokenizer.json")
     return path
 
 

@@ -1,99 +1,107 @@
-"""build_parallel_model: the order of these calls is the architecture."""
+"""build_parallel_model: the order of these calls is the architecture.
+
+    TP / EP  ->  FP8  ->  activation checkpointing  ->  compile  ->  FSDP2
+
+Each stage takes a resolved option object (made once, from the validated config, by
+`trainer.validate`), never the JobConfig, and asks `ParallelDims` for its mesh by name.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.config import JobConfig
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
-from trainer.parallel.float8 import Float8Report, apply_float8
+from trainer.parallel.float8 import Float8Report, Recipe, apply_float8
 from trainer.parallel.fsdp import apply_fsdp
-from trainer.parallel.parallel_dims import DP_REPLICATE, DP_SHARD, TP, ParallelDims
+from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger(__name__)
 
-_COMPUTE_DTYPE = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+@dataclass(frozen=True)
+class Float8Options:
+    recipe: Recipe
+    enable_fsdp_float8_all_gather: bool
+    exclude_fqns: tuple[str, ...]
+    emulate: bool
+    require: bool
 
 
-@dataclass
-class ParallelModel:
-    model: nn.Module
-    float8: Float8Report | None
-    applied: list[str]
+@dataclass(frozen=True)
+class ACOptions:
+    mode: Literal["none", "selective", "full"]
+    selective_every: int
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    param_dtype: torch.dtype | None
+    """Dtype weights are all-gathered and computed in; None keeps the master dtype (fp32 runs)."""
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything build_parallel_model needs, resolved from the config by trainer.validate."""
+
+    float8: Float8Options | None  # None: no FP8 conversion
+    ac: ACOptions
+    compile: bool
+    fsdp: FSDPOptions
+    loss_parallel: bool
 
 
 def build_parallel_model(
-    model: nn.Module, cfg: JobConfig, parallel_dims: ParallelDims, mesh: DeviceMesh, device: torch.device
-) -> ParallelModel:
-    """Apply TP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place.
+    model: nn.Module, parallel_dims: ParallelDims, *, options: BuildOptions, device: torch.device
+) -> Float8Report | None:
+    """Apply TP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place; returns the FP8 report.
 
     The model stays on the meta device; the caller materializes it (`to_empty`)
     and calls `init_weights`, so no rank ever holds more than its shards.
     """
-    t, d = cfg.train, cfg.distributed
-    applied: list[str] = []
+    pd, o = parallel_dims, options
 
-    def log(line: str) -> None:
-        applied.append(line)
-        logger.info(line)
+    # TP first: it replaces weights by DTensors that every later stage must see.
+    if pd.tp > 1:
+        logger.info(apply_tp(model, pd.mesh("tp"), loss_parallel=o.loss_parallel))
 
-    # TP first: it replaces weights by DTensors that every later step must see.
-    if parallel_dims.tp > 1:
-        apply_tp(model, mesh[TP], loss_parallel=d.loss_parallel)
-        log(f"tensor parallel: tp={parallel_dims.tp}, sequence parallel norms, loss_parallel={d.loss_parallel}")
-
-    # EP would go here (MoE experts); dense Llama has none.
-
-    # FP8 swaps nn.Linear classes, so it must come before AC/compile/FSDP wrap them.
+    # FP8 swaps nn.Linear classes, so it comes before AC/compile/FSDP wrap them.
     report = None
-    if t.mixed_precision == "fp8":
-        f8 = cfg.float8
+    if o.float8 is not None:
+        f8 = o.float8
         report = apply_float8(
-            model,
-            recipe=f8.recipe,
-            enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
-            exclude_fqns=f8.exclude_fqns,
-            emulate=f8.emulate,
-            require=f8.require,
-            device=device,
+            model, recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+            exclude_fqns=list(f8.exclude_fqns), emulate=f8.emulate, require=f8.require, device=device,
         )
-        applied.extend(report.lines() if report.enabled else ["float8: not applied (bf16 fallback)"])
-        if report.enabled and not t.compile_model:
+        if report.enabled and not o.compile:
             logger.warning(
                 "FP8 without train.compile_model=true: the eager float8 casts usually make it slower than "
                 "bf16; set --train.compile_model=true"
             )
 
     # AC wraps blocks before compile so the recompute is traced into the compiled graph.
-    log(apply_ac(model, mode=t.activation_checkpointing, selective_every=t.selective_ac_every))
+    logger.info(apply_ac(model, mode=o.ac.mode, selective_every=o.ac.selective_every))
 
     # Compile before FSDP so FSDP's hooks stay outside the compiled graphs.
-    if t.compile_model:
-        log(apply_compile(model, compile_head=parallel_dims.tp == 1))
+    if o.compile:
+        logger.info(apply_compile(model, compile_head=pd.tp == 1))
 
     # FSDP2 last: it shards whatever the model has become (DTensors from TP, Float8Linear weights).
-    dp_mesh = mesh[(DP_REPLICATE, DP_SHARD)] if parallel_dims.dp_replicate > 1 else mesh[DP_SHARD]
-    if d.master_dtype == "bf16":
-        model.to(torch.bfloat16)
-    # Resharding frees the gathered copy between forward and backward; with one rank
-    # per shard group it frees nothing but still costs a second gather in backward.
-    reshard = d.reshard_after_forward == "always" or (
-        d.reshard_after_forward == "default" and parallel_dims.dp_shard > 1
-    )
-    log(
+    if o.fsdp.master_dtype != torch.float32:
+        model.to(o.fsdp.master_dtype)
+    logger.info(
         apply_fsdp(
-            model,
-            dp_mesh,
-            param_dtype=_COMPUTE_DTYPE[t.mixed_precision],
-            reduce_dtype=torch.float32,
-            reshard_after_forward=reshard,
+            model, pd.mesh("fsdp"), param_dtype=o.fsdp.param_dtype, reduce_dtype=o.fsdp.reduce_dtype,
+            reshard_after_forward=o.fsdp.reshard_after_forward,
         )
     )
-    return ParallelModel(model=model, float8=report, applied=applied)
+    return report

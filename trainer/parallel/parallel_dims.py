@@ -1,69 +1,132 @@
-"""Parallel degrees, their validation against the world size, and the device mesh."""
+"""Parallel degrees, their arithmetic against the world size, and every named device mesh.
+
+Build code asks for a mesh by name (`parallel_dims.mesh("fsdp")`) and never slices one
+itself. The world mesh has four axes, outermost first:
+
+    pp, dp_replicate, dp_shard, tp
+
+Expert parallelism borrows its ranks from data parallelism (as in torchtitan): for
+the routed experts the FSDP shard axis `dp_shard` is seen as `dp_shard_mod_ep x ep`,
+so dense weights are sharded over all of dp_shard while experts are split over `ep`
+and FSDP-sharded over the remaining `dp_shard_mod_ep`. Axes of size 1 cost nothing
+and keep one code path (dp_shard exists even on one GPU, so FSDP2 always owns the
+master weights and mixed precision).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-# Mesh axis names (outermost first). `dp` is dp_replicate x dp_shard flattened.
-PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"
-DP = "dp"
+from trainer.errors import ConfigError
+
+# Mesh axis names.
+PP, DP_REPLICATE, DP_SHARD_MOD_EP, EP, TP = "pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"
+DP_SHARD, DP = "dp_shard", "dp"
+
+# What each named mesh is for (the names `mesh()` accepts).
+MESH_NAMES = {
+    "pp": "pipeline stages",
+    "dp": "data loading and loss averaging (every data-parallel rank)",
+    "fsdp": "FSDP2/HSDP of dense weights: dp_shard, or (dp_replicate, dp_shard)",
+    "expert_fsdp": "FSDP2/HSDP of routed experts: dp_shard_mod_ep, or (dp_replicate, dp_shard_mod_ep)",
+    "ep": "expert parallel all-to-all (only with ep > 1)",
+    "tp": "tensor parallel",
+}
 
 
 @dataclass
 class ParallelDims:
+    """Degrees of every parallelism. Construct with `resolve(...)` to fill dp_shard=-1 and validate."""
+
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int
+    pp: int
     world_size: int
-    ep: int = 1
-    pp: int = 1
-    cp: int = 1
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "ep", "pp", "cp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"distributed.{name}={getattr(self, name)} must be >= 1")
-        others = self.dp_replicate * self.tp * self.pp * self.cp
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ValueError(
-                    f"world size {self.world_size} is not divisible by dp_replicate*tp*pp*cp = "
-                    f"{self.dp_replicate}*{self.tp}*{self.pp}*{self.cp} = {others}, so dp_shard=-1 cannot fill it"
+        # Invariants only: `resolve` is where user-facing degrees are checked.
+        assert self.dp_replicate * self.dp_shard * self.tp * self.pp == self.world_size, self
+        assert self.dp_shard % self.ep == 0, self
+
+    @classmethod
+    def resolve(cls, *, dp_replicate: int, dp_shard: int, tp: int, ep: int, pp: int, world_size: int) -> ParallelDims:
+        """Fill dp_shard=-1 from the world size and check that the degrees fit it; ConfigError otherwise."""
+        for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("ep", ep), ("pp", pp)):
+            if value < 1:
+                raise ConfigError(f"distributed.{name}={value} must be >= 1")
+        if dp_shard == 0 or dp_shard < -1:
+            raise ConfigError(f"distributed.dp_shard={dp_shard} must be >= 1, or -1 for the rest of the world size")
+        others = dp_replicate * tp * pp
+        if dp_shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by dp_replicate*tp*pp = "
+                    f"{dp_replicate}*{tp}*{pp} = {others}, so distributed.dp_shard=-1 cannot fill it"
                 )
-            self.dp_shard = self.world_size // others
-        product = others * self.dp_shard
-        if product != self.world_size:
-            raise ValueError(
-                f"parallel degrees do not multiply to the world size: dp_replicate*dp_shard*tp*pp*cp = "
-                f"{self.dp_replicate}*{self.dp_shard}*{self.tp}*{self.pp}*{self.cp} = {product}, "
-                f"but WORLD_SIZE={self.world_size} (set distributed.dp_shard=-1 to use the rest)"
+            dp_shard = world_size // others
+        if others * dp_shard != world_size:
+            raise ConfigError(
+                f"parallel degrees do not multiply to the world size: dp_replicate*dp_shard*tp*pp = "
+                f"{dp_replicate}*{dp_shard}*{tp}*{pp} = {others * dp_shard}, but WORLD_SIZE={world_size} "
+                "(set distributed.dp_shard=-1 to use the rest)"
             )
-        for name in ("ep", "pp", "cp"):
-            if getattr(self, name) > 1:
-                raise ValueError(
-                    f"distributed.{name}={getattr(self, name)}: {name.upper()} is not implemented yet; set it to 1"
+        if ep > 1:
+            if tp > 1:
+                raise ConfigError(
+                    f"distributed.ep={ep} with distributed.tp={tp}: expert parallel together with tensor parallel "
+                    "is not supported; set one of them to 1"
                 )
+            if dp_shard % ep:
+                raise ConfigError(
+                    f"distributed.ep={ep} must divide distributed.dp_shard={dp_shard}: expert-parallel ranks are "
+                    "carved out of the FSDP shard group (experts are split over ep and sharded over dp_shard/ep)"
+                )
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, pp=pp, world_size=world_size)
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree: ranks that read different data."""
         return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The world mesh with every axis, and the flattened `dp` mesh (data loading, loss averaging).
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.ep
 
-        dp_shard is always present (size 1 on one GPU) so FSDP2 always owns the
-        master weights and mixed precision, and the code path does not change
-        with the number of devices.
-        """
-        dims = [(DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (TP, self.tp)]
-        names = tuple(n for n, d in dims)
-        mesh = init_device_mesh(device_type, tuple(d for n, d in dims), mesh_dim_names=names)
-        dp_mesh = mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
-        return mesh, dp_mesh
-
-    @cached_property
+    @property
     def summary(self) -> str:
-        return f"dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp} (world size {self.world_size})"
+        parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}"]
+        parts += [f"{name}={getattr(self, name)}" for name in ("ep", "pp") if getattr(self, name) > 1]
+        return f"{', '.join(parts)} (world size {self.world_size})"
+
+    def build_meshes(self, device_type: str) -> None:
+        """Create the world mesh and every named mesh (collective: all ranks call it)."""
+        dims = [(PP, self.pp), (DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (TP, self.tp)]
+        world = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        hsdp = self.dp_replicate > 1
+        dp_axes = (DP_REPLICATE, DP_SHARD)
+        self._meshes = {
+            "pp": world[PP],
+            # Flattened meshes are kept here: slicing them back out of the world mesh is deprecated.
+            "dp": world[dp_axes]._flatten(DP),
+            "fsdp": world[dp_axes] if hsdp else world[DP_SHARD],
+            "tp": world[TP],
+        }
+        if self.ep > 1:
+            # Experts see dp_shard as (dp_shard_mod_ep, ep): same ranks, split in two axes.
+            sparse = world._unflatten(DP_SHARD, (self.dp_shard_mod_ep, self.ep), (DP_SHARD_MOD_EP, EP))
+            self._meshes["ep"] = sparse[EP]
+            self._meshes["expert_fsdp"] = sparse[(DP_REPLICATE, DP_SHARD_MOD_EP)] if hsdp else sparse[DP_SHARD_MOD_EP]
+        else:
+            self._meshes["expert_fsdp"] = self._meshes["fsdp"]
+
+    def mesh(self, name: str) -> DeviceMesh:
+        """A named mesh (see MESH_NAMES); `build_meshes` must have run."""
+        assert name in MESH_NAMES, f"unknown mesh {name!r}; one of {sorted(MESH_NAMES)}"
+        assert self._meshes, "ParallelDims.build_meshes() has not run"
+        assert name != "ep" or self.ep > 1, "there is no ep mesh with distributed.ep=1"
+        return self._meshes[name]

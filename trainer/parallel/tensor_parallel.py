@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> str:
     """Megatron-style TP on every block; activations between blocks are sharded on the sequence dim.
 
     Column-parallel q/k/v and gate/up, row-parallel o/down, so each block needs one
@@ -50,13 +50,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> N
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
-    args = model.args
     tp = tp_mesh.size()
-    if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ValueError(
-            f"distributed.tp={tp} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}"
-        )
+    # trainer.validate checked this for the user; here it is an invariant.
+    assert model.args.n_heads % tp == 0 and model.args.n_kv_heads % tp == 0, (tp, model.args)
     # The rope cache stays a plain tensor: sequence parallel shards the sequence only
     # between sublayers, and attention sees the whole (replicated) sequence.
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
+    return f"tensor parallel: tp={tp}, sequence parallel norms, loss_parallel={loss_parallel}"

@@ -1,0 +1,155 @@
+"""The one validation pass: every user error is found before distributed init, as one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainer.train
+from tests.helpers import DEBUG_CONFIG, launch
+from trainer.config import load_job_config
+from trainer.data import DataError, write_shard
+from trainer.data.tokenizer import ByteTokenizer
+from trainer.errors import ConfigError, UserError
+from trainer.validate import validate_job
+
+
+def _cfg(*args: str):
+    return load_job_config(["--config", DEBUG_CONFIG, *args])
+
+
+@pytest.mark.parametrize(
+    "world_size, args, message",
+    [
+        (3, ["--distributed.dp_replicate=2"], "world size 3 is not divisible by dp_replicate*tp*pp = 2*1*1 = 2"),
+        (4, ["--distributed.dp_shard=3"], "dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3, but WORLD_SIZE=4"),
+        (2, ["--model.flavor=7b"], "model.flavor='7b' is not one of"),
+        (8, ["--distributed.tp=8"], "distributed.tp=8 must divide the model's n_heads=4 and n_kv_heads=2"),
+        (2, ["--distributed.ep=2"], "distributed.ep=2 needs an MoE model, but model.flavor='debug' is dense"),
+        (4, ["--distributed.ep=2", "--distributed.tp=2"], "expert parallel together with tensor parallel"),
+        (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard=6"),
+        (2, ["--distributed.pp=2"], "distributed.pp=2: pipeline parallelism is not implemented yet"),
+        (1, ["--train.mixed_precision=fp8", "--float8.exclude_fqns=layers.9.attention.q_proj"],
+         "layers.9.attention.q_proj"),
+        (1, ["--data.source=shards", "--data.path=/nonexistent/dir"], "no shard files found at data.path='/nonexistent/dir'"),
+        (1, ["--train.seq_len=600000"], "lower --train.seq_len"),
+    ],
+)
+def test_validate_job_names_the_key(world_size: int, args: list[str], message: str) -> None:
+    with pytest.raises(UserError) as e:
+        validate_job(_cfg(*args), world_size=world_size)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_errors_come_before_distributed_init(monkeypatch) -> None:
+    """train() validates first: a bad degree or shard never reaches init_distributed."""
+
+    def must_not_run(**kwargs):
+        raise AssertionError("init_distributed ran before validation finished")
+
+    monkeypatch.setattr(trainer.train, "init_distributed", must_not_run)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="distributed.tp=8 must divide"):
+        trainer.train.train(_cfg("--distributed.tp=8"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(DataError, match="no shard files"):
+        trainer.train.train(_cfg("--data.path=/nonexistent/dir"))
+
+
+def test_validate_job_resolves_degrees_and_options() -> None:
+    job = validate_job(_cfg("--distributed.dp_replicate=2", "--train.mixed_precision=bf16"), world_size=8)
+    pd = job.parallel_dims
+    assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.dp) == (2, 4, 1, 8)
+    assert job.build.fsdp.reshard_after_forward  # dp_shard > 1
+    one = validate_job(_cfg("--train.mixed_precision=bf16"), world_size=1)
+    assert not one.build.fsdp.reshard_after_forward  # nothing to free on a 1-rank shard group
+    assert job.build.float8 is None
+
+
+def test_profiling_window_is_checked_only_when_profiling() -> None:
+    _cfg("--profiling.start_step=8")  # profiling off: the window is irrelevant and accepted
+    with pytest.raises(ConfigError, match="profiling.start_step=8, profiling.end_step=5"):
+        _cfg("--profiling.enable=true", "--profiling.start_step=8")
+    with pytest.raises(ConfigError, match="profiling.start_step=0, profiling.end_step=5"):
+        _cfg("--profiling.enable=true", "--profiling.start_step=0")
+
+
+@pytest.mark.parametrize("key", ["train.max_norm", "optimizer.lr", "scheduler.min_lr_ratio"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_floats_are_rejected(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"{key}={value!r} must be a finite number|{key}=.* must be a finite"):
+        _cfg(f"--{key}={value}")
+
+
+def test_dead_keys_are_gone() -> None:
+    for key in ("model.name=mistral", "optimizer.name=adamw", "distributed.cp=2"):
+        with pytest.raises(ConfigError, match="unknown key"):
+            _cfg(f"--{key}")
+
+
+def test_data_path_implies_shards(tmp_path: Path) -> None:
+    write_shard(tmp_path / "a.bin", np.arange(300) % 258, vocab_size=258, tokenizer_fingerprint=ByteTokenizer.fingerprint)
+    # The debug TOML says source='default'; a path on the command line means shards.
+    cfg = _cfg(f"--data.path={tmp_path}")
+    assert cfg.data.source == "shards"
+    assert "ShardSource(1 shards" in repr(validate_job(cfg, world_size=1).data_source)
+    # An explicit source on the same layer wins (and is then checked).
+    assert _cfg(f"--data.path={tmp_path}", "--data.source=synthetic").data.source == "synthetic"
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[data]\npath = "{tmp_path}"\n')
+    assert load_job_config(["--config", str(toml)]).data.source == "shards"
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.write_bytes(b"[train]\nsteps = 1\n# \xff\xfe\n"), "is not UTF-8 text"),
+        (lambda p: p.mkdir(), "is not a file"),
+        (lambda p: None, "does not exist"),
+    ],
+    ids=["non-utf8", "directory", "missing"],
+)
+def test_unreadable_config_is_one_line(tmp_path: Path, make, message: str) -> None:
+    path = tmp_path / "c.toml"
+    make(path)
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(["--config", str(path)])
+    proc = launch(["--config", str(path)])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"config error: {proc.stderr.strip().removeprefix('config error: ')}"
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_help_lists_sections_and_keys() -> None:
+    for flag in ("--help", "-h"):
+        proc = launch([flag])
+        assert proc.returncode == 0, proc.stderr
+        assert "usage:" in proc.stdout and "--section.key=value" in proc.stdout and "docs/config.md" in proc.stdout
+        assert "  distributed  " in proc.stdout
+    proc = launch(["--help", "train"])
+    assert proc.returncode == 0
+    assert "--train.batch_size=8" in proc.stdout and "--train.steps=100" in proc.stdout
+    assert "--optimizer.lr" not in proc.stdout
+    bad = launch(["--help", "trian"])
+    assert bad.returncode == 2 and "unknown section [trian] (did you mean train?)" in bad.stderr
+
+
+def test_no_arguments_prints_usage_and_trains_nothing(tmp_path: Path) -> None:
+    proc = launch([])
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage:") and proc.stdout == ""
+
+
+def test_runtime_errors_that_are_not_user_errors_keep_their_traceback(monkeypatch, capsys) -> None:
+    """A ValueError from inside torch is a bug or an environment failure: not a one-line 'config error'."""
+    from trainer import cli
+
+    def broken(cfg):
+        raise ValueError("something inside torch")
+
+    monkeypatch.setattr(trainer.train, "train", broken)
+    with pytest.raises(ValueError, match="something inside torch"):
+        cli.main(["--config", DEBUG_CONFIG])
