@@ -55,11 +55,15 @@ def read_documents(path: Path, *, text_field: str):
         except UnicodeDecodeError as e:
             raise DataError(f"{path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for line_number, raw in enumerate(f, 1):
+                where = f"{path}:{line_number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
                 if not line.strip():
                     continue
-                where = f"{path}:{line_number}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:

@@ -53,10 +53,10 @@ def main(argv: list[str]) -> int:
         logger.info("job: %s", cfg.job.description)
     logger.info("resolved config:\n%s", cfg.to_toml())
 
-    from trainer.train import train
+    from trainer.train import EXIT_PREEMPTED, train
 
     try:
-        train(cfg)
+        state = train(cfg)
     except ConfigError as e:  # found by the validation pass (world size, model shapes, data)
         if speaks:
             print(f"config error: {e}", file=sys.stderr)
@@ -68,4 +68,4 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"interrupted (rank {rank})", file=sys.stderr)
         return 130
-    return 0
+    return EXIT_PREEMPTED if state.preempted else 0

@@ -40,6 +40,10 @@ def init_distributed(*, timeout_seconds: int) -> DistEnv:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:
+            # CPU runs are the debug shapes: one intra-op thread per process is 1-5x faster than
+            # the default (threads fighting over a few cores, and the ranks fighting each other).
+            torch.set_num_threads(1)
     timeout = timedelta(seconds=timeout_seconds)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:

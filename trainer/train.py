@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -26,9 +28,19 @@ from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_gr
 from trainer.parallel import build_parallel_model
 from trainer.parallel.float8 import float8_weight_stats, precompute_float8_scales
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
+from trainer.run_lock import RunLock, check_writable
 from trainer.validate import ResolvedJob, validate_job
 
 logger = logging.getLogger(__name__)
+
+
+# Exit code of a run stopped by SIGTERM before its last step (after saving, when checkpoints are on):
+# what a shell reports for a SIGTERM death (128 + 15), so SLURM requeue scripts can tell
+# preemption (143) from completion (0) and from failure (1, 2).
+EXIT_PREEMPTED = 143
+# Written to the dump folder by such a stop (and removed when the next run starts): under torchrun,
+# whose own exit code is 1 when its workers fail or it gets SIGTERM itself, this file is the signal.
+PREEMPTED_MARKER = "preempted.json"
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -42,6 +54,7 @@ class TrainState:
     step: int = 0
     mixed_precision: str = ""  # this run's train.mixed_precision, saved so a resume can say what changed
     resumed_mixed_precision: str = ""  # what the loaded checkpoint was written with ("" = not resumed)
+    preempted: bool = False  # stopped by SIGTERM before the last step (not saved: a resume clears it)
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "mixed_precision": self.mixed_precision}
@@ -105,7 +118,8 @@ class Trainer:
         set_determinism(seed=t.seed, deterministic=t.deterministic)
         self.parallel_dims.build_meshes(self.device.type)
         self.dp_mesh = self.parallel_dims.mesh("dp")
-        logger.info("parallelism: %s on %s", self.parallel_dims.summary, self.device)
+        threads = f" ({torch.get_num_threads()} intra-op threads per process)" if self.device.type == "cpu" else ""
+        logger.info("parallelism: %s on %s%s", self.parallel_dims.summary, self.device, threads)
 
         self.data_loader = build_data_loader(
             job.data_source, seed=cfg.data.seed, shuffle=cfg.data.shuffle, seq_len=t.seq_len,
@@ -286,6 +300,7 @@ class Trainer:
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
         if self.env.rank == 0:
             (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
+            (Path(cfg.job.dump_folder) / PREEMPTED_MARKER).unlink(missing_ok=True)  # from a preempted earlier run
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         p = cfg.profiling
         profiling = maybe_enable_profiling(
@@ -302,7 +317,19 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
         self.check_finite()
-        logger.info("training finished at step %d", self.state.step)
+        marker = Path(cfg.job.dump_folder) / PREEMPTED_MARKER
+        if self.state.preempted:
+            self.checkpoint.wait()  # the stop's checkpoint is complete before we say so
+            saved = self.checkpoint.last_saved_step == self.state.step
+            what = f"checkpoint step-{self.state.step} saved" if saved else "no checkpoint saved (checkpoint.enable=false)"
+            logger.warning("stopped by SIGTERM at step %d of %d; %s; exiting with code %d", self.state.step,
+                           cfg.train.steps, what, EXIT_PREEMPTED)
+            if self.env.rank == 0:
+                # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
+                marker.write_text(json.dumps({"step": self.state.step, "of_steps": cfg.train.steps,
+                                              "checkpoint_saved": saved}) + "\n")
+        else:
+            logger.info("training finished at step %d", self.state.step)
         return self.state
 
     def _loop(self, profiler, memory_recorder) -> None:
@@ -336,6 +363,8 @@ class Trainer:
             if self.float8 and self.float8.enabled and cfg.metrics.fp8_stats_freq and step % cfg.metrics.fp8_stats_freq == 0:
                 self.metrics.add_scalars(float8_weight_stats(self.model), step)
             stopping = self._agree_to_stop()
+            # A stop at the last step is a completed run, not a preemption.
+            self.state.preempted = stopping and step < t.steps
             self.checkpoint.maybe_save(step, final=step == t.steps, stopping=stopping,
                                        before_save=self.check_finite)
 
@@ -350,6 +379,12 @@ def train(cfg: JobConfig) -> TrainState:
     """Validate, build everything, train, and always tear down (writers, process group)."""
     # The one validation pass, before the process group or any tensor exists.
     job = validate_job(cfg, world_size=world_size_from_env())
+    for folder, key in output_folders(cfg):
+        check_writable(folder, key=key)
+    # Global rank 0 owns the dump folder before any rank writes to it.
+    lock = RunLock(cfg.job.dump_folder) if int(os.environ.get("RANK", "0")) == 0 else None
+    if lock is not None:
+        lock.acquire()
     trainer, ok = None, False
     try:
         trainer = Trainer(cfg, job)
@@ -357,6 +392,20 @@ def train(cfg: JobConfig) -> TrainState:
         ok = True
         return state
     finally:
-        if trainer is not None:
-            trainer.close()
-        destroy_distributed(barrier=ok)
+        try:
+            if trainer is not None:
+                trainer.close()
+            destroy_distributed(barrier=ok)
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:
+    """Every folder the run will write to, with the config key that names it."""
+    folders = [(cfg.job.dump_folder, "job.dump_folder")]
+    if cfg.checkpoint.enable:
+        folders.append((str(Path(cfg.job.dump_folder) / cfg.checkpoint.folder), "checkpoint.folder"))
+    if cfg.profiling.enable:
+        folders.append((cfg.profiling.trace_dir, "profiling.trace_dir"))
+    return folders

@@ -10,11 +10,14 @@ Lower layers assert these facts; they do not check them again.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -136,6 +139,12 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     if m.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
     args = model_args_for(m.flavor, vocab_size=m.vocab_size, n_layers=m.n_layers, max_seq_len=t.seq_len)
+    if t.seq_len > FLAVORS[m.flavor].max_seq_len:
+        # Allowed (long-context training), never silent: the position table grows past the flavor's.
+        logger.warning(
+            "train.seq_len=%d is longer than model.flavor=%r's max_seq_len=%d: the RoPE table is extended to %d "
+            "positions", t.seq_len, m.flavor, FLAVORS[m.flavor].max_seq_len, t.seq_len,
+        )
     if args.n_heads % pd.tp or args.n_kv_heads % pd.tp:
         raise ConfigError(
             f"distributed.tp={pd.tp} must divide the model's n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads} "

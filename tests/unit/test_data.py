@@ -421,3 +421,30 @@ def test_stdlib_source_extends_the_default_corpus():
     assert np.array_equal(stdlib.tokens[: default.num_tokens], default.tokens)
     text = bytes(stdlib.tokens[default.num_tokens: default.num_tokens + 20000].astype(np.uint8)).decode("utf-8", "replace")
     assert "def " in text and "import" in text  # Python source follows the topics
+
+
+def _rewrite_header(path: Path, **fields) -> None:
+    """Patch header fields in place, keeping the file size consistent (a lying writer)."""
+    raw = bytearray(path.read_bytes())
+    magic, version, dtype_code, num_tokens, vocab_size, max_token_id, fp = shards._HEADER.unpack_from(raw)
+    values = dict(dtype_code=dtype_code, num_tokens=num_tokens, vocab_size=vocab_size, max_token_id=max_token_id)
+    values.update(fields)
+    raw[:shards.HEADER_BYTES] = shards._encode_header(tokenizer_fingerprint=fp.rstrip(b"\0").decode(), **values)
+    path.write_bytes(bytes(raw))
+
+
+def test_a_header_that_understates_max_token_id_is_caught_before_training(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.array([1, 2, 3, 400, 5, 6]), vocab_size=512, tokenizer_fingerprint=BYTE)
+    _rewrite_header(path, max_token_id=100)
+    with pytest.raises(DataError) as excinfo:
+        ShardSource([path], vocab_size=512, tokenizer_fingerprint=BYTE)
+    _assert_one_line_naming(excinfo, path)
+    assert "token id 400 at token offset 3, above the max_token_id=100" in str(excinfo.value)
+
+
+def test_a_switched_dtype_is_caught_before_training(tmp_path):
+    # 4 uint16 tokens rewritten as 2 uint32 tokens: same file size, ids far above the vocabulary.
+    path = write_shard(tmp_path / "s.bin", np.array([7, 300, 9, 11]), vocab_size=512, tokenizer_fingerprint=BYTE)
+    _rewrite_header(path, dtype_code=2, num_tokens=2)
+    with pytest.raises(DataError, match="at token offset 0, above the max_token_id=300"):
+        ShardSource([path], vocab_size=512, tokenizer_fingerprint=BYTE)

@@ -153,3 +153,12 @@ def test_runtime_errors_that_are_not_user_errors_keep_their_traceback(monkeypatc
     monkeypatch.setattr(trainer.train, "train", broken)
     with pytest.raises(ValueError, match="something inside torch"):
         cli.main(["--config", DEBUG_CONFIG])
+
+
+def test_seq_len_beyond_the_flavor_is_a_logged_choice(caplog, monkeypatch) -> None:
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)  # setup_logging may have run
+    job = validate_job(_cfg("--train.seq_len=9000", "--data.source=synthetic"), world_size=1)
+    assert job.model_args.max_seq_len == 9000
+    assert "train.seq_len=9000 is longer than model.flavor='debug''s max_seq_len=8192" in caplog.text

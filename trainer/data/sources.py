@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.shards import DataError, open_shard
+from trainer.data.shards import DataError, open_shard, scan_shard_tokens
 from trainer.data.tokenizer import ByteTokenizer
 
 
@@ -39,6 +39,7 @@ class ShardSource:
             raise DataError("ShardSource needs at least one shard path")
         self.shards = [open_shard(p) for p in sorted(map(Path, paths))]
         for shard in self.shards:
+            scan_shard_tokens(shard)
             if shard.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise DataError(f"shard {shard.path} was written with tokenizer {shard.tokenizer_fingerprint} "
                                 f"but data.tokenizer is {tokenizer_fingerprint}; re-run scripts/prepare_data.py "

@@ -1,0 +1,9 @@
+"""Every test here starts 2-4 training processes: slow, so the README's quick selection skips them (CI runs them)."""
+
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/distributed/" in str(item.fspath):
+            item.add_marker(pytest.mark.slow)

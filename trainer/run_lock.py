@@ -1,0 +1,131 @@
+"""One run per dump folder: an exclusive lock file that global rank 0 holds for the life of the job.
+
+Two runs writing one folder interleave metrics and can publish a checkpoint whose
+shards came from both. The lock is a file created with O_EXCL (atomic on local
+filesystems and on NFSv3+), holding who owns it, so the second run fails at once
+with one line naming the first. A heartbeat thread refreshes its mtime; a lock whose
+owner is gone (same host: its pid is dead; any host: no heartbeat for
+`stale_seconds`) is reclaimed with a log line, so a SIGKILLed job never blocks the
+next one for long.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from trainer.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".trainer.lock"
+
+
+class RunLockError(UserError):
+    """Another live run holds the dump folder."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+class RunLock:
+    def __init__(self, folder: str | Path, *, heartbeat_seconds: float = 30.0, stale_seconds: float = 300.0):
+        self.path = Path(folder) / LOCK_NAME
+        self.heartbeat_seconds, self.stale_seconds = heartbeat_seconds, stale_seconds
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                      "start_time": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):  # the second try follows reclaiming a stale lock
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read_holder()
+                why = self._stale_reason(holder)
+                if why is None:
+                    raise RunLockError(
+                        f"{self.path.parent} is in use by another run (host {holder.get('host', '?')}, "
+                        f"pid {holder.get('pid', '?')}, started {holder.get('start_time', '?')}); wait for it to "
+                        "finish or use another job.dump_folder"
+                    ) from None
+                logger.warning("reclaiming the stale lock %s (%s)", self.path, why)
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.owner, f)
+            self._thread = threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True)
+            self._thread.start()
+            return
+        raise RunLockError(f"could not take the lock {self.path}: another run keeps creating it")
+
+    def _read_holder(self) -> dict:
+        try:
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder, dict) else {}
+        except (OSError, ValueError):  # half-written by a run killed while taking it
+            return {}
+
+    def _stale_reason(self, holder: dict) -> str | None:
+        if holder.get("host") == self.owner["host"] and isinstance(holder.get("pid"), int):
+            if not _pid_alive(holder["pid"]):
+                return f"pid {holder['pid']} on this host is gone"
+            return None
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return "it disappeared"
+        if age > self.stale_seconds:
+            return f"no heartbeat from host {holder.get('host', '?')} pid {holder.get('pid', '?')} for {age:.0f} s"
+        return None
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # a vanished folder: release() and the save path report real problems
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            # Remove only our own lock: a reclaimer may have replaced a lock we were too slow to refresh.
+            if self._read_holder().get("pid") == self.owner["pid"]:
+                self.path.unlink(missing_ok=True)
+
+
+def check_writable(folder: str | Path, *, key: str) -> None:
+    """Create `folder` if needed and prove a file can be written there; one-line UserError otherwise.
+
+    Runs before the model is built, so a dump folder under a regular file or on a
+    read-only mount fails in a second, not at the first checkpoint an hour later.
+    """
+    path = Path(folder)
+    probe = path / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(
+            f"{key}={str(folder)!r} is not writable: {e.strerror or e}"
+            f"{f' ({e.filename})' if e.filename and str(e.filename) != str(probe) else ''}; "
+            f"point {key} at a writable folder"
+        ) from None
