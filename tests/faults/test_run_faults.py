@@ -80,7 +80,10 @@ def test_second_run_on_the_same_folder_fails_at_once_naming_the_first(tmp_path: 
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_a_stale_lock_is_reclaimed_with_a_log_line(tmp_path: Path, caplog) -> None:
+def test_a_stale_lock_is_reclaimed_with_a_log_line(tmp_path: Path, caplog, monkeypatch) -> None:
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)  # setup_logging may have run
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer exists
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
