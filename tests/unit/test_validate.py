@@ -95,7 +95,7 @@ def test_data_path_implies_shards(tmp_path: Path) -> None:
     # The debug TOML says source='default'; a path on the command line means shards.
     cfg = _cfg(f"--data.path={tmp_path}")
     assert cfg.data.source == "shards"
-    assert "ShardSource(1 shards" in repr(validate_job(cfg, world_size=1).data_source)
+    assert f"ShardSource(1 shards in {tmp_path}" in repr(validate_job(cfg, world_size=1).data_source)
     # An explicit source on the same layer wins (and is then checked).
     assert _cfg(f"--data.path={tmp_path}", "--data.source=synthetic").data.source == "synthetic"
     toml = tmp_path / "c.toml"

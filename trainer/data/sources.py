@@ -73,7 +73,9 @@ class ShardSource:
         return _window(self.shards[i].tokens, local, seq_len)
 
     def __repr__(self) -> str:
-        return f"ShardSource({len(self.shards)} shards, {self.num_tokens:,} tokens)"
+        folders = sorted({str(s.path.parent) for s in self.shards})
+        where = folders[0] if len(folders) == 1 else f"{len(folders)} folders"
+        return f"ShardSource({len(self.shards)} shards in {where}, {self.num_tokens:,} tokens)"
 
 
 @functools.cache
