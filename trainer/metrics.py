@@ -74,6 +74,7 @@ class StepStats:
     seconds: float  # wall time of the interval
     steps_in_interval: int
     validation: dict[str, float] | None = None  # {"loss", "ppl"} when the held-out set was evaluated this step
+    extra: dict[str, float] | None = None  # more scalars for this step (e.g. fp8 health), to jsonl and TensorBoard
 
 
 class MetricsLogger:
@@ -168,6 +169,7 @@ class MetricsLogger:
             record["fp8_converted_fraction"] = self.fp8_converted_fraction
         if s.validation:
             record["val_loss"], record["val_ppl"] = s.validation["loss"], s.validation["ppl"]
+        record.update(s.extra or {})
         if self.rank != 0:
             return record
         mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
@@ -201,6 +203,7 @@ class MetricsLogger:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
             if s.validation:
                 scalars["val/loss"], scalars["val/ppl"] = s.validation["loss"], s.validation["ppl"]
+            scalars.update(s.extra or {})
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, s.step)
         return record

@@ -28,6 +28,7 @@ from trainer.models import Llama, flops_per_token, num_params
 from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
 from trainer.parallel import build_parallel_model
 from trainer.parallel.float8 import float8_weight_stats, precompute_float8_scales
+from trainer.parallel.fp8_health import Fp8HealthMonitor
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.run_lock import RunLock, check_writable
 from trainer.validate import ResolvedJob, validate_job
@@ -129,6 +130,9 @@ class Trainer:
         )
 
         self.model, self.float8 = self._build_model(job)
+        self.fp8_health = None
+        if self.float8 and self.float8.enabled and cfg.metrics.fp8_stats_freq:
+            self.fp8_health = Fp8HealthMonitor(self.model, recipe=cfg.float8.recipe)
         self.evaluator = None
         if job.validation_source is not None:
             self.evaluator = Evaluator(
@@ -351,9 +355,12 @@ class Trainer:
         stopping = False
         while self.state.step < t.steps and not stopping:
             lr = self.scheduler.get_last_lr()[0]
-            loss, norm = self.train_step(self.data_loader.next_batch())
+            health_step = self.fp8_health is not None and (self.state.step + 1) % cfg.metrics.fp8_stats_freq == 0
+            with self.fp8_health.collect() if health_step else contextlib.nullcontext():
+                loss, norm = self.train_step(self.data_loader.next_batch())
             self.state.step += 1
             step = self.state.step
+            extra = {**float8_weight_stats(self.model), **self.fp8_health.report()} if health_step else None
             interval_steps += 1
             interval_tokens += local_tokens
             profiler.step(step)
@@ -364,7 +371,7 @@ class Trainer:
                 started = time.perf_counter()
                 validation = self.evaluator.evaluate(self.model)
                 interval_start += time.perf_counter() - started  # not training time
-            if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps or validation:
+            if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps or validation or extra:
                 self.check_finite()
                 # Mean over data-parallel ranks (TP ranks hold the same loss).
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
@@ -372,12 +379,10 @@ class Trainer:
                 self.metrics.log(
                     StepStats(step=step, loss=loss_value, grad_norm=norm_value, lr=lr, tokens=int(interval_tokens),
                               seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps,
-                              validation=validation),
+                              validation=validation, extra=extra),
                     first_step=first_step,
                 )
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
-            if self.float8 and self.float8.enabled and cfg.metrics.fp8_stats_freq and step % cfg.metrics.fp8_stats_freq == 0:
-                self.metrics.add_scalars(float8_weight_stats(self.model), step)
             stopping = self._agree_to_stop()
             # A stop at the last step is a completed run, not a preemption.
             self.state.preempted = stopping and step < t.steps

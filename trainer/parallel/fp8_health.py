@@ -1,0 +1,155 @@
+"""FP8 health of activations and gradients: what the casts into float8 lose.
+
+At `metrics.fp8_stats_freq` steps, every converted Linear (torchao Float8Linear) reports,
+per layer group (the same projection across layers, e.g. `attention.q_proj`):
+
+- the amax of its inputs (cast to e4m3) and of its output gradients (e5m2 under the
+  tensorwise recipe, e4m3 under the rowwise ones), and the scale that dynamic scaling
+  gives them (format max / amax; per row for the rowwise recipes, the smallest row scale
+  reported);
+- the fraction of elements that underflow (non-zero, but below half the format's
+  smallest subnormal after scaling: they become 0) and that saturate (beyond the
+  format's max by more than rounding would absorb; dynamic scaling maps amax to max,
+  so this stays 0 unless a scale is stale or wrong).
+
+Both fractions are recomputed here from the bf16 tensors with torchao's scaling rule
+(scale = max / clamp(amax, 1e-12)), not read from the kernels. One warning line names
+the worst layer of a group whose underflow or saturation crosses the thresholds below.
+
+The hooks exist only during a stats step, which runs eagerly (compiled graphs cannot
+host Python hooks): that step costs about one eager step more than a compiled one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# A warning when more than this fraction of a layer's elements underflow / saturate.
+UNDERFLOW_WARN = 0.01
+SATURATION_WARN = 1e-4
+
+_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _format_limits(fmt: str) -> tuple[float, float, float]:
+    """(max, the value above which rounding cannot reach max, smallest subnormal) of an fp8 format."""
+    info = torch.finfo(_FORMATS[fmt])
+    mantissa_bits = {"e4m3": 3, "e5m2": 2}[fmt]
+    return (float(info.max), float(info.max) * (1 + 2.0 ** -(mantissa_bits + 1)),
+            float(info.smallest_normal) * 2.0 ** -mantissa_bits)
+
+
+def cast_health(x: torch.Tensor, fmt: str, *, rowwise: bool) -> dict[str, torch.Tensor]:
+    """amax, scale, and the counts of elements that underflow / saturate when x is cast to fmt.
+
+    Device tensors (no host sync): {"amax", "scale", "underflow", "saturated", "numel"}.
+    """
+    fmax, saturates_above, tiny = _format_limits(fmt)
+    x = x.detach().float().reshape(-1, x.shape[-1])
+    magnitude = x.abs()
+    amax = magnitude.amax(dim=-1, keepdim=True) if rowwise else magnitude.amax()
+    scale = fmax / amax.clamp(min=1e-12)
+    scaled = magnitude * scale
+    return {
+        "amax": amax.max(),
+        "scale": scale.min(),
+        "underflow": ((scaled < tiny / 2) & (magnitude > 0)).sum(),
+        # Above max by less than half its last step rounds to max anyway: only beyond that is clipping lossy.
+        "saturated": (scaled > saturates_above).sum(),
+        "numel": torch.tensor(x.numel(), device=x.device),
+    }
+
+
+def layer_group(fqn: str) -> str:
+    """`layers.3.attention.q_proj` -> `attention.q_proj`; `output_head.proj` stays."""
+    parts = fqn.split(".")
+    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
+        return ".".join(parts[2:])
+    return fqn
+
+
+class Fp8HealthMonitor:
+    """Collect cast health of every Float8Linear during the steps run inside `collect()`."""
+
+    def __init__(self, model: nn.Module, *, recipe: str):
+        from torchao.float8.float8_linear import Float8Linear
+
+        from trainer.models.llama import clean_fqn
+
+        self.rowwise = recipe != "tensorwise"
+        self.grad_format = "e5m2" if recipe == "tensorwise" else "e4m3"
+        self.modules = {clean_fqn(fqn): m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+        self._stats: dict[tuple[str, str], list[dict[str, torch.Tensor]]] = defaultdict(list)
+
+    def _record(self, fqn: str, kind: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None:
+            return
+        fmt = "e4m3" if kind == "input" else self.grad_format
+        self._stats[(fqn, kind)].append(cast_health(tensor, fmt, rowwise=self.rowwise))
+
+    @contextlib.contextmanager
+    def collect(self):
+        """Run the enclosed forward/backward eagerly with hooks on every converted Linear."""
+        def on_output(fqn: str, output: torch.Tensor) -> None:
+            # A tensor hook, not a module backward hook: it composes with activation checkpointing
+            # (the recomputed forward's outputs are not on the gradient path, so nothing counts twice).
+            if output.requires_grad:
+                output.register_hook(lambda grad: self._record(fqn, "grad", grad))
+
+        handles = []
+        for fqn, module in self.modules.items():
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, fqn=fqn: self._record(fqn, "input", args[0])))
+            handles.append(module.register_forward_hook(lambda m, args, out, fqn=fqn: on_output(fqn, out)))
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def report(self) -> dict[str, float]:
+        """Per group and kind: amax, scale, underflow and saturation fractions; warns once per bad group.
+
+        One host sync. Clears what was collected.
+        """
+        per_layer: dict[tuple[str, str], dict[str, float]] = {}
+        for key, records in self._stats.items():
+            stacked = {k: torch.stack([r[k] for r in records]) for k in records[0]}
+            numel = stacked["numel"].sum()
+            summary = torch.stack([stacked["amax"].max(), stacked["scale"].min(),
+                                   stacked["underflow"].sum() / numel, stacked["saturated"].sum() / numel])
+            amax, scale, underflow, saturated = summary.tolist()
+            per_layer[key] = {"amax": amax, "scale": scale, "underflow": underflow, "saturated": saturated,
+                              "numel": float(numel.item())}
+        self._stats.clear()
+        groups: dict[tuple[str, str], list[tuple[str, dict[str, float]]]] = defaultdict(list)
+        for (fqn, kind), s in per_layer.items():
+            groups[(layer_group(fqn), kind)].append((fqn, s))
+        out: dict[str, float] = {}
+        for (group, kind), layers in sorted(groups.items()):
+            numel = sum(s["numel"] for _, s in layers)
+            prefix = f"fp8_health/{kind}/{group}"
+            out[f"{prefix}/amax"] = max(s["amax"] for _, s in layers)
+            out[f"{prefix}/scale"] = min(s["scale"] for _, s in layers)
+            out[f"{prefix}/underflow"] = sum(s["underflow"] * s["numel"] for _, s in layers) / numel
+            out[f"{prefix}/saturated"] = sum(s["saturated"] * s["numel"] for _, s in layers) / numel
+            for what, limit in (("underflow", UNDERFLOW_WARN), ("saturated", SATURATION_WARN)):
+                fqn, worst = max(layers, key=lambda item: item[1][what])
+                if worst[what] > limit:
+                    fmt = "e4m3" if kind == "input" else self.grad_format
+                    logger.warning(
+                        "fp8 health: %.2f%% of %s's %s elements %s in %s (amax %.3g, scale %.3g; warning above "
+                        "%.2g%%): a few outliers stretch the scale; consider float8.recipe='rowwise' or "
+                        "excluding the layer (float8.exclude_fqns)", 100 * worst[what], fqn,
+                        "input" if kind == "input" else "output-gradient",
+                        "underflow to zero" if what == "underflow" else "saturate", fmt, worst["amax"],
+                        worst["scale"], 100 * limit)
+        return out
