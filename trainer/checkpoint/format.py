@@ -1,0 +1,90 @@
+"""What a checkpoint folder looks like on disk: file names, format constants, the error type, atomic publishing.
+
+Layout under `{job.dump_folder}/{checkpoint.folder}/`:
+
+    step-{N}/                 a complete checkpoint; only ever created by a rename
+        .metadata             DCP's index of every tensor chunk (read with a restricted unpickler)
+        __{rank}_{i}.distcp   each rank's tensor shards
+        state.json            every non-tensor value (step, data position, schedule, optimizer settings)
+        checkpoint.json       step, model shape, vocab, mixed_precision, layout, size and crc32 of every file
+    step-{N}.tmp/             a save in progress, or one a crash interrupted: ignored with a warning
+    step-{N}-hf/              the final weights-only export (checkpoint.model_only), Hugging Face layout
+
+Nothing in a checkpoint is a pickled Python object except DCP's `.metadata`, which is
+read through an allowlist of DCP's own metadata classes (trainer/checkpoint/verify.py):
+loading a folder someone else wrote never runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.errors import UserError
+
+CHECKPOINT_JSON = "checkpoint.json"
+STATE_JSON = "state.json"
+METADATA = ".metadata"
+# 2: non-tensor state moved from pickled DCP entries into state.json.
+FORMAT = "trainer-dcp-2"
+OLD_FORMATS = ("trainer-dcp-1",)
+STEP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")
+# Shape-determining model args: a mismatch in any of them is an error before loading.
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+# Same shapes, different function: loaded, with a warning.
+FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(UserError, ValueError):
+    """A user-facing checkpoint problem (missing, incomplete, corrupted, incompatible, unsafe); one line."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint that fails verification (a file missing, truncated, or not matching its recorded crc32).
+
+    On an automatic resume the trainer falls back to the newest older checkpoint that
+    verifies; any other CheckpointError (incompatible, unsafe) stops the run.
+    """
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Atomically make `tmp` visible as `final` (replacing an older `final` of the same name)."""
+    fsync_dir(tmp)
+    if final.exists():
+        # Resumed from an older load_step: this run's save replaces the old trajectory's.
+        old = final.with_name(final.name + ".replaced")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
