@@ -56,11 +56,11 @@ def column(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records]
 
 
-def pause_env(pause: str) -> dict[str, str]:
-    """env() plus the test-only pause point (tests/support/sitecustomize.py): where:step[:rank]."""
+def hooks_env(**variables: str) -> dict[str, str]:
+    """env() plus the test-only hooks of tests/support/sitecustomize.py, e.g. TRAINER_TEST_PAUSE="save:10:1"."""
     e = env()
     e["PYTHONPATH"] = str(REPO / "tests" / "support") + os.pathsep + e["PYTHONPATH"]
-    e["TRAINER_TEST_PAUSE"] = pause
+    e.update(variables)
     return e
 
 
@@ -68,7 +68,7 @@ def run_until_paused(cmd: list[str], pause: str, *, timeout: float = 150) -> str
     """Start cmd with TRAINER_TEST_PAUSE=pause, wait until a rank reports the pause, then SIGKILL
     the whole process group (torchrun and every rank): no cleanup of any kind runs."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=pause_env(pause), start_new_session=True)
+                            env=hooks_env(TRAINER_TEST_PAUSE=pause), start_new_session=True)
     out = []
     watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))  # a hang fails, not blocks
     watchdog.start()

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 # HF's own default shard size for save_pretrained in transformers 4.x.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
+# max_position_embeddings of every RoPE-scaled reference config (Llama 3.1 with factor 8, 3.2 with factor 32).
+LLAMA3_SCALED_CONTEXT = 131072
+
 SAFETENSORS_HINT = "pip install safetensors (or pip install -e '.[hf]')"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -128,9 +131,9 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict:
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
-        # What the reference configs write: the scaled context (Llama 3.1 8B: 8 x 8192 = 131072), not the
-        # pre-scaling original_max_position_embeddings (transformers warns when the two are equal).
-        "max_position_embeddings": args.max_seq_len if s is None else int(s.factor * s.original_max_seq_len),
+        # What the reference configs write: the scaled context, not original_max_position_embeddings
+        # (transformers warns when the two are equal).
+        "max_position_embeddings": args.max_seq_len if s is None else max(args.max_seq_len, LLAMA3_SCALED_CONTEXT),
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,

@@ -8,12 +8,18 @@ inherit both) then blocks at that point, after printing
 
 so the test can SIGKILL it at a known moment. `where` is "step" (after step `step` and
 its save) or "save" (inside the save of `step`, after this rank wrote its shard files
-and before the save completes). Production code has no hook: this file patches
-trainer.checkpoint.manager right after it is imported.
+and before the save completes).
+
+TRAINER_TEST_SAVE_ERROR=step[:rank] is a full disk instead: in the save of `step`, the
+rank's write fails with ENOSPC after leaving a partial file behind.
+
+Production code has no hook: this file patches trainer.checkpoint.manager right after
+it is imported.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.abc
 import importlib.util
 import os
@@ -23,15 +29,34 @@ import time
 _TARGET = "trainer.checkpoint.manager"
 
 
-def _pause(where: str, step: int) -> None:
+def _rank() -> int:
     import torch.distributed as dist
 
-    parts = os.environ["TRAINER_TEST_PAUSE"].split(":")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _pause(where: str, step: int) -> None:
+    spec = os.environ.get("TRAINER_TEST_PAUSE", "")
+    if not spec:
+        return
+    parts, rank = spec.split(":"), _rank()
     if parts[0] != where or int(parts[1]) != step or (len(parts) > 2 and int(parts[2]) != rank):
         return
     print(f"TRAINER_TEST_PAUSE: paused at {where}:{step} on rank {rank}", flush=True)
     time.sleep(3600)
+
+
+def _maybe_fail(root: str, step: int) -> None:
+    spec = os.environ.get("TRAINER_TEST_SAVE_ERROR", "")
+    if not spec:
+        return
+    parts, rank = spec.split(":"), _rank()
+    if int(parts[0]) != step or (len(parts) > 1 and int(parts[1]) != rank):
+        return
+    partial = os.path.join(root, f"__{rank}_partial.distcp")
+    with open(partial, "wb") as f:
+        f.write(b"\0" * 4096)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), partial)
 
 
 def _patch(module) -> None:
@@ -43,6 +68,7 @@ def _patch(module) -> None:
         _pause("step", step)
 
     def paused_write_data(self, plan, planner):
+        _maybe_fail(str(self.path), self.step)
         future = write_data(self, plan, planner)  # this rank's shard files are written
         _pause("save", self.step)
         return future
@@ -66,5 +92,5 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("TRAINER_TEST_PAUSE"):
+if os.environ.get("TRAINER_TEST_PAUSE") or os.environ.get("TRAINER_TEST_SAVE_ERROR"):
     sys.meta_path.insert(0, _PatchOnImport())
