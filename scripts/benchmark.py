@@ -20,10 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import trainer  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout this script is in comes first, even when another copy of trainer is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

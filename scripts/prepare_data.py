@@ -8,15 +8,14 @@ Inputs: .txt (one document per file), .jsonl (one document per line, field --tex
 
 import argparse
 import glob
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-if importlib.util.find_spec("trainer") is None:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout this script is in comes first, even when another copy of trainer is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import DataError, build_tokenizer, write_shard  # noqa: E402
 

@@ -9,12 +9,11 @@ A folder is searched recursively for *.json and *.json.gz traces. Exit status: 0
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
-if importlib.util.find_spec("trainer") is None:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout this script is in comes first, even when another copy of trainer is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.profiling import (  # noqa: E402
     format_summary, fp8_warning, load_trace_events, summarize_events, trace_steps,

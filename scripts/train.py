@@ -8,10 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-try:
-    import trainer  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout this script is in comes first, even when another copy of trainer is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.cli import main
 

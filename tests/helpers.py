@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,8 +26,14 @@ FAST = [
 ]
 
 
-def env() -> dict[str, str]:
+# Every process a test starts carries this variable, "<pytest pid>.<launch id>" (inherited by torchrun's workers,
+# which run in sessions of their own and so escape a process-group kill): reap() finds them by it.
+OWNER_VAR = "TRAINER_TEST_OWNER"
+
+
+def env(tag: str | None = None) -> dict[str, str]:
     e = dict(os.environ)
+    e[OWNER_VAR] = tag or new_tag()
     e["OMP_NUM_THREADS"] = "1"  # 2-4 processes on a 2-core machine
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("/tmp") / "trainer_inductor_cache"))
@@ -37,7 +45,57 @@ def launch(args: list[str], *, nproc: int = 1, timeout: int = 300) -> subprocess
         cmd = [sys.executable, TRAIN, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+    tag = new_tag()
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(tag), cwd=REPO)
+    finally:
+        reap(tag)  # a timeout kills torchrun only; its workers would live on
+
+
+def new_tag() -> str:
+    return f"{os.getpid()}.{uuid.uuid4().hex[:12]}"
+
+
+def owned_processes(tag: str | None = None) -> dict[int, str]:
+    """Live processes started (directly or through torchrun) by this test process, or by one launch of it
+    when tag is given: pid -> command line."""
+    want = f"{OWNER_VAR}={tag}".encode() if tag else f"{OWNER_VAR}={os.getpid()}.".encode()
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            entries = (d / "environ").read_bytes().split(b"\0")
+            if not any(e == want if tag else e.startswith(want) for e in entries):
+                continue
+            if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie is dead; its parent has yet to wait for it
+            found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # it exited while we looked, or is not ours to read
+            continue
+    return found
+
+
+def reap(tag: str | None = None, timeout: float = 20) -> dict[int, str]:
+    """SIGKILL every process this test process started (or one launch of it, by tag) and wait until they are
+    gone; return what was alive."""
+    alive = owned_processes(tag)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while (left := owned_processes(tag)) and time.monotonic() < deadline:
+        for pid in left:  # our own children become zombies until waited for
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.05)
+    if left:
+        raise RuntimeError(f"could not reap test processes: {left}")
+    return alive
 
 
 def train(args: list[str], dump: Path, *, nproc: int = 1) -> list[dict]:
@@ -56,9 +114,9 @@ def column(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records]
 
 
-def hooks_env(**variables: str) -> dict[str, str]:
-    """env() plus the test-only hooks of tests/support/sitecustomize.py, e.g. TRAINER_TEST_PAUSE="save:10:1"."""
-    e = env()
+def hooks_env(tag: str | None = None, **variables: str) -> dict[str, str]:
+    """env(tag) plus the test-only hooks of tests/support/sitecustomize.py, e.g. TRAINER_TEST_PAUSE="save:10:1"."""
+    e = env(tag)
     e["PYTHONPATH"] = str(REPO / "tests" / "support") + os.pathsep + e["PYTHONPATH"]
     e.update(variables)
     return e
@@ -66,9 +124,10 @@ def hooks_env(**variables: str) -> dict[str, str]:
 
 def run_until_paused(cmd: list[str], pause: str, *, timeout: float = 150) -> str:
     """Start cmd with TRAINER_TEST_PAUSE=pause, wait until a rank reports the pause, then SIGKILL
-    the whole process group (torchrun and every rank): no cleanup of any kind runs."""
+    torchrun and every rank (each rank runs in a session of its own): no cleanup of any kind runs."""
+    tag = new_tag()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=hooks_env(TRAINER_TEST_PAUSE=pause), start_new_session=True)
+                            env=hooks_env(tag, TRAINER_TEST_PAUSE=pause), start_new_session=True)
     out = []
     watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))  # a hang fails, not blocks
     watchdog.start()
@@ -83,4 +142,5 @@ def run_until_paused(cmd: list[str], pause: str, *, timeout: float = 150) -> str
         watchdog.cancel()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        reap(tag)
     return "".join(out)

@@ -129,6 +129,18 @@ class DataSection:
 
 
 @dataclass
+class ValidationSection:
+    enable: bool = False
+    """Evaluate the held-out loss and perplexity every freq steps (and at the last step)."""
+    freq: int = 100
+    """Steps between evaluations."""
+    steps: int = 8
+    """Batches per evaluation (of train.batch_size per data-parallel rank); the same batches every time."""
+    path: str = ""
+    """Held-out shards (folder or glob, same tokenizer as data.tokenizer). Empty = the held-out split of data.source: every 10th block of 4,096 tokens of the default/stdlib text, never trained on; a different seed for synthetic; required for shards."""
+
+
+@dataclass
 class DistributedSection:
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP when > 1: shard inside a replica, replicate across)."""
@@ -232,6 +244,7 @@ SECTION_HELP = {
     "optimizer": "AdamW hyperparameters",
     "scheduler": "learning-rate warmup and decay",
     "data": "training data source, shards and tokenizer",
+    "validation": "held-out loss and perplexity during training",
     "distributed": "parallel degrees (dp_replicate, dp_shard, tp, ep, pp) and FSDP2 policy",
     "float8": "FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')",
     "checkpoint": "DCP checkpoints, resume, export",
@@ -246,6 +259,7 @@ _SECTIONS: dict[str, type] = {
     "optimizer": OptimizerSection,
     "scheduler": SchedulerSection,
     "data": DataSection,
+    "validation": ValidationSection,
     "distributed": DistributedSection,
     "float8": Float8Section,
     "checkpoint": CheckpointSection,
@@ -262,6 +276,7 @@ class JobConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     data: DataSection = field(default_factory=DataSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     float8: Float8Section = field(default_factory=Float8Section)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

@@ -73,6 +73,7 @@ class StepStats:
     tokens: int  # tokens processed by this device in the interval
     seconds: float  # wall time of the interval
     steps_in_interval: int
+    validation: dict[str, float] | None = None  # {"loss", "ppl"} when the held-out set was evaluated this step
 
 
 class MetricsLogger:
@@ -165,6 +166,8 @@ class MetricsLogger:
         }
         if self.fp8_converted_fraction is not None:
             record["fp8_converted_fraction"] = self.fp8_converted_fraction
+        if s.validation:
+            record["val_loss"], record["val_ppl"] = s.validation["loss"], s.validation["ppl"]
         if self.rank != 0:
             return record
         mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
@@ -173,6 +176,8 @@ class MetricsLogger:
             f"lr {s.lr:.2e} | tps {tps:,.0f} | tflops {tflops:6.1f} | {mfu_text} | "
             f"mem {mem_alloc:5.2f}/{mem_reserved:5.2f} GiB | eta {_fmt_duration(eta)}"
         )
+        if s.validation:
+            line += f" | val_loss {s.validation['loss']:7.4f} ppl {s.validation['ppl']:.2f}"
         logger.info(line + ("  << LOSS SPIKE" if spike else ""))
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -194,6 +199,8 @@ class MetricsLogger:
                 scalars["perf/mfu"] = mfu
             if self.fp8_converted_fraction is not None:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
+            if s.validation:
+                scalars["val/loss"], scalars["val/ppl"] = s.validation["loss"], s.validation["ppl"]
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, s.step)
         return record

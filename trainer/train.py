@@ -21,6 +21,7 @@ from trainer.errors import UserError
 from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
+from trainer.evaluate import Evaluator
 from trainer.distributed import DistEnv, destroy_distributed, init_distributed, set_determinism, world_size_from_env
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
 from trainer.models import Llama, flops_per_token, num_params
@@ -128,6 +129,15 @@ class Trainer:
         )
 
         self.model, self.float8 = self._build_model(job)
+        self.evaluator = None
+        if job.validation_source is not None:
+            self.evaluator = Evaluator(
+                job.validation_source, seq_len=t.seq_len, batch_size=t.batch_size, steps=cfg.validation.steps,
+                dp_rank=self.dp_mesh.get_local_rank(), dp_degree=self.parallel_dims.dp, device=self.device,
+                dp_group=self.dp_mesh.get_group(), loss_context=self.loss_context,
+            )
+            logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
+                        cfg.validation.steps, cfg.validation.freq, f"{self.evaluator.tokens:,}")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optimizer
         self.optimizer = build_optimizer(
@@ -349,14 +359,20 @@ class Trainer:
             profiler.step(step)
             if step == cfg.profiling.end_step:
                 memory_recorder.dump(f"step{step}")
-            if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps:
+            validation = None
+            if self.evaluator and (step % cfg.validation.freq == 0 or step == t.steps):
+                started = time.perf_counter()
+                validation = self.evaluator.evaluate(self.model)
+                interval_start += time.perf_counter() - started  # not training time
+            if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps or validation:
                 self.check_finite()
                 # Mean over data-parallel ranks (TP ranks hold the same loss).
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
                 loss_value, norm_value = loss.item(), norm.item()
                 self.metrics.log(
                     StepStats(step=step, loss=loss_value, grad_norm=norm_value, lr=lr, tokens=int(interval_tokens),
-                              seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps),
+                              seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps,
+                              validation=validation),
                     first_step=first_step,
                 )
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0

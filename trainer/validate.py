@@ -97,6 +97,14 @@ def check_config(cfg: JobConfig) -> None:
             f"profiling.start_step={p.start_step}, profiling.end_step={p.end_step}: the window must satisfy "
             "1 <= start_step <= end_step"
         )
+    v = cfg.validation
+    if v.enable:
+        for key, value in (("validation.freq", v.freq), ("validation.steps", v.steps)):
+            if value < 1:
+                raise ConfigError(f"{key}={value} must be >= 1")
+        if cfg.data.source == "shards" and not v.path:
+            raise ConfigError("validation.enable=true with data.source='shards' needs validation.path: held-out "
+                              "shards made by scripts/prepare_data.py with the same tokenizer")
     if cfg.data.source == "shards" and not cfg.data.path:
         raise ConfigError("data.source='shards' needs data.path: a folder of .bin shards made by scripts/prepare_data.py")
     if cfg.data.source in ("default", "stdlib") and cfg.data.tokenizer != "byte":
@@ -115,6 +123,8 @@ class ResolvedJob:
     build: BuildOptions
     data_source: Any
     """The opened, checked sample source (trainer.data.sources)."""
+    validation_source: Any = None
+    """The held-out source when validation.enable (never overlaps data_source)."""
 
 
 _COMPUTE_DTYPE = {"fp32": None, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -189,7 +199,29 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     data = cfg.data
     source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                           vocab_size=args.vocab_size, seq_len=t.seq_len)
-    return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source)
+    validation = _validation_source(cfg, vocab_size=args.vocab_size, dp=pd.dp) if cfg.validation.enable else None
+    return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
+                       validation_source=validation)
+
+
+def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
+    from trainer.data.loader import build_source
+
+    v, data, t = cfg.validation, cfg.data, cfg.train
+    if v.path:
+        source = build_source(source="shards", path=v.path, tokenizer=data.tokenizer, seed=data.seed,
+                              vocab_size=vocab_size, seq_len=t.seq_len, path_key="validation.path")
+    else:
+        source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
+                              vocab_size=vocab_size, seq_len=t.seq_len, split="validation")
+    needed, have = v.steps * t.batch_size * dp, source.num_samples(t.seq_len)
+    if needed > have:
+        raise ConfigError(
+            f"validation.steps={v.steps} x train.batch_size={t.batch_size} x {dp} data-parallel ranks needs {needed} "
+            f"held-out samples of seq_len {t.seq_len}, but {source!r} has {have}; lower validation.steps"
+            + ("" if v.path else " or set validation.path to held-out shards")
+        )
+    return source
 
 
 def _check_fp8_hardware(*, require: bool, emulate: bool) -> None:

@@ -13,7 +13,8 @@ import pytest
 
 from tests.helpers import FAST, column, launch, train
 
-STEPS = ["--train.steps=5"]
+# The held-out loss at step 5 over 8 samples (validation.steps x batch_size x dp ranks = 8 in every layout).
+STEPS = ["--train.steps=5", "--validation.enable=true", "--validation.freq=5", "--validation.steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +26,15 @@ def reference(tmp_path_factory) -> list[dict]:
 def assert_same_run(got: list[dict], ref: list[dict]) -> None:
     assert column(got, "step") == column(ref, "step")
     assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=2e-5, abs=1e-6)
-    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-4)
+    # The norm sums squares over every gradient element: TP's split of the reductions moves it by ~1e-4.
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=2e-4)
+    assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=2e-5)
 
 
 @pytest.mark.parametrize(
     "nproc, args",
     [
-        (1, ["--train.batch_size=2", "--train.grad_accum_steps=2"]),
+        (1, ["--train.batch_size=2", "--train.grad_accum_steps=2", "--validation.steps=4"]),
         (2, ["--distributed.dp_shard=2", "--train.batch_size=2"]),
         (2, ["--distributed.dp_replicate=2", "--distributed.dp_shard=1", "--train.batch_size=2"]),
         (2, ["--distributed.tp=2", "--train.batch_size=4"]),

@@ -75,9 +75,9 @@ def test_second_run_on_the_same_folder_fails_at_once_naming_the_first(tmp_path: 
         assert first.poll() is None  # the first run is untouched
     finally:
         first.terminate()
-        first.communicate(timeout=120)
+        out, err = first.communicate(timeout=120)
     # The first run released its lock when it stopped.
-    assert not (tmp_path / LOCK_NAME).exists()
+    assert not (tmp_path / LOCK_NAME).exists(), (first.returncode, err[-3000:])
 
 
 def test_a_stale_lock_is_reclaimed_with_a_log_line(tmp_path: Path, caplog, monkeypatch) -> None:
@@ -117,7 +117,7 @@ def test_unwritable_outputs_fail_before_the_model_is_built(tmp_path: Path, monke
     blocker.write_text("not a folder")
     proc = launch([*FAST, "--train.steps=1", f"--job.dump_folder={blocker}/run"])
     assert proc.returncode == 1
-    assert proc.stderr.strip().startswith(f"error (rank 0): job.dump_folder='{blocker}/run' is not writable: ")
+    assert proc.stderr.strip().startswith(f"error (rank 0): job.dump_folder='{blocker}/run' is not writable: "), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Model:" not in proc.stdout
     # The checkpoint folder under a file is found before training, not at the first save.
     (tmp_path / "run").mkdir()

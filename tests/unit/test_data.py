@@ -207,12 +207,13 @@ def test_default_source_is_pydoc_topics():
 
     source = DefaultTextSource(vocab_size=258)
     text = "".join(topics[k] + "\0" for k in sorted(topics))  # NUL stands in for EOS
-    assert source.num_tokens == len(text.encode())
+    held_out = DefaultTextSource(vocab_size=258, split="validation")
+    assert source.num_tokens + held_out.num_tokens == len(text.encode())
     sample = source.get_sample(5, 64)
     decoded = ByteTokenizer().decode(sample)
     assert len(sample) == 65 and sample.max() < 258 and decoded in text.replace("\0", "")
     assert source.get_sample(0, 64)[0] == topics[sorted(topics)[0]].encode()[0]
-    with pytest.raises(DataError, match="set --model.vocab_size=258 \(or more\) or --data.source=synthetic"):
+    with pytest.raises(DataError, match=r"set --model.vocab_size=258 \(or more\) or --data.source=synthetic"):
         DefaultTextSource(vocab_size=100)
 
 

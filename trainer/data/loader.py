@@ -95,27 +95,30 @@ class TokenDataLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def _shard_paths(path: str) -> list[str]:
+def _shard_paths(path: str, key: str = "data.path") -> list[str]:
     paths = sorted(glob.glob(str(Path(path) / "*.bin"))) if Path(path).is_dir() else sorted(glob.glob(path))
     if not paths:
-        raise DataError(f"no shard files found at data.path='{path}'; create them with "
+        raise DataError(f"no shard files found at {key}='{path}'; create them with "
                         "python scripts/prepare_data.py --input FILES --output DIR")
     return paths
 
 
-def build_source(*, source: str, path: str, tokenizer: str, seed: int, vocab_size: int, seq_len: int):
+def build_source(*, source: str, path: str, tokenizer: str, seed: int, vocab_size: int, seq_len: int,
+                 split: str = "train", path_key: str = "data.path"):
     """Open and check the sample source (every shard header, the vocabulary, room for one sample).
 
+    split='validation' is the held-out text of default/stdlib (never in the train split) and a
+    different random stream for synthetic; shards are split by folder (validation.path), not here.
     Part of the validation pass (trainer.validate): it reads headers and memory-maps
     shards, never their tokens, so it is cheap enough to run before distributed init.
     """
     assert source in SOURCES, source  # config parsing checked the choice
     if source in ("default", "stdlib"):
-        data = (DefaultTextSource if source == "default" else StdlibTextSource)(vocab_size=vocab_size)
+        data = (DefaultTextSource if source == "default" else StdlibTextSource)(vocab_size=vocab_size, split=split)
     elif source == "synthetic":
-        data = SyntheticSource(vocab_size=vocab_size, seed=seed)
+        data = SyntheticSource(vocab_size=vocab_size, seed=seed, split=split)
     else:
-        data = ShardSource(_shard_paths(path), vocab_size=vocab_size,
+        data = ShardSource(_shard_paths(path, path_key), vocab_size=vocab_size,
                            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
     data.num_samples(seq_len)  # raises DataError when no sample fits
     return data

@@ -105,6 +105,23 @@ def _stdlib_tokens() -> np.ndarray:
     return np.concatenate([_default_tokens(), _byte_documents(texts)])
 
 
+# The embedded text's held-out split: block k of HELD_OUT_BLOCK tokens is validation text when
+# k % HELD_OUT_EVERY == HELD_OUT_EVERY - 1, training text otherwise. Training never reads it.
+HELD_OUT_BLOCK = 4096
+HELD_OUT_EVERY = 10
+SPLITS = ("train", "validation")
+
+
+def split_tokens(tokens: np.ndarray, split: str) -> np.ndarray:
+    """The train or validation part of a token stream (every HELD_OUT_EVERY-th block is validation)."""
+    assert split in SPLITS, split
+    block = np.arange(len(tokens)) // HELD_OUT_BLOCK
+    held_out = block % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+    part = tokens[held_out if split == "validation" else ~held_out]
+    part.flags.writeable = False
+    return part
+
+
 def _byte_documents(texts) -> np.ndarray:
     tok = ByteTokenizer()
     parts = []
@@ -117,23 +134,32 @@ def _byte_documents(texts) -> np.ndarray:
 
 
 class DefaultTextSource:
-    """Python's documentation topics (pydoc_data), byte-tokenized, EOS after each topic."""
+    """Python's documentation topics (pydoc_data), byte-tokenized, EOS after each topic.
+
+    split='train' is the text minus the held-out blocks (see split_tokens); split='validation' is those blocks.
+    """
 
     permute = True
+    name = "default"
 
-    def __init__(self, *, vocab_size: int):
+    def __init__(self, *, vocab_size: int, split: str = "train"):
         if vocab_size < ByteTokenizer.vocab_size:
-            raise DataError(f"data.source='default' is byte-tokenized and needs a vocabulary of at least "
+            raise DataError(f"data.source='{self.name}' is byte-tokenized and needs a vocabulary of at least "
                             f"{ByteTokenizer.vocab_size} entries, got {vocab_size}; set --model.vocab_size="
                             f"{ByteTokenizer.vocab_size} (or more) or --data.source=synthetic")
-        self.tokens = _default_tokens()
+        self.split = split
+        self.tokens = split_tokens(self._all_tokens(), split)
         self.num_tokens = len(self.tokens)
+
+    @staticmethod
+    def _all_tokens() -> np.ndarray:
+        return _default_tokens()
 
     def num_samples(self, seq_len: int) -> int:
         num = _num_windows(self.num_tokens, seq_len)
         if num == 0:
-            raise DataError(f"the default corpus has {self.num_tokens} tokens, fewer than seq_len+1 = "
-                            f"{seq_len + 1}; lower --train.seq_len or use --data.source=shards")
+            raise DataError(f"the {self.split} split of data.source='{self.name}' has {self.num_tokens} tokens, "
+                            f"fewer than seq_len+1 = {seq_len + 1}; lower --train.seq_len or use --data.source=shards")
         return num
 
     def get_sample(self, index: int, seq_len: int) -> np.ndarray:
@@ -141,19 +167,20 @@ class DefaultTextSource:
         return _window(self.tokens, index, seq_len)
 
     def __repr__(self) -> str:
-        return f"DefaultTextSource(pydoc topics, {self.num_tokens:,} byte tokens)"
+        return f"DefaultTextSource(pydoc topics, {self.split} split, {self.num_tokens:,} byte tokens)"
 
 
 class StdlibTextSource(DefaultTextSource):
     """The default corpus plus the standard library's source; byte-tokenized, no download."""
 
-    def __init__(self, *, vocab_size: int):
-        super().__init__(vocab_size=vocab_size)
-        self.tokens = _stdlib_tokens()
-        self.num_tokens = len(self.tokens)
+    name = "stdlib"
+
+    @staticmethod
+    def _all_tokens() -> np.ndarray:
+        return _stdlib_tokens()
 
     def __repr__(self) -> str:
-        return f"StdlibTextSource(pydoc topics + stdlib source, {self.num_tokens:,} byte tokens)"
+        return f"StdlibTextSource(pydoc topics + stdlib source, {self.split} split, {self.num_tokens:,} byte tokens)"
 
 
 class SyntheticSource:
@@ -162,18 +189,24 @@ class SyntheticSource:
     # Samples are already i.i.d., and a permutation of an effectively infinite range cannot be built.
     permute = False
 
-    def __init__(self, *, vocab_size: int, seed: int):
+    def __init__(self, *, vocab_size: int, seed: int, split: str = "train"):
         if vocab_size < 1:
             raise DataError(f"SyntheticSource needs vocab_size >= 1, got {vocab_size}")
+        assert split in SPLITS, split
         self.vocab_size = vocab_size
         self.seed = seed
+        self.split = split
+        # The validation stream's generator keys have a third word, so no validation sample equals a training one.
+        self._stream = () if split == "train" else (1,)
 
     def num_samples(self, seq_len: int) -> int:
         return 2**40 // seq_len
 
     def get_sample(self, index: int, seq_len: int) -> np.ndarray:
         _check_index(index, self.num_samples(seq_len))
-        return np.random.default_rng([self.seed, index]).integers(0, self.vocab_size, seq_len + 1, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, index, *self._stream])
+        return rng.integers(0, self.vocab_size, seq_len + 1, dtype=np.int64)
 
     def __repr__(self) -> str:
-        return f"SyntheticSource(vocab_size={self.vocab_size}, seed={self.seed})"
+        split = "" if self.split == "train" else ", validation stream"
+        return f"SyntheticSource(vocab_size={self.vocab_size}, seed={self.seed}{split})"

@@ -1,0 +1,67 @@
+"""Held-out loss and perplexity during training, in every parallel layout.
+
+Each evaluation reads the same batches: batch b of data-parallel rank r is the held-out
+samples [(b * dp_degree + r) * batch_size, ... + batch_size), in order. The loss is the
+mean over every token of every batch on every data-parallel rank, computed with the
+model as it trains (FSDP2/TP sharding, FP8 linears, compiled), under no_grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+
+
+class Evaluator:
+    def __init__(self, source, *, seq_len: int, batch_size: int, steps: int, dp_rank: int, dp_degree: int,
+                 device: torch.device, dp_group: dist.ProcessGroup | None = None,
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
+        assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
+        self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
+        self.tokens = steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for b in range(self.steps):
+            start = (b * self.dp_degree + self.dp_rank) * self.batch_size
+            rows = np.stack([self.source.get_sample(i, self.seq_len) for i in range(start, start + self.batch_size)])
+            rows = torch.from_numpy(rows)
+            yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """{"loss": mean held-out token loss, "ppl": its exp}; the same on every rank."""
+        was_training = model.training
+        model.eval()
+        try:
+            total = torch.zeros((), device=self.device, dtype=torch.float32)
+            for inputs, labels in self.batches():
+                with self.loss_context():
+                    loss = model(inputs.to(self.device), labels.to(self.device))
+                if isinstance(loss, DTensor):  # replicated under loss parallel
+                    loss = loss.to_local()
+                total += loss.float()  # every batch has the same token count: the mean of means is the mean
+            total /= self.steps
+            if self.dp_degree > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
+        finally:
+            model.train(was_training)
+            # With reshard_after_forward off, a forward without backward leaves the gathered weights
+            # registered as the parameters; the optimizer and checkpoints need the sharded ones back.
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        loss = total.item()
+        return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}
