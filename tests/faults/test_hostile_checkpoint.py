@@ -11,7 +11,6 @@ so the files verify: only reading them safely protects.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import subprocess

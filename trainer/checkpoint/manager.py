@@ -98,6 +98,7 @@ class _PendingSave:
     future: Future
     start: float
     nbytes: int
+    previous: int  # last_saved_step before this save, restored if it fails
 
 
 class CheckpointManager:
@@ -240,7 +241,6 @@ class CheckpointManager:
         rank's result, so all take the same branch. Incompatible or unsafe checkpoints
         (and corrupt ones with `raise_corrupt`) raise CheckpointError on every rank.
         """
-        what = "checkpoint.initial_load_path" if model_only else "checkpoint"
         result: tuple[str, str] = ("ok", "")
         info = metadata = None
         try:
@@ -271,7 +271,7 @@ class CheckpointManager:
                     raise (CheckpointError if kind == "error" else CorruptCheckpointError)(message)
                 if k == kind:
                     return message
-        assert info is not None and metadata is not None, what
+        assert info is not None and metadata is not None
         return info, metadata
 
     def _load(self, path: Path, verified: tuple, *, model_only: bool) -> None:
@@ -370,7 +370,8 @@ class CheckpointManager:
                 self._save_failed(step, tmp, error, nbytes)
             return
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg, async_stager=self._stager)
-        self._pending = _PendingSave(step=step, tmp=tmp, future=future, start=start, nbytes=nbytes)
+        self._pending = _PendingSave(step=step, tmp=tmp, future=future, start=start, nbytes=nbytes,
+                                     previous=previous)
         logger.info("checkpoint step-%d: staged in %.2f s, writing in the background", step,
                     time.perf_counter() - start)
 
@@ -417,7 +418,8 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             # No collective here: ranks reach wait() at different times. DCP reports a failed
             # write to every rank; a failed finalize is rank 0's alone, and stopping ends the job.
-            self.last_saved_step = -1 if self.last_saved_step == pending.step else self.last_saved_step
+            if self.last_saved_step == pending.step:
+                self.last_saved_step = pending.previous
             self._save_failed(pending.step, pending.tmp, root_cause(e), pending.nbytes)
 
     def _finalize(self, step: int, tmp: Path, start: float) -> None:
