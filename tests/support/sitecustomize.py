@@ -13,8 +13,8 @@ and before the save completes).
 TRAINER_TEST_SAVE_ERROR=step[:rank] is a full disk instead: in the save of `step`, the
 rank's write fails with ENOSPC after leaving a partial file behind.
 
-Production code has no hook: this file patches trainer.checkpoint.manager right after
-it is imported.
+Production code has no hook: this file patches CheckpointManager and ChecksummedWriter
+right after trainer.checkpoint.manager is imported.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _maybe_fail(root: str, step: int) -> None:
 
 
 def _patch(module) -> None:
-    manager, writer = module.CheckpointManager, module._ChecksummedWriter
+    manager, writer = module.CheckpointManager, module.ChecksummedWriter  # the writer class lives in format.py
     maybe_save, write_data = manager.maybe_save, writer.write_data
 
     def paused_maybe_save(self, step, **kwargs):

@@ -1,6 +1,6 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, resume, verify, prune, export, load a model.
 
-    format.py    file names, format constants, CheckpointError, atomic publishing
+    format.py    file names, format constants, CheckpointError, checksummed writing, atomic publishing
     state.py     CheckpointState (the one Stateful a resume loads), RunInfo, tensor/JSON split
     verify.py    scan, checksums, checkpoint.json, model/key checks, reading DCP's index without running code
     manager.py   CheckpointManager: resume (falling back past corrupt checkpoints), save (sync/async), prune, export
@@ -10,7 +10,8 @@ docs/checkpointing.md describes the layout on disk and what survives what.
 """
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, FORMAT, METADATA, STATE_JSON, CheckpointError, CorruptCheckpointError, publish, write_json,
+    CHECKPOINT_JSON, FORMAT, METADATA, STATE_JSON, CheckpointError, CorruptCheckpointError, file_digest, publish,
+    write_json,
 )
 from trainer.checkpoint.manager import CheckpointManager, prune_checkpoints
 from trainer.checkpoint.offline import build_model, load_full_model_weights, load_model, save_model_only
@@ -19,7 +20,7 @@ from trainer.checkpoint.state import (
     split_tensors,
 )
 from trainer.checkpoint.verify import (
-    SafeReader, check_file, file_digest, load_dcp_metadata, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
+    SafeReader, check_file, load_dcp_metadata, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
 )
 
 __all__ = [

@@ -21,10 +21,12 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 from trainer.errors import UserError
 
@@ -88,3 +90,49 @@ def publish(tmp: Path, final: Path) -> None:
     else:
         os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+def file_digest(path: Path, chunk_bytes: int = 16 * 2**20) -> dict[str, Any]:
+    """Size and crc32 of a file (read in chunks; zlib is ~1 GB/s)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return {"bytes": path.stat().st_size, "crc32": f"{crc:08x}"}
+
+
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that also records size and crc32 of the files this rank wrote.
+
+    They go to `__{rank}_checksums.json` (read back from the page cache right
+    after the write), which rank 0 merges into checkpoint.json.
+    """
+
+    def __init__(self, path: Path, *, step: int):
+        super().__init__(str(path), single_file_per_rank=True, sync_files=True)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.value()  # FileSystemWriter writes synchronously; the future is already done
+        root = Path(self.path)
+        files = sorted({r.storage_data.relative_path for r in results})
+        digests = {name: file_digest(root / name) for name in files}
+        sidecar = root / f"{plan.storage_data.prefix}checksums.json"
+        with open(sidecar, "w") as f:
+            json.dump(digests, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return future
+
+
+def collect_checksums(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Merge (and remove) every rank's checksum sidecar; add .metadata's."""
+    files: dict[str, dict[str, Any]] = {}
+    sidecars = sorted(tmp.glob("__*_checksums.json"))
+    for sidecar in sidecars:
+        files.update(json.loads(sidecar.read_text()))
+    files[METADATA] = file_digest(tmp / METADATA)
+    for sidecar in sidecars:
+        sidecar.unlink()
+    return files

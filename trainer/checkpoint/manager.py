@@ -25,18 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, EXPORT_DTYPES, FORMAT, METADATA, STATE_JSON, STEP_DIR, CheckpointError, CorruptCheckpointError,
-    first_line, publish, write_json,
+    CHECKPOINT_JSON, EXPORT_DTYPES, FORMAT, STATE_JSON, STEP_DIR, CheckpointError, ChecksummedWriter,
+    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, write_json,
 )
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     split_tensors
 from trainer.checkpoint.verify import (
-    SafeReader, check_files, check_model_keys, check_model_matches, data_files, file_digest, read_checkpoint_json,
+    SafeReader, check_files, check_model_keys, check_model_matches, data_files, read_checkpoint_json,
     read_dcp_metadata, read_state_json, scan_checkpoints,
 )
 from trainer.config import CheckpointSection
@@ -52,43 +51,6 @@ def root_cause(e: BaseException) -> BaseException:
         if isinstance(inner, BaseException):
             return root_cause(inner)
     return e
-
-
-class _ChecksummedWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that also records size and crc32 of the files this rank wrote.
-
-    They go to `__{rank}_checksums.json` (read back from the page cache right
-    after the write), which rank 0 merges into checkpoint.json.
-    """
-
-    def __init__(self, path: Path, *, step: int):
-        super().__init__(str(path), single_file_per_rank=True, sync_files=True)
-        self.step = step
-
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        results = future.value()  # FileSystemWriter writes synchronously; the future is already done
-        root = Path(self.path)
-        files = sorted({r.storage_data.relative_path for r in results})
-        digests = {name: file_digest(root / name) for name in files}
-        sidecar = root / f"{plan.storage_data.prefix}checksums.json"
-        with open(sidecar, "w") as f:
-            json.dump(digests, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return future
-
-
-def collect_checksums(tmp: Path) -> dict[str, dict[str, Any]]:
-    """Merge (and remove) every rank's checksum sidecar; add .metadata's."""
-    files: dict[str, dict[str, Any]] = {}
-    sidecars = sorted(tmp.glob("__*_checksums.json"))
-    for sidecar in sidecars:
-        files.update(json.loads(sidecar.read_text()))
-    files[METADATA] = file_digest(tmp / METADATA)
-    for sidecar in sidecars:
-        sidecar.unlink()
-    return files
 
 
 @dataclass
@@ -354,7 +316,7 @@ class CheckpointManager:
         if error is not None:
             self._save_failed(step, tmp, error, nbytes)
             return
-        writer = _ChecksummedWriter(tmp, step=step)
+        writer = ChecksummedWriter(tmp, step=step)
         previous, self.last_saved_step = self.last_saved_step, step
         if self._stager is None:
             error = None

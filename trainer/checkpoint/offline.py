@@ -27,9 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, CorruptCheckpointError, first_line, publish, write_json,
+    CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter, CorruptCheckpointError,
+    collect_checksums, first_line, publish, write_json,
 )
-from trainer.checkpoint.manager import _ChecksummedWriter, collect_checksums, root_cause
+from trainer.checkpoint.manager import root_cause
 from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.verify import SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata
 from trainer.models.llama import Llama, ModelArgs, rope_cache
@@ -52,7 +53,7 @@ def save_model_only(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     with _single_process():
-        dcp.save({"model": weights}, storage_writer=_ChecksummedWriter(tmp, step=step), no_dist=True)
+        dcp.save({"model": weights}, storage_writer=ChecksummedWriter(tmp, step=step), no_dist=True)
     write_json(tmp / CHECKPOINT_JSON, {
         "format": FORMAT, "kind": "model_only", "step": step, "model": run.model_json(),
         "mixed_precision": run.mixed_precision, "layout": run.layout, "source": source,

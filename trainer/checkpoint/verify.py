@@ -19,7 +19,6 @@ import json
 import logging
 import pickle
 import re
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
-    CorruptCheckpointError, first_line,
+    CorruptCheckpointError, file_digest, first_line,
 )
 from trainer.checkpoint.state import RunInfo
 
@@ -138,15 +137,6 @@ def scan_checkpoints(folder: Path) -> tuple[dict[int, Path], list[tuple[Path, st
         else:
             complete[int(m.group(1))] = path
     return complete, incomplete
-
-
-def file_digest(path: Path, chunk_bytes: int = 16 * 2**20) -> dict[str, Any]:
-    """Size and crc32 of a file (read in chunks; zlib is ~1 GB/s)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            crc = zlib.crc32(chunk, crc)
-    return {"bytes": path.stat().st_size, "crc32": f"{crc:08x}"}
 
 
 def check_file(path: Path, expected: dict[str, Any] | None, *, min_bytes: int = 0) -> str | None:
