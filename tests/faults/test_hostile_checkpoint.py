@@ -243,3 +243,33 @@ def test_hostile_checkpoints_refused_on_resume_initial_load_and_export(trained, 
     assert not marker.exists(), "a hostile file ran code"
     # The untouched original still loads everywhere: the checks refuse only what is unsafe.
     assert load_model(trained).args.n_layers == DEBUG.n_layers
+
+
+def test_index_entries_must_be_tensors_in_this_folder(tmp_path):
+    good = _model_only(tmp_path / "good")
+    md = pickle.loads((good / ".metadata").read_bytes())  # our own file: trusted
+    key = next(iter(md.storage_data))
+    md.storage_data[key].relative_path = "../../etc/passwd"
+    (tmp_path / "escape.metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"a storage entry names '../../etc/passwd', not a __R_I.distcp file"):
+        load_dcp_metadata(tmp_path / "escape.metadata")
+    # Defense in depth: even handed a plan with a non-tensor read, the reader refuses before unpickling.
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from trainer.checkpoint import SafeReader
+
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("train_state.step"), dest_offsets=torch.Size(),
+                    storage_index=MetadataIndex("train_state.step"), storage_offsets=torch.Size(),
+                    lengths=torch.Size())
+    with pytest.raises(CheckpointError, match="entry 'train_state.step' is not a tensor; refusing to unpickle it"):
+        SafeReader(str(good)).read_data(LoadPlan([item]), planner=None)
+
+
+def test_checkpoints_of_the_pickling_format_are_refused(tmp_path):
+    good = _model_only(tmp_path / "good")
+    info = json.loads((good / "checkpoint.json").read_text())
+    (good / "checkpoint.json").write_text(json.dumps({**info, "format": "trainer-dcp-1"}))
+    with pytest.raises(CheckpointError, match="format trainer-dcp-1 stored pickled Python objects, which this "
+                                              "trainer no longer loads"):
+        load_model(good)
