@@ -1,4 +1,4 @@
-"""What a checkpoint folder looks like on disk: file names, format constants, the error type, atomic publishing.
+"""What a checkpoint folder looks like on disk: names, constants, error types, checksummed writing, publishing.
 
 Layout under `{job.dump_folder}/{checkpoint.folder}/`:
 
@@ -8,6 +8,7 @@ Layout under `{job.dump_folder}/{checkpoint.folder}/`:
         state.json            every non-tensor value (step, data position, schedule, optimizer settings)
         checkpoint.json       step, model shape, vocab, mixed_precision, layout, size and crc32 of every file
     step-{N}.tmp/             a save in progress, or one a crash interrupted: ignored with a warning
+    step-{N}.corrupt/         a checkpoint that failed verification, moved aside by a resume (never deleted)
     step-{N}-hf/              the final weights-only export (checkpoint.model_only), Hugging Face layout
 
 Nothing in a checkpoint is a pickled Python object except DCP's `.metadata`, which is
