@@ -22,6 +22,12 @@ BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
   bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
+  bench8b_ag)  # fp8 with bf16 all-gather: with one rank there is nothing to gather
+    $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench8b_ag.log" | grep -v "^\[rank" ;;
+  trainlog8b)  # the train.py log line on the same shape, for agreement with benchmark.py
+    for p in bf16 fp8; do
+      python3 scripts/train.py --config configs/train/llama3_8b.toml --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false --train.steps=20 --metrics.log_freq=10 --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/tl_$p 2>&1 | grep -E "step +20/" | sed "s/^/[train.py $p] /" | tee -a "$OUT/trainlog8b.log"
+    done ;;
   bench1b) $B --label "1B, batch 8, seq 4096" --warmup 6 --steps 10 $BENCH_1B 2>&1 | tee "$OUT/bench1b.log" | grep -v "^\[rank" ;;
   bench1b_ag)  # fp8 with bf16 all-gather (casts inside the compiled graphs instead of before the gather)
     $B --label "1B, batch 8, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_1B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench1b_ag.log" | grep -v "^\[rank" ;;
@@ -59,5 +65,6 @@ echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tes
 for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" | grep -v "^\[rank"; done
 for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -1 "$f")"; done
 [ -f "$OUT/ac.log" ] && cat "$OUT/ac.log"
+[ -f "$OUT/trainlog8b.log" ] && cat "$OUT/trainlog8b.log"
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 exit 0

@@ -20,9 +20,10 @@ def test_fp8_all_gather_two_ranks_match_one_rank(tmp_path: Path) -> None:
     two = train([*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2"], tmp_path / "two", nproc=2)
     assert column(two, "loss") == pytest.approx(column(one, "loss"), rel=1e-3)
     assert column(two, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-2)
-    # fp8 all-gather off: weight scales come from the bf16 copy instead of the fp32
-    # master shard, so the first step is identical and later ones drift slightly.
+    # fp8 all-gather off: weight scales come from the amax of the bf16 copy instead of the
+    # fp32 master shard (at most 2^-8 apart), so a few elements round to a neighbouring fp8
+    # value: the first loss agrees to ~1e-3 and later ones drift slightly.
     off = train([*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2",
                  "--float8.enable_fsdp_float8_all_gather=false"], tmp_path / "off", nproc=2)
-    assert column(off, "loss")[0] == pytest.approx(column(two, "loss")[0], rel=1e-4)
+    assert column(off, "loss")[0] == pytest.approx(column(two, "loss")[0], rel=2e-3)
     assert column(off, "loss") == pytest.approx(column(two, "loss"), rel=1e-2)
