@@ -60,7 +60,7 @@ def export(args: argparse.Namespace) -> None:
 
     require_safetensors("export")
     source = resolve_checkpoint(Path(args.checkpoint))
-    info, weights = load_full_model_weights(source)
+    info, weights = load_full_model_weights(source, allow_unverified=args.allow_unverified)
     model_args = args_from_json(info["model"])
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     logger.info("exporting %s (step %s, llama3 %s, saved with mixed_precision=%s)", source, info.get("step"),
@@ -95,6 +95,8 @@ def main(argv: list[str]) -> int:
     e.add_argument("out", help="output folder (replaced if it exists)")
     e.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     e.add_argument("--max-shard-size", default="5GB", help="split into model-0000i-of-0000n files above this")
+    e.add_argument("--allow-unverified", action="store_true",
+                   help="export a checkpoint whose checkpoint.json has no \"files\" list (its shards go unverified)")
     i = sub.add_parser("import", help="Hugging Face Llama folder -> model-only DCP checkpoint (initial_load_path)")
     i.add_argument("hf_folder")
     i.add_argument("out")

@@ -114,12 +114,20 @@ def column(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records]
 
 
+def hooks_env(tag: str | None = None, **variables: str) -> dict[str, str]:
+    """env(tag) plus the test-only hooks of tests/support/sitecustomize.py, e.g. TRAINER_TEST_PAUSE="save:10:1"."""
+    e = env(tag)
+    e["PYTHONPATH"] = str(REPO / "tests" / "support") + os.pathsep + e["PYTHONPATH"]
+    e.update(variables)
+    return e
+
+
 def run_until_paused(cmd: list[str], pause: str, *, timeout: float = 150) -> str:
     """Start cmd with TRAINER_TEST_PAUSE=pause, wait until a rank reports the pause, then SIGKILL
     torchrun and every rank (each rank runs in a session of its own): no cleanup of any kind runs."""
     tag = new_tag()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**env(tag), "TRAINER_TEST_PAUSE": pause}, start_new_session=True)
+                            env=hooks_env(tag, TRAINER_TEST_PAUSE=pause), start_new_session=True)
     out = []
     watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))  # a hang fails, not blocks
     watchdog.start()

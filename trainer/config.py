@@ -196,6 +196,10 @@ class CheckpointSection:
     """At the end of training, also export the model weights only (see export_dtype)."""
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Dtype of the final weights-only export."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A failed save (disk full, folder gone): stop the run, or log it and keep training ("continue")."""
+    allow_unverified: bool = False
+    """Load a checkpoint whose checkpoint.json has no "files" list (sizes, crc32), so its shards go unverified."""
 
 
 @dataclass

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 # HF's own default shard size for save_pretrained in transformers 4.x.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
+# max_position_embeddings of every RoPE-scaled reference config (Llama 3.1 with factor 8, 3.2 with factor 32).
+LLAMA3_SCALED_CONTEXT = 131072
+
 SAFETENSORS_HINT = "pip install safetensors (or pip install -e '.[hf]')"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -128,7 +131,9 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict:
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": args.max_seq_len,
+        # What the reference configs write: the scaled context, not original_max_position_embeddings
+        # (transformers warns when the two are equal).
+        "max_position_embeddings": args.max_seq_len if s is None else max(args.max_seq_len, LLAMA3_SCALED_CONTEXT),
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
@@ -164,6 +169,63 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
     ):
         raise ExportError(f"{where}: rope scaling {rope or None} does not match the trainer model's "
                           f"{args.rope_scaling}")
+
+
+def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
+    """ModelArgs of a Hugging Face Llama config.json (checked back against it with `check_hf_config`)."""
+    from trainer.models.llama import FLAVORS, RopeScaling
+
+    try:
+        dim, ffn = int(config["hidden_size"]), int(config["intermediate_size"])
+        n_heads = int(config["num_attention_heads"])
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        scaling = None
+        if rope.get("rope_type", rope.get("type", "default")) == "llama3":
+            scaling = RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                                  high_freq_factor=float(rope["high_freq_factor"]),
+                                  original_max_seq_len=int(rope["original_max_position_embeddings"]))
+        # The FFN width comes from (multiple_of, ffn_dim_multiplier): a flavor's when it gives this width,
+        # else the pair that gives exactly `intermediate_size`.
+        hidden = int(2 * 4 * dim / 3)
+        multiple_of, multiplier = ffn, (None if ffn >= hidden else ffn / hidden)
+        for flavor in FLAVORS.values():
+            if flavor.dim == dim and flavor.ffn_dim == ffn:
+                multiple_of, multiplier = flavor.multiple_of, flavor.ffn_dim_multiplier
+                break
+        args = ModelArgs(
+            dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads", n_heads)), vocab_size=int(config["vocab_size"]),
+            multiple_of=multiple_of, ffn_dim_multiplier=multiplier, norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=scaling,
+            max_seq_len=int(config.get("max_position_embeddings", 8192)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{where}: not a Llama config ({type(e).__name__}: {e})") from None
+    if config.get("head_dim", args.head_dim) != args.head_dim:
+        raise ExportError(f"{where}: head_dim={config['head_dim']} but hidden_size/num_attention_heads is "
+                          f"{args.head_dim}; this trainer's Llama has no separate head_dim")
+    check_hf_config(config, args, where=where)
+    return args
+
+
+def read_hf_config(folder: str | os.PathLike) -> ModelArgs:
+    """ModelArgs from a Hugging Face Llama folder's config.json."""
+    return args_from_hf_config(_read_config(Path(folder)), where=str(Path(folder) / "config.json"))
+
+
+def _read_config(folder: Path) -> dict:
+    if not folder.is_dir():
+        raise ExportError(f"{folder} does not exist or is not a folder")
+    config_path = folder / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{config_path} is missing: not a Hugging Face model folder") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{config_path} is not a model config (a JSON {type(config).__name__})")
+    return config
 
 
 def _describe(args: ModelArgs) -> str:
@@ -268,27 +330,31 @@ def read_hf_weights(folder: str | os.PathLike, *, args: ModelArgs) -> dict[str, 
     tensors keep the folder's dtype. A tied model's head is a copy of the embeddings.
     """
     folder = Path(folder)
-    if not folder.is_dir():
-        raise ExportError(f"{folder} does not exist or is not a folder")
-    config_path = folder / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise ExportError(f"{config_path} is missing: not a Hugging Face model folder") from None
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{config_path} is not valid JSON: {e}") from None
-    check_hf_config(config, args, where=str(config_path))
+    config = _read_config(folder)
+    check_hf_config(config, args, where=str(folder / "config.json"))
     require_safetensors("reading a Hugging Face model")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    # Only safetensors are read: pytorch_model.bin and *.pt files are pickles, and unpickling runs code.
     index_path = folder / "model.safetensors.index.json"
     if index_path.exists():
-        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ExportError(f"{index_path} is not a safetensors index ({type(e).__name__}: {e})") from None
+        for name in files:
+            if not (isinstance(name, str) and re.fullmatch(r"[\w.-]+\.safetensors", name)):
+                raise ExportError(f"{index_path} names {name!r}, not a .safetensors file of this folder")
     elif (folder / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
-        raise ExportError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        raise ExportError(
+            f"{folder} has neither model.safetensors nor model.safetensors.index.json"
+            + (f" ({', '.join(pickles)} not read: pickled weights can run code when loaded; only safetensors are "
+               "read)" if pickles else "")
+        )
     weights: dict[str, torch.Tensor] = {}
     for name in files:
         path = folder / name

@@ -335,7 +335,8 @@ class Trainer:
         if self.state.preempted:
             self.checkpoint.wait()  # the stop's checkpoint is complete before we say so
             saved = self.checkpoint.last_saved_step == self.state.step
-            what = f"checkpoint step-{self.state.step} saved" if saved else "no checkpoint saved (checkpoint.enable=false)"
+            what = f"checkpoint step-{self.state.step} saved" if saved else "no checkpoint saved (" + (
+                "its save failed, see above" if self.checkpoint.enable else "checkpoint.enable=false") + ")"
             logger.warning("stopped by SIGTERM at step %d of %d; %s; exiting with code %d", self.state.step,
                            cfg.train.steps, what, EXIT_PREEMPTED)
             if self.env.rank == 0:

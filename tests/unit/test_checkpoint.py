@@ -21,10 +21,12 @@ import torch
 
 from tests.helpers import REPO, TRAIN, env, launch, read_metrics, run_until_paused
 from trainer.checkpoint import (
-    CheckpointError, check_file, file_digest, load_full_model_weights, prune_checkpoints, scan_checkpoints,
+    CheckpointError, RunInfo, check_file, file_digest, load_full_model_weights, load_model, prune_checkpoints,
+    save_model_only, scan_checkpoints,
 )
 from trainer.export import (
-    ExportError, expected_shapes, from_hf_name, plan_shards, read_hf_weights, to_hf_name, write_hf_export,
+    ExportError, args_from_hf_config, expected_shapes, from_hf_name, hf_config, plan_shards, read_hf_weights,
+    to_hf_name, write_hf_export,
 )
 from trainer.models.llama import FLAVORS, Llama, ModelArgs, RopeScaling
 
@@ -57,14 +59,12 @@ def _dirs(dump: Path) -> list[str]:
     return sorted(p.name for p in (dump / "checkpoint").iterdir())
 
 
-def _llama(args: ModelArgs, weights: dict[str, torch.Tensor] | None = None) -> Llama:
-    """A plain (unsharded) fp32 model on CPU: random init, or these weights."""
+def _random_llama(args: ModelArgs) -> Llama:
+    """A plain (unsharded) fp32 model on CPU with the pretraining init."""
     with torch.device("meta"):
         model = Llama(args)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)  # also builds the rope cache
-    if weights is not None:
-        model.load_state_dict({k: v.float() for k, v in weights.items()})
     return model.eval()
 
 
@@ -147,14 +147,20 @@ def test_export_with_llama3_rope_scaling_matches_transformers(tmp_path):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32,
                      rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0, original_max_seq_len=32),
                      max_seq_len=128)
-    model = _llama(args)
+    model = _random_llama(args)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     write_hf_export(tmp_path / "hf", args=args, shapes={k: tuple(v.shape) for k, v in weights.items()},
                     fetch=lambda fqns: {k: weights[k] for k in fqns}, dtype=torch.float32)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    # As the reference Llama 3.1/3.2 configs: the long context, not the original one.
+    assert config["max_position_embeddings"] == 131072
+    assert config["rope_scaling"]["original_max_position_embeddings"] == 32
     tokens = torch.randint(0, args.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens)
+        loaded = load_model(tmp_path / "hf", max_seq_len=128)(tokens)  # config.json -> ModelArgs -> our model
     torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=1e-4, rtol=0)
+    assert torch.equal(loaded, ours)
     back = read_hf_weights(tmp_path / "hf", args=args)
     assert all(torch.equal(back[k], weights[k]) for k in weights)
     with pytest.raises(ExportError, match="num_hidden_layers=2 but the trainer model has 3"):
@@ -343,12 +349,17 @@ def test_bad_input_is_one_line_before_training(trained, tmp_path):
 
 @pytest.mark.slow
 def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
-    info, weights = load_full_model_weights(trained / "step-2")
     tokens = torch.randint(0, DEBUG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     # The final export of the run: bf16 weights, one model.safetensors.
     assert sorted(p.name for p in (trained / "step-2-hf").iterdir()) == ["config.json", "model.safetensors"]
+    checkpoint = load_model(trained / "step-2")
+    exported = load_model(trained / "step-2-hf")
+    assert exported.args.ffn_dim == DEBUG.ffn_dim and exported.args.n_layers == DEBUG.n_layers
+    # The export holds the checkpoint's weights rounded to bf16.
+    assert all(torch.equal(v, checkpoint.state_dict()[k].to(torch.bfloat16).float())
+               for k, v in exported.state_dict().items())
     with torch.no_grad():
-        ours_bf16 = _llama(DEBUG, {k: v.to(torch.bfloat16) for k, v in weights.items()})(tokens)
+        ours_bf16 = exported(tokens)
     torch.testing.assert_close(_hf_logits(trained / "step-2-hf", tokens), ours_bf16, atol=1e-4, rtol=0)
     # scripts/convert_checkpoint.py: fp32, sharded.
     out = tmp_path / "hf32"
@@ -358,7 +369,7 @@ def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     with torch.no_grad():
-        ours = _llama(DEBUG, weights)(tokens)
+        ours = checkpoint(tokens)
     torch.testing.assert_close(_hf_logits(out, tokens), ours, atol=1e-4, rtol=0)
 
 
@@ -389,8 +400,40 @@ def test_import_hf_weights_as_initial_load_path(trained, tmp_path):
                                dp_rank=0, dp_degree=1)
     (inputs, labels), = loader.next_batch()
     with torch.no_grad():
-        expected = _llama(DEBUG, back)(inputs, labels).item()
+        expected = load_model(imported)(inputs, labels).item()
     assert abs(_losses(tmp_path / "run")[1] - expected) < 1e-5
+
+
+@pytest.mark.parametrize("flavor", ["debug", "1b", "8b", "70b"])
+def test_hf_config_round_trip(flavor):
+    args = FLAVORS[flavor]
+    config = hf_config(args, dtype=torch.bfloat16)
+    if args.rope_scaling is not None:  # Llama 3.1/3.2 reference configs: 131072
+        assert config["max_position_embeddings"] == 131072
+    back = args_from_hf_config(config, where="config.json")
+    assert back.ffn_dim == args.ffn_dim and expected_shapes(back) == expected_shapes(args)
+    assert (back.rope_scaling, back.rope_theta, back.norm_eps) == (args.rope_scaling, args.rope_theta, args.norm_eps)
+    # A width no flavor has still maps exactly.
+    odd = args_from_hf_config({**config, "intermediate_size": 300, "hidden_size": 128, "num_attention_heads": 4,
+                               "head_dim": 32}, where="config.json")
+    assert odd.ffn_dim == 300
+
+
+def test_load_model_from_a_dcp_checkpoint(tmp_path):
+    args = ModelArgs(**{**DEBUG.__dict__, "max_seq_len": 64})
+    weights = {k: v.detach().clone() for k, v in _random_llama(args).state_dict().items()}
+    save_model_only(tmp_path / "ckpt", weights, run=RunInfo(flavor="debug", model_args=args, mixed_precision="fp32"),
+                    source="test")
+    model = load_model(tmp_path / "ckpt")
+    assert model.args == args and not model.training and model.rope.shape[0] == 64
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    half = load_model(tmp_path / "ckpt", dtype=torch.bfloat16, max_seq_len=16)
+    assert half.tok_embeddings.weight.dtype == torch.bfloat16 and half.rope.shape[0] == 16
+    tokens = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), _random_llama(args)(tokens))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
 
 
 def test_load_full_model_weights_errors(tmp_path):

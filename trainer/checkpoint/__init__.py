@@ -1,0 +1,32 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, resume, verify, prune, export, load a model.
+
+    format.py    file names, format constants, CheckpointError, checksummed writing, atomic publishing
+    state.py     CheckpointState (the one Stateful a resume loads), RunInfo, tensor/JSON split
+    verify.py    scan, checksums, checkpoint.json, model/key checks, reading DCP's index without running code
+    manager.py   CheckpointManager: resume (falling back past corrupt checkpoints), save (sync/async), prune, export
+    offline.py   one process, no process group: load_model, load_full_model_weights, save_model_only
+
+docs/checkpointing.md describes the layout on disk and what survives what.
+"""
+
+from trainer.checkpoint.format import (
+    CHECKPOINT_JSON, FORMAT, METADATA, STATE_JSON, CheckpointError, CorruptCheckpointError, file_digest, publish,
+    write_json,
+)
+from trainer.checkpoint.manager import CheckpointManager, prune_checkpoints
+from trainer.checkpoint.offline import build_model, load_full_model_weights, load_model, save_model_only
+from trainer.checkpoint.state import (
+    CheckpointState, RunInfo, args_from_json, describe_layout, merge_tensors, model_state_dict, plain_tensor,
+    split_tensors,
+)
+from trainer.checkpoint.verify import (
+    SafeReader, check_file, load_dcp_metadata, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
+)
+
+__all__ = [
+    "CHECKPOINT_JSON", "FORMAT", "METADATA", "STATE_JSON", "CheckpointError", "CheckpointManager", "CheckpointState",
+    "CorruptCheckpointError", "RunInfo", "SafeReader", "args_from_json", "build_model", "check_file",
+    "describe_layout", "file_digest", "load_dcp_metadata", "load_full_model_weights", "load_model", "merge_tensors",
+    "model_state_dict", "plain_tensor", "prune_checkpoints", "publish", "read_checkpoint_json", "read_dcp_metadata",
+    "save_model_only", "scan_checkpoints", "split_tensors", "write_json",
+]

@@ -1,0 +1,139 @@
+"""What a checkpoint folder looks like on disk: names, constants, error types, checksummed writing, publishing.
+
+Layout under `{job.dump_folder}/{checkpoint.folder}/`:
+
+    step-{N}/                 a complete checkpoint; only ever created by a rename
+        .metadata             DCP's index of every tensor chunk (read with a restricted unpickler)
+        __{rank}_{i}.distcp   each rank's tensor shards
+        state.json            every non-tensor value (step, data position, schedule, optimizer settings)
+        checkpoint.json       step, model shape, vocab, mixed_precision, layout, size and crc32 of every file
+    step-{N}.tmp/             a save in progress, or one a crash interrupted: ignored with a warning
+    step-{N}.corrupt/         a checkpoint that failed verification, moved aside by a resume (never deleted)
+    step-{N}-hf/              the final weights-only export (checkpoint.model_only), Hugging Face layout
+
+Nothing in a checkpoint is a pickled Python object except DCP's `.metadata`, which is
+read through an allowlist of DCP's own metadata classes (trainer/checkpoint/verify.py):
+loading a folder someone else wrote never runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from trainer.errors import UserError
+
+CHECKPOINT_JSON = "checkpoint.json"
+STATE_JSON = "state.json"
+METADATA = ".metadata"
+# 2: non-tensor state moved from pickled DCP entries into state.json.
+FORMAT = "trainer-dcp-2"
+OLD_FORMATS = ("trainer-dcp-1",)
+STEP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")
+# Shape-determining model args: a mismatch in any of them is an error before loading.
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+# Same shapes, different function: loaded, with a warning.
+FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(UserError, ValueError):
+    """A user-facing checkpoint problem (missing, incomplete, corrupted, incompatible, unsafe); one line."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint that fails verification (a file missing, truncated, or not matching its recorded crc32).
+
+    On an automatic resume the trainer falls back to the newest older checkpoint that
+    verifies; any other CheckpointError (incompatible, unsafe) stops the run.
+    """
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Atomically make `tmp` visible as `final` (replacing an older `final` of the same name)."""
+    fsync_dir(tmp)
+    if final.exists():
+        # Resumed from an older load_step: this run's save replaces the old trajectory's.
+        old = final.with_name(final.name + ".replaced")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def file_digest(path: Path, chunk_bytes: int = 16 * 2**20) -> dict[str, Any]:
+    """Size and crc32 of a file (read in chunks; zlib is ~1 GB/s)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return {"bytes": path.stat().st_size, "crc32": f"{crc:08x}"}
+
+
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that also records size and crc32 of the files this rank wrote.
+
+    They go to `__{rank}_checksums.json` (read back from the page cache right
+    after the write), which rank 0 merges into checkpoint.json.
+    """
+
+    def __init__(self, path: Path, *, step: int):
+        super().__init__(str(path), single_file_per_rank=True, sync_files=True)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.value()  # FileSystemWriter writes synchronously; the future is already done
+        root = Path(self.path)
+        files = sorted({r.storage_data.relative_path for r in results})
+        digests = {name: file_digest(root / name) for name in files}
+        sidecar = root / f"{plan.storage_data.prefix}checksums.json"
+        with open(sidecar, "w") as f:
+            json.dump(digests, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return future
+
+
+def collect_checksums(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Merge (and remove) every rank's checksum sidecar; add .metadata's."""
+    files: dict[str, dict[str, Any]] = {}
+    sidecars = sorted(tmp.glob("__*_checksums.json"))
+    for sidecar in sidecars:
+        files.update(json.loads(sidecar.read_text()))
+    files[METADATA] = file_digest(tmp / METADATA)
+    for sidecar in sidecars:
+        sidecar.unlink()
+    return files

@@ -1,0 +1,500 @@
+"""CheckpointManager: resume (with fallback past a corrupt newest), save (sync or async), prune, export.
+
+Every rank writes its shards into `step-{N}.tmp/`. DCP gathers all ranks' write
+results before rank 0 writes `.metadata`, so once rank 0's save returns, every rank
+has finished; only then does rank 0 add `checkpoint.json` and rename the folder.
+"Latest" is therefore always a checkpoint that every rank finished, and a process
+killed mid-save leaves the previous one as latest. A save that fails (disk full, a
+folder removed) leaves no partial folder and never touches the previous checkpoints.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from trainer.checkpoint.format import (
+    CHECKPOINT_JSON, EXPORT_DTYPES, FORMAT, STATE_JSON, STEP_DIR, CheckpointError, ChecksummedWriter,
+    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, write_json,
+)
+from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
+    split_tensors
+from trainer.checkpoint.verify import (
+    SafeReader, check_files, check_model_keys, check_model_matches, data_files, read_checkpoint_json,
+    read_dcp_metadata, read_state_json, scan_checkpoints,
+)
+from trainer.config import CheckpointSection
+
+logger = logging.getLogger("trainer.checkpoint")
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The first rank's original exception inside DCP's CheckpointException (a BaseException), else `e`."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return root_cause(inner)
+    return e
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    tmp: Path
+    future: Future
+    start: float
+    nbytes: int
+    previous: int  # last_saved_step before this save, restored if it fails
+
+
+class CheckpointManager:
+    """Saves every `interval` steps (and at the last step and on a SIGTERM stop), resumes, prunes, exports.
+
+    All ranks construct it and call every method in the same order (they are collective).
+    Its gloo group `pg` is used by a background save's thread; the main thread uses it only
+    when no save is in flight (after `wait()`), so collectives of the two never interleave.
+    """
+
+    def __init__(self, section: CheckpointSection, *, dump_folder: str, state: CheckpointState, run: RunInfo):
+        self.enable = section.enable
+        self.folder = Path(dump_folder) / section.folder
+        self.interval = section.interval
+        self.keep_latest_k = section.keep_latest_k
+        self.load_step = section.load_step
+        self.async_mode = section.async_mode
+        self.initial_load_path = section.initial_load_path
+        self.model_only = section.model_only
+        self.export_dtype = EXPORT_DTYPES[section.export_dtype]
+        self.on_save_error = section.on_save_error
+        self.allow_unverified = section.allow_unverified
+        self.state = state
+        self.run = run
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.last_saved_step = -1
+        self._pending: _PendingSave | None = None
+        self._stager = None
+        if self.model_only:
+            from trainer.export import require_safetensors
+
+            require_safetensors("checkpoint.model_only=true (a safetensors export)")
+        # Checkpoint traffic gets its own gloo group: an async save runs its collectives in a
+        # background thread, which must never interleave with training's collectives on one group.
+        self.pg = dist.new_group(backend="gloo")
+        if self.enable and self.async_mode != "disabled":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            pinned = self.async_mode == "async_with_pinned_mem"
+            if pinned and not torch.cuda.is_available():
+                logger.warning("checkpoint.async_mode='async_with_pinned_mem' without CUDA: there is no pinned "
+                               "memory, so checkpoints are staged in ordinary host memory (same as 'async')")
+                pinned = False
+            # One stager for the run: its host buffers are reused by every save.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        if self.enable:
+            logger.info(
+                "checkpointing: every %d steps into %s, keep_latest_k=%d, async_mode=%s%s",
+                self.interval, self.folder, self.keep_latest_k, self.async_mode,
+                f", weights-only {section.export_dtype} export at the end" if self.model_only else "",
+            )
+
+    # -- resume ----------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Load the checkpoint to resume from, or the initial weights, or nothing; say which."""
+        # Rank 0 decides and tells the others: ranks listing a shared filesystem each on their
+        # own could see different folders (attribute caching) and load different checkpoints.
+        candidates = self._on_rank0(self._checkpoints_to_try) if self.enable else []
+        if candidates:
+            path, verified = self._newest_that_verifies(candidates)
+            if self.initial_load_path:
+                logger.info("checkpoint.initial_load_path=%s is not used: resuming %s (it only seeds a new run)",
+                            self.initial_load_path, path)
+            self._load(path, verified, model_only=False)
+        elif self.initial_load_path:
+            path = Path(self.initial_load_path)
+            self._load(path, self._verify(path, model_only=True, raise_corrupt=True), model_only=True)
+        elif self.enable:
+            logger.info("no checkpoint in %s: starting from step 0", self.folder)
+
+    def _on_rank0(self, fn):
+        """fn() on rank 0, its result on every rank; its CheckpointError is raised on every rank."""
+        result: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                result = [("ok", fn())]
+            except CheckpointError as e:
+                result = [("error", str(e))]
+        dist.broadcast_object_list(result, src=0, group=self.pg)
+        kind, value = result[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return value
+
+    def _checkpoints_to_try(self) -> list[Path]:
+        """The pinned checkpoint (load_step), or every complete one, newest first."""
+        complete, incomplete = scan_checkpoints(self.folder)
+        for path, why in incomplete:
+            logger.warning("ignoring incomplete checkpoint %s: %s", path, why)
+        if self.load_step >= 0:
+            if not self.folder.is_dir():
+                raise CheckpointError(f"checkpoint.load_step={self.load_step}: checkpoint folder {self.folder} "
+                                      "does not exist")
+            if self.load_step not in complete:
+                available = ", ".join(f"step-{s}" for s in sorted(complete)) or "none"
+                raise CheckpointError(f"checkpoint.load_step={self.load_step}: {self.folder / f'step-{self.load_step}'}"
+                                      f" is not a complete checkpoint (complete ones: {available})")
+            newer = [s for s in complete if s > self.load_step]
+            if newer:
+                logger.warning("loading step-%d although newer checkpoints exist (%s); this run's saves replace "
+                               "them as it reaches their steps", self.load_step,
+                               ", ".join(f"step-{s}" for s in sorted(newer)))
+            return [complete[self.load_step]]
+        return [complete[s] for s in sorted(complete, reverse=True)]
+
+    def _newest_that_verifies(self, candidates: list[Path]) -> tuple[Path, tuple]:
+        """The first candidate that verifies; the corrupt ones before it are moved aside (never deleted).
+
+        A pinned load_step, or no candidate verifying, is an error and moves nothing.
+        """
+        corrupt: list[tuple[Path, str]] = []
+        for path in candidates:
+            verified = self._verify(path, model_only=False, raise_corrupt=self.load_step >= 0)
+            if isinstance(verified, str):
+                corrupt.append((path, verified))
+                if self.rank == 0:
+                        logger.error("CHECKPOINT %s FAILED VERIFICATION: %s", path, verified)
+                continue
+            break
+        else:
+            more = f"; no older checkpoint verifies either ({len(corrupt) - 1} tried)" if len(corrupt) > 1 else ""
+            raise CorruptCheckpointError(corrupt[0][1] + more)
+        for bad, _ in corrupt:
+            aside = self._on_rank0(lambda: _move_aside(bad))
+            if self.rank == 0:
+                logger.error("moved the corrupt checkpoint %s aside to %s (kept for inspection; delete it when done)",
+                             bad, aside)
+        if corrupt and self.rank == 0:
+            logger.error("FELL BACK to %s, the newest checkpoint that verifies, past %d corrupt newer one(s)",
+                         path, len(corrupt))
+        return path, verified
+
+    def _verify(self, path: Path, *, model_only: bool, raise_corrupt: bool) -> tuple | str:
+        """(checkpoint.json, DCP metadata) once every check passed on every rank, or why it is corrupt.
+
+        Collective: each rank checks a slice of the data files and all ranks see every
+        rank's result, so all take the same branch. Incompatible or unsafe checkpoints
+        (and corrupt ones with `raise_corrupt`) raise CheckpointError on every rank.
+        """
+        result: tuple[str, str] = ("ok", "")
+        info = metadata = None
+        try:
+            info = read_checkpoint_json(path, allow_unverified=self.allow_unverified)
+            check_model_matches(info, self.run, path=path)
+            if not model_only and info.get("kind") != "training":
+                raise CheckpointError(f"{path / CHECKPOINT_JSON}: a {info.get('kind')} checkpoint has no optimizer or "
+                                      "step to resume; pass it as checkpoint.initial_load_path instead")
+            metadata = read_dcp_metadata(path, info)
+            check_model_keys(metadata, model_state_dict(self.state.model), path=path)
+            names = data_files(metadata)
+            if not model_only:
+                names[STATE_JSON] = 1
+            mine = sorted(names)[self.rank::self.world_size]
+            problems = check_files(path, info, {n: names[n] for n in mine})
+            if problems:
+                result = ("corrupt", problems[0] + (f" (and {len(problems) - 1} more problems)"
+                                                    if len(problems) > 1 else ""))
+        except CorruptCheckpointError as e:
+            result = ("corrupt", str(e))
+        except CheckpointError as e:
+            result = ("error", str(e))
+        gathered: list[tuple[str, str]] = [("ok", "")] * self.world_size
+        dist.all_gather_object(gathered, result, group=self.pg)
+        for kind in ("error", "corrupt"):
+            for k, message in gathered:
+                if k == kind and (kind == "error" or raise_corrupt):
+                    raise (CheckpointError if kind == "error" else CorruptCheckpointError)(message)
+                if k == kind:
+                    return message
+        assert info is not None and metadata is not None
+        return info, metadata
+
+    def _load(self, path: Path, verified: tuple, *, model_only: bool) -> None:
+        start = time.perf_counter()
+        what = "checkpoint.initial_load_path" if model_only else "checkpoint"
+        info, metadata = verified
+        # Built after the checks: get_optimizer_state_dict initializes empty optimizer state.
+        sd = {"model": model_state_dict(self.state.model)} if model_only else self.state.state_dict()
+        if not model_only and "rng.cuda" not in metadata.state_dict_metadata:
+            sd["rng"].pop("cuda", None)  # saved on a machine without CUDA
+        tensors, _ = split_tensors(sd)
+        try:
+            dcp.load(tensors, storage_reader=SafeReader(str(path)), process_group=self.pg)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            cause = root_cause(e)
+            if isinstance(cause, CheckpointError):
+                raise type(cause)(str(cause)) from None
+            raise CheckpointError(f"failed to read {what} {path}: {first_line(cause)}") from e
+        if model_only:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.state.model, tensors["model"])
+            logger.info("loaded model weights from %s (step %s of its run, saved with mixed_precision=%s) in %.1f s; "
+                        "optimizer, schedule and data start fresh at step 0", path, info.get("step"),
+                        info.get("mixed_precision"), time.perf_counter() - start)
+            return
+        rest = read_state_json(path, info)
+        try:
+            self.state.load_state_dict(merge_tensors(tensors, rest))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{path / STATE_JSON} does not hold this trainer's state "
+                                  f"({type(e).__name__}: {first_line(e)})") from None
+        step = self.state.train_state.step
+        self.last_saved_step = step
+        saved_mp = self.state.train_state.resumed_mixed_precision or info.get("mixed_precision")
+        if saved_mp != self.run.mixed_precision:
+            logger.info("resumed %s checkpoint at step %d with mixed_precision=%s", saved_mp, step,
+                        self.run.mixed_precision)
+        saved_layout = info.get("layout", {})
+        relayout = "" if saved_layout == self.run.layout else (
+            f"; resharded from {describe_layout(saved_layout)} to {describe_layout(self.run.layout)}"
+        )
+        logger.info("resumed from checkpoint %s at step %d (saved with mixed_precision=%s)%s in %.1f s",
+                    path, step, saved_mp, relayout, time.perf_counter() - start)
+
+    # -- save ----------------------------------------------------------------
+
+    def maybe_save(self, step: int, *, final: bool, stopping: bool, before_save: Callable[[], Any] | None = None
+                   ) -> None:
+        """After each step: save on the interval, at the last step and when stopping; export at the last step.
+
+        `before_save` runs on every rank right before a save or export (the trainer's
+        finiteness check, so a run that must stop stops before it is checkpointed).
+        """
+        self._poll()
+        saving = self.enable and step != self.last_saved_step and (step % self.interval == 0 or final or stopping)
+        if before_save is not None and (saving or (final and self.model_only)):
+            before_save()
+        if saving:
+            self.save(step)
+        if final and self.model_only:
+            self.export(step)
+
+    def save(self, step: int) -> None:
+        self.wait()  # one save at a time; also frees the checkpoint group for this save's collectives
+        start = time.perf_counter()
+        tmp = self.folder / f"step-{step}.tmp"
+        tensors, rest = split_tensors(self.state.state_dict())
+        nbytes = _local_bytes(tensors) * self.world_size  # about: replicated tensors are written once
+        error = None
+        if self.rank == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # left by an earlier, interrupted save of this step
+                tmp.mkdir(parents=True)
+                write_json(tmp / STATE_JSON, rest)  # non-tensor state: JSON, never pickled
+            except OSError as e:
+                error = e
+        error = self._broadcast_error(error)
+        if error is not None:
+            self._save_failed(step, tmp, error, nbytes)
+            return
+        writer = ChecksummedWriter(tmp, step=step)
+        previous, self.last_saved_step = self.last_saved_step, step
+        if self._stager is None:
+            error = None
+            try:
+                dcp.save(tensors, storage_writer=writer, process_group=self.pg)
+                self._finalize(step, tmp, start)
+            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+                error = root_cause(e)
+            # Nobody goes on until step-N is complete (or every rank knows it failed).
+            error = self._broadcast_error(error)
+            if error is not None:
+                self.last_saved_step = previous
+                self._save_failed(step, tmp, error, nbytes)
+            return
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg, async_stager=self._stager)
+        self._pending = _PendingSave(step=step, tmp=tmp, future=future, start=start, nbytes=nbytes,
+                                     previous=previous)
+        logger.info("checkpoint step-%d: staged in %.2f s, writing in the background", step,
+                    time.perf_counter() - start)
+
+    def _broadcast_error(self, error: BaseException | None) -> BaseException | None:
+        """Rank 0's error, or None, on every rank (collective on pg), so all ranks take the same branch."""
+        box: list[Any] = [None if error is None else (type(error).__name__, first_line(error),
+                                                      getattr(error, "errno", None))]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        if box[0] is None:
+            return None
+        if self.rank == 0:
+            return error
+        name, message, code = box[0]
+        return OSError(code, message) if code is not None else RuntimeError(f"{name}: {message}")
+
+    def _save_failed(self, step: int, tmp: Path, error: BaseException, nbytes: int) -> None:
+        """One line saying what failed and why; the partial folder removed; stop or continue as configured."""
+        why = f"{type(error).__name__}: {first_line(error)}"
+        if getattr(error, "errno", None) == errno.ENOSPC:
+            free = _free_bytes(tmp)
+            why = (f"no space left on device (this checkpoint needs about {nbytes / 2**20:,.1f} MiB; "
+                   f"{'unknown' if free is None else f'{free / 2**20:,.1f} MiB'} free)")
+        removed = ""
+        if self.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed = f"; removed the partial {tmp.name}"
+        message = f"checkpoint step-{step} failed to save into {tmp}: {why}{removed}; earlier checkpoints are untouched"
+        if self.on_save_error == "stop":
+            raise CheckpointError(message + " (checkpoint.on_save_error=continue would keep training)")
+        logger.error("%s; training continues without it (checkpoint.on_save_error=continue)", message)
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is written, then make it complete."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+            self._finalize(pending.step, pending.tmp, pending.start)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            # No collective here: ranks reach wait() at different times. DCP reports a failed
+            # write to every rank; a failed finalize is rank 0's alone, and stopping ends the job.
+            if self.last_saved_step == pending.step:
+                self.last_saved_step = pending.previous
+            self._save_failed(pending.step, pending.tmp, root_cause(e), pending.nbytes)
+
+    def _finalize(self, step: int, tmp: Path, start: float) -> None:
+        """Rank 0, once every rank has written: checkpoint.json, rename to step-N, prune."""
+        if self.rank != 0:
+            return
+        files = collect_checksums(tmp)
+        files[STATE_JSON] = file_digest(tmp / STATE_JSON)
+        info = {
+            "format": FORMAT,
+            "kind": "training",
+            "step": step,
+            "model": self.run.model_json(),
+            "mixed_precision": self.run.mixed_precision,
+            "layout": self.run.layout,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": files,
+        }
+        write_json(tmp / CHECKPOINT_JSON, info)
+        final = self.folder / f"step-{step}"
+        publish(tmp, final)
+        size = sum(f["bytes"] for f in files.values())
+        logger.info("saved checkpoint %s (%.1f MiB, %.2f s)", final, size / 2**20, time.perf_counter() - start)
+        self._prune(step)
+
+    def _prune(self, newest: int) -> None:
+        for path in prune_checkpoints(self.folder, newest=newest, keep_latest_k=self.keep_latest_k):
+            why = (f"an interrupted save, superseded by step-{newest}" if path.name.endswith(".tmp")
+                   else f"keep_latest_k={self.keep_latest_k}")
+            logger.info("removed %s (%s)", path, why)
+
+    # -- export --------------------------------------------------------------
+
+    def export(self, step: int) -> Path:
+        """The model weights, gathered whole, in Hugging Face Llama layout (collective; rank 0 writes)."""
+        from trainer.export import write_hf_export
+
+        sd = model_state_dict(self.state.model)
+
+        def fetch(fqns: list[str]) -> dict[str, torch.Tensor]:
+            out = {}
+            for fqn in fqns:
+                t = sd[fqn]
+                # note: an all-gather per tensor; ranks other than 0 hold one full tensor at a time.
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if self.rank == 0:
+                    out[fqn] = full.detach().to("cpu", self.export_dtype)
+            return out
+
+        out = write_hf_export(self.folder / f"step-{step}-hf", args=self.run.model_args,
+                              shapes={k: tuple(v.shape) for k, v in sd.items()}, fetch=fetch,
+                              dtype=self.export_dtype, is_writer=self.rank == 0)
+        # Not self.pg: a background save of this step may be using it from its thread right now.
+        dist.barrier()
+        return out
+
+    def close(self) -> None:
+        """Finish a background save (it becomes complete) and release the stager."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+
+def _local_bytes(tree: dict[str, Any]) -> int:
+    total = 0
+    for v in tree.values():
+        if isinstance(v, dict):
+            total += _local_bytes(v)
+        else:
+            t = v._local_tensor if isinstance(v, DTensor) else v
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free
+    return None
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a corrupt checkpoint out of the way (`step-N.corrupt`, `.corrupt-2`, ...); never delete it."""
+    aside = path.with_name(path.name + ".corrupt")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.corrupt-{n}")
+    try:
+        path.rename(aside)
+    except OSError as e:
+        raise CheckpointError(f"{path} is corrupt and could not be moved aside to {aside}: {e}") from None
+    return aside
+
+
+def prune_checkpoints(folder: Path, *, newest: int, keep_latest_k: int) -> list[Path]:
+    """Remove interrupted saves older than step-{newest} and, with keep_latest_k > 0, all but the newest k.
+
+    Called right after step-{newest} became complete, so with k >= 1 the only
+    complete checkpoint always survives. Returns what was removed. Corrupt
+    checkpoints moved aside (`step-N.corrupt`) are never removed.
+    """
+    complete, incomplete = scan_checkpoints(folder)
+    removed = []
+    for path, _ in incomplete:
+        m = STEP_DIR.match(path.name)
+        if m and m.group(2) and int(m.group(1)) < newest:
+            removed.append(path)
+    if keep_latest_k > 0:
+        removed += [complete[step] for step in sorted(complete)[:-keep_latest_k]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

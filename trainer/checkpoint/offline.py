@@ -1,0 +1,135 @@
+"""Checkpoints outside a training run, in one process without a process group: load a model, read or write weights.
+
+`load_model` is the public way to get a trained model back for evaluation or
+generation, from either of the two formats this trainer writes:
+
+    from trainer.checkpoint import load_model
+    model = load_model("outputs/run/checkpoint/step-1000")        # a DCP checkpoint (training or model-only)
+    model = load_model("outputs/run/checkpoint/step-1000-hf")     # a Hugging Face export (safetensors)
+
+Both paths run no code from the folder: DCP's index goes through the restricted
+unpickler of trainer/checkpoint/verify.py, tensors through `torch.load(weights_only=True)`,
+Hugging Face weights through safetensors and config.json through json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trainer.checkpoint.format import (
+    CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter, CorruptCheckpointError,
+    collect_checksums, first_line, publish, write_json,
+)
+from trainer.checkpoint.manager import root_cause
+from trainer.checkpoint.state import RunInfo, args_from_json
+from trainer.checkpoint.verify import SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata
+from trainer.models.llama import Llama, ModelArgs, rope_cache
+
+
+@contextlib.contextmanager
+def _single_process():
+    # no_dist=True says it: DCP still warns that no process group exists.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_model_only(
+    path: Path, weights: dict[str, torch.Tensor], *, run: RunInfo, source: str, step: int = 0
+) -> Path:
+    """A model-only DCP checkpoint (for checkpoint.initial_load_path) from full tensors, in one process."""
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with _single_process():
+        dcp.save({"model": weights}, storage_writer=ChecksummedWriter(tmp, step=step), no_dist=True)
+    write_json(tmp / CHECKPOINT_JSON, {
+        "format": FORMAT, "kind": "model_only", "step": step, "model": run.model_json(),
+        "mixed_precision": run.mixed_precision, "layout": run.layout, "source": source,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": collect_checksums(tmp),
+    })
+    publish(tmp, path)
+    return path
+
+
+def load_full_model_weights(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, allow_unverified: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(checkpoint.json, {fqn: full tensor}) of a DCP checkpoint's model.
+
+    Verifies every file first. Needs no torchao, even for a checkpoint of an fp8 run.
+    """
+    path = Path(path)
+    info = read_checkpoint_json(path, allow_unverified=allow_unverified)
+    metadata = read_dcp_metadata(path, info)
+    names = data_files(metadata)
+    if info.get("kind") == "training":
+        names[STATE_JSON] = 1
+    problems = check_files(path, info, names)
+    if problems:
+        raise CorruptCheckpointError(problems[0])
+    sd = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model."):
+            sd[key[len("model."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    try:
+        with _single_process():
+            dcp.load({"model": sd}, storage_reader=SafeReader(str(path)), no_dist=True)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        cause = root_cause(e)
+        if isinstance(cause, CheckpointError):
+            raise type(cause)(str(cause)) from None
+        raise CheckpointError(f"failed to read checkpoint {path}: {first_line(cause)}") from e
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    return info, sd
+
+
+def load_model(
+    path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    max_seq_len: int | None = None,
+) -> Llama:
+    """Our Llama with the weights of a DCP checkpoint step folder or a Hugging Face export folder, in eval mode.
+
+    The model's arguments come from the checkpoint's checkpoint.json (or the export's
+    config.json); `max_seq_len` overrides the length of the RoPE table (default: the
+    training run's sequence length, or the export's max_position_embeddings).
+    Every file is verified (checksums for DCP, names and shapes for both) first;
+    errors are one line naming the file (CheckpointError or ExportError).
+    """
+    from dataclasses import replace
+
+    from trainer.export import read_hf_config, read_hf_weights
+
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / CHECKPOINT_JSON).exists():
+        args = read_hf_config(path)
+        weights = read_hf_weights(path, args=args)
+    else:
+        info, weights = load_full_model_weights(path)
+        args = args_from_json(info["model"])
+    if max_seq_len:
+        args = replace(args, max_seq_len=max_seq_len)
+    return build_model(args, weights, device=device, dtype=dtype)
+
+
+def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], *, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Llama:
+    """A plain (unsharded) Llama holding these full weights (by our fqns), cast to dtype, in eval mode."""
+    with torch.device("meta"):
+        model = Llama(args)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()}, strict=True,
+                          assign=True)
+    model.rope = rope_cache(args, args.max_seq_len, device=device)
+    return model.eval()

@@ -1,0 +1,212 @@
+"""What a checkpoint holds: the one `Stateful` a resume loads, the run description, and the tensor/JSON split.
+
+Resuming is one `Stateful`, `CheckpointState`: model, optimizer, LR schedule, data
+position, RNG, loss scale and the trainer's `TrainState`. The model is saved as plain
+tensors (torchao's float8 all-gather wrapper is unwrapped, sharing storage), so keys
+and dtypes are the same for bf16 and fp8 runs and a checkpoint loads in a process that
+never imported torchao. DCP reshards on load: a checkpoint saved at one parallel
+layout loads at any other.
+
+Only tensors go through DCP. Every other value (step, data position, schedule and
+optimizer settings) is JSON in `state.json` (`split_tensors`/`merge_tensors`): DCP would
+pickle them, and unpickling a file someone else wrote can run code.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from trainer.models.llama import ModelArgs, RopeScaling
+
+logger = logging.getLogger("trainer.checkpoint")
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` without torchao's float8 all-gather wrapper (`WeightWithDynamicFloat8CastTensor`), same storage.
+
+    Checked by duck type (a tensor subclass holding `_tensor`), so this module
+    never imports torchao.
+    """
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        inner = plain_tensor(local)
+        if inner is local:
+            return t
+        return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and isinstance(getattr(t, "_tensor", None), torch.Tensor):
+        return t._tensor
+    return t
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Sharded model state by clean fqn (no `_orig_mod.`/`_checkpoint_wrapped_module.`), plain tensors.
+
+    The values share storage with the parameters, so DCP loads into them in place.
+    """
+    return {k: plain_tensor(v) for k, v in get_model_state_dict(model).items()}
+
+
+def split_tensors(tree: dict[str, Any], path: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the nested dicts holding only tensors, everything else): the first goes to DCP, the second to JSON.
+
+    Tensors may only sit in dicts (asserted), so `merge_tensors` puts them back exactly.
+    """
+    tensors: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in tree.items():
+        where = f"{path}{key}"
+        assert isinstance(key, str), f"state key {where!r} is not a string"
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value
+        elif isinstance(value, dict):
+            t, r = split_tensors(value, where + ".")
+            if t:
+                tensors[key] = t
+            if r or not t:
+                rest[key] = r
+        else:
+            rest[key] = _json_value(value, where)
+    return tensors, rest
+
+
+def _json_value(value: Any, where: str) -> Any:
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        assert all(isinstance(k, str) for k in value), f"state {where!r} has a non-string key"
+        return {k: _json_value(v, f"{where}.{k}") for k, v in value.items()}
+    raise AssertionError(f"state {where!r} is a {type(value).__name__}: checkpoints hold only tensors and JSON values")
+
+
+def merge_tensors(tensors: dict[str, Any], rest: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `split_tensors`."""
+    out = dict(rest)
+    for key, value in tensors.items():
+        out[key] = merge_tensors(value, rest.get(key, {})) if isinstance(value, dict) else value
+    return out
+
+
+@dataclass
+class CheckpointState(Stateful):
+    """The one object a resume loads: everything that makes step k+1 identical to an uninterrupted run."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data_loader: Any  # TokenDataLoader
+    train_state: Any  # trainer.train.TrainState
+    loss_scaler: Any  # trainer.train.LossScaler
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+        optimizer["state"] = {
+            fqn: {k: plain_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for fqn, s in optimizer["state"].items()
+        }
+        # Every rank seeds the same and draws the same numbers, so one RNG state serves all layouts.
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {
+            "model": model_state_dict(self.model),
+            "optimizer": optimizer,
+            "lr_scheduler": self.scheduler.state_dict(),
+            "dataloader": self.data_loader.state_dict(),
+            "train_state": self.train_state.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "rng": rng,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        # The model tensors were loaded in place by DCP; set_* also checks every key is there.
+        set_model_state_dict(self.model, sd["model"])
+        config_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])
+        self._keep_config_hyperparameters(config_groups)
+        self._load_scheduler(sd["lr_scheduler"])
+        self.data_loader.load_state_dict(sd["dataloader"])
+        self.train_state.load_state_dict(sd["train_state"])
+        if self.loss_scaler.enabled and sd["train_state"].get("mixed_precision") == "fp16":
+            self.loss_scaler.load_state_dict(sd["loss_scaler"])  # otherwise the scaler keeps its initial scale
+        torch.set_rng_state(sd["rng"]["cpu"])
+        if "cuda" in sd["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["rng"]["cuda"])
+
+    def _keep_config_hyperparameters(self, config_groups: list[dict]) -> None:
+        # The config is the source of truth for hyperparameters (a cooldown relaunch may
+        # change them); the checkpoint only supplies the optimizer's moments and step counts.
+        changed = set()
+        for group, config in zip(self.optimizer.param_groups, config_groups):
+            for key, value in config.items():
+                saved = group.get(key)
+                if isinstance(value, tuple) and isinstance(saved, list):
+                    saved = tuple(saved)  # JSON has no tuples (Adam's betas)
+                if key != "lr" and saved != value:
+                    changed.add(f"{key} {saved} -> {value}")
+                group[key] = value
+        if changed:
+            logger.warning("optimizer settings differ from the checkpoint; using this run's: %s",
+                           ", ".join(sorted(changed)))
+
+    def _load_scheduler(self, saved: dict[str, Any]) -> None:
+        s = self.scheduler
+        config_base_lrs = list(s.base_lrs)
+        saved_lr = saved.get("_last_lr")
+        s.load_state_dict({**saved, "base_lrs": config_base_lrs})
+        # The lr of the next step from this run's schedule at the saved position; the same
+        # expression LambdaLR uses, so an unchanged config gives the bit-identical lr.
+        lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        s._last_lr = lrs
+        if saved_lr is not None and list(saved_lr) != lrs:
+            logger.warning("learning rate at step %d is %.3e from this run's schedule (the checkpoint's run had "
+                           "%.3e): optimizer/scheduler settings changed", s.last_epoch, lrs[0], saved_lr[0])
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What checkpoint.json records about a run, and what a load is checked against."""
+
+    flavor: str
+    model_args: ModelArgs
+    mixed_precision: str
+    layout: dict[str, int] = field(default_factory=dict)  # dp_replicate, dp_shard, tp, world_size
+
+    def model_json(self) -> dict[str, Any]:
+        args = asdict(self.model_args)
+        # The run's sequence length (the rope table's size) is recorded but is not part of the weights.
+        return {"name": "llama3", "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim}
+
+
+def describe_layout(layout: dict[str, int]) -> str:
+    return ", ".join(f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp") if k in layout) + (
+        f" (world size {layout['world_size']})" if "world_size" in layout else ""
+    )
+
+
+def args_from_json(model: dict[str, Any]) -> ModelArgs:
+    """The ModelArgs recorded in checkpoint.json (for tools that have no job config)."""
+    fields = {k: v for k, v in model.items() if k in ModelArgs.__dataclass_fields__}
+    if fields.get("rope_scaling") is not None:
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    args = ModelArgs(**fields)
+    assert args.ffn_dim == model["ffn_dim"], (args.ffn_dim, model["ffn_dim"])
+    return args

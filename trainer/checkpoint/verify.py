@@ -1,0 +1,291 @@
+"""Is a checkpoint complete, intact, compatible and safe to read? All of it before any tensor is loaded.
+
+- `scan_checkpoints`: which step folders are complete (cheap: no data read).
+- `read_checkpoint_json`: the description, refused when its list of files (sizes and
+  crc32) is missing, unless the user explicitly accepts an unverified checkpoint.
+- `read_dcp_metadata` / `SafeReader`: DCP's `.metadata` is a pickle. It is read by an
+  unpickler that resolves only DCP's own metadata classes, torch dtypes/sizes and
+  paths, so a crafted file cannot call anything else; then every entry must be a
+  tensor stored in a `__R_I.distcp` file of the folder. DCP would `torch.load(...,
+  weights_only=False)` a non-tensor entry, so a checkpoint with one is refused, and
+  `SafeReader` refuses to read one even if asked.
+- `check_files`: size and crc32 of every data file against checkpoint.json.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from trainer.checkpoint.format import (
+    CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
+    CorruptCheckpointError, file_digest, first_line,
+)
+from trainer.checkpoint.state import RunInfo
+
+logger = logging.getLogger("trainer.checkpoint")
+
+# Everything a DCP .metadata written by FileSystemWriter refers to (torch 2.4-2.13).
+_DCP = "torch.distributed.checkpoint.metadata"
+_ALLOWED_GLOBALS = {
+    (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"), (_DCP, "TensorProperties"),
+    (_DCP, "ChunkStorageMetadata"), (_DCP, "MetadataIndex"), (_DCP, "StorageMeta"), (_DCP, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"), ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only `_ALLOWED_GLOBALS` and torch dtypes; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a DCP index never contains")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it has a persistent id, which a DCP index never contains")
+
+
+def load_dcp_metadata(file: Path) -> Metadata:
+    """DCP's index of a checkpoint, read without running code, checked to hold only tensors in .distcp files."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing") from None
+    except Exception as e:  # unpickling garbage raises anything
+        raise CheckpointError(f"{file} is not a safe DCP index, refusing to load it ({first_line(e)})") from None
+    if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict) or not isinstance(
+        metadata.storage_data, dict
+    ):
+        raise CheckpointError(f"{file} is not a DCP index (it holds a {type(metadata).__name__})")
+    for key, md in metadata.state_dict_metadata.items():
+        if type(md) is not TensorStorageMetadata:
+            raise CheckpointError(
+                f"{file}: entry {key!r} is a pickled Python object, not a tensor; refusing to load it (unpickling "
+                f"can run code, and this trainer writes only tensors with DCP; checkpoints of format "
+                f"{OLD_FORMATS[0]} held such entries)"
+            )
+    for item in metadata.storage_data.values():
+        name = getattr(item, "relative_path", None)
+        if type(item) is not _StorageInfo or not isinstance(name, str) or not _DATA_FILE.match(name):
+            raise CheckpointError(f"{file}: a storage entry names {name!r}, not a __R_I.distcp file of this folder")
+        if item.transform_descriptors:
+            raise CheckpointError(f"{file}: {name} is stored with transforms {item.transform_descriptors}, which "
+                                  "this trainer never writes")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader that reads `.metadata` with `load_dcp_metadata` and never unpickles an entry.
+
+    Tensors are read by FileSystemReader with `torch.load(weights_only=True)`; a
+    non-tensor (BYTE_IO) read would go through `torch.load(weights_only=False)`.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        assert kwargs.get("rank") is None, "per-rank metadata files are not used"
+        metadata = load_dcp_metadata(Path(self.path) / METADATA)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)  # as FileSystemReader.read_metadata does
+        return metadata
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise CheckpointError(f"{Path(self.path) / METADATA}: entry {item.dest_index.fqn!r} is not a tensor; "
+                                      "refusing to unpickle it")
+        return super().read_data(plan, planner)
+
+
+# ---------------------------------------------------------------------------
+# Which folders are checkpoints, and are they intact
+
+
+def scan_checkpoints(folder: Path) -> tuple[dict[int, Path], list[tuple[Path, str]]]:
+    """(complete {step: path}, incomplete [(path, why)]) in a checkpoint folder; cheap (no data read)."""
+    complete: dict[int, Path] = {}
+    incomplete: list[tuple[Path, str]] = []
+    if not folder.is_dir():
+        return complete, incomplete
+    for path in sorted(folder.iterdir()):
+        m = STEP_DIR.match(path.name)
+        if not m or not path.is_dir():
+            continue
+        if m.group(2):
+            incomplete.append((path, "a save that never finished (killed or failed mid-save)"))
+        elif not (path / METADATA).exists():
+            incomplete.append((path, f"no {METADATA}"))
+        elif not (path / CHECKPOINT_JSON).exists():
+            incomplete.append((path, f"no {CHECKPOINT_JSON}"))
+        else:
+            complete[int(m.group(1))] = path
+    return complete, incomplete
+
+
+def check_file(path: Path, expected: dict[str, Any] | None, *, min_bytes: int = 0) -> str | None:
+    """None when the file is intact, else a one-line reason naming it."""
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    want = expected["bytes"] if expected else min_bytes
+    if size < want or (expected and size != want):
+        return f"{path} is truncated or corrupted: {size:,} bytes, expected {want:,}"
+    if expected:
+        got = file_digest(path)["crc32"]
+        if got != expected["crc32"]:
+            return f"{path} is corrupted: crc32 {got} does not match {expected['crc32']} recorded when it was saved"
+    return None
+
+
+def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[str, Any]:
+    """checkpoint.json of a checkpoint folder, or a one-line CheckpointError naming what is wrong.
+
+    A description without its list of files (size and crc32 of each) cannot prove the
+    checkpoint complete: refused unless `allow_unverified` (checkpoint.allow_unverified).
+    """
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a folder")
+    file = path / CHECKPOINT_JSON
+    try:
+        info = json.loads(file.read_text())
+    except FileNotFoundError:
+        if (path / "config.json").exists():
+            raise CheckpointError(
+                f"{file} is missing: {path} looks like a Hugging Face model folder; convert it first: "
+                f"python scripts/convert_checkpoint.py import {path} OUT --flavor FLAVOR"
+            ) from None
+        raise CheckpointError(
+            f"{file} is missing: {path} is not a complete checkpoint (an interrupted save, or not written by this "
+            "trainer)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{file} is not a checkpoint description (a JSON {type(info).__name__})")
+    if info.get("format") in OLD_FORMATS:
+        raise CheckpointError(
+            f"{file}: format {info['format']} stored pickled Python objects, which this trainer no longer loads "
+            "(unpickling a file can run code); resume it with the trainer version that wrote it"
+        )
+    if info.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a {FORMAT} checkpoint description (format={info.get('format')!r})")
+    if not isinstance(info.get("model"), dict):
+        raise CheckpointError(f"{file} has no model description")
+    files = info.get("files")
+    if not (isinstance(files, dict) and files and all(
+        isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), str)
+        for v in files.values()
+    )):
+        if not allow_unverified:
+            raise CorruptCheckpointError(
+                f"{file} has no valid \"files\" list (size and crc32 of every file), so {path} cannot be verified "
+                "complete; refusing it. Load it unverified only if you trust it: --checkpoint.allow_unverified=true"
+            )
+        logger.warning("%s has no valid \"files\" list: loading %s UNVERIFIED (checkpoint.allow_unverified=true); "
+                       "truncated or corrupted shards will not be detected", file, path)
+        info["files"] = None
+    return info
+
+
+def check_model_matches(info: dict[str, Any], run: RunInfo, *, path: Path) -> None:
+    """Vocab and shape of the checkpoint against this run's model, from checkpoint.json alone."""
+    file = path / CHECKPOINT_JSON
+    saved, ours = info["model"], run.model_json()
+    if saved.get("vocab_size") != ours["vocab_size"]:
+        raise CheckpointError(
+            f"{file}: vocab mismatch: the checkpoint has vocab_size={saved.get('vocab_size')}, this run has "
+            f"{ours['vocab_size']} (model.vocab_size / the tokenizer must match the checkpoint's)"
+        )
+    diffs = [f"{k}={saved.get(k)} (this run: {ours[k]})" for k in SHAPE_KEYS if saved.get(k) != ours[k]]
+    if diffs:
+        raise CheckpointError(
+            f"{file}: model shape mismatch: the checkpoint is llama3 {saved.get('flavor')} with "
+            f"{', '.join(diffs)}; use the model.flavor/n_layers it was trained with"
+        )
+    changed = [f"{k} {saved.get(k)} -> {ours[k]}" for k in FUNCTION_KEYS if saved.get(k) != ours[k]]
+    if changed:
+        logger.warning("%s: same shapes but %s differs from the checkpoint's model", file, ", ".join(changed))
+
+
+def read_dcp_metadata(path: Path, info: dict[str, Any]) -> Metadata:
+    """The checkpoint's `.metadata`, checked against checkpoint.json and read safely (`load_dcp_metadata`)."""
+    file = path / METADATA
+    files = info.get("files")
+    problem = check_file(file, files.get(METADATA) if files is not None else None)
+    if files is not None and not problem and METADATA not in files:
+        problem = f"{file} is not listed in {path / CHECKPOINT_JSON}"
+    if problem:
+        raise CorruptCheckpointError(problem)
+    return load_dcp_metadata(file)
+
+
+def data_files(metadata: Metadata) -> dict[str, int]:
+    """{file name: the least size it must have} of every data file the index refers to."""
+    min_bytes: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        name = item.relative_path
+        min_bytes[name] = max(min_bytes.get(name, 0), item.offset + item.length)
+    return min_bytes
+
+
+def check_files(path: Path, info: dict[str, Any], names: dict[str, int]) -> list[str]:
+    """Problems (one line each) with these files of a checkpoint: {name: least size}."""
+    recorded = info.get("files")
+    problems = []
+    for name, min_bytes in names.items():
+        if recorded is not None and name not in recorded:
+            problems.append(f"{path / name} is not listed in {path / CHECKPOINT_JSON}")
+        elif p := check_file(path / name, recorded.get(name) if recorded is not None else None, min_bytes=min_bytes):
+            problems.append(p)
+    return problems
+
+
+def check_model_keys(metadata: Metadata, model_sd: dict[str, torch.Tensor], *, path: Path) -> None:
+    """Every model tensor is in the checkpoint with the same shape, and it has no other model tensors."""
+    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    file = path / METADATA
+    missing = [k for k in model_sd if k not in saved]
+    unexpected = [k for k in saved if k not in model_sd]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{file}: model keys do not match: {len(missing)} missing (first: {missing[0] if missing else '-'}), "
+            f"{len(unexpected)} unexpected (first: {unexpected[0] if unexpected else '-'})"
+        )
+    for k, t in model_sd.items():
+        if tuple(saved[k].size) != tuple(t.shape):
+            raise CheckpointError(f"{file}: model.{k} has shape {list(saved[k].size)} in the checkpoint but "
+                                  f"{list(t.shape)} in this model")
+
+
+def read_state_json(path: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor state of a training checkpoint (verified against checkpoint.json)."""
+    file = path / STATE_JSON
+    problems = check_files(path, info, {STATE_JSON: 1})
+    if problems:
+        raise CorruptCheckpointError(problems[0])
+    try:
+        state = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} is not a training state (a JSON {type(state).__name__})")
+    return state
