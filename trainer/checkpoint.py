@@ -306,12 +306,18 @@ def read_dcp_metadata(path: Path, info: dict[str, Any]):
         raise CheckpointError(f"{file} is corrupted ({type(e).__name__}: {_first_line(e)})") from None
 
 
-def check_model_keys(metadata, model_sd: dict[str, torch.Tensor], *, path: Path) -> None:
-    """Every model tensor is in the checkpoint with the same shape, and it has no other model tensors."""
+def check_model_keys(metadata, model_sd: dict[str, torch.Tensor], *, path: Path,
+                     all_keys: set[str] | None = None) -> None:
+    """Every model tensor is in the checkpoint with the same shape, and it has no other model tensors.
+
+    all_keys: the model keys of every rank together, when ranks hold different parameters
+    (pipeline stages); the key sets are compared with it, the shapes with this rank's tensors.
+    """
     saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     file = path / _METADATA
-    missing = [k for k in model_sd if k not in saved]
-    unexpected = [k for k in saved if k not in model_sd]
+    keys = all_keys if all_keys is not None else set(model_sd)
+    missing = sorted(k for k in keys if k not in saved)
+    unexpected = [k for k in saved if k not in keys]
     if missing or unexpected:
         raise CheckpointError(
             f"{file}: model keys do not match: {len(missing)} missing (first: {missing[0] if missing else '-'}), "
@@ -510,7 +516,10 @@ class CheckpointManager:
                                   "step to resume; pass it as checkpoint.initial_load_path instead")
         metadata = read_dcp_metadata(path, info)
         model_sd = model_state_dict(self.state.model)
-        check_model_keys(metadata, model_sd, path=path)
+        # Under pipeline parallelism each rank holds some stages: the checkpoint must match all ranks' keys.
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, sorted(model_sd), group=self.pg)
+        check_model_keys(metadata, model_sd, path=path, all_keys={k for keys in gathered for k in keys})
         self._verify_files(path, info, metadata)
         # Built after the checks: get_optimizer_state_dict initializes empty optimizer state.
         sd = {"model": model_sd} if model_only else self.state.state_dict()
