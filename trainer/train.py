@@ -225,7 +225,7 @@ class Trainer:
         """
         if self.pipeline is not None:
             # The schedule runs forward and backward of every stage; the loss comes from the last stage.
-            loss = self.pipeline.forward_backward(microbatches,
+            loss = self.pipeline.forward_backward(microbatches, loss_context=self.loss_context,
                                                   loss_scale=self.scaler.scale if self.scaler.enabled else None)
         else:
             loss = self._forward_backward(microbatches)

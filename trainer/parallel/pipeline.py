@@ -16,6 +16,7 @@ schedule (ZBVZeroBubble), stages r and num_stages-1-r.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -278,11 +280,13 @@ class Pipeline:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) * self._loss_factor
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                         loss_scale: torch.Tensor | None) -> torch.Tensor:
+                         loss_scale: torch.Tensor | None, loss_context=contextlib.nullcontext) -> torch.Tensor:
         """Run the schedule over each batch of the optimizer step; gradients accumulate in the parameters.
 
-        Returns the step's mean loss on every pp rank (sent from the last stage by a
-        sum over the pp group, where only the last stage's ranks hold a non-zero loss).
+        loss_context: entered around each schedule step, i.e. around the loss's forward and
+        backward (TP's loss_parallel, for logits sharded over the vocabulary). Returns the
+        step's mean loss on every pp rank (sent from the last stage by a sum over the pp
+        group, where only the last stage's ranks hold a non-zero loss).
         """
         assert len(microbatches) == self.grad_accum_steps, (len(microbatches), self.grad_accum_steps)
         n = self.options.num_microbatches * self.grad_accum_steps
@@ -293,9 +297,11 @@ class Pipeline:
             args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
             losses: list[torch.Tensor] = []
             kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
-            self.schedule.step(*args, **kwargs, **self._step_kwargs)
+            with loss_context():
+                self.schedule.step(*args, **kwargs, **self._step_kwargs)
             if losses:
-                total += torch.stack([x.detach() for x in losses]).sum()
+                # Replicated DTensors under loss parallel: every TP rank holds the whole loss.
+                total += torch.stack([(x.to_local() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
         if loss_scale is not None:
             total = total / loss_scale
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
