@@ -233,7 +233,7 @@ class Llama(nn.Module):
         local shard copied out, so a 1-process run and any FSDP/TP layout start from
         the same weights. Only one full parameter exists at a time.
         """
-        device = self.rope.device  # any stage has the rope buffer, not every stage the embedding
+        device = next(self.parameters()).device  # not tok_embeddings': a pipeline stage may have none
         self.rope = rope_cache(self.args, self.args.max_seq_len, device=device)
         for fqn, param in self.named_parameters():
             fqn = clean_fqn(fqn)
