@@ -207,7 +207,7 @@ _PP_KEYS = ("pp_split_points", "pp_layers_per_stage", "pp_stages_per_rank")
 def _resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOptions | None:
     """The stage layout and schedule of distributed.pp > 1; None for pp=1 (where the pp_* keys must be unset)."""
     from trainer.parallel.pipeline import (
-        SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineOptions, default_stages_per_rank, even_split,
+        SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineOptions, default_stages_per_rank, even_split,
         parse_split_point, split_at, stage_module_fqns,
     )
 
@@ -232,6 +232,19 @@ def _resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOpti
             "(the batch of each data-parallel rank is cut into pipeline microbatches of this size)"
         )
     num_microbatches = t.batch_size // d.pp_microbatch_size
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        # Zero-bubble schedules run each stage's backward in two passes (input grads, then weight grads).
+        if t.compile_model:
+            raise ConfigError(
+                f"distributed.pipeline_schedule={schedule!r} with train.compile_model=true: torch's zero-bubble "
+                "schedules cannot split the backward of compiled blocks; use 'Interleaved1F1B' or compile_model=false"
+            )
+        if t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
+            raise ConfigError(
+                f"distributed.pipeline_schedule={schedule!r} with train.activation_checkpointing='selective' "
+                "(per-op policy): a selectively checkpointed region cannot run its backward in two passes; use "
+                "activation_checkpointing='full', selective_ac_every > 0, or the 'Interleaved1F1B' schedule"
+            )
     if d.pp_split_points and d.pp_layers_per_stage:
         raise ConfigError("distributed.pp_split_points and distributed.pp_layers_per_stage both set: give one")
 

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble",)
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 EMBEDDING, HEAD = "tok_embeddings", ("norm", "output_head")
 _LAYER = re.compile(r"^layers\.(\d+)$")
 
