@@ -309,16 +309,6 @@ class Pipeline:
         return total
 
 
-def describe_layout(options: PipelineOptions) -> str:
-    parts = []
-    for i, fqns in enumerate(options.stage_fqns):
-        blocks = [parse_split_point(f) for f in fqns if f.startswith("layers.")]
-        span = f"layers {blocks[0]}-{blocks[-1]}" if blocks else "no blocks"
-        edges = ("emb+" if EMBEDDING in fqns else "") + span + ("+head" if "output_head" in fqns else "")
-        parts.append(f"{i}:{edges}")
-    return ", ".join(parts)
-
-
 __all__ = [
     "Pipeline", "PipelineModel", "PipelineOptions", "SCHEDULES", "bubble_fraction", "default_stages_per_rank",
     "even_split", "split_at", "stage_ids", "stage_module_fqns",
