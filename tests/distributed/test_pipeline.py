@@ -9,6 +9,7 @@ in both directions; a NaN in one stage makes every rank skip the step.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,12 @@ def test_checkpoint_reshards_between_pp2_and_pp1(reference, tmp_path: Path) -> N
     assert sorted(exported) == sorted(weights)
     for k, v in weights.items():
         assert torch.equal(exported[k], v), k
+    # Same pp, another schedule and stage layout (4 stages, 2 per rank): resumes exactly too.
+    c = tmp_path / "c"
+    shutil.copytree(a / "checkpoint" / "step-2", c / "checkpoint" / "step-2")
+    shutil.copy(a / "metrics.jsonl", c / "metrics.jsonl")  # steps 1-2; the resume drops the rows after step 2
+    resumed = train([*FAST, *STEPS, *PP2, *ckpt, "--distributed.pipeline_schedule=Interleaved1F1B"], c, nproc=2)
+    assert_same_run(resumed, reference)
     # The reverse: pp=1 saves step 2, pp=2 with the V schedule (other stage layout) resumes.
     b = tmp_path / "b"
     train([*FAST, "--train.steps=2", *ckpt], b)
