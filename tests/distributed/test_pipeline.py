@@ -40,7 +40,9 @@ def assert_same_run(got: list[dict], ref: list[dict]) -> None:
 @pytest.mark.parametrize(
     "nproc, args",
     [
-        (2, ["--distributed.pipeline_schedule=GPipe", "--train.batch_size=4"]),
+        # HSDP inside each stage: 2 replicas of batch 2.
+        (4, ["--distributed.pipeline_schedule=GPipe", "--distributed.dp_replicate=2", "--distributed.dp_shard=1",
+             "--train.batch_size=2"]),
         # Gradient accumulation over two schedule steps equals one batch of 4.
         (2, ["--distributed.pipeline_schedule=1F1B", "--train.batch_size=2", "--train.grad_accum_steps=2"]),
         # 2 stages per rank (4 stages), the foreach optimizer path (host-side non-finite check).
@@ -56,7 +58,7 @@ def assert_same_run(got: list[dict], ref: list[dict]) -> None:
         # TP inside each stage with the vocabulary-parallel loss on the last stage; explicit split point.
         (4, ["--distributed.tp=2", "--train.batch_size=4", "--distributed.pp_split_points=layers.1"]),
     ],
-    ids=["gpipe", "1f1b-accum2", "interleaved1f1b-foreach", "interleaved-zb-mb2", "zbv-ac-full",
+    ids=["gpipe-x-hsdp2", "1f1b-accum2", "interleaved1f1b-foreach", "interleaved-zb-mb2", "zbv-ac-full",
          "interleaved-x-dp_shard2", "1f1b-x-tp2-split"],
 )
 def test_pipeline_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
