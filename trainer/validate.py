@@ -47,6 +47,7 @@ def check_config(cfg: JobConfig) -> None:
         "distributed.tp": d.tp,
         "distributed.ep": d.ep,
         "distributed.pp": d.pp,
+        "distributed.pp_microbatch_size": d.pp_microbatch_size,
         "distributed.init_timeout_seconds": d.init_timeout_seconds,
     }
     for key, value in at_least_one.items():
@@ -61,6 +62,10 @@ def check_config(cfg: JobConfig) -> None:
         "checkpoint.keep_latest_k": (cfg.checkpoint.keep_latest_k, " (0 keeps all)"),
         "metrics.fp8_stats_freq": (cfg.metrics.fp8_stats_freq, " (0 = off)"),
         "optimizer.weight_decay": (cfg.optimizer.weight_decay, ""),
+        "distributed.pp_stages_per_rank": (d.pp_stages_per_rank, " (0 = automatic)"),
+        "distributed.pp_layers_per_stage": (d.pp_layers_per_stage, " (0 = automatic)"),
+        "distributed.pp_embedding_weight": (d.pp_embedding_weight, ""),
+        "distributed.pp_head_weight": (d.pp_head_weight, ""),
     }
     for key, (value, note) in at_least_zero.items():
         if value < 0:
@@ -218,13 +223,6 @@ def _resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOpti
                 raise ConfigError(f"distributed.{key}={getattr(d, key)!r} is set but distributed.pp=1: "
                                   "set distributed.pp > 1 for pipeline parallelism, or remove it")
         return None
-    for key in ("pp_microbatch_size", "pp_embedding_weight", "pp_head_weight"):
-        if getattr(d, key) < (1 if key == "pp_microbatch_size" else 0):
-            raise ConfigError(f"distributed.{key}={getattr(d, key)} must be >= "
-                              f"{1 if key == 'pp_microbatch_size' else 0}")
-    for key in ("pp_layers_per_stage", "pp_stages_per_rank"):
-        if getattr(d, key) < 0:
-            raise ConfigError(f"distributed.{key}={getattr(d, key)} must be >= 0 (0 = automatic)")
     schedule = d.pipeline_schedule
     if t.batch_size % d.pp_microbatch_size:
         raise ConfigError(

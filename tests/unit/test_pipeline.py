@@ -143,6 +143,16 @@ def test_bad_pipeline_config_is_one_line_naming_the_key(world_size: int, args: l
 # -- stage modules are the pp=1 model -------------------------------------------------
 
 
+@pytest.mark.parametrize("arg, message", [
+    ("--distributed.pp_microbatch_size=0", "distributed.pp_microbatch_size=0 must be >= 1"),
+    ("--distributed.pp_stages_per_rank=-1", "distributed.pp_stages_per_rank=-1 must be >= 0 (0 = automatic)"),
+    ("--distributed.pp_head_weight=-1", "distributed.pp_head_weight=-1 must be >= 0"),
+])
+def test_pipeline_key_ranges_fail_while_parsing(arg: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _cfg(arg)
+
+
 def _stages(fqns_per_stage, args, *, seed: int) -> list[torch.nn.Module]:
     parts = []
     for fqns in fqns_per_stage:
