@@ -208,6 +208,11 @@ def _merge_float8_reports(reports: list):
     return merged
 
 
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32, as `Llama.head_loss` computes it."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
 class Pipeline:
     """This rank's stages, their schedule, and the forward/backward of one optimizer step."""
 
@@ -229,6 +234,10 @@ class Pipeline:
         # of the mean loss over the global batch, exactly as at pp=1.
         self.grad_accum_steps = grad_accum_steps
         self._loss_factor: torch.Tensor | float = 1.0
+        # Compiled (as the pp=1 head with its loss is), the upcast of the logits fuses into the
+        # cross-entropy instead of materializing fp32 logits; eager under TP's loss parallel, as at pp=1.
+        self._cross_entropy = (torch.compile(cross_entropy, fullgraph=True)
+                               if build.compile and parallel_dims.tp == 1 else cross_entropy)
 
         parts, stages, reports = [], [], []
         for sid in self.stage_ids:
@@ -278,7 +287,7 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The schedule calls this on the last stage for every microbatch and backpropagates it.
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) * self._loss_factor
+        return self._cross_entropy(logits, labels) * self._loss_factor
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], *,
                          loss_scale: torch.Tensor | None, loss_context=contextlib.nullcontext) -> torch.Tensor:
