@@ -685,14 +685,14 @@ class CheckpointManager:
                 if fqn in sd:
                     t = sd[fqn]
                     # note: an all-gather per tensor; ranks other than 0 hold one full tensor at a time.
-                    full = (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", self.export_dtype)
+                    full = t.full_tensor() if isinstance(t, DTensor) else t
                 if self.rank == 0:
                     if full is None:  # another pipeline stage's tensor: its first rank sends it
                         full = torch.empty(shapes[fqn], dtype=self.export_dtype)
                         dist.recv(full, src=owner[fqn], group=self.pg)
-                    out[fqn] = full
+                    out[fqn] = full.detach().to("cpu", self.export_dtype)
                 elif owner[fqn] == self.rank and fqn not in on_rank0:
-                    dist.send(full.contiguous(), dst=0, group=self.pg)
+                    dist.send(full.detach().to("cpu", self.export_dtype).contiguous(), dst=0, group=self.pg)
             return out
 
         out = write_hf_export(self.folder / f"step-{step}-hf", args=self.run.model_args,
