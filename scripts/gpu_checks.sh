@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
-#   bash scripts/gpu_checks.sh [tests] [bench8b] [bench1b] [accuracy] [ac]   (default: all)
+#   bash scripts/gpu_checks.sh [tests] [bench8b] [bench1b] [accuracy] [ac] [pp]   (default: all but pp)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -59,6 +59,19 @@ for s in $STEPS; do case $s in
         --data.source=synthetic --train.steps=50 --train.batch_size=4 --train.seq_len=4096 --checkpoint.enable=false \
         --metrics.log_freq=10 --job.dump_folder=/tmp/ac_run "$@" 2>&1 | grep -E "step +50/" | sed "s/^/[$label] /" | tee -a "$OUT/ac.log"
       rm -rf /tmp/ac_run
+    done ;;
+  pp)  # Llama 3 8B on 4 GPUs at one global batch (16 x 4096 tokens): dp_shard=4 against pp=2 x dp_shard=2
+    for v in "dp_shard=4 --distributed.dp_shard=4 --train.batch_size=4" \
+             "pp2x2-1F1B --distributed.pp=2 --distributed.pipeline_schedule=1F1B --train.batch_size=8 --distributed.pp_microbatch_size=2" \
+             "pp2x2-Interleaved1F1B --distributed.pp=2 --distributed.pipeline_schedule=Interleaved1F1B --train.batch_size=8 --distributed.pp_microbatch_size=2"; do
+      set -- $v; label=$1; shift
+      for p in bf16 fp8; do
+        torchrun --standalone --nproc_per_node=4 scripts/train.py --config configs/train/llama3_8b.toml \
+          --data.source=synthetic --train.steps=30 --train.seq_len=4096 --train.mixed_precision=$p \
+          --checkpoint.enable=false --metrics.log_freq=10 --job.dump_folder=/tmp/pp_run "$@" 2>&1 \
+          | grep -E "step +30/|pipeline:|Error" | sed "s/^/[$label $p] /" | tee -a "$OUT/pp.log"
+        rm -rf /tmp/pp_run
+      done
     done ;;
 esac; done
 echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1

@@ -151,7 +151,21 @@ class DistributedSection:
     ep: int = 1
     """Expert-parallel degree (MoE models; not implemented yet)."""
     pp: int = 1
-    """Pipeline-parallel degree (not implemented yet)."""
+    """Pipeline-parallel degree: the model is split into stages over this many ranks (outermost mesh axis)."""
+    pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"
+    """With pp > 1: the torch.distributed.pipelining schedule; Interleaved*/ZBV run several stages per rank."""
+    pp_microbatch_size: int = 1
+    """With pp > 1: sequences per pipeline microbatch; must divide train.batch_size (microbatches = batch_size / this)."""
+    pp_stages_per_rank: int = 0
+    """With pp > 1: stages (virtual stages) per pipeline rank; 0 = 1 for GPipe/1F1B, 2 for Interleaved*/ZBVZeroBubble."""
+    pp_layers_per_stage: int = 0
+    """With pp > 1: layer-equivalents per stage, setting the number of stages; 0 = from pp x pp_stages_per_rank."""
+    pp_split_points: list[str] = field(default_factory=list)
+    """With pp > 1: explicit stage boundaries, the first block of each later stage (["layers.2"]); [] = even split."""
+    pp_embedding_weight: int = 1
+    """With pp > 1, even split: the token embedding counts as this many blocks on the first stage."""
+    pp_head_weight: int = 1
+    """With pp > 1, even split: the final norm and output head count as this many blocks on the last stage."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"

@@ -29,6 +29,7 @@ from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_gr
 from trainer.parallel import build_parallel_model
 from trainer.parallel.float8 import float8_weight_stats, precompute_float8_scales
 from trainer.parallel.fp8_health import Fp8HealthMonitor
+from trainer.parallel.pipeline import Pipeline
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.run_lock import RunLock, check_writable
 from trainer.validate import ResolvedJob, validate_job
@@ -97,13 +98,20 @@ class LossScaler:
         self.good_steps.fill_(int(sd["good_steps"]))
 
 
-def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """True global L2 norm over all gradients (DTensors on any mesh), as a plain device tensor."""
+def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """True global L2 norm over all gradients (DTensors on any mesh), as a plain device tensor.
+
+    Under pipeline parallelism each pp rank holds other parameters: pp_group sums the squared norms.
+    """
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):
         # Partial over sharded mesh axes: full_tensor() all-reduces the squared sums.
         norm = norm.full_tensor()
+    if pp_group is not None:
+        sq = norm.float() ** 2
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = sq.sqrt()
     return norm
 
 
@@ -198,6 +206,14 @@ class Trainer:
         # Counted before wrappers: FSDP/TP parameters report their global shapes anyway.
         self._total_params = num_params(model)
         self._non_embedding_params = num_params(model, exclude_embeddings=True)
+        self.pipeline = None
+        if job.pipeline is not None:
+            # Stages built, parallelized and initialized one by one; `model` is this rank's stages
+            # seen as one module with the full model's fqns (for the optimizer and checkpoints).
+            self.pipeline = Pipeline(self.model_args, self.parallel_dims, options=job.pipeline, build=job.build,
+                                     device=self.device, seed=self.cfg.train.seed,
+                                     grad_accum_steps=self.cfg.train.grad_accum_steps)
+            return self.pipeline.model, self.pipeline.float8_report
         report = build_parallel_model(model, self.parallel_dims, options=job.build, device=self.device)
         # Materialize only this rank's shards, then fill them as if the model were whole.
         model.to_empty(device=self.device)
@@ -221,6 +237,24 @@ class Trainer:
         non-finite step never reaches the weights (the fused optimizer skips it on
         the device); `check_finite()` reports it on the host later.
         """
+        if self.pipeline is not None:
+            # The schedule runs forward and backward of every stage; the loss comes from the last stage.
+            loss = self.pipeline.forward_backward(microbatches, loss_context=self.loss_context,
+                                                  loss_scale=self.scaler.scale if self.scaler.enabled else None)
+        else:
+            loss = self._forward_backward(microbatches)
+        norm = grad_norm(self.params, pp_group=self.pipeline.pp_group if self.pipeline else None)
+        if self.scaler.enabled:
+            norm = norm / self.scaler.scale
+        found_inf = ~torch.isfinite(norm)
+        self._optimizer_step(norm, found_inf)
+        self.scaler.update(found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self._pending_norms.append((self.state.step + 1, norm))
+        return loss, norm
+
+    def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         n = len(microbatches)
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
@@ -234,16 +268,7 @@ class Trainer:
                 # microbatch means is the mean over the whole global batch.
                 (loss * (self.scaler.scale / n) if self.scaler.enabled else loss / n).backward()
             loss_sum += loss.detach()
-        norm = grad_norm(self.params)
-        if self.scaler.enabled:
-            norm = norm / self.scaler.scale
-        found_inf = ~torch.isfinite(norm)
-        self._optimizer_step(norm, found_inf)
-        self.scaler.update(found_inf)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self._pending_norms.append((self.state.step + 1, norm))
-        return loss_sum / n, norm
+        return loss_sum / n
 
     def _optimizer_step(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
         max_norm = self.cfg.train.max_norm
@@ -351,7 +376,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         first_step = self.state.step + 1
         interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
-        # Tokens this device processes per step (TP ranks share their dp rank's tokens).
+        # Tokens per device per step, each token counted once (TP and PP ranks share their dp rank's tokens).
         local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
         stopping = False
         while self.state.step < t.steps and not stopping:

@@ -11,6 +11,7 @@ Lower layers assert these facts; they do not check them again.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from trainer.config import JobConfig
     from trainer.models import ModelArgs
     from trainer.parallel import BuildOptions, ParallelDims
+    from trainer.parallel.pipeline import PipelineOptions
 
 
 def check_config(cfg: JobConfig) -> None:
@@ -45,6 +47,7 @@ def check_config(cfg: JobConfig) -> None:
         "distributed.tp": d.tp,
         "distributed.ep": d.ep,
         "distributed.pp": d.pp,
+        "distributed.pp_microbatch_size": d.pp_microbatch_size,
         "distributed.init_timeout_seconds": d.init_timeout_seconds,
     }
     for key, value in at_least_one.items():
@@ -59,6 +62,10 @@ def check_config(cfg: JobConfig) -> None:
         "checkpoint.keep_latest_k": (cfg.checkpoint.keep_latest_k, " (0 keeps all)"),
         "metrics.fp8_stats_freq": (cfg.metrics.fp8_stats_freq, " (0 = off)"),
         "optimizer.weight_decay": (cfg.optimizer.weight_decay, ""),
+        "distributed.pp_stages_per_rank": (d.pp_stages_per_rank, " (0 = automatic)"),
+        "distributed.pp_layers_per_stage": (d.pp_layers_per_stage, " (0 = automatic)"),
+        "distributed.pp_embedding_weight": (d.pp_embedding_weight, ""),
+        "distributed.pp_head_weight": (d.pp_head_weight, ""),
     }
     for key, (value, note) in at_least_zero.items():
         if value < 0:
@@ -125,6 +132,8 @@ class ResolvedJob:
     """The opened, checked sample source (trainer.data.sources)."""
     validation_source: Any = None
     """The held-out source when validation.enable (never overlaps data_source)."""
+    pipeline: PipelineOptions | None = None
+    """The stage layout and schedule when distributed.pp > 1."""
 
 
 _COMPUTE_DTYPE = {"fp32": None, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -140,11 +149,11 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     from trainer.parallel.float8 import select_float8_linears
 
     t, d, m = cfg.train, cfg.distributed, cfg.model
+    if d.pp > 1 and world_size % d.pp:
+        raise ConfigError(f"distributed.pp={d.pp} does not divide the world size {world_size}")
     pd = ParallelDims.resolve(
         dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, ep=d.ep, pp=d.pp, world_size=world_size
     )
-    if pd.pp > 1:
-        raise ConfigError(f"distributed.pp={pd.pp}: pipeline parallelism is not implemented yet; set it to 1")
 
     if m.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
@@ -167,6 +176,7 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
         )
     if pd.ep > 1 and n_experts % pd.ep:
         raise ConfigError(f"distributed.ep={pd.ep} must divide the model's {n_experts} routed experts")
+    pipeline = _resolve_pipeline(cfg, pp=pd.pp, n_layers=args.n_layers)
 
     float8 = None
     if t.is_fp8:
@@ -184,7 +194,11 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     dtype = _COMPUTE_DTYPE[t.mixed_precision]
     # Resharding frees the gathered copy between forward and backward; with one rank
     # per shard group it frees nothing but still costs a second gather in backward.
-    reshard = d.reshard_after_forward == "always" or (d.reshard_after_forward == "default" and pd.dp_shard > 1)
+    # Under PP every microbatch runs forward and backward through each stage: resharding would
+    # all-gather the weights again for each of them, so the default keeps them (ZeRO-2 style).
+    reshard = d.reshard_after_forward == "always" or (
+        d.reshard_after_forward == "default" and pd.dp_shard > 1 and pd.pp == 1
+    )
     build = BuildOptions(
         float8=float8,
         ac=ACOptions(mode=t.activation_checkpointing, selective_every=t.selective_ac_every),
@@ -199,9 +213,12 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     data = cfg.data
     source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                           vocab_size=args.vocab_size, seq_len=t.seq_len)
+    if cfg.validation.enable and pd.pp > 1:
+        raise ConfigError("validation.enable=true with distributed.pp > 1: evaluation through the pipeline schedule "
+                          "is not implemented yet; set validation.enable=false or distributed.pp=1")
     validation = _validation_source(cfg, vocab_size=args.vocab_size, dp=pd.dp) if cfg.validation.enable else None
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
-                       validation_source=validation)
+                       validation_source=validation, pipeline=pipeline)
 
 
 def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
@@ -222,6 +239,114 @@ def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
             + ("" if v.path else " or set validation.path to held-out shards")
         )
     return source
+
+
+_PP_KEYS = ("pp_split_points", "pp_layers_per_stage", "pp_stages_per_rank")
+
+
+def _resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOptions | None:
+    """The stage layout and schedule of distributed.pp > 1; None for pp=1 (where the pp_* keys must be unset)."""
+    from trainer.parallel.pipeline import (
+        SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineOptions, default_stages_per_rank, even_split,
+        parse_split_point, split_at, stage_module_fqns,
+    )
+
+    d, t = cfg.distributed, cfg.train
+    if pp == 1:
+        for key in _PP_KEYS:
+            if getattr(d, key):
+                raise ConfigError(f"distributed.{key}={getattr(d, key)!r} is set but distributed.pp=1: "
+                                  "set distributed.pp > 1 for pipeline parallelism, or remove it")
+        return None
+    schedule = d.pipeline_schedule
+    if t.batch_size % d.pp_microbatch_size:
+        raise ConfigError(
+            f"distributed.pp_microbatch_size={d.pp_microbatch_size} does not divide train.batch_size={t.batch_size} "
+            "(the batch of each data-parallel rank is cut into pipeline microbatches of this size)"
+        )
+    num_microbatches = t.batch_size // d.pp_microbatch_size
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        # Zero-bubble schedules run each stage's backward in two passes (input grads, then weight grads).
+        if t.compile_model:
+            raise ConfigError(
+                f"distributed.pipeline_schedule={schedule!r} with train.compile_model=true: torch's zero-bubble "
+                "schedules cannot split the backward of compiled blocks; use 'Interleaved1F1B' or compile_model=false"
+            )
+        if t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
+            raise ConfigError(
+                f"distributed.pipeline_schedule={schedule!r} with train.activation_checkpointing='selective' "
+                "(per-op policy): a selectively checkpointed region cannot run its backward in two passes; use "
+                "activation_checkpointing='full', selective_ac_every > 0, or the 'Interleaved1F1B' schedule"
+            )
+    if d.pp_split_points and d.pp_layers_per_stage:
+        raise ConfigError("distributed.pp_split_points and distributed.pp_layers_per_stage both set: give one")
+
+    # How many stages: explicit split points, a layers-per-stage budget, or pp x stages per rank.
+    total = n_layers + d.pp_embedding_weight + d.pp_head_weight
+    if d.pp_split_points:
+        firsts = []
+        for entry in d.pp_split_points:
+            block = parse_split_point(entry)
+            if block is None or block >= n_layers:
+                raise ConfigError(
+                    f"distributed.pp_split_points entry {entry!r} names no module: split points are "
+                    f"'layers.N' blocks, layers.0..layers.{n_layers - 1} in this model"
+                )
+            firsts.append(block)
+        if any(a >= b for a, b in zip(firsts, firsts[1:])):
+            raise ConfigError(f"distributed.pp_split_points={d.pp_split_points} must be in increasing block order")
+        num_stages, key = len(firsts) + 1, "distributed.pp_split_points"
+    elif d.pp_layers_per_stage:
+        num_stages, key = math.ceil(total / d.pp_layers_per_stage), "distributed.pp_layers_per_stage"
+    else:
+        num_stages = pp * (d.pp_stages_per_rank or default_stages_per_rank(schedule))
+        key = "distributed.pp_stages_per_rank" if d.pp_stages_per_rank else "distributed.pp"
+    if num_stages > total:
+        raise ConfigError(
+            f"{key}: {num_stages} pipeline stages but the model has only {n_layers} blocks (+ embedding and head = "
+            f"{total} layer-equivalents); lower distributed.pp or distributed.pp_stages_per_rank"
+        )
+    if num_stages % pp:
+        raise ConfigError(f"{key} gives {num_stages} pipeline stages, not a multiple of distributed.pp={pp}")
+    per_rank = num_stages // pp
+    if d.pp_stages_per_rank and d.pp_stages_per_rank != per_rank:
+        raise ConfigError(f"distributed.pp_stages_per_rank={d.pp_stages_per_rank} but {key} gives {per_rank} "
+                          f"stages per rank ({num_stages} stages over pp={pp})")
+    if schedule in SINGLE_STAGE_SCHEDULES and per_rank != 1:
+        raise ConfigError(
+            f"distributed.pipeline_schedule={schedule!r} runs one stage per rank, but {key} gives {per_rank}; "
+            "use 'Interleaved1F1B' for several stages per rank"
+        )
+    if schedule not in SINGLE_STAGE_SCHEDULES and per_rank < 2:
+        raise ConfigError(
+            f"distributed.pipeline_schedule={schedule!r} needs at least 2 stages per rank, but {key} gives "
+            f"{per_rank}; use '1F1B' for one stage per rank"
+        )
+    if schedule in V_SCHEDULES and per_rank != 2:
+        raise ConfigError(f"distributed.pipeline_schedule={schedule!r} runs exactly 2 stages per rank (a V), "
+                          f"but {key} gives {per_rank}")
+
+    if d.pp_split_points:
+        counts = split_at(n_layers, firsts)
+    else:
+        try:
+            counts = even_split(n_layers, num_stages, embedding_weight=d.pp_embedding_weight,
+                                head_weight=d.pp_head_weight)
+        except ValueError as e:
+            raise ConfigError(
+                f"distributed.pp_embedding_weight={d.pp_embedding_weight}, distributed.pp_head_weight="
+                f"{d.pp_head_weight}: no even split of {n_layers} blocks into {num_stages} stages ({e}); "
+                "lower the weights"
+            ) from None
+    if num_microbatches < pp:
+        logger.warning(
+            "pipeline: %d microbatches (train.batch_size=%d / distributed.pp_microbatch_size=%d) for pp=%d: "
+            "most ranks idle most of the step; use at least pp (better 2-4x pp) microbatches",
+            num_microbatches, t.batch_size, d.pp_microbatch_size, pp,
+        )
+    return PipelineOptions(schedule=schedule, microbatch_size=d.pp_microbatch_size,
+                           num_microbatches=num_microbatches, stages_per_rank=per_rank,
+                           stage_fqns=stage_module_fqns(counts))
 
 
 def _check_fp8_hardware(*, require: bool, emulate: bool) -> None:

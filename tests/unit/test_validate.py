@@ -30,7 +30,7 @@ def _cfg(*args: str):
         (2, ["--distributed.ep=2"], "distributed.ep=2 needs an MoE model, but model.flavor='debug' is dense"),
         (4, ["--distributed.ep=2", "--distributed.tp=2"], "expert parallel together with tensor parallel"),
         (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard=6"),
-        (2, ["--distributed.pp=2"], "distributed.pp=2: pipeline parallelism is not implemented yet"),
+        (3, ["--distributed.pp=2"], "distributed.pp=2 does not divide the world size 3"),
         (1, ["--train.mixed_precision=fp8", "--float8.exclude_fqns=layers.9.attention.q_proj"],
          "layers.9.attention.q_proj"),
         (1, ["--data.source=shards", "--data.path=/nonexistent/dir"], "no shard files found at data.path='/nonexistent/dir'"),

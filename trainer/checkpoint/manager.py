@@ -205,6 +205,11 @@ class CheckpointManager:
         """
         result: tuple[str, str] = ("ok", "")
         info = metadata = None
+        # Under pipeline parallelism each rank holds some stages: the checkpoint must match all ranks' keys.
+        model_sd = model_state_dict(self.state.model)
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, sorted(model_sd), group=self.pg)
+        all_keys = {k for keys in gathered for k in keys}
         try:
             info = read_checkpoint_json(path, allow_unverified=self.allow_unverified)
             check_model_matches(info, self.run, path=path)
@@ -212,7 +217,7 @@ class CheckpointManager:
                 raise CheckpointError(f"{path / CHECKPOINT_JSON}: a {info.get('kind')} checkpoint has no optimizer or "
                                       "step to resume; pass it as checkpoint.initial_load_path instead")
             metadata = read_dcp_metadata(path, info)
-            check_model_keys(metadata, model_state_dict(self.state.model), path=path)
+            check_model_keys(metadata, model_sd, path=path, all_keys=all_keys)
             names = data_files(metadata)
             if not model_only:
                 names[STATE_JSON] = 1
@@ -420,20 +425,38 @@ class CheckpointManager:
         from trainer.export import write_hf_export
 
         sd = model_state_dict(self.state.model)
+        # Every rank's keys, in rank order: under pipeline parallelism ranks hold different stages.
+        gathered: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, [(k, tuple(v.shape)) for k, v in sd.items()], group=self.pg)
+        shapes: dict[str, tuple[int, ...]] = {}
+        owner: dict[str, int] = {}
+        for rank, items in enumerate(gathered):
+            for k, shape in items:
+                shapes.setdefault(k, shape)
+                owner.setdefault(k, rank)
+        on_rank0 = {k for k, _ in gathered[0]}
+        if any(k not in sd for k in shapes):
+            self.wait()  # the point-to-point sends below use self.pg: no background save may be using it
 
         def fetch(fqns: list[str]) -> dict[str, torch.Tensor]:
             out = {}
             for fqn in fqns:
-                t = sd[fqn]
-                # note: an all-gather per tensor; ranks other than 0 hold one full tensor at a time.
-                full = t.full_tensor() if isinstance(t, DTensor) else t
+                full = None
+                if fqn in sd:
+                    t = sd[fqn]
+                    # note: an all-gather per tensor; ranks other than 0 hold one full tensor at a time.
+                    full = t.full_tensor() if isinstance(t, DTensor) else t
                 if self.rank == 0:
+                    if full is None:  # another pipeline stage's tensor: its first rank sends it
+                        full = torch.empty(shapes[fqn], dtype=self.export_dtype)
+                        dist.recv(full, src=owner[fqn], group=self.pg)
                     out[fqn] = full.detach().to("cpu", self.export_dtype)
+                elif owner[fqn] == self.rank and fqn not in on_rank0:
+                    dist.send(full.detach().to("cpu", self.export_dtype).contiguous(), dst=0, group=self.pg)
             return out
 
         out = write_hf_export(self.folder / f"step-{step}-hf", args=self.run.model_args,
-                              shapes={k: tuple(v.shape) for k, v in sd.items()}, fetch=fetch,
-                              dtype=self.export_dtype, is_writer=self.rank == 0)
+                              shapes=shapes, fetch=fetch, dtype=self.export_dtype, is_writer=self.rank == 0)
         # Not self.pg: a background save of this step may be using it from its thread right now.
         dist.barrier()
         return out

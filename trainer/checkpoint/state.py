@@ -197,9 +197,9 @@ class RunInfo:
 
 
 def describe_layout(layout: dict[str, int]) -> str:
-    return ", ".join(f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp") if k in layout) + (
-        f" (world size {layout['world_size']})" if "world_size" in layout else ""
-    )
+    degrees = [f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp") if k in layout]
+    degrees += [f"{k}={layout[k]}" for k in ("ep", "pp") if layout.get(k, 1) > 1]
+    return ", ".join(degrees) + (f" (world size {layout['world_size']})" if "world_size" in layout else "")
 
 
 def args_from_json(model: dict[str, Any]) -> ModelArgs:

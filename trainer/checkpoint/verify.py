@@ -259,12 +259,18 @@ def check_files(path: Path, info: dict[str, Any], names: dict[str, int]) -> list
     return problems
 
 
-def check_model_keys(metadata: Metadata, model_sd: dict[str, torch.Tensor], *, path: Path) -> None:
-    """Every model tensor is in the checkpoint with the same shape, and it has no other model tensors."""
+def check_model_keys(metadata: Metadata, model_sd: dict[str, torch.Tensor], *, path: Path,
+                     all_keys: set[str] | None = None) -> None:
+    """Every model tensor is in the checkpoint with the same shape, and it has no other model tensors.
+
+    all_keys: the model keys of every rank together, when ranks hold different parameters
+    (pipeline stages); the key sets are compared with it, the shapes with this rank's tensors.
+    """
     saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     file = path / METADATA
-    missing = [k for k in model_sd if k not in saved]
-    unexpected = [k for k in saved if k not in model_sd]
+    keys = all_keys if all_keys is not None else set(model_sd)
+    missing = sorted(k for k in keys if k not in saved)
+    unexpected = [k for k in saved if k not in keys]
     if missing or unexpected:
         raise CheckpointError(
             f"{file}: model keys do not match: {len(missing)} missing (first: {missing[0] if missing else '-'}), "

@@ -205,10 +205,16 @@ class Llama(nn.Module):
         self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] when labels is None, else the mean cross-entropy loss."""
-        h = self.tok_embeddings(tokens)
+        """Logits [batch, seq, vocab] when labels is None, else the mean cross-entropy loss.
+
+        A pipeline stage (trainer.parallel.pipeline) has None for the modules of other
+        stages: without tok_embeddings it takes activations, without output_head it returns them.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        if self.output_head is None:
+            return h
         if labels is None:
             return self.output_head(self.norm(h))
         return self.head_loss(h, labels)
@@ -227,7 +233,7 @@ class Llama(nn.Module):
         local shard copied out, so a 1-process run and any FSDP/TP layout start from
         the same weights. Only one full parameter exists at a time.
         """
-        device = self.tok_embeddings.weight.device
+        device = next(self.parameters()).device  # not tok_embeddings': a pipeline stage may have none
         self.rope = rope_cache(self.args, self.args.max_seq_len, device=device)
         for fqn, param in self.named_parameters():
             fqn = clean_fqn(fqn)

@@ -1,0 +1,187 @@
+"""Pipeline parallelism without a process group: stage layout arithmetic, the config errors, and stage
+modules that together are the pp=1 model (same fqns, same initial weights, same forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import DEBUG_CONFIG
+from trainer.config import load_job_config
+from trainer.errors import ConfigError
+from trainer.models import Llama, model_args_for
+from trainer.parallel.pipeline import (
+    PipelineModel, bubble_fraction, even_split, split_at, split_stage_module, stage_ids, stage_module_fqns,
+)
+from trainer.validate import validate_job
+
+
+def _cfg(*args: str):
+    return load_job_config(["--config", DEBUG_CONFIG, *args])
+
+
+# -- layout arithmetic -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n_layers, num_stages, weights, counts",
+    [
+        (4, 2, (1, 1), [2, 2]),  # 6 units: emb+2 | 2+head
+        (4, 4, (1, 1), [1, 2, 1, 0]),  # 6 units over 4: 2,2,1,1; the last stage is norm+head only
+        (4, 2, (0, 0), [2, 2]),
+        (32, 4, (1, 1), [8, 9, 8, 7]),  # 34 units: 9,9,8,8
+        (32, 4, (2, 3), [8, 9, 9, 6]),  # 37 units: 10,9,9,9
+        (16, 8, (1, 1), [2, 3, 2, 2, 2, 2, 2, 1]),  # 18 units: 3,3,2,...,2
+    ],
+)
+def test_even_split_counts_embedding_and_head_as_layers(n_layers, num_stages, weights, counts) -> None:
+    got = even_split(n_layers, num_stages, embedding_weight=weights[0], head_weight=weights[1])
+    assert got == counts
+    units = list(got)
+    units[0] += weights[0]
+    units[-1] += weights[1]
+    assert max(units) - min(units) <= 1  # balanced in layer-equivalents
+    assert sum(got) == n_layers
+
+
+def test_even_split_refuses_impossible_layouts() -> None:
+    with pytest.raises(ValueError):
+        even_split(4, 7, embedding_weight=1, head_weight=1)  # 7 stages, 6 layer-equivalents
+    with pytest.raises(ValueError):
+        even_split(2, 4, embedding_weight=3, head_weight=0)  # 5 units: 2,1,1,1, stage 0 cannot hold 3
+
+
+def test_stage_fqns_and_split_points() -> None:
+    assert stage_module_fqns([2, 2]) == (
+        ("tok_embeddings", "layers.0", "layers.1"), ("layers.2", "layers.3", "norm", "output_head"))
+    assert split_at(4, [1, 3]) == [1, 2, 1]
+    assert stage_module_fqns(split_at(4, [0]))[0] == ("tok_embeddings",)
+
+
+def test_stage_ids_loop_and_v() -> None:
+    assert [stage_ids(r, 2, 2, v_style=False) for r in range(2)] == [(0,), (1,)]
+    assert [stage_ids(r, 2, 4, v_style=False) for r in range(2)] == [(0, 2), (1, 3)]
+    assert [stage_ids(r, 4, 8, v_style=True) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    # Every stage runs on exactly one rank.
+    for v in (False, True):
+        ids = [s for r in range(4) for s in stage_ids(r, 4, 8, v_style=v)]
+        assert sorted(ids) == list(range(8))
+
+
+def test_bubble_fraction() -> None:
+    assert bubble_fraction(pp=4, num_microbatches=8) == pytest.approx(3 / 11)
+    assert bubble_fraction(pp=2, num_microbatches=4, stages_per_rank=2) == pytest.approx(0.5 / 4.5)
+
+
+# -- validation: the resolved layout and the one-line errors --------------------------
+
+
+def test_validate_resolves_the_pipeline() -> None:
+    job = validate_job(_cfg("--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B",
+                            "--distributed.pp_microbatch_size=2"), world_size=4)
+    p = job.pipeline
+    assert (p.num_stages, p.stages_per_rank, p.num_microbatches, p.microbatch_size) == (4, 2, 4, 2)
+    assert p.stage_fqns[0] == ("tok_embeddings", "layers.0")
+    assert job.parallel_dims.pp == 2 and job.parallel_dims.dp_shard == 2
+    assert not job.build.fsdp.reshard_after_forward  # no re-gather per microbatch under PP
+    split = validate_job(_cfg("--distributed.pp=2", "--distributed.pp_split_points=layers.1"), world_size=2).pipeline
+    assert split.stage_fqns == (("tok_embeddings", "layers.0"), ("layers.1", "layers.2", "layers.3", "norm",
+                                                                  "output_head"))
+    lps = validate_job(_cfg("--model.n_layers=6", "--distributed.pp=2", "--distributed.pp_layers_per_stage=2",
+                            "--distributed.pipeline_schedule=ZBVZeroBubble"), world_size=2).pipeline
+    assert (lps.num_stages, lps.stages_per_rank) == (4, 2)  # (6 blocks + embedding + head) / 2
+    assert lps.stage_fqns[3] == ("layers.5", "norm", "output_head")
+    assert validate_job(_cfg(), world_size=1).pipeline is None
+
+
+@pytest.mark.parametrize(
+    "world_size, args, message",
+    [
+        (3, ["--distributed.pp=2"], "distributed.pp=2 does not divide the world size 3"),
+        (4, ["--distributed.pp=4", "--distributed.pipeline_schedule=Interleaved1F1B"],
+         "distributed.pp: 8 pipeline stages but the model has only 4 blocks"),
+        (2, ["--distributed.pp=2", "--distributed.pp_stages_per_rank=4", "--distributed.pipeline_schedule=Interleaved1F1B"],
+         "distributed.pp_stages_per_rank: 8 pipeline stages but the model has only 4 blocks"),
+        (2, ["--distributed.pp=2", "--distributed.pp_microbatch_size=3"],
+         "distributed.pp_microbatch_size=3 does not divide train.batch_size=8"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=LoopedBFS"],
+         "distributed.pipeline_schedule='LoopedBFS' is not one of 'GPipe', '1F1B', 'Interleaved1F1B'"),
+        (2, ["--distributed.pp=2", "--distributed.pp_split_points=layers.9"],
+         "distributed.pp_split_points entry 'layers.9' names no module"),
+        (2, ["--distributed.pp=2", "--distributed.pp_split_points=norm"],
+         "distributed.pp_split_points entry 'norm' names no module"),
+        (2, ["--distributed.pp=2", "--distributed.pp_split_points=layers.3,layers.1"],
+         "must be in increasing block order"),
+        (2, ["--distributed.pp=2", "--distributed.pp_split_points=layers.1,layers.2"],
+         "distributed.pp_split_points gives 3 pipeline stages, not a multiple of distributed.pp=2"),
+        (2, ["--distributed.pp=2", "--distributed.pp_stages_per_rank=2"],
+         "distributed.pipeline_schedule='1F1B' runs one stage per rank"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B", "--distributed.pp_stages_per_rank=1"],
+         "distributed.pipeline_schedule='Interleaved1F1B' needs at least 2 stages per rank"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=ZBVZeroBubble", "--distributed.pp_stages_per_rank=3"],
+         "distributed.pipeline_schedule='ZBVZeroBubble' runs exactly 2 stages per rank (a V)"),
+        (2, ["--distributed.pp=2", "--distributed.pp_layers_per_stage=2"],
+         "distributed.pp_layers_per_stage gives 3 pipeline stages, not a multiple of distributed.pp=2"),
+        (1, ["--model.n_layers=8", "--distributed.pp=1", "--distributed.pp_split_points=layers.4"],
+         "distributed.pp_split_points=['layers.4'] is set but distributed.pp=1"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=ZBVZeroBubble", "--train.compile_model=true"],
+         "distributed.pipeline_schedule='ZBVZeroBubble' with train.compile_model=true"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=InterleavedZeroBubble",
+             "--train.activation_checkpointing=selective"],
+         "distributed.pipeline_schedule='InterleavedZeroBubble' with train.activation_checkpointing='selective'"),
+        (2, ["--distributed.pp=2", "--distributed.pp_embedding_weight=7"],
+         "distributed.pp_embedding_weight=7, distributed.pp_head_weight=1: no even split"),
+    ],
+)
+def test_bad_pipeline_config_is_one_line_naming_the_key(world_size: int, args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        validate_job(_cfg(*args), world_size=world_size)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# -- stage modules are the pp=1 model -------------------------------------------------
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--distributed.pp_microbatch_size=0", "distributed.pp_microbatch_size=0 must be >= 1"),
+    ("--distributed.pp_stages_per_rank=-1", "distributed.pp_stages_per_rank=-1 must be >= 0 (0 = automatic)"),
+    ("--distributed.pp_head_weight=-1", "distributed.pp_head_weight=-1 must be >= 0"),
+])
+def test_pipeline_key_ranges_fail_while_parsing(arg: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _cfg(arg)
+
+
+def _stages(fqns_per_stage, args, *, seed: int) -> list[torch.nn.Module]:
+    parts = []
+    for fqns in fqns_per_stage:
+        with torch.device("meta"):
+            part = split_stage_module(Llama(args), fqns)
+        part.to_empty(device="cpu")
+        part.init_weights(seed=seed)
+        parts.append(part)
+    return parts
+
+
+@pytest.mark.parametrize("counts", [[2, 2], [1, 2, 1, 0], [0, 4]])
+def test_stages_together_are_the_full_model(counts: list[int]) -> None:
+    args = model_args_for("debug", max_seq_len=32)
+    full = Llama(args)
+    full.init_weights(seed=3)
+    parts = _stages(stage_module_fqns(counts), args, seed=3)
+    # Same fqns, each in exactly one stage, with the pp=1 initial values.
+    full_sd = full.state_dict()
+    keys = [k for p in parts for k in p.state_dict()]
+    assert sorted(keys) == sorted(full_sd) and len(keys) == len(set(keys))
+    for part in parts:
+        for k, v in part.state_dict().items():
+            assert torch.equal(v, full_sd[k]), k
+    # The container of a rank's stages (here: all of them) has the full model's state-dict keys.
+    assert list(PipelineModel(parts).state_dict()) == list(full_sd)
+    # Chained, the stages compute the full model's logits.
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    h = tokens
+    for part in parts:
+        h = part(h)
+    torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
