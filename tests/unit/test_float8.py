@@ -98,6 +98,29 @@ def test_exclusions_typos_and_shapes(caplog) -> None:
         r.getMessage() for r in caplog.records]
 
 
+def test_exclusion_line_names_exactly_what_was_excluded(caplog) -> None:
+    # Excluding layers.0 must not read as "every layer's k_proj" (layers.*.attention.k_proj).
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        fp8(debug_model(), exclude_fqns=["layers.0", "output_head.proj"])
+    assert ("converted 21/29 Linear layers; excluded: layers.0.{attention.q_proj,attention.k_proj,"
+            "attention.v_proj,attention.o_proj,mlp.gate_proj,mlp.up_proj,mlp.down_proj}, output_head.proj "
+            "(float8.exclude_fqns)") in [r.getMessage() for r in caplog.records]
+
+
+def test_group_fqns_is_exact_and_compact() -> None:
+    from trainer.parallel.float8 import group_fqns
+
+    assert group_fqns([]) == []
+    assert group_fqns(["output_head.proj"]) == ["output_head.proj"]
+    # Layers holding the same names share one entry; index runs of 3+ are ranges.
+    moe = [f"layers.{i}.moe.{n}" for i in (0, 1, 2, 3, 7) for n in ("router", "experts.0", "experts.1")]
+    assert group_fqns(moe) == ["layers.{0..3,7}.{moe.router,moe.experts.0,moe.experts.1}"]
+    # Different names under different layers stay apart, in model order.
+    assert group_fqns(["layers.0.mlp.up_proj", "layers.0.mlp.down_proj", "layers.2.mlp.up_proj",
+                       "output_head.proj"]) == [
+        "layers.0.{mlp.up_proj,mlp.down_proj}", "layers.2.mlp.up_proj", "output_head.proj"]
+
+
 def test_state_dict_keys_and_values_do_not_depend_on_conversion() -> None:
     plain, converted = debug_model(), debug_model()
     fp8(converted)
