@@ -72,13 +72,9 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
     # The "parallelism: ... on cpu" startup line already says so (trainer.distributed.describe_device).
     KnownWarning("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME=", None),
     # torchao's optional compiled kernels (MX formats, CUTLASS) that do not load on this machine
-    # (a CPU-only torch, another CUDA version): our float8 recipes never call them.
-    KnownWarning(
-        "torchao",
-        r"Failed to load \S*torchao[/\\]_C",
-        "torchao could not load its optional compiled kernels (MX formats, CUTLASS) here; float8 training "
-        "does not use them (its matmuls are torch._scaled_mm)",
-    ),
+    # (a CPU-only torch, another CUDA version): our float8 recipes never call them (their matmuls
+    # are torch._scaled_mm), so there is nothing to say.
+    KnownWarning("torchao", r"Failed to load \S*torchao[/\\]_C", None),
 )
 
 
