@@ -525,7 +525,7 @@ def maybe_record_memory_history(*, enable: bool, snapshot_dir: str, rank: int) -
         path = recorder.dump("oom")
         raise torch.cuda.OutOfMemoryError(
             f"rank {rank} ran out of CUDA memory; allocator snapshot written to {path}: open it at "
-            f"https://pytorch.org/memory_viz and see docs/debug.md#out-of-memory\n{e}"
+            f"https://pytorch.org/memory_viz and see docs/debug.md#shape-6-out-of-memory\n{e}"
         ) from e
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
