@@ -80,7 +80,8 @@ def fp8_vs_bf16(flavor: str, *, n_layers: int, batch_size: int, seq_len: int, vo
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=gen).to(env.device)
         runs = {}
-        for precision in ("bf16", "fp8", "fp8_emulated"):
+        # fp8 last: on CPU, apply_float8 turns oneDNN off for the process, which slows bf16 matmuls.
+        for precision in ("bf16", "fp8_emulated", "fp8"):
             float8 = Float8Options(recipe="tensorwise", enable_fsdp_float8_all_gather=True, exclude_fqns=(),
                                    emulate=precision == "fp8_emulated", require=True) if precision != "bf16" else None
             options = BuildOptions(
@@ -113,14 +114,22 @@ def grad_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def test_float8_model_close_to_bf16_on_gpu() -> None:
     """Our FP8 path (build_parallel_model -> apply_float8 -> FSDP2 with fp8 all-gather) on real FP8
-    tensor cores: the same model and batch as bf16, within FP8's rounding."""
-    r = fp8_vs_bf16("1b", n_layers=2, batch_size=2, seq_len=1024)
+    tensor cores: the same model and batch as bf16, off by FP8's rounding and no more.
+
+    Measured on CPU's _scaled_mm (same float8 math, fp32 accumulation), one step from init: loss
+    within 3e-4 of bf16; global gradient error 8% at debug shapes and 18% at 1B shapes (2 layers,
+    vocab 8192, 512 tokens), single tensors up to 26%; and fp8 as far from bf16 as emulated fp8 is
+    (ratio 0.99). The absolute bound is loose; the ratio is the sharp check: a wrong scale or
+    operand layout in the GPU kernels would move fp8 far from its emulation."""
+    runs = fp8_vs_bf16("1b", n_layers=2, batch_size=2, seq_len=1024)
+    bf16, fp8, emulated = runs["bf16"], runs["fp8"], runs["fp8_emulated"]
     expected = sorted([f"layers.{i}.{p}" for i in range(2) for p in (
         "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["output_head.proj"])
-    assert sorted(r["report"].converted) == expected and r["report"].converted_fraction == 1.0
-    assert r["fp8_float8_linears"] == expected and r["bf16_float8_linears"] == []
-    assert r["fp8_loss"] != r["bf16_loss"]  # FP8 really changed the numerics
-    assert r["fp8_loss"] == pytest.approx(r["bf16_loss"], rel=0.01)
-    worst = max(r["grad_rel_err"].items(), key=lambda kv: kv[1])
-    assert worst[1] < 0.15, worst
+    assert sorted(fp8["report"].converted) == expected and fp8["report"].converted_fraction == 1.0
+    assert fp8["float8_linears"] == expected and bf16["float8_linears"] == [] and bf16["report"] is None
+    assert fp8["loss"] != bf16["loss"]  # FP8 really changed the numerics
+    assert fp8["loss"] == pytest.approx(bf16["loss"], rel=1e-2)
+    fp8_err, emulated_err = grad_rel_err(fp8["grads"], bf16["grads"]), grad_rel_err(emulated["grads"], bf16["grads"])
+    assert 0 < fp8_err < 0.5, fp8_err
+    assert fp8_err < 1.25 * emulated_err, (fp8_err, emulated_err)
