@@ -247,3 +247,16 @@ def test_fp8_loss_tracks_bf16(tmp_path: Path) -> None:
     assert _distance(broken, bf16) > 2 * noise_floor
     # And the harness really runs the trainer's fp8: with the factor at 1 it reproduces the fp8 run.
     assert _train_with_broken_scales([*args, "--train.mixed_precision=fp8"], tmp_path / "unbroken", factor=1.0) == f8
+
+
+@pytest.mark.slow
+def test_fp8_model_close_to_bf16_through_our_build_on_cpu() -> None:
+    """The GPU test's check (tests/gpu) on CPU's real _scaled_mm path, at debug shapes."""
+    from tests.gpu.test_gpu import fp8_vs_bf16, grad_rel_err
+
+    runs = fp8_vs_bf16("debug", n_layers=2, batch_size=4, seq_len=64)
+    bf16, fp8, emulated = runs["bf16"], runs["fp8"], runs["fp8_emulated"]
+    assert fp8["report"].converted_fraction == 1.0 and len(fp8["float8_linears"]) == 2 * 7 + 1
+    assert fp8["loss"] != bf16["loss"] and fp8["loss"] == pytest.approx(bf16["loss"], rel=1e-2)
+    fp8_err, emulated_err = grad_rel_err(fp8["grads"], bf16["grads"]), grad_rel_err(emulated["grads"], bf16["grads"])
+    assert 0 < fp8_err < 0.5 and fp8_err < 1.25 * emulated_err, (fp8_err, emulated_err)
