@@ -168,7 +168,8 @@ def test_refuses_tensor_parallel_weights() -> None:
 def _messages(proc) -> list[str]:
     """The log messages of a run (the `[rank0   1.2s] ` prefix removed); fails the test on a non-zero exit."""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [m.group(1) for line in proc.stdout.splitlines() if (m := re.match(r"\[rank\d+ +[\d.]+s\] (.*)", line))]
+    prefixed = (re.match(r"\[rank\d+ +[\d.]+s\] (.*)", line) for line in proc.stdout.splitlines())
+    return [m.group(1) for m in prefixed if m]
 
 
 def _fp8_block(messages: list[str]) -> list[str]:

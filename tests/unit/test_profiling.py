@@ -341,7 +341,8 @@ def test_cpu_fp8_gemm_time_includes_what_scaled_mm_runs_inside():
         ("aten::_scaled_mm", "gemm_fp8"): 100, ("aten::addmm", "gemm"): 50, ("aten::mm", "gemm"): 30,
         ("autograd::engine::evaluate_function: AddmmBackward0", "other"): 10}
     assert (summary.num_gemm_calls, summary.fp8_gemm_calls) == (3, 1)
-    assert format_summary(summary).splitlines()[-1] == "FP8 GEMMs ran: yes (1 calls, 55.6% of GEMM time: aten::_scaled_mm)"
+    assert format_summary(summary).splitlines()[-1] == (
+        "FP8 GEMMs ran: yes (1 calls, 55.6% of GEMM time: aten::_scaled_mm)")
 
 
 def test_summary_of_a_cpu_trace_counts_self_time():
