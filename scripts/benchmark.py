@@ -6,8 +6,9 @@
 
 Everything after `--` is a normal config override. Prints, per precision: tokens/s per
 GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
-989 TFLOP/s (H100/H200 dense bf16), peak memory, and the speedup over the first
-precision. After --warmup steps (compilation happens there), --steps steps run back
+the GPU's dense bf16 peak from trainer.metrics.PEAK_BF16_FLOPS (the same table the
+training log uses; n/a on CPU or an unknown GPU), peak memory, and the speedup over
+the first precision. After --warmup steps (compilation happens there), --steps steps run back
 to back as in training and are timed together between two device syncs.
 """
 
@@ -28,10 +29,16 @@ import torch
 from trainer.config import ConfigError, load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.log import setup_logging
+from trainer.metrics import device_peak_flops
 from trainer.models import flops_per_token
 from trainer.train import Trainer
 
-H100_BF16_PEAK = 989e12
+
+
+def mfu_pct(model_flops_per_s: float, device: torch.device) -> float | None:
+    """Model FLOP/s as a percentage of the device's dense bf16 peak; None where the peak is unknown."""
+    peak = device_peak_flops(device)
+    return 100 * model_flops_per_s / peak if peak else None
 
 
 def sync(device: torch.device) -> None:
@@ -72,7 +79,7 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
             "step_s": step_s,
             "tokens_per_s_per_gpu": tps,
             "model_tflops_per_gpu": model_flops / 1e12,
-            "mfu_pct": 100 * model_flops / H100_BF16_PEAK,
+            "mfu_pct": mfu_pct(model_flops, device),
             "peak_memory_gib": peak,
             "float8_converted": len(runner.float8.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
@@ -101,6 +108,10 @@ def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     print(format_summary(summarize_events(load_trace_events(str(path)), num_steps=num_steps), top=25))
 
 
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
@@ -127,7 +138,7 @@ def main() -> int:
         r["speedup"] = r["tokens_per_s_per_gpu"] / base
         r["label"], r["overrides"] = args.label, overrides
         print(f"{r['precision']:>9} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
-              f"{r['model_tflops_per_gpu']:8.1f} {r['mfu_pct']:6.1f} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x")
+              f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x")
     if args.json:
         with open(args.json, "a") as f:
             for r in results:

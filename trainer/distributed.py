@@ -72,3 +72,11 @@ def set_determinism(*, seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def describe_device(device: torch.device) -> str:
+    """The device for the startup line; says so when a CUDA build of torch sees no GPU."""
+    if device.type != "cpu":
+        return str(device)
+    note = f"; torch is built for CUDA {torch.version.cuda} but sees no GPU" if torch.version.cuda else ""
+    return f"cpu ({torch.get_num_threads()} intra-op threads per process{note})"

@@ -1,12 +1,21 @@
-"""Logging with a rank and elapsed-time prefix; rank 0 logs at INFO, others at WARNING."""
+"""Logging with a rank and elapsed-time prefix; rank 0 logs at INFO, others at WARNING.
+
+Also the one place where library warnings a user cannot act on are filtered out
+(`KNOWN_WARNINGS`): each is dropped on every rank, and where it needs a word, rank 0
+says once, in our own terms, what it meant.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
+from dataclasses import dataclass
 
 _START = time.monotonic()
+
+logger = logging.getLogger(__name__)
 
 
 class _Formatter(logging.Formatter):
@@ -27,3 +36,78 @@ def setup_logging(rank: int) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     root.propagate = False
+    install_warning_filters(rank)
+
+
+@dataclass(frozen=True)
+class KnownWarning:
+    """A library log message that says nothing a user of this trainer can act on."""
+
+    logger: str
+    """The library's logger (records are dropped there, before any handler sees them)."""
+    pattern: str
+    """Regex searched in the formatted message."""
+    explanation: str | None
+    """What rank 0 logs instead, once per process; None when the message needs no word."""
+
+
+KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
+    # Logged by every rank as dynamo traces a block checkpointed with our selective-AC policy
+    # (torch/_higher_order_ops/wrap.py). The policy is ours and the blocks' forward holds no in-place
+    # op (trainer/models/llama.py; only init_weights writes in place), so the advice is followed.
+    KnownWarning(
+        "torch._higher_order_ops.wrap",
+        r"Detected that context_fn is passed to torch\.utils\.checkpoint under torch\.compile",
+        "selective activation checkpointing under torch.compile: the checkpointed blocks must hold no "
+        "in-place op; ours hold none, so torch's reminder about it is not shown (trainer/log.py)",
+    ),
+    # torchao registers its KernelPreference enum with the old pytree API; torch deprecates that
+    # call. Nothing for a user to change: it goes away with a newer torchao.
+    KnownWarning(
+        "torch.utils._pytree",
+        r"KernelPreference'> is an Enum subclass .* register_constant\(\) on Enum subclasses is deprecated",
+        None,
+    ),
+    # A CUDA build of torch on a machine without a GPU, when inductor looks for CUDA headers.
+    # The "parallelism: ... on cpu" startup line already says so (trainer.distributed.describe_device).
+    KnownWarning("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME=", None),
+    # torchao's optional compiled kernels (MX formats, CUTLASS) that do not load on this machine
+    # (a CPU-only torch, another CUDA version): our float8 recipes never call them (their matmuls
+    # are torch._scaled_mm), so there is nothing to say.
+    KnownWarning("torchao", r"Failed to load \S*torchao[/\\]_C", None),
+)
+
+
+class KnownWarningFilter(logging.Filter):
+    """Drops the records that match one of `known`; with `explain`, logs its explanation once."""
+
+    def __init__(self, known: list[KnownWarning], *, explain: bool):
+        super().__init__()
+        self.known = [(k, re.compile(k.pattern, re.S)) for k in known]
+        self.explain = explain
+        self.explained: set[KnownWarning] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        for known, pattern in self.known:
+            if pattern.search(message):
+                if self.explain and known.explanation and known not in self.explained:
+                    self.explained.add(known)
+                    logger.info(known.explanation)
+                return False
+        return True
+
+
+def install_warning_filters(rank: int, known: tuple[KnownWarning, ...] = KNOWN_WARNINGS) -> None:
+    """Attach a KnownWarningFilter to each library logger named in `known` (again: replaces the last one).
+
+    Install before torchao is imported (its extension-loading messages come at import).
+    """
+    by_logger: dict[str, list[KnownWarning]] = {}
+    for k in known:
+        by_logger.setdefault(k.logger, []).append(k)
+    for name, entries in by_logger.items():
+        library_logger = logging.getLogger(name)
+        for old in [f for f in library_logger.filters if isinstance(f, KnownWarningFilter)]:
+            library_logger.removeFilter(old)
+        library_logger.addFilter(KnownWarningFilter(entries, explain=rank == 0))

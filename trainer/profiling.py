@@ -33,16 +33,18 @@ CATEGORY_PATTERNS: dict[str, re.Pattern[str]] = {
     ),
     # cuDNN runs no convolutions in a transformer; here it is the cuDNN SDPA backend.
     "attention": re.compile(r"flash|fmha|attention|attn|sdpa|cudnn", re.I),
-    # `mm` only as a word of its own (aten::mm, triton_tem_fused_mm_0, MmBackward0), not inside
-    # words like "comm" or "summary".
+    # `mm` only as a word of its own (aten::mm, triton_tem_fused_mm_0), not inside words like
+    # "comm" or "summary".
     "gemm": re.compile(
         r"gemm|gemv|matmul|addmm|bmm|scaled_(?:grouped_)?mm|(?<![a-z])mm(?=backward|[^a-z]|$)"
         r"|cutlass|xmma|nvjet|cublas|wgmma",
         re.I,
     ),
 }
-CATEGORY_LABELS = {"gemm": "GEMM", "attention": "attention", "communication": "communication",
-                   "other": "elementwise/other"}
+# The summary splits GEMMs into FP8 ones (is_fp8_gemm, or launched by aten::_scaled_mm) and the rest.
+CATEGORY_LABELS = {"gemm_fp8": "GEMM fp8", "gemm": "GEMM bf16/other", "attention": "attention",
+                   "communication": "communication", "other": "elementwise/other"}
+GEMM_CATEGORIES = ("gemm_fp8", "gemm")
 
 # An FP8 GEMM is any op/kernel named like `scaled_mm` (aten::_scaled_mm, aten::_scaled_grouped_mm,
 # inductor's triton_tem_fused__scaled_mm_0), or a GEMM whose name carries an FP8 dtype:
@@ -62,8 +64,15 @@ _TRACE_NAME = re.compile(r"rank\d+_step(\d+)-(\d+)\.")
 # Kernel summary: pure functions over Chrome-trace events, live or from a file.
 
 
+# Autograd's own ops on CPU (`autograd::engine::evaluate_function: AddmmBackward0`, `MmBackward0`):
+# their self time is bookkeeping; the GEMMs they run are aten ops of their own.
+_AUTOGRAD_NODE = re.compile(r"^autograd::|Backward\d*$")
+
+
 def classify(name: str) -> str:
     """"gemm", "attention", "communication" or "other" for a kernel or op name."""
+    if _AUTOGRAD_NODE.search(name):
+        return "other"
     for category, pattern in CATEGORY_PATTERNS.items():
         if pattern.search(name):
             return category
@@ -78,7 +87,8 @@ def is_fp8_gemm(name: str) -> bool:
 
 def load_trace_events(path: str) -> list[dict]:
     """The complete ("X") events of a Chrome trace (.json or .json.gz) as dicts with name, cat,
-    ts and dur (microseconds), pid, tid and external_id (which links a kernel to its CPU op)."""
+    ts and dur (microseconds), pid, tid, external_id (which links a kernel to its CPU op) and
+    input_types (an op's input dtypes as the profiler writes them, when it recorded shapes)."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt") as f:
@@ -90,7 +100,8 @@ def load_trace_events(path: str) -> list[dict]:
     return [
         {"name": e["name"], "cat": e.get("cat", ""), "ts": float(e["ts"]), "dur": float(e["dur"]),
          "pid": e.get("pid"), "tid": e.get("tid"),
-         "external_id": (e.get("args") or {}).get("External id")}
+         "external_id": (e.get("args") or {}).get("External id"),
+         "input_types": (e.get("args") or {}).get("Input type")}
         for e in trace["traceEvents"]
         if e.get("ph") == "X" and "dur" in e
     ]
@@ -139,20 +150,35 @@ class TraceSummary:
     num_gemm_calls: int
     fp8_gemm_calls: int
     fp8_gemm_names: list[str]
+    gemm_dtypes: dict[str, int]
+    """Calls of the non-FP8 GEMMs by input dtype ("fp32", "bf16", ...); empty when the trace has no
+    input types (recorded only with record_shapes)."""
 
     @property
     def fp8_gemm_ran(self) -> bool:
         return self.fp8_gemm_calls > 0
 
     @property
+    def gemm_us(self) -> float:
+        return sum(self.category_us[c] for c in GEMM_CATEGORIES)
+
+    @property
+    def other_gemm_names(self) -> list[str]:
+        """The non-FP8 GEMM kernels (ops), most calls first."""
+        return [s.name for s in sorted(self.ops, key=lambda s: (-s.calls, s.name)) if s.category == "gemm"]
+
+    @property
     def step_range(self) -> str:
         return f"steps {self.steps[0]}-{self.steps[1]}" if self.steps else "the recorded steps"
 
 
-def _self_times(ops: list[dict]) -> list[float]:
+def _self_times(ops: list[dict]) -> tuple[list[float], list[bool]]:
     """Each op's time minus that of the ops nested in it on its thread, so a microsecond counts
-    once, for the op doing the work (aten::addmm, not the aten::linear around it)."""
+    once, for the op doing the work (aten::addmm, not the aten::linear around it); and which ops
+    lie inside an FP8 GEMM op. Those are folded into it (their time stays its time): on CPU,
+    aten::_scaled_mm may do its work through a nested aten::mm, which is still the FP8 GEMM."""
     self_us = [e["dur"] for e in ops]
+    folded = [False] * len(ops)
     by_thread: dict[tuple, list[int]] = collections.defaultdict(list)
     for i, e in enumerate(ops):
         by_thread[(e["pid"], e["tid"])].append(i)
@@ -163,9 +189,13 @@ def _self_times(ops: list[dict]) -> list[float]:
             while stack and ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"] <= ops[i]["ts"]:
                 stack.pop()
             if stack:
-                self_us[stack[-1]] -= ops[i]["dur"]
+                parent = stack[-1]
+                if folded[parent] or FP8_OP_PATTERN.search(ops[parent]["name"]):
+                    folded[i] = True
+                else:
+                    self_us[parent] -= ops[i]["dur"]
             stack.append(i)
-    return [max(t, 0.0) for t in self_us]
+    return [max(t, 0.0) for t in self_us], folded
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -186,6 +216,8 @@ def summarize_events(events: list[dict], *, num_steps: int,
     kernels = [e for e in events if e["cat"] == "kernel"]
     cpu_ops = [e for e in events if e["cat"] == "cpu_op"]
     fp8_ids: set = set()
+    # The op that launched a kernel knows its input dtypes (when shapes were recorded).
+    op_types = {e["external_id"]: e.get("input_types") for e in cpu_ops if e["external_id"] is not None}
     if kernels:
         device, timed = "cuda", kernels
         times = [e["dur"] for e in kernels]
@@ -194,20 +226,28 @@ def summarize_events(events: list[dict], *, num_steps: int,
         fp8_ids = {e["external_id"] for e in cpu_ops
                    if e["external_id"] is not None and FP8_OP_PATTERN.search(e["name"])}
     else:
-        device, timed = "cpu", cpu_ops
-        times = _self_times(cpu_ops)
+        self_us, folded = _self_times(cpu_ops)
+        device = "cpu"
+        timed = [e for e, f in zip(cpu_ops, folded) if not f]
+        times = [t for t, f in zip(self_us, folded) if not f]
 
-    totals: dict[str, float] = collections.defaultdict(float)
-    calls: collections.Counter[str] = collections.Counter()
+    # Keyed by (name, category): a kernel name is an FP8 GEMM for the calls _scaled_mm launched.
+    totals: dict[tuple[str, str], float] = collections.defaultdict(float)
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
     fp8_calls: collections.Counter[str] = collections.Counter()
+    gemm_dtypes: collections.Counter[str] = collections.Counter()
     for e, t in zip(timed, times):
-        totals[e["name"]] += t
-        calls[e["name"]] += 1
-        if is_fp8_gemm(e["name"]) or (fp8_ids and e["external_id"] in fp8_ids):
+        fp8 = is_fp8_gemm(e["name"]) or (bool(fp8_ids) and e["external_id"] in fp8_ids)
+        category = "gemm_fp8" if fp8 else classify(e["name"])
+        totals[e["name"], category] += t
+        calls[e["name"], category] += 1
+        if fp8:
             fp8_calls[e["name"]] += 1
-    ops = sorted((OpStat(n, "gemm" if n in fp8_calls else classify(n), calls[n], t)
-                  for n, t in totals.items()),
-                 key=lambda s: -s.total_us)
+        elif category == "gemm":
+            types = e.get("input_types") if device == "cpu" else op_types.get(e["external_id"])
+            if dtype := _first_dtype(types):
+                gemm_dtypes[dtype] += 1
+    ops = sorted((OpStat(n, c, calls[n, c], t) for (n, c), t in totals.items()), key=lambda s: -s.total_us)
     category_us = dict.fromkeys(CATEGORY_LABELS, 0.0)
     for s in ops:
         category_us[s.category] += s.total_us
@@ -227,10 +267,24 @@ def summarize_events(events: list[dict], *, num_steps: int,
         busy_us=busy,
         category_us=category_us,
         ops=ops,
-        num_gemm_calls=sum(s.calls for s in ops if s.category == "gemm"),
+        num_gemm_calls=sum(s.calls for s in ops if s.category in GEMM_CATEGORIES),
         fp8_gemm_calls=sum(fp8_calls.values()),
         fp8_gemm_names=[n for n, _ in fp8_calls.most_common()],
+        gemm_dtypes=dict(gemm_dtypes.most_common()),
     )
+
+
+# The profiler's names for tensor dtypes ("Input type" with record_shapes) -> ours.
+_DTYPE_NAMES = {"float": "fp32", "double": "fp64", "c10::BFloat16": "bf16", "c10::Half": "fp16",
+                "c10::Float8_e4m3fn": "fp8_e4m3", "c10::Float8_e5m2": "fp8_e5m2"}
+
+
+def _first_dtype(types: list[str] | None) -> str | None:
+    """The dtype of an op's first tensor input (a GEMM's operands share it)."""
+    for t in types or ():
+        if t:
+            return _DTYPE_NAMES.get(t, t)
+    return None
 
 
 def _short(name: str, width: int) -> str:
@@ -242,10 +296,18 @@ def fp8_verdict(summary: TraceSummary) -> str:
     if summary.fp8_gemm_ran:
         names = ", ".join(_short(n, 70) for n in summary.fp8_gemm_names[:3])
         more = ", ..." if len(summary.fp8_gemm_names) > 3 else ""
-        return f"FP8 GEMMs ran: yes ({summary.fp8_gemm_calls} calls: {names}{more})"
+        share = summary.category_us["gemm_fp8"] / summary.gemm_us if summary.gemm_us else 0.0
+        return (f"FP8 GEMMs ran: yes ({summary.fp8_gemm_calls} calls, {share:.1%} of GEMM time: "
+                f"{names}{more})")
     if summary.num_gemm_calls == 0:
         return "FP8 GEMMs ran: no (no GEMM ran at all)"
-    return "FP8 GEMMs ran: no (only bf16/fp32 GEMMs)"
+    return f"FP8 GEMMs ran: no (only {_gemm_dtypes(summary, unknown='bf16/fp32')} GEMMs)"
+
+
+def _gemm_dtypes(summary: TraceSummary, *, unknown: str) -> str:
+    """"fp32", "bf16 and fp32", or `unknown` when the trace holds no input types."""
+    dtypes = list(summary.gemm_dtypes)
+    return " and ".join(dtypes) if dtypes else unknown
 
 
 def format_summary(summary: TraceSummary, *, top: int = 15) -> str:
@@ -259,6 +321,8 @@ def format_summary(summary: TraceSummary, *, top: int = 15) -> str:
         f"  device time {summary.total_us / n / 1e3:.2f} ms/step, wall {summary.wall_us / n / 1e3:.2f}"
         f" ms/step, device idle {idle:.1%} of wall (launch gaps, host syncs, input waits)",
         "  " + " | ".join(f"{CATEGORY_LABELS[c]} {t / total:.1%}" for c, t in summary.category_us.items()),
+        f"  GEMM time {summary.gemm_us / n / 1e3:.2f} ms/step ({summary.gemm_us / total:.1%} of device time), "
+        f"{summary.category_us['gemm_fp8'] / (summary.gemm_us or 1.0):.1%} of it in FP8 GEMMs",
         f"  {'ms/step':>9} {'calls/step':>10} {'share':>6}  {'category':<17}  name",
     ]
     for s in summary.ops[:top]:
@@ -268,12 +332,26 @@ def format_summary(summary: TraceSummary, *, top: int = 15) -> str:
     return "\n".join(lines)
 
 
-def fp8_warning(summary: TraceSummary) -> str | None:
-    """The warning for a run that asked for FP8 but ran no FP8 GEMM; None when FP8 GEMMs ran."""
+def fp8_warning(summary: TraceSummary, *, compute_dtype: str | None = None) -> str | None:
+    """The warning for a trace that was meant to run FP8 GEMMs but ran none; None when FP8 GEMMs ran.
+
+    It says what ran instead: the GEMMs found and their dtype, from the input types in the trace
+    (recorded only with record_shapes), else from `compute_dtype`, the dtype the caller knows the
+    run computed in (the trainer's fp8 runs compute in bf16 around the FP8 GEMMs)."""
     if summary.fp8_gemm_ran:
         return None
-    return (f"mixed_precision='fp8' but no FP8 GEMM kernel ran in {summary.step_range}: this run "
-            "trained in bf16. See docs/fp8.md#troubleshooting")
+    where = f"no FP8 GEMM ran in {summary.step_range}"
+    if compute_dtype is not None:
+        where = f"mixed_precision='fp8' but {where}"
+    if summary.num_gemm_calls == 0:
+        return f"{where}: no GEMM ran at all. See docs/fp8.md#troubleshooting"
+    names = summary.other_gemm_names
+    found = ", ".join(_short(n, 60) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    dtype = _gemm_dtypes(summary, unknown="") or compute_dtype
+    ran = (f"its {summary.num_gemm_calls} GEMM calls ({found}) ran in {dtype}" if dtype else
+           f"its {summary.num_gemm_calls} GEMM calls were {found}, none of them FP8 (their dtype is not in "
+           "the trace: profile with profiling.record_shapes=true to see it)")
+    return f"{where}: {ran}. See docs/fp8.md#troubleshooting"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +441,8 @@ class _WindowProfiler:
         with open(os.path.join(self.trace_dir, f"summary_step{first}-{last}.txt"), "w") as f:
             f.write(text + "\n")
         self.log.info(text)
-        if self.expect_fp8 and (warning := fp8_warning(summary)):
+        # An fp8 run computes in bf16 around its FP8 GEMMs, and wholly in bf16 without them.
+        if self.expect_fp8 and (warning := fp8_warning(summary, compute_dtype="bf16")):
             bar = "!" * 100
             self.log.warning(f"\n{bar}\n{warning}\n{bar}")
 
@@ -446,7 +525,7 @@ def maybe_record_memory_history(*, enable: bool, snapshot_dir: str, rank: int) -
         path = recorder.dump("oom")
         raise torch.cuda.OutOfMemoryError(
             f"rank {rank} ran out of CUDA memory; allocator snapshot written to {path}: open it at "
-            f"https://pytorch.org/memory_viz and see docs/debug.md#out-of-memory\n{e}"
+            f"https://pytorch.org/memory_viz and see docs/debug.md#shape-6-out-of-memory\n{e}"
         ) from e
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -21,8 +21,10 @@ from trainer.errors import UserError
 from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
+from trainer.distributed import (
+    DistEnv, describe_device, destroy_distributed, init_distributed, set_determinism, world_size_from_env,
+)
 from trainer.evaluate import Evaluator
-from trainer.distributed import DistEnv, destroy_distributed, init_distributed, set_determinism, world_size_from_env
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
 from trainer.models import Llama, flops_per_token, num_params
 from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
@@ -128,8 +130,7 @@ class Trainer:
         set_determinism(seed=t.seed, deterministic=t.deterministic)
         self.parallel_dims.build_meshes(self.device.type)
         self.dp_mesh = self.parallel_dims.mesh("dp")
-        threads = f" ({torch.get_num_threads()} intra-op threads per process)" if self.device.type == "cpu" else ""
-        logger.info("parallelism: %s on %s%s", self.parallel_dims.summary, self.device, threads)
+        logger.info("parallelism: %s on %s", self.parallel_dims.summary, describe_device(self.device))
 
         self.data_loader = build_data_loader(
             job.data_source, seed=cfg.data.seed, shuffle=cfg.data.shuffle, seq_len=t.seq_len,

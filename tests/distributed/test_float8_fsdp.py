@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, column, train
+from tests.helpers import DEBUG_CONFIG, column, launch, train
+from trainer.log import KNOWN_WARNINGS
 
 ARGS = ["--config", DEBUG_CONFIG, "--train.steps=4", "--train.seq_len=64", "--metrics.log_freq=1",
         "--metrics.enable_tensorboard=false", "--train.mixed_precision=fp8"]
@@ -27,3 +28,23 @@ def test_fp8_all_gather_two_ranks_match_one_rank(tmp_path: Path) -> None:
                  "--float8.enable_fsdp_float8_all_gather=false"], tmp_path / "off", nproc=2)
     assert column(off, "loss")[0] == pytest.approx(column(two, "loss")[0], rel=2e-3)
     assert column(off, "loss") == pytest.approx(column(two, "loss"), rel=1e-2)
+
+
+# What torch and torchao print on every rank of such a run unless trainer.log filters it.
+LIBRARY_NOISE = ("Detected that context_fn is passed", "checkpointed region does not contain in-place ops",
+                 "KernelPreference", "No CUDA runtime is found", "Failed to load")
+
+
+def test_selective_ac_compile_fp8_prints_no_library_noise(tmp_path: Path) -> None:
+    proc = launch([*ARGS, "--train.steps=2", "--train.seq_len=32", "--distributed.dp_shard=2",
+                   "--train.activation_checkpointing=selective", "--train.compile_model=true",
+                   f"--job.dump_folder={tmp_path}"], nproc=2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert [line for line in out.splitlines() if any(noise in line for noise in LIBRARY_NOISE)] == []
+    # Explained once, by rank 0, in our words.
+    explanation = next(k.explanation for k in KNOWN_WARNINGS if k.logger == "torch._higher_order_ops.wrap")
+    assert [line for line in out.splitlines() if explanation in line] == [
+        line for line in out.splitlines() if line.startswith("[rank0 ") and explanation in line]
+    assert out.count(explanation) == 1
+    assert "step      2/2" in proc.stdout

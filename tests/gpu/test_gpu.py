@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,16 +35,19 @@ def test_fp8_run_shows_fp8_gemm_kernels(tmp_path: Path) -> None:
     print(summary)
     assert "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=True" in stdout
     assert "FP8 GEMMs ran: yes" in summary
-    assert "this run trained in bf16" not in stdout
+    assert "no FP8 GEMM ran" not in stdout
+    # Every projection and the head are converted: most of the GEMM time must be FP8 GEMMs.
+    share = float(re.search(r"GEMM time .*?, ([\d.]+)% of it in FP8 GEMMs", summary).group(1))
+    assert share > 50, summary
 
 
 def test_bf16_run_says_no_fp8_and_warns_when_fp8_expected(tmp_path: Path) -> None:
     summary, stdout = _profiled_run(tmp_path, "bf16")
     print(summary)
-    assert "FP8 GEMMs ran: no" in summary
-    # The same trace checked as if fp8 had been asked for: the script flags it.
+    assert "FP8 GEMMs ran: no" in summary and ", 0.0% of it in FP8 GEMMs" in summary
+    # The same trace checked as if fp8 had been asked for: the script flags it and says what ran.
     proc = launch_summarize(tmp_path / "trace_bf16")
-    assert proc.returncode == 1 and "trained in bf16" in proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "WARNING: no FP8 GEMM ran in steps 3-5: its " in proc.stdout
 
 
 def launch_summarize(path: Path):
@@ -56,20 +60,77 @@ def launch_summarize(path: Path):
                           capture_output=True, text=True, env=env(), cwd=REPO)
 
 
-def test_float8_linear_close_to_bf16_on_gpu() -> None:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def fp8_vs_bf16(flavor: str, *, n_layers: int, batch_size: int, seq_len: int, vocab_size: int = 0) -> dict:
+    """One forward/backward of the same model and batch, built by our build_parallel_model on a
+    1-rank group in bf16, in fp8 and in emulated fp8 (the same float8 rounding, matmuls in high
+    precision): each run's loss, FP8 report, Float8Linear fqns and gradients. Runs on the GPU when
+    there is one (tests/gpu), else on CPU's real _scaled_mm path."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
 
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).cuda().bfloat16()
-    fp8 = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).cuda().bfloat16()
-    fp8.load_state_dict(ref.state_dict())
-    convert_to_float8_training(fp8, config=Float8LinearConfig())
-    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    y_ref, y = ref(x), fp8(x2)
-    y_ref.float().pow(2).mean().backward()
-    y.float().pow(2).mean().backward()
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
-    assert rel(y, y_ref) < 0.1
-    assert rel(x2.grad, x.grad) < 0.15
-    assert rel(fp8[0].weight.grad, ref[0].weight.grad) < 0.15
+    from trainer.distributed import destroy_distributed, init_distributed
+    from trainer.models import Llama, model_args_for
+    from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims, build_parallel_model
+
+    env = init_distributed(timeout_seconds=120)
+    try:
+        pd = ParallelDims.resolve(dp_replicate=1, dp_shard=-1, tp=1, ep=1, pp=1, world_size=1)
+        pd.build_meshes(env.device.type)
+        args = model_args_for(flavor, n_layers=n_layers, vocab_size=vocab_size, max_seq_len=seq_len)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=gen).to(env.device)
+        runs = {}
+        # fp8 last: on CPU, apply_float8 turns oneDNN off for the process, which slows bf16 matmuls.
+        for precision in ("bf16", "fp8_emulated", "fp8"):
+            float8 = Float8Options(recipe="tensorwise", enable_fsdp_float8_all_gather=True, exclude_fqns=(),
+                                   emulate=precision == "fp8_emulated", require=True) if precision != "bf16" else None
+            options = BuildOptions(
+                float8=float8, ac=ACOptions(mode="none", selective_every=0), compile=False,
+                fsdp=FSDPOptions(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, master_dtype=torch.float32,
+                                 reshard_after_forward=False),
+                loss_parallel=False,
+            )
+            with torch.device("meta"):
+                model = Llama(args)
+            report = build_parallel_model(model, pd, options=options, device=env.device)
+            model.to_empty(device=env.device)
+            model.init_weights(seed=0)
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
+                     for n, p in model.named_parameters()}
+            float8_linears = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+            runs[precision] = {"loss": loss.item(), "grads": grads, "report": report, "float8_linears": float8_linears}
+    finally:
+        destroy_distributed()
+    return runs
+
+
+def grad_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """|a - b| / |b| over all gradients together (the global gradient norm's view)."""
+    diff = sum(((a[n] - b[n]) ** 2).sum() for n in b) ** 0.5
+    return (diff / sum((b[n] ** 2).sum() for n in b) ** 0.5).item()
+
+
+def test_float8_model_close_to_bf16_on_gpu() -> None:
+    """Our FP8 path (build_parallel_model -> apply_float8 -> FSDP2 with fp8 all-gather) on real FP8
+    tensor cores: the same model and batch as bf16, off by FP8's rounding and no more.
+
+    Measured on CPU's _scaled_mm (same float8 math, fp32 accumulation), one step from init: loss
+    within 3e-4 of bf16; global gradient error 8% at debug shapes and 18% at 1B shapes (2 layers,
+    vocab 8192, 512 tokens), single tensors up to 26%; and fp8 as far from bf16 as emulated fp8 is
+    (ratio 0.99). Scales 4x too large (monkeypatched into torchao) give a 96% gradient error and
+    move the loss by 5%, failing both bounds. The ratio is the sharp check on the GPU kernels
+    themselves: a wrong scale or operand layout there would move fp8 far from its emulation."""
+    runs = fp8_vs_bf16("1b", n_layers=2, batch_size=2, seq_len=1024)
+    bf16, fp8, emulated = runs["bf16"], runs["fp8"], runs["fp8_emulated"]
+    expected = sorted([f"layers.{i}.{p}" for i in range(2) for p in (
+        "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["output_head.proj"])
+    assert sorted(fp8["report"].converted) == expected and fp8["report"].converted_fraction == 1.0
+    assert fp8["float8_linears"] == expected and bf16["float8_linears"] == [] and bf16["report"] is None
+    assert fp8["loss"] != bf16["loss"]  # FP8 really changed the numerics
+    assert fp8["loss"] == pytest.approx(bf16["loss"], rel=1e-2)
+    fp8_err, emulated_err = grad_rel_err(fp8["grads"], bf16["grads"]), grad_rel_err(emulated["grads"], bf16["grads"])
+    assert 0 < fp8_err < 0.5, fp8_err
+    assert fp8_err < 1.25 * emulated_err, (fp8_err, emulated_err)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import DEBUG_CONFIG, REPO, env
+from trainer.metrics import PEAK_BF16_FLOPS
 from trainer.models import flops_per_token, model_args_for
 
 
@@ -28,9 +31,28 @@ def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
         assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
         per_token = flops_per_token(model_args_for("debug", max_seq_len=64), 64)
         assert r["model_tflops_per_gpu"] == pytest.approx(r["tokens_per_s_per_gpu"] * per_token / 1e12)
-        assert r["mfu_pct"] == pytest.approx(100 * r["model_tflops_per_gpu"] * 1e12 / 989e12)
+        assert r["mfu_pct"] is None  # a CPU has no entry in the peak table: no made-up MFU
     assert fp8["speedup"] == pytest.approx(fp8["tokens_per_s_per_gpu"] / bf16["tokens_per_s_per_gpu"])
     assert "vs bf16" in proc.stdout
+    assert [line.split()[4] for line in proc.stdout.splitlines() if line.split()[:1] in (["bf16"], ["fp8"])] == [
+        "n/a", "n/a"]
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("gpu", "peak"), [("NVIDIA H100 80GB HBM3", 989.5e12), ("NVIDIA H100 PCIe", 756e12),
+                                           ("NVIDIA A100-SXM4-80GB", 312e12)])
+def test_benchmark_mfu_uses_the_metrics_peak_table(monkeypatch, gpu, peak) -> None:
+    benchmark = _load_benchmark()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    assert peak in dict(PEAK_BF16_FLOPS).values()
+    assert benchmark.mfu_pct(100e12, torch.device("cuda", 0)) == pytest.approx(100 * 100e12 / peak)
+    assert benchmark.mfu_pct(100e12, torch.device("cpu")) is None
 
 
 def test_benchmark_config_error_is_one_line() -> None:

@@ -43,10 +43,10 @@ def _fp8_step(model):
 
 
 def _train(trace_dir, *, num_steps=8, start_step=3, end_step=5, rank=0, body=_fp32_step,
-           expect_fp8=False, logger=None, first_step=1):
+           expect_fp8=False, logger=None, first_step=1, record_shapes=False):
     model = _Model()
     with maybe_enable_profiling(enable=True, start_step=start_step, end_step=end_step,
-                                trace_dir=str(trace_dir), rank=rank, record_shapes=False,
+                                trace_dir=str(trace_dir), rank=rank, record_shapes=record_shapes,
                                 with_stack=False, profile_memory=False, expect_fp8=expect_fp8,
                                 logger=logger) as prof:
         for step in range(first_step, num_steps + 1):
@@ -158,14 +158,20 @@ def test_disabled_does_nothing(tmp_path):
 
 # --- the FP8 verdict ----------------------------------------------------------------------------
 
-WARNING = ("mixed_precision='fp8' but no FP8 GEMM kernel ran in steps 3-5: this run trained in bf16. "
-           "See docs/fp8.md#troubleshooting")
+# The trainer's warning: its fp8 runs compute in bf16 around the FP8 GEMMs, so without them in bf16.
+WARNING = ("mixed_precision='fp8' but no FP8 GEMM ran in steps 3-5: its 15 GEMM calls (aten::mm, aten::addmm) "
+           "ran in bf16. See docs/fp8.md#troubleshooting")
+# summarize_trace.py knows nothing of the run: the dtype comes from the trace, or is said to be unknown.
+SCRIPT_WARNING = ("no FP8 GEMM ran in steps 3-5: its 15 GEMM calls were aten::mm, aten::addmm, none of them FP8 "
+                  "(their dtype is not in the trace: profile with profiling.record_shapes=true to see it). "
+                  "See docs/fp8.md#troubleshooting")
 
 
 def test_fp8_run_says_yes_and_does_not_warn(tmp_path, test_logger, caplog):
     _train(tmp_path, body=_fp8_step, expect_fp8=True, logger=test_logger)
     verdict = (tmp_path / "summary_step3-5.txt").read_text().rstrip().splitlines()[-1]
-    assert verdict == "FP8 GEMMs ran: yes (3 calls: aten::_scaled_mm)"
+    # On CPU, _scaled_mm may run a nested aten::mm: that is FP8 GEMM time, not bf16 GEMM time.
+    assert verdict == "FP8 GEMMs ran: yes (3 calls, 100.0% of GEMM time: aten::_scaled_mm)"
     assert "no FP8 GEMM" not in caplog.text
 
 
@@ -196,7 +202,21 @@ def test_torchao_float8_training_counts_as_fp8(tmp_path):
 
 def test_fp8_warning_text(fp32_trace_dir):
     events = load_trace_events(str(fp32_trace_dir / f"rank0_step3-5{TRACE_SUFFIX}"))
-    assert fp8_warning(summarize_events(events, num_steps=3)) == WARNING
+    assert fp8_warning(summarize_events(events, num_steps=3), compute_dtype="bf16") == WARNING
+    assert fp8_warning(summarize_events(events, num_steps=3)) == SCRIPT_WARNING
+
+
+def test_fp8_warning_names_the_recorded_dtype(tmp_path):
+    # With record_shapes the trace holds each op's input dtypes: an fp32 run is called fp32, even by a
+    # caller that believed the run computed in bf16.
+    _train(tmp_path, record_shapes=True)
+    summary = summarize_events(load_trace_events(str(tmp_path / f"rank0_step3-5{TRACE_SUFFIX}")), num_steps=3)
+    assert summary.gemm_dtypes == {"fp32": 15}
+    expected = ("no FP8 GEMM ran in steps 3-5: its 15 GEMM calls (aten::mm, aten::addmm) ran in fp32. "
+                "See docs/fp8.md#troubleshooting")
+    assert fp8_warning(summary) == expected
+    assert fp8_warning(summary, compute_dtype="bf16") == "mixed_precision='fp8' but " + expected
+    assert format_summary(summary).splitlines()[-1] == "FP8 GEMMs ran: no (only fp32 GEMMs)"
 
 
 # --- classifying kernel names -------------------------------------------------------------------
@@ -259,12 +279,70 @@ def test_summary_of_a_gpu_trace():
     summary = summarize_events(events, num_steps=1)
     assert summary.device == "cuda" and summary.steps == (7, 7)
     assert summary.total_us == 150 and summary.wall_us == 200 and summary.busy_us == 130
-    assert summary.category_us == {"gemm": 80, "attention": 40, "communication": 20, "other": 10}
+    assert summary.category_us == {"gemm_fp8": 50, "gemm": 30, "attention": 40, "communication": 20, "other": 10}
     assert (summary.fp8_gemm_calls, summary.fp8_gemm_names) == (1, ["some_future_kernel"])
     text = format_summary(summary, top=2)
-    assert "device idle 35.0% of wall" in text and "GEMM 53.3% | attention 26.7%" in text
-    assert text.splitlines()[-1] == "FP8 GEMMs ran: yes (1 calls: some_future_kernel)"
-    assert len(text.splitlines()) == 4 + 2 + 1
+    assert "device idle 35.0% of wall" in text
+    assert "GEMM fp8 33.3% | GEMM bf16/other 20.0% | attention 26.7% | communication 13.3%" in text
+    assert "  GEMM time 0.08 ms/step (53.3% of device time), 62.5% of it in FP8 GEMMs" in text.splitlines()
+    assert text.splitlines()[-1] == "FP8 GEMMs ran: yes (1 calls, 62.5% of GEMM time: some_future_kernel)"
+    assert len(text.splitlines()) == 5 + 2 + 1
+
+
+def test_gemm_time_splits_into_fp8_and_bf16_on_h100_kernel_names():
+    fp8 = ["nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_coopA_algo2_TNT",
+           "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_kernel",
+           "cutlass3x_sm90_tensorop_gemm_e4m3_e4m3_f32_bf16_bf16_128x128x128_1x1x1_0_tnn_align16",
+           "triton_tem_fused__scaled_mm_mul_3"]
+    bf16 = ["nvjet_sm90_tst_128x64_64x8_1x2_h_bz_bias_TNT",
+            "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_kernel",
+            "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_nn"]
+    events = [_event("ProfilerStep#3", "user_annotation", 0, 1000)]
+    ts = 0
+    for name in fp8:
+        events.append(_event(name, "kernel", ts, 100, tid=7))  # 400 us of FP8 GEMMs
+        ts += 100
+    for name in bf16:
+        events.append(_event(name, "kernel", ts, 50, tid=7))  # 150 us of bf16 GEMMs
+        ts += 50
+    # A kernel name the patterns do not know: FP8 for the call aten::_scaled_mm launched, bf16 for the other.
+    events += [_event("aten::_scaled_mm", "cpu_op", 0, 5, external_id=1),
+               _event("aten::mm", "cpu_op", 5, 5, external_id=2),
+               _event("gemm_of_the_future", "kernel", 600, 30, external_id=1, tid=7),
+               _event("gemm_of_the_future", "kernel", 630, 20, external_id=2, tid=7),
+               _event("flash_fwd_kernel", "kernel", 650, 200, tid=7),
+               _event("void at::native::vectorized_elementwise_kernel<4>", "kernel", 850, 200, tid=7)]
+    summary = summarize_events(events, num_steps=1)
+    assert summary.category_us == {"gemm_fp8": 430, "gemm": 170, "attention": 200, "communication": 0, "other": 200}
+    rows = {(s.name, s.category): s.total_us for s in summary.ops}
+    assert rows[("gemm_of_the_future", "gemm_fp8")] == 30 and rows[("gemm_of_the_future", "gemm")] == 20
+    assert {s.name for s in summary.ops if s.category == "gemm_fp8"} == {*fp8, "gemm_of_the_future"}
+    assert {s.name for s in summary.ops if s.category == "gemm"} == {*bf16, "gemm_of_the_future"}
+    lines = format_summary(summary, top=20).splitlines()
+    assert lines[2] == ("  GEMM fp8 43.0% | GEMM bf16/other 17.0% | attention 20.0% | communication 0.0% | "
+                        "elementwise/other 20.0%")
+    assert lines[3] == "  GEMM time 0.60 ms/step (60.0% of device time), 71.7% of it in FP8 GEMMs"
+    table = {line.split()[-1]: line for line in lines[5:-1]}
+    assert "GEMM fp8" in table["nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_coopA_algo2_TNT"]
+    assert "GEMM bf16/other" in table["nvjet_sm90_tst_128x64_64x8_1x2_h_bz_bias_TNT"]
+    assert lines[-1].startswith("FP8 GEMMs ran: yes (5 calls, 71.7% of GEMM time: ")
+
+
+def test_cpu_fp8_gemm_time_includes_what_scaled_mm_runs_inside():
+    events = [
+        _event("aten::_scaled_mm", "cpu_op", 0, 100),
+        _event("aten::mm", "cpu_op", 10, 80),  # inside _scaled_mm: its upcast GEMM, FP8 GEMM time
+        _event("aten::addmm", "cpu_op", 200, 50),
+        _event("autograd::engine::evaluate_function: AddmmBackward0", "cpu_op", 300, 40),
+        _event("aten::mm", "cpu_op", 305, 30),
+    ]
+    summary = summarize_events(events, num_steps=1)
+    assert {(s.name, s.category): s.total_us for s in summary.ops} == {
+        ("aten::_scaled_mm", "gemm_fp8"): 100, ("aten::addmm", "gemm"): 50, ("aten::mm", "gemm"): 30,
+        ("autograd::engine::evaluate_function: AddmmBackward0", "other"): 10}
+    assert (summary.num_gemm_calls, summary.fp8_gemm_calls) == (3, 1)
+    assert format_summary(summary).splitlines()[-1] == (
+        "FP8 GEMMs ran: yes (1 calls, 55.6% of GEMM time: aten::_scaled_mm)")
 
 
 def test_summary_of_a_cpu_trace_counts_self_time():
@@ -326,7 +404,7 @@ def test_script_on_a_dir_without_traces_exits_2(tmp_path, capsys):
 
 def test_script_expect_fp8_fails_a_bf16_trace(fp32_trace_dir, capsys):
     assert summarize_trace.main([str(fp32_trace_dir), "--expect-fp8"]) == 1
-    assert capsys.readouterr().out.splitlines()[-1] == f"WARNING: {WARNING}"
+    assert capsys.readouterr().out.splitlines()[-1] == f"WARNING: {SCRIPT_WARNING}"
 
 
 # --- memory snapshots ---------------------------------------------------------------------------

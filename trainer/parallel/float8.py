@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,19 +53,72 @@ class Float8Report:
         return len(self.converted) / self.num_linear if self.num_linear else 0.0
 
     def lines(self) -> list[str]:
-        by_reason: Counter[str] = Counter()
+        by_reason: dict[str, list[str]] = {}
         for fqn, reason in self.excluded.items():
-            by_reason[f"{_pattern(fqn)} ({reason})"] += 1
-        excluded = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in sorted(by_reason.items())) or "none"
+            by_reason.setdefault(reason, []).append(fqn)
+        excluded = "; ".join(f"{', '.join(group_fqns(fqns))} ({reason})" for reason, fqns in by_reason.items())
         return [
             f"Applied Float8 training: recipe={self.recipe.upper()}, "
             f"fsdp_float8_all_gather={self.fsdp_float8_all_gather}",
-            f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded}",
+            f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
         ]
 
 
-def _pattern(fqn: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", fqn)
+_FIRST_INDEX = re.compile(r"^(.*?)\.(\d+)(?:\.(.*))?$")
+
+
+def group_fqns(fqns: list[str]) -> list[str]:
+    """Every fqn of `fqns`, written compactly and exactly, in model order.
+
+    Fqns are split at their first numeric part (the layer index); the names under one index
+    are braced, and indices holding the same names share one entry:
+    ["layers.0.mlp.up_proj", "layers.0.mlp.down_proj", "layers.1.mlp.up_proj", "layers.1.mlp.down_proj"]
+    -> ["layers.{0,1}.{mlp.up_proj,mlp.down_proj}"]; "layers.{0..31}.moe.router" is 32 layers.
+    """
+    # (head, suffixes under one index) -> indices, in order of first appearance.
+    under: dict[tuple[str, int], list[str]] = {}
+    order: list[tuple[str, int] | str] = []
+    for fqn in fqns:
+        m = _FIRST_INDEX.match(fqn)
+        if m is None:
+            order.append(fqn)
+            continue
+        key = (m.group(1), int(m.group(2)))
+        if key not in under:
+            under[key] = []
+            order.append(key)
+        under[key].append(m.group(3) or "")
+    shared: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    for (head, index), suffixes in under.items():
+        shared.setdefault((head, tuple(suffixes)), []).append(index)
+    out: list[str] = []
+    done: set[tuple[str, tuple[str, ...]]] = set()
+    for item in order:
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        key = (item[0], tuple(under[item]))
+        if key in done:
+            continue
+        done.add(key)
+        head, suffixes = key
+        names = suffixes[0] if len(suffixes) == 1 else "{" + ",".join(suffixes) + "}"
+        out.append(f"{head}.{_braced_indices(shared[key])}" + (f".{names}" if names else ""))
+    return out
+
+
+def _braced_indices(indices: list[int]) -> str:
+    """[3] -> "3", [0, 2] -> "{0,2}", [0, 1, 2, 3, 7] -> "{0..3,7}"."""
+    indices = sorted(indices)
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = [f"{r[0]}..{r[-1]}" if len(r) >= 3 else ",".join(map(str, r)) for r in runs]
+    text = ",".join(parts)
+    return text if len(indices) == 1 else "{" + text + "}"
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
