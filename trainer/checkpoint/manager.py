@@ -427,7 +427,8 @@ class CheckpointManager:
         sd = model_state_dict(self.state.model)
         # Every rank's keys, in rank order: under pipeline parallelism ranks hold different stages.
         gathered: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, [(k, tuple(v.shape)) for k, v in sd.items()], group=self.pg)
+        # The default group, not self.pg: a background save of this step may be using self.pg right now.
+        dist.all_gather_object(gathered, [(k, tuple(v.shape)) for k, v in sd.items()])
         shapes: dict[str, tuple[int, ...]] = {}
         owner: dict[str, int] = {}
         for rank, items in enumerate(gathered):
