@@ -1,0 +1,110 @@
+"""Train a byte-level BPE tokenizer locally, and export the embedded text for realistic runs.
+
+    pip install -e '.[tokenizers]'
+    python scripts/build_tokenizer.py --corpus stdlib --vocab-size 16384 --output data/stdlib_bpe
+    python scripts/prepare_data.py --input data/stdlib_bpe/train.jsonl --output data/stdlib_bpe/train \
+        --tokenizer data/stdlib_bpe/tokenizer.json
+    python scripts/prepare_data.py --input data/stdlib_bpe/validation.jsonl --output data/stdlib_bpe/validation \
+        --tokenizer data/stdlib_bpe/tokenizer.json
+    python scripts/train.py --config configs/train/llama3_1b.toml --model.vocab_size=16384 \
+        --data.path=data/stdlib_bpe/train --data.tokenizer=data/stdlib_bpe/tokenizer.json \
+        --validation.enable=true --validation.path=data/stdlib_bpe/validation
+
+`--corpus default|stdlib` exports the embedded text (Python's documentation, plus the
+standard library's source for stdlib) as `train.jsonl` and `validation.jsonl` with the same
+split training uses (validation = every 10th block of 4,096 bytes, never trained on) and
+trains the tokenizer on the train part only. `--input FILES` trains on your own text files
+instead (.txt, .jsonl with --text-field) and exports nothing. No download either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# The checkout this script is in comes first, even when another copy of trainer is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.data import DataError  # noqa: E402
+
+EOS = "<|endoftext|>"
+
+
+def corpus_documents(corpus: str, split: str) -> list[str]:
+    """The embedded corpus's documents of one split, as text (byte blocks decoded as UTF-8)."""
+    from trainer.data.sources import DefaultTextSource, StdlibTextSource
+    from trainer.data.tokenizer import ByteTokenizer
+
+    source = (DefaultTextSource if corpus == "default" else StdlibTextSource)(vocab_size=258, split=split)
+    tokens = source.tokens
+    eos = ByteTokenizer.eos_id
+    docs, start = [], 0
+    boundaries = (tokens == eos).nonzero()[0].tolist() + [len(tokens)]
+    for end in boundaries:
+        if end > start:
+            # A held-out block can cut a multi-byte character: replace, never fail.
+            docs.append(bytes(tokens[start:end].astype("uint8")).decode("utf-8", errors="replace"))
+        start = end + 1
+    return docs
+
+
+def train_bpe(texts, *, vocab_size: int):
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise DataError("training a BPE tokenizer needs the tokenizers package: pip install -e '.[tokenizers]'") from None
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def read_texts(paths: list[str], text_field: str) -> list[str]:
+    texts = []
+    for p in map(Path, paths):
+        if p.suffix == ".jsonl":
+            texts += [json.loads(line)[text_field] for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        else:
+            texts.append(p.read_text(encoding="utf-8"))
+    return texts
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--corpus", choices=("default", "stdlib"), help="the embedded text (exported too)")
+    source.add_argument("--input", nargs="+", help="your own .txt / .jsonl files")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--vocab-size", type=int, default=16384)
+    parser.add_argument("--output", required=True, help="folder for tokenizer.json (and the exported splits)")
+    args = parser.parse_args(argv)
+    if args.vocab_size < 300:
+        parser.error("--vocab-size must be at least 300 (256 bytes, the EOS token and some merges)")
+    out = Path(args.output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if args.corpus:
+            train_docs = corpus_documents(args.corpus, "train")
+            for split, docs in (("train", train_docs), ("validation", corpus_documents(args.corpus, "validation"))):
+                with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
+                    f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+                print(f"wrote {out / (split + '.jsonl')}: {len(docs)} documents, {sum(map(len, docs)):,} characters")
+        else:
+            train_docs = read_texts(args.input, args.text_field)
+        tok = train_bpe(train_docs, vocab_size=args.vocab_size)
+        tok.save(str(out / "tokenizer.json"))
+    except (DataError, OSError, UnicodeDecodeError, KeyError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out / 'tokenizer.json'}: byte-level BPE, {tok.get_vocab_size()} entries, EOS {EOS!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
