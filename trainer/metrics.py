@@ -8,7 +8,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,6 +73,8 @@ class StepStats:
     tokens: int  # tokens processed by this device in the interval
     seconds: float  # wall time of the interval
     steps_in_interval: int
+    extra: dict[str, float] = field(default_factory=dict)
+    """More scalars for metrics.jsonl and TensorBoard (MoE: aux_loss, moe/*); aux_loss also goes on the log line."""
 
 
 class MetricsLogger:
@@ -165,11 +167,13 @@ class MetricsLogger:
         }
         if self.fp8_converted_fraction is not None:
             record["fp8_converted_fraction"] = self.fp8_converted_fraction
+        record.update(s.extra)
         if self.rank != 0:
             return record
         mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
+        aux_text = f" | aux_loss {s.extra['aux_loss']:.4f}" if "aux_loss" in s.extra else ""
         line = (
-            f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f} | grad_norm {s.grad_norm:7.3f} | "
+            f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f}{aux_text} | grad_norm {s.grad_norm:7.3f} | "
             f"lr {s.lr:.2e} | tps {tps:,.0f} | tflops {tflops:6.1f} | {mfu_text} | "
             f"mem {mem_alloc:5.2f}/{mem_reserved:5.2f} GiB | eta {_fmt_duration(eta)}"
         )
@@ -194,6 +198,7 @@ class MetricsLogger:
                 scalars["perf/mfu"] = mfu
             if self.fp8_converted_fraction is not None:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
+            scalars.update({k if "/" in k else f"train/{k}": v for k, v in s.extra.items()})
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, s.step)
         return record
