@@ -152,11 +152,11 @@ def _check_moe_job(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
         return
     if args.top_k > args.n_experts:
         raise ConfigError(
-            f"moe.top_k={args.top_k} is more than model.flavor={m.flavor!r}'s {args.n_experts} routed experts"
+            f"moe.top_k={args.top_k} is more than the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
         )
     if pd.ep > 1 and args.n_experts % pd.ep:
         raise ConfigError(
-            f"distributed.ep={pd.ep} must divide model.flavor={m.flavor!r}'s {args.n_experts} routed experts"
+            f"distributed.ep={pd.ep} must divide the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
         )
     if pd.tp > 1:
         raise ConfigError(

@@ -258,3 +258,58 @@ def test_fp8_filter_exact_sets_on_debug_moe(caplog) -> None:
             "layers.*.moe.shared_expert.gate_proj (MoE shared expert) x3, "
             "layers.*.moe.shared_expert.up_proj (MoE shared expert) x3") in lines
     assert any(line.startswith("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x3") for line in lines)
+
+
+MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "train" / "debug_moe.toml")
+
+
+@pytest.mark.parametrize(
+    "world_size, args, message",
+    [
+        (1, ["--moe.top_k=9"], "moe.top_k=9 is more than the 8 routed experts of model.flavor='debug_moe'"),
+        (1, ["--moe.top_k=-1"], "moe.top_k=-1 must be >= 1, or 0 for the flavor's own"),
+        (1, ["--moe.capacity_factor=-0.5"], "moe.capacity_factor=-0.5 must be >= 0 (0 = no token dropping)"),
+        (1, ["--moe.aux_loss_coef=-2"], "moe.aux_loss_coef=-2.0 must be >= 0 (0 = off), or -1 for the flavor's own"),
+        (1, ["--moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1 must be >= 0"),
+        (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard=6"),
+        (3, ["--distributed.ep=3"], "distributed.ep=3 must divide the 8 routed experts of model.flavor='debug_moe'"),
+        (2, ["--distributed.tp=2"], "distributed.tp=2 with the MoE flavor 'debug_moe': tensor parallel MoE blocks"),
+        (1, ["--checkpoint.model_only=true"], "checkpoint.model_only=true exports Hugging Face Llama weights"),
+        (2, ["--model.flavor=debug", "--distributed.ep=2"],
+         "distributed.ep=2 needs an MoE model, but model.flavor='debug' is dense"),
+        (1, ["--model.flavor=debug", "--moe.top_k=2"], "moe.top_k=2 has no effect: model.flavor='debug' is dense"),
+    ],
+)
+def test_bad_moe_configs_are_one_line_naming_the_key(world_size: int, args: list[str], message: str) -> None:
+    from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+    from trainer.validate import validate_job
+
+    with pytest.raises(ConfigError) as e:
+        validate_job(load_job_config(["--config", MOE_CONFIG, *args]), world_size=world_size)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_moe_section_overrides_the_flavor() -> None:
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    job = validate_job(load_job_config(["--config", MOE_CONFIG, "--moe.top_k=3", "--moe.aux_loss_coef=0",
+                                        "--moe.capacity_factor=1.25"]), world_size=1)
+    args = job.model_args
+    assert (args.top_k, args.aux_loss_coef, args.capacity_factor) == (3, 0.0, 1.25)
+    assert args.bias_update_rate == FLAVORS["debug_moe"].bias_update_rate  # -1 keeps the flavor's own
+
+
+def test_fp8_ep_recipe_validates_on_four_ranks() -> None:
+    from pathlib import Path
+
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    recipe = Path(MOE_CONFIG).with_name("moe_16b_4gpu_fp8.toml")
+    job = validate_job(load_job_config(["--config", str(recipe), "--data.source=synthetic"]), world_size=4)
+    pd = job.parallel_dims
+    assert (pd.dp_shard, pd.ep, pd.dp_shard_mod_ep) == (4, 4, 1)
+    assert job.model_args.n_experts == 64 and job.build.float8 is not None
