@@ -8,11 +8,14 @@ loads make every term layout-independent, so fp32 losses agree to rounding.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers import REPO, column, launch, read_metrics, train
+from tests.helpers import REPO, column, env, launch, read_metrics, train
 
 MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
 ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.steps=4", "--metrics.log_freq=1",
@@ -55,6 +58,20 @@ def test_ep2_x_dp_shard2_matches_single_process(reference, tmp_path: Path) -> No
     assert_same_run(got, reference["metrics"])
     log = (tmp_path / "metrics.jsonl").read_text()
     assert '"moe/layer1/imbalance"' in log and '"moe/layer3/dropped_fraction": 0.0' in log
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [
+        (2, ["--train.batch_size=2", "--distributed.ep=2", "--train.activation_checkpointing=full"]),
+        (2, ["--train.batch_size=2", "--distributed.ep=2", "--train.activation_checkpointing=selective"]),
+        (4, ["--train.batch_size=1", "--distributed.ep=2", "--distributed.dp_replicate=2",
+             "--distributed.dp_shard=2"]),
+    ],
+    ids=["ep2-full-ac", "ep2-selective-ac", "hsdp2-x-ep2"],
+)
+def test_ep_composes_with_ac_and_hsdp(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
+    assert_same_run(train([*ARGS, *FP32, *args], tmp_path, nproc=nproc), reference["metrics"])
 
 
 def test_fp8_ep2_x_dp_shard2_matches_fp8_single_process(tmp_path: Path) -> None:
@@ -105,3 +122,64 @@ def test_ep_that_does_not_divide_the_experts_is_one_line(tmp_path: Path) -> None
     assert proc.returncode != 0
     assert proc.stderr.count(
         "config error: distributed.ep=3 must divide the 8 routed experts of model.flavor='debug_moe'") == 1
+
+
+# -- gradients ----------------------------------------------------------------
+# Adam is blind to a constant factor on one parameter's gradient, so losses alone would
+# not catch a wrongly scaled expert gradient: compare every gradient after one backward.
+
+
+def _grad_worker(out: str, args: list[str]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from trainer.config import load_job_config
+    from trainer.distributed import destroy_distributed
+    from trainer.models.layers import clean_fqn
+    from trainer.train import Trainer
+
+    trainer = Trainer(load_job_config(args))
+    try:
+        batch = trainer.data_loader.next_batch()
+        for inputs, labels in batch:
+            loss = trainer.model(inputs, labels)
+            ((loss + trainer.model.aux_loss) / len(batch)).backward()
+        grads = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                 for n, p in trainer.model.named_parameters()}
+        if trainer.env.rank == 0:
+            torch.save(grads, out)
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+
+def _grads(tmp_path: Path, name: str, nproc: int, args: list[str]) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{name}.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+           "--worker", str(out), "--", *ARGS, *FP32, f"--job.dump_folder={tmp_path / name}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [
+        (2, ["--train.batch_size=2", "--distributed.ep=2"]),
+        (4, ["--train.batch_size=1", "--distributed.ep=2"]),
+        (4, ["--train.batch_size=1", "--distributed.ep=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=2"]),
+    ],
+    ids=["ep2", "ep2-x-dp_shard2", "hsdp2-x-ep2"],
+)
+def test_every_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
+    ref = _grads(tmp_path, "ref", 1, ["--train.batch_size=4"])
+    got = _grads(tmp_path, "ep", nproc, args)
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn] - g).norm() / g.norm()).item()
+        assert err < 1e-5, (fqn, err)
+
+
+if __name__ == "__main__":
+    # torchrun tests/distributed/test_moe_ep.py --worker OUT -- TRAINER ARGS
+    assert sys.argv[1] == "--worker" and sys.argv[3] == "--", sys.argv
+    _grad_worker(sys.argv[2], sys.argv[4:])

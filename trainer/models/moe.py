@@ -174,12 +174,14 @@ _warned_loop = False
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[g] for row groups ending at offs; w [G, N, K] (Linear layout, used transposed)."""
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
-        # The CUDA grouped GEMM is bf16-only: fp32/fp16 runs on a GPU use a per-expert loop (said once).
+    if x.dtype != torch.bfloat16 and (x.device.type == "cuda" or torch.compiler.is_compiling()):
+        # The CUDA kernel (and torch.compile's shape check on any device) is bf16-only; eager CPU takes
+        # any dtype. Otherwise: a per-expert loop, said once.
         global _warned_loop
         if not _warned_loop:
-            logger.warning("MoE experts in %s on CUDA: torch._grouped_mm needs bf16, so the experts run as a "
-                           "per-expert loop of matmuls (slow); use train.mixed_precision='bf16' or 'fp8'", x.dtype)
+            where = "on CUDA" if x.device.type == "cuda" else "under torch.compile"
+            logger.warning("MoE experts in %s %s: torch._grouped_mm needs bf16 there, so the experts run as a "
+                           "per-expert loop of matmuls (slow); use train.mixed_precision='bf16' or 'fp8'", x.dtype, where)
             _warned_loop = True
         return _loop_mm(x, w, offs)
     out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)

@@ -37,8 +37,10 @@ def apply_fsdp(
             # backward): divide by every data-parallel rank, as the dense weights are, not by
             # the expert mesh's size alone.
             experts.set_gradient_divide_factor(float(dp_mesh.size()))
-            if expert_mesh.device_type == "cpu":
+            if expert_mesh.device_type == "cpu" and expert_mesh.size(expert_mesh.ndim - 1) > 1:
                 # That factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: SUM, then divide.
+                # Not with one rank per shard group: there FSDP2 (torch 2.13) already divides while
+                # copying and would divide a second time after (tests/distributed/test_moe_ep.py).
                 experts.set_force_sum_reduction_for_comms(True)
             num_expert_groups += 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
