@@ -163,6 +163,15 @@ def _check_moe_job(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
             f"distributed.tp={pd.tp} with the MoE flavor {m.flavor!r}: tensor parallel MoE blocks are not "
             "implemented; set distributed.tp=1 and use distributed.ep (and dp_shard) instead"
         )
+    t = cfg.train
+    if pd.ep > 1 and t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
+        # The experts' own FSDP2 unit runs different hooks in the recompute than in the forward,
+        # which the per-op policy's bookkeeping rejects during backward.
+        raise ConfigError(
+            f"train.activation_checkpointing='selective' with the per-op policy (train.selective_ac_every=0) does not "
+            f"work with distributed.ep={pd.ep}; set train.selective_ac_every=N (full AC every Nth block) or "
+            "train.activation_checkpointing='full'"
+        )
     if cfg.checkpoint.model_only:
         raise ConfigError(
             f"checkpoint.model_only=true exports Hugging Face Llama weights, which model.flavor={m.flavor!r} "

@@ -63,12 +63,14 @@ def test_ep2_x_dp_shard2_matches_single_process(reference, tmp_path: Path) -> No
 @pytest.mark.parametrize(
     "nproc, args",
     [
+        (1, ["--train.batch_size=4", "--train.activation_checkpointing=selective"]),
         (2, ["--train.batch_size=2", "--distributed.ep=2", "--train.activation_checkpointing=full"]),
-        (2, ["--train.batch_size=2", "--distributed.ep=2", "--train.activation_checkpointing=selective"]),
+        (2, ["--train.batch_size=2", "--distributed.ep=2", "--train.activation_checkpointing=selective",
+             "--train.selective_ac_every=2"]),
         (4, ["--train.batch_size=1", "--distributed.ep=2", "--distributed.dp_replicate=2",
              "--distributed.dp_shard=2"]),
     ],
-    ids=["ep2-full-ac", "ep2-selective-ac", "hsdp2-x-ep2"],
+    ids=["op-selective-ac", "ep2-full-ac", "ep2-selective-every2", "hsdp2-x-ep2"],
 )
 def test_ep_composes_with_ac_and_hsdp(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
     assert_same_run(train([*ARGS, *FP32, *args], tmp_path, nproc=nproc), reference["metrics"])

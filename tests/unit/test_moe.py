@@ -229,6 +229,10 @@ def test_balancer_metrics_are_ratios() -> None:
         assert 0.0 < m[f"moe/layer{layer}/dropped_fraction"] < 1.0
         assert m[f"moe/layer{layer}/aux_loss"] >= 0.99  # 1 when perfectly balanced, more otherwise
     assert balancer.metrics() == {}  # reset after reading
+    model.eval()  # evaluation forwards are not counted (they must not move the bias)
+    with torch.no_grad():
+        model(tokens)
+    assert all(torch.all(m.stats == 0) for _, m in balancer.layers)
 
 
 def test_fp8_filter_exact_sets_on_debug_moe(caplog) -> None:
@@ -275,6 +279,8 @@ MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "co
         (3, ["--distributed.ep=3"], "distributed.ep=3 must divide the 8 routed experts of model.flavor='debug_moe'"),
         (2, ["--distributed.tp=2"], "distributed.tp=2 with the MoE flavor 'debug_moe': tensor parallel MoE blocks"),
         (1, ["--checkpoint.model_only=true"], "checkpoint.model_only=true exports Hugging Face Llama weights"),
+        (2, ["--distributed.ep=2", "--train.activation_checkpointing=selective"],
+         "per-op policy (train.selective_ac_every=0) does not work with distributed.ep=2"),
         (2, ["--model.flavor=debug", "--distributed.ep=2"],
          "distributed.ep=2 needs an MoE model, but model.flavor='debug' is dense"),
         (1, ["--model.flavor=debug", "--moe.top_k=2"], "moe.top_k=2 has no effect: model.flavor='debug' is dense"),

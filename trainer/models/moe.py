@@ -303,8 +303,9 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add_(0, token_of, routed)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
-        with torch.no_grad():
-            self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])
+        if self.training:  # evaluation forwards must not move the balancing bias
+            with torch.no_grad():
+                self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])
         return out.reshape(bsz, seq_len, dim), self.aux_loss_coef * aux
 
     def _aux_loss(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,6 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    # EP token all-to-all: never re-sent in backward.
-    torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 
