@@ -157,7 +157,8 @@ class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
     The CPU `torch._grouped_mm` backward rejects non-contiguous gradients (e.g. the
-    stride-0 gradient of a `.sum()`: "Invalid strides/sizes"); the CUDA kernel accepts them.
+    stride-0 gradient of a `.sum()`: "Invalid strides/sizes"), and the CUDA kernel checks
+    the same strides; for the contiguous gradients the MoE layer produces it is a no-op.
     """
 
     @staticmethod
@@ -174,18 +175,24 @@ _warned_loop = False
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[g] for row groups ending at offs; w [G, N, K] (Linear layout, used transposed)."""
-    if x.dtype != torch.bfloat16 and (x.device.type == "cuda" or torch.compiler.is_compiling()):
-        # The CUDA kernel (and torch.compile's shape check on any device) is bf16-only; eager CPU takes
-        # any dtype. Otherwise: a per-expert loop, said once.
+    if x.device.type == "cpu":
+        return _cpu_grouped_mm(x, w, offs)
+    if x.dtype != torch.bfloat16:
+        # The CUDA grouped GEMM is bf16-only: fp32/fp16 runs on a GPU use a per-expert loop (said once).
         global _warned_loop
         if not _warned_loop:
-            where = "on CUDA" if x.device.type == "cuda" else "under torch.compile"
-            logger.warning("MoE experts in %s %s: torch._grouped_mm needs bf16 there, so the experts run as a "
-                           "per-expert loop of matmuls (slow); use train.mixed_precision='bf16' or 'fp8'", x.dtype, where)
+            logger.warning("MoE experts in %s on CUDA: torch._grouped_mm needs bf16 there, so the experts run as a "
+                           "per-expert loop of matmuls (slow); use train.mixed_precision='bf16' or 'fp8'", x.dtype)
             _warned_loop = True
         return _loop_mm(x, w, offs)
-    out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    return _ContiguousGrad.apply(out) if x.device.type == "cpu" else out
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+@torch.compiler.disable
+def _cpu_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # Eager even inside a compiled block: torch.compile's shape check for _grouped_mm accepts
+    # bf16 only, while the CPU kernel takes any dtype (fp32 CPU runs and tests).
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
 
 
 def _loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
