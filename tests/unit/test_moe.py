@@ -194,7 +194,7 @@ def test_init_is_layout_free_and_depth_scaled() -> None:
 def test_bias_update_reduces_imbalance() -> None:
     """Aux-loss-free balancing alone (no aux loss, frozen weights): imbalance falls; without it, it stays."""
 
-    def imbalance_history(rate: float) -> list[float]:
+    def imbalance_history(rate: float, steps: int) -> list[float]:
         args = model_args_for("debug_moe", aux_loss_coef=0.0, bias_update_rate=rate)
         model = build_model(args)
         model.init_weights(seed=0)
@@ -202,16 +202,16 @@ def test_bias_update_reduces_imbalance() -> None:
         balancer = MoEBalancer(model, bias_update_rate=rate)
         history = []
         with torch.no_grad():
-            for _ in range(12):
+            for _ in range(steps):
                 model(tokens)
                 balancer.after_step()
                 history.append(balancer.metrics()["moe/imbalance_mean"])
         return history
 
-    still, balanced = imbalance_history(0.0), imbalance_history(0.002)
+    still, balanced = imbalance_history(0.0, 3), imbalance_history(0.002, 8)
     assert still == [still[0]] * len(still)  # same data, no bias update: same routing
     assert balanced[0] == still[0] > 1.15
-    assert max(balanced[-4:]) < still[0] - 0.08, balanced
+    assert max(balanced[-3:]) < still[0] - 0.08, balanced
 
 
 def test_balancer_metrics_are_ratios() -> None:
