@@ -64,7 +64,8 @@ FORMAT = "trainer-dcp-1"
 _METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")
 # Shape-determining model args: a mismatch in any of them is an error before loading.
-_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+               "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers")  # the last four: MoE only
 # Same shapes, different function: loaded, with a warning.
 _FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -195,7 +196,8 @@ class RunInfo:
     def model_json(self) -> dict[str, Any]:
         args = asdict(self.model_args)
         args.pop("max_seq_len")  # derived from train.seq_len; not part of the weights
-        return {"name": "llama3", "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim}
+        name = "moe" if "n_experts" in args else "llama3"
+        return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim}
 
 
 def describe_layout(layout: dict[str, int]) -> str:
@@ -284,10 +286,10 @@ def check_model_matches(info: dict[str, Any], run: RunInfo, *, path: Path) -> No
             f"{file}: vocab mismatch: the checkpoint has vocab_size={saved.get('vocab_size')}, this run has "
             f"{ours['vocab_size']} (model.vocab_size / the tokenizer must match the checkpoint's)"
         )
-    diffs = [f"{k}={saved.get(k)} (this run: {ours[k]})" for k in _SHAPE_KEYS if saved.get(k) != ours[k]]
+    diffs = [f"{k}={saved.get(k)} (this run: {ours.get(k)})" for k in _SHAPE_KEYS if saved.get(k) != ours.get(k)]
     if diffs:
         raise CheckpointError(
-            f"{file}: model shape mismatch: the checkpoint is llama3 {saved.get('flavor')} with "
+            f"{file}: model shape mismatch: the checkpoint is {saved.get('name', 'llama3')} {saved.get('flavor')} with "
             f"{', '.join(diffs)}; use the model.flavor/n_layers it was trained with"
         )
     changed = [f"{k} {saved.get(k)} -> {ours[k]}" for k in _FUNCTION_KEYS if saved.get(k) != ours[k]]

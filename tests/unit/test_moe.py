@@ -319,3 +319,16 @@ def test_fp8_ep_recipe_validates_on_four_ranks() -> None:
     pd = job.parallel_dims
     assert (pd.dp_shard, pd.ep, pd.dp_shard_mod_ep) == (4, 4, 1)
     assert job.model_args.n_experts == 64 and job.build.float8 is not None
+
+
+def test_checkpoint_of_the_other_family_is_a_shape_mismatch(tmp_path) -> None:
+    from trainer.checkpoint import CheckpointError, RunInfo, check_model_matches
+
+    dense = RunInfo(flavor="debug", model_args=FLAVORS["debug"], mixed_precision="fp32")
+    moe = RunInfo(flavor="debug_moe", model_args=model_args_for("debug_moe"), mixed_precision="fp32")
+    assert moe.model_json()["name"] == "moe" and dense.model_json()["name"] == "llama3"
+    with pytest.raises(CheckpointError, match=r"the checkpoint is llama3 debug with n_experts=None \(this run: 8\)"):
+        check_model_matches({"model": dense.model_json()}, moe, path=tmp_path)
+    with pytest.raises(CheckpointError, match=r"the checkpoint is moe debug_moe with n_experts=8 \(this run: None\)"):
+        check_model_matches({"model": moe.model_json()}, dense, path=tmp_path)
+    check_model_matches({"model": moe.model_json()}, moe, path=tmp_path)  # same model: no error

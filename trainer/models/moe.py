@@ -78,10 +78,6 @@ class MoEArgs(ModelArgs):
     def ffn_dim(self) -> int:
         return self.dense_ffn_dim or super().ffn_dim
 
-    @property
-    def family(self) -> str:
-        return "moe"
-
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.n_dense_layers
 
