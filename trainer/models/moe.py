@@ -302,8 +302,10 @@ class MoE(nn.Module):
             order = order[: n_tokens * k - int(dropped)]
         token_of = order // k
         routed = self.experts(flat.index_select(0, token_of), counts)
-        routed = (routed.float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
-        out = torch.zeros_like(flat).index_add_(0, token_of, routed)
+        # Weighted and summed over each token's k experts in fp32, then back to the compute dtype.
+        routed = routed.float() * weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros(flat.shape, device=x.device, dtype=torch.float32).index_add_(0, token_of, routed)
+        out = out.to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         if self.training:  # evaluation forwards must not move the balancing bias
