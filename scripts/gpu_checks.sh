@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
 #   bash scripts/gpu_checks.sh [tests] [bench8b] [bench1b] [accuracy] [ac] [pp]   (default: all but pp)
+#   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -48,6 +49,15 @@ for s in $STEPS; do case $s in
       python3 scripts/train.py $A --train.mixed_precision=bf16 --checkpoint.model_only=true
       ls /tmp/ckpt_run/checkpoint; python3 -m pytest -q tests/unit/test_checkpoint.py; } 2>&1 \
       | grep -E "resumed|Applied Float8|step +(10|20|30)/|saved|export|passed|failed|Error|error|step-" | tee "$OUT/ckpt.log" ;;
+  moe16b)  # moe_16b, ep = all GPUs, batch 2 x 4096 per GPU, compile, no AC: bf16 vs fp8, then 30 steps for load imbalance
+    M="--config configs/train/moe_16b_4gpu_fp8.toml"
+    torchrun --standalone --nproc_per_node=$NGPU scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b, ep=$NGPU, batch 2, seq 4096" \
+      --warmup 6 --steps 10 $M -- --distributed.ep=$NGPU --data.source=synthetic 2>&1 | tee "$OUT/bench_moe16b.log" | grep -v "^\[rank"
+    rm -rf /tmp/moe_run
+    torchrun --standalone --nproc_per_node=$NGPU scripts/train.py $M --distributed.ep=$NGPU --data.source=synthetic \
+      --train.steps=30 --metrics.log_freq=10 --job.dump_folder=/tmp/moe_run 2>&1 \
+      | grep -E "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
+    cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
   ac)
     for v in "compile none --train.compile_model=true --train.activation_checkpointing=none" \
              "eager none --train.compile_model=false --train.activation_checkpointing=none" \

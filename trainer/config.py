@@ -45,11 +45,25 @@ class JobSection:
 @dataclass
 class ModelSection:
     flavor: str = "debug"
-    """Size preset: debug, 1b, 3b, 8b, 70b, 405b (see trainer/models/llama.py)."""
+    """Size preset, which also picks the family: dense debug, 1b, 3b, 8b, 70b, 405b (trainer/models/llama.py); MoE debug_moe, moe_small, moe_16b (trainer/models/moe.py)."""
     vocab_size: int = 0
     """Vocabulary size; 0 keeps the flavor's own (128256 for the Llama 3 sizes, 512 for debug)."""
     n_layers: int = 0
     """Number of transformer blocks; 0 keeps the flavor's own (benchmarks use fewer)."""
+
+
+@dataclass
+class MoESection:
+    """Routing and load balancing of MoE flavors (docs/moe.md); the flavor fixes the shapes."""
+
+    top_k: int = 0
+    """Experts each token is routed to; 0 keeps the flavor's own."""
+    aux_loss_coef: float = -1.0
+    """Weight of the sequence-wise load-balancing loss added to the LM loss; 0 = off, -1 = the flavor's own."""
+    bias_update_rate: float = -1.0
+    """Step of the aux-loss-free expert bias update after each optimizer step; 0 = off, -1 = the flavor's own."""
+    capacity_factor: float = 0.0
+    """Per-sequence expert capacity as a multiple of the balanced share; tokens over it are dropped. 0 = no dropping."""
 
 
 @dataclass
@@ -149,7 +163,7 @@ class DistributedSection:
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel on the norms and loss parallel on the output)."""
     ep: int = 1
-    """Expert-parallel degree (MoE models; not implemented yet)."""
+    """Expert-parallel degree (MoE flavors): routed experts split over ep ranks carved out of dp_shard (docs/moe.md)."""
     pp: int = 1
     """Pipeline-parallel degree: the model is split into stages over this many ranks (outermost mesh axis)."""
     pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"
@@ -254,6 +268,7 @@ class MetricsSection:
 SECTION_HELP = {
     "job": "where the run writes and what it is for",
     "model": "model flavor (size preset) and shape overrides",
+    "moe": "routing and load balancing of MoE flavors",
     "train": "steps, batch, sequence length, precision, AC, compile",
     "optimizer": "AdamW hyperparameters",
     "scheduler": "learning-rate warmup and decay",
@@ -269,6 +284,7 @@ SECTION_HELP = {
 _SECTIONS: dict[str, type] = {
     "job": JobSection,
     "model": ModelSection,
+    "moe": MoESection,
     "train": TrainSection,
     "optimizer": OptimizerSection,
     "scheduler": SchedulerSection,
@@ -286,6 +302,7 @@ _SECTIONS: dict[str, type] = {
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
+    moe: MoESection = field(default_factory=MoESection)
     train: TrainSection = field(default_factory=TrainSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)

@@ -8,7 +8,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,7 +74,8 @@ class StepStats:
     seconds: float  # wall time of the interval
     steps_in_interval: int
     validation: dict[str, float] | None = None  # {"loss", "ppl"} when the held-out set was evaluated this step
-    extra: dict[str, float] | None = None  # more scalars for this step (e.g. fp8 health), to jsonl and TensorBoard
+    extra: dict[str, float] | None = None
+    """More scalars for metrics.jsonl and TensorBoard (MoE: aux_loss, moe/*; fp8 health); aux_loss also goes on the log line."""
 
 
 class MetricsLogger:
@@ -173,8 +174,9 @@ class MetricsLogger:
         if self.rank != 0:
             return record
         mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
+        aux_text = f" | aux_loss {s.extra['aux_loss']:.4f}" if "aux_loss" in s.extra else ""
         line = (
-            f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f} | grad_norm {s.grad_norm:7.3f} | "
+            f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f}{aux_text} | grad_norm {s.grad_norm:7.3f} | "
             f"lr {s.lr:.2e} | tps {tps:,.0f} | tflops {tflops:6.1f} | {mfu_text} | "
             f"mem {mem_alloc:5.2f}/{mem_reserved:5.2f} GiB | eta {_fmt_duration(eta)}"
         )
@@ -203,7 +205,7 @@ class MetricsLogger:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
             if s.validation:
                 scalars["val/loss"], scalars["val/ppl"] = s.validation["loss"], s.validation["ppl"]
-            scalars.update(s.extra or {})
+            scalars.update({k if "/" in k else f"train/{k}": v for k, v in (s.extra or {}).items()})
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, s.step)
         return record

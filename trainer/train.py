@@ -26,7 +26,8 @@ from trainer.distributed import (
 )
 from trainer.evaluate import Evaluator
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
-from trainer.models import Llama, flops_per_token, num_params
+from trainer.models import build_model, flops_per_token, is_moe, num_params, param_counts
+from trainer.models.moe import MoEBalancer
 from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
 from trainer.parallel import build_parallel_model
 from trainer.parallel.float8 import float8_weight_stats, precompute_float8_scales
@@ -105,11 +106,20 @@ def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup |
 
     Under pipeline parallelism each pp rank holds other parameters: pp_group sums the squared norms.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        # Partial over sharded mesh axes: full_tensor() all-reduces the squared sums.
-        norm = norm.full_tensor()
+    # Grouped by mesh: with expert parallelism the routed experts live on another mesh than the
+    # dense weights, and one norm cannot mix DTensors of two meshes.
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            # Partial over sharded mesh axes: full_tensor() all-reduces the squared sums.
+            norm = norm.full_tensor()
+        norms.append(norm)
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
     if pp_group is not None:
         sq = norm.float() ** 2
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
@@ -166,12 +176,25 @@ class Trainer:
             cfg.model.flavor, f"{self._total_params:,}", f"{self._non_embedding_params:,}",
             args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
         )
+        if is_moe(args):
+            logger.info(
+                "MoE: %s active parameters per token (MFU counts these); %d routed experts top-%d (%s scores%s), "
+                "%d shared, %d dense layers; aux_loss_coef=%g, bias_update_rate=%g, capacity_factor=%g",
+                f"{param_counts(args)[1]:,}", args.n_experts, args.top_k, args.score_func,
+                ", renormalized" if args.route_norm else "", args.n_shared_experts, args.n_dense_layers,
+                args.aux_loss_coef, args.bias_update_rate, args.capacity_factor,
+            )
+        # Expert loads summed over every data-parallel rank (ep ranks are dp ranks too).
+        self.moe_balancer = MoEBalancer(
+            self.model, bias_update_rate=getattr(args, "bias_update_rate", 0.0), group=self.dp_mesh.get_group()
+        )
         s = cfg.scheduler
         self.scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps, decay_type=s.decay_type,
             min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,
         )
         self.fused_optimizer = o.implementation == "fused"
+        self.aux_loss_sum = torch.zeros((), device=self.device)  # MoE aux loss since the last log step
         self.scaler = LossScaler(enabled=t.mixed_precision == "fp16", device=self.device)
         self._pending_norms: list[tuple[int, torch.Tensor]] = []
         self.precompute_fp8_scales = bool(
@@ -203,7 +226,7 @@ class Trainer:
 
     def _build_model(self, job: ResolvedJob):
         with torch.device("meta"):
-            model = Llama(self.model_args)
+            model = build_model(self.model_args)
         # Counted before wrappers: FSDP/TP parameters report their global shapes anyway.
         self._total_params = num_params(model)
         self._non_embedding_params = num_params(model, exclude_embeddings=True)
@@ -249,6 +272,8 @@ class Trainer:
             norm = norm / self.scaler.scale
         found_inf = ~torch.isfinite(norm)
         self._optimizer_step(norm, found_inf)
+        if self.moe_balancer:
+            self.moe_balancer.after_step()  # expert biases move with the step's loads
         self.scaler.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -265,10 +290,15 @@ class Trainer:
                 loss = self.model(inputs, labels)
                 if isinstance(loss, DTensor):  # replicated under loss parallel
                     loss = loss.to_local()
+                # MoE: the load-balancing loss of this forward joins the objective; `loss` stays the LM loss.
+                aux = getattr(self.model, "aux_loss", None)
+                objective = loss if aux is None else loss + aux
                 # Every microbatch has the same number of tokens, so the mean of the
                 # microbatch means is the mean over the whole global batch.
-                (loss * (self.scaler.scale / n) if self.scaler.enabled else loss / n).backward()
+                (objective * (self.scaler.scale / n) if self.scaler.enabled else objective / n).backward()
             loss_sum += loss.detach()
+            if aux is not None:
+                self.aux_loss_sum += aux.detach() / n
         return loss_sum / n
 
     def _optimizer_step(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -403,10 +433,15 @@ class Trainer:
                 # Mean over data-parallel ranks (TP ranks hold the same loss).
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
                 loss_value, norm_value = loss.item(), norm.item()
+                moe = {}
+                if self.moe_balancer:
+                    dist.all_reduce(self.aux_loss_sum, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+                    moe = {"aux_loss": self.aux_loss_sum.item() / interval_steps, **self.moe_balancer.metrics()}
+                    self.aux_loss_sum.zero_()
                 self.metrics.log(
                     StepStats(step=step, loss=loss_value, grad_norm=norm_value, lr=lr, tokens=int(interval_tokens),
                               seconds=time.perf_counter() - interval_start, steps_in_interval=interval_steps,
-                              validation=validation, extra=extra),
+                              validation=validation, extra={**(extra or {}), **moe}),
                     first_step=first_step,
                 )
                 interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0

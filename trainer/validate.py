@@ -72,6 +72,7 @@ def check_config(cfg: JobConfig) -> None:
             raise ConfigError(f"{key}={value} must be >= 0{note}")
     if d.dp_shard == 0 or d.dp_shard < -1:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
+    _check_moe_section(cfg)
     o = cfg.optimizer
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
@@ -121,6 +122,78 @@ def check_config(cfg: JobConfig) -> None:
         )
 
 
+def _check_moe_section(cfg: JobConfig) -> None:
+    moe = cfg.moe
+    if moe.top_k < 0:
+        raise ConfigError(f"moe.top_k={moe.top_k} must be >= 1, or 0 for the flavor's own")
+    if moe.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor={moe.capacity_factor} must be >= 0 (0 = no token dropping)")
+    for key, value in (("moe.aux_loss_coef", moe.aux_loss_coef), ("moe.bias_update_rate", moe.bias_update_rate)):
+        if value < 0 and value != -1:
+            raise ConfigError(f"{key}={value} must be >= 0 (0 = off), or -1 for the flavor's own")
+
+
+def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
+    """The [moe] keys that replace the flavor's values."""
+    moe = cfg.moe
+    out: dict[str, Any] = {"capacity_factor": moe.capacity_factor}
+    if moe.top_k:
+        out["top_k"] = moe.top_k
+    if moe.aux_loss_coef != -1:
+        out["aux_loss_coef"] = moe.aux_loss_coef
+    if moe.bias_update_rate != -1:
+        out["bias_update_rate"] = moe.bias_update_rate
+    return out
+
+
+def _check_moe_job(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
+    """MoE-only checks that need the flavor's shapes and the resolved degrees."""
+    from trainer.config import MoESection
+    from trainer.models import is_moe
+
+    m = cfg.model
+    if not is_moe(args):
+        if pd.ep > 1:
+            raise ConfigError(
+                f"distributed.ep={pd.ep} needs an MoE model, but model.flavor={m.flavor!r} is dense; "
+                "set distributed.ep=1 or an MoE flavor (debug_moe, moe_small, moe_16b)"
+            )
+        changed = [f for f in MoESection.__dataclass_fields__ if getattr(cfg.moe, f) != getattr(MoESection(), f)]
+        if changed:
+            raise ConfigError(
+                f"moe.{changed[0]}={getattr(cfg.moe, changed[0])} has no effect: model.flavor={m.flavor!r} is dense; "
+                "remove it or pick an MoE flavor"
+            )
+        return
+    if args.top_k > args.n_experts:
+        raise ConfigError(
+            f"moe.top_k={args.top_k} is more than the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
+        )
+    if pd.ep > 1 and args.n_experts % pd.ep:
+        raise ConfigError(
+            f"distributed.ep={pd.ep} must divide the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
+        )
+    if pd.tp > 1:
+        raise ConfigError(
+            f"distributed.tp={pd.tp} with the MoE flavor {m.flavor!r}: tensor parallel MoE blocks are not "
+            "implemented; set distributed.tp=1 and use distributed.ep (and dp_shard) instead"
+        )
+    t = cfg.train
+    if pd.ep > 1 and t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
+        # The experts' own FSDP2 unit runs different hooks in the recompute than in the forward,
+        # which the per-op policy's bookkeeping rejects during backward.
+        raise ConfigError(
+            f"train.activation_checkpointing='selective' with the per-op policy (train.selective_ac_every=0) does not "
+            f"work with distributed.ep={pd.ep}; set train.selective_ac_every=N (full AC every Nth block) or "
+            "train.activation_checkpointing='full'"
+        )
+    if cfg.checkpoint.model_only:
+        raise ConfigError(
+            f"checkpoint.model_only=true exports Hugging Face Llama weights, which model.flavor={m.flavor!r} "
+            "(MoE) has no layout for; set checkpoint.model_only=false"
+        )
+
+
 @dataclass(frozen=True)
 class ResolvedJob:
     """What validation resolved, handed to the trainer so nothing is worked out twice."""
@@ -144,7 +217,7 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     import torch
 
     from trainer.data.loader import build_source
-    from trainer.models import FLAVORS, Llama, model_args_for
+    from trainer.models import FLAVORS, build_model, is_moe, model_args_for
     from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
     from trainer.parallel.float8 import select_float8_linears
 
@@ -157,7 +230,8 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
 
     if m.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
-    args = model_args_for(m.flavor, vocab_size=m.vocab_size, n_layers=m.n_layers, max_seq_len=t.seq_len)
+    moe = _moe_overrides(cfg) if is_moe(FLAVORS[m.flavor]) else {}
+    args = model_args_for(m.flavor, vocab_size=m.vocab_size, n_layers=m.n_layers, max_seq_len=t.seq_len, **moe)
     if t.seq_len > FLAVORS[m.flavor].max_seq_len:
         # Allowed (long-context training), never silent: the position table grows past the flavor's.
         logger.warning(
@@ -169,13 +243,10 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
             f"distributed.tp={pd.tp} must divide the model's n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads} "
             f"(model.flavor={m.flavor!r})"
         )
-    n_experts = getattr(args, "n_experts", 0)
-    if pd.ep > 1 and not n_experts:
-        raise ConfigError(
-            f"distributed.ep={pd.ep} needs an MoE model, but model.flavor={m.flavor!r} is dense; set distributed.ep=1"
-        )
-    if pd.ep > 1 and n_experts % pd.ep:
-        raise ConfigError(f"distributed.ep={pd.ep} must divide the model's {n_experts} routed experts")
+    _check_moe_job(cfg, args, pd)
+    if pd.pp > 1 and getattr(args, "n_experts", 0):
+        raise ConfigError(f"distributed.pp={pd.pp} with the MoE flavor {m.flavor!r}: pipeline parallelism of MoE "
+                          "models is not implemented yet; use distributed.ep and dp_shard, or a dense flavor")
     pipeline = _resolve_pipeline(cfg, pp=pd.pp, n_layers=args.n_layers)
 
     float8 = None
@@ -184,7 +255,7 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
         float8 = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
                                exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require)
         with torch.device("meta"):
-            shapes = Llama(args)
+            shapes = build_model(args)
         try:
             select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns))
         except ValueError as e:  # an exclude_fqns entry that matches nothing

@@ -75,9 +75,9 @@ def test_moe_experts_router_and_shared_experts_stay_bf16() -> None:
     assert num_linear == 2 * 9
     assert set(converted) == {f"layers.{i}.attention.{p}_proj" for i in (0, 1) for p in "qkvo"} | {
         "layers.0.mlp.gate_proj", "layers.1.mlp.gate_proj"}
-    assert excluded["layers.0.moe.router"] == "MoE expert/router"
-    assert excluded["layers.1.moe.experts.1"] == "MoE expert/router"
-    assert excluded["layers.0.moe.shared_expert.up_proj"] == "MoE expert/router"
+    assert excluded["layers.0.moe.router"] == "MoE router"
+    assert excluded["layers.1.moe.experts.1"] == "MoE routed expert"
+    assert excluded["layers.0.moe.shared_expert.up_proj"] == "MoE shared expert"
 
 
 def test_exclusions_typos_and_shapes(caplog) -> None:

@@ -127,8 +127,10 @@ def load_model(
 def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], *, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> Llama:
     """A plain (unsharded) Llama holding these full weights (by our fqns), cast to dtype, in eval mode."""
+    from trainer.models import build_model as family_model
+
     with torch.device("meta"):
-        model = Llama(args)
+        model = family_model(args)  # Llama, or MoETransformer for MoE args
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()}, strict=True,
                           assign=True)
     model.rope = rope_cache(args, args.max_seq_len, device=device)

@@ -193,7 +193,8 @@ class RunInfo:
     def model_json(self) -> dict[str, Any]:
         args = asdict(self.model_args)
         # The run's sequence length (the rope table's size) is recorded but is not part of the weights.
-        return {"name": "llama3", "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim}
+        name = "moe" if "n_experts" in args else "llama3"
+        return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim}
 
 
 def describe_layout(layout: dict[str, int]) -> str:
@@ -203,10 +204,13 @@ def describe_layout(layout: dict[str, int]) -> str:
 
 
 def args_from_json(model: dict[str, Any]) -> ModelArgs:
-    """The ModelArgs recorded in checkpoint.json (for tools that have no job config)."""
-    fields = {k: v for k, v in model.items() if k in ModelArgs.__dataclass_fields__}
+    """The ModelArgs (MoEArgs for an MoE checkpoint) recorded in checkpoint.json (for tools that have no job config)."""
+    from trainer.models.moe import MoEArgs
+
+    cls = MoEArgs if model.get("name") == "moe" else ModelArgs
+    fields = {k: v for k, v in model.items() if k in cls.__dataclass_fields__}
     if fields.get("rope_scaling") is not None:
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    args = ModelArgs(**fields)
+    args = cls(**fields)
     assert args.ffn_dim == model["ffn_dim"], (args.ffn_dim, model["ffn_dim"])
     return args

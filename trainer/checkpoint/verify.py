@@ -215,10 +215,10 @@ def check_model_matches(info: dict[str, Any], run: RunInfo, *, path: Path) -> No
             f"{file}: vocab mismatch: the checkpoint has vocab_size={saved.get('vocab_size')}, this run has "
             f"{ours['vocab_size']} (model.vocab_size / the tokenizer must match the checkpoint's)"
         )
-    diffs = [f"{k}={saved.get(k)} (this run: {ours[k]})" for k in SHAPE_KEYS if saved.get(k) != ours[k]]
+    diffs = [f"{k}={saved.get(k)} (this run: {ours.get(k)})" for k in SHAPE_KEYS if saved.get(k) != ours.get(k)]
     if diffs:
         raise CheckpointError(
-            f"{file}: model shape mismatch: the checkpoint is llama3 {saved.get('flavor')} with "
+            f"{file}: model shape mismatch: the checkpoint is {saved.get('name', 'llama3')} {saved.get('flavor')} with "
             f"{', '.join(diffs)}; use the model.flavor/n_layers it was trained with"
         )
     changed = [f"{k} {saved.get(k)} -> {ours[k]}" for k in FUNCTION_KEYS if saved.get(k) != ours[k]]

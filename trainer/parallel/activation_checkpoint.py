@@ -14,6 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 # Everything else (norms, activations, rope, casts) is recomputed in backward.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
+    torch.ops.aten._grouped_mm.default,  # MoE routed experts
     torch.ops.aten._scaled_mm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,

@@ -17,6 +17,7 @@ from torch import nn
 
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
+from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import Float8Report, Recipe, apply_float8
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
@@ -63,7 +64,7 @@ class BuildOptions:
 def build_parallel_model(
     model: nn.Module, parallel_dims: ParallelDims, *, options: BuildOptions, device: torch.device
 ) -> Float8Report | None:
-    """Apply TP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place; returns the FP8 report.
+    """Apply TP -> EP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place; returns the FP8 report.
 
     The model stays on the meta device; the caller materializes it (`to_empty`)
     and calls `init_weights`, so no rank ever holds more than its shards.
@@ -73,6 +74,10 @@ def build_parallel_model(
     # TP first: it replaces weights by DTensors that every later stage must see.
     if pd.tp > 1:
         logger.info(apply_tp(model, pd.mesh("tp"), loss_parallel=o.loss_parallel))
+
+    # EP next: routed experts become DTensors over the ep axis, which FSDP2 shards further.
+    if pd.ep > 1:
+        logger.info(apply_ep(model, pd.mesh("ep")))
 
     # FP8 swaps nn.Linear classes, so it comes before AC/compile/FSDP wrap them.
     report = None
@@ -102,6 +107,7 @@ def build_parallel_model(
         apply_fsdp(
             model, pd.mesh("fsdp"), param_dtype=o.fsdp.param_dtype, reduce_dtype=o.fsdp.reduce_dtype,
             reshard_after_forward=o.fsdp.reshard_after_forward,
+            expert_mesh=pd.mesh("expert_fsdp") if pd.ep > 1 else None,
         )
     )
     return report

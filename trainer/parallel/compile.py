@@ -15,7 +15,10 @@ def apply_compile(model: nn.Module, *, compile_head: bool) -> str:
     in fp32 (at vocab 128256 that is most of the step's elementwise traffic).
     """
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        # MoE blocks break the graph where the host needs token counts (EP split sizes,
+        # token dropping); dense blocks compile whole.
+        fullgraph = getattr(block, "moe", None) is None
+        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph))
     if compile_head:
         # Instance attribute shadows the method; state-dict keys are unchanged.
         model.head_loss = torch.compile(model.head_loss, fullgraph=True)

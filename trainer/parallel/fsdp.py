@@ -15,6 +15,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
+    expert_mesh: DeviceMesh | None = None,
 ) -> str:
     """Shard the embeddings, every block, then the root (final norm, output head).
 
@@ -35,13 +36,32 @@ def apply_fsdp(
         fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         units.append("embeddings")
     blocks = list(model.layers.values())
+    num_expert_groups = 0
     for i, block in enumerate(blocks):
         # The last block's weights are needed again right away by backward.
         reshard = reshard_after_forward and i < len(blocks) - 1
+        experts = getattr(getattr(block, "moe", None), "experts", None)
+        if expert_mesh is not None and experts is not None:
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            # Each rank's expert gradients already sum the ep ranks' tokens (the all-to-all's
+            # backward): divide by every data-parallel rank, as the dense weights are, not by
+            # the expert mesh's size alone.
+            experts.set_gradient_divide_factor(float(dp_mesh.size()))
+            if expert_mesh.device_type == "cpu" and expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                # That factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: SUM, then divide.
+                # Not with one rank per shard group: there FSDP2 (torch 2.13) already divides while
+                # copying and would divide a second time after (tests/distributed/test_moe_ep.py).
+                experts.set_force_sum_reduction_for_comms(True)
+            num_expert_groups += 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP2"
+    experts_line = (
+        f"; routed experts of {num_expert_groups} MoE layers over {expert_mesh.mesh_dim_names} "
+        f"(size {expert_mesh.size()})" if num_expert_groups else ""
+    )
     return (
-        f"{kind}: {' + '.join([*units, f'{len(blocks)} blocks'])} + root over {dp_mesh.mesh_dim_names} (size {dp_mesh.size()}), "
+        f"{kind}: {' + '.join([*units, f'{len(blocks)} blocks'])} + root over {dp_mesh.mesh_dim_names} "
+        f"(size {dp_mesh.size()}){experts_line}, "
         f"param_dtype={param_dtype}, reduce_dtype={reduce_dtype}, reshard_after_forward={reshard_after_forward}"
     )

@@ -1,0 +1,334 @@
+"""MoE model: the layer against a plain per-expert loop, balancing, FP8 selection, parameter counts, configs."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.models import FLAVORS, build_model, flops_per_token, model_args_for, num_params, param_counts
+from trainer.models.moe import MOE_FLAVORS, MoE, MoEArgs, MoEBalancer, grouped_swiglu
+
+SMALL = MoEArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, rope_theta=10000.0,
+                n_experts=6, top_k=2, moe_ffn_dim=24, n_shared_experts=1, n_dense_layers=1, aux_loss_coef=0.1)
+
+
+def reference_moe(moe: MoE, x: torch.Tensor, args: MoEArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64, one token and one expert at a time: (output, unscaled aux loss)."""
+    x = x.double()
+    gate = moe.router.gate.weight.double()
+    bias = moe.router.expert_bias.double()
+    w1, w2, w3 = (getattr(moe.experts, n).double() for n in ("w1", "w2", "w3"))
+    bsz, seq, dim = x.shape
+    cap = math.ceil(args.capacity_factor * seq * args.top_k / args.n_experts) if args.capacity_factor else None
+    out = torch.zeros_like(x)
+    aux = torch.zeros((), dtype=torch.float64)
+    for b in range(bsz):
+        taken = [0] * args.n_experts
+        frac = torch.zeros(args.n_experts, dtype=torch.float64)
+        prob = torch.zeros(args.n_experts, dtype=torch.float64)
+        for t in range(seq):
+            logits = gate @ x[b, t]
+            scores = logits.softmax(-1) if args.score_func == "softmax" else logits.sigmoid()
+            chosen = torch.topk(scores + bias, args.top_k).indices.tolist()
+            w = scores[chosen]
+            if args.route_norm:
+                w = w / w.sum()
+            for e, we in zip(chosen, w):
+                frac[e] += 1
+                taken[e] += 1
+                if cap is not None and taken[e] > cap:
+                    continue  # dropped: over this sequence's capacity for e
+                h = F.silu(w1[e] @ x[b, t]) * (w3[e] @ x[b, t])
+                out[b, t] += we * (w2[e] @ h)
+            prob += scores / (scores.sum() if args.score_func == "sigmoid" else 1.0)
+        aux += args.n_experts * ((frac / (seq * args.top_k)) * (prob / seq)).sum()
+    s = moe.shared_expert
+    if s is not None:
+        xs = x
+        out += (F.silu(xs @ s.gate_proj.weight.double().T) * (xs @ s.up_proj.weight.double().T)) @ s.down_proj.weight.double().T
+    return out, aux / bsz
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error in the 2-norm: fp32 against float64 agrees to ~1e-7."""
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def make_moe(args: MoEArgs, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(args)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        moe.router.expert_bias.normal_(0, 0.05)  # the bias changes choices, never the weights
+    return moe
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"score_func": "sigmoid", "route_norm": True}, {"capacity_factor": 1.0}, {"n_shared_experts": 0, "top_k": 3}],
+    ids=["softmax", "sigmoid-norm", "capacity", "no-shared-top3"],
+)
+def test_moe_layer_matches_per_expert_loop(overrides) -> None:
+    from dataclasses import replace
+
+    args = replace(SMALL, **overrides)
+    moe = make_moe(args)
+    x = torch.randn(3, 10, args.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out, aux = moe(x)
+    ref_x = x.detach().double().requires_grad_()
+    ref_params = {n: p.detach().double().requires_grad_() for n, p in moe.named_parameters()}
+    # The reference reads float64 leaves of the same weights, to get their gradients.
+    ref_out, ref_aux = _reference_with_leaves(moe, ref_params, ref_x, args)
+    assert rel_err(out, ref_out) < 1e-6
+    assert aux.item() == pytest.approx(args.aux_loss_coef * ref_aux.item(), rel=1e-5)
+    # Gradients of a non-uniform objective (its gradient is not a broadcast), LM part + aux part.
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    ((out * probe).sum() + aux).backward()
+    ((ref_out * probe.double()).sum() + args.aux_loss_coef * ref_aux).backward()
+    assert rel_err(x.grad, ref_x.grad) < 1e-5
+    for n, p in moe.named_parameters():
+        assert rel_err(p.grad, ref_params[n].grad) < 1e-5, n
+    if args.capacity_factor:
+        dropped = moe.stats[args.n_experts].item()
+        assert dropped > 0, "capacity 1.0 on 10 tokens x 2 should drop some assignments"
+
+
+def _reference_with_leaves(moe: MoE, params: dict[str, torch.Tensor], x: torch.Tensor, args: MoEArgs):
+    class View:  # the attribute paths reference_moe reads, backed by float64 leaves
+        pass
+
+    v = View()
+    v.router = View()
+    v.router.gate = View()
+    v.router.gate.weight = params["router.gate.weight"]
+    v.router.expert_bias = moe.router.expert_bias
+    v.experts = View()
+    for n in ("w1", "w2", "w3"):
+        setattr(v.experts, n, params[f"experts.{n}"])
+    if moe.shared_expert is None:
+        v.shared_expert = None
+    else:
+        v.shared_expert = View()
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            proj = View()
+            proj.weight = params[f"shared_expert.{n}.weight"]
+            setattr(v.shared_expert, n, proj)
+    return reference_moe(v, x, args)
+
+
+def test_grouped_swiglu_backward_with_a_broadcast_gradient() -> None:
+    # The CPU grouped GEMM backward rejects stride-0 gradients like that of .sum(); ours must not.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 16, generator=g, requires_grad=True)
+    w1, w3 = (torch.randn(3, 8, 16, generator=g, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(3, 16, 8, generator=g, requires_grad=True)
+    counts = torch.tensor([4, 0, 7])
+    grouped_swiglu(x, counts, w1, w2, w3).sum().backward()
+    got = [t.grad.clone() for t in (x, w1, w2, w3)]
+    for t in (x, w1, w2, w3):
+        t.grad = None
+    rows, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        xe = x[start:start + c]
+        rows.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        start += c
+    torch.cat(rows).sum().backward()
+    for a, t in zip(got, (x, w1, w2, w3)):
+        assert rel_err(a, t.grad.double()) < 1e-6
+
+
+def test_module_names_and_flavor_family() -> None:
+    args = model_args_for("debug_moe")
+    with torch.device("meta"):
+        model = build_model(args)
+    names = {n for n, _ in model.named_parameters()}
+    assert "layers.0.mlp.gate_proj.weight" in names  # n_dense_layers=1
+    for i in range(1, args.n_layers):
+        for sub in ("moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3",
+                    "moe.shared_expert.gate_proj.weight", "moe.shared_expert.up_proj.weight",
+                    "moe.shared_expert.down_proj.weight", "attention.q_proj.weight"):
+            assert f"layers.{i}.{sub}" in names
+        assert dict(model.named_buffers())[f"layers.{i}.moe.router.expert_bias"].shape == (args.n_experts,)
+    assert model.layers["1"].moe.experts.w1.shape == (8, 64, 128)
+    # The bias is checkpointed; the counters are not.
+    sd = model.state_dict()
+    assert "layers.1.moe.router.expert_bias" in sd and "layers.1.moe.stats" not in sd
+
+
+def test_moe_16b_parameter_counts_and_flops() -> None:
+    args = FLAVORS["moe_16b"]
+    assert (args.dim, args.n_layers, args.n_experts, args.top_k, args.moe_ffn_dim) == (2048, 27, 64, 6, 1408)
+    assert (args.n_shared_experts, args.n_dense_layers, args.ffn_dim, args.vocab_size) == (2, 1, 10944, 102400)
+    with torch.device("meta"):
+        model = build_model(args)
+    total, active = param_counts(args)
+    assert num_params(model) == total
+    assert total / 1e9 == pytest.approx(15.67, abs=0.01)
+    assert active / 1e9 == pytest.approx(2.42, abs=0.01)
+    # Active = total - unchosen experts - embeddings, counted from the real modules.
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) // (26 * 64)
+    assert active == total - 26 * (64 - 6) * expert - model.tok_embeddings.weight.numel()
+    # MFU counts active parameters: 6 * N_active + attention.
+    assert flops_per_token(args, 4096) == 6 * active + 12 * 27 * 16 * 128 * 4096
+    for flavor in MOE_FLAVORS:  # every flavor states both numbers
+        t, a = param_counts(FLAVORS[flavor])
+        assert 0 < a < t
+
+
+def test_init_is_layout_free_and_depth_scaled() -> None:
+    args = model_args_for("debug_moe")
+    a, b = build_model(args), build_model(args)
+    a.init_weights(seed=0)
+    b.init_weights(seed=0)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    w2 = a.layers["1"].moe.experts.w2
+    assert w2.std().item() == pytest.approx(0.02 / math.sqrt(2 * args.n_layers), rel=0.15)
+    assert torch.all(a.layers["1"].moe.router.expert_bias == 0)
+
+
+def test_bias_update_reduces_imbalance() -> None:
+    """Aux-loss-free balancing alone (no aux loss, frozen weights): imbalance falls; without it, it stays."""
+
+    def imbalance_history(rate: float, steps: int) -> list[float]:
+        args = model_args_for("debug_moe", aux_loss_coef=0.0, bias_update_rate=rate)
+        model = build_model(args)
+        model.init_weights(seed=0)
+        tokens = torch.randint(0, args.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
+        balancer = MoEBalancer(model, bias_update_rate=rate)
+        history = []
+        with torch.no_grad():
+            for _ in range(steps):
+                model(tokens)
+                balancer.after_step()
+                history.append(balancer.metrics()["moe/imbalance_mean"])
+        return history
+
+    still, balanced = imbalance_history(0.0, 3), imbalance_history(0.002, 8)
+    assert still == [still[0]] * len(still)  # same data, no bias update: same routing
+    assert balanced[0] == still[0] > 1.15
+    assert max(balanced[-3:]) < still[0] - 0.08, balanced
+
+
+def test_balancer_metrics_are_ratios() -> None:
+    args = model_args_for("debug_moe", capacity_factor=1.0)
+    model = build_model(args)
+    model.init_weights(seed=0)
+    balancer = MoEBalancer(model, bias_update_rate=0.0)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens)
+        balancer.after_step()
+    m = balancer.metrics()
+    for layer in ("1", "2", "3"):
+        assert m[f"moe/layer{layer}/imbalance"] >= 1.0
+        assert 0.0 < m[f"moe/layer{layer}/dropped_fraction"] < 1.0
+        assert m[f"moe/layer{layer}/aux_loss"] >= 0.99  # 1 when perfectly balanced, more otherwise
+    assert balancer.metrics() == {}  # reset after reading
+    model.eval()  # evaluation forwards are not counted (they must not move the bias)
+    with torch.no_grad():
+        model(tokens)
+    assert all(torch.all(m.stats == 0) for _, m in balancer.layers)
+
+
+def test_fp8_filter_exact_sets_on_debug_moe(caplog) -> None:
+    from trainer.parallel.float8 import apply_float8, select_float8_linears
+
+    args = model_args_for("debug_moe")
+    with torch.device("meta"):
+        model = build_model(args)
+    converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=[])
+    attn = {f"layers.{i}.attention.{p}_proj" for i in range(4) for p in "qkvo"}
+    dense = {f"layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")}
+    assert set(converted) == attn | dense | {"output_head.proj"}
+    routers = {f"layers.{i}.moe.router.gate" for i in (1, 2, 3)}
+    shared = {f"layers.{i}.moe.shared_expert.{p}_proj" for i in (1, 2, 3) for p in ("gate", "up", "down")}
+    assert set(excluded) == routers | shared
+    assert {excluded[f] for f in routers} == {"MoE router"}
+    assert {excluded[f] for f in shared} == {"MoE shared expert"}
+    assert num_linear == len(converted) + len(excluded)
+
+    model = build_model(args)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        apply_float8(model, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
+                     emulate=False, require=False, device=torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert (f"converted 20/32 Linear layers; excluded: layers.*.moe.router.gate (MoE router) x3, "
+            "layers.*.moe.shared_expert.down_proj (MoE shared expert) x3, "
+            "layers.*.moe.shared_expert.gate_proj (MoE shared expert) x3, "
+            "layers.*.moe.shared_expert.up_proj (MoE shared expert) x3") in lines
+    assert any(line.startswith("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x3") for line in lines)
+
+
+MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "train" / "debug_moe.toml")
+
+
+@pytest.mark.parametrize(
+    "world_size, args, message",
+    [
+        (1, ["--moe.top_k=9"], "moe.top_k=9 is more than the 8 routed experts of model.flavor='debug_moe'"),
+        (1, ["--moe.top_k=-1"], "moe.top_k=-1 must be >= 1, or 0 for the flavor's own"),
+        (1, ["--moe.capacity_factor=-0.5"], "moe.capacity_factor=-0.5 must be >= 0 (0 = no token dropping)"),
+        (1, ["--moe.aux_loss_coef=-2"], "moe.aux_loss_coef=-2.0 must be >= 0 (0 = off), or -1 for the flavor's own"),
+        (1, ["--moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1 must be >= 0"),
+        (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard=6"),
+        (3, ["--distributed.ep=3"], "distributed.ep=3 must divide the 8 routed experts of model.flavor='debug_moe'"),
+        (2, ["--distributed.tp=2"], "distributed.tp=2 with the MoE flavor 'debug_moe': tensor parallel MoE blocks"),
+        (1, ["--checkpoint.model_only=true"], "checkpoint.model_only=true exports Hugging Face Llama weights"),
+        (2, ["--distributed.ep=2", "--train.activation_checkpointing=selective"],
+         "per-op policy (train.selective_ac_every=0) does not work with distributed.ep=2"),
+        (2, ["--model.flavor=debug", "--distributed.ep=2"],
+         "distributed.ep=2 needs an MoE model, but model.flavor='debug' is dense"),
+        (1, ["--model.flavor=debug", "--moe.top_k=2"], "moe.top_k=2 has no effect: model.flavor='debug' is dense"),
+    ],
+)
+def test_bad_moe_configs_are_one_line_naming_the_key(world_size: int, args: list[str], message: str) -> None:
+    from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+    from trainer.validate import validate_job
+
+    with pytest.raises(ConfigError) as e:
+        validate_job(load_job_config(["--config", MOE_CONFIG, *args]), world_size=world_size)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_moe_section_overrides_the_flavor() -> None:
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    job = validate_job(load_job_config(["--config", MOE_CONFIG, "--moe.top_k=3", "--moe.aux_loss_coef=0",
+                                        "--moe.capacity_factor=1.25"]), world_size=1)
+    args = job.model_args
+    assert (args.top_k, args.aux_loss_coef, args.capacity_factor) == (3, 0.0, 1.25)
+    assert args.bias_update_rate == FLAVORS["debug_moe"].bias_update_rate  # -1 keeps the flavor's own
+
+
+def test_fp8_ep_recipe_validates_on_four_ranks() -> None:
+    from pathlib import Path
+
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    recipe = Path(MOE_CONFIG).with_name("moe_16b_4gpu_fp8.toml")
+    job = validate_job(load_job_config(["--config", str(recipe), "--data.source=synthetic"]), world_size=4)
+    pd = job.parallel_dims
+    assert (pd.dp_shard, pd.ep, pd.dp_shard_mod_ep) == (4, 4, 1)
+    assert job.model_args.n_experts == 64 and job.build.float8 is not None
+
+
+def test_checkpoint_of_the_other_family_is_a_shape_mismatch(tmp_path) -> None:
+    from trainer.checkpoint import CheckpointError, RunInfo, check_model_matches
+
+    dense = RunInfo(flavor="debug", model_args=FLAVORS["debug"], mixed_precision="fp32")
+    moe = RunInfo(flavor="debug_moe", model_args=model_args_for("debug_moe"), mixed_precision="fp32")
+    assert moe.model_json()["name"] == "moe" and dense.model_json()["name"] == "llama3"
+    with pytest.raises(CheckpointError, match=r"the checkpoint is llama3 debug with n_experts=None \(this run: 8\)"):
+        check_model_matches({"model": dense.model_json()}, moe, path=tmp_path)
+    with pytest.raises(CheckpointError, match=r"the checkpoint is moe debug_moe with n_experts=8 \(this run: None\)"):
+        check_model_matches({"model": moe.model_json()}, dense, path=tmp_path)
+    check_model_matches({"model": moe.model_json()}, moe, path=tmp_path)  # same model: no error

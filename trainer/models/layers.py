@@ -1,0 +1,246 @@
+"""Pieces every decoder family shares: shapes, RoPE, RMSNorm, attention, the dense MLP, the head, init.
+
+`trainer.models.llama` (dense Llama 3) and `trainer.models.moe` (mixture of experts)
+build their blocks from these, so both families name modules the same way
+(`layers.{i}.attention.{q,k,v,o}_proj`, `layers.{i}.attention_norm`, `norm`,
+`output_head.proj`) and initialize them identically for any sharding.
+
+RoPE uses the "rotate half" layout of Hugging Face transformers, so exported
+weights load into `LlamaForCausalLM` without permuting q/k.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling (long-context RoPE)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        # Llama's rule: 2/3 of 4*dim, scaled, rounded up to multiple_of.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies with Llama 3 scaling (same as transformers' 'llama3' rope_type)."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled).float()
+
+
+def rope_cache(args: ModelArgs, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[seq_len, 2, head_dim]: cos and sin, each repeated over the two halves."""
+    t = torch.arange(seq_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, rope_inv_freq(args).to(device))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos(), emb.sin()], dim=1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; rope: [seq, 2, head_dim]."""
+    cos, sin = rope[:, 0].to(x.dtype), rope[:, 1].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 for stability, return in the input dtype.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.q_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        rope = rope[:seq_len]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense blocks' MLP and the MoE shared expert."""
+
+    def __init__(self, args: ModelArgs, hidden_dim: int | None = None):
+        super().__init__()
+        hidden = hidden_dim or args.ffn_dim
+        self.gate_proj = nn.Linear(args.dim, hidden, bias=False)
+        self.up_proj = nn.Linear(args.dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class OutputHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.proj = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h)
+
+
+class Decoder(nn.Module):
+    """Embeddings, a ModuleDict of blocks, final norm and output head; the init every family shares.
+
+    Subclasses build the blocks and define `forward`.
+    """
+
+    def __init__(self, args: ModelArgs, blocks: list[nn.Module]):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keeps fqns `layers.{i}` stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output_head = OutputHead(args)
+        # Not persistent: derived from args, so checkpoints hold only learned weights.
+        self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
+
+    def head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # One function so torch.compile can fuse norm, projection and the loss.
+        logits = self.output_head(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    # -- initialization ----------------------------------------------------
+
+    def init_weights(self, *, seed: int) -> None:
+        """Pretraining init, identical for any sharding of the parameters.
+
+        Each parameter is drawn whole from a generator seeded by (seed, fqn) and the
+        local shard copied out, so a 1-process run and any FSDP/TP/EP layout start from
+        the same weights. Only one full parameter exists at a time.
+        """
+        device = next(self.parameters()).device  # not tok_embeddings': a pipeline stage may have none
+        self.rope = rope_cache(self.args, self.args.max_seq_len, device=device)
+        for fqn, param in self.named_parameters():
+            fqn = clean_fqn(fqn)
+            std = self.init_std(fqn)
+            with torch.no_grad():
+                _fill(param, fqn, seed=seed, std=std)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Persistent buffers a family adds (MoE expert biases); nothing for dense models."""
+
+    def init_std(self, fqn: str) -> float | None:
+        """None = ones (norm weights); otherwise the std of a truncated normal."""
+        if fqn.endswith("norm.weight"):
+            return None
+        if fqn.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
+            # Depth-scaled: residual branches sum over 2 * n_layers contributions.
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
+        if fqn == "output_head.proj.weight":
+            return self.args.dim**-0.5
+        return 0.02
+
+
+def clean_fqn(fqn: str) -> str:
+    """Strip wrapper names added by activation checkpointing and torch.compile."""
+    return fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _fill(param: torch.Tensor, fqn: str, *, seed: int, std: float | None) -> None:
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if std is None:
+        local.fill_(1.0)
+        return
+    device = local.device
+    full = torch.empty(param.shape, dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+    nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        full = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    local.copy_(full)
+
+
+def num_params(model: nn.Module, *, exclude_embeddings: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        n -= model.tok_embeddings.weight.numel()
+    return n
+
+

@@ -1,0 +1,483 @@
+"""Mixture-of-experts decoder: token-choice top-k routing, grouped-GEMM experts, shared experts.
+
+A block is attention (shared with the dense Llama, `trainer.models.layers`) plus an MoE
+feed-forward. Module names are a contract (FP8 filter, FSDP, EP, checkpoints, tests):
+
+    layers.{i}.moe.router.gate                  Linear dim -> n_experts (the router)
+    layers.{i}.moe.router.expert_bias           buffer [n_experts]: aux-loss-free balancing bias
+    layers.{i}.moe.experts.{w1,w2,w3}           3-D parameters [n_experts, ...] (SwiGLU gate, down, up)
+    layers.{i}.moe.shared_expert.{gate,up,down}_proj   the shared expert(s) as one dense MLP
+
+The first `n_dense_layers` blocks are dense Llama blocks (`layers.{i}.mlp.*`).
+
+Routed experts run as one grouped GEMM over tokens sorted by expert
+(`torch._grouped_mm`: bf16 on CUDA; on CPU the same kernel, any dtype). Each expert's
+group of rows is padded to `GROUP_ALIGN` rows, which the CUDA kernel needs, and the
+same padding runs on CPU so its tests cover the code the GPU runs. Expert parallelism
+(`trainer.parallel.expert_parallel.apply_ep`) plugs a dispatcher into `GroupedExperts`
+that moves the sorted tokens to the ranks holding their experts and back.
+
+Load balancing, both kinds users expect:
+- an auxiliary loss (`aux_loss_coef`), computed per sequence (DeepSeek-V3's
+  sequence-wise balance loss), so it is the same whatever the data-parallel split;
+- the auxiliary-loss-free bias (`bias_update_rate`, DeepSeek-V3): a per-expert bias
+  added to the scores for the top-k choice only, moved after every optimizer step
+  by `rate * sign(mean load - load)` from the step's token counts summed over all
+  data-parallel ranks (`MoEBalancer`).
+Token dropping is off by default (`capacity_factor = 0`); with a capacity factor c,
+each expert keeps at most ceil(c * seq_len * top_k / n_experts) tokens of each
+sequence (the earliest positions), again independent of the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.layers import MLP, Attention, Decoder, ModelArgs, RMSNorm, RopeScaling, TransformerBlock
+
+logger = logging.getLogger(__name__)
+
+# Rows per expert group are padded to a multiple of this: the CUDA grouped GEMM needs
+# 16-byte aligned group starts (8 rows of bf16; 16 also serves float8 rowwise kernels).
+GROUP_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class MoEArgs(ModelArgs):
+    n_experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    moe_ffn_dim: int = 256
+    """Hidden size of each routed expert (and of each shared expert)."""
+    n_shared_experts: int = 0
+    """Shared experts every token passes through, run as one MLP of n_shared_experts * moe_ffn_dim."""
+    n_dense_layers: int = 0
+    """Leading blocks that are dense (an MLP of ffn_dim) instead of MoE."""
+    dense_ffn_dim: int = 0
+    """Hidden size of the dense blocks' MLP; 0 = Llama's rule from dim."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (DeepSeek-MoE) or per-expert sigmoid (DeepSeek-V3)."""
+    route_norm: bool = False
+    """Renormalize the chosen top_k scores to sum to 1."""
+    aux_loss_coef: float = 0.0
+    """Weight of the sequence-wise load-balancing loss added to the LM loss."""
+    bias_update_rate: float = 0.0
+    """Step of the aux-loss-free expert bias update (0 = off)."""
+    capacity_factor: float = 0.0
+    """Per-sequence expert capacity factor; 0 = no token dropping."""
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.dense_ffn_dim or super().ffn_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.n_dense_layers
+
+
+# `debug_moe` trains on a CPU in seconds; `moe_small` fits one GPU; `moe_16b` has
+# DeepSeek-MoE-16B shapes (GQA attention instead of MHA) and fits 4x H200 with ep=4.
+MOE_FLAVORS: dict[str, MoEArgs] = {
+    "debug_moe": MoEArgs(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=64, rope_theta=10000.0,
+        n_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1, n_dense_layers=1,
+        aux_loss_coef=0.01, bias_update_rate=1e-3,
+    ),
+    "moe_small": MoEArgs(
+        dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=128256, rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=32.0), n_experts=32, top_k=4, moe_ffn_dim=512, n_shared_experts=1,
+        n_dense_layers=1, dense_ffn_dim=4096, aux_loss_coef=1e-3, bias_update_rate=1e-3,
+    ),
+    "moe_16b": MoEArgs(
+        dim=2048, n_layers=27, n_heads=16, n_kv_heads=8, vocab_size=102400, rope_theta=10000.0, max_seq_len=4096,
+        n_experts=64, top_k=6, moe_ffn_dim=1408, n_shared_experts=2, n_dense_layers=1, dense_ffn_dim=10944,
+        aux_loss_coef=1e-3, bias_update_rate=1e-3,
+    ),
+}
+
+
+def moe_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_seq_len: int = 0,
+                 **moe: Any) -> MoEArgs:
+    """An MoE flavor's shapes with overrides (0 keeps the flavor's value; `moe` keys replace MoEArgs fields)."""
+    args = MOE_FLAVORS[flavor]
+    overrides = {"vocab_size": vocab_size, "n_layers": n_layers}
+    args = replace(args, **{k: v for k, v in overrides.items() if v}, **moe)
+    if max_seq_len:
+        args = replace(args, max_seq_len=max(max_seq_len, args.max_seq_len))
+    return args
+
+
+# ---------------------------------------------------------------------------
+# Router
+
+
+class Router(nn.Module):
+    """Token-choice top-k. Scores come from `gate`; `expert_bias` shifts only which experts are chosen."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.top_k
+        self.score_func, self.route_norm = args.score_func, args.route_norm
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        # Persistent: a resumed run continues with the balance it had reached.
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (weights [T, k] fp32, expert ids [T, k], scores [T, E] fp32)."""
+        logits = self.gate(x).float()  # routing decisions in fp32 whatever the compute dtype
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        _, idx = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1)
+        weights = scores.gather(-1, idx)
+        if self.route_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, idx, scores
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3: raise the bias of under-loaded experts, lower it for over-loaded ones."""
+        self.expert_bias += rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Routed experts
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    The CPU `torch._grouped_mm` backward rejects non-contiguous gradients (e.g. the
+    stride-0 gradient of a `.sum()`: "Invalid strides/sizes"), and the CUDA kernel checks
+    the same strides; for the contiguous gradients the MoE layer produces it is a no-op.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+_warned_loop = False
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w[g] for row groups ending at offs; w [G, N, K] (Linear layout, used transposed)."""
+    if x.device.type == "cpu":
+        return _cpu_grouped_mm(x, w, offs)
+    if x.dtype != torch.bfloat16:
+        # The CUDA grouped GEMM is bf16-only: fp32/fp16 runs on a GPU use a per-expert loop (said once).
+        global _warned_loop
+        if not _warned_loop:
+            logger.warning("MoE experts in %s on CUDA: torch._grouped_mm needs bf16 there, so the experts run as a "
+                           "per-expert loop of matmuls (slow); use train.mixed_precision='bf16' or 'fp8'", x.dtype)
+            _warned_loop = True
+        return _loop_mm(x, w, offs)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+@torch.compiler.disable
+def _cpu_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # Eager even inside a compiled block: torch.compile's shape check for _grouped_mm accepts
+    # bf16 only, while the CPU kernel takes any dtype (fp32 CPU runs and tests).
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+def _loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    ends = offs.tolist()  # note: a host sync; only the non-bf16 CUDA fallback
+    outs, start = [], 0
+    for g, end in enumerate(ends):
+        outs.append(x[start:end] @ w[g].transpose(0, 1))
+        start = end
+    outs.append(x.new_zeros(x.shape[0] - start, w.shape[1]))
+    return torch.cat(outs)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   *, align: int = GROUP_ALIGN) -> torch.Tensor:
+    """SwiGLU experts on rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) go to expert e.
+
+    x [N, dim]; counts [E] (int); w1, w3 [E, hidden, dim]; w2 [E, dim, hidden]. Each
+    expert's rows are copied into a zero-padded buffer whose groups start at multiples
+    of `align` rows; its size N + E * (align - 1) is known without a host sync.
+    """
+    n_rows, dim = x.shape
+    n_experts = counts.shape[0]
+    counts = counts.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    starts = torch.cumsum(counts, 0) - counts
+    padded_starts = torch.cumsum(padded, 0) - padded
+    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=n_rows)
+    dst = torch.arange(n_rows, device=x.device) - starts[expert_of_row] + padded_starts[expert_of_row]
+    rows = n_rows + n_experts * (align - 1)
+    rows = (rows + align - 1) // align * align
+    x_pad = x.new_zeros(rows, dim).index_copy(0, dst, x)
+    offs = torch.cumsum(padded, 0).to(torch.int32)
+    h = F.silu(_grouped_mm(x_pad, w1, offs)) * _grouped_mm(x_pad, w3, offs)
+    # Rows past offs[-1] belong to no group (the kernel leaves them unwritten); they are never read.
+    return _grouped_mm(h, w2, offs).index_select(0, dst)
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU MLPs as 3-D weights; `dispatcher` (set by apply_ep) sends rows to the expert's rank."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))  # down
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # up
+        # An object with dispatch(x, counts) -> (x_local, local_counts, ctx) and combine(y, ctx) -> y,
+        # installed by trainer.parallel.expert_parallel.apply_ep; None = every expert is local.
+        self.dispatcher: Any = None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] sorted by expert with counts [n_experts] rows each -> expert outputs, same order."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.dispatcher is None:
+            return grouped_swiglu(x, counts, w1, w2, w3)
+        x_local, local_counts, ctx = self.dispatcher.dispatch(x, counts)
+        return self.dispatcher.combine(grouped_swiglu(x_local, local_counts, w1, w2, w3), ctx)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: under EP the weights are DTensors sharded on dim 0 over the ep axis."""
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+# ---------------------------------------------------------------------------
+# The MoE feed-forward and block
+
+# Layout of MoE.stats (one buffer, so one in-place add keeps the counters consistent even when
+# activation checkpointing recomputes the forward: every reported number is a ratio of them).
+STAT_DROPPED, STAT_AUX, STAT_CALLS = 0, 1, 2  # offsets after the n_experts load counts
+
+
+class MoE(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.top_k
+        self.aux_loss_coef, self.capacity_factor = args.aux_loss_coef, args.capacity_factor
+        self.score_func = args.score_func
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.n_experts)
+        self.shared_expert = (
+            MLP(args, hidden_dim=args.n_shared_experts * args.moe_ffn_dim) if args.n_shared_experts else None
+        )
+        # Since the last optimizer step: tokens routed to each expert (before dropping), dropped
+        # assignments, sum of aux losses, forward calls. Read and reset by MoEBalancer.
+        self.register_buffer("stats", torch.zeros(args.n_experts + 3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [batch, seq, dim] -> (output like x, aux loss already scaled by aux_loss_coef)."""
+        bsz, seq_len, dim = x.shape
+        flat = x.reshape(-1, dim)
+        n_tokens, k, n_experts = flat.shape[0], self.top_k, self.n_experts
+        weights, idx, scores = self.router(flat)
+        experts = idx.reshape(-1)  # assignment a = token * k + j
+        load = torch.zeros(n_experts, device=x.device, dtype=torch.float32).index_add_(
+            0, experts, torch.ones_like(experts, dtype=torch.float32))
+        aux = self._aux_loss(idx.reshape(bsz, seq_len * k), scores.reshape(bsz, seq_len, n_experts))
+
+        keep = self._within_capacity(experts, seq_len) if self.capacity_factor > 0 else None
+        # Sort assignments by expert (stable: token order within an expert); dropped ones go last.
+        key = experts if keep is None else torch.where(keep, experts, n_experts)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(n_experts + 1, device=x.device, dtype=torch.int64).index_add_(
+            0, key, torch.ones_like(key))
+        dropped = counts[n_experts]
+        counts = counts[:n_experts]
+        if keep is not None:
+            # note: a host sync, only with token dropping: the experts get the kept rows only.
+            order = order[: n_tokens * k - int(dropped)]
+        token_of = order // k
+        routed = self.experts(flat.index_select(0, token_of), counts)
+        # Weighted and summed over each token's k experts in fp32, then back to the compute dtype.
+        routed = routed.float() * weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros(flat.shape, device=x.device, dtype=torch.float32).index_add_(0, token_of, routed)
+        out = out.to(x.dtype)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        if self.training:  # evaluation forwards must not move the balancing bias
+            with torch.no_grad():
+                self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])
+        return out.reshape(bsz, seq_len, dim), self.aux_loss_coef * aux
+
+    def _aux_loss(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Sequence-wise balance loss: mean over sequences of E * sum_e f_e * P_e.
+
+        f_e = fraction of the sequence's k * seq_len assignments that chose e, P_e = mean
+        normalized score of e over the sequence. 1 when perfectly balanced.
+        """
+        bsz, n_assign = chosen.shape
+        frac = torch.zeros(bsz, self.n_experts, device=chosen.device).scatter_add_(
+            1, chosen, torch.ones_like(chosen, dtype=torch.float32)) / n_assign
+        if self.score_func == "sigmoid":
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        prob = scores.mean(dim=1)
+        return self.n_experts * (frac * prob).sum(dim=1).mean()
+
+    def _within_capacity(self, experts: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Per sequence and expert, keep the first ceil(c * seq_len * k / E) assignments in token order."""
+        k, n_experts = self.top_k, self.n_experts
+        capacity = math.ceil(self.capacity_factor * seq_len * k / n_experts)
+        seq = torch.arange(experts.shape[0], device=experts.device) // (seq_len * k)
+        group = seq * n_experts + experts
+        order = torch.argsort(group, stable=True)
+        sizes = torch.zeros(int(group.numel() // (seq_len * k)) * n_experts, device=experts.device,
+                            dtype=torch.int64).index_add_(0, group, torch.ones_like(group))
+        starts = torch.cumsum(sizes, 0) - sizes
+        rank_sorted = torch.arange(order.numel(), device=experts.device) - starts[group[order]]
+        rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+        return rank < capacity
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe = MoE(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + self.attention(self.attention_norm(x), rope)
+        out, aux = self.moe(self.mlp_norm(h))
+        return h + out, aux
+
+
+class MoETransformer(Decoder):
+    """Dense blocks for the first n_dense_layers, MoE blocks after."""
+
+    def __init__(self, args: MoEArgs):
+        blocks = [MoEBlock(args) if args.is_moe_layer(i) else TransformerBlock(args) for i in range(args.n_layers)]
+        super().__init__(args, blocks)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits when labels is None, else the mean cross-entropy (LM) loss.
+
+        The load-balancing loss of this forward (sum over MoE layers, already scaled by
+        aux_loss_coef) is left in `self.aux_loss`; the trainer adds it to the loss it
+        differentiates and logs the two apart.
+        """
+        h = self.tok_embeddings(tokens)
+        aux_total = torch.zeros((), device=h.device)
+        for layer in self.layers.values():
+            out = layer(h, self.rope)
+            if isinstance(out, tuple):
+                h, aux = out
+                aux_total = aux_total + aux
+            else:
+                h = out
+        self.aux_loss = aux_total
+        if labels is None:
+            return self.output_head(self.norm(h))
+        return self.head_loss(h, labels)
+
+    def init_buffers(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.expert_bias.zero_()
+            elif isinstance(module, MoE):
+                module.stats.zero_()
+
+
+# ---------------------------------------------------------------------------
+# Counting
+
+
+def expert_params(args: MoEArgs) -> int:
+    """Parameters of one routed expert."""
+    return 3 * args.dim * args.moe_ffn_dim
+
+
+def param_counts(args: MoEArgs) -> tuple[int, int]:
+    """(total, active) parameters. Active = what one token passes through: all but the
+    n_experts - top_k routed experts it does not choose, and without the embedding table
+    (a lookup, no matmul)."""
+    attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
+    norms = 2 * args.dim
+    dense = attn + 3 * args.dim * args.ffn_dim + norms
+    shared = 3 * args.dim * args.n_shared_experts * args.moe_ffn_dim
+    router = args.dim * args.n_experts
+    moe_common = attn + shared + router + norms
+    n_moe = args.n_layers - args.n_dense_layers
+    head = args.dim + args.dim * args.vocab_size  # final norm + output projection
+    embed = args.vocab_size * args.dim
+    total = args.n_dense_layers * dense + n_moe * (moe_common + args.n_experts * expert_params(args)) + head + embed
+    active = args.n_dense_layers * dense + n_moe * (moe_common + args.top_k * expert_params(args)) + head
+    return total, active
+
+
+def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
+    """Training FLOPs per token on ACTIVE parameters: 6 * N_active + attention (12 * L * H * Dh * S)."""
+    _, active = param_counts(args)
+    return 6 * active + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+# ---------------------------------------------------------------------------
+# Balancing after the optimizer step, and the per-layer metrics
+
+
+class MoEBalancer:
+    """Reads every MoE layer's counters after each optimizer step: sums them over the
+    data-parallel ranks (one all-reduce), moves the expert biases, and keeps interval
+    totals for `metrics()`. Layers are named by their block index."""
+
+    def __init__(self, model: nn.Module, *, bias_update_rate: float, group: Any = None):
+        from trainer.models.layers import clean_fqn
+
+        self.layers: list[tuple[str, MoE]] = [
+            (clean_fqn(fqn).split(".")[1], m) for fqn, m in model.named_modules() if isinstance(m, MoE)
+        ]
+        self.rate = bias_update_rate
+        self.group = group
+        self.interval: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        import torch.distributed as dist
+
+        stats = torch.stack([m.stats for _, m in self.layers])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(stats, group=self.group)
+        for (_, m), s in zip(self.layers, stats):
+            if self.rate > 0:
+                m.router.update_bias(s[: m.n_experts], self.rate)
+            m.stats.zero_()
+        self.interval = stats if self.interval is None else self.interval + stats
+
+    def metrics(self) -> dict[str, float]:
+        """Per layer and overall, since the last call: load imbalance (max/mean tokens per expert),
+        aux loss (unscaled), fraction of assignments dropped. note: a host sync."""
+        if self.interval is None:
+            return {}
+        out: dict[str, float] = {}
+        rows = self.interval.tolist()
+        self.interval = None
+        for (name, m), row in zip(self.layers, rows):
+            e = m.n_experts
+            load, extra = row[:e], row[e:]
+            total = sum(load)
+            out[f"moe/layer{name}/imbalance"] = max(load) / (total / e) if total else 0.0
+            out[f"moe/layer{name}/aux_loss"] = extra[STAT_AUX] / extra[STAT_CALLS] if extra[STAT_CALLS] else 0.0
+            out[f"moe/layer{name}/dropped_fraction"] = extra[STAT_DROPPED] / total if total else 0.0
+        n = len(self.layers)
+        out["moe/imbalance_max"] = max(out[f"moe/layer{name}/imbalance"] for name, _ in self.layers)
+        out["moe/imbalance_mean"] = sum(out[f"moe/layer{name}/imbalance"] for name, _ in self.layers) / n
+        out["moe/dropped_fraction"] = sum(out[f"moe/layer{name}/dropped_fraction"] for name, _ in self.layers) / n
+        return out

@@ -1,0 +1,86 @@
+"""Expert parallelism: routed experts split over the `ep` mesh axis, tokens moved by all-to-all.
+
+`apply_ep` turns each MoE layer's 3-D expert weights into DTensors sharded on dim 0
+(the expert dim) over the ep axis, so each rank holds n_experts / ep experts and
+checkpoints keep the global view (DCP reshards them to any ep). It then installs an
+`AllToAllDispatcher` in `GroupedExperts`, which the layer calls around the grouped GEMM:
+
+    tokens sorted by global expert --all-to-all--> this rank's experts' tokens
+      (sorted by local expert) --grouped GEMM--> outputs --all-to-all back--> original order
+
+Token counts per expert are exchanged first (a small all-to-all, then one host sync for
+the split sizes); the token all-to-alls are differentiable
+(`all_to_all_single_autograd`), so backward sends the gradients the reverse way.
+FSDP2 later shards the expert weights over `expert_fsdp` (dp_shard / ep ranks), see
+`trainer.parallel.fsdp.apply_fsdp`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+
+class AllToAllDispatcher:
+    """Moves expert-sorted rows to the rank that holds their expert (dispatch) and back (combine)."""
+
+    def __init__(self, ep_mesh: DeviceMesh, n_experts: int):
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        assert n_experts % self.ep == 0, (n_experts, self.ep)  # trainer.validate checked it
+        self.n_local = n_experts // self.ep
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """x [N, dim] sorted by global expert, counts [n_experts] -> (rows for this rank's experts sorted
+        by local expert, their counts [n_local], what combine needs)."""
+        ep, n_local = self.ep, self.n_local
+        # recv[src, e]: rows rank `src` sends to this rank's local expert e.
+        recv = all_to_all_single(counts.to(torch.int64), None, None, group=self.group).wait().view(ep, n_local)
+        # note: a host sync: the split sizes of the token all-to-all must be known on the host.
+        sizes = torch.stack([counts.view(ep, n_local).sum(1), recv.sum(1)]).tolist()
+        send_splits, recv_splits = sizes
+        x_recv = all_to_all_single_autograd(x, recv_splits, send_splits, group=self.group)
+        # Received rows are grouped by (source rank, local expert); the grouped GEMM wants them by expert.
+        segment = torch.repeat_interleave(
+            torch.arange(ep * n_local, device=x.device), recv.flatten(), output_size=x_recv.shape[0]
+        )
+        src, expert = segment // n_local, segment % n_local
+        perm = torch.argsort(expert * ep + src, stable=True)
+        return x_recv.index_select(0, perm), recv.sum(0), (perm, send_splits, recv_splits)
+
+    def combine(self, y: torch.Tensor, ctx: tuple) -> torch.Tensor:
+        """Outputs for this rank's experts -> back to the ranks (and the order) the rows came from."""
+        perm, send_splits, recv_splits = ctx
+        y_recv_order = torch.zeros_like(y).index_copy(0, perm, y)
+        return all_to_all_single_autograd(y_recv_order, send_splits, recv_splits, group=self.group)
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> str:
+    """Shard every MoE layer's routed experts over ep_mesh and install the all-to-all dispatcher, in place.
+
+    Runs on the meta-device model right after TP and before FP8/AC/compile/FSDP2, which
+    see the expert weights as the DTensors they will shard further.
+    """
+    rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
+    n_layers = n_experts = 0
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            continue
+        experts = moe.experts
+        n_experts, n_local = experts.n_experts, experts.n_experts // ep
+        for name, param in list(experts.named_parameters(recurse=False)):
+            assert not isinstance(param, DTensor), f"{name} is already distributed"
+            local = param.detach()[rank * n_local:(rank + 1) * n_local]
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                    stride=param.stride())
+            experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        experts.dispatcher = AllToAllDispatcher(ep_mesh, n_experts)
+        n_layers += 1
+    assert n_layers, "apply_ep on a model without MoE layers (trainer.validate refuses ep > 1 on dense flavors)"
+    return (f"expert parallel: ep={ep}, {n_experts // ep} of {n_experts} routed experts per rank in "
+            f"{n_layers} MoE layers, all-to-all dispatch over {ep_mesh.mesh_dim_names}")
+
