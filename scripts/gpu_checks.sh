@@ -52,9 +52,9 @@ for s in $STEPS; do case $s in
   moe16b)  # moe_16b, ep = all GPUs, batch 2 x 4096 per GPU, compile, no AC: bf16 vs fp8, then 30 steps for load imbalance
     M="--config configs/train/moe_16b_4gpu_fp8.toml"
     torchrun --standalone --nproc_per_node=$NGPU scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b, ep=$NGPU, batch 2, seq 4096" \
-      --warmup 6 --steps 10 $M -- --distributed.ep=$NGPU --data.source=synthetic 2>&1 | tee "$OUT/bench_moe16b.log" | grep -v "^\[rank"
+      --warmup 6 --steps 10 $M -- --distributed.ep=$NGPU --data.source=synthetic ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe16b.log" | grep -v "^\[rank"
     rm -rf /tmp/moe_run
-    torchrun --standalone --nproc_per_node=$NGPU scripts/train.py $M --distributed.ep=$NGPU --data.source=synthetic \
+    torchrun --standalone --nproc_per_node=$NGPU scripts/train.py $M --distributed.ep=$NGPU --data.source=synthetic ${MOE_ARGS:-} \
       --train.steps=30 --metrics.log_freq=10 --job.dump_folder=/tmp/moe_run 2>&1 \
       | grep -E "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
     cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
@@ -69,6 +69,26 @@ for s in $STEPS; do case $s in
         --data.source=synthetic --train.steps=50 --train.batch_size=4 --train.seq_len=4096 --checkpoint.enable=false \
         --metrics.log_freq=10 --job.dump_folder=/tmp/ac_run "$@" 2>&1 | grep -E "step +50/" | sed "s/^/[$label] /" | tee -a "$OUT/ac.log"
       rm -rf /tmp/ac_run
+    done ;;
+  pp2)  # 2 GPUs, Llama 3 8B shapes x PP2_LAYERS layers, global batch 8 x 4096: dp_shard=2 against pp=2 (1F1B, 8 microbatches)
+    for v in "dp_shard=2 --distributed.dp_shard=2 --train.batch_size=4" \
+             "pp=2-1F1B --distributed.pp=2 --distributed.dp_shard=1 --distributed.pipeline_schedule=1F1B --train.batch_size=8 --distributed.pp_microbatch_size=1"; do
+      set -- $v; label=$1; shift
+      for p in bf16 fp8; do
+        torchrun --standalone --nproc_per_node=2 scripts/train.py --config configs/train/llama3_8b.toml --model.n_layers=${PP2_LAYERS:-16} \
+          --data.source=synthetic --train.steps=20 --train.seq_len=4096 --train.mixed_precision=$p --train.compile_model=true \
+          --checkpoint.enable=false --metrics.log_freq=10 --metrics.enable_tensorboard=false --job.dump_folder=/tmp/pp_run "$@" 2>&1 \
+          | grep -E "step +20/|pipeline|Error|error" | sed "s/^/[$label $p] /" | tee -a "$OUT/pp2.log"
+        rm -rf /tmp/pp_run
+      done
+    done ;;
+  health8b)  # FP8 health overhead: 8B shapes x 8 layers, one GPU, stats every 10 steps vs never (30 steps)
+    for f in 0 10; do
+      CUDA_VISIBLE_DEVICES=0 python3 scripts/train.py --config configs/train/llama3_8b.toml --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 \
+        --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false \
+        --train.steps=40 --metrics.log_freq=10 --metrics.enable_tensorboard=false --train.mixed_precision=fp8 \
+        --metrics.fp8_stats_freq=$f --job.dump_folder=/tmp/health_$f 2>&1 | grep -E "step +(20|30|40)/|fp8 health|Error" | sed "s/^/[fp8_stats_freq=$f] /" | tee -a "$OUT/health8b.log"
+      cp /tmp/health_$f/metrics.jsonl "$OUT/health_$f.jsonl"
     done ;;
   pp)  # Llama 3 8B on 4 GPUs at one global batch (16 x 4096 tokens): dp_shard=4 against pp=2 x dp_shard=2
     for v in "dp_shard=4 --distributed.dp_shard=4 --train.batch_size=4" \
@@ -89,5 +109,8 @@ for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" |
 for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -1 "$f")"; done
 [ -f "$OUT/ac.log" ] && cat "$OUT/ac.log"
 [ -f "$OUT/trainlog8b.log" ] && cat "$OUT/trainlog8b.log"
+[ -f "$OUT/pp2.log" ] && cat "$OUT/pp2.log"
+[ -f "$OUT/health8b.log" ] && cat "$OUT/health8b.log"
+[ -f "$OUT/moe16b_train.log" ] && cat "$OUT/moe16b_train.log"
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 exit 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -38,7 +38,9 @@ class AllToAllDispatcher:
         by local expert, their counts [n_local], what combine needs)."""
         ep, n_local = self.ep, self.n_local
         # recv[src, e]: rows rank `src` sends to this rank's local expert e.
-        recv = all_to_all_single(counts.to(torch.int64), None, None, group=self.group).wait().view(ep, n_local)
+        # wait_tensor, not .wait(): torch 2.11 on CUDA may hand back a plain tensor rather than an
+        # AsyncCollectiveTensor.
+        recv = wait_tensor(all_to_all_single(counts.to(torch.int64), None, None, group=self.group)).view(ep, n_local)
         # note: a host sync: the split sizes of the token all-to-all must be known on the host.
         sizes = torch.stack([counts.view(ep, n_local).sum(1), recv.sum(1)]).tolist()
         send_splits, recv_splits = sizes

@@ -17,7 +17,9 @@ Both fractions are recomputed here from the bf16 tensors with torchao's scaling 
 the worst layer of a group whose underflow or saturation crosses the thresholds below.
 
 The hooks exist only during a stats step, which runs eagerly (compiled graphs cannot
-host Python hooks): that step costs about one eager step more than a compiled one.
+host Python hooks). Measured on 8B shapes x 8 layers on one H200: a stats step costs
+about 3.3 compiled steps and its peak memory is 102 GiB instead of 55, so the stats
+are off by default and at fp8_stats_freq=100 cost ~2.3% of the time.
 """
 
 from __future__ import annotations

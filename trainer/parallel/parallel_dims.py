@@ -118,7 +118,9 @@ class ParallelDims:
         }
         if self.ep > 1:
             # Experts see dp_shard as (dp_shard_mod_ep, ep): same ranks, split in two axes.
-            sparse = world._unflatten(DP_SHARD, (self.dp_shard_mod_ep, self.ep), (DP_SHARD_MOD_EP, EP))
+            # The axis by index: torch 2.11's _unflatten refuses every axis given by name (an inverted check).
+            axis = world.mesh_dim_names.index(DP_SHARD)
+            sparse = world._unflatten(axis, (self.dp_shard_mod_ep, self.ep), (DP_SHARD_MOD_EP, EP))
             self._meshes["ep"] = sparse[EP]
             self._meshes["expert_fsdp"] = sparse[(DP_REPLICATE, DP_SHARD_MOD_EP)] if hsdp else sparse[DP_SHARD_MOD_EP]
         else:
