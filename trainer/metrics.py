@@ -174,7 +174,7 @@ class MetricsLogger:
         if self.rank != 0:
             return record
         mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
-        aux_text = f" | aux_loss {s.extra['aux_loss']:.4f}" if "aux_loss" in s.extra else ""
+        aux_text = f" | aux_loss {s.extra['aux_loss']:.4f}" if s.extra and "aux_loss" in s.extra else ""
         line = (
             f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f}{aux_text} | grad_norm {s.grad_norm:7.3f} | "
             f"lr {s.lr:.2e} | tps {tps:,.0f} | tflops {tflops:6.1f} | {mfu_text} | "
