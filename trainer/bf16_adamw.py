@@ -29,6 +29,7 @@ process does (replicas of an HSDP shard stay identical).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -68,6 +69,16 @@ def stochastic_round_to_bf16(x: torch.Tensor, bits16: torch.Tensor) -> torch.Ten
     """
     bits = x.view(torch.int32) + bits16
     return (bits & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def round_to_nearest_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to the nearest bf16 (ties to even), still as fp32, by integer arithmetic.
+
+    Not `x.to(bfloat16).float()`: inductor keeps that round trip in fp32 unless
+    emulate_precision_casts is set, and Kahan's compensation would then be always zero.
+    """
+    bits = x.view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
 
 
 def _splitmix64(x: int) -> int:
@@ -120,13 +131,13 @@ def _update(
         return
     c_old = comp.float()
     y = delta + c_old
-    p_new = (p32 + y).to(torch.bfloat16)
-    c = y - (p_new.float() - p32)  # what rounding to nearest dropped (exact in fp32)
+    p_new = round_to_nearest_bf16(p32 + y)
+    c = y - (p_new - p32)  # what rounding to nearest dropped (exact in fp32)
     if found_inf is not None:
         c = torch.where(found_inf == 0, c, c_old)
-        p_new = torch.where(found_inf == 0, p_new, p)
+        p_new = torch.where(found_inf == 0, p_new, p32)
     comp.copy_(c.to(torch.bfloat16))
-    p.copy_(p_new)
+    p.copy_(p_new.to(torch.bfloat16))  # exact: p_new is a bf16 value
 
 
 _compiled_update = None
@@ -179,8 +190,17 @@ class BF16AdamW(torch.optim.Optimizer):
         fn = _update
         if self.compile:
             if _compiled_update is None:
-                _compiled_update = torch.compile(_update, fullgraph=True, dynamic=False)
+                # emulate_precision_casts: an fp32 -> bf16 -> fp32 round trip must round, as in eager.
+                _compiled_update = torch.compile(_update, fullgraph=True, dynamic=False,
+                                                 options={"emulate_precision_casts": True})
             fn = _compiled_update
+        # One compiled kernel per distinct local shape (a handful per model): lift dynamo's
+        # recompile limit as torchao's optimizers do.
+        with torch._dynamo.utils.disable_cache_limit() if self.compile else contextlib.nullcontext():
+            self._step(fn)
+        return None
+
+    def _step(self, fn) -> None:
         param_index = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -210,4 +230,3 @@ class BF16AdamW(torch.optim.Optimizer):
                     self.grad_scale, self.found_inf,
                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 )
-        return None

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG, launch, read_metrics
-from trainer.bf16_adamw import BF16AdamW, random_bits16, stochastic_round_to_bf16
+from trainer.bf16_adamw import BF16AdamW, random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
 from trainer.config import load_job_config
 from trainer.errors import UserError
 from trainer.validate import validate_job
@@ -132,6 +132,38 @@ def test_stochastic_rounding_is_unbiased_and_a_function_of_its_key() -> None:
     assert (bits != random_bits16(index, torch.tensor(8), 0)).float().mean() > 0.99
     assert (bits != random_bits16(index, torch.tensor(7), 1)).float().mean() > 0.99
     assert abs(bits.float().mean().item() / 65535 - 0.5) < 0.01  # uniform over 16 bits
+
+
+def test_integer_round_to_nearest_is_torchs_cast() -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1 << 16, generator=gen) * torch.logspace(-20, 20, 1 << 16)
+    ties = (torch.randn(1024, generator=gen).bfloat16().view(torch.int16).int() << 16 | 0x8000).view(torch.float32)
+    for v in (x, ties, -x):
+        assert torch.equal(round_to_nearest_bf16(v), v.bfloat16().float())
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager(tmp_path: Path, monkeypatch) -> None:
+    """train.compile_model=true compiles the step; it must round exactly as eager (inductor once dropped the
+    bf16 round trip that Kahan's compensation measures, making it always zero)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    gen = torch.Generator().manual_seed(7)
+    w0 = (1 + torch.rand(300, generator=gen)).bfloat16()
+    grads = [torch.randn(300, generator=gen).bfloat16() for _ in range(3)]
+    for kind in ("stochastic", "kahan"):
+        out = []
+        for compile in (False, True):
+            p = torch.nn.Parameter(w0.clone())
+            opt = BF16AdamW([p], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1, update=kind, seed=0,
+                            compile=compile)
+            for g in grads:
+                p.grad = g
+                opt.step()
+            out.append([p.detach()] + [v for k, v in opt.state[p].items() if k != "step"])
+        for eager, compiled in zip(*out):
+            assert torch.equal(eager, compiled), kind
+        if kind == "kahan":
+            assert out[1][-1].abs().max() > 0  # the compensation is alive
 
 
 # -- config -------------------------------------------------------------------
