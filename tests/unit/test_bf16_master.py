@@ -8,6 +8,7 @@ weights, and an exact resume of a bf16-master run.
 from __future__ import annotations
 
 import logging
+import math
 import subprocess
 from pathlib import Path
 
@@ -249,3 +250,19 @@ def test_bf16_master_resume_is_exact(kind: str, tmp_path: Path) -> None:
     ref, resumed = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
     assert sorted(resumed) == list(range(1, 11))
     assert [resumed[s] for s in range(6, 11)] == [ref[s] for s in range(6, 11)]
+
+
+@pytest.mark.slow
+def test_switching_rounding_or_master_dtype_across_a_resume(tmp_path: Path) -> None:
+    """stochastic -> kahan (no compensation buffers in the checkpoint: they start at zero) -> fp32 master."""
+    args = [*RUN, "--distributed.master_dtype=bf16", "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    dump = tmp_path / "run"
+    _run([*args, "--train.steps=2", "--optimizer.bf16_update=stochastic"], dump)
+    proc = _run([*args, "--train.steps=4", "--optimizer.bf16_update=kahan"], dump)
+    assert "checkpoint has no Kahan compensation buffers" in proc.stdout + proc.stderr
+    assert "at step 2" in proc.stdout + proc.stderr
+    proc = _run([*args, "--train.steps=6", "--distributed.master_dtype=fp32"], dump)
+    assert "at step 4" in proc.stdout + proc.stderr
+    losses = _losses(dump)
+    assert max(losses) == 6 and all(math.isfinite(v) for v in losses.values())
+    assert losses[6] < losses[1] - 1.0  # still learning after both switches
