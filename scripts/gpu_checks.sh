@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
-#   bash scripts/gpu_checks.sh [tests] [bench8b] [bench1b] [accuracy] [ac] [pp]   (default: all but pp)
+#   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench1b] [accuracy] [ac] [pp]   (default: all but pp)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
@@ -25,6 +25,10 @@ for s in $STEPS; do case $s in
   bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
   bench8b_ag)  # fp8 with bf16 all-gather: with one rank there is nothing to gather
     $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench8b_ag.log" | grep -v "^\[rank" ;;
+  bench8b_bf16m)  # fp8, bf16 master weights and moments, each bf16_update (all-gather off as in bench8b_ag)
+    for u in stochastic kahan nearest; do
+      $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off, bf16 master ($u)" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=$u 2>&1 | tee "$OUT/bench8b_bf16m_$u.log" | grep -v "^\[rank"
+    done ;;
   trainlog8b)  # the train.py log line on the same shape, for agreement with benchmark.py
     for p in bf16 fp8; do
       python3 scripts/train.py --config configs/train/llama3_8b.toml --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false --train.steps=20 --metrics.log_freq=10 --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/tl_$p 2>&1 | grep -E "step +20/" | sed "s/^/[train.py $p] /" | tee -a "$OUT/trainlog8b.log"

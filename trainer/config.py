@@ -114,6 +114,8 @@ class OptimizerSection:
     """Decoupled weight decay (applied to every parameter)."""
     implementation: Literal["fused", "foreach"] = "fused"
     """fused = one kernel that also applies clipping and skips non-finite steps on the device; foreach syncs each step."""
+    bf16_update: Literal["stochastic", "kahan", "nearest"] = "stochastic"
+    """With distributed.master_dtype='bf16' (ignored with fp32): how each update is rounded into the bf16 weights. stochastic = unbiased random rounding (no extra memory); kahan = round to nearest plus a bf16 compensation buffer (+2 bytes/parameter); nearest = plain AdamW, loses updates below half a bf16 ulp (~0.2% of the weight). See docs/distributed.md, Master weights."""
 
 
 @dataclass
@@ -183,7 +185,7 @@ class DistributedSection:
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of the sharded master weights and optimizer state; bf16 saves memory at some accuracy cost."""
+    """Dtype of the sharded master weights and AdamW moments; bf16 saves 6 bytes/parameter, its rounding is optimizer.bf16_update."""
     loss_parallel: bool = True
     """With tp > 1: keep logits sharded over the vocabulary when computing the loss."""
     init_timeout_seconds: int = 600

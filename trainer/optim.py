@@ -8,6 +8,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from trainer.bf16_adamw import BF16AdamW
+
 
 def build_optimizer(
     model: nn.Module,
@@ -17,7 +19,19 @@ def build_optimizer(
     eps: float,
     weight_decay: float,
     implementation: Literal["fused", "foreach"],
-) -> torch.optim.AdamW:
+    bf16_update: Literal["stochastic", "kahan", "nearest"] | None = None,
+    seed: int = 0,
+    compile: bool = False,
+) -> torch.optim.Optimizer:
+    """torch AdamW, or with bf16 master weights (`bf16_update` not None) and a safe rounding, BF16AdamW.
+
+    bf16_update='nearest' is torch AdamW on the bf16 weights (updates below half an ulp
+    are lost). `seed` and `compile` apply to BF16AdamW only (its rounding's random bits;
+    torch.compile its per-tensor step).
+    """
+    if bf16_update in ("stochastic", "kahan"):
+        return BF16AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         update=bf16_update, seed=seed, compile=compile)
     return torch.optim.AdamW(
         model.parameters(),
         lr=lr,
@@ -71,4 +85,7 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
         params = group["params"]
         parts.append(f"{f'group {i}: ' if len(optimizer.param_groups) > 1 else ''}{len(params)} tensors, {sum(p.numel() for p in params):,} parameters, "
                      f"weight_decay={group['weight_decay']:g}, lr={group['lr']:g}")
-    return f"{type(optimizer).__name__}, {len(parts)} group{'s' if len(parts) > 1 else ''}: " + "; ".join(parts)
+    name = type(optimizer).__name__
+    if isinstance(optimizer, BF16AdamW):
+        name += f" (bf16 master weights, {optimizer.update} rounding)"
+    return f"{name}, {len(parts)} group{'s' if len(parts) > 1 else ''}: " + "; ".join(parts)

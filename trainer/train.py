@@ -165,7 +165,8 @@ class Trainer:
         o = cfg.optimizer
         self.optimizer = build_optimizer(
             self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation,
+            implementation=o.implementation, seed=t.seed, compile=t.compile_model,
+            bf16_update=o.bf16_update if d.master_dtype == "bf16" else None,
         )
         # The startup lines users check, in this order: Applied Float8 training (from
         # build_parallel_model), Optimizer groups, Model.

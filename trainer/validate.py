@@ -93,6 +93,11 @@ def check_config(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.load_step={c.load_step} must be >= 0, or -1 for the latest")
     if c.load_step >= 0 and not c.enable:
         raise ConfigError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
+    if d.master_dtype == "bf16" and t.mixed_precision == "fp32":
+        raise ConfigError(
+            "distributed.master_dtype='bf16' computes with the bf16 weights, so train.mixed_precision='fp32' "
+            "would not hold; set train.mixed_precision='bf16' (or 'fp8'), or keep distributed.master_dtype='fp32'"
+        )
     f8 = cfg.float8
     if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
         raise ConfigError(
@@ -262,6 +267,12 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
             raise ConfigError(str(e)) from None
         _check_fp8_hardware(require=f8.require, emulate=f8.emulate)
 
+    if d.master_dtype == "bf16" and cfg.optimizer.bf16_update == "nearest":
+        logger.warning(
+            "distributed.master_dtype='bf16' with optimizer.bf16_update='nearest': plain AdamW on bf16 weights "
+            "LOSES every update below half a bf16 ulp (~0.2%% of the weight), so small-lr/late-training updates "
+            "vanish; use optimizer.bf16_update='stochastic' or 'kahan'"
+        )
     dtype = _COMPUTE_DTYPE[t.mixed_precision]
     # Resharding frees the gathered copy between forward and backward; with one rank
     # per shard group it frees nothing but still costs a second gather in backward.

@@ -249,6 +249,16 @@ class CheckpointManager:
         sd = {"model": model_state_dict(self.state.model)} if model_only else self.state.state_dict()
         if not model_only and "rng.cuda" not in metadata.state_dict_metadata:
             sd["rng"].pop("cuda", None)  # saved on a machine without CUDA
+        if not model_only:
+            # Switched to optimizer.bf16_update='kahan' from a checkpoint without its compensation
+            # buffers: they start at zero (BF16AdamW recreates them at the next step).
+            fresh = [s for fqn, s in sd["optimizer"]["state"].items() if "kahan_comp" in s
+                     and f"optimizer.state.{fqn}.kahan_comp" not in metadata.state_dict_metadata]
+            for s in fresh:
+                del s["kahan_comp"]
+            if fresh:
+                logger.info("checkpoint has no Kahan compensation buffers (optimizer.bf16_update was not 'kahan'): "
+                            "starting them at zero")
         tensors, _ = split_tensors(sd)
         try:
             dcp.load(tensors, storage_reader=SafeReader(str(path)), process_group=self.pg)

@@ -1,0 +1,268 @@
+"""bf16 master weights: BF16AdamW keeps the updates that plain bf16 AdamW rounds away.
+
+Unit properties against torch AdamW on fp32 weights, the config checks, and (slow) whole
+runs: a small-lr run where plain bf16 stalls and the safe roundings track fp32 master
+weights, and an exact resume of a bf16-master run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DEBUG_CONFIG, launch, read_metrics
+from trainer.bf16_adamw import BF16AdamW, random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
+from trainer.config import load_job_config
+from trainer.errors import UserError
+from trainer.validate import validate_job
+
+BETAS = (0.9, 0.95)
+ULP_AT_1 = 2.0**-7  # bf16 spacing in [1, 2)
+
+
+def _optimizer(kind: str, p: torch.nn.Parameter, *, lr: float, weight_decay: float = 0.0, seed: int = 0):
+    if kind in ("fp32", "nearest"):
+        return torch.optim.AdamW([p], lr=lr, betas=BETAS, eps=1e-8, weight_decay=weight_decay)
+    return BF16AdamW([p], lr=lr, betas=BETAS, eps=1e-8, weight_decay=weight_decay, update=kind, seed=seed)
+
+
+def _train(kind: str, w0: torch.Tensor, grads, *, lr: float, weight_decay: float = 0.0) -> torch.Tensor:
+    p = torch.nn.Parameter(w0.clone() if kind == "fp32" else w0.bfloat16())
+    opt = _optimizer(kind, p, lr=lr, weight_decay=weight_decay)
+    for g in grads:
+        p.grad = g.to(p.dtype)
+        opt.step()
+    return p.detach().float()
+
+
+def _grads(n: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    return [sign * (1 + torch.rand(n, generator=gen)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("kind", ["stochastic", "kahan"])
+def test_updates_far_below_an_ulp_are_kept(kind: str) -> None:
+    """lr=3e-4 on weights near 1 (half an ulp is 3.9e-3): plain bf16 AdamW never moves them; the
+    safe roundings move them as far as fp32 AdamW does."""
+    n, steps, lr = 2048, 300, 3e-4
+    w0 = 1 + 0.5 * torch.rand(n, generator=torch.Generator().manual_seed(0))
+    w0 = w0.bfloat16().float()  # start from the same (bf16-representable) weights in every run
+    grads = _grads(n, steps)
+    fp32 = _train("fp32", w0, grads, lr=lr, weight_decay=0.1) - w0
+    assert fp32.abs().mean() > 20 * lr  # the fp32 run moves by ~steps * lr = 0.09
+    assert torch.equal(_train("nearest", w0, grads, lr=lr, weight_decay=0.1), w0)  # every update lost
+    moved = _train(kind, w0, grads, lr=lr, weight_decay=0.1) - w0
+    # Per weight: mean displacement along the fp32 direction within 3% of fp32's.
+    along = (moved * fp32.sign()).mean() / fp32.abs().mean()
+    assert along == pytest.approx(1.0, abs=0.03)
+    if kind == "kahan":
+        # Compensated: every weight is within one bf16 ulp of the fp32 run, not just on average.
+        assert (moved - fp32).abs().max() <= 2 * ULP_AT_1 / 2 + 1e-6
+    else:
+        # Stochastic: each weight is off by a random walk of sub-ulp roundings, unbiased on average.
+        assert ((moved - fp32) * fp32.sign()).mean().abs() < 0.03 * fp32.abs().mean()
+
+
+@pytest.mark.parametrize("kind", ["stochastic", "kahan"])
+def test_large_updates_match_fp32_adamw(kind: str) -> None:
+    """Where updates are many ulps, BF16AdamW is AdamW: within bf16 rounding of torch's fp32 AdamW
+    (weight decay, bias correction and eps included)."""
+    gen = torch.Generator().manual_seed(3)
+    steps = 6
+    w0 = torch.randn(64, 32, generator=gen).bfloat16().float()
+    grads = [torch.randn(64, 32, generator=gen).bfloat16().float() for _ in range(steps)]
+    ref = _train("fp32", w0, grads, lr=3e-2, weight_decay=0.1)
+    got = _train(kind, w0, grads, lr=3e-2, weight_decay=0.1)
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-3))) - 7)  # bf16 spacing at each weight
+    # Each stochastic rounding is off by less than an ulp (a random walk over the steps); Kahan stays
+    # within about one ulp of the fp32 run. The bf16 moments add ~2^-9 relative noise to each update.
+    bound = (steps if kind == "stochastic" else 1.5) * ulp + 1e-3
+    assert bool(((got - ref).abs() <= bound).all()), ((got - ref).abs() / ulp).max()
+    assert (got - ref).abs().mean() < 0.1 * (ref - w0).abs().mean()  # measured: 5% (stochastic)
+
+
+@pytest.mark.parametrize("kind", ["stochastic", "kahan"])
+def test_grad_scale_and_skipped_step(kind: str) -> None:
+    """The trainer's fused protocol: grads are divided by grad_scale; found_inf skips the step on the
+    device, leaving weights and every state buffer bit-identical."""
+    gen = torch.Generator().manual_seed(4)
+    w0 = torch.randn(16, 8, generator=gen).bfloat16()
+    g = torch.randn(16, 8, generator=gen).bfloat16()
+
+    def run(scale: float, skip_second: bool):
+        p = torch.nn.Parameter(w0.clone())
+        opt = _optimizer(kind, p, lr=1e-3, weight_decay=0.1)
+        p.grad = g * scale
+        opt.grad_scale, opt.found_inf = torch.tensor(scale), torch.tensor(0.0)
+        opt.step()
+        before = {k: v.clone() for k, v in opt.state[p].items() if k != "step"}, p.detach().clone()
+        p.grad = torch.full_like(g, float("nan")) if skip_second else g * scale
+        opt.found_inf = torch.tensor(1.0 if skip_second else 0.0)
+        opt.step()
+        return p.detach().clone(), opt.state[p], before
+
+    p1, state1, _ = run(1.0, skip_second=False)
+    p4, state4, _ = run(4.0, skip_second=False)  # a power of two: dividing by it is exact
+    assert torch.equal(p1, p4)
+    assert all(torch.equal(state1[k], state4[k]) for k in state1)
+    p_skip, state_skip, (buffers, p_before) = run(1.0, skip_second=True)
+    assert torch.equal(p_skip, p_before)
+    assert all(torch.equal(state_skip[k], v) for k, v in buffers.items())
+    assert not torch.equal(p_before, p1)  # the second step, when applied, does move the weights
+
+
+def test_stochastic_rounding_is_unbiased_and_a_function_of_its_key() -> None:
+    n = 1 << 16
+    index = torch.arange(n)
+    for x in (1 + 0.3 * ULP_AT_1, -(1 + 0.8 * ULP_AT_1), 3e-5 * (1 + 0.1 * ULP_AT_1)):
+        xs = torch.full((n,), x, dtype=torch.float32)
+        r = stochastic_round_to_bf16(xs, random_bits16(index, torch.tensor(12345), 0)).float()
+        toward_zero = (xs.view(torch.int32) & -65536).view(torch.float32)  # the two bf16 neighbours of x
+        away = ((xs.view(torch.int32) & -65536) + 65536).view(torch.float32)
+        assert bool(((r == toward_zero) | (r == away)).all())
+        ulp = (away[0] - toward_zero[0]).abs().item()
+        assert abs(r.double().mean().item() - xs[0].item()) < 0.01 * ulp  # unbiased (sampling error ~0.002 ulp)
+    bits = random_bits16(index, torch.tensor(7), 0)
+    assert torch.equal(bits, random_bits16(index, torch.tensor(7), 0))
+    assert (bits != random_bits16(index, torch.tensor(8), 0)).float().mean() > 0.99
+    assert (bits != random_bits16(index, torch.tensor(7), 1)).float().mean() > 0.99
+    assert abs(bits.float().mean().item() / 65535 - 0.5) < 0.01  # uniform over 16 bits
+
+
+def test_integer_round_to_nearest_is_torchs_cast() -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1 << 16, generator=gen) * torch.logspace(-20, 20, 1 << 16)
+    ties = (torch.randn(1024, generator=gen).bfloat16().view(torch.int16).int() << 16 | 0x8000).view(torch.float32)
+    for v in (x, ties, -x):
+        assert torch.equal(round_to_nearest_bf16(v), v.bfloat16().float())
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager(tmp_path: Path, monkeypatch) -> None:
+    """train.compile_model=true compiles the step; it must round exactly as eager (inductor once dropped the
+    bf16 round trip that Kahan's compensation measures, making it always zero)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    gen = torch.Generator().manual_seed(7)
+    w0 = (1 + torch.rand(300, generator=gen)).bfloat16()
+    grads = [torch.randn(300, generator=gen).bfloat16() for _ in range(3)]
+    for kind in ("stochastic", "kahan"):
+        out = []
+        for compile in (False, True):
+            p = torch.nn.Parameter(w0.clone())
+            opt = BF16AdamW([p], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1, update=kind, seed=0,
+                            compile=compile)
+            for g in grads:
+                p.grad = g
+                opt.step()
+            out.append([p.detach()] + [v for k, v in opt.state[p].items() if k != "step"])
+        for eager, compiled in zip(*out):
+            assert torch.equal(eager, compiled), kind
+        if kind == "kahan":
+            assert out[1][-1].abs().max() > 0  # the compensation is alive
+
+
+# -- config -------------------------------------------------------------------
+
+
+def _cfg(*args: str):
+    return load_job_config(["--config", DEBUG_CONFIG, *args])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--distributed.master_dtype=bf16", "--train.mixed_precision=fp32"],
+     "distributed.master_dtype='bf16' computes with the bf16 weights, so train.mixed_precision='fp32' would not hold"),
+    (["--optimizer.bf16_update=round"], "optimizer.bf16_update"),
+])
+def test_bad_config_is_one_line_naming_the_key(args: list[str], message: str) -> None:
+    with pytest.raises(UserError) as e:
+        _cfg(*args)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_nearest_warns_that_small_updates_are_lost(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="trainer.validate"):
+        validate_job(_cfg("--train.mixed_precision=bf16", "--distributed.master_dtype=bf16",
+                          "--optimizer.bf16_update=nearest"), world_size=1)
+    assert "LOSES every update below half a bf16 ulp" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.validate"):
+        validate_job(_cfg("--train.mixed_precision=bf16", "--distributed.master_dtype=bf16"), world_size=1)
+    assert "bf16_update" not in caplog.text
+
+
+# -- whole runs ---------------------------------------------------------------
+
+RUN = ["--config", DEBUG_CONFIG, "--train.seq_len=64", "--train.mixed_precision=bf16", "--train.deterministic=true",
+       "--scheduler.decay_type=constant", "--scheduler.warmup_steps=1", "--metrics.log_freq=5",
+       "--metrics.enable_tensorboard=false"]
+
+
+def _run(args: list[str], dump: Path) -> subprocess.CompletedProcess:
+    proc = launch([*args, f"--job.dump_folder={dump}"], timeout=180)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+
+
+@pytest.mark.slow
+def test_small_lr_run_tracks_fp32_master_where_plain_bf16_stalls(tmp_path: Path) -> None:
+    """lr=1e-5: most updates are below half an ulp of their weight. Measured on CPU (30 steps): fp32 master
+    6.68 -> 5.36, plain bf16 -> 6.06, stochastic 5.36, kahan 5.37."""
+    args = [*RUN, "--train.steps=30", "--optimizer.lr=1e-5"]
+    runs = {}
+    for name, extra in {"fp32": [], "nearest": ["--distributed.master_dtype=bf16", "--optimizer.bf16_update=nearest"],
+                        "stochastic": ["--distributed.master_dtype=bf16", "--optimizer.bf16_update=stochastic"],
+                        "kahan": ["--distributed.master_dtype=bf16", "--optimizer.bf16_update=kahan"]}.items():
+        proc = _run([*args, *extra], tmp_path / name)
+        runs[name] = _losses(tmp_path / name)
+        if name in ("stochastic", "kahan"):
+            assert f"BF16AdamW (bf16 master weights, {name} rounding)" in proc.stdout + proc.stderr
+    ref = runs["fp32"]
+    drop = ref[1] - ref[30]
+    assert drop > 1.0
+    gap = {name: max(abs(losses[s] - ref[s]) for s in ref) for name, losses in runs.items()}
+    assert runs["nearest"][30] - ref[30] > 0.3 * drop, gap  # plain bf16 learns at half the pace or less
+    for name in ("stochastic", "kahan"):
+        assert gap[name] < 0.05 * drop, gap
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["stochastic", "kahan"])
+def test_bf16_master_resume_is_exact(kind: str, tmp_path: Path) -> None:
+    """10 steps uninterrupted vs 5 + resume + 5: the same losses, bit for bit (the rounding's random bits
+    come from the saved step counter, the Kahan buffer from the checkpoint)."""
+    args = [*RUN, "--metrics.log_freq=1", "--optimizer.lr=1e-4", "--distributed.master_dtype=bf16",
+            f"--optimizer.bf16_update={kind}", "--checkpoint.enable=true", "--checkpoint.interval=5"]
+    _run([*args, "--train.steps=10"], tmp_path / "ref")
+    _run([*args, "--train.steps=5"], tmp_path / "run")
+    proc = _run([*args, "--train.steps=10"], tmp_path / "run")
+    assert "at step 5" in proc.stdout + proc.stderr
+    ref, resumed = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
+    assert sorted(resumed) == list(range(1, 11))
+    assert [resumed[s] for s in range(6, 11)] == [ref[s] for s in range(6, 11)]
+
+
+@pytest.mark.slow
+def test_switching_rounding_or_master_dtype_across_a_resume(tmp_path: Path) -> None:
+    """stochastic -> kahan (no compensation buffers in the checkpoint: they start at zero) -> fp32 master."""
+    args = [*RUN, "--distributed.master_dtype=bf16", "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    dump = tmp_path / "run"
+    _run([*args, "--train.steps=2", "--optimizer.bf16_update=stochastic"], dump)
+    proc = _run([*args, "--train.steps=4", "--optimizer.bf16_update=kahan"], dump)
+    assert "checkpoint has no Kahan compensation buffers" in proc.stdout + proc.stderr
+    assert "at step 2" in proc.stdout + proc.stderr
+    proc = _run([*args, "--train.steps=6", "--distributed.master_dtype=fp32"], dump)
+    assert "at step 4" in proc.stdout + proc.stderr
+    losses = _losses(dump)
+    assert max(losses) == 6 and all(math.isfinite(v) for v in losses.values())
+    assert losses[6] < losses[1] - 1.0  # still learning after both switches
