@@ -159,8 +159,12 @@ def run_precision_schedule(cfg: JobConfig, jobs: list[ResolvedJob], *, trainer_c
     dist.broadcast_object_list(box, src=0)
     k, load_step = phase_index(phases, box[0]), -1
     trainer, relaunched = None, box[0] > 0
+    # Process-wide switches a phase may flip, reset for each phase as a relaunch would: apply_float8 turns
+    # oneDNN off on CPU (for torch._scaled_mm), which would change the matmuls of a later bf16 phase.
+    mkldnn = torch.backends.mkldnn.enabled
     try:
         while True:
+            torch.backends.mkldnn.enabled = mkldnn
             trainer = trainer_cls(phase_config(cfg, phases, k, load_step=load_step), jobs[k],
                                   end_step=phases[k].last_step, run_cfg=cfg)
             resumed = trainer.state.step  # the same on every rank: rank 0 chose the checkpoint
