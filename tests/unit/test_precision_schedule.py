@@ -4,6 +4,7 @@ relaunch resumes the right phase, and a bad schedule is one config error naming 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -167,18 +168,46 @@ def test_scheduled_run_equals_manual_three_launches(scheduled, tmp_path: Path) -
     assert saved.train.precision_schedule == ["bf16:4", "fp8:8", "bf16"] and saved.checkpoint.load_step == -1
 
 
+KILLED = [*SCHEDULED, "--checkpoint.interval=3"]  # saves at 3, 4 (boundary), 6, 8 (boundary), 9, 10
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> Path:
+    """The scheduled run SIGKILLed after step 7 (in the fp8 phase), before any cleanup: a dump folder to copy."""
+    dump = tmp_path_factory.mktemp("killed")
+    log = run_until_paused([sys.executable, TRAIN, *KILLED, f"--job.dump_folder={dump}"], "step:7", timeout=240)
+    assert "step      7/10" in log
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3", "step-4", "step-6"]
+    return dump
+
+
 @pytest.mark.slow
-def test_relaunch_after_a_kill_in_the_fp8_phase_continues_in_fp8(scheduled, tmp_path: Path) -> None:
+def test_relaunch_after_a_kill_in_the_fp8_phase_continues_in_fp8(scheduled, killed, tmp_path: Path) -> None:
     ref, _ = scheduled
     dump = tmp_path / "run"
-    args = [*SCHEDULED, "--checkpoint.interval=3", f"--job.dump_folder={dump}"]
-    killed = run_until_paused([sys.executable, TRAIN, *args], "step:7", timeout=240)  # SIGKILL after step 7
-    assert "step      7/10" in killed
-    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3", "step-4", "step-6"]
-    log = _run(args, dump)  # the same command
+    shutil.copytree(killed, dump)
+    log = _run(KILLED, dump)  # the same command
     _ordered(log, "precision schedule: bf16 steps 1-4, fp8 steps 5-8, bf16 steps 9-10",
              "Applied Float8 training", "resumed from checkpoint", "step-6 at step 6 (saved with mixed_precision=fp8)",
              "precision schedule: resuming at step 6 in phase 2 of 3 (fp8 steps 5-8)",
              "step      7/10", "precision schedule: step 8: fp8 -> bf16", "training finished at step 10")
     assert "resumed fp8 checkpoint" not in log.split("step 8: fp8 -> bf16")[0]  # fp8 before the switch: no change
+    _assert_losses_match(_by_step(dump, "loss"), _by_step(ref, "loss"))
+
+
+@pytest.mark.slow
+def test_fallback_past_corrupt_checkpoints_into_an_earlier_phase(scheduled, killed, tmp_path: Path) -> None:
+    """step-6 (fp8 phase) and step-4 are corrupt: the relaunch falls back to step-3 and trains steps 4+ in bf16."""
+    ref, _ = scheduled
+    dump = tmp_path / "run"
+    shutil.copytree(killed, dump)
+    for step in (4, 6):
+        shard = next((dump / "checkpoint" / f"step-{step}").glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    log = _run(KILLED, dump)
+    _ordered(log, "Applied Float8 training", "FELL BACK to", "step-3",
+             "precision schedule: resumed step 3, which is in phase bf16 steps 1-4, not fp8 steps 5-8: rebuilding",
+             "resumed from checkpoint", "step-3 at step 3 (saved with mixed_precision=bf16)",
+             "precision schedule: resuming at step 3 in phase 1 of 3 (bf16 steps 1-4)", "step      4/10",
+             "precision schedule: step 4: bf16 -> fp8", "Applied Float8 training", "training finished at step 10")
     _assert_losses_match(_by_step(dump, "loss"), _by_step(ref, "loss"))
