@@ -211,3 +211,40 @@ def test_fallback_past_corrupt_checkpoints_into_an_earlier_phase(scheduled, kill
              "precision schedule: resuming at step 3 in phase 1 of 3 (bf16 steps 1-4)", "step      4/10",
              "precision schedule: step 4: bf16 -> fp8", "Applied Float8 training", "training finished at step 10")
     _assert_losses_match(_by_step(dump, "loss"), _by_step(ref, "loss"))
+
+
+@pytest.mark.slow
+def test_the_previous_phase_is_freed_before_the_next_is_built(tmp_path: Path) -> None:
+    """In one process: the old model and optimizer are garbage before the new phase allocates its own (on a GPU,
+    two copies of an 8B model and its optimizer would not fit), and one process group serves every phase."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from trainer.distributed import destroy_distributed
+    from trainer.precision_schedule import resolve_phases, run_precision_schedule
+    from trainer.train import Trainer
+
+    cfg = load_job_config([*BASE, "--train.steps=3", "--train.precision_schedule=bf16:1,fp32:2,bf16",
+                           "--scheduler.decay_type=wsd", f"--job.dump_folder={tmp_path}"])
+    earlier: list[weakref.ref] = []
+    alive_at_build: list[int] = []
+    groups: list[object] = []
+
+    class Recording(Trainer):
+        def __init__(self, *args, **kwargs):
+            alive_at_build.append(sum(ref() is not None for ref in earlier))
+            super().__init__(*args, **kwargs)
+            earlier.extend([weakref.ref(self.model), weakref.ref(self.optimizer)])
+            groups.append(dist.group.WORLD)
+
+    try:
+        state = run_precision_schedule(cfg, resolve_phases(cfg, world_size=1), trainer_cls=Recording)
+    finally:
+        destroy_distributed()
+    gc.collect()
+    assert state.step == 3 and state.mixed_precision == "bf16"
+    assert alive_at_build == [0, 0, 0]
+    assert len(groups) == 3 and all(g is groups[0] for g in groups)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
