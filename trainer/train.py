@@ -351,7 +351,7 @@ class Trainer:
                 # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
                 marker.write_text(json.dumps({"step": self.state.step, "of_steps": cfg.train.steps,
                                               "checkpoint_saved": saved}) + "\n")
-        elif self.state.step == cfg.train.steps:
+        elif self.end_step == cfg.train.steps:  # not a precision-schedule phase that ends before the run does
             logger.info("training finished at step %d", self.state.step)
         return self.state
 
