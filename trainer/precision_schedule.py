@@ -174,6 +174,7 @@ def run_precision_schedule(cfg: JobConfig, jobs: list[ResolvedJob], *, trainer_c
                                resumed, phases[phase_index(phases, resumed)], phases[k])
                 trainer.close()
                 trainer, k = None, phase_index(phases, resumed)
+                _free_memory()
                 continue
             if relaunched:
                 logger.info("precision schedule: resuming at step %d in phase %d of %d (%s)", resumed, k + 1,
@@ -193,13 +194,20 @@ def run_precision_schedule(cfg: JobConfig, jobs: list[ResolvedJob], *, trainer_c
                     f"{phases[k].precision} -> {phases[k + 1].precision} cannot resume it; relaunch the same command "
                     "to resume the latest checkpoint"
                 )
-            # The old model and optimizer go before the new ones are allocated.
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _free_memory()
             logger.info("precision schedule: step %d: %s -> %s (rebuilding the model and resuming checkpoint "
                         "step-%d)", boundary, phases[k].precision, phases[k + 1].precision, boundary)
             k, load_step = k + 1, boundary
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def _free_memory() -> None:
+    """The dropped phase's model and optimizer go before the next phase allocates its own: FSDP's hooks make
+    reference cycles, which only the cycle collector frees (two 8B models and optimizers would not fit)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
