@@ -78,6 +78,8 @@ class TrainSection:
     """Microbatches accumulated before each optimizer step."""
     mixed_precision: MixedPrecision = "bf16"
     """Compute dtype. fp8 = bf16 compute with torchao float8 linears; master weights stay fp32."""
+    precision_schedule: list[str] = field(default_factory=list)
+    """Change precision inside the run: "precision:last_step" entries, the last one without a step, e.g. ["bf16:2000", "fp8:9500", "bf16"] = bf16 for steps 1-2000, fp8 for 2001-9500, bf16 to train.steps. Overrides mixed_precision; needs checkpoint.enable (each switch saves a checkpoint, rebuilds the model and resumes it in the same process). Empty = off (see docs/fp8.md)."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
     seed: int = 0

@@ -33,6 +33,7 @@ from trainer.parallel import build_parallel_model
 from trainer.parallel.float8 import float8_weight_stats, precompute_float8_scales
 from trainer.parallel.fp8_health import Fp8HealthMonitor
 from trainer.parallel.pipeline import Pipeline
+from trainer.precision_schedule import resolve_phases, run_precision_schedule
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.run_lock import RunLock, check_writable
 from trainer.validate import ResolvedJob, validate_job
@@ -128,11 +129,18 @@ def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup |
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, job: ResolvedJob | None = None):
+    def __init__(self, cfg: JobConfig, job: ResolvedJob | None = None, *, end_step: int | None = None,
+                 run_cfg: JobConfig | None = None):
         """`job` is what `validate_job` resolved (run here when not given): every user error is found
-        before the process group exists."""
+        before the process group exists.
+
+        A phase of train.precision_schedule (trainer/precision_schedule.py) stops after `end_step`
+        with a checkpoint there; `run_cfg` is then the whole run's config, written to config.toml.
+        """
         job = job or validate_job(cfg, world_size=world_size_from_env())
         self.cfg = cfg
+        self.run_cfg = run_cfg or cfg
+        self.end_step = end_step or cfg.train.steps
         t, d = cfg.train, cfg.distributed
         self.parallel_dims, self.model_args = job.parallel_dims, job.model_args
         self.env: DistEnv = init_distributed(timeout_seconds=d.init_timeout_seconds)
@@ -370,7 +378,7 @@ class Trainer:
         cfg = self.cfg
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
         if self.env.rank == 0:
-            (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
+            (Path(cfg.job.dump_folder) / "config.toml").write_text(self.run_cfg.to_toml())
             (Path(cfg.job.dump_folder) / PREEMPTED_MARKER).unlink(missing_ok=True)  # from a preempted earlier run
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         p = cfg.profiling
@@ -400,7 +408,7 @@ class Trainer:
                 # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
                 marker.write_text(json.dumps({"step": self.state.step, "of_steps": cfg.train.steps,
                                               "checkpoint_saved": saved}) + "\n")
-        else:
+        elif self.end_step == cfg.train.steps:  # not a precision-schedule phase that ends before the run does
             logger.info("training finished at step %d", self.state.step)
         return self.state
 
@@ -411,7 +419,7 @@ class Trainer:
         # Tokens per device per step, each token counted once (TP and PP ranks share their dp rank's tokens).
         local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
         stopping = False
-        while self.state.step < t.steps and not stopping:
+        while self.state.step < self.end_step and not stopping:
             lr = self.scheduler.get_last_lr()[0]
             health_step = self.fp8_health is not None and (self.state.step + 1) % cfg.metrics.fp8_stats_freq == 0
             with self.fp8_health.collect() if health_step else contextlib.nullcontext():
@@ -429,7 +437,8 @@ class Trainer:
                 started = time.perf_counter()
                 validation = self.evaluator.evaluate(self.model)
                 interval_start += time.perf_counter() - started  # not training time
-            if step == first_step or step % cfg.metrics.log_freq == 0 or step == t.steps or validation or extra:
+            if (step == first_step or step % cfg.metrics.log_freq == 0 or step in (t.steps, self.end_step)
+                    or validation or extra):
                 self.check_finite()
                 # Mean over data-parallel ranks (TP ranks hold the same loss).
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
@@ -449,7 +458,8 @@ class Trainer:
             stopping = self._agree_to_stop()
             # A stop at the last step is a completed run, not a preemption.
             self.state.preempted = stopping and step < t.steps
-            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=stopping,
+            # The end of a precision-schedule phase saves like a stop: the next phase resumes it.
+            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=stopping or step == self.end_step,
                                        before_save=self.check_finite)
 
     def close(self) -> None:
@@ -462,7 +472,9 @@ class Trainer:
 def train(cfg: JobConfig) -> TrainState:
     """Validate, build everything, train, and always tear down (writers, process group)."""
     # The one validation pass, before the process group or any tensor exists.
-    job = validate_job(cfg, world_size=world_size_from_env())
+    # With train.precision_schedule: one validated job per phase (the schedule overrides train.mixed_precision).
+    jobs = resolve_phases(cfg, world_size=world_size_from_env()) if cfg.train.precision_schedule else []
+    job = None if jobs else validate_job(cfg, world_size=world_size_from_env())
     for folder, key in output_folders(cfg):
         check_writable(folder, key=key)
     # Global rank 0 owns the dump folder before any rank writes to it.
@@ -471,8 +483,11 @@ def train(cfg: JobConfig) -> TrainState:
         lock.acquire()
     trainer, ok = None, False
     try:
-        trainer = Trainer(cfg, job)
-        state = trainer.run()
+        if jobs:
+            state = run_precision_schedule(cfg, jobs, trainer_cls=Trainer)
+        else:
+            trainer = Trainer(cfg, job)
+            state = trainer.run()
         ok = True
         return state
     finally:

@@ -30,12 +30,14 @@ if TYPE_CHECKING:
 def check_config(cfg: JobConfig) -> None:
     """Cross-field and range checks on the config alone; each failure is one line naming the key."""
     t, d = cfg.train, cfg.distributed
-    if t.is_fp8 and d.tp > 1:
+    if t.is_fp8 and d.tp > 1 and not t.precision_schedule:  # a schedule overrides mixed_precision
         raise ConfigError(
             "FP8 + Tensor Parallelism is not yet supported: train.mixed_precision='fp8' with "
             f"distributed.tp={d.tp}. Use distributed.tp=1 with FSDP (dp_shard) for FP8, "
             "or keep tp and set train.mixed_precision='bf16'."
         )
+    if t.precision_schedule:
+        _check_precision_schedule(cfg)
     at_least_one = {
         "train.steps": t.steps,
         "train.batch_size": t.batch_size,
@@ -197,6 +199,35 @@ def _check_moe_job(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
             f"checkpoint.model_only=true exports Hugging Face Llama weights, which model.flavor={m.flavor!r} "
             "(MoE) has no layout for; set checkpoint.model_only=false"
         )
+
+
+def _check_precision_schedule(cfg: JobConfig) -> None:
+    from trainer.precision_schedule import parse_precision_schedule
+
+    t = cfg.train
+    if t.steps < 1:
+        return  # reported below as train.steps
+    phases = parse_precision_schedule(t.precision_schedule, total_steps=t.steps)
+    fp8 = [p for p in phases if p.precision == "fp8"]
+    if fp8 and cfg.distributed.tp > 1:
+        raise ConfigError(
+            f"train.precision_schedule has an fp8 phase ({fp8[0]}) but distributed.tp={cfg.distributed.tp}: FP8 + "
+            "Tensor Parallelism is not yet supported; use distributed.tp=1 with FSDP (dp_shard), or no fp8 phase"
+        )
+    if not cfg.checkpoint.enable:
+        raise ConfigError(
+            "train.precision_schedule needs checkpoint.enable=true: each precision switch saves a checkpoint and the "
+            "next phase resumes it (and a relaunch resumes the right phase); set --checkpoint.enable=true"
+        )
+    p = cfg.profiling
+    if p.enable:
+        for a, b in zip(phases, phases[1:]):
+            if p.start_step <= a.last_step < p.end_step:
+                raise ConfigError(
+                    f"profiling.start_step={p.start_step}, profiling.end_step={p.end_step}: the window crosses the "
+                    f"train.precision_schedule switch {a.precision} -> {b.precision} after step {a.last_step}; "
+                    "put it inside one phase"
+                )
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,10 @@ class ParallelDims:
         return f"{', '.join(parts)} (world size {self.world_size})"
 
     def build_meshes(self, device_type: str) -> None:
-        """Create the world mesh and every named mesh (collective: all ranks call it)."""
+        """Create the world mesh and every named mesh (collective: all ranks call it); once per ParallelDims
+        (the phases of a precision schedule share one, and so its process groups)."""
+        if self._meshes:
+            return
         dims = [(PP, self.pp), (DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (TP, self.tp)]
         world = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
         hsdp = self.dp_replicate > 1
