@@ -47,7 +47,7 @@ def sync(device: torch.device) -> None:
 
 
 def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None) -> dict:
-    cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", f"--train.steps={warmup + steps}",
+    cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", "--train.precision_schedule=", f"--train.steps={warmup + steps}",
                            "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false"])
     runner = Trainer(cfg)
     try:

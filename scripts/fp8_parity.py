@@ -60,7 +60,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def leg_overrides(leg: str, seed: int, out: Path) -> list[str]:
     precision = "fp8" if leg == "fp8" else "bf16"
-    return [f"--train.mixed_precision={precision}", f"--train.seed={seed + 1 if leg == 'bf16-seed2' else seed}",
+    # An empty precision_schedule: a schedule in the config would override the leg's precision.
+    return [f"--train.mixed_precision={precision}", "--train.precision_schedule=",
+            f"--train.seed={seed + 1 if leg == 'bf16-seed2' else seed}",
             "--validation.enable=true", f"--job.dump_folder={out / leg}"]
 
 
