@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,6 +62,11 @@ def destroy_distributed(*, barrier: bool = True) -> None:
     if dist.is_initialized():
         if barrier and dist.get_world_size() > 1:
             dist.barrier()
+            if dist.get_backend() == "gloo":
+                # A rank leaves the barrier while a peer may still be reading its last message; closing
+                # the sockets at that moment resets the peer's connection and aborts it at exit. Seen
+                # on loaded 2-core machines: give the peers a moment to finish reading.
+                time.sleep(0.2)
         dist.destroy_process_group()
 
 
