@@ -144,3 +144,25 @@ def run_until_paused(cmd: list[str], pause: str, *, timeout: float = 150) -> str
         proc.wait(timeout=30)
         reap(tag)
     return "".join(out)
+
+
+# Runs many trainer command lines in one fresh Python (one torch import for all of them).
+_CLI_CASES = """
+import contextlib, io, json, sys
+from trainer.cli import main
+results = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        rc = main(argv)
+    results[name] = {"rc": rc, "stderr": err.getvalue(), "stdout": out.getvalue()}
+print(json.dumps(results))
+"""
+
+
+def run_cli_cases(cases: dict[str, list[str]], *, timeout: float = 300) -> dict[str, dict]:
+    """{name: argv} -> {name: {"rc", "stdout", "stderr"}} of `trainer.cli.main(argv)`, all in one subprocess."""
+    proc = subprocess.run([sys.executable, "-c", _CLI_CASES, json.dumps(cases)], capture_output=True, text=True,
+                          env=env(), cwd=REPO, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])

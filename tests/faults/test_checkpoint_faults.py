@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TRAIN, env, hooks_env, launch, read_metrics
+from tests.helpers import REPO, TRAIN, hooks_env, launch, read_metrics, run_cli_cases
 from trainer.checkpoint import CorruptCheckpointError, load_full_model_weights, read_checkpoint_json
 
 pytestmark = pytest.mark.slow
@@ -31,25 +31,9 @@ ARGS = [
     "--train.deterministic=true", "--checkpoint.enable=true", "--checkpoint.interval=2",
 ]
 
-_CLI_CASES = """
-import contextlib, io, json, sys
-from trainer.cli import main
-results = {}
-for name, argv in json.loads(sys.argv[1]).items():
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        rc = main(argv)
-    results[name] = {"rc": rc, "stderr": err.getvalue(), "stdout": out.getvalue()}
-print(json.dumps(results))
-"""
-
-
 def _cli(cases: dict[str, list[str]]) -> dict[str, dict]:
     """trainer.cli.main once per case, in one process (cheaper than a process each)."""
-    proc = subprocess.run([sys.executable, "-c", _CLI_CASES, json.dumps(cases)], capture_output=True, text=True,
-                          env=env(), cwd=REPO, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return run_cli_cases(cases, timeout=400)
 
 
 def _corrupt(shard: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.helpers import REPO, env, launch
+from tests.helpers import REPO, env, launch, run_cli_cases
 from trainer.checkpoint import (
     CheckpointError, RunInfo, file_digest, load_dcp_metadata, load_full_model_weights, load_model, save_model_only,
 )
@@ -180,19 +180,6 @@ def trained(tmp_path_factory):
     return dump / "checkpoint" / "step-2"
 
 
-_CLI_CASES = """
-import contextlib, io, json, sys
-from trainer.cli import main
-results = {}
-for name, argv in json.loads(sys.argv[1]).items():
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        rc = main(argv)
-    results[name] = {"rc": rc, "stderr": err.getvalue(), "stdout": out.getvalue()}
-print(json.dumps(results))
-"""
-
-
 @pytest.mark.slow
 def test_hostile_checkpoints_refused_on_resume_initial_load_and_export(trained, tmp_path):
     marker = tmp_path / "marker"
@@ -218,10 +205,7 @@ def test_hostile_checkpoints_refused_on_resume_initial_load_and_export(trained, 
     cases["initial load hf"] = ([*ARGS, "--train.steps=1", f"--checkpoint.initial_load_path={hf['bin']}",
                                  f"--job.dump_folder={tmp_path / 'init-hf'}"], str(hf["bin"] / "checkpoint.json"),
                                 "looks like a Hugging Face model folder; convert it first")
-    proc = subprocess.run([sys.executable, "-c", _CLI_CASES, json.dumps({k: v[0] for k, v in cases.items()})],
-                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
+    results = run_cli_cases({k: v[0] for k, v in cases.items()})
     for name, (_, file, message) in cases.items():
         r = results[name]
         lines = r["stderr"].strip().splitlines()

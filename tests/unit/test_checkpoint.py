@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, TRAIN, env, launch, read_metrics, run_until_paused
+from tests.helpers import REPO, TRAIN, env, launch, read_metrics, run_cli_cases, run_until_paused
 from trainer.checkpoint import (
     CheckpointError, RunInfo, check_file, file_digest, load_full_model_weights, load_model, prune_checkpoints,
     save_model_only, scan_checkpoints,
@@ -287,19 +287,6 @@ def trained(tmp_path_factory):
 
 # Runs trainer.cli.main (what scripts/train.py runs) once per case in one process: each
 # case's rc and stderr, as JSON. Cheaper than a process per case.
-_CLI_CASES = """
-import contextlib, io, json, sys
-from trainer.cli import main
-results = {}
-for name, argv in json.loads(sys.argv[1]).items():
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        rc = main(argv)
-    results[name] = {"rc": rc, "stderr": err.getvalue(), "stdout": out.getvalue()}
-print(json.dumps(results))
-"""
-
-
 @pytest.mark.slow
 def test_bad_input_is_one_line_before_training(trained, tmp_path):
     def copy(name: str) -> Path:
@@ -335,10 +322,7 @@ def test_bad_input_is_one_line_before_training(trained, tmp_path):
                   f"{trained / 'step-2' / 'checkpoint.json'}: vocab mismatch: the checkpoint has vocab_size=512, "
                   "this run has 1024"),
     }
-    proc = subprocess.run([sys.executable, "-c", _CLI_CASES, json.dumps({k: v[0] for k, v in cases.items()})],
-                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
+    results = run_cli_cases({k: v[0] for k, v in cases.items()})
     for name, (_, expected) in cases.items():
         r = results[name]
         lines = r["stderr"].strip().splitlines()
