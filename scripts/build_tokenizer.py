@@ -13,13 +13,23 @@
 `--corpus default|stdlib` exports the embedded text (Python's documentation, plus the
 standard library's source for stdlib) as `train.jsonl` and `validation.jsonl` with the same
 split training uses (validation = every 10th block of 4,096 bytes, never trained on) and
-trains the tokenizer on the train part only. `--input FILES` trains on your own text files
-instead (.txt, .jsonl with --text-field) and exports nothing. No download either way.
+trains the tokenizer on the train part only. `--add-source DIR ...` adds every .py file under
+those folders (e.g. the standard library's tests, an installed package's source) as more
+documents: identical files are kept once, and a file goes to validation when the SHA-1 of its
+content is 9 mod 10, so no file is in both splits. `--input FILES` trains on your own text
+files instead (.txt, .jsonl with --text-field) and exports nothing. No download either way.
+
+The realistic FP8 parity data (docs/benchmarks.md) is ~19M tokens:
+
+    python scripts/build_tokenizer.py --corpus stdlib --vocab-size 32768 --output data/py_bpe \
+        --add-source "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/test" \
+        "$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')"
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -47,6 +57,23 @@ def corpus_documents(corpus: str, split: str) -> list[str]:
             # A held-out block can cut a multi-byte character: replace, never fail.
             docs.append(bytes(tokens[start:end].astype("uint8")).decode("utf-8", errors="replace"))
         start = end + 1
+    return docs
+
+
+def source_documents(folders: list[str], split: str) -> list[str]:
+    """Every distinct .py file under `folders` whose content hash puts it in `split` (9 mod 10 = validation)."""
+    docs, seen = [], set()
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            raise DataError(f"--add-source {folder} is not a folder")
+        for path in sorted(folder.rglob("*.py")):
+            raw = path.read_bytes()
+            digest = hashlib.sha1(raw).digest()
+            if digest in seen or not raw.strip():
+                continue
+            seen.add(digest)
+            if (int.from_bytes(digest[:8], "big") % 10 == 9) == (split == "validation"):
+                docs.append(raw.decode("utf-8", errors="replace"))
     return docs
 
 
@@ -80,18 +107,24 @@ def main(argv: list[str]) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--corpus", choices=("default", "stdlib"), help="the embedded text (exported too)")
     source.add_argument("--input", nargs="+", help="your own .txt / .jsonl files")
+    parser.add_argument("--add-source", nargs="+", default=[], metavar="DIR",
+                        help="with --corpus: also every .py file under these folders (split by content hash)")
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--output", required=True, help="folder for tokenizer.json (and the exported splits)")
     args = parser.parse_args(argv)
+    if args.add_source and not args.corpus:
+        parser.error("--add-source goes with --corpus (with --input, list the files yourself)")
     if args.vocab_size < 300:
         parser.error("--vocab-size must be at least 300 (256 bytes, the EOS token and some merges)")
     out = Path(args.output)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if args.corpus:
-            train_docs = corpus_documents(args.corpus, "train")
-            for split, docs in (("train", train_docs), ("validation", corpus_documents(args.corpus, "validation"))):
+            splits = {split: corpus_documents(args.corpus, split) + source_documents(args.add_source, split)
+                      for split in ("train", "validation")}
+            train_docs = splits["train"]
+            for split, docs in splits.items():
                 with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
                     f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
                 print(f"wrote {out / (split + '.jsonl')}: {len(docs)} documents, {sum(map(len, docs)):,} characters")
