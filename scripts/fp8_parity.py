@@ -2,21 +2,28 @@
 
     python scripts/fp8_parity.py --config configs/train/debug_model.toml [--section.key=value ...]
     python scripts/fp8_parity.py --config configs/train/llama3_1b.toml --out parity/1b --tolerance 0.005 \
-        --train.steps=1000 --data.source=shards --data.path=... --validation.path=...
+        --train.steps=1000 --data.source=shards --data.path=... --validation.path=... \
+        --variant tensorwise= --variant rowwise=--float8.recipe=rowwise
 
-Legs (each a normal `scripts/train.py` run with validation on):
+Legs (each a normal `scripts/train.py` run with validation on, checkpointing off):
   bf16          train.seed = S       the reference
   bf16-seed2    train.seed = S + 1   same data order, another init: the noise floor
   fp8           train.seed = S       same init and data order as the reference
 
-The verdict compares the final validation losses: the fp8 gap |fp8 - bf16| / bf16 must be
-at most max(noise floor |bf16-seed2 - bf16| / bf16, --tolerance). Exit code 0 = pass,
-1 = fp8 further from bf16 than that (or a leg failed), 2 = bad arguments/config.
+`--variant NAME=OVERRIDES` (repeatable) replaces the one `fp8` leg by one leg per variant: each
+runs with train.mixed_precision = "fp8" and then its own space-separated overrides (which may
+set bf16 again, e.g. to compare an optimizer setting instead of a precision).
 
-Writes to --out: each leg's dump folder, parity.json (per-window losses, the verdict) and
-parity.png (train loss solid, validation loss as dots: bf16 blue, bf16-seed2 grey, fp8 red).
-With several GPUs and --nproc-per-leg that leaves room for three legs, they run side by
-side (CUDA_VISIBLE_DEVICES split); otherwise one after another.
+The verdict compares the final validation losses: each variant's gap |x - bf16| / bf16 must be
+at most max(noise floor |bf16-seed2 - bf16| / bf16, --tolerance). Exit code 0 = all pass,
+1 = a variant further from bf16 than that (or a leg failed), 2 = bad arguments/config.
+
+Writes to --out: each leg's dump folder and log, parity.json (per-window losses, the verdicts)
+and parity.png (train loss solid, validation loss as dots: bf16 blue, bf16-seed2 grey, variants
+red, orange, green, purple, ...). A leg that already finished in --out with the same command is
+reused, not rerun, so `--legs a,b` can spread the legs over several machines or sittings; the
+verdict comes once every leg has finished. With enough GPUs for --nproc-per-leg, legs run side
+by side (CUDA_VISIBLE_DEVICES split); otherwise one after another.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import argparse
 import json
 import math
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 import zlib
@@ -36,11 +46,13 @@ sys.path.insert(0, str(REPO))
 
 from trainer.config import ConfigError, load_job_config  # noqa: E402
 
-LEGS = ("bf16", "bf16-seed2", "fp8")
-COLORS = {"bf16": (31, 119, 180), "bf16-seed2": (150, 150, 150), "fp8": (214, 39, 40)}
+REFERENCE, NOISE = "bf16", "bf16-seed2"
+PALETTE = [(214, 39, 40), (255, 127, 14), (44, 160, 44), (148, 103, 189), (140, 86, 75), (227, 119, 194),
+           (188, 189, 34), (23, 190, 207)]
+MARKER = "parity_leg.json"  # in each leg's folder: the leg's command and whether it finished
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str, list[str]]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--config", required=True, help="the job's TOML config")
@@ -49,60 +61,106 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="relative gap of the final validation loss always accepted (default 0.005 = 0.5%%)")
     parser.add_argument("--windows", type=int, default=10, help="rows of the training-loss table")
     parser.add_argument("--nproc-per-leg", type=int, default=1, help="processes (GPUs) per leg, torchrun when > 1")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+                        help="an fp8 leg with its own overrides (repeatable); default: one leg 'fp8'")
+    parser.add_argument("--legs", help="comma-separated legs to run now (default: all); finished legs are reused")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
     if bad:
         parser.error(f"unrecognised arguments {bad}: config overrides are --section.key=value")
     if args.tolerance < 0 or args.windows < 1 or args.nproc_per_leg < 1:
         parser.error("--tolerance must be >= 0, --windows and --nproc-per-leg >= 1")
-    return args, overrides
+    variants: dict[str, list[str]] = {}
+    for spec in args.variant or ["fp8="]:
+        name, sep, rest = spec.partition("=")
+        extra = shlex.split(rest)
+        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", name) or name in (REFERENCE, NOISE, *variants):
+            parser.error(f"--variant {spec!r}: expected NAME=OVERRIDES with a new lowercase NAME "
+                         f"(letters, digits, _ . -; not {REFERENCE} or {NOISE})")
+        if any(not o.startswith("--") or "=" not in o for o in extra):
+            parser.error(f"--variant {spec!r}: overrides are space-separated --section.key=value")
+        variants[name] = extra
+    legs = [REFERENCE, NOISE, *variants]
+    if args.legs:
+        chosen = args.legs.split(",")
+        unknown = [leg for leg in chosen if leg not in legs]
+        if unknown:
+            parser.error(f"--legs: unknown leg(s) {', '.join(unknown)}; the legs are {', '.join(legs)}")
+        args.legs = chosen
+    else:
+        args.legs = legs
+    return args, overrides, variants
 
 
-def leg_overrides(leg: str, seed: int, out: Path) -> list[str]:
-    precision = "fp8" if leg == "fp8" else "bf16"
+def leg_overrides(leg: str, seed: int, out: Path, variants: dict[str, list[str]]) -> list[str]:
+    precision = "bf16" if leg in (REFERENCE, NOISE) else "fp8"
     # An empty precision_schedule: a schedule in the config would override the leg's precision.
     return [f"--train.mixed_precision={precision}", "--train.precision_schedule=",
-            f"--train.seed={seed + 1 if leg == 'bf16-seed2' else seed}",
-            "--validation.enable=true", f"--job.dump_folder={out / leg}"]
+            f"--train.seed={seed + 1 if leg == NOISE else seed}", "--checkpoint.enable=false",
+            "--validation.enable=true", f"--job.dump_folder={out / leg}", *variants.get(leg, [])]
 
 
-def leg_commands(args: argparse.Namespace, overrides: list[str], seed: int, out: Path) -> dict[str, list[str]]:
+def leg_commands(args: argparse.Namespace, overrides: list[str], variants: dict[str, list[str]], seed: int,
+                 out: Path) -> dict[str, list[str]]:
     train = str(REPO / "scripts" / "train.py")
     launcher = [sys.executable, train] if args.nproc_per_leg == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_leg}", train]
-    return {leg: [*launcher, "--config", args.config, *overrides, *leg_overrides(leg, seed, out)] for leg in LEGS}
+    return {leg: [*launcher, "--config", args.config, *overrides, *leg_overrides(leg, seed, out, variants)]
+            for leg in (REFERENCE, NOISE, *variants)}
 
 
-def gpu_groups(nproc: int) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES for each leg when the GPUs fit all three side by side, else None."""
+def _portable(cmd: list[str], out: Path) -> list[str]:
+    """The command without interpreter, launcher and --out paths, to compare runs across machines."""
+    return [a.replace(str(out), "{out}") for a in cmd[cmd.index("--config"):]]
+
+
+def finished(out: Path, leg: str, cmd: list[str]) -> bool:
+    try:
+        marker = json.loads((out / leg / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("command") == _portable(cmd, out) and marker.get("finished") is True
+
+
+def gpu_slots(nproc: int) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES of each group of nproc GPUs, when there are at least two groups, else None."""
     try:
         import torch
 
         count = torch.cuda.device_count()
     except ImportError:
         count = 0
-    if count < nproc * len(LEGS):
+    if count < 2 * nproc:
         return None
-    return [",".join(str(i * nproc + j) for j in range(nproc)) for i in range(len(LEGS))]
+    return [",".join(str(i * nproc + j) for j in range(nproc)) for i in range(count // nproc)]
 
 
 def run_legs(commands: dict[str, list[str]], out: Path, nproc: int) -> dict[str, int]:
-    groups = gpu_groups(nproc)
-    procs, codes = {}, {}
-    for i, (leg, cmd) in enumerate(commands.items()):
-        env = dict(os.environ)
-        if groups:
-            env["CUDA_VISIBLE_DEVICES"] = groups[i]
-        log = open(out / f"{leg}.log", "w")
-        print(f"[{leg}] {' '.join(cmd)}" + (f"  (CUDA_VISIBLE_DEVICES={groups[i]})" if groups else ""), flush=True)
-        procs[leg] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
-        if not groups:  # one after another
-            codes[leg] = procs[leg][0].wait()
-            log.close()
-    for leg, (proc, log) in procs.items():
-        if leg not in codes:
+    """Run the given legs, side by side in waves when GPUs allow, and mark each finished one."""
+    slots = gpu_slots(nproc)
+    names = list(commands)
+    waves = [names[i:i + len(slots)] for i in range(0, len(names), len(slots))] if slots else [[n] for n in names]
+    codes = {}
+    for wave in waves:
+        procs = {}
+        for slot, leg in enumerate(wave):
+            folder = out / leg
+            if folder.exists():  # an unfinished or different earlier run of this leg (main checked the marker)
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+            (folder / MARKER).write_text(json.dumps({"command": _portable(commands[leg], out), "finished": False}))
+            env = dict(os.environ)
+            if slots:
+                env["CUDA_VISIBLE_DEVICES"] = slots[slot]
+            log = open(out / f"{leg}.log", "w")
+            print(f"[{leg}] {shlex.join(commands[leg])}"
+                  + (f"  (CUDA_VISIBLE_DEVICES={slots[slot]})" if slots else ""), flush=True)
+            procs[leg] = (subprocess.Popen(commands[leg], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
+        for leg, (proc, log) in procs.items():
             codes[leg] = proc.wait()
             log.close()
+            if codes[leg] == 0:
+                (out / leg / MARKER).write_text(json.dumps({"command": _portable(commands[leg], out), "finished": True}))
     return codes
 
 
@@ -127,24 +185,36 @@ def window_means(curve: dict[int, float], steps: int, windows: int) -> list[tupl
     return rows
 
 
-def verdict(final: dict[str, float], tolerance: float) -> dict:
-    ref = final["bf16"]
-    gap, noise = abs(final["fp8"] - ref) / ref, abs(final["bf16-seed2"] - ref) / ref
+def verdict(final: dict[str, float], tolerance: float, leg: str = "fp8") -> dict:
+    """Is `leg`'s final validation loss within max(noise floor, tolerance) of the bf16 reference?"""
+    ref = final[REFERENCE]
+    gap, noise = abs(final[leg] - ref) / ref, abs(final[NOISE] - ref) / ref
     allowed = max(noise, tolerance)
     return {"fp8_gap": gap, "noise_floor": noise, "tolerance": tolerance, "allowed": allowed,
             "passed": gap <= allowed}
 
 
 def main(argv: list[str]) -> int:
-    args, overrides = parse_args(argv)
+    args, overrides, variants = parse_args(argv)
     try:
         cfg = load_job_config(["--config", args.config, *overrides, "--validation.enable=true"])
+        for extra in variants.values():
+            load_job_config(["--config", args.config, *overrides, "--validation.enable=true", *extra])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    codes = run_legs(leg_commands(args, overrides, cfg.train.seed, out), out, args.nproc_per_leg)
+    commands = leg_commands(args, overrides, variants, cfg.train.seed, out)
+    todo = {leg: commands[leg] for leg in args.legs if not finished(out, leg, commands[leg])}
+    foreign = [str(out / leg) for leg in todo if (out / leg).exists() and not (out / leg / MARKER).exists()]
+    if foreign:
+        print(f"error: {', '.join(foreign)} exist(s) but are not parity legs; choose another --out", file=sys.stderr)
+        return 2
+    for leg in args.legs:
+        if leg not in todo:
+            print(f"[{leg}] reused: {out / leg} finished with the same command", flush=True)
+    codes = run_legs(todo, out, args.nproc_per_leg)
     failed = {leg: code for leg, code in codes.items() if code != 0}
     if failed:
         for leg, code in failed.items():
@@ -152,40 +222,68 @@ def main(argv: list[str]) -> int:
             print(f"leg {leg} failed with exit code {code}; {out / (leg + '.log')} ends:\n  " + "\n  ".join(tail),
                   file=sys.stderr)
         return 1
-    curves = {leg: read_curves(out / leg) for leg in LEGS}
-    steps = cfg.train.steps
-    table = {leg: window_means(curves[leg][0], steps, args.windows) for leg in LEGS}
-    final = {leg: curves[leg][1][max(curves[leg][1])] for leg in LEGS}
-    result = verdict(final, args.tolerance)
+    missing = [leg for leg in commands if not finished(out, leg, commands[leg])]
+    if missing:
+        print(f"\nlegs not run yet: {', '.join(missing)}; run again with them (finished legs are reused) "
+              "for the verdict")
+        return 0
+    return compare(args, overrides, list(commands), cfg.train.steps, out)
 
-    print(f"\ntraining loss (mean of logged steps per window), {steps} steps")
-    print(f"{'steps':>13} | {'bf16':>8} | {'bf16-seed2':>10} | {'fp8':>8} | {'fp8 vs bf16':>11}")
-    for (a, b, ref), (_, _, other), (_, _, fp8) in zip(*(table[leg] for leg in LEGS)):
-        print(f"{f'{a}-{b}':>13} | {ref:8.4f} | {other:10.4f} | {fp8:8.4f} | {100 * (fp8 - ref) / ref:+10.2f}%")
-    print("\nvalidation loss")
-    print(f"{'step':>13} | {'bf16':>8} | {'bf16-seed2':>10} | {'fp8':>8} | {'fp8 vs bf16':>11}")
-    for step in sorted(curves["bf16"][1]):
-        ref, other, fp8 = (curves[leg][1].get(step, math.nan) for leg in LEGS)
-        print(f"{step:>13} | {ref:8.4f} | {other:10.4f} | {fp8:8.4f} | {100 * (fp8 - ref) / ref:+10.2f}%")
-    word = "PASS" if result["passed"] else "FAIL"
-    print(f"\n{word}: final validation loss fp8 {final['fp8']:.4f} vs bf16 {final['bf16']:.4f} "
-          f"({100 * result['fp8_gap']:.2f}% apart); allowed {100 * result['allowed']:.2f}% = max(noise floor "
-          f"{100 * result['noise_floor']:.2f}% between bf16 seeds, tolerance {100 * args.tolerance:.2f}%)")
+
+def compare(args: argparse.Namespace, overrides: list[str], legs: list[str], steps: int, out: Path) -> int:
+    curves = {leg: read_curves(out / leg) for leg in legs}
+    table = {leg: window_means(curves[leg][0], steps, args.windows) for leg in legs}
+    final = {leg: curves[leg][1][max(curves[leg][1])] for leg in legs}
+    variants = legs[2:]
+    results = {leg: verdict(final, args.tolerance, leg) for leg in variants}
+
+    width = max(10, *map(len, legs))
+    head = f"{'steps':>11} | " + " | ".join(f"{leg:>{width}}" for leg in legs) + " | " + " | ".join(
+        f"{'d ' + leg:>{width + 2}}" for leg in variants)
+    print(f"\ntraining loss (mean of logged steps per window), {steps} steps; d X = (X - bf16) / bf16\n{head}")
+    for rows in zip(*(table[leg] for leg in legs)):
+        values = [r[2] for r in rows]
+        print(f"{f'{rows[0][0]}-{rows[0][1]}':>11} | " + " | ".join(f"{v:>{width}.4f}" for v in values) + " | "
+              + " | ".join(f"{100 * (v - values[0]) / values[0]:>+{width + 1}.2f}%" for v in values[2:]))
+    print(f"\nvalidation loss\n{head.replace('steps', ' step', 1)}")
+    for step in sorted(curves[REFERENCE][1]):
+        values = [curves[leg][1].get(step, math.nan) for leg in legs]
+        print(f"{step:>11} | " + " | ".join(f"{v:>{width}.4f}" for v in values) + " | "
+              + " | ".join(f"{100 * (v - values[0]) / values[0]:>+{width + 1}.2f}%" for v in values[2:]))
+    print()
+    for leg, r in results.items():
+        word = "PASS" if r["passed"] else "FAIL"
+        print(f"{word}: final validation loss {leg} {final[leg]:.4f} vs bf16 {final[REFERENCE]:.4f} "
+              f"({100 * r['fp8_gap']:.2f}% apart); allowed {100 * r['allowed']:.2f}% = max(noise floor "
+              f"{100 * r['noise_floor']:.2f}% between bf16 seeds, tolerance {100 * args.tolerance:.2f}%)")
+    passed = all(r["passed"] for r in results.values())
     summary = {"config": args.config, "overrides": overrides, "steps": steps, "final_val_loss": final,
-               **result, "windows": {leg: table[leg] for leg in LEGS},
-               "validation": {leg: curves[leg][1] for leg in LEGS}}
+               "variants": results, "passed": passed, "windows": table,
+               "validation": {leg: curves[leg][1] for leg in legs}}
+    if len(variants) == 1:  # the one-variant summary keeps its flat keys
+        summary.update({k: v for k, v in results[variants[0]].items() if k != "passed"})
     (out / "parity.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_plot(out / "parity.png", curves)
+    colors = legend(legs)
+    write_plot(out / "parity.png", curves, colors)
+    names = {(31, 119, 180): "blue", (150, 150, 150): "grey", (214, 39, 40): "red", (255, 127, 14): "orange",
+             (44, 160, 44): "green", (148, 103, 189): "purple", (140, 86, 75): "brown", (227, 119, 194): "pink",
+             (188, 189, 34): "olive", (23, 190, 207): "cyan"}
     print(f"wrote {out / 'parity.json'} and {out / 'parity.png'} (train solid, validation dots; "
-          "bf16 blue, bf16-seed2 grey, fp8 red)")
-    return 0 if result["passed"] else 1
+          + ", ".join(f"{leg} {names[c]}" for leg, c in colors.items()) + ")")
+    return 0 if passed else 1
+
+
+def legend(legs: list[str]) -> dict[str, tuple[int, int, int]]:
+    colors = {REFERENCE: (31, 119, 180), NOISE: (150, 150, 150)}
+    colors.update({leg: PALETTE[i % len(PALETTE)] for i, leg in enumerate(legs[2:])})
+    return colors
 
 
 # -- a dependency-free PNG line plot ---------------------------------------------
 
 
 def write_plot(path: Path, curves: dict[str, tuple[dict[int, float], dict[int, float]]],
-               size: tuple[int, int] = (800, 500)) -> None:
+               colors: dict[str, tuple[int, int, int]], size: tuple[int, int] = (800, 500)) -> None:
     import numpy as np
 
     width, height = size
@@ -208,7 +306,7 @@ def write_plot(path: Path, curves: dict[str, tuple[dict[int, float], dict[int, f
     for k in range(1, 5):  # light grid
         img[margin + k * (height - 2 * margin) // 5, margin + 1:width - margin] = 225
     for leg, (train, val) in curves.items():
-        color = COLORS[leg]
+        color = colors[leg]
         line = [xy(s, v) for s, v in sorted(train.items()) if math.isfinite(v)]
         for (ax, ay), (bx, by) in zip(line, line[1:]):
             n = max(abs(bx - ax), abs(by - ay), 1)

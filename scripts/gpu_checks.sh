@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
 #   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench1b] [accuracy] [ac] [pp]   (default: all but pp)
+#   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
@@ -62,6 +63,23 @@ for s in $STEPS; do case $s in
       --train.steps=30 --metrics.log_freq=10 --job.dump_folder=/tmp/moe_run 2>&1 \
       | grep -E "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
     cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
+  parity1b)  # docs/fp8.md "Check that FP8 did not hurt": 1B, 1,000 steps x 16K tokens of BPE text (data/py_bpe, built
+    # by scripts/build_tokenizer.py), bf16 x2 seeds vs each FP8 setting and bf16 master weights. PARITY_LEGS picks
+    # legs (comma-separated) so the legs can be spread over calls; the verdict is computed where all legs are.
+    python3 scripts/fp8_parity.py --config configs/train/llama3_1b.toml --out "$OUT/parity1b" --tolerance 0.005 \
+      --model.vocab_size=32768 --train.steps=1000 --train.batch_size=4 --train.seq_len=4096 --scheduler.warmup_steps=100 \
+      --data.source=shards --data.path=data/py_bpe/train --data.tokenizer=data/py_bpe/tokenizer.json \
+      --validation.path=data/py_bpe/validation --validation.freq=100 --validation.steps=16 \
+      --metrics.log_freq=10 --metrics.enable_tensorboard=false \
+      --variant tensorwise= \
+      --variant "rowwise=--float8.recipe=rowwise --float8.enable_fsdp_float8_all_gather=false" \
+      --variant "rowwise_gw_hp=--float8.recipe=rowwise_with_gw_hp --float8.enable_fsdp_float8_all_gather=false" \
+      --variant "tensorwise-head-bf16=--float8.exclude_fqns=output_head.proj" \
+      --variant "fp8-bf16-master=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
+      --variant "bf16-master=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
+      --variant "bf16-master-nearest=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=nearest" \
+      ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
+    for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   ac)
     for v in "compile none --train.compile_model=true --train.activation_checkpointing=none" \
              "eager none --train.compile_model=false --train.activation_checkpointing=none" \

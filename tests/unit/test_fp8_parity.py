@@ -44,13 +44,77 @@ def test_bad_override_is_a_config_error(tmp_path: Path):
     assert not list(tmp_path.iterdir())  # no leg started
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--variant", "fp8"], "expected NAME=OVERRIDES"),
+    (["--variant", "bf16="], "not bf16 or bf16-seed2"),
+    (["--variant", "a=", "--variant", "a=--train.seed=3"], "with a new lowercase NAME"),
+    (["--variant", "a=train.seed=3"], "overrides are space-separated --section.key=value"),
+    (["--legs", "bf16,fp9"], "unknown leg(s) fp9; the legs are bf16, bf16-seed2, fp8"),
+])
+def test_bad_variant_or_leg_is_one_line(argv: list[str], message: str, capsys):
+    with pytest.raises(SystemExit) as e:
+        fp8_parity.parse_args(["--config", DEBUG_CONFIG, *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_variants_become_fp8_legs_with_their_overrides_last(tmp_path: Path):
+    args, overrides, variants = fp8_parity.parse_args(
+        ["--config", DEBUG_CONFIG, "--train.steps=5", "--variant", "tw=", "--variant",
+         "master=--train.mixed_precision=bf16 --distributed.master_dtype=bf16"])
+    assert args.legs == ["bf16", "bf16-seed2", "tw", "master"] and overrides == ["--train.steps=5"]
+    cmds = fp8_parity.leg_commands(args, overrides, variants, 7, tmp_path)
+    master = cmds["master"][cmds["master"].index("--config"):]
+    # The variant's own overrides come last, so its --train.mixed_precision=bf16 wins over the leg's fp8.
+    assert master[-3:] == ["--job.dump_folder=" + str(tmp_path / "master"), "--train.mixed_precision=bf16",
+                           "--distributed.master_dtype=bf16"]
+    assert "--train.mixed_precision=fp8" in master and "--train.seed=7" in master
+    assert "--train.seed=8" in cmds["bf16-seed2"] and "--train.mixed_precision=bf16" in cmds["bf16"]
+
+
+def test_a_finished_leg_is_reused_only_with_the_same_command(tmp_path: Path):
+    cmd = [sys.executable, "train.py", "--config", "c.toml", "--train.seed=0", f"--job.dump_folder={tmp_path / 'a'}"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / fp8_parity.MARKER).write_text(json.dumps(
+        {"command": ["--config", "c.toml", "--train.seed=0", "--job.dump_folder={out}/a"], "finished": True}))
+    assert fp8_parity.finished(tmp_path, "a", cmd)
+    # Another --out folder (legs run on another machine and copied here) is the same command.
+    moved = tmp_path / "moved"
+    (moved / "a").mkdir(parents=True)
+    (moved / "a" / fp8_parity.MARKER).write_text((tmp_path / "a" / fp8_parity.MARKER).read_text())
+    assert fp8_parity.finished(moved, "a", [*cmd[:-1], f"--job.dump_folder={moved / 'a'}"])
+    assert not fp8_parity.finished(tmp_path, "a", [*cmd[:4], "--train.seed=1", cmd[-1]])
+    marker = json.loads((tmp_path / "a" / fp8_parity.MARKER).read_text())
+    (tmp_path / "a" / fp8_parity.MARKER).write_text(json.dumps({**marker, "finished": False}))
+    assert not fp8_parity.finished(tmp_path, "a", cmd)
+
+
+@pytest.mark.slow
+def test_legs_split_over_two_calls_and_two_variants(tmp_path: Path):
+    variants = ["--variant", "tw=", "--variant", "head=--float8.exclude_fqns=output_head.proj"]
+    first = _parity(tmp_path, *SHORT, *variants, "--legs", "bf16,tw")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "legs not run yet: bf16-seed2, head" in first.stdout and not (tmp_path / "parity.json").exists()
+    bf16_metrics = (tmp_path / "bf16" / "metrics.jsonl").read_text()
+    second = _parity(tmp_path, *SHORT, *variants)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "[bf16] reused" in second.stdout and "[tw] reused" in second.stdout and "[head] reused" not in second.stdout
+    assert (tmp_path / "bf16" / "metrics.jsonl").read_text() == bf16_metrics  # not rerun
+    summary = json.loads((tmp_path / "parity.json").read_text())
+    assert set(summary["variants"]) == {"tw", "head"} and summary["passed"]
+    assert "PASS: final validation loss tw" in second.stdout and "PASS: final validation loss head" in second.stdout
+    assert "excluded: output_head.proj" in (tmp_path / "head.log").read_text()
+    # A third call with a changed override reruns every leg's command, so nothing is reused.
+    third = _parity(tmp_path, *SHORT, "--train.steps=31", *variants, "--legs", "bf16")
+    assert third.returncode == 0 and "[bf16] reused" not in third.stdout and "[bf16] /" in third.stdout
+
+
 @pytest.mark.slow
 def test_real_fp8_passes_and_writes_table_json_and_plot(tmp_path: Path):
     proc = _parity(tmp_path, *SHORT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "parity.json").read_text())
     assert summary["passed"] and "PASS: final validation loss fp8" in proc.stdout
-    for leg in fp8_parity.LEGS:  # the verdict reads each leg's own final validation loss
+    for leg in ("bf16", "bf16-seed2", "fp8"):  # the verdict reads each leg's own final validation loss
         assert summary["final_val_loss"][leg] == read_metrics(tmp_path / leg)[-1]["val_loss"]
     assert "Applied Float8 training" in (tmp_path / "fp8.log").read_text()
     assert "Applied Float8 training" not in (tmp_path / "bf16.log").read_text()
