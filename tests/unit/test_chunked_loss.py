@@ -65,6 +65,22 @@ def test_chunked_loss_and_gradients_equal_plain(chunk_tokens: int) -> None:
     assert_grads_equal(grads, ref_grads, rtol=1e-5)
 
 
+def test_moe_model_chunked_loss_equals_plain() -> None:
+    # MoE models share Decoder.head_loss; their aux loss is separate and must not change either.
+    from trainer.models import build_model
+
+    model = build_model(FLAVORS["debug_moe"])
+    model.init_weights(seed=0)
+    tokens, labels = batch(FLAVORS["debug_moe"])
+    ref_loss, ref_grads = loss_and_grads(model, tokens, labels)
+    ref_aux = model.aux_loss.item()
+    model.loss_chunk_tokens = 37  # the same model: deepcopy refuses the aux_loss tensor forward left on it
+    loss, grads = loss_and_grads(model, tokens, labels)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert model.aux_loss.item() == ref_aux
+    assert_grads_equal(grads, ref_grads, rtol=1e-5)
+
+
 def test_chunks_are_the_ones_asked_for(monkeypatch) -> None:
     model = chunked(debug_model(), 37)
     sizes = []
