@@ -185,9 +185,12 @@ def test_compiled_chunked_loss_matches_and_never_holds_the_whole_logits(tmp_path
     """Compiled as the trainer compiles it (apply_compile): same loss and gradients, and no compiled graph's
     buffers reach the whole logits. Compiling the whole chunk loop as one graph fails this: inductor then
     schedules every chunk's recomputed logits side by side in one backward (2x the fp32 logits here)."""
+    import torch._inductor.config
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold: every graph's code is seen
+    # Cold caches: every graph is compiled here, so run_and_get_code sees its code.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     # No blocks (their compile is the slow part and not under test): embeddings -> norm -> head -> loss.
     args = dataclasses.replace(DEBUG, vocab_size=8192, n_layers=0)
     model = debug_model(args)
