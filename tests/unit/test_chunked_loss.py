@@ -103,7 +103,8 @@ def test_ignored_labels_are_left_out_of_the_mean_as_plain_cross_entropy_does() -
 
 def test_chunked_cross_entropy_against_float64_reference() -> None:
     g = torch.Generator().manual_seed(0)
-    h, w = torch.randn(3, 50, 16, generator=g, dtype=torch.float64), torch.randn(40, 16, generator=g, dtype=torch.float64)
+    h = torch.randn(3, 50, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(40, 16, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 40, (3, 50), generator=g)
     loss = chunked_cross_entropy(lambda x, y: torch.nn.functional.cross_entropy(x @ w.T, y, reduction="sum"), h, labels,
                                  chunk_tokens=16)

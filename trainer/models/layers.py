@@ -198,7 +198,8 @@ class Decoder(nn.Module):
         returns and made again when backward reaches this chunk (one more head GEMM).
         torch.compile compiles this function, not the loop over chunks: compiled whole,
         inductor schedules every chunk's recomputed logits side by side in one backward
-        kernel sequence, which is the full logits again (docs/benchmarks.md).
+        kernel sequence, which is the full logits again
+        (docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens).
         """
         return checkpoint(self._head_loss_sum, h, labels, use_reentrant=False)
 

@@ -66,9 +66,9 @@ class BuildOptions:
 def build_parallel_model(
     model: nn.Module, parallel_dims: ParallelDims, *, options: BuildOptions, device: torch.device
 ) -> Float8Report | None:
-    """Apply TP -> EP -> FP8 -> AC -> loss chunking -> compile -> FSDP2 to a meta-device model, in place; returns the FP8 report.
+    """Apply TP -> EP -> FP8 -> AC -> loss chunking -> compile -> FSDP2 to a meta-device model, in place.
 
-    The model stays on the meta device; the caller materializes it (`to_empty`)
+    Returns the FP8 report. The model stays on the meta device; the caller materializes it (`to_empty`)
     and calls `init_weights`, so no rank ever holds more than its shards.
     """
     pd, o = parallel_dims, options

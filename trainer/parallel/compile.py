@@ -22,7 +22,8 @@ def apply_compile(model: nn.Module, *, compile_head: bool) -> str:
     chunk = model.loss_chunk_tokens
     if compile_head and chunk:
         # One graph per chunk, the loop stays eager: compiled as one graph, inductor would schedule
-        # every chunk's recomputed logits together in backward (docs/benchmarks.md). dynamic=False:
+        # every chunk's recomputed logits together in backward
+        # (docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens). dynamic=False:
         # a shorter last chunk gets a static graph of its own rather than a dynamic one for all.
         model.chunk_loss = torch.compile(model.chunk_loss, fullgraph=True, dynamic=False)
     elif compile_head:
