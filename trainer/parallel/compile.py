@@ -12,7 +12,8 @@ def apply_compile(model: nn.Module, *, compile_head: bool) -> str:
     Blocks are compiled one by one, not the whole model, so FSDP2's per-block
     hooks stay outside the graphs and compile time does not grow with depth.
     The head is compiled with the loss so the logits never round-trip to memory
-    in fp32 (at vocab 128256 that is most of the step's elementwise traffic).
+    in fp32 (at vocab 128256 that is most of the step's elementwise traffic); with
+    `model.loss_chunk_tokens` one chunk of head and loss is compiled instead.
     """
     for name, block in list(model.layers.named_children()):
         # MoE blocks break the graph where the host needs token counts (EP split sizes,
