@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
-#   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench1b] [accuracy] [ac] [pp]   (default: all but pp)
+#   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench8b_ce] [bench1b] [accuracy] [ac] [pp]   (default: tests bench8b bench1b accuracy ac)
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
@@ -30,6 +30,19 @@ for s in $STEPS; do case $s in
     for u in stochastic kahan nearest; do
       $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off, bf16 master ($u)" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=$u 2>&1 | tee "$OUT/bench8b_bf16m_$u.log" | grep -v "^\[rank"
     done ;;
+  bench8b_ce)  # fp8, 8B shapes x 8 layers: plain loss vs train.loss_chunk_tokens at batch 4, then at larger batches
+    # CE_CHUNK: tokens per chunk (default 4096: 4 chunks at batch 4 x 4096); CE_BATCHES: the larger per-GPU batches,
+    # each tried both ways. A run that does not fit says so (benchmark.py dies of OutOfMemoryError).
+    for b in 4 ${CE_BATCHES:-6 8}; do for c in 0 ${CE_CHUNK:-4096}; do
+      tag="batch $b x 4096, loss_chunk_tokens=$c"; log="$OUT/ce8b_b${b}_c$c.log"
+      $B --label "8B shapes, 8 layers, fp8, $tag" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} \
+        --train.batch_size=$b --train.loss_chunk_tokens=$c > "$log" 2>&1; rc=$?
+      grep -v "^\[rank" "$log" | grep -B1 -A1 "^precision"
+      if [ $rc -ne 0 ]; then
+        if grep -q "OutOfMemoryError" "$log"; then echo "[bench8b_ce] $tag: did not fit (OutOfMemoryError)"
+        else echo "[bench8b_ce] $tag: failed (exit $rc), see $log"; fi
+      fi
+    done; done 2>&1 | tee "$OUT/bench8b_ce.log" ;;
   trainlog8b)  # the train.py log line on the same shape, for agreement with benchmark.py
     for p in bf16 fp8; do
       python3 scripts/train.py --config configs/train/llama3_8b.toml --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false --train.steps=20 --metrics.log_freq=10 --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/tl_$p 2>&1 | grep -E "step +20/" | sed "s/^/[train.py $p] /" | tee -a "$OUT/trainlog8b.log"
@@ -129,6 +142,7 @@ esac; done
 echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
 for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" | grep -v "^\[rank"; done
 for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -1 "$f")"; done
+[ -f "$OUT/bench8b_ce.log" ] && grep "^\[bench8b_ce\]" "$OUT/bench8b_ce.log"
 [ -f "$OUT/ac.log" ] && cat "$OUT/ac.log"
 [ -f "$OUT/trainlog8b.log" ] && cat "$OUT/trainlog8b.log"
 [ -f "$OUT/pp2.log" ] && cat "$OUT/pp2.log"

@@ -92,6 +92,8 @@ class TrainSection:
     """With selective AC: 0 = per-op policy that keeps matmul and attention outputs; N > 0 = full AC on every Nth block."""
     compile_model: bool = False
     """torch.compile each transformer block and the output head with its loss."""
+    loss_chunk_tokens: int = 0
+    """Compute the final norm, output head and cross-entropy this many tokens at a time, each chunk activation-checkpointed, so only one chunk's logits exist in forward and backward (at vocab 128256 the whole batch's fp32 logits are 8.4 GB per 16K tokens); costs one more output-head GEMM in backward. Same loss and gradients up to fp32 summation order. 0 = off (all tokens at once). Not with distributed.tp > 1 or pp > 1. See docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """What a NaN/inf loss or gradient norm does: stop the run naming the step, or skip that optimizer step."""
 

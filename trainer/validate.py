@@ -60,6 +60,7 @@ def check_config(cfg: JobConfig) -> None:
         "model.vocab_size": (cfg.model.vocab_size, " (0 = the flavor's own)"),
         "train.max_norm": (t.max_norm, " (0 disables clipping)"),
         "train.selective_ac_every": (t.selective_ac_every, ""),
+        "train.loss_chunk_tokens": (t.loss_chunk_tokens, " (0 = off)"),
         "scheduler.warmup_steps": (cfg.scheduler.warmup_steps, ""),
         "checkpoint.keep_latest_k": (cfg.checkpoint.keep_latest_k, " (0 keeps all)"),
         "metrics.fp8_stats_freq": (cfg.metrics.fp8_stats_freq, " (0 = off)"),
@@ -72,6 +73,18 @@ def check_config(cfg: JobConfig) -> None:
     for key, (value, note) in at_least_zero.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0{note}")
+    if t.loss_chunk_tokens and d.tp > 1:
+        raise ConfigError(
+            f"train.loss_chunk_tokens={t.loss_chunk_tokens} with distributed.tp={d.tp}: a chunked loss is not "
+            "implemented under tensor parallel (loss_parallel already splits the logits over the tp ranks); "
+            "set train.loss_chunk_tokens=0"
+        )
+    if t.loss_chunk_tokens and d.pp > 1:
+        raise ConfigError(
+            f"train.loss_chunk_tokens={t.loss_chunk_tokens} with distributed.pp={d.pp}: the pipeline's last stage "
+            "computes the loss on whole microbatch logits, unchunked; set train.loss_chunk_tokens=0 (a smaller "
+            "distributed.pp_microbatch_size makes those logits smaller)"
+        )
     if d.dp_shard == 0 or d.dp_shard < -1:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
     _check_moe_section(cfg)
@@ -322,7 +335,15 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
             reshard_after_forward=reshard,
         ),
         loss_parallel=d.loss_parallel,
+        loss_chunk_tokens=t.loss_chunk_tokens,
     )
+    tokens = t.batch_size * t.seq_len
+    if t.loss_chunk_tokens >= tokens:
+        logger.warning(
+            "train.loss_chunk_tokens=%d >= the %d tokens of a microbatch (train.batch_size x train.seq_len): one "
+            "chunk, so no memory is saved but the output head still runs again in backward; lower it",
+            t.loss_chunk_tokens, tokens,
+        )
     data = cfg.data
     source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                           vocab_size=args.vocab_size, seq_len=t.seq_len)

@@ -162,3 +162,15 @@ def test_seq_len_beyond_the_flavor_is_a_logged_choice(caplog, monkeypatch) -> No
     job = validate_job(_cfg("--train.seq_len=9000", "--data.source=synthetic"), world_size=1)
     assert job.model_args.max_seq_len == 9000
     assert "train.seq_len=9000 is longer than model.flavor='debug''s max_seq_len=8192" in caplog.text
+
+
+def test_loss_chunk_tokens_reaches_the_build_and_one_chunk_is_a_logged_waste(caplog, monkeypatch) -> None:
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)  # setup_logging may have run
+    job = validate_job(_cfg("--train.loss_chunk_tokens=100", "--train.batch_size=2", "--train.seq_len=64"),
+                       world_size=1)
+    assert job.build.loss_chunk_tokens == 100 and "loss_chunk_tokens" not in caplog.text
+    assert validate_job(_cfg("--train.batch_size=2", "--train.seq_len=64"), world_size=1).build.loss_chunk_tokens == 0
+    validate_job(_cfg("--train.loss_chunk_tokens=128", "--train.batch_size=2", "--train.seq_len=64"), world_size=1)
+    assert "train.loss_chunk_tokens=128 >= the 128 tokens of a microbatch" in caplog.text

@@ -1,6 +1,6 @@
 """build_parallel_model: the order of these calls is the architecture.
 
-    TP / EP  ->  FP8  ->  activation checkpointing  ->  compile  ->  FSDP2
+    TP / EP  ->  FP8  ->  activation checkpointing  ->  loss chunking  ->  compile  ->  FSDP2
 
 Each stage takes a resolved option object (made once, from the validated config, by
 `trainer.validate`), never the JobConfig, and asks `ParallelDims` for its mesh by name.
@@ -59,14 +59,16 @@ class BuildOptions:
     compile: bool
     fsdp: FSDPOptions
     loss_parallel: bool
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the output head and loss (Decoder.head_loss); 0 = all at once."""
 
 
 def build_parallel_model(
     model: nn.Module, parallel_dims: ParallelDims, *, options: BuildOptions, device: torch.device
 ) -> Float8Report | None:
-    """Apply TP -> EP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place; returns the FP8 report.
+    """Apply TP -> EP -> FP8 -> AC -> loss chunking -> compile -> FSDP2 to a meta-device model, in place.
 
-    The model stays on the meta device; the caller materializes it (`to_empty`)
+    Returns the FP8 report. The model stays on the meta device; the caller materializes it (`to_empty`)
     and calls `init_weights`, so no rank ever holds more than its shards.
     """
     pd, o = parallel_dims, options
@@ -95,6 +97,14 @@ def build_parallel_model(
 
     # AC wraps blocks before compile so the recompute is traced into the compiled graph.
     logger.info(apply_ac(model, mode=o.ac.mode, selective_every=o.ac.selective_every))
+
+    # Loss chunking before compile: with it, compile compiles one chunk instead of the whole head+loss.
+    if o.loss_chunk_tokens:
+        model.loss_chunk_tokens = o.loss_chunk_tokens
+        logger.info(
+            "output head + loss: chunks of %d tokens, each activation-checkpointed (the head GEMM runs again in "
+            "backward)", o.loss_chunk_tokens,
+        )
 
     # Compile before FSDP so FSDP's hooks stay outside the compiled graphs.
     if o.compile:
