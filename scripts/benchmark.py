@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -85,9 +86,11 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
             "first_step_s": warmup_times[0],
         }
     finally:
+        # The process group stays for the next precision, as between precision-schedule phases:
+        # destroying and re-creating it under torchrun failed on NCCL (the new group's connect
+        # raced the old one's store keys). main() destroys it once at the end.
         runner.close()
         del runner
-        destroy_distributed()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -130,7 +133,15 @@ def main() -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir) for p in args.precisions.split(",")]
+    ok = False
+    try:
+        results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir)
+                   for p in args.precisions.split(",")]
+        ok = True
+    finally:
+        destroy_distributed(barrier=ok)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 prints and writes for all
+        return 0
     base = results[0]["tokens_per_s_per_gpu"]
     print(f"\n{args.label or args.config}: {' '.join(overrides)}")
     print(f"{'precision':>9} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} {'vs ' + results[0]['precision']:>8}")

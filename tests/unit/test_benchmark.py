@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DEBUG_CONFIG, REPO, env
+from tests.helpers import DEBUG_CONFIG, REPO, env, new_tag, reap
 from trainer.metrics import PEAK_BF16_FLOPS
 from trainer.models import flops_per_token, model_args_for
 
@@ -60,3 +60,25 @@ def test_benchmark_config_error_is_one_line() -> None:
                            "--train.bach_size=2"], capture_output=True, text=True, env=env(), cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "config error: unknown key [train].bach_size (did you mean batch_size?)"
+
+
+@pytest.mark.slow
+def test_benchmark_under_torchrun_keeps_one_process_group_for_every_precision(tmp_path: Path) -> None:
+    out = tmp_path / "bench.jsonl"
+    tag = new_tag()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--precisions", "bf16,fp8,bf16",
+             "--warmup", "1", "--steps", "2", "--json", str(out), "--",
+             "--data.source=synthetic", "--train.seq_len=64", "--train.batch_size=2"],
+            capture_output=True, text=True, env=env(tag), cwd=REPO, timeout=600)
+    finally:
+        reap(tag)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    # Rank 0 writes one line per precision; each precision ran over both ranks (2 x 2 x 64 tokens per step).
+    assert [r["precision"] for r in records] == ["bf16", "fp8", "bf16"]
+    for r in records:
+        assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
+    assert records[1]["float8_converted"] == 29
