@@ -427,3 +427,26 @@ def test_load_full_model_weights_errors(tmp_path):
     (tmp_path / "c" / "checkpoint.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"checkpoint.json is corrupted \(not valid JSON"):
         load_full_model_weights(tmp_path / "c")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_each_save_logs_how_long_it_blocked_training(tmp_path: Path, async_mode: str):
+    import re
+
+    proc = _run([*ARGS, "--train.steps=4", "--checkpoint.enable=true", "--checkpoint.interval=2",
+                 f"--checkpoint.async_mode={async_mode}"],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    blocked = re.findall(r"checkpoint step-(\d+): blocked training (\d+\.\d+) s \((.*?)\)", proc.stdout)
+    saved = {int(m[0]): float(m[1]) for m in re.findall(r"saved checkpoint \S+/step-(\d+) \([\d.,]+ MiB, (\d+\.\d+) s\)",
+                                                       proc.stdout)}
+    assert [int(b[0]) for b in blocked] == [2, 4] and sorted(saved) == [2, 4], proc.stdout[-3000:]
+    for step, seconds, detail in blocked:
+        if async_mode == "disabled":
+            assert detail.startswith("synchronous save") and float(seconds) >= saved[int(step)]
+        else:
+            # Training waits for the previous save (if still writing) and the staging copy, not the write.
+            previous, staging = map(float, re.fullmatch(r"previous save (\d+\.\d+) s, staging (\d+\.\d+) s",
+                                                         detail).groups())
+            assert float(seconds) == pytest.approx(previous + staging, abs=0.011)

@@ -313,6 +313,8 @@ class CheckpointManager:
             self.export(step)
 
     def save(self, step: int) -> None:
+        """Save step `step`; logs how long training was blocked ("checkpoint step-N: blocked training X s")."""
+        blocked_since = time.perf_counter()
         self.wait()  # one save at a time; also frees the checkpoint group for this save's collectives
         start = time.perf_counter()
         tmp = self.folder / f"step-{step}.tmp"
@@ -345,12 +347,16 @@ class CheckpointManager:
             if error is not None:
                 self.last_saved_step = previous
                 self._save_failed(step, tmp, error, nbytes)
+                return
+            logger.info("checkpoint step-%d: blocked training %.2f s (synchronous save; checkpoint.async_mode "
+                        "writes in the background)", step, time.perf_counter() - blocked_since)
             return
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg, async_stager=self._stager)
         self._pending = _PendingSave(step=step, tmp=tmp, future=future, start=start, nbytes=nbytes,
                                      previous=previous)
-        logger.info("checkpoint step-%d: staged in %.2f s, writing in the background", step,
-                    time.perf_counter() - start)
+        now = time.perf_counter()
+        logger.info("checkpoint step-%d: blocked training %.2f s (previous save %.2f s, staging %.2f s); "
+                    "writing in the background", step, now - blocked_since, start - blocked_since, now - start)
 
     def _broadcast_error(self, error: BaseException | None) -> BaseException | None:
         """Rank 0's error, or None, on every rank (collective on pg), so all ranks take the same branch."""
