@@ -207,7 +207,7 @@ class Trainer:
         self.scaler = LossScaler(enabled=t.mixed_precision == "fp16", device=self.device)
         self._pending_norms: list[tuple[int, torch.Tensor]] = []
         self.precompute_fp8_scales = bool(
-            self.float8 and self.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
+            self.float8 and self.float8.enabled and self.float8.fsdp_float8_all_gather
         )
         self.state = TrainState(mixed_precision=t.mixed_precision)
         self.stop_requested = False

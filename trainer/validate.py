@@ -114,7 +114,7 @@ def check_config(cfg: JobConfig) -> None:
             "would not hold; set train.mixed_precision='bf16' (or 'fp8'), or keep distributed.master_dtype='fp32'"
         )
     f8 = cfg.float8
-    if f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise":
+    if f8.enable_fsdp_float8_all_gather is True and f8.recipe != "tensorwise":
         raise ConfigError(
             f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "
             f"(got recipe='{f8.recipe}'); set --float8.enable_fsdp_float8_all_gather=false"
@@ -301,7 +301,10 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     float8 = None
     if t.is_fp8:
         f8 = cfg.float8
-        float8 = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
+        all_gather = f8.enable_fsdp_float8_all_gather
+        if all_gather == "auto":
+            all_gather = f8.recipe == "tensorwise" and pd.dp_shard > 1
+        float8 = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
                                exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require)
         with torch.device("meta"):
             shapes = build_model(args)

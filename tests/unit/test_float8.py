@@ -179,12 +179,26 @@ def _fp8_block(messages: list[str]) -> list[str]:
     return messages[first:last + 1]
 
 
+@pytest.mark.parametrize("setting, recipe, world, expected", [
+    ("auto", "tensorwise", 1, False), ("auto", "tensorwise", 2, True), ("auto", "rowwise", 2, False),
+    ("true", "tensorwise", 1, True), ("false", "tensorwise", 2, False),
+])
+def test_fp8_all_gather_auto_is_on_only_where_fsdp_shards_tensorwise_weights(setting, recipe, world, expected):
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.mixed_precision=fp8", f"--float8.recipe={recipe}",
+                           f"--float8.enable_fsdp_float8_all_gather={setting}"])
+    assert validate_job(cfg, world_size=world).build.float8.enable_fsdp_float8_all_gather is expected
+
+
 def test_cli_logs_confirmation_only_for_fp8(tmp_path: Path) -> None:
     base = ["--config", DEBUG_CONFIG, "--train.steps=1", "--train.seq_len=32"]
     messages = _messages(launch([*base, "--train.mixed_precision=fp8", f"--job.dump_folder={tmp_path / 'a'}"]))
     assert _fp8_block(messages) == [
         "float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel",
-        "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=True",
+        # One process: "auto" leaves fp8 all-gather off (one rank in the shard group gathers nothing).
+        "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=False",
         "converted 29/29 Linear layers; excluded: none",
         "float8 matmuls: CPU: real torch._scaled_mm path (aten's CPU kernel; for correctness, not speed)",
     ]
