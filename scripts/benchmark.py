@@ -47,12 +47,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None) -> dict:
+def state_bytes_per_param(master_dtype: str, bf16_update: str) -> int:
+    """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (+ Kahan buffer)."""
+    size = 4 if master_dtype == "fp32" else 2
+    return 4 * size + (size if master_dtype == "bf16" and bf16_update == "kahan" else 0)
+
+
+def memory_cap_bytes(*, local_params: int, bytes_per_param: int, world: int, emulate_gpus: int, gpu_bytes: int) -> int:
+    """What one rank of this job may use to behave like one rank of the same job on `emulate_gpus` GPUs of
+    `gpu_bytes` each: the sharded state shrinks by world / emulate_gpus there, everything else is the same.
+    """
+    state_here = local_params * bytes_per_param
+    return int(gpu_bytes - state_here * world / emulate_gpus + state_here)
+
+
+def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
+    """Cap this process's CUDA allocator (torch.cuda.set_per_process_memory_fraction); returns the cap in GiB."""
+    cfg, device = runner.cfg, runner.device
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in runner.model.parameters())
+    per_param = state_bytes_per_param(cfg.distributed.master_dtype, cfg.optimizer.bf16_update)
+    cap = memory_cap_bytes(local_params=local, bytes_per_param=per_param, world=runner.env.world_size,
+                           emulate_gpus=emulate_gpus, gpu_bytes=int(gpu_gib * 2**30))
+    total = torch.cuda.get_device_properties(device).total_memory
+    if cap > total:
+        raise SystemExit(f"error: emulating {emulate_gpus} GPUs of {gpu_gib} GiB needs {cap / 2**30:.1f} GiB per "
+                         f"process here, more than this GPU's {total / 2**30:.1f} GiB; use more GPUs")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap / 2**30
+
+
+def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None,
+              emulate: tuple[int, float] | None = None) -> dict:
     cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", "--train.precision_schedule=", f"--train.steps={warmup + steps}",
                            "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false"])
     runner = Trainer(cfg)
     try:
         device, t = runner.device, cfg.train
+        cap_gib = cap_memory(runner, emulate_gpus=emulate[0], gpu_gib=emulate[1]) if emulate else None
         warmup_times = []
         for _ in range(warmup):  # compilation, autotuning, allocator warm-up
             start = time.perf_counter()
@@ -84,6 +115,7 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
             "peak_memory_gib": peak,
             "float8_converted": len(runner.float8.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
+            "memory_cap_gib": cap_gib,
         }
     finally:
         # The process group stays for the next precision, as between precision-schedule phases:
@@ -124,7 +156,16 @@ def main() -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--json", help="append one JSON line per precision to this file")
     parser.add_argument("--profile-dir", help="also trace 2 steps per precision here and print the kernel summary")
+    parser.add_argument("--emulate-gpus", type=int, default=0,
+                        help="cap each process's memory to what one of this many GPUs would have free for the same "
+                             "job (its sharded weights, gradients and AdamW state shrink with more GPUs)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=79.6,
+                        help="memory of each emulated GPU (default 79.6 GiB: an H100 80GB)")
     args, overrides = parser.parse_known_args()
+    if args.emulate_gpus and not torch.cuda.is_available():
+        parser.error("--emulate-gpus caps CUDA memory: it needs a GPU")
+    if args.emulate_gpus < 0 or args.gpu_memory_gib <= 0:
+        parser.error("--emulate-gpus must be >= 0 and --gpu-memory-gib > 0")
     overrides = [o for o in overrides if o != "--"]
     setup_logging(0)
     argv = ["--config", args.config, *overrides]
@@ -135,8 +176,9 @@ def main() -> int:
         return 2
     ok = False
     try:
-        results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir)
-                   for p in args.precisions.split(",")]
+        emulate = (args.emulate_gpus, args.gpu_memory_gib) if args.emulate_gpus else None
+        results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir,
+                             emulate=emulate) for p in args.precisions.split(",")]
         ok = True
     finally:
         destroy_distributed(barrier=ok)
@@ -144,6 +186,9 @@ def main() -> int:
         return 0
     base = results[0]["tokens_per_s_per_gpu"]
     print(f"\n{args.label or args.config}: {' '.join(overrides)}")
+    if args.emulate_gpus:
+        print(f"memory capped per process to {results[0]['memory_cap_gib']:.1f} GiB: one of {args.emulate_gpus} "
+              f"GPUs of {args.gpu_memory_gib} GiB running this job")
     print(f"{'precision':>9} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} {'vs ' + results[0]['precision']:>8}")
     for r in results:
         r["speedup"] = r["tokens_per_s_per_gpu"] / base

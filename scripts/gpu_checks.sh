@@ -2,6 +2,7 @@
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
 #   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench8b_ce] [bench1b] [accuracy] [ac] [pp]   (default: tests bench8b bench1b accuracy ac)
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
+#   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
@@ -93,6 +94,18 @@ for s in $STEPS; do case $s in
       --variant "bf16-master-nearest=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=nearest" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
     for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
+  recipe7b)  # 4+ GPUs: configs/train/7b_16gpu_fp8.toml as a 16x H100 job would run it (memory capped per process to
+    # what one of 16 80 GB GPUs has free for this job), shipped settings first, then the candidates; synthetic tokens.
+    for v in "shipped" \
+             "ac-selective-b4-accum4 --train.activation_checkpointing=selective --train.batch_size=4 --train.grad_accum_steps=4" \
+             "ac-none-b2-accum8 --train.activation_checkpointing=none --train.batch_size=2 --train.grad_accum_steps=8" \
+             "ac-selective-b8-chunked --train.activation_checkpointing=selective --train.loss_chunk_tokens=4096"; do
+      set -- $v; label=$1; shift
+      torchrun --standalone --nproc_per_node=$NGPU scripts/benchmark.py --json $OUT/bench.jsonl --emulate-gpus 16 \
+        --label "7b_16gpu_fp8 as 16x H100, $label" --precisions fp8 --warmup 4 --steps 6 \
+        --config configs/train/7b_16gpu_fp8.toml -- --data.source=synthetic --checkpoint.enable=false "$@" 2>&1 \
+        | tee "$OUT/recipe7b_$label.log" | grep -v "^\[rank" | tail -4
+    done ;;
   ac)
     for v in "compile none --train.compile_model=true --train.activation_checkpointing=none" \
              "eager none --train.compile_model=false --train.activation_checkpointing=none" \

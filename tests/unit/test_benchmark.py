@@ -82,3 +82,24 @@ def test_benchmark_under_torchrun_keeps_one_process_group_for_every_precision(tm
     for r in records:
         assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
     assert records[1]["float8_converted"] == 29
+
+
+def test_memory_cap_gives_back_the_state_a_larger_job_would_not_hold() -> None:
+    benchmark = _load_benchmark()
+    assert benchmark.state_bytes_per_param("fp32", "stochastic") == 16  # fp32 weight, grad, exp_avg, exp_avg_sq
+    assert benchmark.state_bytes_per_param("bf16", "stochastic") == 8
+    assert benchmark.state_bytes_per_param("bf16", "kahan") == 10
+    # Llama 3 8B (8.03B parameters) on 4 GPUs, emulating 16 H100s: each rank holds 2.0B parameters' state (32 GB)
+    # where a 16-GPU rank holds 8 GB, so the cap is 80 GB + 24 GB.
+    cap = benchmark.memory_cap_bytes(local_params=2_007_500_000, bytes_per_param=16, world=4, emulate_gpus=16,
+                                     gpu_bytes=80 * 10**9)
+    assert cap == 80 * 10**9 + 3 * 2_007_500_000 * 16 // 4
+    # Emulating the same number of GPUs is no cap beyond the GPU itself.
+    assert benchmark.memory_cap_bytes(local_params=10, bytes_per_param=16, world=4, emulate_gpus=4, gpu_bytes=1000) == 1000
+
+
+def test_emulating_gpus_without_a_gpu_is_one_line() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG,
+                           "--emulate-gpus", "16"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --emulate-gpus caps CUDA memory: it needs a GPU")
