@@ -378,7 +378,8 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if from_cli and isinstance(value, str) and True in allowed and value.lower() in ("true", "false"):
+        takes_bool = any(isinstance(a, bool) for a in allowed)
+        if from_cli and isinstance(value, str) and takes_bool and value.lower() in ("true", "false"):
             value = value.lower() == "true"
         # Compare types too: 1 == True, but an integer is not a boolean setting.
         if not any(type(value) is type(a) and value == a for a in allowed):

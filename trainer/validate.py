@@ -117,7 +117,7 @@ def check_config(cfg: JobConfig) -> None:
     if f8.enable_fsdp_float8_all_gather is True and f8.recipe != "tensorwise":
         raise ConfigError(
             f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "
-            f"(got recipe='{f8.recipe}'); set --float8.enable_fsdp_float8_all_gather=false"
+            f"(got recipe='{f8.recipe}'); set --float8.enable_fsdp_float8_all_gather=auto (or false)"
         )
     p = cfg.profiling
     if p.enable and not 1 <= p.start_step <= p.end_step:
