@@ -25,12 +25,16 @@ logger = logging.getLogger(__name__)
 class Evaluator:
     def __init__(self, source, *, seq_len: int, batch_size: int, steps: int, dp_rank: int, dp_degree: int,
                  device: torch.device, dp_group: dist.ProcessGroup | None = None,
-                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        """batch_loss(inputs, labels) -> the batch's mean loss; default: the model's own forward
+        (under pipeline parallelism, `Pipeline.eval_loss` through the schedule)."""
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
         assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
         self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
+        self.batch_loss = batch_loss
         self.tokens = steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -49,7 +53,10 @@ class Evaluator:
             total = torch.zeros((), device=self.device, dtype=torch.float32)
             for inputs, labels in self.batches():
                 with self.loss_context():
-                    loss = model(inputs.to(self.device), labels.to(self.device))
+                    if self.batch_loss is not None:
+                        loss = self.batch_loss(inputs, labels)
+                    else:
+                        loss = model(inputs.to(self.device), labels.to(self.device))
                 if isinstance(loss, DTensor):  # replicated under loss parallel
                     loss = loss.to_local()
                 total += loss.float()  # every batch has the same token count: the mean of means is the mean

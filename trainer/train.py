@@ -166,6 +166,7 @@ class Trainer:
                 job.validation_source, seq_len=t.seq_len, batch_size=t.batch_size, steps=cfg.validation.steps,
                 dp_rank=self.dp_mesh.get_local_rank(), dp_degree=self.parallel_dims.dp, device=self.device,
                 dp_group=self.dp_mesh.get_group(), loss_context=self.loss_context,
+                batch_loss=self.pipeline.eval_loss if self.pipeline else None,
             )
             logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
                         cfg.validation.steps, cfg.validation.freq, f"{self.evaluator.tokens:,}")

@@ -350,9 +350,12 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     data = cfg.data
     source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                           vocab_size=args.vocab_size, seq_len=t.seq_len)
-    if cfg.validation.enable and pd.pp > 1:
-        raise ConfigError("validation.enable=true with distributed.pp > 1: evaluation through the pipeline schedule "
-                          "is not implemented yet; set validation.enable=false or distributed.pp=1")
+    if cfg.validation.enable and pd.pp > 1 and d.pipeline_schedule == "ZBVZeroBubble":
+        raise ConfigError(
+            "validation.enable=true with distributed.pipeline_schedule='ZBVZeroBubble': torch's forward-only "
+            "schedule.eval() cannot run the V-shaped zero-bubble schedule (it fails at the first evaluation); use "
+            "another schedule (e.g. InterleavedZeroBubble) or validation.enable=false"
+        )
     validation = _validation_source(cfg, vocab_size=args.vocab_size, dp=pd.dp) if cfg.validation.enable else None
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
                        validation_source=validation, pipeline=pipeline)

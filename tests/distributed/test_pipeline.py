@@ -22,12 +22,14 @@ from trainer.checkpoint import load_full_model_weights
 
 STEPS = ["--train.steps=4"]
 PP2 = ["--distributed.pp=2"]
+# Held-out loss at steps 2 and 4, through the schedule's forward-only eval() under pp.
+VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=2"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """1 process, batch 4, 4 steps: the run every pipeline layout must reproduce."""
-    return train([*FAST, *STEPS, "--train.batch_size=4"], tmp_path_factory.mktemp("ref"))
+    return train([*FAST, *STEPS, *VAL, "--train.batch_size=4"], tmp_path_factory.mktemp("ref"))
 
 
 def assert_same_run(got: list[dict], ref: list[dict]) -> None:
@@ -35,6 +37,9 @@ def assert_same_run(got: list[dict], ref: list[dict]) -> None:
     assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=1e-5)
     # The global norm over all stages (summed over the pp group) is the pp=1 norm.
     assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-5)
+    if any("val_loss" in r for r in got):
+        val = [(r["step"], r["val_loss"]) for r in got if "val_loss" in r]
+        assert val == [(r["step"], pytest.approx(r["val_loss"], rel=1e-5)) for r in ref if "val_loss" in r]
 
 
 @pytest.mark.parametrize(
@@ -42,21 +47,25 @@ def assert_same_run(got: list[dict], ref: list[dict]) -> None:
     [
         # HSDP inside each stage: 2 replicas of batch 2.
         (4, ["--distributed.pipeline_schedule=GPipe", "--distributed.dp_replicate=2", "--distributed.dp_shard=1",
-             "--train.batch_size=2"]),
+             "--train.batch_size=2", *VAL]),
         # Gradient accumulation over two schedule steps equals one batch of 4.
-        (2, ["--distributed.pipeline_schedule=1F1B", "--train.batch_size=2", "--train.grad_accum_steps=2"]),
+        # (Validation batches are train.batch_size sequences: 4 batches of 2 are the reference's 2 of 4.)
+        (2, ["--distributed.pipeline_schedule=1F1B", "--train.batch_size=2", "--train.grad_accum_steps=2", *VAL,
+             "--validation.steps=4"]),
         # 2 stages per rank (4 stages), the foreach optimizer path (host-side non-finite check).
         (2, ["--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=4",
-             "--optimizer.implementation=foreach"]),
+             "--optimizer.implementation=foreach", *VAL]),
         (2, ["--distributed.pipeline_schedule=InterleavedZeroBubble", "--train.batch_size=4",
-             "--distributed.pp_microbatch_size=2"]),
+             "--distributed.pp_microbatch_size=2", *VAL]),
         # V schedule: rank 0 holds the first and the last stage; with full activation checkpointing.
+        # (No validation: torch's schedule.eval() cannot run ZBV; the config check refuses it.)
         (2, ["--distributed.pipeline_schedule=ZBVZeroBubble", "--train.batch_size=4",
              "--train.activation_checkpointing=full"]),
         # pp outermost, FSDP inside each stage: 2 data-parallel ranks of batch 2.
-        (4, ["--distributed.pipeline_schedule=Interleaved1F1B", "--distributed.dp_shard=2", "--train.batch_size=2"]),
+        (4, ["--distributed.pipeline_schedule=Interleaved1F1B", "--distributed.dp_shard=2", "--train.batch_size=2",
+             *VAL]),
         # TP inside each stage with the vocabulary-parallel loss on the last stage; explicit split point.
-        (4, ["--distributed.tp=2", "--train.batch_size=4", "--distributed.pp_split_points=layers.1"]),
+        (4, ["--distributed.tp=2", "--train.batch_size=4", "--distributed.pp_split_points=layers.1", *VAL]),
     ],
     ids=["gpipe-x-hsdp2", "1f1b-accum2", "interleaved1f1b-foreach", "interleaved-zb-mb2", "zbv-ac-full",
          "interleaved-x-dp_shard2", "1f1b-x-tp2-split"],

@@ -31,6 +31,8 @@ def _cfg(*args: str):
         (4, ["--distributed.ep=2", "--distributed.tp=2"], "expert parallel together with tensor parallel"),
         (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard=6"),
         (3, ["--distributed.pp=2"], "distributed.pp=2 does not divide the world size 3"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=ZBVZeroBubble", "--validation.enable=true"],
+         "validation.enable=true with distributed.pipeline_schedule='ZBVZeroBubble'"),
         (1, ["--train.mixed_precision=fp8", "--float8.exclude_fqns=layers.9.attention.q_proj"],
          "layers.9.attention.q_proj"),
         (1, ["--data.source=shards", "--data.path=/nonexistent/dir"], "no shard files found at data.path='/nonexistent/dir'"),

@@ -318,6 +318,25 @@ class Pipeline:
         return total
 
 
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one batch through the schedule, forward only (`schedule.eval`), on every pp rank.
+
+        The same microbatches as a training step of this batch; the last stage's mean is sent to
+        the other pp ranks by a sum over the pp group (only the last stage's ranks hold a loss).
+        """
+        self._loss_factor = 1.0 / self.options.num_microbatches
+        args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
+        self.schedule.eval(*args, **kwargs, **self._step_kwargs)
+        total = torch.zeros((), device=self.device)
+        if losses:
+            total += torch.stack([(x.to_local() if isinstance(x, DTensor) else x).float() for x in losses]).sum()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return total
+
+
 __all__ = [
     "Pipeline", "PipelineModel", "PipelineOptions", "SCHEDULES", "bubble_fraction", "default_stages_per_rank",
     "even_split", "split_at", "stage_ids", "stage_module_fqns",
