@@ -22,6 +22,8 @@ ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.steps=4", "--metr
         "--metrics.enable_tensorboard=false"]
 FP32 = ["--train.mixed_precision=fp32"]
 CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2"]
+# Held-out loss at steps 2 and 4 over 8 samples (validation.steps x batch_size x dp ranks = 8 where used).
+VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=2"]
 
 
 def assert_same_run(got: list[dict], ref: list[dict], *, rel: float = 1e-5) -> None:
@@ -31,20 +33,23 @@ def assert_same_run(got: list[dict], ref: list[dict], *, rel: float = 1e-5) -> N
     assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=10 * rel)
     # Expert loads are summed over all ranks before the bias moves: the same routing everywhere.
     assert column(got, "moe/imbalance_max") == pytest.approx(column(ref, "moe/imbalance_max"), rel=rel)
+    if any("val_loss" in r for r in got):  # evaluation through EP's all-to-all, the same held-out samples
+        val = [(r["step"], r["val_loss"]) for r in got if "val_loss" in r]
+        assert val == [(r["step"], pytest.approx(r["val_loss"], rel=rel)) for r in ref if "val_loss" in r]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """1 process, batch 4, fp32, checkpoints at steps 2 and 4."""
     dump = tmp_path_factory.mktemp("ref")
-    return {"metrics": train([*ARGS, *FP32, *CKPT, "--train.batch_size=4"], dump), "dump": dump}
+    return {"metrics": train([*ARGS, *FP32, *CKPT, *VAL, "--train.batch_size=4"], dump), "dump": dump}
 
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory) -> dict:
     """2 processes, ep=2 (all of dp_shard), batch 2 each, checkpoints at steps 2 and 4."""
     dump = tmp_path_factory.mktemp("ep2")
-    args = [*ARGS, *FP32, *CKPT, "--train.batch_size=2", "--distributed.ep=2"]
+    args = [*ARGS, *FP32, *CKPT, *VAL, "--train.batch_size=2", "--distributed.ep=2"]
     return {"metrics": train(args, dump, nproc=2), "dump": dump}
 
 
@@ -54,7 +59,7 @@ def test_ep2_matches_single_process(ep2, reference) -> None:
 
 def test_ep2_x_dp_shard2_matches_single_process(reference, tmp_path: Path) -> None:
     # 4 ranks: experts split over ep=2 and FSDP-sharded over dp_shard/ep = 2.
-    got = train([*ARGS, *FP32, "--train.batch_size=1", "--distributed.ep=2"], tmp_path, nproc=4)
+    got = train([*ARGS, *FP32, *VAL, "--train.batch_size=1", "--distributed.ep=2"], tmp_path, nproc=4)
     assert_same_run(got, reference["metrics"])
     log = (tmp_path / "metrics.jsonl").read_text()
     assert '"moe/layer1/imbalance"' in log and '"moe/layer3/dropped_fraction": 0.0' in log
