@@ -8,6 +8,7 @@ cases are in tests/distributed/test_checkpoint_distributed.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -432,8 +433,6 @@ def test_load_full_model_weights_errors(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_each_save_logs_how_long_it_blocked_training(tmp_path: Path, async_mode: str):
-    import re
-
     proc = _run([*ARGS, "--train.steps=4", "--checkpoint.enable=true", "--checkpoint.interval=2",
                  f"--checkpoint.async_mode={async_mode}"],
                 tmp_path)

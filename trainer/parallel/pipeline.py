@@ -304,19 +304,12 @@ class Pipeline:
         self._loss_factor = scale / n
         total = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
-            args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
-            losses: list[torch.Tensor] = []
-            kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
             with loss_context():
-                self.schedule.step(*args, **kwargs, **self._step_kwargs)
-            if losses:
-                # Replicated DTensors under loss parallel: every TP rank holds the whole loss.
-                total += torch.stack([(x.to_local() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
+                total += self._run_schedule(self.schedule.step, inputs, labels)
         if loss_scale is not None:
             total = total / loss_scale
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
         return total
-
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -326,15 +319,21 @@ class Pipeline:
         the other pp ranks by a sum over the pp group (only the last stage's ranks hold a loss).
         """
         self._loss_factor = 1.0 / self.options.num_microbatches
+        total = self._run_schedule(self.schedule.eval, inputs, labels)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return total
+
+    def _run_schedule(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One schedule call (`step` or `eval`) on one batch; the sum of this rank's last-stage microbatch
+        losses (each already times `_loss_factor`), zero on ranks without the last stage."""
         args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
-        self.schedule.eval(*args, **kwargs, **self._step_kwargs)
-        total = torch.zeros((), device=self.device)
-        if losses:
-            total += torch.stack([(x.to_local() if isinstance(x, DTensor) else x).float() for x in losses]).sum()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
-        return total
+        run(*args, **kwargs, **self._step_kwargs)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        # Replicated DTensors under loss parallel: every TP rank holds the whole loss.
+        return torch.stack([(x.to_local() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
 
 
 __all__ = [
