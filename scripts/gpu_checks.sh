@@ -2,6 +2,7 @@
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
 #   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench8b_ce] [bench1b] [accuracy] [ac] [pp]   (default: tests bench8b bench1b accuracy ac)
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
+#   bash scripts/gpu_checks.sh bf16m8b    (8B shapes x 8 layers with bf16 master weights: log line, benchmark, batch)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
@@ -47,6 +48,22 @@ for s in $STEPS; do case $s in
   trainlog8b)  # the train.py log line on the same shape, for agreement with benchmark.py
     for p in bf16 fp8; do
       python3 scripts/train.py --config configs/train/llama3_8b.toml --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false --train.steps=20 --metrics.log_freq=10 --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/tl_$p 2>&1 | grep -E "step +20/" | sed "s/^/[train.py $p] /" | tee -a "$OUT/trainlog8b.log"
+    done ;;
+  bf16m8b)  # 8B shapes x 8 layers with bf16 master weights (stochastic): train.py log lines, benchmark.py, then fp8 at
+    # (batch, loss_chunk_tokens) = (4, 4096), (6, 4096), (8, 4096), (6, 0) (docs/benchmarks.md "Second sitting")
+    M="--model.n_layers=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic"
+    for p in fp8 bf16; do
+      python3 scripts/train.py --config configs/train/llama3_8b.toml $M --train.batch_size=4 --train.steps=20 --metrics.log_freq=10 \
+        --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/bf16m_$p 2>&1 \
+        | grep -E "step +(10|20)/|Error" | sed "s/^/[train.py $p] /" | tee -a "$OUT/bf16m8b.log"
+    done
+    $B --label "8B shapes x 8 layers, batch 4, seq 4096, bf16 master (stochastic)" --warmup 6 --steps 10 \
+      --config configs/train/llama3_8b.toml -- $M --train.batch_size=4 2>&1 | grep -v "^\[rank" | tail -4 | tee -a "$OUT/bf16m8b.log"
+    for bc in "4 4096" "6 4096" "8 4096" "6 0"; do set -- $bc
+      $B --label "8B x 8L fp8 bf16 master, batch $1, loss_chunk_tokens=$2" --precisions fp8 --warmup 5 --steps 8 \
+        --config configs/train/llama3_8b.toml -- $M --train.batch_size=$1 --train.loss_chunk_tokens=$2 > /tmp/bf16m.log 2>&1 \
+        || echo "[bf16m8b] batch $1 chunk $2 failed (exit $?; OutOfMemoryError lines: $(grep -c OutOfMemoryError /tmp/bf16m.log))"
+      grep -v "^\[rank" /tmp/bf16m.log | grep -A1 "^precision" | tee -a "$OUT/bf16m8b.log"
     done ;;
   bench1b) $B --label "1B, batch 8, seq 4096" --warmup 6 --steps 10 $BENCH_1B 2>&1 | tee "$OUT/bench1b.log" | grep -v "^\[rank" ;;
   bench1b_ag)  # fp8 with bf16 all-gather (casts inside the compiled graphs instead of before the gather)
