@@ -2,8 +2,8 @@
 # Every GPU check and benchmark in one call (the device machine is lent by the minute).
 #   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench8b_ce] [bench1b] [accuracy] [ac] [pp]   (default: tests bench8b bench1b accuracy ac)
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
-#   bash scripts/gpu_checks.sh bf16m8b    (8B shapes x 8 layers with bf16 master weights: log lines and benchmark)
-#   CE_ARGS="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh bench8b_ce   (chunked loss x batch, extra overrides)
+#   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
+#       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
@@ -22,12 +22,12 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
   python3 -c "import torch, torchao, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'torchao', torchao.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 B="python3 scripts/benchmark.py --json $OUT/bench.jsonl"
-BENCH_8B="--config configs/train/llama3_8b.toml -- --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
-BF16M="--distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic"
+SHAPE_8B="--model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false ${ARGS_8B:-}"
+BENCH_8B="--config configs/train/llama3_8b.toml -- $SHAPE_8B"
 BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-  bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
+  bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096${ARGS_8B:+, $ARGS_8B}" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
   bench8b_ag)  # fp8 with bf16 all-gather, explicitly (the "auto" default also turns it off with one rank)
     $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench8b_ag.log" | grep -v "^\[rank" ;;
   bench8b_bf16m)  # fp8, bf16 master weights and moments, each bf16_update (all-gather off as in bench8b_ag)
@@ -36,12 +36,11 @@ for s in $STEPS; do case $s in
     done ;;
   bench8b_ce)  # fp8, 8B shapes x 8 layers: plain loss vs train.loss_chunk_tokens at batch 4, then at larger batches
     # CE_CHUNK: tokens per chunk (default 4096: 4 chunks at batch 4 x 4096); CE_BATCHES: the larger per-GPU batches,
-    # each tried both ways; CE_ARGS: more overrides for every run. A run that does not fit says so (benchmark.py dies
-    # of OutOfMemoryError).
+    # each tried both ways. A run that does not fit says so (benchmark.py dies of OutOfMemoryError).
     for b in 4 ${CE_BATCHES:-6 8}; do for c in 0 ${CE_CHUNK:-4096}; do
-      tag="batch $b x 4096, loss_chunk_tokens=$c${CE_ARGS:+ $CE_ARGS}"; log="$OUT/ce8b_b${b}_c$c.log"
+      tag="batch $b x 4096, loss_chunk_tokens=$c${ARGS_8B:+, $ARGS_8B}"; log="$OUT/ce8b_b${b}_c$c.log"
       $B --label "8B shapes, 8 layers, fp8, $tag" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} \
-        --train.batch_size=$b --train.loss_chunk_tokens=$c ${CE_ARGS:-} > "$log" 2>&1; rc=$?
+        --train.batch_size=$b --train.loss_chunk_tokens=$c > "$log" 2>&1; rc=$?
       grep -v "^\[rank" "$log" | grep -B1 -A1 "^precision"
       if [ $rc -ne 0 ]; then
         if grep -q "OutOfMemoryError" "$log"; then echo "[bench8b_ce] $tag: did not fit (OutOfMemoryError)"
@@ -50,18 +49,10 @@ for s in $STEPS; do case $s in
     done; done 2>&1 | tee "$OUT/bench8b_ce.log" ;;
   trainlog8b)  # the train.py log line on the same shape, for agreement with benchmark.py
     for p in bf16 fp8; do
-      python3 scripts/train.py --config configs/train/llama3_8b.toml --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false --train.steps=20 --metrics.log_freq=10 --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/tl_$p 2>&1 | grep -E "step +20/" | sed "s/^/[train.py $p] /" | tee -a "$OUT/trainlog8b.log"
+      python3 scripts/train.py --config configs/train/llama3_8b.toml $SHAPE_8B --train.steps=20 --metrics.log_freq=10 \
+        --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/tl_$p 2>&1 \
+        | grep -E "step +(10|20)/" | sed "s/^/[train.py $p] /" | tee -a "$OUT/trainlog8b.log"
     done ;;
-  bf16m8b)  # 8B shapes x 8 layers with bf16 master weights (stochastic): train.py log lines and benchmark.py at batch 4
-    # (docs/benchmarks.md "Second sitting"); its batch / chunked-loss rows: CE_ARGS="$BF16M" ... bench8b_ce
-    M="--model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false $BF16M"
-    for p in fp8 bf16; do
-      python3 scripts/train.py --config configs/train/llama3_8b.toml $M --train.steps=20 --metrics.log_freq=10 \
-        --metrics.enable_tensorboard=false --train.mixed_precision=$p --job.dump_folder=/tmp/bf16m_$p 2>&1 \
-        | grep -E "step +(10|20)/|Error" | sed "s/^/[train.py $p] /" | tee -a "$OUT/bf16m8b.log"
-    done
-    $B --label "8B shapes x 8 layers, batch 4, seq 4096, bf16 master (stochastic)" --warmup 6 --steps 10 \
-      --config configs/train/llama3_8b.toml -- $M 2>&1 | grep -v "^\[rank" | tail -4 | tee -a "$OUT/bf16m8b.log" ;;
   bench1b) $B --label "1B, batch 8, seq 4096" --warmup 6 --steps 10 $BENCH_1B 2>&1 | tee "$OUT/bench1b.log" | grep -v "^\[rank" ;;
   bench1b_ag)  # fp8 with bf16 all-gather (casts inside the compiled graphs instead of before the gather)
     $B --label "1B, batch 8, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_1B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench1b_ag.log" | grep -v "^\[rank" ;;
