@@ -130,7 +130,7 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
 
 def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     """Trace a few more steps and print the kernel summary (where the time goes)."""
-    from trainer.profiling import format_summary, load_trace_events, summarize_events
+    from trainer.trace_summary import format_summary, load_trace_events, summarize_events
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     path = trace_dir / "trace.json.gz"

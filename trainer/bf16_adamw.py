@@ -21,15 +21,19 @@ found_inf (our fused path divides by the loss scale times the clip factor and sk
 non-finite step on the device), needs a tensor lr, and always torch.compiles one kernel
 per parameter.
 
-Random bits here are a hash of (seed, step, parameter index, the element's index in the
-*global* tensor): no generator state to checkpoint, so a resumed run rounds exactly as
-the uninterrupted one, and an FSDP/HSDP/TP layout rounds each element exactly as one
-process does (replicas of an HSDP shard stay identical).
+Random bits here are a hash of (seed, step, the parameter's fqn, the element's index in
+the *global* tensor): no generator state to checkpoint, so a resumed run rounds exactly as
+the uninterrupted one, and every layout (FSDP, HSDP, TP, EP, each pipeline stage holding
+some of the parameters) rounds each element exactly as one process does (replicas of an
+HSDP shard stay identical). The fqn enters as its crc32, a stable hash (Python's `hash()`
+of a string differs between processes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import zlib
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -88,9 +92,14 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def step_key(seed: int, param_index: int, step: int) -> int:
+def param_key(name: str) -> int:
+    """A parameter's stable 32-bit key: the crc32 of its fqn (the same in every process and layout)."""
+    return zlib.crc32(name.encode())
+
+
+def step_key(seed: int, key: int, step: int) -> int:
     """Host-side key of one parameter's random bits at one step (63 bits, fits int64)."""
-    return _splitmix64(_splitmix64(_splitmix64(seed) ^ param_index) ^ step) >> 1
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ key) ^ step) >> 1
 
 
 def global_index(shape: tuple[int, ...], offsets: torch.Tensor, strides: torch.Tensor) -> torch.Tensor:
@@ -158,10 +167,16 @@ class BF16AdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 update: BF16Update, seed: int, compile: bool = False):
+                 update: BF16Update, seed: int, compile: bool = False, names: Sequence[str] | None = None):
+        """names: each parameter's fqn, in the order of `params` (the trainer passes the model's fqns without
+        compile/AC wrapper names); it keys the rounding's random bits. None: the position ("0", "1", ...)."""
         assert update in ("stochastic", "kahan"), update
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.update, self.seed, self.compile = update, seed, compile
+        flat = [p for group in self.param_groups for p in group["params"]]
+        names = list(names) if names is not None else [str(i) for i in range(len(flat))]
+        assert len(names) == len(flat), (len(names), len(flat))
+        self._keys = {p: param_key(name) for p, name in zip(flat, names)}
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
         self._index_meta: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -201,12 +216,10 @@ class BF16AdamW(torch.optim.Optimizer):
         return None
 
     def _step(self, fn) -> None:
-        param_index = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = float(group["lr"])
             for p in group["params"]:
-                param_index += 1
                 if p.grad is None:
                     continue
                 assert p.dtype == torch.bfloat16, f"BF16AdamW needs bf16 parameters, got {p.dtype}"
@@ -225,7 +238,7 @@ class BF16AdamW(torch.optim.Optimizer):
                 fn(
                     _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                     None if comp is None else _local(comp), offsets, strides,
-                    torch.tensor(step_key(self.seed, param_index, step), dtype=torch.int64),
+                    torch.tensor(step_key(self.seed, self._keys[p], step), dtype=torch.int64),
                     torch.tensor(lr), torch.tensor(1 - beta1**step), torch.tensor((1 - beta2**step) ** 0.5),
                     self.grad_scale, self.found_inf,
                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],

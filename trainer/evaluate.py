@@ -19,23 +19,38 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from trainer.hooks import StepHook
+
 logger = logging.getLogger(__name__)
 
 
-class Evaluator:
-    def __init__(self, source, *, seq_len: int, batch_size: int, steps: int, dp_rank: int, dp_degree: int,
+class Evaluator(StepHook):
+    """Held-out loss as a step hook (trainer/hooks.py): every `freq` steps and at step `last_step`, the
+    log line gets `val_loss` and `val_ppl`; the loop does not count the evaluation as training time."""
+
+    def __init__(self, source, *, model: torch.nn.Module, batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 seq_len: int, batch_size: int, steps: int, freq: int, last_step: int, dp_rank: int, dp_degree: int,
                  device: torch.device, dp_group: dist.ProcessGroup | None = None,
-                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
-        """batch_loss(inputs, labels) -> the batch's mean loss; default: the model's own forward
-        (under pipeline parallelism, `Pipeline.eval_loss` through the schedule)."""
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        """batch_loss(inputs, labels) -> the batch's mean loss in the training layout
+        (`trainer.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule)."""
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
         assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
         self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
+        self.model, self.freq, self.last_step = model, freq, last_step
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
         self.batch_loss = batch_loss
         self.tokens = steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
+
+    def log_due(self, step: int) -> bool:
+        return step % self.freq == 0 or step == self.last_step
+
+    def on_log(self, step: int) -> dict[str, float]:
+        if not self.log_due(step):
+            return {}
+        result = self.evaluate(self.model)
+        return {"val_loss": result["loss"], "val_ppl": result["ppl"]}
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for b in range(self.steps):
@@ -53,10 +68,7 @@ class Evaluator:
             total = torch.zeros((), device=self.device, dtype=torch.float32)
             for inputs, labels in self.batches():
                 with self.loss_context():
-                    if self.batch_loss is not None:
-                        loss = self.batch_loss(inputs, labels)
-                    else:
-                        loss = model(inputs.to(self.device), labels.to(self.device))
+                    loss = self.batch_loss(inputs, labels)
                 if isinstance(loss, DTensor):  # replicated under loss parallel
                     loss = loss.to_local()
                 total += loss.float()  # every batch has the same token count: the mean of means is the mean

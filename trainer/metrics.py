@@ -8,7 +8,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,9 +73,9 @@ class StepStats:
     tokens: int  # tokens processed by this device in the interval
     seconds: float  # wall time of the interval
     steps_in_interval: int
-    validation: dict[str, float] | None = None  # {"loss", "ppl"} when the held-out set was evaluated this step
     extra: dict[str, float] | None = None
-    """More scalars for metrics.jsonl and TensorBoard (MoE: aux_loss, moe/*; fp8 health); aux_loss also goes on the log line."""
+    """More scalars for metrics.jsonl and TensorBoard, from the step hooks (MoE: aux_loss, moe/*; validation:
+    val_loss, val_ppl; fp8 health); aux_loss and the validation pair also go on the log line."""
 
 
 class MetricsLogger:
@@ -168,20 +168,19 @@ class MetricsLogger:
         }
         if self.fp8_converted_fraction is not None:
             record["fp8_converted_fraction"] = self.fp8_converted_fraction
-        if s.validation:
-            record["val_loss"], record["val_ppl"] = s.validation["loss"], s.validation["ppl"]
-        record.update(s.extra or {})
+        extra = s.extra or {}
+        record.update(extra)
         if self.rank != 0:
             return record
         mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
-        aux_text = f" | aux_loss {s.extra['aux_loss']:.4f}" if s.extra and "aux_loss" in s.extra else ""
+        aux_text = f" | aux_loss {extra['aux_loss']:.4f}" if "aux_loss" in extra else ""
         line = (
             f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f}{aux_text} | grad_norm {s.grad_norm:7.3f} | "
             f"lr {s.lr:.2e} | tps {tps:,.0f} | tflops {tflops:6.1f} | {mfu_text} | "
             f"mem {mem_alloc:5.2f}/{mem_reserved:5.2f} GiB | eta {_fmt_duration(eta)}"
         )
-        if s.validation:
-            line += f" | val_loss {s.validation['loss']:7.4f} ppl {s.validation['ppl']:.2f}"
+        if "val_loss" in extra:
+            line += f" | val_loss {extra['val_loss']:7.4f} ppl {extra['val_ppl']:.2f}"
         logger.info(line + ("  << LOSS SPIKE" if spike else ""))
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -203,9 +202,8 @@ class MetricsLogger:
                 scalars["perf/mfu"] = mfu
             if self.fp8_converted_fraction is not None:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
-            if s.validation:
-                scalars["val/loss"], scalars["val/ppl"] = s.validation["loss"], s.validation["ppl"]
-            scalars.update({k if "/" in k else f"train/{k}": v for k, v in (s.extra or {}).items()})
+            names = {"val_loss": "val/loss", "val_ppl": "val/ppl"}
+            scalars.update({names.get(k, k if "/" in k else f"train/{k}"): v for k, v in extra.items()})
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, s.step)
         return record

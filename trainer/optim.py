@@ -30,8 +30,11 @@ def build_optimizer(
     torch.compile its per-tensor step).
     """
     if bf16_update in ("stochastic", "kahan"):
-        return BF16AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         update=bf16_update, seed=seed, compile=compile)
+        from trainer.models.layers import clean_fqn
+
+        named = list(model.named_parameters())
+        return BF16AdamW([p for _, p in named], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         update=bf16_update, seed=seed, compile=compile, names=[clean_fqn(n) for n, _ in named])
     return torch.optim.AdamW(
         model.parameters(),
         lr=lr,

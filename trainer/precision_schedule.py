@@ -1,10 +1,7 @@
 """`train.precision_schedule`: several precisions in one run, e.g. bf16 warm-up, fp8 body, bf16 cool-down.
 
-Syntax: a list of "precision:last_step" strings, the last without a step (it runs to
-train.steps): ["bf16:2000", "fp8:9500", "bf16"] trains steps 1-2000 in bf16, 2001-9500 in
-fp8 and 9501-train.steps in bf16. Strings rather than a list of tables, so the same value
-works on the command line (`--train.precision_schedule=bf16:2000,fp8:9500,bf16`) and in
-the `config.toml` the run writes.
+The syntax (["bf16:2000", "fp8:9500", "bf16"]: bf16 for steps 1-2000, fp8 for 2001-9500,
+bf16 to train.steps) is parsed by `trainer.precision_phases`.
 
 Each phase is what the checkpoint-and-relaunch pattern does (docs/checkpointing.md), in one
 process: the phase's `Trainer` trains until its last step and saves a checkpoint there; the
@@ -22,76 +19,16 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.errors import ConfigError
+from trainer.precision_phases import Phase, parse_precision_schedule, phase_index  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
     from trainer.validate import ResolvedJob
 
 logger = logging.getLogger(__name__)
-
-KEY = "train.precision_schedule"
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
-
-
-@dataclass(frozen=True)
-class Phase:
-    precision: str
-    first_step: int
-    last_step: int
-
-    def __str__(self) -> str:
-        return f"{self.precision} steps {self.first_step}-{self.last_step}"
-
-
-def parse_precision_schedule(entries: list[str], *, total_steps: int) -> list[Phase]:
-    """The phases of `train.precision_schedule`; each way it can be wrong is one ConfigError line naming the key."""
-    if len(entries) == 1:
-        precision = entries[0].partition(":")[0].strip()
-        raise ConfigError(f"{KEY}={entries!r} has a single phase: set train.mixed_precision={precision!r} instead")
-    phases: list[Phase] = []
-    first = 1
-    for i, entry in enumerate(entries):
-        where = f"{KEY}[{i}]={entry!r}"
-        precision, colon, step_text = (s.strip() for s in entry.partition(":"))
-        if precision not in PRECISIONS:
-            raise ConfigError(f"{where}: {precision!r} is not one of {', '.join(repr(p) for p in PRECISIONS)}")
-        last = i == len(entries) - 1
-        if last and colon:
-            raise ConfigError(f"{where}: the last entry has no step, it runs to train.steps={total_steps}; "
-                              f"write {precision!r}")
-        if not last and not colon:
-            raise ConfigError(f"{where}: every entry but the last needs its last step, e.g. '{precision}:1000'")
-        if last:
-            step = total_steps
-        else:
-            try:
-                step = int(step_text.replace("_", ""))
-            except ValueError:
-                raise ConfigError(f"{where}: the step {step_text!r} must be an integer") from None
-            if step < first:
-                after = f"after the previous entry's step {first - 1}" if i else ">= 1"
-                raise ConfigError(f"{where}: steps must increase; step {step} must be {after}")
-            if step >= total_steps:
-                raise ConfigError(f"{where}: step {step} must be < train.steps={total_steps} "
-                                  "(the last entry, without a step, runs to train.steps)")
-        if phases and phases[-1].precision == precision:
-            raise ConfigError(f"{where}: the same precision as the entry before it; merge the two entries")
-        phases.append(Phase(precision, first, step))
-        first = step + 1
-    return phases
-
-
-def phase_index(phases: list[Phase], step: int) -> int:
-    """The phase that trains the step after `step` (the last phase once the run is complete)."""
-    for k, phase in enumerate(phases):
-        if step < phase.last_step:
-            return k
-    return len(phases) - 1
 
 
 def phase_config(cfg: JobConfig, phases: list[Phase], k: int, *, load_step: int) -> JobConfig:

@@ -26,8 +26,9 @@ def reference(tmp_path_factory) -> list[dict]:
 def assert_same_run(got: list[dict], ref: list[dict]) -> None:
     assert column(got, "step") == column(ref, "step")
     assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=2e-5, abs=1e-6)
-    # The norm sums squares over every gradient element: TP's split of the reductions moves it by ~1e-4.
-    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=2e-4)
+    # The norm sums squares over every gradient element: TP's split of the reductions moves it by ~1e-4, and
+    # five steps of training (lr 3e-3 by then) grow that to 2.02e-4 at step 5 on some CPUs (tp2, measured).
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=3e-4)
     assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=2e-5)
 
 

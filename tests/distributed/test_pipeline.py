@@ -91,8 +91,14 @@ def test_fp8_pipeline_matches_fp8_single_process(tmp_path: Path) -> None:
                  "--float8.enable_fsdp_float8_all_gather=true"], tmp_path / "one")
     four = train([*fp8, *STEPS, *PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=2"],
                  tmp_path / "pp", nproc=4)
-    assert column(four, "loss") == pytest.approx(column(one, "loss"), rel=1e-5)
-    assert column(four, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-4)
+    # The first two steps see the same weights and scales: fp32 rounding only.
+    assert column(four, "loss")[:2] == pytest.approx(column(one, "loss")[:2], rel=1e-5)
+    assert column(four, "grad_norm")[:2] == pytest.approx(column(one, "grad_norm")[:2], rel=1e-4)
+    # Later, weights that differ in the last fp32 bit (2 ranks' gradients reduce-scattered vs 4 microbatches
+    # accumulated in one process) can land on either side of an fp8 rounding boundary: 6e-4 measured at step 3
+    # on a 2-core CPU, machine-dependent. Within fp8 rounding of the reference, as the other FP8 layout tests.
+    assert column(four, "loss") == pytest.approx(column(one, "loss"), rel=2e-3)
+    assert column(four, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-2)
 
 
 def test_checkpoint_reshards_between_pp2_and_pp1(reference, tmp_path: Path) -> None:

@@ -69,6 +69,7 @@ def fp8_vs_bf16(flavor: str, *, n_layers: int, batch_size: int, seq_len: int, vo
     from torchao.float8.float8_linear import Float8Linear
 
     from trainer.distributed import destroy_distributed, init_distributed
+    from trainer.loss import LossFn
     from trainer.models import Llama, model_args_for
     from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims, build_parallel_model
 
@@ -95,7 +96,7 @@ def fp8_vs_bf16(flavor: str, *, n_layers: int, batch_size: int, seq_len: int, vo
             report = build_parallel_model(model, pd, options=options, device=env.device)
             model.to_empty(device=env.device)
             model.init_weights(seed=0)
-            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss = LossFn(model.norm, model.output_head)(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
             grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
                      for n, p in model.named_parameters()}

@@ -135,6 +135,46 @@ def test_stochastic_rounding_is_unbiased_and_a_function_of_its_key() -> None:
     assert abs(bits.float().mean().item() / 65535 - 0.5) < 0.01  # uniform over 16 bits
 
 
+def test_rounding_is_keyed_by_fqn_so_a_pipeline_stage_rounds_as_the_whole_model() -> None:
+    """A pipeline stage's optimizer holds some of the parameters, at other positions: keyed by the fqn
+    (not the position), each parameter draws the same bits as in the whole model's optimizer."""
+    from trainer.models import FLAVORS, Llama
+    from trainer.optim import build_optimizer
+
+    def model() -> Llama:
+        m = Llama(FLAVORS["debug"])
+        m.init_weights(seed=0)
+        m.to(torch.bfloat16)
+        g = torch.Generator().manual_seed(1)
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=g).mul(1e-3).to(torch.bfloat16)
+        return m
+
+    whole, stage = model(), model()
+    # The last stage of a pp=2 split: blocks 2-3, final norm and head (the embedding and blocks 0-1 elsewhere).
+    stage.tok_embeddings = None
+    del stage.layers["0"], stage.layers["1"]
+    kw = dict(lr=1e-4, betas=BETAS, eps=1e-8, weight_decay=0.1, implementation="fused", bf16_update="stochastic",
+              seed=3)
+    build_optimizer(whole, **kw).step()
+    build_optimizer(stage, **kw).step()
+    got = dict(stage.named_parameters())
+    assert len(got) < len(dict(whole.named_parameters()))
+    for name, p in whole.named_parameters():
+        if name in got:
+            assert torch.equal(got[name], p), name
+    # The bits depend on the name: the same tensor under another fqn rounds differently.
+    p = torch.nn.Parameter(torch.full((4096,), 1.0, dtype=torch.bfloat16))
+    outs = []
+    for name in ("layers.0.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight"):
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = torch.full_like(q, 1e-3)
+        BF16AdamW([q], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.0, update="stochastic", seed=0,
+                  names=[name]).step()
+        outs.append(q.detach())
+    assert not torch.equal(outs[0], outs[1])
+
+
 def test_integer_round_to_nearest_is_torchs_cast() -> None:
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(1 << 16, generator=gen) * torch.logspace(-20, 20, 1 << 16)

@@ -158,8 +158,8 @@ def test_export_with_llama3_rope_scaling_matches_transformers(tmp_path):
     assert config["rope_scaling"]["original_max_position_embeddings"] == 32
     tokens = torch.randint(0, args.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = model(tokens)
-        loaded = load_model(tmp_path / "hf", max_seq_len=128)(tokens)  # config.json -> ModelArgs -> our model
+        ours = model.logits(tokens)
+        loaded = load_model(tmp_path / "hf", max_seq_len=128).logits(tokens)  # config.json -> ModelArgs -> our model
     torch.testing.assert_close(_hf_logits(tmp_path / "hf", tokens), ours, atol=1e-4, rtol=0)
     assert torch.equal(loaded, ours)
     back = read_hf_weights(tmp_path / "hf", args=args)
@@ -344,7 +344,7 @@ def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
     assert all(torch.equal(v, checkpoint.state_dict()[k].to(torch.bfloat16).float())
                for k, v in exported.state_dict().items())
     with torch.no_grad():
-        ours_bf16 = exported(tokens)
+        ours_bf16 = exported.logits(tokens)
     torch.testing.assert_close(_hf_logits(trained / "step-2-hf", tokens), ours_bf16, atol=1e-4, rtol=0)
     # scripts/convert_checkpoint.py: fp32, sharded.
     out = tmp_path / "hf32"
@@ -354,7 +354,7 @@ def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     with torch.no_grad():
-        ours = checkpoint(tokens)
+        ours = checkpoint.logits(tokens)
     torch.testing.assert_close(_hf_logits(out, tokens), ours, atol=1e-4, rtol=0)
 
 
@@ -385,7 +385,8 @@ def test_import_hf_weights_as_initial_load_path(trained, tmp_path):
                                dp_rank=0, dp_degree=1)
     (inputs, labels), = loader.next_batch()
     with torch.no_grad():
-        expected = load_model(imported)(inputs, labels).item()
+        logits = load_model(imported).logits(inputs)
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
     assert abs(_losses(tmp_path / "run")[1] - expected) < 1e-5
 
 
@@ -416,7 +417,7 @@ def test_load_model_from_a_dcp_checkpoint(tmp_path):
     assert half.tok_embeddings.weight.dtype == torch.bfloat16 and half.rope.shape[0] == 16
     tokens = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(model(tokens), _random_llama(args)(tokens))
+        assert torch.equal(model.logits(tokens), _random_llama(args).logits(tokens))
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nope")
 

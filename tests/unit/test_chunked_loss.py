@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
@@ -13,9 +12,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from trainer.loss import LossFn, chunked_cross_entropy
 from trainer.models import FLAVORS, Llama
-from trainer.models.layers import chunked_cross_entropy, clean_fqn
-from trainer.parallel.compile import apply_compile
+from trainer.models.layers import clean_fqn
 from trainer.parallel.float8 import apply_float8
 
 DEBUG = FLAVORS["debug"]
@@ -33,17 +32,14 @@ def batch(args=DEBUG, *, batch_size: int = 2, seq_len: int = 64, seed: int = 0) 
             torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g))
 
 
-def loss_and_grads(model: Llama, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def loss_and_grads(model: Llama, tokens: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int = 0,
+                   loss_fn: LossFn | None = None) -> tuple[torch.Tensor, dict]:
+    """The trainer's loss path: loss_fn(model(tokens), labels), the model's own head, plain or chunked."""
+    loss_fn = loss_fn or LossFn(model.norm, model.output_head, chunk_tokens=chunk_tokens)
     model.zero_grad(set_to_none=True)
-    loss = model(tokens, labels)
+    loss = loss_fn(model(tokens), labels)
     loss.backward()
     return loss.detach(), {clean_fqn(name): p.grad.float().clone() for name, p in model.named_parameters()}
-
-
-def chunked(model: Llama, chunk_tokens: int) -> Llama:
-    out = copy.deepcopy(model)
-    out.loss_chunk_tokens = chunk_tokens
-    return out
 
 
 def assert_grads_equal(grads: dict, ref: dict, *, rtol: float) -> None:
@@ -60,33 +56,32 @@ def test_chunked_loss_and_gradients_equal_plain(chunk_tokens: int) -> None:
     model = debug_model()
     tokens, labels = batch()
     ref_loss, ref_grads = loss_and_grads(model, tokens, labels)
-    loss, grads = loss_and_grads(chunked(model, chunk_tokens), tokens, labels)
+    loss, grads = loss_and_grads(model, tokens, labels, chunk_tokens=chunk_tokens)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
     assert_grads_equal(grads, ref_grads, rtol=1e-5)
 
 
 def test_moe_model_chunked_loss_equals_plain() -> None:
-    # MoE models share Decoder.head_loss; their aux loss is separate and must not change either.
+    # MoE models share the loss function; their aux loss (injected in each MoE layer's backward) must not change.
     from trainer.models import build_model
 
     model = build_model(FLAVORS["debug_moe"])
     model.init_weights(seed=0)
     tokens, labels = batch(FLAVORS["debug_moe"])
     ref_loss, ref_grads = loss_and_grads(model, tokens, labels)
-    ref_aux = model.aux_loss.item()
-    model.loss_chunk_tokens = 37  # the same model: deepcopy refuses the aux_loss tensor forward left on it
-    loss, grads = loss_and_grads(model, tokens, labels)
+    loss, grads = loss_and_grads(model, tokens, labels, chunk_tokens=37)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
-    assert model.aux_loss.item() == ref_aux
     assert_grads_equal(grads, ref_grads, rtol=1e-5)
 
 
 def test_chunks_are_the_ones_asked_for(monkeypatch) -> None:
-    model = chunked(debug_model(), 37)
+    model = debug_model()
+    loss_fn = LossFn(model.norm, model.output_head, chunk_tokens=37)
     sizes = []
-    inner = model.chunk_loss
-    monkeypatch.setattr(model, "chunk_loss", lambda h, labels: (sizes.append(h.shape[0]), inner(h, labels))[1])
-    model(*batch())
+    inner = loss_fn.chunk_loss
+    monkeypatch.setattr(loss_fn, "chunk_loss", lambda h, labels: (sizes.append(h.shape[0]), inner(h, labels))[1])
+    tokens, labels = batch()
+    loss_fn(model(tokens), labels)
     assert sizes == [37, 37, 37, 17]
 
 
@@ -96,7 +91,7 @@ def test_ignored_labels_are_left_out_of_the_mean_as_plain_cross_entropy_does() -
     tokens, labels = batch()
     labels[0, :40] = -100
     ref_loss, ref_grads = loss_and_grads(model, tokens, labels)
-    loss, grads = loss_and_grads(chunked(model, 37), tokens, labels)
+    loss, grads = loss_and_grads(model, tokens, labels, chunk_tokens=37)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
     assert_grads_equal(grads, ref_grads, rtol=1e-5)
 
@@ -151,8 +146,9 @@ def test_chunked_loss_lowers_peak_memory_by_the_logits() -> None:
     logits_bytes = tokens.numel() * args.vocab_size * 4  # fp32, 16 MiB
     peaks = {}
     for chunk_tokens in (0, 128, 64):
+        loss_fn = LossFn(model.norm, model.output_head, chunk_tokens=chunk_tokens)
         with PeakLiveBytes() as mode:
-            chunked(model, chunk_tokens)(tokens, labels).backward()
+            loss_fn(model(tokens), labels).backward()
         peaks[chunk_tokens] = mode.peak
     # Plain holds fp32 logits, their log-softmax and their gradient at once; 64-token chunks free
     # at least two whole logits' worth, and smaller chunks free more.
@@ -183,7 +179,7 @@ def peak_buffer_bytes(code: str) -> int:
 
 
 def test_compiled_chunked_loss_matches_and_never_holds_the_whole_logits(tmp_path, monkeypatch) -> None:
-    """Compiled as the trainer compiles it (apply_compile): same loss and gradients, and no compiled graph's
+    """Compiled as the trainer compiles it (LossFn(compile=True)): same loss and gradients, and no compiled graph's
     buffers reach the whole logits. Compiling the whole chunk loop as one graph fails this: inductor then
     schedules every chunk's recomputed logits side by side in one backward (2x the fp32 logits here)."""
     import torch._inductor.config
@@ -199,9 +195,9 @@ def test_compiled_chunked_loss_matches_and_never_holds_the_whole_logits(tmp_path
     logits_bytes = tokens.numel() * args.vocab_size * 4  # 32 MiB
     ref_loss, ref_grads = loss_and_grads(model, tokens, labels)
 
-    model = chunked(model, 96)  # 1024 tokens: 10 chunks of 96 and one of 64, one static graph each
-    assert apply_compile(model, compile_head=True).endswith("per chunk of 96 tokens")
-    (loss, grads), codes = run_and_get_code(loss_and_grads, model, tokens, labels)
+    # 1024 tokens: 10 chunks of 96 and one of 64, one static graph each
+    loss_fn = LossFn(model.norm, model.output_head, chunk_tokens=96, compile=True)
+    (loss, grads), codes = run_and_get_code(loss_and_grads, model, tokens, labels, loss_fn=loss_fn)
     assert len(codes) == 4  # forward and backward of both chunk shapes
     # The parser sees a chunk's fp32 logits (96 x 8192 x 4 bytes = 3 MiB), and never the whole batch's.
     assert 96 * args.vocab_size * 4 <= max(map(peak_buffer_bytes, codes)) < logits_bytes / 2
@@ -209,7 +205,7 @@ def test_compiled_chunked_loss_matches_and_never_holds_the_whole_logits(tmp_path
     assert_grads_equal(grads, ref_grads, rtol=1e-5)
 
 
-def fp8_model(chunk_tokens: int, *, fp8: bool = True) -> Llama:
+def fp8_model(*, fp8: bool = True) -> Llama:
     from torchao.float8.float8_linear import Float8Linear
 
     model = debug_model()
@@ -218,7 +214,6 @@ def fp8_model(chunk_tokens: int, *, fp8: bool = True) -> Llama:
                      emulate=False, require=False, device=torch.device("cpu"))
         assert isinstance(model.output_head.proj, Float8Linear)
     model.to(torch.bfloat16)  # the compute dtype FSDP2 gathers fp8 runs' weights in
-    model.loss_chunk_tokens = chunk_tokens
     return model
 
 
@@ -231,9 +226,9 @@ def test_fp8_head_chunked_is_as_close_to_bf16_as_plain_fp8() -> None:
     # Each chunk scales its own activations and logit gradients (tensorwise amax per chunk), so
     # chunked fp8 rounds differently from plain fp8: it must be no further from bf16 than plain fp8.
     tokens, labels = batch(batch_size=4)
-    bf16_loss, bf16_grads = loss_and_grads(fp8_model(0, fp8=False), tokens, labels)
-    plain_loss, plain_grads = loss_and_grads(fp8_model(0), tokens, labels)
-    loss, grads = loss_and_grads(fp8_model(96), tokens, labels)  # 256 tokens: 96, 96, 64
+    bf16_loss, bf16_grads = loss_and_grads(fp8_model(fp8=False), tokens, labels)
+    plain_loss, plain_grads = loss_and_grads(fp8_model(), tokens, labels)
+    loss, grads = loss_and_grads(fp8_model(), tokens, labels, chunk_tokens=96)  # 256 tokens: 96, 96, 64
     assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-3)
     assert loss.item() == pytest.approx(bf16_loss.item(), rel=1e-3)
     plain_err, chunked_err = global_rel_err(plain_grads, bf16_grads), global_rel_err(grads, bf16_grads)

@@ -93,21 +93,47 @@ def test_fp8_with_tp_is_rejected_by_post_init() -> None:
     assert "distributed.tp=1" in str(e.value)  # says what to do instead
 
 
+# The world sizes each shipped config is written for (its header's torchrun command), and what the whole
+# validation pass must resolve there: (dp_shard, tp, ep, pp).
+SHIPPED = {
+    "7b_16gpu_fp8.toml": [(16, (16, 1, 1, 1))],
+    "debug_model.toml": [(1, (1, 1, 1, 1))],
+    "debug_moe.toml": [(1, (1, 1, 1, 1)), (4, (4, 1, 1, 1))],
+    "debug_pp.toml": [(2, (1, 1, 1, 2)), (4, (2, 1, 1, 2))],
+    "llama3_1b.toml": [(8, (8, 1, 1, 1))],
+    "llama3_8b.toml": [(8, (8, 1, 1, 1))],
+    "moe_16b_4gpu_fp8.toml": [(4, (4, 1, 4, 1))],
+}
+
+
+def test_every_shipped_config_is_listed() -> None:
+    assert sorted(SHIPPED) == [p.name for p in CONFIGS]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_validates(path: Path) -> None:
+def test_every_shipped_config_validates(path: Path, tmp_path: Path) -> None:
     cfg = load_job_config(["--config", str(path)])
     # The resolved config (saved as TOML in the dump folder) loads back to the same config.
-    again = load_job_config(["--config", str(_write(cfg.to_toml()))])
-    assert again == cfg
+    (tmp_path / "again.toml").write_text(cfg.to_toml())
+    assert load_job_config(["--config", str(tmp_path / "again.toml")]) == cfg
+    # The whole validation pass at the world sizes the config is written for. A config that names the
+    # user's shards (data/shards) is checked on synthetic tokens: its data check needs those files.
+    data = ["--data.source=synthetic"] if cfg.data.source == "shards" else []
+    for world_size, degrees in SHIPPED[path.name]:
+        job = validate_job(load_job_config(["--config", str(path), *data]), world_size=world_size)
+        pd = job.parallel_dims
+        assert (pd.dp_shard, pd.tp, pd.ep, pd.pp) == degrees, (path.name, world_size)
+        assert (job.pipeline is not None) == (pd.pp > 1)
+        assert (job.build.float8 is not None) == cfg.train.is_fp8
 
 
-def _write(text: str) -> Path:
-    import tempfile
-
-    f = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
-    f.write(text)
-    f.close()
-    return Path(f.name)
+def test_debug_pp_config_resolves_the_stages_its_header_describes() -> None:
+    # "4 stages of the 4 blocks + embedding + head (6 layer-equivalents: emb+1, 2, 1, head)", 8 microbatches.
+    job = validate_job(load_job_config(["--config", str(REPO / "configs/train/debug_pp.toml")]), world_size=2)
+    p = job.pipeline
+    assert (p.schedule, p.num_microbatches, p.stages_per_rank) == ("Interleaved1F1B", 8, 2)
+    assert p.stage_fqns == (("tok_embeddings", "layers.0"), ("layers.1", "layers.2"), ("layers.3",),
+                            ("norm", "output_head"))
 
 
 def test_fp8_reference_recipe() -> None:

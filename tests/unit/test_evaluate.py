@@ -68,7 +68,7 @@ def test_validation_loss_equals_a_plain_loop_and_does_not_disturb_training(tmp_p
     with torch.no_grad():
         for b in range(3):
             rows = torch.from_numpy(np.stack([source.get_sample(i, 64) for i in range(4 * b, 4 * b + 4)]))
-            logits = model(rows[:, :-1])
+            logits = model.logits(rows[:, :-1])
             losses.append(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item())
     expected = sum(losses) / len(losses)
     assert records[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG, column, train
+from trainer.loss import LossFn
 from trainer.models import FLAVORS, Llama
 from trainer.parallel.float8 import apply_float8
 from trainer.parallel.fp8_health import Fp8HealthMonitor, cast_health, layer_group
@@ -47,7 +48,7 @@ def test_monitor_reports_the_layer_fed_tiny_values_and_warns_once(caplog, monkey
 
     # Healthy: the debug model's own activations and gradients.
     with monitor.collect():
-        model(tokens, tokens).backward()
+        LossFn(model.norm, model.output_head)(model(tokens), tokens).backward()
     healthy = monitor.report()
     assert healthy["fp8_health/input/mlp.down_proj/underflow"] < 0.01
     assert {k.split("/")[1] for k in healthy} == {"input", "grad"}
@@ -64,7 +65,7 @@ def test_monitor_reports_the_layer_fed_tiny_values_and_warns_once(caplog, monkey
     handle = model.layers["1"].mlp.up_proj.register_forward_pre_hook(outlier)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trainer"), monitor.collect():
-        model(tokens, tokens).backward()
+        LossFn(model.norm, model.output_head)(model(tokens), tokens).backward()
         stats = monitor.report()
     handle.remove()
     # mlp.up_proj of 4 layers, one of them all-underflowing: about a quarter of the group.

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer.loss import LossFn
 from trainer.models import FLAVORS, Llama, flops_per_token, model_args_for, num_params
 from trainer.models.llama import ModelArgs, RopeScaling, rope_inv_freq
 
@@ -132,15 +133,15 @@ def test_logits_match_independent_float64_reference() -> None:
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     model.double()
     model.rope = model.rope.double()
-    ours = model(tokens)
+    ours = model.logits(tokens)
     ref = reference_llama(model, tokens)
     assert ours.shape == (2, 24, 96)
     err = (ours - ref).norm() / ref.norm()
     # Our RMSNorm and rope cache compute in fp32 by design, so agreement is fp32-level.
     assert err < 1e-6, err
-    # And the loss path equals cross-entropy on those logits.
+    # And the loss path (hidden states -> the trainer's loss function) equals cross-entropy on those logits.
     labels = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    loss = model(tokens, labels)
+    loss = LossFn(model.norm, model.output_head)(model(tokens), labels)
     assert loss.item() == pytest.approx(F.cross_entropy(ref.flatten(0, 1), labels.flatten()).item(), rel=1e-6)
 
 

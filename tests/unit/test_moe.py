@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.models import FLAVORS, build_model, flops_per_token, model_args_for, num_params, param_counts
-from trainer.models.moe import MOE_FLAVORS, MoE, MoEArgs, MoEBalancer, grouped_swiglu
+from trainer.models.moe import MOE_FLAVORS, STAT_AUX, MoE, MoEArgs, grouped_swiglu
+from trainer.models.moe_balancer import MoEBalancer
 
 SMALL = MoEArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, rope_theta=10000.0,
                 n_experts=6, top_k=2, moe_ffn_dim=24, n_shared_experts=1, n_dense_layers=1, aux_loss_coef=0.1)
@@ -79,16 +80,17 @@ def test_moe_layer_matches_per_expert_loop(overrides) -> None:
     args = replace(SMALL, **overrides)
     moe = make_moe(args)
     x = torch.randn(3, 10, args.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    out, aux = moe(x)
+    out = moe(x)
     ref_x = x.detach().double().requires_grad_()
     ref_params = {n: p.detach().double().requires_grad_() for n, p in moe.named_parameters()}
     # The reference reads float64 leaves of the same weights, to get their gradients.
     ref_out, ref_aux = _reference_with_leaves(moe, ref_params, ref_x, args)
     assert rel_err(out, ref_out) < 1e-6
-    assert aux.item() == pytest.approx(args.aux_loss_coef * ref_aux.item(), rel=1e-5)
-    # Gradients of a non-uniform objective (its gradient is not a broadcast), LM part + aux part.
+    assert moe.stats[args.n_experts + STAT_AUX].item() == pytest.approx(ref_aux.item(), rel=1e-5)
+    # Gradients of a non-uniform objective (its gradient is not a broadcast). The layer injects its
+    # aux loss's gradient (x aux_grad_scale, 1 here) into backward: the LM part + the aux part.
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-    ((out * probe).sum() + aux).backward()
+    (out * probe).sum().backward()
     ((ref_out * probe.double()).sum() + args.aux_loss_coef * ref_aux).backward()
     assert rel_err(x.grad, ref_x.grad) < 1e-5
     for n, p in moe.named_parameters():
@@ -202,10 +204,10 @@ def test_bias_update_reduces_imbalance() -> None:
         balancer = MoEBalancer(model, bias_update_rate=rate)
         history = []
         with torch.no_grad():
-            for _ in range(steps):
+            for step in range(1, steps + 1):
                 model(tokens)
-                balancer.after_step()
-                history.append(balancer.metrics()["moe/imbalance_mean"])
+                balancer.after_optimizer_step(step, torch.tensor(False))
+                history.append(balancer.on_log(step)["moe/imbalance_mean"])
         return history
 
     still, balanced = imbalance_history(0.0, 3), imbalance_history(0.002, 8)
@@ -214,25 +216,142 @@ def test_bias_update_reduces_imbalance() -> None:
     assert max(balanced[-3:]) < still[0] - 0.08, balanced
 
 
-def test_balancer_metrics_are_ratios() -> None:
+def _record_routing(model) -> dict[str, tuple]:
+    """Each MoE layer's router output (weights, expert ids, scores) of the latest forward, by block index."""
+    seen: dict[str, tuple] = {}
+    for name, block in model.layers.items():
+        if hasattr(block, "moe"):
+            block.moe.router.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
+    return seen
+
+
+def test_balancer_metrics_equal_an_independent_count() -> None:
     args = model_args_for("debug_moe", capacity_factor=1.0)
     model = build_model(args)
     model.init_weights(seed=0)
+    routing = _record_routing(model)
     balancer = MoEBalancer(model, bias_update_rate=0.0)
-    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    bsz, seq, e, k = 2, 32, args.n_experts, args.top_k
+    tokens = torch.randint(0, args.vocab_size, (bsz, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
+        # Twice, as activation checkpointing's recompute runs a forward again: every metric is a ratio.
         model(tokens)
-        balancer.after_step()
-    m = balancer.metrics()
-    for layer in ("1", "2", "3"):
-        assert m[f"moe/layer{layer}/imbalance"] >= 1.0
-        assert 0.0 < m[f"moe/layer{layer}/dropped_fraction"] < 1.0
-        assert m[f"moe/layer{layer}/aux_loss"] >= 0.99  # 1 when perfectly balanced, more otherwise
-    assert balancer.metrics() == {}  # reset after reading
+        model(tokens)
+        balancer.after_optimizer_step(1, torch.tensor(False))
+    m = balancer.on_log(1)
+    total_aux = 0.0
+    for layer, (_, idx, scores) in routing.items():
+        load = torch.bincount(idx.flatten(), minlength=e).double()
+        assert m[f"moe/layer{layer}/imbalance"] == pytest.approx((load.max() / load.mean()).item(), rel=1e-6)
+        per_seq = torch.stack([torch.bincount(row, minlength=e) for row in idx.view(bsz, seq * k)])
+        capacity = math.ceil(1.0 * seq * k / e)  # the earliest assignments beyond it are kept, the rest dropped
+        dropped = (per_seq - capacity).clamp(min=0).sum().item()
+        assert m[f"moe/layer{layer}/dropped_fraction"] == pytest.approx(dropped / (bsz * seq * k), rel=1e-6)
+        assert 0 < dropped
+        frac = per_seq.double() / (seq * k)
+        prob = scores.double().view(bsz, seq, e).mean(dim=1)
+        aux = (e * (frac * prob).sum(dim=1)).mean().item()
+        assert m[f"moe/layer{layer}/aux_loss"] == pytest.approx(aux, rel=1e-5)
+        total_aux += args.aux_loss_coef * aux
+    assert sorted(routing) == ["1", "2", "3"]
+    # The logged aux loss is the term the objective adds: sum over layers of aux_loss_coef x layer aux loss.
+    assert m["aux_loss"] == pytest.approx(total_aux, rel=1e-5)
+    assert m["moe/imbalance_max"] == max(m[f"moe/layer{n}/imbalance"] for n in routing)
+    assert balancer.on_log(2) == {}  # reset after reading
     model.eval()  # evaluation forwards are not counted (they must not move the bias)
     with torch.no_grad():
         model(tokens)
-    assert all(torch.all(m.stats == 0) for _, m in balancer.layers)
+    assert all(torch.all(moe.stats == 0) for moe in balancer.modules)
+
+
+def test_bias_moves_by_sign_minus_its_mean_and_not_on_a_skipped_step() -> None:
+    rate = 1e-3
+    args = model_args_for("debug_moe", aux_loss_coef=0.0, bias_update_rate=rate)
+    model = build_model(args)
+    model.init_weights(seed=0)
+    routing = _record_routing(model)
+    balancer = MoEBalancer(model, bias_update_rate=rate)
+    tokens = torch.randint(0, args.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def biases() -> list[torch.Tensor]:
+        return [moe.router.expert_bias.clone() for moe in balancer.modules]
+
+    with torch.no_grad():
+        model(tokens)
+        before = biases()
+        balancer.after_optimizer_step(1, torch.tensor(True))  # a skipped step (non-finite gradients)
+        assert all(torch.equal(a, b) for a, b in zip(biases(), before))
+        model(tokens)  # the next step: its own loads only, the skipped step's are not carried over
+        balancer.after_optimizer_step(2, torch.tensor(False))
+    for (_, idx, _), b0, b1 in zip(routing.values(), before, biases()):
+        load = torch.bincount(idx.flatten(), minlength=args.n_experts).float()
+        delta = rate * torch.sign(load.mean() - load)
+        torch.testing.assert_close(b1 - b0, delta - delta.mean(), rtol=0, atol=1e-9)
+    with torch.no_grad():
+        for step in range(3, 23):
+            model(tokens)
+            balancer.after_optimizer_step(step, torch.tensor(False))
+    # Mean-subtracted: the biases keep summing to zero instead of drifting together.
+    for bias in biases():
+        assert bias.abs().max() > 5 * rate and abs(bias.sum().item()) < 1e-6, bias
+
+
+def test_aux_loss_injection_gives_the_gradients_of_the_explicit_sum(monkeypatch) -> None:
+    """The trainer's step at pp=1 (2 accumulated microbatches): the aux loss enters backward through each
+    layer's injection, scaled like the LM loss; the same gradients as adding every layer's aux loss to the
+    objective by hand (what the trainer did before)."""
+    import trainer.models.moe as moe_module
+    from trainer.loss import LossFn
+    from trainer.models.layers import clean_fqn
+    from trainer.models.moe import set_aux_loss_scale
+
+    args = model_args_for("debug_moe")
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, args.vocab_size, (2, 32), generator=g),
+                torch.randint(0, args.vocab_size, (2, 32), generator=g)) for _ in range(2)]
+
+    def grads(explicit: bool) -> dict[str, torch.Tensor]:
+        model = build_model(args)
+        model.init_weights(seed=0)
+        loss_fn = LossFn(model.norm, model.output_head)
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        set_aux_loss_scale(layers, 1.0 / len(batches))
+        recorded: list[torch.Tensor] = []
+        if explicit:  # no injection: each layer's aux loss is collected and added to the objective
+            monkeypatch.setattr(moe_module, "attach_aux_loss", lambda out, aux, scale: (recorded.append(aux), out)[1])
+        for inputs, labels in batches:
+            recorded.clear()
+            loss = loss_fn(model(inputs), labels)
+            objective = loss + sum(recorded) if explicit else loss
+            (objective / len(batches)).backward()
+            assert len(recorded) == (3 if explicit else 0)
+        monkeypatch.undo()
+        return {clean_fqn(n): p.grad.clone() for n, p in model.named_parameters()}
+
+    injected, explicit = grads(False), grads(True)
+    assert injected.keys() == explicit.keys()
+    for name, ref in explicit.items():
+        err = ((injected[name] - ref).norm() / ref.norm()).item()
+        assert err < 1e-6, (name, err)
+    # The aux term is really in both: the routers' gradients come from it alone and are not zero.
+    assert explicit["layers.1.moe.router.gate.weight"].norm() > 0
+
+
+def test_grouped_swiglu_in_float64_matches_a_per_expert_loop() -> None:
+    # torch._grouped_mm rejects float64 on CPU; the layer falls back to a loop there (float64 references).
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 16, generator=g, dtype=torch.float64)
+    w1, w3 = (torch.randn(3, 8, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    w2 = torch.randn(3, 16, 8, generator=g, dtype=torch.float64)
+    counts = torch.tensor([5, 0, 8])
+    out = grouped_swiglu(x, counts, w1, w2, w3)
+    rows, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        xe = x[start:start + c]
+        rows.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        start += c
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.cat(rows), rtol=1e-12, atol=1e-12)
 
 
 def test_fp8_filter_exact_sets_on_debug_moe(caplog) -> None:
@@ -332,3 +451,48 @@ def test_checkpoint_of_the_other_family_is_a_shape_mismatch(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"the checkpoint is moe debug_moe with n_experts=8 \(this run: None\)"):
         check_model_matches({"model": moe.model_json()}, dense, path=tmp_path)
     check_model_matches({"model": moe.model_json()}, moe, path=tmp_path)  # same model: no error
+
+
+def _moe_trainer(tmp_path, *args: str):
+    from trainer.config import load_job_config
+    from trainer.train import Trainer
+
+    return Trainer(load_job_config(["--config", MOE_CONFIG, "--train.seq_len=32", "--train.batch_size=2",
+                                    "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
+                                    f"--job.dump_folder={tmp_path}", *args]))
+
+
+def test_bf16_master_weights_keep_moe_buffers_fp32(tmp_path) -> None:
+    from trainer.distributed import destroy_distributed
+
+    trainer = _moe_trainer(tmp_path, "--train.mixed_precision=bf16", "--distributed.master_dtype=bf16",
+                           "--moe.aux_loss_coef=0", "--moe.bias_update_rate=0.001")
+    try:
+        layers = [m for m in trainer.model.modules() if isinstance(m, MoE)]
+        assert len(layers) == 3 and all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+        for m in layers:
+            assert m.router.expert_bias.dtype == m.stats.dtype == m.aux_grad_scale.dtype == torch.float32
+            # At 0.75 a 1e-3 step is below half a bf16 ulp (2^-9): a bf16 bias would not move.
+            m.router.expert_bias.fill_(0.75)
+        trainer.train_step(trainer.data_loader.next_batch())
+        for m in layers:
+            step = (m.router.expert_bias - 0.75).abs()
+            assert 0.5e-3 < step.max().item() < 2e-3, step
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+
+def test_a_skipped_step_moves_no_expert_bias(tmp_path) -> None:
+    from trainer.distributed import destroy_distributed
+
+    trainer = _moe_trainer(tmp_path, "--train.steps=2", "--train.on_nonfinite=skip", "--moe.bias_update_rate=0.01")
+    try:
+        with torch.no_grad():  # a NaN in a dense weight: every gradient norm is non-finite, every step skipped
+            trainer.model.layers["0"].mlp.up_proj.weight.to_local()[0, 0] = float("nan")
+        trainer.run()
+        assert trainer.metrics.num_nonfinite == 2
+        assert all(torch.all(m.router.expert_bias == 0) for m in trainer.model.modules() if isinstance(m, MoE))
+    finally:
+        trainer.close()
+        destroy_distributed()

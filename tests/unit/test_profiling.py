@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.profiling import (
-    TRACE_SUFFIX, classify, format_summary, fp8_warning, is_fp8_gemm, load_trace_events,
-    maybe_enable_profiling, maybe_record_memory_history, profiler_steps, summarize_events,
+from trainer.profiling import TRACE_SUFFIX, maybe_enable_profiling, maybe_record_memory_history
+from trainer.trace_summary import (
+    classify, format_summary, fp8_warning, is_fp8_gemm, load_trace_events, profiler_steps, summarize_events,
 )
 
 REPO = Path(__file__).resolve().parents[2]

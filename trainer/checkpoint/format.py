@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.errors import UserError
 
@@ -138,3 +139,13 @@ def collect_checksums(tmp: Path) -> dict[str, dict[str, Any]]:
     for sidecar in sidecars:
         sidecar.unlink()
     return files
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The first rank's original exception inside DCP's CheckpointException (a BaseException), else `e`."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return root_cause(inner)
+    return e

@@ -11,9 +11,7 @@ folder removed) leaves no partial folder and never touches the previous checkpoi
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -30,8 +28,9 @@ from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, EXPORT_DTYPES, FORMAT, STATE_JSON, STEP_DIR, CheckpointError, ChecksummedWriter,
-    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, write_json,
+    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
 )
+from trainer.checkpoint.gather import export_gathered
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     split_tensors
 from trainer.checkpoint.verify import (
@@ -41,16 +40,6 @@ from trainer.checkpoint.verify import (
 from trainer.config import CheckpointSection
 
 logger = logging.getLogger("trainer.checkpoint")
-
-
-def root_cause(e: BaseException) -> BaseException:
-    """The first rank's original exception inside DCP's CheckpointException (a BaseException), else `e`."""
-    if isinstance(e, CheckpointException) and e.failures:
-        inner = next(iter(e.failures.values()))
-        inner = inner[0] if isinstance(inner, tuple) else inner
-        if isinstance(inner, BaseException):
-            return root_cause(inner)
-    return e
 
 
 @dataclass
@@ -438,45 +427,8 @@ class CheckpointManager:
 
     def export(self, step: int) -> Path:
         """The model weights, gathered whole, in Hugging Face Llama layout (collective; rank 0 writes)."""
-        from trainer.export import write_hf_export
-
-        sd = model_state_dict(self.state.model)
-        # Every rank's keys, in rank order: under pipeline parallelism ranks hold different stages.
-        gathered: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(self.world_size)]
-        # The default group, not self.pg: a background save of this step may be using self.pg right now.
-        dist.all_gather_object(gathered, [(k, tuple(v.shape)) for k, v in sd.items()])
-        shapes: dict[str, tuple[int, ...]] = {}
-        owner: dict[str, int] = {}
-        for rank, items in enumerate(gathered):
-            for k, shape in items:
-                shapes.setdefault(k, shape)
-                owner.setdefault(k, rank)
-        on_rank0 = {k for k, _ in gathered[0]}
-        if any(k not in sd for k in shapes):
-            self.wait()  # the point-to-point sends below use self.pg: no background save may be using it
-
-        def fetch(fqns: list[str]) -> dict[str, torch.Tensor]:
-            out = {}
-            for fqn in fqns:
-                full = None
-                if fqn in sd:
-                    t = sd[fqn]
-                    # note: an all-gather per tensor; ranks other than 0 hold one full tensor at a time.
-                    full = t.full_tensor() if isinstance(t, DTensor) else t
-                if self.rank == 0:
-                    if full is None:  # another pipeline stage's tensor: its first rank sends it
-                        full = torch.empty(shapes[fqn], dtype=self.export_dtype)
-                        dist.recv(full, src=owner[fqn], group=self.pg)
-                    out[fqn] = full.detach().to("cpu", self.export_dtype)
-                elif owner[fqn] == self.rank and fqn not in on_rank0:
-                    dist.send(full.detach().to("cpu", self.export_dtype).contiguous(), dst=0, group=self.pg)
-            return out
-
-        out = write_hf_export(self.folder / f"step-{step}-hf", args=self.run.model_args,
-                              shapes=shapes, fetch=fetch, dtype=self.export_dtype, is_writer=self.rank == 0)
-        # Not self.pg: a background save of this step may be using it from its thread right now.
-        dist.barrier()
-        return out
+        return export_gathered(self.state.model, self.folder / f"step-{step}-hf", args=self.run.model_args,
+                               dtype=self.export_dtype, p2p_group=self.pg, before_p2p=self.wait)
 
     def close(self) -> None:
         """Finish a background save (it becomes complete) and release the stager."""

@@ -28,9 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter, CorruptCheckpointError,
-    collect_checksums, first_line, publish, write_json,
+    collect_checksums, first_line, publish, root_cause, write_json,
 )
-from trainer.checkpoint.manager import root_cause
 from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.verify import SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata
 from trainer.models.llama import Llama, ModelArgs, rope_cache

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -160,9 +158,9 @@ class OutputHead(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embeddings, a ModuleDict of blocks, final norm and output head; the init every family shares.
+    """Embeddings, a ModuleDict of blocks, final norm and output head; the forward and init every family shares.
 
-    Subclasses build the blocks and define `forward`.
+    Subclasses build the blocks: each block maps (hidden states, rope) to hidden states.
     """
 
     def __init__(self, args: ModelArgs, blocks: list[nn.Module]):
@@ -176,36 +174,21 @@ class Decoder(nn.Module):
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
 
-    loss_chunk_tokens: int = 0
-    """Tokens per chunk of the head and its loss; 0 = all tokens at once (set by build_parallel_model)."""
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the last block [batch, seq, dim]: what the loss needs (`trainer.loss.LossFn`
+        applies the final norm and the output head), and what a pipeline stage hands to the next.
 
-    def head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of the final norm -> output head over h [batch, seq, dim].
-
-        One function so torch.compile can fuse norm, projection and the loss. With
-        loss_chunk_tokens the tokens go through `chunk_loss` that many at a time instead, so
-        only one chunk's logits exist at a time, in forward and in backward.
+        A pipeline stage (trainer.parallel.pipeline) has None for the modules of other stages:
+        without tok_embeddings it takes the previous stage's hidden states instead of tokens.
         """
-        if self.loss_chunk_tokens:
-            return chunked_cross_entropy(self.chunk_loss, h, labels, chunk_tokens=self.loss_chunk_tokens)
-        logits = self.output_head(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return h
 
-    def chunk_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of tokens h [n, dim], activation-checkpointed.
-
-        Only h and labels are saved for backward: the logits are freed when forward
-        returns and made again when backward reaches this chunk (one more head GEMM).
-        torch.compile compiles this function, not the loop over chunks: compiled whole,
-        inductor schedules every chunk's recomputed logits side by side in one backward
-        kernel sequence, which is the full logits again
-        (docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens).
-        """
-        return checkpoint(self._head_loss_sum, h, labels, use_reentrant=False)
-
-    def _head_loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.output_head(self.norm(h))
-        return F.cross_entropy(logits.float(), labels, reduction="sum")
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for evaluation and generation: forward, final norm, output head."""
+        return self.output_head(self.norm(self(tokens)))
 
     # -- initialization ----------------------------------------------------
 
@@ -238,29 +221,6 @@ class Decoder(nn.Module):
         if fqn == "output_head.proj.weight":
             return self.args.dim**-0.5
         return 0.02
-
-
-def chunked_cross_entropy(
-    chunk_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    h: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    chunk_tokens: int,
-) -> torch.Tensor:
-    """F.cross_entropy's mean over the tokens of h [batch, seq, dim], chunk_tokens tokens at a time.
-
-    chunk_loss maps tokens [n, dim] and labels [n] to their summed loss. The divisor counts
-    the labels F.cross_entropy's mean counts (all but its ignore_index, -100; our data has
-    none), so this equals the plain loss up to fp32 summation order; the last chunk may be
-    shorter.
-    """
-    h, labels = h.flatten(0, 1), labels.flatten()
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
-    # split, not slicing: its backward concatenates the chunks' gradients once, where each
-    # slice's backward would write a zero-padded gradient the size of all of h.
-    for h_chunk, labels_chunk in zip(h.split(chunk_tokens), labels.split(chunk_tokens)):
-        total = total + chunk_loss(h_chunk, labels_chunk)
-    return total / (labels != -100).sum()
 
 
 def clean_fqn(fqn: str) -> str:

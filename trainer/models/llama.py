@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from trainer.models.layers import (  # noqa: F401  (re-exported: `from trainer.models.llama import ...`)
     MLP,
     Attention,
@@ -73,21 +71,6 @@ def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_s
 class Llama(Decoder):
     def __init__(self, args: ModelArgs):
         super().__init__(args, [TransformerBlock(args) for _ in range(args.n_layers)])
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] when labels is None, else the mean cross-entropy loss.
-
-        A pipeline stage (trainer.parallel.pipeline) has None for the modules of other
-        stages: without tok_embeddings it takes activations, without output_head it returns them.
-        """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
-        if self.output_head is None:
-            return h
-        if labels is None:
-            return self.output_head(self.norm(h))
-        return self.head_loss(h, labels)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -11,7 +11,8 @@ feed-forward. Module names are a contract (FP8 filter, FSDP, EP, checkpoints, te
 The first `n_dense_layers` blocks are dense Llama blocks (`layers.{i}.mlp.*`).
 
 Routed experts run as one grouped GEMM over tokens sorted by expert
-(`torch._grouped_mm`: bf16 on CUDA; on CPU the same kernel, any dtype). Each expert's
+(`torch._grouped_mm`: bf16 on CUDA; on CPU the same kernel in fp32/bf16/fp16, and a
+per-expert loop for float64, which the kernel rejects). Each expert's
 group of rows is padded to `GROUP_ALIGN` rows, which the CUDA kernel needs, and the
 same padding runs on CPU so its tests cover the code the GPU runs. Expert parallelism
 (`trainer.parallel.expert_parallel.apply_ep`) plugs a dispatcher into `GroupedExperts`
@@ -19,11 +20,18 @@ that moves the sorted tokens to the ranks holding their experts and back.
 
 Load balancing, both kinds users expect:
 - an auxiliary loss (`aux_loss_coef`), computed per sequence (DeepSeek-V3's
-  sequence-wise balance loss), so it is the same whatever the data-parallel split;
+  sequence-wise balance loss), so it is the same whatever the data-parallel split.
+  Each MoE layer injects its gradient through autograd (`attach_aux_loss`, Megatron's
+  `MoEAuxLossAutoScaler`): the layer's output passes through unchanged and backward adds
+  the aux loss's gradient, scaled like the LM loss (`aux_grad_scale`, set by the step to
+  loss scale / microbatches). So no layer returns its aux loss, a pipeline stage needs no
+  side channel for it, and every layout uses the one mechanism;
 - the auxiliary-loss-free bias (`bias_update_rate`, DeepSeek-V3): a per-expert bias
   added to the scores for the top-k choice only, moved after every optimizer step
-  by `rate * sign(mean load - load)` from the step's token counts summed over all
-  data-parallel ranks (`MoEBalancer`).
+  by `rate * sign(mean load - load)`, minus the mean of that step, from the step's token
+  counts summed over all data-parallel ranks (`MoEBalancer`). Subtracting the mean keeps
+  the biases summing to zero (the peer trainer does it; the DeepSeek-V3 paper states no
+  mean subtraction), so they cannot drift together; a skipped optimizer step moves none.
 Token dropping is off by default (`capacity_factor = 0`); with a capacity factor c,
 each expert keeps at most ceil(c * seq_len * top_k / n_experts) tokens of each
 sequence (the earliest positions), again independent of the layout.
@@ -140,9 +148,15 @@ class Router(nn.Module):
         return weights, idx, scores
 
     @torch.no_grad()
-    def update_bias(self, load: torch.Tensor, rate: float) -> None:
-        """DeepSeek-V3: raise the bias of under-loaded experts, lower it for over-loaded ones."""
-        self.expert_bias += rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+    def update_bias(self, load: torch.Tensor, rate: float, *, keep: torch.Tensor) -> None:
+        """DeepSeek-V3: raise the bias of under-loaded experts, lower it for over-loaded ones.
+
+        The step's mean is subtracted, so the biases keep summing to zero; `keep` (1.0, or 0.0
+        for a skipped optimizer step) masks the change on the device, without a host sync.
+        """
+        delta = rate * torch.sign(load.mean() - load)
+        delta = (delta - delta.mean()) * keep
+        self.expert_bias += delta.to(self.expert_bias.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -187,12 +201,14 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 @torch.compiler.disable
 def _cpu_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     # Eager even inside a compiled block: torch.compile's shape check for _grouped_mm accepts
-    # bf16 only, while the CPU kernel takes any dtype (fp32 CPU runs and tests).
+    # bf16 only, while the CPU kernel also takes fp32 and fp16 (fp32 CPU runs and tests).
+    if x.dtype == torch.float64:
+        return _loop_mm(x, w, offs)  # the CPU kernel rejects float64 (float64 reference tests)
     return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
 
 
 def _loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    ends = offs.tolist()  # note: a host sync; only the non-bf16 CUDA fallback
+    ends = offs.tolist()  # note: a host sync; only the non-bf16 CUDA and the float64 CPU fallback
     outs, start = [], 0
     for g, end in enumerate(ends):
         outs.append(x[start:end] @ w[g].transpose(0, 1))
@@ -263,6 +279,39 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 STAT_DROPPED, STAT_AUX, STAT_CALLS = 0, 1, 2  # offsets after the n_experts load counts
 
 
+class _AuxLossInjector(torch.autograd.Function):
+    """Identity on the layer's output whose backward also gives the aux loss the gradient `scale`.
+
+    Megatron's MoEAuxLossAutoScaler: the aux loss joins the objective without being returned,
+    so the LM loss path is the same for dense and MoE models and for every pipeline stage.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (scale,) = ctx.saved_tensors
+        return grad_output, scale.clone(), None
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`output`, unchanged; in backward d(objective)/d(aux_loss) = scale (the LM loss's own factor)."""
+    return _AuxLossInjector.apply(output, aux_loss, scale)
+
+
+def set_aux_loss_scale(modules: list[MoE], scale: torch.Tensor | float) -> None:
+    """The factor every MoE layer's aux-loss gradient gets in the next backward: the LM loss's
+    (loss scale / (pipeline microbatches x accumulation steps)). A device tensor is copied without a sync."""
+    for m in modules:
+        if isinstance(scale, torch.Tensor):
+            m.aux_grad_scale.copy_(scale)
+        else:
+            m.aux_grad_scale.fill_(scale)
+
+
 class MoE(nn.Module):
     def __init__(self, args: MoEArgs):
         super().__init__()
@@ -277,9 +326,11 @@ class MoE(nn.Module):
         # Since the last optimizer step: tokens routed to each expert (before dropping), dropped
         # assignments, sum of aux losses, forward calls. Read and reset by MoEBalancer.
         self.register_buffer("stats", torch.zeros(args.n_experts + 3), persistent=False)
+        # d(objective)/d(aux loss) of the next backward, set by the step (set_aux_loss_scale).
+        self.register_buffer("aux_grad_scale", torch.ones(()), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [batch, seq, dim] -> (output like x, aux loss already scaled by aux_loss_coef)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [batch, seq, dim] -> output like x; the aux loss (times aux_loss_coef) is attached to it for backward."""
         bsz, seq_len, dim = x.shape
         flat = x.reshape(-1, dim)
         n_tokens, k, n_experts = flat.shape[0], self.top_k, self.n_experts
@@ -311,7 +362,9 @@ class MoE(nn.Module):
         if self.training:  # evaluation forwards must not move the balancing bias
             with torch.no_grad():
                 self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])
-        return out.reshape(bsz, seq_len, dim), self.aux_loss_coef * aux
+            if self.aux_loss_coef:
+                out = attach_aux_loss(out, self.aux_loss_coef * aux, self.aux_grad_scale)
+        return out.reshape(bsz, seq_len, dim)
 
     def _aux_loss(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Sequence-wise balance loss: mean over sequences of E * sum_e f_e * P_e.
@@ -350,40 +403,17 @@ class MoEBlock(nn.Module):
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MoE(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
-        out, aux = self.moe(self.mlp_norm(h))
-        return h + out, aux
+        return h + self.moe(self.mlp_norm(h))
 
 
 class MoETransformer(Decoder):
-    """Dense blocks for the first n_dense_layers, MoE blocks after."""
+    """Dense blocks for the first n_dense_layers, MoE blocks after; `Decoder.forward` runs them."""
 
     def __init__(self, args: MoEArgs):
         blocks = [MoEBlock(args) if args.is_moe_layer(i) else TransformerBlock(args) for i in range(args.n_layers)]
         super().__init__(args, blocks)
-        self.aux_loss: torch.Tensor | None = None
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits when labels is None, else the mean cross-entropy (LM) loss.
-
-        The load-balancing loss of this forward (sum over MoE layers, already scaled by
-        aux_loss_coef) is left in `self.aux_loss`; the trainer adds it to the loss it
-        differentiates and logs the two apart.
-        """
-        h = self.tok_embeddings(tokens)
-        aux_total = torch.zeros((), device=h.device)
-        for layer in self.layers.values():
-            out = layer(h, self.rope)
-            if isinstance(out, tuple):
-                h, aux = out
-                aux_total = aux_total + aux
-            else:
-                h = out
-        self.aux_loss = aux_total
-        if labels is None:
-            return self.output_head(self.norm(h))
-        return self.head_loss(h, labels)
 
     def init_buffers(self) -> None:
         for module in self.modules():
@@ -391,6 +421,7 @@ class MoETransformer(Decoder):
                 module.expert_bias.zero_()
             elif isinstance(module, MoE):
                 module.stats.zero_()
+                module.aux_grad_scale.fill_(1.0)
 
 
 # ---------------------------------------------------------------------------
@@ -424,60 +455,3 @@ def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """Training FLOPs per token on ACTIVE parameters: 6 * N_active + attention (12 * L * H * Dh * S)."""
     _, active = param_counts(args)
     return 6 * active + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-
-
-# ---------------------------------------------------------------------------
-# Balancing after the optimizer step, and the per-layer metrics
-
-
-class MoEBalancer:
-    """Reads every MoE layer's counters after each optimizer step: sums them over the
-    data-parallel ranks (one all-reduce), moves the expert biases, and keeps interval
-    totals for `metrics()`. Layers are named by their block index."""
-
-    def __init__(self, model: nn.Module, *, bias_update_rate: float, group: Any = None):
-        from trainer.models.layers import clean_fqn
-
-        self.layers: list[tuple[str, MoE]] = [
-            (clean_fqn(fqn).split(".")[1], m) for fqn, m in model.named_modules() if isinstance(m, MoE)
-        ]
-        self.rate = bias_update_rate
-        self.group = group
-        self.interval: torch.Tensor | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self.layers)
-
-    @torch.no_grad()
-    def after_step(self) -> None:
-        import torch.distributed as dist
-
-        stats = torch.stack([m.stats for _, m in self.layers])
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(stats, group=self.group)
-        for (_, m), s in zip(self.layers, stats):
-            if self.rate > 0:
-                m.router.update_bias(s[: m.n_experts], self.rate)
-            m.stats.zero_()
-        self.interval = stats if self.interval is None else self.interval + stats
-
-    def metrics(self) -> dict[str, float]:
-        """Per layer and overall, since the last call: load imbalance (max/mean tokens per expert),
-        aux loss (unscaled), fraction of assignments dropped. note: a host sync."""
-        if self.interval is None:
-            return {}
-        out: dict[str, float] = {}
-        rows = self.interval.tolist()
-        self.interval = None
-        for (name, m), row in zip(self.layers, rows):
-            e = m.n_experts
-            load, extra = row[:e], row[e:]
-            total = sum(load)
-            out[f"moe/layer{name}/imbalance"] = max(load) / (total / e) if total else 0.0
-            out[f"moe/layer{name}/aux_loss"] = extra[STAT_AUX] / extra[STAT_CALLS] if extra[STAT_CALLS] else 0.0
-            out[f"moe/layer{name}/dropped_fraction"] = extra[STAT_DROPPED] / total if total else 0.0
-        n = len(self.layers)
-        out["moe/imbalance_max"] = max(out[f"moe/layer{name}/imbalance"] for name, _ in self.layers)
-        out["moe/imbalance_mean"] = sum(out[f"moe/layer{name}/imbalance"] for name, _ in self.layers) / n
-        out["moe/dropped_fraction"] = sum(out[f"moe/layer{name}/dropped_fraction"] for name, _ in self.layers) / n
-        return out

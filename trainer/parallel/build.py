@@ -1,6 +1,9 @@
 """build_parallel_model: the order of these calls is the architecture.
 
-    TP / EP  ->  FP8  ->  activation checkpointing  ->  loss chunking  ->  compile  ->  FSDP2
+    TP / EP  ->  FP8  ->  activation checkpointing  ->  compile  ->  FSDP2
+
+The loss (final norm, output head, cross-entropy; chunked or not) is built beside the model by
+`trainer.loss.build_loss_fn`, the same for a whole model and a pipeline's last stage.
 
 Each stage takes a resolved option object (made once, from the validated config, by
 `trainer.validate`), never the JobConfig, and asks `ParallelDims` for its mesh by name.
@@ -52,7 +55,7 @@ class FSDPOptions:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Everything build_parallel_model needs, resolved from the config by trainer.validate."""
+    """Everything build_parallel_model (and the loss beside it) needs, resolved from the config by trainer.validate."""
 
     float8: Float8Options | None  # None: no FP8 conversion
     ac: ACOptions
@@ -60,13 +63,13 @@ class BuildOptions:
     fsdp: FSDPOptions
     loss_parallel: bool
     loss_chunk_tokens: int = 0
-    """Tokens per chunk of the output head and loss (Decoder.head_loss); 0 = all at once."""
+    """Tokens per chunk of the output head and loss (trainer.loss.LossFn); 0 = all at once."""
 
 
 def build_parallel_model(
     model: nn.Module, parallel_dims: ParallelDims, *, options: BuildOptions, device: torch.device
 ) -> Float8Report | None:
-    """Apply TP -> EP -> FP8 -> AC -> loss chunking -> compile -> FSDP2 to a meta-device model, in place.
+    """Apply TP -> EP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place.
 
     Returns the FP8 report. The model stays on the meta device; the caller materializes it (`to_empty`)
     and calls `init_weights`, so no rank ever holds more than its shards.
@@ -98,21 +101,13 @@ def build_parallel_model(
     # AC wraps blocks before compile so the recompute is traced into the compiled graph.
     logger.info(apply_ac(model, mode=o.ac.mode, selective_every=o.ac.selective_every))
 
-    # Loss chunking before compile: with it, compile compiles one chunk instead of the whole head+loss.
-    if o.loss_chunk_tokens:
-        model.loss_chunk_tokens = o.loss_chunk_tokens
-        logger.info(
-            "output head + loss: chunks of %d tokens, each activation-checkpointed (the head GEMM runs again in "
-            "backward)", o.loss_chunk_tokens,
-        )
-
     # Compile before FSDP so FSDP's hooks stay outside the compiled graphs.
     if o.compile:
-        logger.info(apply_compile(model, compile_head=pd.tp == 1))
+        logger.info(apply_compile(model))
 
     # FSDP2 last: it shards whatever the model has become (DTensors from TP, Float8Linear weights).
     if o.fsdp.master_dtype != torch.float32:
-        model.to(o.fsdp.master_dtype)
+        cast_parameters(model, o.fsdp.master_dtype)
     logger.info(
         apply_fsdp(
             model, pd.mesh("fsdp"), param_dtype=o.fsdp.param_dtype, reduce_dtype=o.fsdp.reduce_dtype,
@@ -121,3 +116,16 @@ def build_parallel_model(
         )
     )
     return report
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Master weights in `dtype`, in place; buffers keep theirs.
+
+    Not `model.to(dtype)`, which casts floating buffers too: the MoE expert biases and token
+    counts must stay fp32 (a 1e-3 bias step is lost in bf16 once |bias| >= 0.5, and counts
+    above 256 are inexact there).
+    """
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                module.register_parameter(name, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))

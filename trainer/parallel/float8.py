@@ -16,6 +16,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from trainer.hooks import StepHook
+
 logger = logging.getLogger(__name__)
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -255,6 +257,17 @@ def precompute_float8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+class Float8ScalePrecompute(StepHook):
+    """The step hook of fp8 all-gather: after every optimizer step, the weights' float8 scales in one fused
+    amax and one all-reduce (`precompute_float8_scales`), before the next forward gathers them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def after_optimizer_step(self, step: int, found_inf: torch.Tensor) -> None:
+        precompute_float8_scales(self.model)
 
 
 def float8_weight_stats(model: nn.Module) -> dict[str, float]:

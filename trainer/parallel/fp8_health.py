@@ -31,6 +31,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from trainer.hooks import StepHook
+
 logger = logging.getLogger(__name__)
 
 # A warning when more than this fraction of a layer's elements underflow / saturate.
@@ -155,3 +157,25 @@ class Fp8HealthMonitor:
                         "underflow to zero" if what == "underflow" else "saturate", fmt, worst["amax"],
                         worst["scale"], 100 * limit)
         return out
+
+
+class Fp8HealthHook(StepHook):
+    """The FP8 health step hook: every `every` steps, collect cast health during the step (eagerly) and log
+    it with the weights' amax and scale (`trainer.parallel.float8.float8_weight_stats`)."""
+
+    def __init__(self, model: nn.Module, *, recipe: str, every: int):
+        self.model, self.every = model, every
+        self.monitor = Fp8HealthMonitor(model, recipe=recipe)
+
+    def step_context(self, step: int) -> contextlib.AbstractContextManager:
+        return self.monitor.collect() if self.log_due(step) else contextlib.nullcontext()
+
+    def log_due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def on_log(self, step: int) -> dict[str, float]:
+        from trainer.parallel.float8 import float8_weight_stats
+
+        if not self.log_due(step):
+            return {}
+        return {**float8_weight_stats(self.model), **self.monitor.report()}

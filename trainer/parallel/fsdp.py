@@ -22,8 +22,8 @@ def apply_fsdp(
     The embeddings get a unit of their own, so they are freed after the first layer
     and their gradients reduce-scattered as soon as backward reaches them, instead of
     staying gathered with the root through the whole step. The norm and the head stay
-    in the root: the compiled head+loss (trainer.parallel.compile) cannot call into an
-    FSDP unit's hooks.
+    in the root, which is never resharded after forward: the loss (trainer/loss.py) applies
+    them to the hidden states the forward returns, and backward needs them first.
 
     param_dtype is the compute dtype weights are all-gathered in (bf16 for bf16
     and fp8 runs; float8 linears then cast to fp8 themselves, or receive fp8
@@ -54,7 +54,9 @@ def apply_fsdp(
                 experts.set_force_sum_reduction_for_comms(True)
             num_expert_groups += 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root (final norm, output head) stays gathered from its forward to its backward: the loss
+    # (trainer/loss.py) runs the head after the model's forward returns, and backward starts with it.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP2"
     experts_line = (
         f"; routed experts of {num_expert_groups} MoE layers over {expert_mesh.mesh_dim_names} "

@@ -1,13 +1,16 @@
 """Pipeline parallelism with torch.distributed.pipelining: stage layout, stage modules, schedule, step.
 
-The model is split by fqn. Every stage module is a whole `Llama` built on the meta
-device with the blocks of other stages deleted and, off the edge stages, the
-embedding, final norm and output head set to None (the torchtitan way), so every
-parameter keeps the fqn it has in the full model: FP8 filters, the TP plan,
-checkpoints (DCP reshards by fqn) and the HF export see the same names at any pp.
-Each stage then gets the same `build_parallel_model` (TP -> FP8 -> AC -> compile ->
-FSDP2) as a pp=1 model, and fills its weights with the per-fqn seeded init, so the
-stages together start from exactly the pp=1 weights.
+The model is split by fqn. Every stage module is the whole model, built on the meta
+device by the same builder as at pp=1 (`trainer.models.build_model`, any family), with
+the blocks of other stages deleted and, off the edge stages, the embedding, final norm
+and output head set to None (the torchtitan way), so every parameter keeps the fqn it
+has in the full model: FP8 filters, the TP plan, checkpoints (DCP reshards by fqn) and
+the HF export see the same names at any pp. Each stage then gets the same
+`build_parallel_model` (TP -> FP8 -> AC -> compile -> FSDP2) as a pp=1 model, and fills
+its weights with the per-fqn seeded init, so the stages together start from exactly the
+pp=1 weights. Each stage returns hidden states, and the schedule hands the last stage's
+to the same loss function the trainer uses at pp=1 (`trainer.loss.LossFn`, built for the
+last stage by the `build_loss` the trainer passes in).
 
 Stages are numbered 0..num_stages-1 along the model; rank r of the pp axis runs
 stages r, r+pp, r+2pp, ... (loop style: GPipe, 1F1B, Interleaved*) or, for the V
@@ -21,11 +24,11 @@ import dataclasses
 import inspect
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -137,7 +140,7 @@ def bubble_fraction(*, pp: int, num_microbatches: int, stages_per_rank: int = 1)
 
 
 def split_stage_module(model: nn.Module, fqns: tuple[str, ...]) -> nn.Module:
-    """Keep only `fqns` of a (meta) Llama, in place: other blocks deleted, embedding/norm/head set to None."""
+    """Keep only `fqns` of a (meta) model, in place: other blocks deleted, embedding/norm/head set to None."""
     keep = set(fqns)
     for name in list(model.layers.keys()):
         if f"layers.{name}" not in keep:
@@ -208,132 +211,133 @@ def _merge_float8_reports(reports: list):
     return merged
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32, as `Llama.head_loss` computes it."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
 class Pipeline:
     """This rank's stages, their schedule, and the forward/backward of one optimizer step."""
 
     def __init__(self, model_args, parallel_dims, *, options: PipelineOptions, build, device: torch.device,
-                 seed: int, grad_accum_steps: int):
-        from torch.distributed.pipelining import PipelineStage
-
-        from trainer.models import Llama
+                 seed: int, build_loss: Callable[[nn.Module], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]):
+        """build_loss(last stage module) -> loss_fn(hidden states, labels): the trainer's loss function."""
+        from trainer.models import build_model
         from trainer.parallel.build import build_parallel_model
 
         self.options = options
         self.device = device
         pp_mesh = parallel_dims.mesh("pp")
         self.pp_group = pp_mesh.get_group()
-        pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
-        self.stage_ids = stage_ids(pp_rank, pp, options.num_stages, v_style=options.v_style)
-        # The loss of one schedule microbatch is divided by every microbatch of the optimizer
-        # step (pipeline microbatches x grad_accum_steps): the step's gradient is the gradient
-        # of the mean loss over the global batch, exactly as at pp=1.
-        self.grad_accum_steps = grad_accum_steps
+        self.pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+        self.stage_ids = stage_ids(self.pp_rank, pp, options.num_stages, v_style=options.v_style)
+        # What the schedule's loss is multiplied by before its backward (set per step by the caller:
+        # loss scale / every microbatch of the optimizer step).
         self._loss_factor: torch.Tensor | float = 1.0
-        # Compiled (as the pp=1 head with its loss is), the upcast of the logits fuses into the
-        # cross-entropy instead of materializing fp32 logits; eager under TP's loss parallel, as at pp=1.
-        self._cross_entropy = (torch.compile(cross_entropy, fullgraph=True)
-                               if build.compile and parallel_dims.tp == 1 else cross_entropy)
 
-        parts, stages, reports = [], [], []
+        parts, reports = [], []
         for sid in self.stage_ids:
-            fqns = options.stage_fqns[sid]
             with torch.device("meta"):
-                part = split_stage_module(Llama(model_args), fqns)
+                part = split_stage_module(build_model(model_args), options.stage_fqns[sid])
             opts = build
             if build.float8 is not None:
                 opts = dataclasses.replace(build, float8=dataclasses.replace(
                     build.float8, exclude_fqns=_stage_float8_excludes(part, build.float8.exclude_fqns)))
             reports.append(build_parallel_model(part, parallel_dims, options=opts, device=device))
             # Materialize this rank's shards and fill them with the per-fqn seeded init: the
-            # same values as the pp=1 model's (trainer.models.llama.Llama.init_weights).
+            # same values as the pp=1 model's (trainer.models.layers.Decoder.init_weights).
             part.to_empty(device=device)
             part.init_weights(seed=seed)
             part.train()
             parts.append(part)
-            stages.append(PipelineStage(part, sid, options.num_stages, device, group=self.pp_group))
-            blocks = [f for f in fqns if f.startswith("layers.")]
-            edges = [f for f in fqns if not f.startswith("layers.")]
-            logger.info("pipeline stage %d/%d on pp rank %d: %s%s", sid, options.num_stages, pp_rank,
-                        f"{blocks[0]}..{blocks[-1]} ({len(blocks)} blocks)" if blocks else "no blocks",
-                        f" + {', '.join(edges)}" if edges else "")
+            self._log_stage(sid, options.stage_fqns[sid])
         self.parts = parts
-        self.stages = stages
         self.model = PipelineModel(parts)
         self.float8_report = _merge_float8_reports(reports)
-        self.has_first = any(s.is_first for s in stages)
-        self.has_last = any(s.is_last for s in stages)
+        last = next((p for p in parts if p.output_head is not None), None)
+        self.loss_fn = build_loss(last) if last is not None else None
+        self.schedule = self._build_schedule(parts)
+        self.has_first = any(s.is_first for s in self._stages)
+        self.has_last = any(s.is_last for s in self._stages)
 
-        cls = _schedule_class(options.schedule)
-        single = options.schedule in SINGLE_STAGE_SCHEDULES
-        self.schedule = cls(stages[0] if single else stages, n_microbatches=options.num_microbatches,
-                            loss_fn=self._loss, scale_grads=False)
-        # return_outputs=False keeps the last stage from concatenating every microbatch's logits
-        # (batch x seq x vocab) after the step; older torch has no such argument and always returns them.
+    @property
+    def num_microbatches(self) -> int:
+        return self.options.num_microbatches
+
+    def _log_stage(self, sid: int, fqns: tuple[str, ...]) -> None:
+        blocks = [f for f in fqns if f.startswith("layers.")]
+        edges = [f for f in fqns if not f.startswith("layers.")]
+        logger.info("pipeline stage %d/%d on pp rank %d: %s%s", sid, self.options.num_stages, self.pp_rank,
+                    f"{blocks[0]}..{blocks[-1]} ({len(blocks)} blocks)" if blocks else "no blocks",
+                    f" + {', '.join(edges)}" if edges else "")
+
+    def _build_schedule(self, parts: list[nn.Module]):
+        from torch.distributed.pipelining import PipelineStage
+
+        o = self.options
+        self._stages = [PipelineStage(part, sid, o.num_stages, self.device, group=self.pp_group)
+                        for part, sid in zip(parts, self.stage_ids)]
+        single = o.schedule in SINGLE_STAGE_SCHEDULES
+        schedule = _schedule_class(o.schedule)(self._stages[0] if single else self._stages,
+                                               n_microbatches=o.num_microbatches, loss_fn=self._loss,
+                                               scale_grads=False)
+        # return_outputs=False keeps the last stage from concatenating every microbatch's outputs
+        # after the step; older torch has no such argument and always returns them.
         self._step_kwargs = (
-            {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
+            {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
         )
+        pp = dist.get_world_size(self.pp_group)
         logger.info(
             "pipeline: schedule=%s, %d stages (%d per rank), %d microbatches of %d sequences; "
-            "bubble ~%.0f%% of the step", options.schedule, options.num_stages, options.stages_per_rank,
-            options.num_microbatches, options.microbatch_size,
-            100 * bubble_fraction(pp=pp, num_microbatches=options.num_microbatches,
-                                  stages_per_rank=options.stages_per_rank),
+            "bubble ~%.0f%% of the step", o.schedule, o.num_stages, o.stages_per_rank, o.num_microbatches,
+            o.microbatch_size,
+            100 * bubble_fraction(pp=pp, num_microbatches=o.num_microbatches, stages_per_rank=o.stages_per_rank),
         )
+        return schedule
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # The schedule calls this on the last stage for every microbatch and backpropagates it.
-        return self._cross_entropy(logits, labels) * self._loss_factor
+    def _loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The schedule calls this on the last stage for every microbatch and backpropagates what it returns
+        # (torch may also call it once on placeholder outputs, e.g. while inferring shapes: the step's losses
+        # are the ones the schedule hands back).
+        return self.loss_fn(h, labels) * self._loss_factor
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                         loss_scale: torch.Tensor | None, loss_context=contextlib.nullcontext) -> torch.Tensor:
+                         loss_factor: torch.Tensor | float, loss_context=contextlib.nullcontext) -> torch.Tensor:
         """Run the schedule over each batch of the optimizer step; gradients accumulate in the parameters.
 
-        loss_context: entered around each schedule step, i.e. around the loss's forward and
-        backward (TP's loss_parallel, for logits sharded over the vocabulary). Returns the
-        step's mean loss on every pp rank (sent from the last stage by a sum over the pp
+        loss_factor: what each microbatch's loss is multiplied by before its backward (loss scale /
+        every microbatch of the step). loss_context: entered around each schedule step, i.e. around
+        the loss's forward and backward (TP's loss_parallel, for logits sharded over the vocabulary).
+        Returns the step's mean loss on every pp rank (sent from the last stage by a sum over the pp
         group, where only the last stage's ranks hold a non-zero loss).
         """
-        assert len(microbatches) == self.grad_accum_steps, (len(microbatches), self.grad_accum_steps)
-        n = self.options.num_microbatches * self.grad_accum_steps
-        scale = loss_scale if loss_scale is not None else 1.0
-        self._loss_factor = scale / n
-        total = torch.zeros((), device=self.device)
+        self._loss_factor = loss_factor
+        losses: list[torch.Tensor] = []
         for inputs, labels in microbatches:
             with loss_context():
-                total += self._run_schedule(self.schedule.step, inputs, labels)
-        if loss_scale is not None:
-            total = total / loss_scale
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
-        return total
+                losses += self._run_schedule(self.schedule.step, inputs, labels)
+        return self._mean_loss(losses, factor=loss_factor)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean loss of one batch through the schedule, forward only (`schedule.eval`), on every pp rank.
 
-        The same microbatches as a training step of this batch; the last stage's mean is sent to
-        the other pp ranks by a sum over the pp group (only the last stage's ranks hold a loss).
+        The same microbatches as a training step of this batch.
         """
-        self._loss_factor = 1.0 / self.options.num_microbatches
-        total = self._run_schedule(self.schedule.eval, inputs, labels)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
-        return total
+        self._loss_factor = 1.0
+        return self._mean_loss(self._run_schedule(self.schedule.eval, inputs, labels), factor=1.0)
 
-    def _run_schedule(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One schedule call (`step` or `eval`) on one batch; the sum of this rank's last-stage microbatch
-        losses (each already times `_loss_factor`), zero on ranks without the last stage."""
+    def _run_schedule(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One schedule call (`step` or `eval`) on one batch: the last stage's microbatch losses (each times
+        `_loss_factor`, detached), none on ranks without the last stage."""
         args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
         run(*args, **kwargs, **self._step_kwargs)
-        if not losses:
-            return torch.zeros((), device=self.device)
         # Replicated DTensors under loss parallel: every TP rank holds the whole loss.
-        return torch.stack([(x.to_local() if isinstance(x, DTensor) else x).detach() for x in losses]).sum()
+        return [(x.to_local() if isinstance(x, DTensor) else x).detach() for x in losses]
+
+    def _mean_loss(self, losses: list[torch.Tensor], *, factor: torch.Tensor | float) -> torch.Tensor:
+        """The mean unscaled microbatch loss on every pp rank: sent from the last stage by a sum over the pp
+        group, where only the last stage's ranks hold losses."""
+        total = torch.stack(losses).sum() / (factor * len(losses)) if losses else torch.zeros((), device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return total
 
 
 __all__ = [

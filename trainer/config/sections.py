@@ -1,35 +1,17 @@
-"""Job configuration: section dataclasses, TOML loading, command-line overrides.
+"""The job config's sections: one dataclass per TOML section, a docstring under every field, and JobConfig.
 
-A `JobConfig` is built once, from defaults < TOML < command line, and validated
-while it is built: every user error (unknown key, wrong type, value outside its
-`Literal`, inconsistent combination) raises `ConfigError` with one line that
-names the key, before any process group, data or model exists.
-
-Every field carries a docstring (the string literal under it); `docs/config.md`
-is generated from them by `python -m trainer.config --markdown`.
+A `JobConfig` checks itself when built (`__post_init__` runs
+`trainer.validate.config_checks.check_config`): every combination that the config alone
+makes wrong is one `ConfigError` line naming the key. Loading (TOML, command line) is
+`trainer.config.load`; `--help` and docs/config.md come from `trainer.config.reference`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import inspect
-import math
-import sys
-import textwrap
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
-
-from trainer.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
-
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
@@ -322,7 +304,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         # The config-only checks; trainer.validate.validate_job adds world size, model and data.
-        from trainer.validate import check_config
+        from trainer.validate.config_checks import check_config
 
         check_config(self)
 
@@ -337,272 +319,22 @@ class JobConfig:
         lines: list[str] = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------
-# Loading
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = nxt.value.value.strip()
-    return docs
-
-
-def _suggest(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
-    return f" (did you mean {close[0]}?)" if close else f" (valid: {', '.join(choices)})"
-
-
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
-    """Check (TOML) or parse (command line) one value against its annotation."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        takes_bool = any(isinstance(a, bool) for a in allowed)
-        if from_cli and isinstance(value, str) and takes_bool and value.lower() in ("true", "false"):
-            value = value.lower() == "true"
-        # Compare types too: 1 == True, but an integer is not a boolean setting.
-        if not any(type(value) is type(a) and value == a for a in allowed):
-            listed = ", ".join(_toml_value(a) if isinstance(a, bool) else repr(a) for a in allowed)
-            raise ConfigError(f"{key}={_toml_value(value) if isinstance(value, bool) else repr(value)} "
-                              f"is not one of {listed}")
-        return value
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if from_cli and isinstance(value, str):
-            value = [v for v in (s.strip() for s in value.split(",")) if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}={value!r} must be a list of {item_tp.__name__}")
-        return [_coerce(f"{key}[{i}]", v, item_tp, from_cli=from_cli) for i, v in enumerate(value)]
-    if tp is bool:
-        if from_cli and isinstance(value, str):
-            lowered = value.lower()
-            if lowered in ("true", "1", "yes"):
-                return True
-            if lowered in ("false", "0", "no"):
-                return False
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be true or false")
-        return value
-    if tp is int:
-        if from_cli and isinstance(value, str):
-            try:
-                value = int(value.replace("_", ""))
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        return value
-    if tp is float:
-        if from_cli and isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}={value!r} must be a number")
-        if not math.isfinite(value):
-            # nan would silently disable comparisons (max_norm=nan turns clipping off).
-            raise ConfigError(f"{key}={value!r} must be a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}={value!r} must be a string")
-        return value
-    raise AssertionError(f"unsupported config type {tp} for {key}")
-
-
-def _apply(raw: dict[str, dict[str, Any]], section: str, key: str, value: Any, *, from_cli: bool) -> None:
-    if section not in _SECTIONS:
-        raise ConfigError(f"unknown section [{section}]{_suggest(section, list(_SECTIONS))}")
-    types = _field_types(_SECTIONS[section])
-    if key not in types:
-        raise ConfigError(f"unknown key [{section}].{key}{_suggest(key, list(types))}")
-    raw.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, types[key], from_cli=from_cli)
-
-
-def parse_overrides(args: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    """Split argv into --config PATH and (section.key, value) overrides."""
-    config_path: str | None = None
-    overrides: list[tuple[str, str]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; use --config PATH and --section.key=value")
-        name, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise ConfigError(f"--{name} needs a value (--{name}=VALUE or --{name} VALUE)")
-            value = args[i + 1]
-            i += 1
-        i += 1
-        if name in ("config", "job.config_file"):
-            config_path = value
-            continue
-        if "." not in name:
-            raise ConfigError(f"--{name}: expected --section.key (e.g. --train.steps=10)")
-        overrides.append((name, value))
-    return config_path, overrides
-
-
-def read_toml(config_path: str) -> dict[str, Any]:
-    """The parsed TOML file; every way reading it can fail is one ConfigError line."""
-    path = Path(config_path)
-    if not path.exists():
-        raise ConfigError(f"config file {config_path} does not exist")
-    if not path.is_file():
-        raise ConfigError(f"config file {config_path} is not a file (a directory?); pass a .toml file with --config")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise ConfigError(f"config file {config_path} cannot be read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"config file {config_path} is not UTF-8 text (byte {e.start}); TOML files must be UTF-8"
-        ) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
-
-
-def _imply_shards(layer: dict[str, Any]) -> None:
-    """A layer (the TOML file, or the command line) that points data at shards means shards.
-
-    Setting data.path or a tokenizer.json without data.source in the same layer selects
-    data.source='shards': `--data.path=dir --data.tokenizer=tok.json` is enough on the
-    command line even when the TOML file says source='default'.
-    """
-    if "source" not in layer and (layer.get("path") or layer.get("tokenizer", "byte") != "byte"):
-        layer["source"] = "shards"
-
-
-def load_job_config(args: list[str] | None = None, *, toml_path: str | None = None) -> JobConfig:
-    """Build a JobConfig from defaults < TOML (--config) < --section.key overrides."""
-    config_path, overrides = parse_overrides(list(args or []))
-    config_path = config_path or toml_path
-    raw: dict[str, dict[str, Any]] = {}
-    if config_path is not None:
-        toml_layer: dict[str, dict[str, Any]] = {}
-        for section, values in read_toml(config_path).items():
-            if not isinstance(values, dict):
-                raise ConfigError(f"{config_path}: top-level key {section!r} must be a [section]")
-            for key, value in values.items():
-                _apply(toml_layer, section, key, value, from_cli=False)
-        if "data" in toml_layer:
-            _imply_shards(toml_layer["data"])
-        raw = toml_layer
-    cli_layer: dict[str, dict[str, Any]] = {}
-    for name, value in overrides:
-        section, _, key = name.partition(".")
-        _apply(cli_layer, section, key, value, from_cli=True)
-    if "data" in cli_layer:
-        _imply_shards(cli_layer["data"])
-    for section, values in cli_layer.items():
-        raw.setdefault(section, {}).update(values)
-    sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
-    return JobConfig(**sections)
-
-
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'
-
-
-def section_help(section: str) -> str:
-    """The keys of one section with type, default and meaning, for `train.py --help SECTION`."""
-    if section not in _SECTIONS:
-        raise ConfigError(f"unknown section [{section}]{_suggest(section, list(_SECTIONS))}")
-    cls = _SECTIONS[section]
-    docs, types = field_docs(cls), _field_types(cls)
-    lines = [f"[{section}]  {SECTION_HELP[section]}", ""]
-    for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{section}.{f.name}={_toml_value(default)}    ({_type_name(types[f.name]).replace(chr(92), '')})")
-        lines.extend(f"      {line}" for line in textwrap.wrap(docs.get(f.name, ""), 90))
-    return "\n".join(lines)
-
-
-def usage() -> str:
-    width = max(map(len, _SECTIONS))
-    sections = "\n".join(f"  {name:<{width}}  {SECTION_HELP[name]}" for name in _SECTIONS)
-    return f"""usage: [torchrun ...] scripts/train.py --config FILE.toml [--section.key=value ...]
-       scripts/train.py --help [SECTION]
-
-Trains the model a TOML job config describes. Every key of the TOML file can be
-overridden on the command line as --section.key=value (or --section.key value);
-precedence: command line > TOML > defaults. Unknown keys are errors.
-
-sections:
-{sections}
-
-  --help SECTION   lists that section's keys with their defaults and meaning
-  docs/config.md   the full reference; configs/train/*.toml are ready-made jobs
-
-example:
-  python scripts/train.py --config configs/train/debug_model.toml --train.steps=20"""
-
-
-def config_markdown() -> str:
-    """docs/config.md, generated from the dataclasses (a test checks it is current)."""
-    out = [
-        "# Configuration reference",
-        "",
-        "Generated by `python -m trainer.config --markdown > docs/config.md`; do not edit by hand.",
-        "Every key can be set in the TOML file or on the command line as `--section.key=value`",
-        "(precedence: command line > TOML > default). Unknown keys are errors.",
-        "",
-    ]
-    for section, cls in _SECTIONS.items():
-        docs, types = field_docs(cls), _field_types(cls)
-        out += [f"## [{section}]", "", f"{SECTION_HELP[section].capitalize()}.", "",
-                "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            type_name = _type_name(types[f.name])
-            out.append(f"| `{f.name}` | {type_name} | `{_toml_value(default)}` | {docs.get(f.name, '')} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " \\| ".join(_toml_value(a) if isinstance(a, bool) else repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"list[{typing.get_args(tp)[0].__name__}]"
-    return tp.__name__
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--markdown"]:
-        print(config_markdown(), end="")
-    else:
-        print("usage: python -m trainer.config --markdown", file=sys.stderr)
-        sys.exit(2)

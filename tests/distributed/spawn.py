@@ -1,0 +1,101 @@
+"""Run a test function on N CPU processes with a gloo process group (OLMo-core's run_distributed_test).
+
+    results = run_distributed(fn, world_size=2, args=(...))   # [fn(*args) of rank 0, of rank 1, ...]
+
+`fn` must be importable (a module-level function of a test module): each rank is a fresh
+Python started by multiprocessing's spawn, with the torchrun environment variables set
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so `trainer.distributed.init_distributed`
+and the `Trainer` join the group as under torchrun; `fn` may also create the group itself.
+Seconds instead of a whole CLI launch per case; a few whole-CLI torchrun runs stay as tests
+of the entry point.
+
+Every rank carries the test's TRAINER_TEST_OWNER tag, so the leak check (tests/conftest.py)
+finds and kills a rank that outlives its test; a rank that fails makes the call fail with its
+traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from tests.helpers import OWNER_VAR, REPO, new_tag, reap
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out: str) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    try:
+        result: Any = ("ok", fn(*args))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), timeout: float = 300) -> list[Any]:
+    """fn(*args) on world_size spawned processes; returns every rank's result, in rank order."""
+    tag = new_tag()
+    saved = {k: os.environ.get(k) for k in (OWNER_VAR, "OMP_NUM_THREADS", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")}
+    # Inherited by the spawned interpreters (their environment is this process's at spawn time).
+    os.environ[OWNER_VAR] = tag
+    os.environ["OMP_NUM_THREADS"] = "1"  # 2-4 processes on a 2-core machine
+    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + (saved["PYTHONPATH"] or "")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "trainer_inductor_cache"))
+    try:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        with tempfile.TemporaryDirectory() as out:
+            procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, out))
+                     for r in range(world_size)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout)
+            results = []
+            for r, p in enumerate(procs):
+                path = Path(out) / f"rank{r}.pkl"
+                if not path.exists():
+                    raise AssertionError(f"rank {r} wrote no result (exit code {p.exitcode}; timed out after "
+                                         f"{timeout} s?)" if p.exitcode is None else
+                                         f"rank {r} died with exit code {p.exitcode}")
+                status, value = pickle.loads(path.read_bytes())
+                if status == "error":
+                    raise AssertionError(value)
+                results.append(value)
+            return results
+    finally:
+        reap(tag)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def train_and_read_metrics(args: list[str], dump: str) -> list[dict]:
+    """A whole training run in this process (trainer.train.train: validate, build, train, tear down), as each
+    rank of a torchrun launch runs it; rank 0 returns the metrics.jsonl rows, the others []."""
+    from tests.helpers import read_metrics
+    from trainer.config import load_job_config
+    from trainer.train import train
+
+    train(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    return read_metrics(Path(dump)) if os.environ["RANK"] == "0" else []

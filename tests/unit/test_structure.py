@@ -1,0 +1,117 @@
+"""The package's shape: no import circle among trainer's modules, no file over 500 lines, no function over 80.
+
+Read with `ast` (nothing imported). Every import counts, at any depth, under `if TYPE_CHECKING`
+too: a circle that only type checkers see still ties the rooms together. A module's own package
+is not an edge (a package __init__ re-exports its modules by design).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import REPO
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((REPO / "trainer").rglob("*.py")):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module name an import statement in the file names (`from a.b import c` names a.b and a.b.c)."""
+    is_package = path.name == "__init__.py"
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names.add(target)
+            names.update(f"{target}.{a.name}" for a in node.names)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: {d for d in _imports(p, m) if d in modules and d != m} for m, p in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    assert len(graph) > 30 and "trainer.config" in graph and "trainer.validate.config_checks" in graph
+    assert circles(graph) == []
+
+
+def test_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_config_checks_and_schedule_syntax_are_leaves() -> None:
+    # The config imports its checks, which import the precision-schedule syntax: neither may reach back.
+    graph = import_graph()
+    assert graph["trainer.validate.config_checks"] <= {"trainer.errors", "trainer.precision_phases"}
+    assert graph["trainer.precision_phases"] <= {"trainer.errors"}
+    assert graph["trainer.hooks"] == set()
+
+
+def test_files_and_functions_stay_short() -> None:
+    long_files, long_functions = [], []
+    for path in _modules().values():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > MAX_FILE_LINES:
+            long_files.append(f"{path.relative_to(REPO)} ({text.count(chr(10))})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length})")
+    assert long_files == [] and long_functions == [], "split by concern: " + "; ".join(long_files + long_functions)

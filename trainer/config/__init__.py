@@ -1,0 +1,27 @@
+"""Job configuration: section dataclasses, TOML loading, command-line overrides, reference docs.
+
+A `JobConfig` is built once, from defaults < TOML < command line, and validated
+while it is built: every user error (unknown key, wrong type, value outside its
+`Literal`, inconsistent combination) raises `ConfigError` with one line that
+names the key, before any process group, data or model exists.
+
+    sections.py    the section dataclasses (a docstring under every field) and JobConfig
+    load.py        TOML + command line -> JobConfig, every bad value one line
+    reference.py   `train.py --help [SECTION]` and docs/config.md (`python -m trainer.config --markdown`)
+"""
+
+from trainer.config.load import load_job_config, parse_overrides, read_toml
+from trainer.config.reference import config_markdown, field_docs, section_help, usage
+from trainer.config.sections import (
+    _SECTIONS, SECTION_HELP, CheckpointSection, DataSection, DistributedSection, Float8Section, JobConfig, JobSection,
+    MetricsSection, MixedPrecision, ModelSection, MoESection, OptimizerSection, ProfilingSection, SchedulerSection,
+    TrainSection, ValidationSection,
+)
+from trainer.errors import ConfigError
+
+__all__ = [
+    "SECTION_HELP", "CheckpointSection", "ConfigError", "DataSection", "DistributedSection", "Float8Section",
+    "JobConfig", "JobSection", "MetricsSection", "MixedPrecision", "ModelSection", "MoESection", "OptimizerSection",
+    "ProfilingSection", "SchedulerSection", "TrainSection", "ValidationSection", "config_markdown", "field_docs",
+    "load_job_config", "parse_overrides", "read_toml", "section_help", "usage",
+]

@@ -1,0 +1,216 @@
+"""One optimizer step for every layout: forward/backward over the microbatches, grad norm, clipping, the skip.
+
+    TrainStep(microbatches, step) -> StepResult(loss, grad_norm, found_inf)     (device tensors, no host sync)
+
+At pp=1 the step runs `loss_fn(model(inputs), labels)` per microbatch; under pipeline
+parallelism the schedule runs the stages and calls the same `loss_fn` on the last one
+(trainer/parallel/pipeline.py). Either way each microbatch's loss is multiplied by one
+factor before its backward: loss scale / (pipeline microbatches x accumulation steps), so
+the step's gradient is the gradient of the mean loss over the global batch. The MoE layers'
+auxiliary losses get the same factor, injected through autograd
+(`trainer.models.moe.attach_aux_loss`).
+
+A non-finite gradient norm (or an fp16 overflow) skips the optimizer step on the device:
+the fused AdamW kernel takes `found_inf`, and the hooks (trainer/hooks.py) get it to mask
+their own updates. `check_finite` reads the norms on the host, at log steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.errors import UserError
+from trainer.models.moe import MoE, set_aux_loss_scale
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(UserError, RuntimeError):
+    """A NaN/inf loss or gradient norm with train.on_nonfinite='stop'."""
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (bf16/fp8 need none), kept on the device.
+
+    Scale and growth counter are device tensors updated with torch.where, so fp16
+    needs no host sync per step; works on DTensor gradients, unlike
+    torch.amp.GradScaler with FSDP2.
+    """
+
+    def __init__(self, *, enabled: bool, device: torch.device, init_scale: float = 2.0**16,
+                 growth_interval: int = 2000):
+        self.enabled = enabled
+        self.growth_interval = growth_interval
+        self.scale = torch.tensor(init_scale if enabled else 1.0, device=device)
+        self.good_steps = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        self.good_steps = torch.where(found_inf, 0, self.good_steps + 1)
+        grow = self.good_steps >= self.growth_interval
+        self.scale = torch.where(found_inf, self.scale / 2, torch.where(grow, self.scale * 2, self.scale))
+        self.good_steps = torch.where(grow, 0, self.good_steps)
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale.item(), "good_steps": int(self.good_steps.item())}
+
+    def load_state_dict(self, sd: dict[str, float | int]) -> None:
+        self.scale.fill_(float(sd["scale"]))
+        self.good_steps.fill_(int(sd["good_steps"]))
+
+
+def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """True global L2 norm over all gradients (DTensors on any mesh), as a plain device tensor.
+
+    Under pipeline parallelism each pp rank holds other parameters: pp_group sums the squared norms.
+    """
+    # Grouped by mesh: with expert parallelism the routed experts live on another mesh than the
+    # dense weights, and one norm cannot mix DTensors of two meshes.
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            # Partial over sharded mesh axes: full_tensor() all-reduces the squared sums.
+            norm = norm.full_tensor()
+        norms.append(norm)
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
+    if pp_group is not None:
+        sq = norm.float() ** 2
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = sq.sqrt()
+    return norm
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """This rank's mean loss over the step's microbatches (the same on every pp and tp rank)."""
+    grad_norm: torch.Tensor
+    """The global gradient norm before clipping (divided by the fp16 loss scale)."""
+    found_inf: torch.Tensor
+    """True when the step was skipped (non-finite norm)."""
+
+
+class TrainStep:
+    """Forward/backward, gradient accumulation, grad norm, clipping, the non-finite skip and the optimizer step.
+
+    `pipeline` (trainer.parallel.pipeline.Pipeline) runs forward/backward when pp > 1; otherwise
+    `model` and `loss_fn` do. `loss_context` is entered around each loss's forward and backward
+    (TP's loss_parallel).
+    """
+
+    def __init__(self, *, model: nn.Module, loss_fn: Callable | None, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, scaler: LossScaler, max_norm: float, fused: bool, device: torch.device,
+                 pipeline: Any = None, loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.model, self.loss_fn, self.pipeline = model, loss_fn, pipeline
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.max_norm, self.fused, self.device = max_norm, fused, device
+        self.loss_context = loss_context
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
+        self._pending_norms: list[tuple[int, torch.Tensor]] = []
+
+    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> StepResult:
+        """Forward/backward over the microbatches and one optimizer step, without a host sync."""
+        per_batch = self.pipeline.num_microbatches if self.pipeline is not None else 1
+        count = len(microbatches) * per_batch
+        # Every microbatch has the same number of tokens, so the mean of the microbatch means is the
+        # mean over the whole global batch; fp16 multiplies in its loss scale too.
+        factor = self.scaler.scale / count if self.scaler.enabled else 1.0 / count
+        set_aux_loss_scale(self.moe_layers, factor)
+        if self.pipeline is not None:
+            loss = self.pipeline.forward_backward(microbatches, loss_factor=factor, loss_context=self.loss_context)
+        else:
+            loss = self._forward_backward(microbatches, factor)
+        norm = grad_norm(self.params, pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
+        if self.scaler.enabled:
+            norm = norm / self.scaler.scale
+        found_inf = ~torch.isfinite(norm)
+        self._optimizer_step(norm, found_inf)
+        self.scaler.update(found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self._pending_norms.append((step, norm))
+        return StepResult(loss=loss, grad_norm=norm, found_inf=found_inf)
+
+    def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                          factor: torch.Tensor | float) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            with self.loss_context():
+                loss = self.loss_fn(self.model(inputs.to(self.device, non_blocking=True)),
+                                    labels.to(self.device, non_blocking=True))
+                if isinstance(loss, DTensor):  # replicated under loss parallel
+                    loss = loss.to_local()
+                (loss * factor).backward()
+            loss_sum += loss.detach()
+        return loss_sum / len(microbatches)
+
+    def _optimizer_step(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
+        # Clipping factor >= 1 that the gradients are divided by.
+        clip = torch.clamp(norm / self.max_norm, min=1.0) if self.max_norm > 0 else torch.ones_like(norm)
+        if self.fused:
+            # The fused AdamW kernel divides gradients by grad_scale (loss scale x clip)
+            # and skips the whole update when found_inf is set: clipping and the
+            # non-finite skip cost no extra pass over the gradients and no host sync.
+            self.optimizer.grad_scale = (self.scaler.scale * clip).nan_to_num(1.0)
+            self.optimizer.found_inf = found_inf.float()
+            self.optimizer.step()
+            return
+        # note: a CPU-GPU sync point (only with optimizer.implementation='foreach').
+        if found_inf.item():
+            return
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.params]
+        torch._foreach_div_(grads, self.scaler.scale * clip)
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one held-out batch, in the training layout (forward only)."""
+        if self.pipeline is not None:
+            return self.pipeline.eval_loss(inputs, labels)
+        loss = self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def check_finite(self, *, on_nonfinite: str, record: Callable[[], None]) -> int:
+        """Report the non-finite steps since the last check; raise NonFiniteError under on_nonfinite='stop'.
+
+        note: a CPU-GPU sync point; the loop calls it at log steps (and before saving). `record` counts
+        each non-finite step for the metrics (fp16 overflows are not counted: the scaler handles them).
+        Returns the number of non-finite steps found.
+        """
+        if not self._pending_norms:
+            return 0
+        steps = [s for s, _ in self._pending_norms]
+        norms = torch.stack([n for _, n in self._pending_norms]).tolist()
+        self._pending_norms.clear()
+        bad = [(s, x) for s, x in zip(steps, norms) if not math.isfinite(x)]
+        for step, value in bad:
+            if self.scaler.enabled:
+                logger.warning("step %d: fp16 overflow (grad_norm=%s), step skipped; loss scale now %g",
+                               step, value, self.scaler.scale.item())
+                continue
+            record()
+            message = f"non-finite loss or gradient at step {step} (grad_norm={value}); the step was not applied"
+            if on_nonfinite == "stop":
+                raise NonFiniteError(
+                    message + ". Stopping: lower optimizer.lr or raise scheduler.warmup_steps, "
+                    "or set train.on_nonfinite='skip' to skip such steps (see docs/debug.md)"
+                )
+            logger.warning("%s (train.on_nonfinite='skip')", message)
+        return len(bad)

@@ -1,0 +1,346 @@
+"""The kernel summary of a profiler trace: time per category (FP8 GEMM, other GEMM, attention,
+communication, the rest), the top ops, and whether FP8 GEMMs really ran.
+
+Pure functions over Chrome-trace events, read from a file: the live profiler
+(trainer/profiling.py) and scripts/summarize_trace.py summarize the same file the same way.
+docs/debug.md says how to read the summary.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import os
+import re
+
+# Kernel/op names are classified by the first of these that matches (case-insensitive); the order
+# matters: NCCL kernel names contain "Reduce", and fused attention kernels contain "cutlass"/"wgmma".
+CATEGORY_PATTERNS: dict[str, re.Pattern[str]] = {
+    "communication": re.compile(
+        r"nccl|gloo|c10d::|record_param_comms|all_?gather|reduce_?scatter|all_?reduce|all_?to_?all"
+        r"|broadcast(?!_tensors)",
+        re.I,
+    ),
+    # cuDNN runs no convolutions in a transformer; here it is the cuDNN SDPA backend.
+    "attention": re.compile(r"flash|fmha|attention|attn|sdpa|cudnn", re.I),
+    # `mm` only as a word of its own (aten::mm, triton_tem_fused_mm_0), not inside words like
+    # "comm" or "summary".
+    "gemm": re.compile(
+        r"gemm|gemv|matmul|addmm|bmm|scaled_(?:grouped_)?mm|(?<![a-z])mm(?=backward|[^a-z]|$)"
+        r"|cutlass|xmma|nvjet|cublas|wgmma",
+        re.I,
+    ),
+}
+# The summary splits GEMMs into FP8 ones (is_fp8_gemm, or launched by aten::_scaled_mm) and the rest.
+CATEGORY_LABELS = {"gemm_fp8": "GEMM fp8", "gemm": "GEMM bf16/other", "attention": "attention",
+                   "communication": "communication", "other": "elementwise/other"}
+GEMM_CATEGORIES = ("gemm_fp8", "gemm")
+
+# An FP8 GEMM is any op/kernel named like `scaled_mm` (aten::_scaled_mm, aten::_scaled_grouped_mm,
+# inductor's triton_tem_fused__scaled_mm_0), or a GEMM whose name carries an FP8 dtype:
+# cuBLASLt `sm90_xmma_gemm_e4m3bf16_e4m3f32_...`, cutlass `..._e4m3_e4m3_...`/`f8f8bf16`, and
+# cuBLAS 13 nvjet kernels, whose first letters after `nvjet_[smXX_]` are the operand types:
+# `nvjet_sm90_qqtst_...` has two e4m3 operands, `qrtst` one e5m2, while bf16 is
+# `nvjet_sm90_tst_...` (all seen on an H100 with torch 2.11+cu130). The dtype marker alone is not enough: the eager
+# cast kernel `float8_copy_kernel_cuda` runs even when the GEMM itself falls back to bf16.
+FP8_OP_PATTERN = re.compile(r"scaled_(?:grouped_)?mm", re.I)
+FP8_DTYPE_PATTERN = re.compile(r"e4m3|e5m2|fp8|float8|f8f8|_f8|qgmma|nvjet_(?:sm\d+_)?[qr]{2}", re.I)
+
+_STEP_MARKER = re.compile(r"ProfilerStep#(\d+)$")
+_TRACE_NAME = re.compile(r"rank\d+_step(\d+)-(\d+)\.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel summary: pure functions over Chrome-trace events, live or from a file.
+
+
+# Autograd's own ops on CPU (`autograd::engine::evaluate_function: AddmmBackward0`, `MmBackward0`):
+# their self time is bookkeeping; the GEMMs they run are aten ops of their own.
+_AUTOGRAD_NODE = re.compile(r"^autograd::|Backward\d*$")
+
+
+def classify(name: str) -> str:
+    """"gemm", "attention", "communication" or "other" for a kernel or op name."""
+    if _AUTOGRAD_NODE.search(name):
+        return "other"
+    for category, pattern in CATEGORY_PATTERNS.items():
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def is_fp8_gemm(name: str) -> bool:
+    return bool(FP8_OP_PATTERN.search(name)) or (
+        classify(name) == "gemm" and bool(FP8_DTYPE_PATTERN.search(name))
+    )
+
+
+def load_trace_events(path: str) -> list[dict]:
+    """The complete ("X") events of a Chrome trace (.json or .json.gz) as dicts with name, cat,
+    ts and dur (microseconds), pid, tid, external_id (which links a kernel to its CPU op) and
+    input_types (an op's input dtypes as the profiler writes them, when it recorded shapes)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a readable Chrome trace: {e}") from e
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise ValueError(f"{path} is not a Chrome trace: it has no traceEvents")
+    return [
+        {"name": e["name"], "cat": e.get("cat", ""), "ts": float(e["ts"]), "dur": float(e["dur"]),
+         "pid": e.get("pid"), "tid": e.get("tid"),
+         "external_id": (e.get("args") or {}).get("External id"),
+         "input_types": (e.get("args") or {}).get("Input type")}
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and "dur" in e
+    ]
+
+
+def profiler_steps(events: list[dict]) -> list[int]:
+    """The step numbers of the ProfilerStep#N markers in a trace, sorted."""
+    return sorted({int(m.group(1)) for e in events if e["cat"] == "user_annotation"
+                   and (m := _STEP_MARKER.match(e["name"]))})
+
+
+def trace_steps(path: str, events: list[dict]) -> tuple[int, int] | None:
+    """First and last train step of a trace: from a rank{r}_step{a}-{b} file name, which
+    maybe_enable_profiling gives its traces (when a run ends inside the window, the trace also holds
+    a ProfilerStep#N marker for the step that never ran), else from its ProfilerStep#N markers."""
+    if m := _TRACE_NAME.match(os.path.basename(path)):
+        return int(m.group(1)), int(m.group(2))
+    marked = profiler_steps(events)
+    return (marked[0], marked[-1]) if marked else None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpStat:
+    name: str
+    category: str
+    calls: int
+    total_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSummary:
+    device: str
+    """"cuda": GPU kernel time; "cpu": self time of aten ops (a CPU trace has no kernels)."""
+    num_steps: int
+    steps: tuple[int, int] | None
+    """First and last train step in the trace; None when unknown."""
+    total_us: float
+    """Summed device time; on GPU, kernels on overlapping streams all count."""
+    wall_us: float
+    """First to last moment of the trace's steps and device events."""
+    busy_us: float
+    """Time during which at least one kernel (op) ran; wall - busy is launch gaps, syncs, input waits."""
+    category_us: dict[str, float]
+    ops: list[OpStat]
+    """Every kernel (op), by total time, largest first."""
+    num_gemm_calls: int
+    fp8_gemm_calls: int
+    fp8_gemm_names: list[str]
+    gemm_dtypes: dict[str, int]
+    """Calls of the non-FP8 GEMMs by input dtype ("fp32", "bf16", ...); empty when the trace has no
+    input types (recorded only with record_shapes)."""
+
+    @property
+    def fp8_gemm_ran(self) -> bool:
+        return self.fp8_gemm_calls > 0
+
+    @property
+    def gemm_us(self) -> float:
+        return sum(self.category_us[c] for c in GEMM_CATEGORIES)
+
+    @property
+    def other_gemm_names(self) -> list[str]:
+        """The non-FP8 GEMM kernels (ops), most calls first."""
+        return [s.name for s in sorted(self.ops, key=lambda s: (-s.calls, s.name)) if s.category == "gemm"]
+
+    @property
+    def step_range(self) -> str:
+        return f"steps {self.steps[0]}-{self.steps[1]}" if self.steps else "the recorded steps"
+
+
+def _self_times(ops: list[dict]) -> tuple[list[float], list[bool]]:
+    """Each op's time minus that of the ops nested in it on its thread, so a microsecond counts
+    once, for the op doing the work (aten::addmm, not the aten::linear around it); and which ops
+    lie inside an FP8 GEMM op. Those are folded into it (their time stays its time): on CPU,
+    aten::_scaled_mm may do its work through a nested aten::mm, which is still the FP8 GEMM."""
+    self_us = [e["dur"] for e in ops]
+    folded = [False] * len(ops)
+    by_thread: dict[tuple, list[int]] = collections.defaultdict(list)
+    for i, e in enumerate(ops):
+        by_thread[(e["pid"], e["tid"])].append(i)
+    for indices in by_thread.values():
+        indices.sort(key=lambda i: (ops[i]["ts"], -ops[i]["dur"]))
+        stack: list[int] = []
+        for i in indices:
+            while stack and ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"] <= ops[i]["ts"]:
+                stack.pop()
+            if stack:
+                parent = stack[-1]
+                if folded[parent] or FP8_OP_PATTERN.search(ops[parent]["name"]):
+                    folded[i] = True
+                else:
+                    self_us[parent] -= ops[i]["dur"]
+            stack.append(i)
+    return [max(t, 0.0) for t in self_us], folded
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def summarize_events(events: list[dict], *, num_steps: int,
+                     steps: tuple[int, int] | None = None) -> TraceSummary:
+    """Kernel summary of a trace's events (see load_trace_events for their keys); `steps` (first,
+    last) defaults to the trace's ProfilerStep#N markers."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps={num_steps} must be >= 1")
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    cpu_ops = [e for e in events if e["cat"] == "cpu_op"]
+    fp8_ids: set = set()
+    # The op that launched a kernel knows its input dtypes (when shapes were recorded).
+    op_types = {e["external_id"]: e.get("input_types") for e in cpu_ops if e["external_id"] is not None}
+    if kernels:
+        device, timed = "cuda", kernels
+        times = [e["dur"] for e in kernels]
+        # A kernel launched by aten::_scaled_mm is an FP8 GEMM whatever its name, so a cuBLAS
+        # naming scheme these patterns do not know yet still counts.
+        fp8_ids = {e["external_id"] for e in cpu_ops
+                   if e["external_id"] is not None and FP8_OP_PATTERN.search(e["name"])}
+    else:
+        self_us, folded = _self_times(cpu_ops)
+        device = "cpu"
+        timed = [e for e, f in zip(cpu_ops, folded) if not f]
+        times = [t for t, f in zip(self_us, folded) if not f]
+
+    # Keyed by (name, category): a kernel name is an FP8 GEMM for the calls _scaled_mm launched.
+    totals: dict[tuple[str, str], float] = collections.defaultdict(float)
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
+    fp8_calls: collections.Counter[str] = collections.Counter()
+    gemm_dtypes: collections.Counter[str] = collections.Counter()
+    for e, t in zip(timed, times):
+        fp8 = is_fp8_gemm(e["name"]) or (bool(fp8_ids) and e["external_id"] in fp8_ids)
+        category = "gemm_fp8" if fp8 else classify(e["name"])
+        totals[e["name"], category] += t
+        calls[e["name"], category] += 1
+        if fp8:
+            fp8_calls[e["name"]] += 1
+        elif category == "gemm":
+            types = e.get("input_types") if device == "cpu" else op_types.get(e["external_id"])
+            if dtype := _first_dtype(types):
+                gemm_dtypes[dtype] += 1
+    ops = sorted((OpStat(n, c, calls[n, c], t) for (n, c), t in totals.items()), key=lambda s: -s.total_us)
+    category_us = dict.fromkeys(CATEGORY_LABELS, 0.0)
+    for s in ops:
+        category_us[s.category] += s.total_us
+
+    if steps is None and (marked := profiler_steps(events)):
+        steps = (marked[0], marked[-1])
+    markers = [e for e in events if e["cat"] == "user_annotation" and _STEP_MARKER.match(e["name"])]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in timed + markers]
+    # Nested CPU ops lie inside their parents, so the union over all of them is the top-level time.
+    busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed])
+    return TraceSummary(
+        device=device,
+        num_steps=num_steps,
+        steps=steps,
+        total_us=sum(times),
+        wall_us=(max(s for _, s in spans) - min(s for s, _ in spans)) if spans else 0.0,
+        busy_us=busy,
+        category_us=category_us,
+        ops=ops,
+        num_gemm_calls=sum(s.calls for s in ops if s.category in GEMM_CATEGORIES),
+        fp8_gemm_calls=sum(fp8_calls.values()),
+        fp8_gemm_names=[n for n, _ in fp8_calls.most_common()],
+        gemm_dtypes=dict(gemm_dtypes.most_common()),
+    )
+
+
+# The profiler's names for tensor dtypes ("Input type" with record_shapes) -> ours.
+_DTYPE_NAMES = {"float": "fp32", "double": "fp64", "c10::BFloat16": "bf16", "c10::Half": "fp16",
+                "c10::Float8_e4m3fn": "fp8_e4m3", "c10::Float8_e5m2": "fp8_e5m2"}
+
+
+def _first_dtype(types: list[str] | None) -> str | None:
+    """The dtype of an op's first tensor input (a GEMM's operands share it)."""
+    for t in types or ():
+        if t:
+            return _DTYPE_NAMES.get(t, t)
+    return None
+
+
+def _short(name: str, width: int) -> str:
+    name = name.removeprefix("void ")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def fp8_verdict(summary: TraceSummary) -> str:
+    if summary.fp8_gemm_ran:
+        names = ", ".join(_short(n, 70) for n in summary.fp8_gemm_names[:3])
+        more = ", ..." if len(summary.fp8_gemm_names) > 3 else ""
+        share = summary.category_us["gemm_fp8"] / summary.gemm_us if summary.gemm_us else 0.0
+        return (f"FP8 GEMMs ran: yes ({summary.fp8_gemm_calls} calls, {share:.1%} of GEMM time: "
+                f"{names}{more})")
+    if summary.num_gemm_calls == 0:
+        return "FP8 GEMMs ran: no (no GEMM ran at all)"
+    return f"FP8 GEMMs ran: no (only {_gemm_dtypes(summary, unknown='bf16/fp32')} GEMMs)"
+
+
+def _gemm_dtypes(summary: TraceSummary, *, unknown: str) -> str:
+    """"fp32", "bf16 and fp32", or `unknown` when the trace holds no input types."""
+    dtypes = list(summary.gemm_dtypes)
+    return " and ".join(dtypes) if dtypes else unknown
+
+
+def format_summary(summary: TraceSummary, *, top: int = 15) -> str:
+    """A compact table; the last line is the FP8 verdict."""
+    n = summary.num_steps
+    what = "GPU kernels" if summary.device == "cuda" else "aten ops' self time (no GPU kernels in this trace)"
+    total = summary.total_us or 1.0
+    idle = 1.0 - summary.busy_us / summary.wall_us if summary.wall_us else 0.0
+    lines = [
+        f"Kernel summary of {summary.step_range} ({n} step{'s' * (n != 1)}), timing {what}",
+        f"  device time {summary.total_us / n / 1e3:.2f} ms/step, wall {summary.wall_us / n / 1e3:.2f}"
+        f" ms/step, device idle {idle:.1%} of wall (launch gaps, host syncs, input waits)",
+        "  " + " | ".join(f"{CATEGORY_LABELS[c]} {t / total:.1%}" for c, t in summary.category_us.items()),
+        f"  GEMM time {summary.gemm_us / n / 1e3:.2f} ms/step ({summary.gemm_us / total:.1%} of device time), "
+        f"{summary.category_us['gemm_fp8'] / (summary.gemm_us or 1.0):.1%} of it in FP8 GEMMs",
+        f"  {'ms/step':>9} {'calls/step':>10} {'share':>6}  {'category':<17}  name",
+    ]
+    for s in summary.ops[:top]:
+        lines.append(f"  {s.total_us / n / 1e3:9.3f} {s.calls / n:10.1f} {s.total_us / total:6.1%}"
+                     f"  {CATEGORY_LABELS[s.category]:<17}  {_short(s.name, 90)}")
+    lines.append(fp8_verdict(summary))
+    return "\n".join(lines)
+
+
+def fp8_warning(summary: TraceSummary, *, compute_dtype: str | None = None) -> str | None:
+    """The warning for a trace that was meant to run FP8 GEMMs but ran none; None when FP8 GEMMs ran.
+
+    It says what ran instead: the GEMMs found and their dtype, from the input types in the trace
+    (recorded only with record_shapes), else from `compute_dtype`, the dtype the caller knows the
+    run computed in (the trainer's fp8 runs compute in bf16 around the FP8 GEMMs)."""
+    if summary.fp8_gemm_ran:
+        return None
+    where = f"no FP8 GEMM ran in {summary.step_range}"
+    if compute_dtype is not None:
+        where = f"mixed_precision='fp8' but {where}"
+    if summary.num_gemm_calls == 0:
+        return f"{where}: no GEMM ran at all. See docs/fp8.md#troubleshooting"
+    names = summary.other_gemm_names
+    found = ", ".join(_short(n, 60) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    dtype = _gemm_dtypes(summary, unknown="") or compute_dtype
+    ran = (f"its {summary.num_gemm_calls} GEMM calls ({found}) ran in {dtype}" if dtype else
+           f"its {summary.num_gemm_calls} GEMM calls were {found}, none of them FP8 (their dtype is not in "
+           "the trace: profile with profiling.record_shapes=true to see it)")
+    return f"{where}: {ran}. See docs/fp8.md#troubleshooting"

@@ -1,0 +1,57 @@
+"""One validation pass: everything knowable from the config, the world size, the model's shapes and the data.
+
+    config_checks.py   the config alone (JobConfig runs it when built, so a bad TOML or override fails while parsing)
+    layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
+    resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
+
+`validate_job` runs them in that order on every rank before `init_distributed` does any
+work; each raises `ConfigError` (or `DataError` for data files) with one line naming the key,
+and what it resolves goes to the trainer as a `ResolvedJob`, so nothing is worked out twice.
+Lower layers assert these facts; they do not check them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.validate.config_checks import check_config
+from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
+from trainer.validate.resolve import resolve_build, resolve_data, resolve_float8, resolve_model_args
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
+    from trainer.models import ModelArgs
+    from trainer.parallel import BuildOptions, ParallelDims
+    from trainer.parallel.pipeline import PipelineOptions
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """What validation resolved, handed to the trainer so nothing is worked out twice."""
+
+    parallel_dims: ParallelDims
+    model_args: ModelArgs
+    build: BuildOptions
+    data_source: Any
+    """The opened, checked sample source (trainer.data.sources)."""
+    validation_source: Any = None
+    """The held-out source when validation.enable (never overlaps data_source)."""
+    pipeline: PipelineOptions | None = None
+    """The stage layout and schedule when distributed.pp > 1."""
+
+
+def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
+    """Check everything that needs the world size, the model's shapes or the data; resolve what the build takes."""
+    pd = resolve_parallel_dims(cfg, world_size=world_size)
+    args = resolve_model_args(cfg)
+    check_model_layout(cfg, args, pd)
+    pipeline = resolve_pipeline(cfg, pp=pd.pp, n_layers=args.n_layers)
+    float8 = resolve_float8(cfg, args, pd) if cfg.train.is_fp8 else None
+    build = resolve_build(cfg, pd, float8)
+    source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
+    return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
+                       validation_source=validation, pipeline=pipeline)
+
+
+__all__ = ["ResolvedJob", "check_config", "validate_job"]

@@ -1,0 +1,196 @@
+"""Checks on the config alone: values and combinations, each failure one `ConfigError` line naming the key.
+
+`JobConfig.__post_init__` runs `check_config`, so a bad TOML file or override fails while it
+is parsed, before anything is built. A leaf: it imports nothing of the trainer but the errors
+and the precision-schedule syntax, since the config imports it (`cfg` is a
+`trainer.config.JobConfig`, not imported here for that reason).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.errors import ConfigError
+from trainer.precision_phases import parse_precision_schedule
+
+
+def check_config(cfg: Any) -> None:
+    """Cross-field and range checks on the config alone, in the order a user would fix them."""
+    _check_fp8_with_tp(cfg)
+    if cfg.train.precision_schedule:
+        _check_precision_schedule(cfg)
+    _check_ranges(cfg)
+    _check_loss_chunking(cfg)
+    _check_moe_section(cfg)
+    _check_optimizer(cfg)
+    _check_checkpoint_and_master(cfg)
+    _check_float8_and_profiling(cfg)
+    _check_data(cfg)
+
+
+def _check_fp8_with_tp(cfg: Any) -> None:
+    t, d = cfg.train, cfg.distributed
+    if t.is_fp8 and d.tp > 1 and not t.precision_schedule:  # a schedule overrides mixed_precision
+        raise ConfigError(
+            "FP8 + Tensor Parallelism is not yet supported: train.mixed_precision='fp8' with "
+            f"distributed.tp={d.tp}. Use distributed.tp=1 with FSDP (dp_shard) for FP8, "
+            "or keep tp and set train.mixed_precision='bf16'."
+        )
+
+
+def _check_ranges(cfg: Any) -> None:
+    t, d = cfg.train, cfg.distributed
+    at_least_one = {
+        "train.steps": t.steps,
+        "train.batch_size": t.batch_size,
+        "train.seq_len": t.seq_len,
+        "train.grad_accum_steps": t.grad_accum_steps,
+        "metrics.log_freq": cfg.metrics.log_freq,
+        "checkpoint.interval": cfg.checkpoint.interval,
+        "distributed.dp_replicate": d.dp_replicate,
+        "distributed.tp": d.tp,
+        "distributed.ep": d.ep,
+        "distributed.pp": d.pp,
+        "distributed.pp_microbatch_size": d.pp_microbatch_size,
+        "distributed.init_timeout_seconds": d.init_timeout_seconds,
+    }
+    for key, value in at_least_one.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    at_least_zero = {
+        "model.n_layers": (cfg.model.n_layers, " (0 = the flavor's own)"),
+        "model.vocab_size": (cfg.model.vocab_size, " (0 = the flavor's own)"),
+        "train.max_norm": (t.max_norm, " (0 disables clipping)"),
+        "train.selective_ac_every": (t.selective_ac_every, ""),
+        "train.loss_chunk_tokens": (t.loss_chunk_tokens, " (0 = off)"),
+        "scheduler.warmup_steps": (cfg.scheduler.warmup_steps, ""),
+        "checkpoint.keep_latest_k": (cfg.checkpoint.keep_latest_k, " (0 keeps all)"),
+        "metrics.fp8_stats_freq": (cfg.metrics.fp8_stats_freq, " (0 = off)"),
+        "optimizer.weight_decay": (cfg.optimizer.weight_decay, ""),
+        "distributed.pp_stages_per_rank": (d.pp_stages_per_rank, " (0 = automatic)"),
+        "distributed.pp_layers_per_stage": (d.pp_layers_per_stage, " (0 = automatic)"),
+        "distributed.pp_embedding_weight": (d.pp_embedding_weight, ""),
+        "distributed.pp_head_weight": (d.pp_head_weight, ""),
+    }
+    for key, (value, note) in at_least_zero.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0{note}")
+    if d.dp_shard == 0 or d.dp_shard < -1:
+        raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
+
+
+def _check_loss_chunking(cfg: Any) -> None:
+    t, d = cfg.train, cfg.distributed
+    if t.loss_chunk_tokens and d.tp > 1:
+        raise ConfigError(
+            f"train.loss_chunk_tokens={t.loss_chunk_tokens} with distributed.tp={d.tp}: a chunked loss is not "
+            "implemented under tensor parallel (loss_parallel already splits the logits over the tp ranks); "
+            "set train.loss_chunk_tokens=0"
+        )
+    if t.loss_chunk_tokens and d.pp > 1:
+        raise ConfigError(
+            f"train.loss_chunk_tokens={t.loss_chunk_tokens} with distributed.pp={d.pp}: the pipeline's last stage "
+            "computes the loss on whole microbatch logits, unchunked; set train.loss_chunk_tokens=0 (a smaller "
+            "distributed.pp_microbatch_size makes those logits smaller)"
+        )
+
+
+def _check_moe_section(cfg: Any) -> None:
+    moe = cfg.moe
+    if moe.top_k < 0:
+        raise ConfigError(f"moe.top_k={moe.top_k} must be >= 1, or 0 for the flavor's own")
+    if moe.capacity_factor < 0:
+        raise ConfigError(f"moe.capacity_factor={moe.capacity_factor} must be >= 0 (0 = no token dropping)")
+    for key, value in (("moe.aux_loss_coef", moe.aux_loss_coef), ("moe.bias_update_rate", moe.bias_update_rate)):
+        if value < 0 and value != -1:
+            raise ConfigError(f"{key}={value} must be >= 0 (0 = off), or -1 for the flavor's own")
+
+
+def _check_optimizer(cfg: Any) -> None:
+    o, s = cfg.optimizer, cfg.scheduler
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
+    for key, value in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key}={value} must be in [0, 1)")
+    if o.eps <= 0:
+        raise ConfigError(f"optimizer.eps={o.eps} must be > 0")
+    if not 0 <= s.min_lr_ratio <= 1:
+        raise ConfigError(f"scheduler.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
+    if not 0 < s.wsd_decay_ratio <= 1:
+        raise ConfigError(f"scheduler.wsd_decay_ratio={s.wsd_decay_ratio} must be in (0, 1]")
+    if cfg.metrics.loss_spike_factor <= 1:
+        raise ConfigError(f"metrics.loss_spike_factor={cfg.metrics.loss_spike_factor} must be > 1")
+
+
+def _check_checkpoint_and_master(cfg: Any) -> None:
+    c = cfg.checkpoint
+    if c.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step={c.load_step} must be >= 0, or -1 for the latest")
+    if c.load_step >= 0 and not c.enable:
+        raise ConfigError(f"checkpoint.load_step={c.load_step} needs checkpoint.enable=true")
+    if cfg.distributed.master_dtype == "bf16" and cfg.train.mixed_precision == "fp32":
+        raise ConfigError(
+            "distributed.master_dtype='bf16' computes with the bf16 weights, so train.mixed_precision='fp32' "
+            "would not hold; set train.mixed_precision='bf16' (or 'fp8'), or keep distributed.master_dtype='fp32'"
+        )
+
+
+def _check_float8_and_profiling(cfg: Any) -> None:
+    f8 = cfg.float8
+    if f8.enable_fsdp_float8_all_gather is True and f8.recipe != "tensorwise":
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "
+            f"(got recipe='{f8.recipe}'); set --float8.enable_fsdp_float8_all_gather=auto (or false)"
+        )
+    p = cfg.profiling
+    if p.enable and not 1 <= p.start_step <= p.end_step:
+        raise ConfigError(
+            f"profiling.start_step={p.start_step}, profiling.end_step={p.end_step}: the window must satisfy "
+            "1 <= start_step <= end_step"
+        )
+
+
+def _check_data(cfg: Any) -> None:
+    v, data = cfg.validation, cfg.data
+    if v.enable:
+        for key, value in (("validation.freq", v.freq), ("validation.steps", v.steps)):
+            if value < 1:
+                raise ConfigError(f"{key}={value} must be >= 1")
+        if data.source == "shards" and not v.path:
+            raise ConfigError("validation.enable=true with data.source='shards' needs validation.path: held-out "
+                              "shards made by scripts/prepare_data.py with the same tokenizer")
+    if data.source == "shards" and not data.path:
+        raise ConfigError("data.source='shards' needs data.path: a folder of .bin shards made by scripts/prepare_data.py")
+    if data.source in ("default", "stdlib") and data.tokenizer != "byte":
+        raise ConfigError(
+            f"data.source='{data.source}' is byte-tokenized but data.tokenizer='{data.tokenizer}'; "
+            "set data.source='shards' (with data.path) to read shards made with that tokenizer"
+        )
+
+
+def _check_precision_schedule(cfg: Any) -> None:
+    t = cfg.train
+    if t.steps < 1:
+        return  # reported by _check_ranges as train.steps
+    phases = parse_precision_schedule(t.precision_schedule, total_steps=t.steps)
+    fp8 = [p for p in phases if p.precision == "fp8"]
+    if fp8 and cfg.distributed.tp > 1:
+        raise ConfigError(
+            f"train.precision_schedule has an fp8 phase ({fp8[0]}) but distributed.tp={cfg.distributed.tp}: FP8 + "
+            "Tensor Parallelism is not yet supported; use distributed.tp=1 with FSDP (dp_shard), or no fp8 phase"
+        )
+    if not cfg.checkpoint.enable:
+        raise ConfigError(
+            "train.precision_schedule needs checkpoint.enable=true: each precision switch saves a checkpoint and the "
+            "next phase resumes it (and a relaunch resumes the right phase); set --checkpoint.enable=true"
+        )
+    p = cfg.profiling
+    if p.enable:
+        for a, b in zip(phases, phases[1:]):
+            if p.start_step <= a.last_step < p.end_step:
+                raise ConfigError(
+                    f"profiling.start_step={p.start_step}, profiling.end_step={p.end_step}: the window crosses the "
+                    f"train.precision_schedule switch {a.precision} -> {b.precision} after step {a.last_step}; "
+                    "put it inside one phase"
+                )

@@ -1,0 +1,245 @@
+"""The parallel layout: degrees against the world size and the model's shapes, and the pipeline's stages.
+
+Each check raises `ConfigError` with one line naming the key; nothing here needs a process
+group, so `trainer.validate.validate_job` runs it on every rank before any is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
+    from trainer.parallel import ParallelDims
+    from trainer.parallel.pipeline import PipelineOptions
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_parallel_dims(cfg: JobConfig, *, world_size: int) -> ParallelDims:
+    from trainer.parallel import ParallelDims
+
+    d = cfg.distributed
+    if d.pp > 1 and world_size % d.pp:
+        raise ConfigError(f"distributed.pp={d.pp} does not divide the world size {world_size}")
+    return ParallelDims.resolve(
+        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, ep=d.ep, pp=d.pp, world_size=world_size
+    )
+
+
+def check_model_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
+    """What the model's shapes and family allow of the resolved degrees."""
+    m = cfg.model
+    if args.n_heads % pd.tp or args.n_kv_heads % pd.tp:
+        raise ConfigError(
+            f"distributed.tp={pd.tp} must divide the model's n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads} "
+            f"(model.flavor={m.flavor!r})"
+        )
+    _check_moe_layout(cfg, args, pd)
+    if pd.pp > 1 and getattr(args, "n_experts", 0):
+        raise ConfigError(f"distributed.pp={pd.pp} with the MoE flavor {m.flavor!r}: pipeline parallelism of MoE "
+                          "models is not implemented yet; use distributed.ep and dp_shard, or a dense flavor")
+
+
+def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
+    """MoE-only checks that need the flavor's shapes and the resolved degrees."""
+    from trainer.config import MoESection
+    from trainer.models import is_moe
+
+    m = cfg.model
+    if not is_moe(args):
+        if pd.ep > 1:
+            raise ConfigError(
+                f"distributed.ep={pd.ep} needs an MoE model, but model.flavor={m.flavor!r} is dense; "
+                "set distributed.ep=1 or an MoE flavor (debug_moe, moe_small, moe_16b)"
+            )
+        changed = [f for f in MoESection.__dataclass_fields__ if getattr(cfg.moe, f) != getattr(MoESection(), f)]
+        if changed:
+            raise ConfigError(
+                f"moe.{changed[0]}={getattr(cfg.moe, changed[0])} has no effect: model.flavor={m.flavor!r} is dense; "
+                "remove it or pick an MoE flavor"
+            )
+        return
+    if args.top_k > args.n_experts:
+        raise ConfigError(
+            f"moe.top_k={args.top_k} is more than the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
+        )
+    if pd.ep > 1 and args.n_experts % pd.ep:
+        raise ConfigError(
+            f"distributed.ep={pd.ep} must divide the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
+        )
+    if pd.tp > 1:
+        raise ConfigError(
+            f"distributed.tp={pd.tp} with the MoE flavor {m.flavor!r}: tensor parallel MoE blocks are not "
+            "implemented; set distributed.tp=1 and use distributed.ep (and dp_shard) instead"
+        )
+    t = cfg.train
+    if pd.ep > 1 and t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
+        # The experts' own FSDP2 unit runs different hooks in the recompute than in the forward,
+        # which the per-op policy's bookkeeping rejects during backward.
+        raise ConfigError(
+            f"train.activation_checkpointing='selective' with the per-op policy (train.selective_ac_every=0) does not "
+            f"work with distributed.ep={pd.ep}; set train.selective_ac_every=N (full AC every Nth block) or "
+            "train.activation_checkpointing='full'"
+        )
+    if cfg.checkpoint.model_only:
+        raise ConfigError(
+            f"checkpoint.model_only=true exports Hugging Face Llama weights, which model.flavor={m.flavor!r} "
+            "(MoE) has no layout for; set checkpoint.model_only=false"
+        )
+
+
+# -- the pipeline -------------------------------------------------------------
+
+_PP_KEYS = ("pp_split_points", "pp_layers_per_stage", "pp_stages_per_rank")
+
+
+def resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOptions | None:
+    """The stage layout and schedule of distributed.pp > 1; None for pp=1 (where the pp_* keys must be unset)."""
+    from trainer.parallel.pipeline import PipelineOptions, stage_module_fqns
+
+    d, t = cfg.distributed, cfg.train
+    if pp == 1:
+        for key in _PP_KEYS:
+            if getattr(d, key):
+                raise ConfigError(f"distributed.{key}={getattr(d, key)!r} is set but distributed.pp=1: "
+                                  "set distributed.pp > 1 for pipeline parallelism, or remove it")
+        return None
+    _check_schedule(cfg)
+    if d.pp_split_points and d.pp_layers_per_stage:
+        raise ConfigError("distributed.pp_split_points and distributed.pp_layers_per_stage both set: give one")
+    firsts = _split_point_blocks(d.pp_split_points, n_layers=n_layers)
+    num_stages, key = _num_stages(cfg, pp=pp, n_layers=n_layers, firsts=firsts)
+    per_rank = _stages_per_rank(cfg, pp=pp, num_stages=num_stages, key=key)
+    counts = _layer_counts(cfg, n_layers=n_layers, num_stages=num_stages, firsts=firsts)
+    num_microbatches = t.batch_size // d.pp_microbatch_size
+    if num_microbatches < pp:
+        logger.warning(
+            "pipeline: %d microbatches (train.batch_size=%d / distributed.pp_microbatch_size=%d) for pp=%d: "
+            "most ranks idle most of the step; use at least pp (better 2-4x pp) microbatches",
+            num_microbatches, t.batch_size, d.pp_microbatch_size, pp,
+        )
+    return PipelineOptions(schedule=d.pipeline_schedule, microbatch_size=d.pp_microbatch_size,
+                           num_microbatches=num_microbatches, stages_per_rank=per_rank,
+                           stage_fqns=stage_module_fqns(counts))
+
+
+def _check_schedule(cfg: JobConfig) -> None:
+    """The microbatch size and what the schedule cannot run with."""
+    from trainer.parallel.pipeline import ZERO_BUBBLE_SCHEDULES
+
+    d, t = cfg.distributed, cfg.train
+    schedule = d.pipeline_schedule
+    if t.batch_size % d.pp_microbatch_size:
+        raise ConfigError(
+            f"distributed.pp_microbatch_size={d.pp_microbatch_size} does not divide train.batch_size={t.batch_size} "
+            "(the batch of each data-parallel rank is cut into pipeline microbatches of this size)"
+        )
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        # Zero-bubble schedules run each stage's backward in two passes (input grads, then weight grads).
+        if t.compile_model:
+            raise ConfigError(
+                f"distributed.pipeline_schedule={schedule!r} with train.compile_model=true: torch's zero-bubble "
+                "schedules cannot split the backward of compiled blocks; use 'Interleaved1F1B' or compile_model=false"
+            )
+        if t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
+            raise ConfigError(
+                f"distributed.pipeline_schedule={schedule!r} with train.activation_checkpointing='selective' "
+                "(per-op policy): a selectively checkpointed region cannot run its backward in two passes; use "
+                "activation_checkpointing='full', selective_ac_every > 0, or the 'Interleaved1F1B' schedule"
+            )
+    if cfg.validation.enable and schedule == "ZBVZeroBubble":
+        raise ConfigError(
+            "validation.enable=true with distributed.pipeline_schedule='ZBVZeroBubble': torch's forward-only "
+            "schedule.eval() cannot run the V-shaped zero-bubble schedule (it fails at the first evaluation); use "
+            "another schedule (e.g. InterleavedZeroBubble) or validation.enable=false"
+        )
+
+
+def _split_point_blocks(entries: list[str], *, n_layers: int) -> list[int]:
+    """The first block of each later stage, from distributed.pp_split_points ([] when unset)."""
+    from trainer.parallel.pipeline import parse_split_point
+
+    firsts = []
+    for entry in entries:
+        block = parse_split_point(entry)
+        if block is None or block >= n_layers:
+            raise ConfigError(
+                f"distributed.pp_split_points entry {entry!r} names no module: split points are "
+                f"'layers.N' blocks, layers.0..layers.{n_layers - 1} in this model"
+            )
+        firsts.append(block)
+    if any(a >= b for a, b in zip(firsts, firsts[1:])):
+        raise ConfigError(f"distributed.pp_split_points={entries} must be in increasing block order")
+    return firsts
+
+
+def _num_stages(cfg: JobConfig, *, pp: int, n_layers: int, firsts: list[int]) -> tuple[int, str]:
+    """How many stages (explicit split points, a layers-per-stage budget, or pp x stages per rank), and the key
+    that decided it."""
+    from trainer.parallel.pipeline import default_stages_per_rank
+
+    d = cfg.distributed
+    total = n_layers + d.pp_embedding_weight + d.pp_head_weight
+    if d.pp_split_points:
+        num_stages, key = len(firsts) + 1, "distributed.pp_split_points"
+    elif d.pp_layers_per_stage:
+        num_stages, key = math.ceil(total / d.pp_layers_per_stage), "distributed.pp_layers_per_stage"
+    else:
+        num_stages = pp * (d.pp_stages_per_rank or default_stages_per_rank(d.pipeline_schedule))
+        key = "distributed.pp_stages_per_rank" if d.pp_stages_per_rank else "distributed.pp"
+    if num_stages > total:
+        raise ConfigError(
+            f"{key}: {num_stages} pipeline stages but the model has only {n_layers} blocks (+ embedding and head = "
+            f"{total} layer-equivalents); lower distributed.pp or distributed.pp_stages_per_rank"
+        )
+    if num_stages % pp:
+        raise ConfigError(f"{key} gives {num_stages} pipeline stages, not a multiple of distributed.pp={pp}")
+    return num_stages, key
+
+
+def _stages_per_rank(cfg: JobConfig, *, pp: int, num_stages: int, key: str) -> int:
+    """Stages per pp rank, checked against what the schedule runs."""
+    from trainer.parallel.pipeline import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+
+    d = cfg.distributed
+    schedule = d.pipeline_schedule
+    per_rank = num_stages // pp
+    if d.pp_stages_per_rank and d.pp_stages_per_rank != per_rank:
+        raise ConfigError(f"distributed.pp_stages_per_rank={d.pp_stages_per_rank} but {key} gives {per_rank} "
+                          f"stages per rank ({num_stages} stages over pp={pp})")
+    if schedule in SINGLE_STAGE_SCHEDULES and per_rank != 1:
+        raise ConfigError(
+            f"distributed.pipeline_schedule={schedule!r} runs one stage per rank, but {key} gives {per_rank}; "
+            "use 'Interleaved1F1B' for several stages per rank"
+        )
+    if schedule not in SINGLE_STAGE_SCHEDULES and per_rank < 2:
+        raise ConfigError(
+            f"distributed.pipeline_schedule={schedule!r} needs at least 2 stages per rank, but {key} gives "
+            f"{per_rank}; use '1F1B' for one stage per rank"
+        )
+    if schedule in V_SCHEDULES and per_rank != 2:
+        raise ConfigError(f"distributed.pipeline_schedule={schedule!r} runs exactly 2 stages per rank (a V), "
+                          f"but {key} gives {per_rank}")
+    return per_rank
+
+
+def _layer_counts(cfg: JobConfig, *, n_layers: int, num_stages: int, firsts: list[int]) -> list[int]:
+    """Blocks per stage: at the explicit split points, or an even split of the layer-equivalents."""
+    from trainer.parallel.pipeline import even_split, split_at
+
+    d = cfg.distributed
+    if d.pp_split_points:
+        return split_at(n_layers, firsts)
+    try:
+        return even_split(n_layers, num_stages, embedding_weight=d.pp_embedding_weight, head_weight=d.pp_head_weight)
+    except ValueError as e:
+        raise ConfigError(
+            f"distributed.pp_embedding_weight={d.pp_embedding_weight}, distributed.pp_head_weight="
+            f"{d.pp_head_weight}: no even split of {n_layers} blocks into {num_stages} stages ({e}); "
+            "lower the weights"
+        ) from None

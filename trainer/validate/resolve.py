@@ -1,0 +1,165 @@
+"""What the build needs, resolved once from the checked config: model arguments, FP8 and build options, data.
+
+Also the checks that need more than the config: an FP8 exclusion that matches no Linear of
+the model, a GPU without FP8 tensor cores under `float8.require`, data files and their
+headers (`trainer.data.loader.build_source`), enough held-out samples for validation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
+    from trainer.parallel import BuildOptions, Float8Options, ParallelDims
+
+logger = logging.getLogger(__name__)
+
+_COMPUTE_DTYPE = {"fp32": None, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
+
+
+def resolve_model_args(cfg: JobConfig) -> Any:
+    """The flavor's shapes with the [model] and [moe] overrides and a RoPE table at least train.seq_len long."""
+    from trainer.models import FLAVORS, is_moe, model_args_for
+
+    m, t = cfg.model, cfg.train
+    if m.flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
+    moe = _moe_overrides(cfg) if is_moe(FLAVORS[m.flavor]) else {}
+    args = model_args_for(m.flavor, vocab_size=m.vocab_size, n_layers=m.n_layers, max_seq_len=t.seq_len, **moe)
+    if t.seq_len > FLAVORS[m.flavor].max_seq_len:
+        # Allowed (long-context training), never silent: the position table grows past the flavor's.
+        logger.warning(
+            "train.seq_len=%d is longer than model.flavor=%r's max_seq_len=%d: the RoPE table is extended to %d "
+            "positions", t.seq_len, m.flavor, FLAVORS[m.flavor].max_seq_len, t.seq_len,
+        )
+    return args
+
+
+def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
+    """The [moe] keys that replace the flavor's values."""
+    moe = cfg.moe
+    out: dict[str, Any] = {"capacity_factor": moe.capacity_factor}
+    if moe.top_k:
+        out["top_k"] = moe.top_k
+    if moe.aux_loss_coef != -1:
+        out["aux_loss_coef"] = moe.aux_loss_coef
+    if moe.bias_update_rate != -1:
+        out["bias_update_rate"] = moe.bias_update_rate
+    return out
+
+
+def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> Float8Options:
+    """The FP8 options of an fp8 run: every exclusion must match a Linear; the GPU is probed under float8.require."""
+    import torch
+
+    from trainer.models import build_model
+    from trainer.parallel import Float8Options
+    from trainer.parallel.float8 import select_float8_linears
+
+    f8 = cfg.float8
+    all_gather = f8.enable_fsdp_float8_all_gather
+    if all_gather == "auto":
+        all_gather = f8.recipe == "tensorwise" and pd.dp_shard > 1
+    with torch.device("meta"):
+        shapes = build_model(args)
+    try:
+        select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns))
+    except ValueError as e:  # an exclude_fqns entry that matches nothing
+        raise ConfigError(str(e)) from None
+    _check_fp8_hardware(require=f8.require, emulate=f8.emulate)
+    return Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
+                         exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require)
+
+
+def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None) -> BuildOptions:
+    """What build_parallel_model takes: FP8, AC, compile and the FSDP2 policy."""
+    import torch
+
+    from trainer.parallel import ACOptions, BuildOptions, FSDPOptions
+
+    t, d = cfg.train, cfg.distributed
+    if d.master_dtype == "bf16" and cfg.optimizer.bf16_update == "nearest":
+        logger.warning(
+            "distributed.master_dtype='bf16' with optimizer.bf16_update='nearest': plain AdamW on bf16 weights "
+            "LOSES every update below half a bf16 ulp (~0.2%% of the weight), so small-lr/late-training updates "
+            "vanish; use optimizer.bf16_update='stochastic' or 'kahan'"
+        )
+    dtype = _COMPUTE_DTYPE[t.mixed_precision]
+    # Resharding frees the gathered copy between forward and backward; with one rank
+    # per shard group it frees nothing but still costs a second gather in backward.
+    # Under PP every microbatch runs forward and backward through each stage: resharding would
+    # all-gather the weights again for each of them, so the default keeps them (ZeRO-2 style).
+    reshard = d.reshard_after_forward == "always" or (
+        d.reshard_after_forward == "default" and pd.dp_shard > 1 and pd.pp == 1
+    )
+    tokens = t.batch_size * t.seq_len
+    if t.loss_chunk_tokens >= tokens:
+        logger.warning(
+            "train.loss_chunk_tokens=%d >= the %d tokens of a microbatch (train.batch_size x train.seq_len): one "
+            "chunk, so no memory is saved but the output head still runs again in backward; lower it",
+            t.loss_chunk_tokens, tokens,
+        )
+    return BuildOptions(
+        float8=float8,
+        ac=ACOptions(mode=t.activation_checkpointing, selective_every=t.selective_ac_every),
+        compile=t.compile_model,
+        fsdp=FSDPOptions(
+            param_dtype=getattr(torch, dtype) if dtype else None, reduce_dtype=torch.float32,
+            master_dtype=torch.bfloat16 if d.master_dtype == "bf16" else torch.float32,
+            reshard_after_forward=reshard,
+        ),
+        loss_parallel=d.loss_parallel,
+        loss_chunk_tokens=t.loss_chunk_tokens,
+    )
+
+
+def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]:
+    """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids)."""
+    from trainer.data.loader import build_source
+
+    data, t = cfg.data, cfg.train
+    source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
+                          vocab_size=vocab_size, seq_len=t.seq_len)
+    validation = _validation_source(cfg, vocab_size=vocab_size, dp=dp) if cfg.validation.enable else None
+    return source, validation
+
+
+def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
+    from trainer.data.loader import build_source
+
+    v, data, t = cfg.validation, cfg.data, cfg.train
+    if v.path:
+        source = build_source(source="shards", path=v.path, tokenizer=data.tokenizer, seed=data.seed,
+                              vocab_size=vocab_size, seq_len=t.seq_len, path_key="validation.path")
+    else:
+        source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
+                              vocab_size=vocab_size, seq_len=t.seq_len, split="validation")
+    needed, have = v.steps * t.batch_size * dp, source.num_samples(t.seq_len)
+    if needed > have:
+        raise ConfigError(
+            f"validation.steps={v.steps} x train.batch_size={t.batch_size} x {dp} data-parallel ranks needs {needed} "
+            f"held-out samples of seq_len {t.seq_len}, but {source!r} has {have}; lower validation.steps"
+            + ("" if v.path else " or set validation.path to held-out shards")
+        )
+    return source
+
+
+def _check_fp8_hardware(*, require: bool, emulate: bool) -> None:
+    """float8.require on a GPU without FP8 tensor cores fails here, before any process group exists."""
+    import torch
+
+    if emulate or not require or not torch.cuda.is_available():
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    major, minor = torch.cuda.get_device_capability(local_rank)
+    if (major, minor) < (8, 9):
+        raise ConfigError(
+            f"train.mixed_precision='fp8' with float8.require=true, but {torch.cuda.get_device_name(local_rank)} "
+            f"(compute capability {major}.{minor}) has no FP8 tensor cores (needs >= 8.9); "
+            "use bf16 or a Hopper/Ada GPU"
+        )
