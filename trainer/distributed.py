@@ -86,3 +86,22 @@ def describe_device(device: torch.device) -> str:
         return str(device)
     note = f"; torch is built for CUDA {torch.version.cuda} but sees no GPU" if torch.version.cuda else ""
     return f"cpu ({torch.get_num_threads()} intra-op threads per process{note})"
+
+
+class _AllReduceSumIdentityBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_reduce, wait_tensor
+
+        return wait_tensor(all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def all_reduce_sum_identity_backward(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `x` over `group`, whose backward hands each rank the incoming gradient unchanged (Megatron's
+    reduce-from-model-parallel-region): for a value every rank of the group then holds and uses once, such
+    as a statistic over a sequence split across the group, each rank's own part gets its gradient once."""
+    return _AllReduceSumIdentityBackward.apply(x, group)

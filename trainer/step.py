@@ -127,16 +127,7 @@ class TrainStep:
 
     def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> StepResult:
         """Forward/backward over the microbatches and one optimizer step, without a host sync."""
-        per_batch = self.pipeline.num_microbatches if self.pipeline is not None else 1
-        count = len(microbatches) * per_batch
-        # Every microbatch has the same number of tokens, so the mean of the microbatch means is the
-        # mean over the whole global batch; fp16 multiplies in its loss scale too.
-        factor = self.scaler.scale / count if self.scaler.enabled else 1.0 / count
-        set_aux_loss_scale(self.moe_layers, factor)
-        if self.pipeline is not None:
-            loss = self.pipeline.forward_backward(microbatches, loss_factor=factor, loss_context=self.loss_context)
-        else:
-            loss = self._forward_backward(microbatches, factor)
+        loss = self.forward_backward(microbatches)
         norm = grad_norm(self.params, pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
         if self.scaler.enabled:
             norm = norm / self.scaler.scale
@@ -147,6 +138,18 @@ class TrainStep:
         self.scheduler.step()
         self._pending_norms.append((step, norm))
         return StepResult(loss=loss, grad_norm=norm, found_inf=found_inf)
+
+    def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The step's gradients, accumulated in the parameters (no optimizer step); returns the mean loss."""
+        per_batch = self.pipeline.num_microbatches if self.pipeline is not None else 1
+        count = len(microbatches) * per_batch
+        # Every microbatch has the same number of tokens, so the mean of the microbatch means is the
+        # mean over the whole global batch; fp16 multiplies in its loss scale too.
+        factor = self.scaler.scale / count if self.scaler.enabled else 1.0 / count
+        set_aux_loss_scale(self.moe_layers, factor)
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(microbatches, loss_factor=factor, loss_context=self.loss_context)
+        return self._forward_backward(microbatches, factor)
 
     def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
                           factor: torch.Tensor | float) -> torch.Tensor:

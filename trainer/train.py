@@ -140,7 +140,7 @@ class Trainer:
             # Stages built, parallelized and initialized one by one; `model` is this rank's stages
             # seen as one module with the full model's fqns (for the optimizer and checkpoints).
             self.pipeline = Pipeline(self.model_args, self.parallel_dims, options=job.pipeline, build=job.build,
-                                     device=self.device, seed=t.seed, build_loss=build_loss)
+                                     device=self.device, seed=t.seed, seq_len=t.seq_len, build_loss=build_loss)
             return self.pipeline.model, self.pipeline.float8_report, self.pipeline.loss_fn
         report = build_parallel_model(model, self.parallel_dims, options=job.build, device=self.device)
         # Materialize only this rank's shards, then fill them as if the model were whole.
@@ -186,10 +186,11 @@ class Trainer:
         """The per-step hooks (trainer/hooks.py) this job needs, in the order they run."""
         cfg, t, hooks = self.cfg, self.cfg.train, []
         if is_moe(self.model_args):
-            # Expert loads summed over every data-parallel rank (ep ranks are dp ranks too); on every rank,
-            # since its collectives are (a pipeline rank may hold no MoE layer).
+            # Expert loads summed over every rank of the stage (ep ranks are dp ranks too; tp ranks route
+            # slices of the same sequences); on every rank, since its collectives are (a pipeline rank may
+            # hold no MoE layer).
             hooks.append(MoEBalancer(self.model, bias_update_rate=self.model_args.bias_update_rate,
-                                     dp_group=self.dp_mesh.get_group(),
+                                     stage_group=self.parallel_dims.mesh("dp_tp").get_group(),
                                      pp_group=self.pipeline.pp_group if self.pipeline else None))
         f8 = self.float8
         if f8 and f8.enabled and f8.fsdp_float8_all_gather:

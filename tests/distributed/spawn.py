@@ -52,6 +52,10 @@ def _rank_main(fn: Callable, args: tuple, rank: int, world_size: int, port: int,
 
 def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), timeout: float = 300) -> list[Any]:
     """fn(*args) on world_size spawned processes; returns every rank's result, in rank order."""
+    # multiprocessing's resource tracker (one per test session) starts before the tag is set: it is no rank.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     tag = new_tag()
     saved = {k: os.environ.get(k) for k in (OWNER_VAR, "OMP_NUM_THREADS", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")}
     # Inherited by the spawned interpreters (their environment is this process's at spawn time).
@@ -99,3 +103,28 @@ def train_and_read_metrics(args: list[str], dump: str) -> list[dict]:
 
     train(load_job_config([*args, f"--job.dump_folder={dump}"]))
     return read_metrics(Path(dump)) if os.environ["RANK"] == "0" else []
+
+
+def gradients_of_one_step(args: list[str], dump: str) -> dict:
+    """The trainer's first step in this rank's layout, forward and backward only (no optimizer step): every
+    parameter's full gradient by fqn, gathered from every rank (pipeline ranks hold different stages) to
+    rank 0, which returns them ({} on the other ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from trainer.config import load_job_config
+    from trainer.distributed import destroy_distributed
+    from trainer.models.layers import clean_fqn
+    from trainer.train import Trainer
+
+    trainer = Trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    try:
+        trainer.step_fn.forward_backward(trainer.data_loader.next_batch())
+        grads = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                 for n, p in trainer.model.named_parameters()}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, grads)
+        return {k: v for part in gathered for k, v in part.items()} if dist.get_rank() == 0 else {}
+    finally:
+        trainer.close()
+        destroy_distributed()

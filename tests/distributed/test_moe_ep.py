@@ -8,15 +8,13 @@ loads make every term layout-independent, so fp32 losses agree to rounding.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.spawn import run_distributed, train_and_read_metrics
-from tests.helpers import REPO, column, env, launch, read_metrics, train
+from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
+from tests.helpers import REPO, column, launch, read_metrics, train
 
 MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
 ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.steps=4", "--metrics.log_freq=1",
@@ -153,39 +151,8 @@ def test_ep_that_does_not_divide_the_experts_is_one_line(tmp_path: Path) -> None
 # not catch a wrongly scaled expert gradient: compare every gradient after one backward.
 
 
-def _grad_worker(out: str, args: list[str]) -> None:
-    from torch.distributed.tensor import DTensor
-
-    from trainer.config import load_job_config
-    from trainer.distributed import destroy_distributed
-    from trainer.models.layers import clean_fqn
-    from trainer.models.moe import MoE, set_aux_loss_scale
-    from trainer.train import Trainer
-
-    trainer = Trainer(load_job_config(args))
-    try:
-        batch = trainer.data_loader.next_batch()
-        # The trainer's loss path: hidden states -> loss_fn; each MoE layer injects its aux loss's gradient.
-        set_aux_loss_scale([m for m in trainer.model.modules() if isinstance(m, MoE)], 1.0 / len(batch))
-        for inputs, labels in batch:
-            loss = trainer.loss_fn(trainer.model(inputs), labels)
-            (loss / len(batch)).backward()
-        grads = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                 for n, p in trainer.model.named_parameters()}
-        if trainer.env.rank == 0:
-            torch.save(grads, out)
-    finally:
-        trainer.close()
-        destroy_distributed()
-
-
 def _grads(tmp_path: Path, name: str, nproc: int, args: list[str]) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           "--worker", str(out), "--", *ARGS, *FP32, f"--job.dump_folder={tmp_path / name}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out)
+    return run_distributed(gradients_of_one_step, world_size=nproc, args=([*ARGS, *FP32, *args], str(tmp_path / name)))[0]
 
 
 @pytest.mark.parametrize(
@@ -204,9 +171,3 @@ def test_every_gradient_matches_single_process(nproc: int, args: list[str], tmp_
     for fqn, g in ref.items():
         err = ((got[fqn] - g).norm() / g.norm()).item()
         assert err < 1e-5, (fqn, err)
-
-
-if __name__ == "__main__":
-    # torchrun tests/distributed/test_moe_ep.py --worker OUT -- TRAINER ARGS
-    assert sys.argv[1] == "--worker" and sys.argv[3] == "--", sys.argv
-    _grad_worker(sys.argv[2], sys.argv[4:])

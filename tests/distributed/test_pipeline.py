@@ -66,9 +66,11 @@ def assert_same_run(got: list[dict], ref: list[dict]) -> None:
              *VAL]),
         # TP inside each stage with the vocabulary-parallel loss on the last stage; explicit split point.
         (4, ["--distributed.tp=2", "--train.batch_size=4", "--distributed.pp_split_points=layers.1", *VAL]),
+        # The chunked loss on the last stage: the trainer's loss function, 48 + 16 tokens per microbatch of 64.
+        (2, ["--distributed.pipeline_schedule=1F1B", "--train.batch_size=4", "--train.loss_chunk_tokens=48", *VAL]),
     ],
     ids=["gpipe-x-hsdp2", "1f1b-accum2", "interleaved1f1b-foreach", "interleaved-zb-mb2", "zbv-ac-full",
-         "interleaved-x-dp_shard2", "1f1b-x-tp2-split"],
+         "interleaved-x-dp_shard2", "1f1b-x-tp2-split", "1f1b-chunked-loss"],
 )
 def test_pipeline_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
     assert_same_run(train([*FAST, *STEPS, *PP2, *args], tmp_path, nproc=nproc), reference)

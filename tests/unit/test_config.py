@@ -52,8 +52,6 @@ def test_defaults_toml_and_cli_precedence(tmp_path: Path) -> None:
         (["--train.loss_chunk_tokens=-4"], "train.loss_chunk_tokens=-4 must be >= 0 (0 = off)"),
         (["--train.loss_chunk_tokens=4096", "--distributed.tp=2"],
          "train.loss_chunk_tokens=4096 with distributed.tp=2: a chunked loss is not implemented under tensor parallel"),
-        (["--train.loss_chunk_tokens=4096", "--distributed.pp=2"],
-         "train.loss_chunk_tokens=4096 with distributed.pp=2: the pipeline's last stage computes the loss"),
         (["--checkpoint.load_step=-2"], "checkpoint.load_step=-2 must be >= 0, or -1"),
         (["--checkpoint.load_step=5"], "checkpoint.load_step=5 needs checkpoint.enable=true"),
         (["steps=3"], "unexpected argument 'steps=3'"),
@@ -128,12 +126,13 @@ def test_every_shipped_config_validates(path: Path, tmp_path: Path) -> None:
 
 
 def test_debug_pp_config_resolves_the_stages_its_header_describes() -> None:
-    # "4 stages of the 4 blocks + embedding + head (6 layer-equivalents: emb+1, 2, 1, head)", 8 microbatches.
+    # "emb+layers.0 | layers.1 | layers.2 | layers.3+head: 23/23/23/30%", 8 microbatches.
     job = validate_job(load_job_config(["--config", str(REPO / "configs/train/debug_pp.toml")]), world_size=2)
     p = job.pipeline
     assert (p.schedule, p.num_microbatches, p.stages_per_rank) == ("Interleaved1F1B", 8, 2)
-    assert p.stage_fqns == (("tok_embeddings", "layers.0"), ("layers.1", "layers.2"), ("layers.3",),
-                            ("norm", "output_head"))
+    assert p.stage_fqns == (("tok_embeddings", "layers.0"), ("layers.1",), ("layers.2",),
+                            ("layers.3", "norm", "output_head"))
+    assert [round(100 * x) for x in p.stage_costs] == [23, 23, 23, 30]
 
 
 def test_fp8_reference_recipe() -> None:

@@ -9,9 +9,10 @@ import torch
 from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
-from trainer.models import Llama, model_args_for
+from trainer.models import build_model, model_args_for
 from trainer.parallel.pipeline import (
-    PipelineModel, bubble_fraction, even_split, split_at, split_stage_module, stage_ids, stage_module_fqns,
+    PipelineModel, balanced_split, bubble_fraction, cost_split, split_at, split_stage_module, stage_ids,
+    stage_module_fqns,
 )
 from trainer.validate import validate_job
 
@@ -34,8 +35,8 @@ def _cfg(*args: str):
         (16, 8, (1, 1), [2, 3, 2, 2, 2, 2, 2, 1]),  # 18 units: 3,3,2,...,2
     ],
 )
-def test_even_split_counts_embedding_and_head_as_layers(n_layers, num_stages, weights, counts) -> None:
-    got = even_split(n_layers, num_stages, embedding_weight=weights[0], head_weight=weights[1])
+def test_equal_costs_split_as_evenly_as_layer_counts(n_layers, num_stages, weights, counts) -> None:
+    got = cost_split([1.0] * n_layers, num_stages, embedding_cost=weights[0], head_cost=weights[1])
     assert got == counts
     units = list(got)
     units[0] += weights[0]
@@ -44,11 +45,44 @@ def test_even_split_counts_embedding_and_head_as_layers(n_layers, num_stages, we
     assert sum(got) == n_layers
 
 
-def test_even_split_refuses_impossible_layouts() -> None:
-    with pytest.raises(ValueError):
-        even_split(4, 7, embedding_weight=1, head_weight=1)  # 7 stages, 6 layer-equivalents
-    with pytest.raises(ValueError):
-        even_split(2, 4, embedding_weight=3, head_weight=0)  # 5 units: 2,1,1,1, stage 0 cannot hold 3
+def test_balanced_split_minimizes_the_largest_stage_against_brute_force() -> None:
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, groups = rng.randint(2, 9), rng.randint(1, 5)
+        if groups > n:
+            continue
+        costs = [rng.choice([0.0, 0.5, 1.0, 2.5, 4.0]) for _ in range(n)]
+        sizes = balanced_split(costs, groups)
+        assert len(sizes) == groups and sum(sizes) == n and min(sizes) >= 1
+
+        def sums(cuts):
+            bounds = [0, *cuts, n]
+            return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+        best = min((max(sums(c)), sum(x * x for x in sums(c))) for c in itertools.combinations(range(1, n), groups - 1))
+        got_sums = sums(list(itertools.accumulate(sizes))[:-1])
+        assert (max(got_sums), sum(x * x for x in got_sums)) == pytest.approx(best)
+
+
+def test_moe_blocks_weigh_by_their_active_parameters() -> None:
+    # debug_moe: block 0 is dense (ffn 384), blocks 1-3 are MoE (top-2 of 64-wide experts + a 64-wide shared
+    # expert + the router): the costs of trainer.models.pipeline_costs, which sum to flops_per_token.
+    from trainer.models import flops_per_token, pipeline_costs
+
+    args = model_args_for("debug_moe")
+    embedding, blocks, head = pipeline_costs(args, 64)
+    assert embedding == 0 and sum(blocks) + head == flops_per_token(args, 64)
+    attn = 6 * (128 * 32 * (4 + 2 * 2) + 4 * 32 * 128) + 12 * 4 * 32 * 64
+    assert blocks[0] == attn + 6 * (3 * 128 * args.ffn_dim + 2 * 128)
+    assert blocks[1] == attn + 6 * (3 * 128 * 64 * (1 + 2) + 128 * 8 + 2 * 128)
+    assert head == 6 * (128 + 128 * 512)
+    # With 8B shapes the head costs about two blocks, so the last of 8 stages takes fewer blocks.
+    e8, b8, h8 = pipeline_costs(model_args_for("8b"), 8192)
+    assert 1.5 < h8 / b8[0] < 2.5
+    assert cost_split(b8, 8, embedding_cost=e8, head_cost=h8)[-1] < 4
 
 
 def test_stage_fqns_and_split_points() -> None:
@@ -129,8 +163,6 @@ def test_validate_resolves_the_pipeline() -> None:
         (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=InterleavedZeroBubble",
              "--train.activation_checkpointing=selective"],
          "distributed.pipeline_schedule='InterleavedZeroBubble' with train.activation_checkpointing='selective'"),
-        (2, ["--distributed.pp=2", "--distributed.pp_embedding_weight=7"],
-         "distributed.pp_embedding_weight=7, distributed.pp_head_weight=1: no even split"),
     ],
 )
 def test_bad_pipeline_config_is_one_line_naming_the_key(world_size: int, args: list[str], message: str) -> None:
@@ -146,7 +178,7 @@ def test_bad_pipeline_config_is_one_line_naming_the_key(world_size: int, args: l
 @pytest.mark.parametrize("arg, message", [
     ("--distributed.pp_microbatch_size=0", "distributed.pp_microbatch_size=0 must be >= 1"),
     ("--distributed.pp_stages_per_rank=-1", "distributed.pp_stages_per_rank=-1 must be >= 0 (0 = automatic)"),
-    ("--distributed.pp_head_weight=-1", "distributed.pp_head_weight=-1 must be >= 0"),
+    ("--distributed.pp_head_weight=-2", "distributed.pp_head_weight=-2.0 must be >= 0 (a cost in blocks), or -1"),
 ])
 def test_pipeline_key_ranges_fail_while_parsing(arg: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -157,17 +189,18 @@ def _stages(fqns_per_stage, args, *, seed: int) -> list[torch.nn.Module]:
     parts = []
     for fqns in fqns_per_stage:
         with torch.device("meta"):
-            part = split_stage_module(Llama(args), fqns)
+            part = split_stage_module(build_model(args), fqns)  # the pp=1 builder, any family
         part.to_empty(device="cpu")
         part.init_weights(seed=seed)
         parts.append(part)
     return parts
 
 
+@pytest.mark.parametrize("flavor", ["debug", "debug_moe"])
 @pytest.mark.parametrize("counts", [[2, 2], [1, 2, 1, 0], [0, 4]])
-def test_stages_together_are_the_full_model(counts: list[int]) -> None:
-    args = model_args_for("debug", max_seq_len=32)
-    full = Llama(args)
+def test_stages_together_are_the_full_model(counts: list[int], flavor: str) -> None:
+    args = model_args_for(flavor, max_seq_len=32)
+    full = build_model(args)
     full.init_weights(seed=3)
     parts = _stages(stage_module_fqns(counts), args, seed=3)
     # Same fqns, each in exactly one stage, with the pp=1 initial values.
@@ -179,7 +212,7 @@ def test_stages_together_are_the_full_model(counts: list[int]) -> None:
             assert torch.equal(v, full_sd[k]), k
     # The container of a rank's stages (here: all of them) has the full model's state-dict keys.
     assert list(PipelineModel(parts).state_dict()) == list(full_sd)
-    # Chained, the stages compute the full model's logits.
+    # Chained, the stages compute the full model's hidden states.
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     h = tokens
     for part in parts:

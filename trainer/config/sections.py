@@ -75,7 +75,7 @@ class TrainSection:
     compile_model: bool = False
     """torch.compile each transformer block and the output head with its loss."""
     loss_chunk_tokens: int = 0
-    """Compute the final norm, output head and cross-entropy this many tokens at a time, each chunk activation-checkpointed, so only one chunk's logits exist in forward and backward (at vocab 128256 the whole batch's fp32 logits are 8.4 GB per 16K tokens); costs one more output-head GEMM in backward. Same loss and gradients up to fp32 summation order. 0 = off (all tokens at once). Not with distributed.tp > 1 or pp > 1. See docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens."""
+    """Compute the final norm, output head and cross-entropy this many tokens at a time, each chunk activation-checkpointed, so only one chunk's logits exist in forward and backward (at vocab 128256 the whole batch's fp32 logits are 8.4 GB per 16K tokens); costs one more output-head GEMM in backward. Same loss and gradients up to fp32 summation order. 0 = off (all tokens at once). Not with distributed.tp > 1 (under pp > 1 on the last stage). See docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """What a NaN/inf loss or gradient norm does: stop the run naming the step, or skip that optimizer step."""
 
@@ -161,13 +161,13 @@ class DistributedSection:
     pp_stages_per_rank: int = 0
     """With pp > 1: stages (virtual stages) per pipeline rank; 0 = 1 for GPipe/1F1B, 2 for Interleaved*/ZBVZeroBubble."""
     pp_layers_per_stage: int = 0
-    """With pp > 1: layer-equivalents per stage, setting the number of stages; 0 = from pp x pp_stages_per_rank."""
+    """With pp > 1: the cost of a stage in blocks (of the model's mean block cost), setting the number of stages; 0 = from pp x pp_stages_per_rank."""
     pp_split_points: list[str] = field(default_factory=list)
     """With pp > 1: explicit stage boundaries, the first block of each later stage (["layers.2"]); [] = even split."""
-    pp_embedding_weight: int = 1
-    """With pp > 1, even split: the token embedding counts as this many blocks on the first stage."""
-    pp_head_weight: int = 1
-    """With pp > 1, even split: the final norm and output head count as this many blocks on the last stage."""
+    pp_embedding_weight: float = -1.0
+    """With pp > 1, automatic split (stages balanced by training FLOPs per token, an MoE block by its active parameters): the token embedding's cost in blocks (of the mean block cost); -1 = its FLOPs (0: a lookup)."""
+    pp_head_weight: float = -1.0
+    """With pp > 1, automatic split: the final norm and output head's cost in blocks (of the mean block cost); -1 = its FLOPs, 6 x dim x vocab per token (about 2 blocks at Llama 3 8B shapes)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"

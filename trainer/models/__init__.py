@@ -41,7 +41,25 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return moe_flops_per_token(args, seq_len) if is_moe(args) else dense_flops_per_token(args, seq_len)
 
 
+def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], float]:
+    """Training FLOPs per token of (the embedding, each block, the final norm + output head): what the automatic
+    pipeline split balances. They sum to `flops_per_token` (6 x the matmul parameters a token passes through,
+    MoE blocks counting the top_k routed experts, plus the attention term per block); the embedding is a
+    lookup, 0 FLOPs."""
+    attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
+    attention = 12 * args.n_heads * args.head_dim * seq_len
+    norms = 2 * args.dim
+    blocks = []
+    for i in range(args.n_layers):
+        if is_moe(args) and args.is_moe_layer(i):
+            ffn = 3 * args.dim * args.moe_ffn_dim * (args.n_shared_experts + args.top_k) + args.dim * args.n_experts
+        else:
+            ffn = 3 * args.dim * args.ffn_dim
+        blocks.append(6.0 * (attn + ffn + norms) + attention)
+    return 0.0, blocks, 6.0 * (args.dim + args.dim * args.vocab_size)
+
+
 __all__ = [
     "FLAVORS", "Llama", "MoEArgs", "MoETransformer", "ModelArgs", "build_model", "flops_per_token", "is_moe",
-    "model_args_for", "num_params", "param_counts",
+    "model_args_for", "num_params", "param_counts", "pipeline_costs",
 ]

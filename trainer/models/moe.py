@@ -328,6 +328,9 @@ class MoE(nn.Module):
         self.register_buffer("stats", torch.zeros(args.n_experts + 3), persistent=False)
         # d(objective)/d(aux loss) of the next backward, set by the step (set_aux_loss_scale).
         self.register_buffer("aux_grad_scale", torch.ones(()), persistent=False)
+        # The ranks that hold the other slices of this rank's sequences (tensor parallel: apply_tp sets the tp
+        # group); the sequence-wise aux loss sums its statistics over them. None: whole sequences here.
+        self.sequence_group: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim] -> output like x; the aux loss (times aux_loss_coef) is attached to it for backward."""
@@ -358,7 +361,8 @@ class MoE(nn.Module):
         out = torch.zeros(flat.shape, device=x.device, dtype=torch.float32).index_add_(0, token_of, routed)
         out = out.to(x.dtype)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            # On x [batch, seq, dim]: under TP the shared expert gathers the sequence's slices (Shard(1)).
+            out = out + self.shared_expert(x).reshape(-1, dim)
         if self.training:  # evaluation forwards must not move the balancing bias
             with torch.no_grad():
                 self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])
@@ -370,15 +374,26 @@ class MoE(nn.Module):
         """Sequence-wise balance loss: mean over sequences of E * sum_e f_e * P_e.
 
         f_e = fraction of the sequence's k * seq_len assignments that chose e, P_e = mean
-        normalized score of e over the sequence. 1 when perfectly balanced.
+        normalized score of e over the sequence. 1 when perfectly balanced. With a
+        `sequence_group` both sums run over the whole sequence: every rank of the group then
+        holds the same aux loss, and its gradient reaches each rank's own tokens once.
         """
         bsz, n_assign = chosen.shape
-        frac = torch.zeros(bsz, self.n_experts, device=chosen.device).scatter_add_(
-            1, chosen, torch.ones_like(chosen, dtype=torch.float32)) / n_assign
+        counts = torch.zeros(bsz, self.n_experts, device=chosen.device).scatter_add_(
+            1, chosen, torch.ones_like(chosen, dtype=torch.float32))
         if self.score_func == "sigmoid":
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        prob = scores.mean(dim=1)
-        return self.n_experts * (frac * prob).sum(dim=1).mean()
+        score_sums, seq_len = scores.sum(dim=1), scores.shape[1]
+        if self.sequence_group is not None:
+            import torch.distributed as dist
+
+            from trainer.distributed import all_reduce_sum_identity_backward
+
+            counts = all_reduce_sum_identity_backward(counts, self.sequence_group)  # counts carry no gradient
+            score_sums = all_reduce_sum_identity_backward(score_sums, self.sequence_group)
+            slices = dist.get_world_size(self.sequence_group)
+            n_assign, seq_len = n_assign * slices, seq_len * slices
+        return self.n_experts * ((counts / n_assign) * (score_sums / seq_len)).sum(dim=1).mean()
 
     def _within_capacity(self, experts: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Per sequence and expert, keep the first ceil(c * seq_len * k / E) assignments in token order."""

@@ -21,7 +21,8 @@ from trainer.models.moe import STAT_AUX, STAT_CALLS, STAT_DROPPED, MoE
 
 class MoEBalancer(StepHook):
     """The MoE step hook (trainer/hooks.py). After each optimizer step it sums every MoE layer's
-    counters over the data-parallel ranks (one all-reduce, no host sync), moves the expert biases
+    counters over `stage_group`, every rank of this pipeline stage (data-parallel ranks, and tp
+    ranks, which route slices of the same sequences; one all-reduce, no host sync), moves the expert biases
     (masked by `found_inf`: a skipped step moves none) and keeps interval totals; at log steps it
     reports per-layer load imbalance, aux loss and dropped fraction, and the total aux loss.
 
@@ -30,14 +31,14 @@ class MoEBalancer(StepHook):
     job with an MoE model must hold one, since `after_optimizer_step` and `on_log` are collective.
     """
 
-    def __init__(self, model: nn.Module, *, bias_update_rate: float, dp_group: Any = None, pp_group: Any = None):
+    def __init__(self, model: nn.Module, *, bias_update_rate: float, stage_group: Any = None, pp_group: Any = None):
         from trainer.models.layers import clean_fqn
 
         self.layers: list[tuple[str, MoE]] = [
             (clean_fqn(fqn).split(".")[1], m) for fqn, m in model.named_modules() if isinstance(m, MoE)
         ]
         self.rate = bias_update_rate
-        self.dp_group, self.pp_group = dp_group, pp_group
+        self.stage_group, self.pp_group = stage_group, pp_group
         self.interval: torch.Tensor | None = None
 
     @property
@@ -51,8 +52,8 @@ class MoEBalancer(StepHook):
         if not self.layers:
             return
         stats = torch.stack([m.stats for _, m in self.layers])
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(stats, group=self.dp_group)
+        if self.stage_group is not None and dist.get_world_size(self.stage_group) > 1:
+            dist.all_reduce(stats, group=self.stage_group)
         keep = (~found_inf).to(torch.float32)
         for (_, m), s in zip(self.layers, stats):
             if self.rate > 0:

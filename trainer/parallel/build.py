@@ -112,7 +112,7 @@ def build_parallel_model(
         apply_fsdp(
             model, pd.mesh("fsdp"), param_dtype=o.fsdp.param_dtype, reduce_dtype=o.fsdp.reduce_dtype,
             reshard_after_forward=o.fsdp.reshard_after_forward,
-            expert_mesh=pd.mesh("expert_fsdp") if pd.ep > 1 else None,
+            expert_mesh=pd.mesh("expert_fsdp") if pd.ep > 1 or pd.tp > 1 else None, routers_with_experts=pd.tp > 1,
         )
     )
     return report

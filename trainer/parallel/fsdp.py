@@ -16,6 +16,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
     expert_mesh: DeviceMesh | None = None,
+    routers_with_experts: bool = False,
 ) -> str:
     """Shard the embeddings, every block, then the root (final norm, output head).
 
@@ -29,6 +30,12 @@ def apply_fsdp(
     and fp8 runs; float8 linears then cast to fp8 themselves, or receive fp8
     directly with fp8 all-gather); the sharded master weights keep their own
     dtype. A 2-D dp_mesh (dp_replicate, dp_shard) gives HSDP.
+
+    expert_mesh (EP or TP with an MoE model): each MoE layer's routed experts (with
+    routers_with_experts, under TP, its router too) get an FSDP unit of their own over it;
+    their gradients already sum other ranks' tokens (EP: the all-to-all's backward; TP: the
+    reduce-scatter over dp_shard x tp sums the tp ranks' sequence slices), so they are divided
+    by the data-parallel degree only, as the dense weights are.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = []
@@ -40,18 +47,18 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         # The last block's weights are needed again right away by backward.
         reshard = reshard_after_forward and i < len(blocks) - 1
-        experts = getattr(getattr(block, "moe", None), "experts", None)
-        if expert_mesh is not None and experts is not None:
-            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
-            # Each rank's expert gradients already sum the ep ranks' tokens (the all-to-all's
-            # backward): divide by every data-parallel rank, as the dense weights are, not by
-            # the expert mesh's size alone.
-            experts.set_gradient_divide_factor(float(dp_mesh.size()))
-            if expert_mesh.device_type == "cpu" and expert_mesh.size(expert_mesh.ndim - 1) > 1:
-                # That factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: SUM, then divide.
-                # Not with one rank per shard group: there FSDP2 (torch 2.13) already divides while
-                # copying and would divide a second time after (tests/distributed/test_moe_ep.py).
-                experts.set_force_sum_reduction_for_comms(True)
+        moe = getattr(block, "moe", None)
+        if expert_mesh is not None and moe is not None:
+            for unit in ([moe.router, moe.experts] if routers_with_experts else [moe.experts]):
+                fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+                # Gradients that already sum other ranks' tokens: divide by every data-parallel
+                # rank, as the dense weights are, not by the expert mesh's size.
+                unit.set_gradient_divide_factor(float(dp_mesh.size()))
+                if expert_mesh.device_type == "cpu" and expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                    # That factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: SUM, then divide.
+                    # Not with one rank per shard group: there FSDP2 (torch 2.13) already divides while
+                    # copying and would divide a second time after (tests/distributed/test_moe_ep.py).
+                    unit.set_force_sum_reduction_for_comms(True)
             num_expert_groups += 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root (final norm, output head) stays gathered from its forward to its backward: the loss
@@ -59,8 +66,8 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP2"
     experts_line = (
-        f"; routed experts of {num_expert_groups} MoE layers over {expert_mesh.mesh_dim_names} "
-        f"(size {expert_mesh.size()})" if num_expert_groups else ""
+        f"; routed experts{' and routers' if routers_with_experts else ''} of {num_expert_groups} MoE layers over "
+        f"{expert_mesh.mesh_dim_names} (size {expert_mesh.size()})" if num_expert_groups else ""
     )
     return (
         f"{kind}: {' + '.join([*units, f'{len(blocks)} blocks'])} + root over {dp_mesh.mesh_dim_names} "

@@ -8,7 +8,10 @@ itself. The world mesh has four axes, outermost first:
 Expert parallelism borrows its ranks from data parallelism (as in torchtitan): for
 the routed experts the FSDP shard axis `dp_shard` is seen as `dp_shard_mod_ep x ep`,
 so dense weights are sharded over all of dp_shard while experts are split over `ep`
-and FSDP-sharded over the remaining `dp_shard_mod_ep`. Axes of size 1 cost nothing
+and FSDP-sharded over the remaining `dp_shard_mod_ep`. Under tensor parallelism each
+tp rank routes its own slice of the sequence through whole (not tp-sharded) experts,
+so the routed experts and the router are FSDP-sharded over `dp_shard x tp` instead,
+whose reduce-scatter also sums the tp ranks' gradients. Axes of size 1 cost nothing
 and keep one code path (dp_shard exists even on one GPU, so FSDP2 always owns the
 master weights and mixed precision).
 """
@@ -30,7 +33,9 @@ MESH_NAMES = {
     "pp": "pipeline stages",
     "dp": "data loading and loss averaging (every data-parallel rank)",
     "fsdp": "FSDP2/HSDP of dense weights: dp_shard, or (dp_replicate, dp_shard)",
-    "expert_fsdp": "FSDP2/HSDP of routed experts: dp_shard_mod_ep, or (dp_replicate, dp_shard_mod_ep)",
+    "expert_fsdp": "FSDP2/HSDP of routed experts (and, under tp, routers): dp_shard_mod_ep with ep, dp_shard x tp "
+                   "with tp, each with dp_replicate first under HSDP",
+    "dp_tp": "every rank of a pipeline stage (data and tensor parallel): MoE token counts are summed over it",
     "ep": "expert parallel all-to-all (only with ep > 1)",
     "tp": "tensor parallel",
 }
@@ -119,7 +124,15 @@ class ParallelDims:
             "fsdp": world[dp_axes] if hsdp else world[DP_SHARD],
             "tp": world[TP],
         }
-        if self.ep > 1:
+        self._meshes["dp_tp"] = world[(DP_REPLICATE, DP_SHARD, TP)]._flatten("dp_tp")
+        if self.tp > 1:
+            # Experts and routers see tokens of this rank's sequence slice only: FSDP over dp_shard x tp sums
+            # their gradients over tp. A mesh of its own (same ranks, dp_shard x tp as one axis), not a slice
+            # of a flattened axis of the world mesh (deprecated).
+            experts = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard * self.tp),
+                                       mesh_dim_names=(PP, DP_REPLICATE, "dp_shard_tp"))
+            self._meshes["expert_fsdp"] = experts[(DP_REPLICATE, "dp_shard_tp")] if hsdp else experts["dp_shard_tp"]
+        elif self.ep > 1:
             # Experts see dp_shard as (dp_shard_mod_ep, ep): same ranks, split in two axes.
             # The axis by index: torch 2.11's _unflatten refuses every axis given by name (an inverted check).
             axis = world.mesh_dim_names.index(DP_SHARD)

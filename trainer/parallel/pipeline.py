@@ -53,6 +53,8 @@ class PipelineOptions:
     stages_per_rank: int
     stage_fqns: tuple[tuple[str, ...], ...]
     """Top-level module fqns of every stage in model order: tok_embeddings, layers.N, norm, output_head."""
+    stage_costs: tuple[float, ...] = ()
+    """Each stage's share of the model's training FLOPs per token (trainer.models.pipeline_costs)."""
 
     @property
     def num_stages(self) -> int:
@@ -71,25 +73,46 @@ def default_stages_per_rank(schedule: str) -> int:
     return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
 
 
-def even_split(n_layers: int, num_stages: int, *, embedding_weight: int, head_weight: int) -> list[int]:
-    """Blocks per stage for an even split of n_layers + embedding_weight + head_weight layer-equivalents.
+def balanced_split(costs: list[float], num_groups: int) -> list[int]:
+    """Sizes of `num_groups` non-empty contiguous groups of `costs` (in order): the largest group sum as small as
+    possible, then the sum of squared group sums (the groups as even as possible); on a tie the earlier groups
+    take more. Dynamic programming over (groups, items covered): O(num_groups x len(costs)^2), once per job."""
+    n = len(costs)
+    assert 1 <= num_groups <= n, (num_groups, n)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[g][i]: (largest sum, sum of squares) of the best split of costs[:i] into g groups, and its last cut.
+    best: list[dict[int, tuple[tuple[float, float], int]]] = [{0: ((0.0, 0.0), 0)}]
+    for g in range(1, num_groups + 1):
+        row = {}
+        for i in range(g, n - (num_groups - g) + 1):
+            choice = None
+            for j in range(i - 1, g - 2, -1):  # larger j first: a later cut keeps earlier groups larger on ties
+                if j not in best[g - 1]:
+                    continue
+                (worst, squares), _ = best[g - 1][j]
+                part = prefix[i] - prefix[j]
+                score = (max(worst, part), squares + part * part)
+                if choice is None or score < choice[0]:
+                    choice = (score, j)
+            row[i] = choice
+        best.append(row)
+    sizes, i = [], n
+    for g in range(num_groups, 0, -1):
+        j = best[g][i][1]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
 
-    Stages get floor(total / num_stages) units, the first (total mod num_stages) one
-    more; the embedding's units come out of stage 0's share and the head's out of the
-    last stage's. Raises ValueError when a stage would be empty or an edge stage
-    cannot hold its embedding/head weight.
-    """
-    total = n_layers + embedding_weight + head_weight
-    if num_stages > total:
-        raise ValueError(f"{num_stages} stages for {total} layer-equivalents")
-    base, extra = divmod(total, num_stages)
-    units = [base + (i < extra) for i in range(num_stages)]
-    counts = list(units)
-    counts[0] -= embedding_weight
-    counts[-1] -= head_weight
-    if counts[0] < 0 or counts[-1] < 0:
-        raise ValueError(f"an edge stage gets {min(counts[0], counts[-1])} blocks")
-    assert sum(counts) == n_layers, (counts, n_layers)
+
+def cost_split(block_costs: list[float], num_stages: int, *, embedding_cost: float, head_cost: float) -> list[int]:
+    """Blocks per stage that balance the stages' costs; the embedding's cost falls on the first stage and the
+    final norm + head's on the last. A stage holds at least one piece (a block, or the embedding or the head)."""
+    sizes = balanced_split([embedding_cost, *block_costs, head_cost], num_stages)
+    counts = list(sizes)
+    counts[0] -= 1  # the embedding
+    counts[-1] -= 1  # the final norm and head
     return counts
 
 
@@ -215,7 +238,8 @@ class Pipeline:
     """This rank's stages, their schedule, and the forward/backward of one optimizer step."""
 
     def __init__(self, model_args, parallel_dims, *, options: PipelineOptions, build, device: torch.device,
-                 seed: int, build_loss: Callable[[nn.Module], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]):
+                 seed: int, seq_len: int,
+                 build_loss: Callable[[nn.Module], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]):
         """build_loss(last stage module) -> loss_fn(hidden states, labels): the trainer's loss function."""
         from trainer.models import build_model
         from trainer.parallel.build import build_parallel_model
@@ -248,12 +272,31 @@ class Pipeline:
             self._log_stage(sid, options.stage_fqns[sid])
         self.parts = parts
         self.model = PipelineModel(parts)
-        self.float8_report = _merge_float8_reports(reports)
+        self.float8_report = self._gather_float8_reports(reports)
         last = next((p for p in parts if p.output_head is not None), None)
         self.loss_fn = build_loss(last) if last is not None else None
+        # What crosses a stage boundary: this rank's sequence shard (sequence parallel under TP) of one
+        # microbatch's hidden states, in the compute dtype (FSDP2's param_dtype, else the master dtype).
+        self._hidden = torch.empty(
+            (options.microbatch_size, seq_len // parallel_dims.tp, model_args.dim),
+            dtype=build.fsdp.param_dtype or build.fsdp.master_dtype, device="meta", requires_grad=True,
+        )
+        self._tokens = torch.empty((options.microbatch_size, seq_len), dtype=torch.int64, device="meta")
         self.schedule = self._build_schedule(parts)
         self.has_first = any(s.is_first for s in self._stages)
         self.has_last = any(s.is_last for s in self._stages)
+
+    def _gather_float8_reports(self, reports: list):
+        """Every stage's FP8 report, from every pp rank: rank 0 logs one line per stage and the merged report
+        (the whole model's) feeds the metrics. None when the run is not fp8."""
+        if all(r is None for r in reports):
+            return None
+        gathered: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(gathered, list(zip(self.stage_ids, reports)), group=self.pp_group)
+        by_stage = sorted((sid, report) for part in gathered for sid, report in part)
+        for sid, report in by_stage:
+            logger.info("FP8 on pipeline stage %d/%d: %s", sid, self.options.num_stages, report.lines()[1])
+        return _merge_float8_reports([report for _, report in by_stage])
 
     @property
     def num_microbatches(self) -> int:
@@ -262,15 +305,19 @@ class Pipeline:
     def _log_stage(self, sid: int, fqns: tuple[str, ...]) -> None:
         blocks = [f for f in fqns if f.startswith("layers.")]
         edges = [f for f in fqns if not f.startswith("layers.")]
-        logger.info("pipeline stage %d/%d on pp rank %d: %s%s", sid, self.options.num_stages, self.pp_rank,
+        share = f", {100 * self.options.stage_costs[sid]:.0f}% of the FLOPs" if self.options.stage_costs else ""
+        logger.info("pipeline stage %d/%d on pp rank %d: %s%s%s", sid, self.options.num_stages, self.pp_rank,
                     f"{blocks[0]}..{blocks[-1]} ({len(blocks)} blocks)" if blocks else "no blocks",
-                    f" + {', '.join(edges)}" if edges else "")
+                    f" + {', '.join(edges)}" if edges else "", share)
 
     def _build_schedule(self, parts: list[nn.Module]):
         from torch.distributed.pipelining import PipelineStage
 
         o = self.options
-        self._stages = [PipelineStage(part, sid, o.num_stages, self.device, group=self.pp_group)
+        # The boundary shapes are given, not inferred: torch would otherwise run each stage once on
+        # placeholder tensors at the first step, and an MoE layer would count that forward's routing.
+        self._stages = [PipelineStage(part, sid, o.num_stages, self.device, group=self.pp_group,
+                                      input_args=self._tokens if sid == 0 else self._hidden, output_args=self._hidden)
                         for part, sid in zip(parts, self.stage_ids)]
         single = o.schedule in SINGLE_STAGE_SCHEDULES
         schedule = _schedule_class(o.schedule)(self._stages[0] if single else self._stages,
@@ -341,6 +388,6 @@ class Pipeline:
 
 
 __all__ = [
-    "Pipeline", "PipelineModel", "PipelineOptions", "SCHEDULES", "bubble_fraction", "default_stages_per_rank",
-    "even_split", "split_at", "stage_ids", "stage_module_fqns",
+    "Pipeline", "PipelineModel", "PipelineOptions", "SCHEDULES", "balanced_split", "bubble_fraction", "cost_split",
+    "default_stages_per_rank", "split_at", "stage_ids", "stage_module_fqns",
 ]

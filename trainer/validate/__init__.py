@@ -46,7 +46,7 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
-    pipeline = resolve_pipeline(cfg, pp=pd.pp, n_layers=args.n_layers)
+    pipeline = resolve_pipeline(cfg, pp=pd.pp, args=args)
     float8 = resolve_float8(cfg, args, pd) if cfg.train.is_fp8 else None
     build = resolve_build(cfg, pd, float8)
     source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)

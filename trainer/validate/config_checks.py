@@ -69,12 +69,14 @@ def _check_ranges(cfg: Any) -> None:
         "optimizer.weight_decay": (cfg.optimizer.weight_decay, ""),
         "distributed.pp_stages_per_rank": (d.pp_stages_per_rank, " (0 = automatic)"),
         "distributed.pp_layers_per_stage": (d.pp_layers_per_stage, " (0 = automatic)"),
-        "distributed.pp_embedding_weight": (d.pp_embedding_weight, ""),
-        "distributed.pp_head_weight": (d.pp_head_weight, ""),
     }
     for key, (value, note) in at_least_zero.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0{note}")
+    for key in ("pp_embedding_weight", "pp_head_weight"):
+        value = getattr(d, key)
+        if value < 0 and value != -1:
+            raise ConfigError(f"distributed.{key}={value} must be >= 0 (a cost in blocks), or -1 for its FLOPs")
     if d.dp_shard == 0 or d.dp_shard < -1:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
 
@@ -86,12 +88,6 @@ def _check_loss_chunking(cfg: Any) -> None:
             f"train.loss_chunk_tokens={t.loss_chunk_tokens} with distributed.tp={d.tp}: a chunked loss is not "
             "implemented under tensor parallel (loss_parallel already splits the logits over the tp ranks); "
             "set train.loss_chunk_tokens=0"
-        )
-    if t.loss_chunk_tokens and d.pp > 1:
-        raise ConfigError(
-            f"train.loss_chunk_tokens={t.loss_chunk_tokens} with distributed.pp={d.pp}: the pipeline's last stage "
-            "computes the loss on whole microbatch logits, unchunked; set train.loss_chunk_tokens=0 (a smaller "
-            "distributed.pp_microbatch_size makes those logits smaller)"
         )
 
 

@@ -40,9 +40,6 @@ def check_model_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
             f"(model.flavor={m.flavor!r})"
         )
     _check_moe_layout(cfg, args, pd)
-    if pd.pp > 1 and getattr(args, "n_experts", 0):
-        raise ConfigError(f"distributed.pp={pd.pp} with the MoE flavor {m.flavor!r}: pipeline parallelism of MoE "
-                          "models is not implemented yet; use distributed.ep and dp_shard, or a dense flavor")
 
 
 def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
@@ -72,10 +69,11 @@ def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
         raise ConfigError(
             f"distributed.ep={pd.ep} must divide the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
         )
-    if pd.tp > 1:
+    if pd.tp > 1 and args.capacity_factor > 0:
         raise ConfigError(
-            f"distributed.tp={pd.tp} with the MoE flavor {m.flavor!r}: tensor parallel MoE blocks are not "
-            "implemented; set distributed.tp=1 and use distributed.ep (and dp_shard) instead"
+            f"moe.capacity_factor={args.capacity_factor} with distributed.tp={pd.tp}: capacity keeps the earliest "
+            "positions of each sequence, but under tensor parallel each tp rank routes its own slice of it; set "
+            "moe.capacity_factor=0 or distributed.tp=1"
         )
     t = cfg.train
     if pd.ep > 1 and t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
@@ -98,11 +96,12 @@ def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
 _PP_KEYS = ("pp_split_points", "pp_layers_per_stage", "pp_stages_per_rank")
 
 
-def resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOptions | None:
+def resolve_pipeline(cfg: JobConfig, *, pp: int, args: Any) -> PipelineOptions | None:
     """The stage layout and schedule of distributed.pp > 1; None for pp=1 (where the pp_* keys must be unset)."""
     from trainer.parallel.pipeline import PipelineOptions, stage_module_fqns
 
     d, t = cfg.distributed, cfg.train
+    n_layers = args.n_layers
     if pp == 1:
         for key in _PP_KEYS:
             if getattr(d, key):
@@ -113,9 +112,10 @@ def resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOptio
     if d.pp_split_points and d.pp_layers_per_stage:
         raise ConfigError("distributed.pp_split_points and distributed.pp_layers_per_stage both set: give one")
     firsts = _split_point_blocks(d.pp_split_points, n_layers=n_layers)
-    num_stages, key = _num_stages(cfg, pp=pp, n_layers=n_layers, firsts=firsts)
+    costs = _stage_piece_costs(cfg, args)
+    num_stages, key = _num_stages(cfg, pp=pp, costs=costs, firsts=firsts)
     per_rank = _stages_per_rank(cfg, pp=pp, num_stages=num_stages, key=key)
-    counts = _layer_counts(cfg, n_layers=n_layers, num_stages=num_stages, firsts=firsts)
+    counts = _layer_counts(cfg, costs=costs, num_stages=num_stages, firsts=firsts)
     num_microbatches = t.batch_size // d.pp_microbatch_size
     if num_microbatches < pp:
         logger.warning(
@@ -125,7 +125,7 @@ def resolve_pipeline(cfg: JobConfig, *, pp: int, n_layers: int) -> PipelineOptio
         )
     return PipelineOptions(schedule=d.pipeline_schedule, microbatch_size=d.pp_microbatch_size,
                            num_microbatches=num_microbatches, stages_per_rank=per_rank,
-                           stage_fqns=stage_module_fqns(counts))
+                           stage_fqns=stage_module_fqns(counts), stage_costs=_stage_shares(costs, counts))
 
 
 def _check_schedule(cfg: JobConfig) -> None:
@@ -178,24 +178,54 @@ def _split_point_blocks(entries: list[str], *, n_layers: int) -> list[int]:
     return firsts
 
 
-def _num_stages(cfg: JobConfig, *, pp: int, n_layers: int, firsts: list[int]) -> tuple[int, str]:
-    """How many stages (explicit split points, a layers-per-stage budget, or pp x stages per rank), and the key
+def _stage_piece_costs(cfg: JobConfig, args: Any) -> tuple[float, list[float], float]:
+    """(embedding, each block, final norm + head): training FLOPs per token (trainer.models.pipeline_costs), the
+    edge pieces replaced by pp_embedding_weight / pp_head_weight blocks of the mean block cost when set."""
+    from trainer.models import pipeline_costs
+
+    d = cfg.distributed
+    embedding, blocks, head = pipeline_costs(args, cfg.train.seq_len)
+    mean = sum(blocks) / len(blocks)
+    if d.pp_embedding_weight != -1:
+        embedding = d.pp_embedding_weight * mean
+    if d.pp_head_weight != -1:
+        head = d.pp_head_weight * mean
+    return embedding, blocks, head
+
+
+def _stage_shares(costs: tuple[float, list[float], float], counts: list[int]) -> tuple[float, ...]:
+    """Each stage's share of the model's cost, for the startup log."""
+    embedding, blocks, head = costs
+    shares, start = [], 0
+    for i, count in enumerate(counts):
+        shares.append(sum(blocks[start:start + count]) + (embedding if i == 0 else 0.0)
+                      + (head if i == len(counts) - 1 else 0.0))
+        start += count
+    total = sum(shares) or 1.0
+    return tuple(x / total for x in shares)
+
+
+def _num_stages(cfg: JobConfig, *, pp: int, costs: tuple[float, list[float], float], firsts: list[int]
+                ) -> tuple[int, str]:
+    """How many stages (explicit split points, a per-stage cost budget, or pp x stages per rank), and the key
     that decided it."""
     from trainer.parallel.pipeline import default_stages_per_rank
 
     d = cfg.distributed
-    total = n_layers + d.pp_embedding_weight + d.pp_head_weight
+    embedding, blocks, head = costs
+    n_layers = len(blocks)
     if d.pp_split_points:
         num_stages, key = len(firsts) + 1, "distributed.pp_split_points"
     elif d.pp_layers_per_stage:
-        num_stages, key = math.ceil(total / d.pp_layers_per_stage), "distributed.pp_layers_per_stage"
+        in_blocks = (embedding + sum(blocks) + head) / (sum(blocks) / n_layers)
+        num_stages, key = math.ceil(in_blocks / d.pp_layers_per_stage - 1e-9), "distributed.pp_layers_per_stage"
     else:
         num_stages = pp * (d.pp_stages_per_rank or default_stages_per_rank(d.pipeline_schedule))
         key = "distributed.pp_stages_per_rank" if d.pp_stages_per_rank else "distributed.pp"
-    if num_stages > total:
+    if num_stages > n_layers + 2:
         raise ConfigError(
             f"{key}: {num_stages} pipeline stages but the model has only {n_layers} blocks (+ embedding and head = "
-            f"{total} layer-equivalents); lower distributed.pp or distributed.pp_stages_per_rank"
+            f"{n_layers + 2} pieces, at least one per stage); lower distributed.pp or distributed.pp_stages_per_rank"
         )
     if num_stages % pp:
         raise ConfigError(f"{key} gives {num_stages} pipeline stages, not a multiple of distributed.pp={pp}")
@@ -228,18 +258,12 @@ def _stages_per_rank(cfg: JobConfig, *, pp: int, num_stages: int, key: str) -> i
     return per_rank
 
 
-def _layer_counts(cfg: JobConfig, *, n_layers: int, num_stages: int, firsts: list[int]) -> list[int]:
-    """Blocks per stage: at the explicit split points, or an even split of the layer-equivalents."""
-    from trainer.parallel.pipeline import even_split, split_at
+def _layer_counts(cfg: JobConfig, *, costs: tuple[float, list[float], float], num_stages: int,
+                  firsts: list[int]) -> list[int]:
+    """Blocks per stage: at the explicit split points, or the split that balances the stages' costs."""
+    from trainer.parallel.pipeline import cost_split, split_at
 
-    d = cfg.distributed
-    if d.pp_split_points:
-        return split_at(n_layers, firsts)
-    try:
-        return even_split(n_layers, num_stages, embedding_weight=d.pp_embedding_weight, head_weight=d.pp_head_weight)
-    except ValueError as e:
-        raise ConfigError(
-            f"distributed.pp_embedding_weight={d.pp_embedding_weight}, distributed.pp_head_weight="
-            f"{d.pp_head_weight}: no even split of {n_layers} blocks into {num_stages} stages ({e}); "
-            "lower the weights"
-        ) from None
+    embedding, blocks, head = costs
+    if cfg.distributed.pp_split_points:
+        return split_at(len(blocks), firsts)
+    return cost_split(blocks, num_stages, embedding_cost=embedding, head_cost=head)

@@ -1,0 +1,123 @@
+"""MoE models in every layout reproduce the 1-process run: pipeline (x expert parallel) and tensor parallel.
+
+Same seed, same global batch, fp32 on gloo: the LM loss, the aux loss (injected in each MoE
+layer's backward on whatever stage holds it), the expert loads and the held-out loss agree to
+fp32 rounding, every gradient agrees after one step, and checkpoints move between pp2 x ep2
+and one process. Each layout runs as a function in spawned processes (tests/distributed/spawn.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
+from tests.helpers import REPO, column, read_metrics, train
+
+MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
+ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.mixed_precision=fp32", "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false"]
+STEPS = ["--train.steps=4"]
+CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2"]
+# Held-out loss at steps 2 and 4 over 8 samples (validation.steps x batch_size x dp ranks = 8).
+VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=2"]
+PP2 = ["--distributed.pp=2"]
+
+
+def assert_same_run(got: list[dict], ref: list[dict], *, rel: float = 1e-5) -> None:
+    assert column(got, "step") == column(ref, "step")
+    assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=rel)
+    # The logged aux loss sums every MoE layer's statistics, gathered over the pipeline ranks.
+    assert column(got, "aux_loss") == pytest.approx(column(ref, "aux_loss"), rel=rel)
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=10 * rel)
+    # Expert loads summed over every rank of a stage before the biases move: the same routing everywhere.
+    for layer in (1, 2, 3):
+        key = f"moe/layer{layer}/imbalance"
+        assert column(got, key) == pytest.approx(column(ref, key), rel=rel), key
+    val = [(r["step"], r["val_loss"]) for r in got if "val_loss" in r]
+    if val:  # evaluated through the same layout (the pipeline's forward-only schedule, EP's all-to-all, TP)
+        assert val == [(r["step"], pytest.approx(r["val_loss"], rel=rel)) for r in ref if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """1 process, batch 4, checkpoints at steps 2 and 4."""
+    dump = tmp_path_factory.mktemp("ref")
+    return {"metrics": train([*ARGS, *STEPS, *CKPT, *VAL, "--train.batch_size=4"], dump), "dump": dump}
+
+
+@pytest.fixture(scope="module")
+def pp2_ep2(tmp_path_factory) -> dict:
+    """4 processes: 2 pipeline stages x 2 expert-parallel ranks (dp_shard=2, batch 2 each), checkpoints."""
+    dump = tmp_path_factory.mktemp("pp2ep2")
+    args = [*ARGS, *STEPS, *CKPT, *VAL, *PP2, "--distributed.ep=2", "--train.batch_size=2"]
+    return {"metrics": run_distributed(train_and_read_metrics, world_size=4, args=(args, str(dump)))[0], "dump": dump}
+
+
+def test_pp2_x_ep2_matches_single_process(pp2_ep2, reference) -> None:
+    assert_same_run(pp2_ep2["metrics"], reference["metrics"])
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [
+        # Both stages hold MoE layers (blocks 1-3; block 0 is dense): 8 microbatches of 1 through 1F1B.
+        (2, [*PP2, "--distributed.pipeline_schedule=1F1B", "--train.batch_size=4", *VAL]),
+        # 4 stages, 2 per rank: the first stage holds only the dense block.
+        (2, [*PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=4", *VAL]),
+        # Each tp rank routes its half of every sequence; the aux loss reduces its statistics over tp.
+        (2, ["--distributed.tp=2", "--train.batch_size=4", *VAL]),
+        # pp x tp, with the experts and routers FSDP-sharded over dp_shard x tp inside each stage.
+        (4, [*PP2, "--distributed.tp=2", "--train.batch_size=4", *VAL]),
+    ],
+    ids=["pp2-1f1b", "pp2-interleaved1f1b", "tp2", "pp2-x-tp2"],
+)
+def test_moe_layout_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
+    got = run_distributed(train_and_read_metrics, world_size=nproc, args=([*ARGS, *STEPS, *args], str(tmp_path)))[0]
+    assert_same_run(got, reference["metrics"])
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [
+        (4, [*PP2, "--distributed.ep=2", "--train.batch_size=2"]),
+        # Zero-bubble: each stage's backward runs in two passes (input, then weight gradients), the aux
+        # loss's gradient included.
+        (2, [*PP2, "--distributed.pipeline_schedule=InterleavedZeroBubble", "--train.batch_size=4"]),
+        (2, ["--distributed.tp=2", "--train.batch_size=4"]),
+    ],
+    ids=["pp2-x-ep2", "pp2-interleaved-zero-bubble", "tp2"],
+)
+def test_every_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, "--train.batch_size=4"],
+                                                                      str(tmp_path / "ref")))[0]
+    got = run_distributed(gradients_of_one_step, world_size=nproc, args=([*ARGS, *args], str(tmp_path / "got")))[0]
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn] - g).norm() / g.norm()).item()
+        assert err < 1e-5, (fqn, err)
+    # The routers' gradients come from the aux loss as well as the LM loss: they are there and equal.
+    assert ref["layers.2.moe.router.gate.weight"].norm() > 0
+
+
+def _resume(checkpoint: Path, dump: Path, args: list[str], *, nproc: int) -> dict[int, float]:
+    shutil.copytree(checkpoint, dump / "checkpoint" / checkpoint.name)
+    run_distributed(train_and_read_metrics, world_size=nproc, args=([*ARGS, *STEPS, *CKPT, *args], str(dump)))
+    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+
+
+def test_pp2_x_ep2_checkpoint_resumes_in_one_process(pp2_ep2, reference, tmp_path: Path) -> None:
+    losses = _resume(pp2_ep2["dump"] / "checkpoint" / "step-2", tmp_path, ["--train.batch_size=4"], nproc=1)
+    want = {r["step"]: r["loss"] for r in reference["metrics"]}
+    assert sorted(losses) == [3, 4]
+    assert [losses[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5)
+
+
+def test_one_process_checkpoint_resumes_at_pp2_x_ep2(reference, tmp_path: Path) -> None:
+    args = [*PP2, "--distributed.ep=2", "--train.batch_size=2"]
+    losses = _resume(reference["dump"] / "checkpoint" / "step-2", tmp_path, args, nproc=4)
+    want = {r["step"]: r["loss"] for r in reference["metrics"]}
+    assert sorted(losses) == [3, 4]
+    assert [losses[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5)
