@@ -48,7 +48,7 @@ from trainer.config import ConfigError, load_job_config  # noqa: E402
 
 REFERENCE, NOISE = "bf16", "bf16-seed2"
 PALETTE = [(214, 39, 40), (255, 127, 14), (44, 160, 44), (148, 103, 189), (140, 86, 75), (227, 119, 194),
-           (188, 189, 34), (23, 190, 207)]
+           (188, 189, 34), (23, 190, 207), (0, 0, 0), (255, 215, 0)]
 MARKER = "parity_leg.json"  # in each leg's folder: the leg's command and whether it finished
 
 
@@ -267,7 +267,7 @@ def compare(args: argparse.Namespace, overrides: list[str], legs: list[str], ste
     write_plot(out / "parity.png", curves, colors)
     names = {(31, 119, 180): "blue", (150, 150, 150): "grey", (214, 39, 40): "red", (255, 127, 14): "orange",
              (44, 160, 44): "green", (148, 103, 189): "purple", (140, 86, 75): "brown", (227, 119, 194): "pink",
-             (188, 189, 34): "olive", (23, 190, 207): "cyan"}
+             (188, 189, 34): "olive", (23, 190, 207): "cyan", (0, 0, 0): "black", (255, 215, 0): "gold"}
     print(f"wrote {out / 'parity.json'} and {out / 'parity.png'} (train solid, validation dots; "
           + ", ".join(f"{leg} {names[c]}" for leg, c in colors.items()) + ")")
     return 0 if passed else 1

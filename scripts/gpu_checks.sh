@@ -83,8 +83,10 @@ for s in $STEPS; do case $s in
       | grep -E "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
     cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
   parity1b)  # docs/fp8.md "Check that FP8 did not hurt": 1B, 1,000 steps x 16K tokens of BPE text (data/py_bpe, built
-    # by scripts/build_tokenizer.py), bf16 x2 seeds vs each FP8 setting and bf16 master weights. PARITY_LEGS picks
-    # legs (comma-separated) so the legs can be spread over calls; the verdict is computed where all legs are.
+    # by scripts/build_tokenizer.py), bf16 x2 seeds vs each FP8 setting and bf16 master weights (the *-seed1 legs: the
+    # two stochastic bf16-master legs again with train.seed=1, the seed of bf16-seed2; the variant's override comes
+    # last and wins). PARITY_LEGS picks legs (comma-separated) so the legs can be spread over calls; the verdict is
+    # computed where all legs are.
     python3 scripts/fp8_parity.py --config configs/train/llama3_1b.toml --out "$OUT/parity1b" --tolerance 0.005 \
       --model.vocab_size=32768 --train.steps=1000 --train.batch_size=4 --train.seq_len=4096 --scheduler.warmup_steps=100 \
       --data.source=shards --data.path=data/py_bpe/train --data.tokenizer=data/py_bpe/tokenizer.json \
@@ -97,6 +99,8 @@ for s in $STEPS; do case $s in
       --variant "fp8-bf16-master=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
       --variant "bf16-master=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
       --variant "bf16-master-nearest=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=nearest" \
+      --variant "fp8-bf16-master-seed1=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
+      --variant "bf16-master-seed1=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
     for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   recipe7b)  # 4+ GPUs: configs/train/7b_16gpu_fp8.toml as a 16x H100 job would run it (memory capped per process to
