@@ -10,6 +10,12 @@ the GPU's dense bf16 peak from trainer.metrics.PEAK_BF16_FLOPS (the same table t
 training log uses; n/a on CPU or an unknown GPU), peak memory, and the speedup over
 the first precision. After --warmup steps (compilation happens there), --steps steps run back
 to back as in training and are timed together between two device syncs.
+
+It also times the optimizer part of a step alone (grad norm, clipping, the non-finite skip and the
+AdamW update: `TrainStep.optimizer_step`, between device syncs, after a forward/backward) and, once
+the model is freed, the reference: torch's `AdamW(fused=True)` over plain tensors of the same local
+shapes and dtype, plus one read of their gradients for a norm. Both are printed in ms and in GB/s
+of the bytes an AdamW step must move (read weight, gradient and two moments, write three).
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     """Cap this process's CUDA allocator (torch.cuda.set_per_process_memory_fraction); returns the cap in GiB."""
     cfg, device = runner.cfg, runner.device
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in runner.model.parameters())
-    per_param = state_bytes_per_param(cfg.distributed.master_dtype, cfg.optimizer.bf16_update)
+    master = "bf16" if next(runner.model.parameters()).dtype == torch.bfloat16 else "fp32"
+    per_param = state_bytes_per_param(master, cfg.optimizer.bf16_update)
     cap = memory_cap_bytes(local_params=local, bytes_per_param=per_param, world=runner.env.world_size,
                            emulate_gpus=emulate_gpus, gpu_bytes=int(gpu_gib * 2**30))
     total = torch.cuda.get_device_properties(device).total_memory
@@ -76,8 +83,66 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     return cap / 2**30
 
 
+def adamw_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes one AdamW step over `numel` elements of `dtype` must move, and one more read of the gradients (the
+    norm): read weight, gradient and two moments, write weight and moments."""
+    return numel * dtype.itemsize * (4 + 3 + 1)
+
+
+def time_optimizer(runner: Trainer, *, repeats: int = 3) -> tuple[float, list[tuple[int, ...]], torch.dtype]:
+    """Mean seconds of `TrainStep.optimizer_step` (each after a forward/backward), and the local shapes and dtype
+    of the parameters it updated."""
+    device, times = runner.device, []
+    for _ in range(repeats):
+        runner.step_fn.forward_backward(runner.data_loader.next_batch())
+        sync(device)
+        start = time.perf_counter()
+        runner.step_fn.optimizer_step(runner.state.step + 1)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in runner.model.parameters()]
+    return sum(times) / len(times), [tuple(t.shape) for t in local], local[0].dtype
+
+
+def reference_optimizer(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, *,
+                        repeats: int = 3) -> float:
+    """Mean seconds of torch.optim.AdamW(fused=True) over plain tensors of these shapes, with one norm of the
+    gradients (a read of them all) before each step."""
+    params = [torch.nn.Parameter(torch.randn(s, dtype=dtype, device=device)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    grads = [p.grad for p in params]
+    opt.step()  # creates the moments
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        torch.stack(torch._foreach_norm(grads, 2.0)).norm()
+        opt.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    del params, grads, opt
+    return sum(times) / len(times)
+
+
 def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None,
               emulate: tuple[int, float] | None = None) -> dict:
+    result, shapes, dtype, device = _bench_runner(argv, precision, warmup=warmup, steps=steps,
+                                                  profile_dir=profile_dir, emulate=emulate)
+    numel = sum(int(torch.Size(s).numel()) for s in shapes)
+    result["reference_optimizer_ms"] = 1e3 * reference_optimizer(shapes, dtype, device)
+    for key in ("optimizer", "reference_optimizer"):
+        result[f"{key}_gbps"] = adamw_bytes(numel, dtype) / (result[f"{key}_ms"] / 1e3) / 1e9
+    result["master_dtype"] = str(dtype).removeprefix("torch.")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None,
+                  emulate: tuple[int, float] | None):
     cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", "--train.precision_schedule=", f"--train.steps={warmup + steps}",
                            "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false"])
     runner = Trainer(cfg)
@@ -101,6 +166,7 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
         runner.check_finite()
         if profile_dir:
             profile_steps(runner, Path(profile_dir) / precision)
+        optimizer_s, shapes, dtype = time_optimizer(runner)
         world = runner.env.world_size
         tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum_steps * runner.parallel_dims.dp / world
         tps = tokens_per_gpu / step_s
@@ -108,6 +174,7 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         return {
             "precision": precision,
+            "optimizer_ms": 1e3 * optimizer_s,
             "step_s": step_s,
             "tokens_per_s_per_gpu": tps,
             "model_tflops_per_gpu": model_flops / 1e12,
@@ -116,7 +183,7 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
             "float8_converted": len(runner.float8.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
             "memory_cap_gib": cap_gib,
-        }
+        }, shapes, dtype, device
     finally:
         # The process group stays for the next precision, as between precision-schedule phases:
         # destroying and re-creating it under torchrun failed on NCCL (the new group's connect
@@ -195,6 +262,11 @@ def main() -> int:
         r["label"], r["overrides"] = args.label, overrides
         print(f"{r['precision']:>9} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
               f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x")
+    for r in results:
+        print(f"{r['precision']:>9} optimizer step ({r['master_dtype']} master weights): {r['optimizer_ms']:.1f} ms, "
+              f"{r['optimizer_gbps']:.0f} GB/s; torch AdamW(fused) on plain tensors + a norm read: "
+              f"{r['reference_optimizer_ms']:.1f} ms, {r['reference_optimizer_gbps']:.0f} GB/s "
+              f"(ours {r['optimizer_ms'] / r['reference_optimizer_ms']:.2f}x its time)")
     if args.json:
         with open(args.json, "a") as f:
             for r in results:

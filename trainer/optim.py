@@ -11,6 +11,61 @@ from torch import nn
 from trainer.bf16_adamw import BF16AdamW
 
 
+class LocalFusedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW kernel run once per device and dtype over the LOCAL tensors of the parameters.
+
+    The same state as `torch.optim.AdamW(fused=True)` ("step", "exp_avg", "exp_avg_sq"; the moments
+    DTensors like their parameters, so checkpoints reshard as before) and the same protocol: set
+    `grad_scale` (gradients are divided by it) and `found_inf` (a nonzero value skips the step on the
+    device, the step counter included) before `step()`. torch's own step dispatches the fused kernel
+    through DTensor, which splits it into many launches over sharded parameters; here
+    `torch._fused_adamw_` gets every local shard of a device and dtype in one list.
+    """
+
+    def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "LocalFusedAdamW takes no closure"
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lists: dict[tuple, tuple[list, list, list, list, list]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                local = _local(p)
+                entry = lists.setdefault((local.device, local.dtype), ([], [], [], [], []))
+                for out, t in zip(entry, (local, _local(p.grad), _local(state["exp_avg"]),
+                                          _local(state["exp_avg_sq"]), state["step"])):
+                    out.append(t)
+            for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
+                scale = None if self.grad_scale is None else self.grad_scale.to(device)
+                inf = None if self.found_inf is None else self.found_inf.to(device)
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(
+                    params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+                    beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                    grad_scale=scale, found_inf=inf,
+                )
+                if inf is not None:  # a skipped step does not count (as in torch's fused AdamW)
+                    torch._foreach_sub_(steps, [inf] * len(steps))
+        return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def build_optimizer(
     model: nn.Module,
     *,
@@ -18,12 +73,14 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    implementation: Literal["fused", "foreach"],
+    implementation: Literal["fused", "torch_fused", "foreach"],
     bf16_update: Literal["stochastic", "kahan", "nearest"] | None = None,
     seed: int = 0,
     compile: bool = False,
 ) -> torch.optim.Optimizer:
-    """torch AdamW, or with bf16 master weights (`bf16_update` not None) and a safe rounding, BF16AdamW.
+    """AdamW: "fused" runs torch's fused kernel over the local shards (LocalFusedAdamW), "torch_fused" is
+    torch.optim.AdamW(fused=True) on the (DTensor) parameters, "foreach" torch's foreach AdamW; with bf16
+    master weights (`bf16_update` not None) and a safe rounding, BF16AdamW.
 
     bf16_update='nearest' is torch AdamW on the bf16 weights (updates below half an ulp
     are lost). `seed` and `compile` apply to BF16AdamW only (its rounding's random bits;
@@ -35,13 +92,15 @@ def build_optimizer(
         named = list(model.named_parameters())
         return BF16AdamW([p for _, p in named], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          update=bf16_update, seed=seed, compile=compile, names=[clean_fqn(n) for n, _ in named])
+    if implementation == "fused":
+        return LocalFusedAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return torch.optim.AdamW(
         model.parameters(),
         lr=lr,
         betas=betas,
         eps=eps,
         weight_decay=weight_decay,
-        fused=implementation == "fused",
+        fused=implementation == "torch_fused",
         foreach=implementation == "foreach",
     )
 

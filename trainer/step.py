@@ -128,6 +128,12 @@ class TrainStep:
     def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> StepResult:
         """Forward/backward over the microbatches and one optimizer step, without a host sync."""
         loss = self.forward_backward(microbatches)
+        norm, found_inf = self.optimizer_step(step)
+        return StepResult(loss=loss, grad_norm=norm, found_inf=found_inf)
+
+    def optimizer_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grad norm, clipping, the non-finite skip and the update, then the gradients freed and the LR moved:
+        (global grad norm, found_inf). What scripts/benchmark.py times as the optimizer step."""
         norm = grad_norm(self.params, pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
         if self.scaler.enabled:
             norm = norm / self.scaler.scale
@@ -137,7 +143,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._pending_norms.append((step, norm))
-        return StepResult(loss=loss, grad_norm=norm, found_inf=found_inf)
+        return norm, found_inf
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The step's gradients, accumulated in the parameters (no optimizer step); returns the mean loss."""

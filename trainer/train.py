@@ -94,12 +94,12 @@ class Trainer:
             dp_degree=self.parallel_dims.dp,
         )
         self.model, self.float8, self.loss_fn = self._build_model(job)
-        self.optimizer, self.scheduler = self._build_optimizer()
+        self.optimizer, self.scheduler = self._build_optimizer(bf16_master=job.build.fsdp.master_dtype == torch.bfloat16)
         self._log_model()
         self.scaler = LossScaler(enabled=t.mixed_precision == "fp16", device=self.device)
         self.step_fn = TrainStep(
             model=self.model, loss_fn=self.loss_fn, optimizer=self.optimizer, scheduler=self.scheduler,
-            scaler=self.scaler, max_norm=t.max_norm, fused=cfg.optimizer.implementation == "fused",
+            scaler=self.scaler, max_norm=t.max_norm, fused=cfg.optimizer.implementation != "foreach",
             device=self.device, pipeline=self.pipeline, loss_context=self.loss_context,
         )
         self.hooks = self._build_hooks(job)
@@ -149,12 +149,12 @@ class Trainer:
         model.train()
         return model, report, build_loss(model)
 
-    def _build_optimizer(self):
-        o, d, t = self.cfg.optimizer, self.cfg.distributed, self.cfg.train
+    def _build_optimizer(self, *, bf16_master: bool):
+        o, t = self.cfg.optimizer, self.cfg.train
         optimizer = build_optimizer(
             self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation, seed=t.seed, compile=t.compile_model,
-            bf16_update=o.bf16_update if d.master_dtype == "bf16" else None,
+            bf16_update=o.bf16_update if bf16_master else None,
         )
         s = self.cfg.scheduler
         scheduler = build_lr_scheduler(

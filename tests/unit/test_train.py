@@ -123,7 +123,8 @@ def test_startup_lines_follow_the_fp8_page(tmp_path: Path) -> None:
              for key in ("Applied Float8 training:", "Optimizer groups:", "Model:")]
     assert order == sorted(order)
     groups = lines[order[1]]
-    assert "AdamW, 1 group: 39 tensors, 918,656 parameters, weight_decay=0.1" in groups
+    # fp8 keeps bf16 master weights by default (distributed.master_dtype="auto"), with stochastic rounding.
+    assert "BF16AdamW (bf16 master weights, stochastic rounding), 1 group: 39 tensors, 918,656 parameters" in groups
     assert "Model: debug, 918,656 parameters (853,120 non-embedding)" in lines[order[2]]
 
 

@@ -59,7 +59,7 @@ class TrainSection:
     grad_accum_steps: int = 1
     """Microbatches accumulated before each optimizer step."""
     mixed_precision: MixedPrecision = "bf16"
-    """Compute dtype. fp8 = bf16 compute with torchao float8 linears; master weights stay fp32."""
+    """Compute dtype. fp8 = bf16 compute with torchao float8 linears. The master weights follow distributed.master_dtype (bf16 for bf16 and fp8 by default)."""
     precision_schedule: list[str] = field(default_factory=list)
     """Change precision inside the run: "precision:last_step" entries, the last one without a step, e.g. ["bf16:2000", "fp8:9500", "bf16"] = bf16 for steps 1-2000, fp8 for 2001-9500, bf16 to train.steps. Overrides mixed_precision; needs checkpoint.enable (each switch saves a checkpoint, rebuilds the model and resumes it in the same process). Empty = off (see docs/fp8.md)."""
     max_norm: float = 1.0
@@ -98,10 +98,10 @@ class OptimizerSection:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (applied to every parameter)."""
-    implementation: Literal["fused", "foreach"] = "fused"
-    """fused = one kernel that also applies clipping and skips non-finite steps on the device; foreach syncs each step."""
+    implementation: Literal["fused", "torch_fused", "foreach"] = "fused"
+    """fused = torch's fused AdamW kernel over every local shard at once, applying clipping and skipping non-finite steps on the device (fp32 master weights; bf16 master weights use BF16AdamW); torch_fused = torch.optim.AdamW(fused=True) on the sharded parameters (the same kernel dispatched through DTensor); foreach syncs each step."""
     bf16_update: Literal["stochastic", "kahan", "nearest"] = "stochastic"
-    """With distributed.master_dtype='bf16' (ignored with fp32): how each update is rounded into the bf16 weights. stochastic = unbiased random rounding (no extra memory); kahan = round to nearest plus a bf16 compensation buffer (+2 bytes/parameter); nearest = plain AdamW, loses updates below half a bf16 ulp (~0.2% of the weight). See docs/distributed.md, Master weights."""
+    """With bf16 master weights (distributed.master_dtype, bf16 by default for bf16 and fp8 compute; ignored with fp32): how each update is rounded into the bf16 weights. stochastic = unbiased random rounding (no extra memory); kahan = round to nearest plus a bf16 compensation buffer (+2 bytes/parameter); nearest = plain AdamW, loses updates below half a bf16 ulp (~0.2% of the weight). See docs/distributed.md, Master weights."""
 
 
 @dataclass
@@ -170,8 +170,8 @@ class DistributedSection:
     """With pp > 1, automatic split: the final norm and output head's cost in blocks (of the mean block cost); -1 = its FLOPs, 6 x dim x vocab per token (about 2 blocks at Llama 3 8B shapes)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
-    master_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of the sharded master weights and AdamW moments; bf16 saves 6 bytes/parameter, its rounding is optimizer.bf16_update."""
+    master_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Dtype of the sharded master weights and AdamW moments. auto = bf16 for bf16 and fp8 compute (6 bytes/parameter less; each update rounded by optimizer.bf16_update, stochastic by default: within the seed noise of fp32 master weights on two seeds of the 1B parity run, docs/distributed.md#master-weights), fp32 for fp32 and fp16 compute; fp32 = the opt-in for every precision."""
     loss_parallel: bool = True
     """With tp > 1: keep logits sharded over the vocabulary when computing the loss."""
     init_timeout_seconds: int = 600

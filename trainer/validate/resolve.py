@@ -83,7 +83,8 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     from trainer.parallel import ACOptions, BuildOptions, FSDPOptions
 
     t, d = cfg.train, cfg.distributed
-    if d.master_dtype == "bf16" and cfg.optimizer.bf16_update == "nearest":
+    bf16_master = d.master_dtype == "bf16" or (d.master_dtype == "auto" and t.mixed_precision in ("bf16", "fp8"))
+    if bf16_master and cfg.optimizer.bf16_update == "nearest":
         logger.warning(
             "distributed.master_dtype='bf16' with optimizer.bf16_update='nearest': plain AdamW on bf16 weights "
             "LOSES every update below half a bf16 ulp (~0.2%% of the weight), so small-lr/late-training updates "
@@ -110,7 +111,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         compile=t.compile_model,
         fsdp=FSDPOptions(
             param_dtype=getattr(torch, dtype) if dtype else None, reduce_dtype=torch.float32,
-            master_dtype=torch.bfloat16 if d.master_dtype == "bf16" else torch.float32,
+            master_dtype=torch.bfloat16 if bf16_master else torch.float32,
             reshard_after_forward=reshard,
         ),
         loss_parallel=d.loss_parallel,
