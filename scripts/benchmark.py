@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -89,8 +90,8 @@ def adamw_bytes(numel: int, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize * (4 + 3 + 1)
 
 
-def time_optimizer(runner: Trainer, *, repeats: int = 3) -> tuple[float, list[tuple[int, ...]], torch.dtype]:
-    """Mean seconds of `TrainStep.optimizer_step` (each after a forward/backward), and the local shapes and dtype
+def time_optimizer(runner: Trainer, *, repeats: int = 10) -> tuple[float, list[tuple[int, ...]], torch.dtype]:
+    """Median seconds of `TrainStep.optimizer_step` (each after a forward/backward), and the local shapes and dtype
     of the parameters it updated."""
     device, times = runner.device, []
     for _ in range(repeats):
@@ -101,19 +102,37 @@ def time_optimizer(runner: Trainer, *, repeats: int = 3) -> tuple[float, list[tu
         sync(device)
         times.append(time.perf_counter() - start)
     local = [p.to_local() if hasattr(p, "to_local") else p for p in runner.model.parameters()]
-    return sum(times) / len(times), [tuple(t.shape) for t in local], local[0].dtype
+    return statistics.median(times), [tuple(t.shape) for t in local], local[0].dtype
+
+
+def profile_optimizer(runner: Trainer, trace_dir: Path) -> None:
+    """Trace one optimizer step (after a forward/backward) and print its kernel summary: where its time goes."""
+    from trainer.trace_summary import format_summary, load_trace_events, summarize_events
+
+    runner.step_fn.forward_backward(runner.data_loader.next_batch())
+    sync(runner.device)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function("ProfilerStep#1"):
+            runner.step_fn.optimizer_step(runner.state.step + 1)
+            sync(runner.device)
+    path = trace_dir / "optimizer_trace.json.gz"
+    prof.export_chrome_trace(str(path))
+    print(format_summary(summarize_events(load_trace_events(str(path)), num_steps=1), top=12))
 
 
 def reference_optimizer(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, *,
-                        repeats: int = 3) -> float:
-    """Mean seconds of torch.optim.AdamW(fused=True) over plain tensors of these shapes, with one norm of the
+                        repeats: int = 10) -> float:
+    """Median seconds of torch.optim.AdamW(fused=True) over plain tensors of these shapes, with one norm of the
     gradients (a read of them all) before each step."""
     params = [torch.nn.Parameter(torch.randn(s, dtype=dtype, device=device)) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     grads = [p.grad for p in params]
-    opt.step()  # creates the moments
+    for _ in range(2):  # creates the moments; warms the kernels and the allocator
+        opt.step()
     times = []
     for _ in range(repeats):
         sync(device)
@@ -123,7 +142,7 @@ def reference_optimizer(shapes: list[tuple[int, ...]], dtype: torch.dtype, devic
         sync(device)
         times.append(time.perf_counter() - start)
     del params, grads, opt
-    return sum(times) / len(times)
+    return statistics.median(times)
 
 
 def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None,
@@ -167,6 +186,8 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
         if profile_dir:
             profile_steps(runner, Path(profile_dir) / precision)
         optimizer_s, shapes, dtype = time_optimizer(runner)
+        if profile_dir:
+            profile_optimizer(runner, Path(profile_dir) / precision)
         world = runner.env.world_size
         tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum_steps * runner.parallel_dims.dp / world
         tps = tokens_per_gpu / step_s

@@ -86,12 +86,13 @@ for s in $STEPS; do case $s in
     # by scripts/build_tokenizer.py), bf16 x2 seeds vs each FP8 setting and bf16 master weights (the *-seed1 legs: the
     # two stochastic bf16-master legs again with train.seed=1, the seed of bf16-seed2; the variant's override comes
     # last and wins). PARITY_LEGS picks legs (comma-separated) so the legs can be spread over calls; the verdict is
-    # computed where all legs are.
+    # computed where all legs are. fp32 master weights unless the leg says otherwise (the recorded legs ran so; the
+    # default became bf16 for bf16 and fp8 compute after them).
     python3 scripts/fp8_parity.py --config configs/train/llama3_1b.toml --out "$OUT/parity1b" --tolerance 0.005 \
       --model.vocab_size=32768 --train.steps=1000 --train.batch_size=4 --train.seq_len=4096 --scheduler.warmup_steps=100 \
       --data.source=shards --data.path=data/py_bpe/train --data.tokenizer=data/py_bpe/tokenizer.json \
       --validation.path=data/py_bpe/validation --validation.freq=100 --validation.steps=16 \
-      --metrics.log_freq=10 --metrics.enable_tensorboard=false \
+      --metrics.log_freq=10 --metrics.enable_tensorboard=false --distributed.master_dtype=fp32 \
       --variant tensorwise= \
       --variant "rowwise=--float8.recipe=rowwise --float8.enable_fsdp_float8_all_gather=false" \
       --variant "rowwise_gw_hp=--float8.recipe=rowwise_with_gw_hp --float8.enable_fsdp_float8_all_gather=false" \

@@ -71,29 +71,35 @@ class LossScaler:
 
 
 def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """True global L2 norm over all gradients (DTensors on any mesh), as a plain device tensor.
+    """True global L2 norm over all gradients (DTensors on any mesh), in fp32, as a plain device tensor.
 
-    Under pipeline parallelism each pp rank holds other parameters: pp_group sums the squared norms.
+    Computed on the local shards, one fused `_foreach_norm` per mesh and placement: each group's sum of
+    squares is all-reduced over the mesh dims it is sharded on (not over those it is replicated on, e.g.
+    HSDP's replicas), so the result equals DTensor's own norm without dispatching every gradient through
+    DTensor (measured: that dispatch was most of the optimizer step's overhead on one H100). Under
+    pipeline parallelism each pp rank holds other parameters: pp_group sums the squares too.
     """
-    # Grouped by mesh: with expert parallelism the routed experts live on another mesh than the
-    # dense weights, and one norm cannot mix DTensors of two meshes.
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            # Partial over sharded mesh axes: full_tensor() all-reduces the squared sums.
-            norm = norm.full_tensor()
-        norms.append(norm)
-    norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g._local_tensor if isinstance(g, DTensor) else g)
+    squares = []
+    for key, grads in groups.items():
+        sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                assert not placement.is_partial(), f"a partial gradient on {mesh}: {placements}"
+                if placement.is_shard() and mesh.size(dim) > 1:
+                    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        squares.append(sq)
+    total = torch.stack(squares).sum()
     if pp_group is not None:
-        sq = norm.float() ** 2
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
-        norm = sq.sqrt()
-    return norm
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+    return total.sqrt()
 
 
 @dataclass

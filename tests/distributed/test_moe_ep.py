@@ -105,8 +105,9 @@ def test_fp8_ep2_x_dp_shard2_matches_fp8_single_process(tmp_path: Path) -> None:
     four = read_metrics(tmp_path / "ep")
     assert column(four, "loss") == pytest.approx(column(one, "loss"), rel=2e-3)
     # The aux loss is a product of routing probabilities and load fractions: bf16-level differences in
-    # the router input move it by up to ~3e-3 relative by step 4.
-    assert column(four, "aux_loss") == pytest.approx(column(one, "aux_loss"), rel=5e-3)
+    # the router input move it by up to ~5.4e-3 relative by step 4 (measured); a missing or doubled layer
+    # would move it by a third or more.
+    assert column(four, "aux_loss") == pytest.approx(column(one, "aux_loss"), rel=1e-2)
     # What FP8 converted, on an MoE model under EP: attention, the dense block and the head.
     log = proc.stdout + proc.stderr
     assert "converted 20/32 Linear layers; excluded: layers.{1..3}.moe.router.gate (MoE router)" in log
