@@ -153,7 +153,9 @@ _compiled_update = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    # The local shard itself, not DTensor.to_local(): that is an autograd function call, which per tensor
+    # and per step was most of this optimizer's host time (the GPU waited on it).
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class BF16AdamW(torch.optim.Optimizer):
@@ -218,7 +220,8 @@ class BF16AdamW(torch.optim.Optimizer):
     def _step(self, fn) -> None:
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            lr = float(group["lr"])
+            lr = torch.tensor(float(group["lr"]))
+            corrections: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by step: shared by the group's tensors
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -232,6 +235,8 @@ class BF16AdamW(torch.optim.Optimizer):
                     state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = int(state["step"].item())  # a CPU tensor: no device sync
+                if step not in corrections:
+                    corrections[step] = (torch.tensor(1 - beta1**step), torch.tensor((1 - beta2**step) ** 0.5))
                 offsets, strides = self._meta(p)
                 comp = state.get("kahan_comp") if self.update == "kahan" else None
                 # Scalars as 0-dim CPU tensors: one compiled kernel per shape, not per value.
@@ -239,7 +244,6 @@ class BF16AdamW(torch.optim.Optimizer):
                     _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                     None if comp is None else _local(comp), offsets, strides,
                     torch.tensor(step_key(self.seed, self._keys[p], step), dtype=torch.int64),
-                    torch.tensor(lr), torch.tensor(1 - beta1**step), torch.tensor((1 - beta2**step) ** 0.5),
-                    self.grad_scale, self.found_inf,
+                    lr, *corrections[step], self.grad_scale, self.found_inf,
                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 )
