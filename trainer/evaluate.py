@@ -73,7 +73,8 @@ class Evaluator(StepHook):
                     loss = loss.to_local()
                 total += loss.float()  # every batch has the same token count: the mean of means is the mean
             total /= self.steps
-            if self.dp_degree > 1:
+            if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+                # Every data-parallel rank's batches, and every context-parallel rank's chunks of them.
                 dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
         finally:
             model.train(was_training)

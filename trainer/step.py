@@ -93,7 +93,8 @@ def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup |
             mesh, placements = key
             for dim, placement in enumerate(placements):
                 assert not placement.is_partial(), f"a partial gradient on {mesh}: {placements}"
-                if placement.is_shard() and mesh.size(dim) > 1:
+                # Shard and _StridedShard (FSDP's dim when TP shards the same tensor dim; not a Shard subclass).
+                if not placement.is_replicate() and mesh.size(dim) > 1:
                     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
         squares.append(sq)
     total = torch.stack(squares).sum()
@@ -122,8 +123,11 @@ class TrainStep:
 
     def __init__(self, *, model: nn.Module, loss_fn: Callable | None, optimizer: torch.optim.Optimizer,
                  scheduler: Any, scaler: LossScaler, max_norm: float, fused: bool, device: torch.device,
-                 pipeline: Any = None, loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        self.model, self.loss_fn, self.pipeline = model, loss_fn, pipeline
+                 pipeline: Any = None, loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 cp: Any = None):
+        """cp: the model's context-parallel layout (trainer.parallel.context_parallel.ContextParallel): each
+        batch is cut to this rank's chunks of every sequence before it runs."""
+        self.model, self.loss_fn, self.pipeline, self.cp = model, loss_fn, pipeline, cp
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.max_norm, self.fused, self.device = max_norm, fused, device
         self.loss_context = loss_context
@@ -153,6 +157,8 @@ class TrainStep:
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The step's gradients, accumulated in the parameters (no optimizer step); returns the mean loss."""
+        if self.cp is not None:
+            microbatches = [(self.cp.shard(inputs), self.cp.shard(labels)) for inputs, labels in microbatches]
         per_batch = self.pipeline.num_microbatches if self.pipeline is not None else 1
         count = len(microbatches) * per_batch
         # Every microbatch has the same number of tokens, so the mean of the microbatch means is the
@@ -197,6 +203,8 @@ class TrainStep:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean loss of one held-out batch, in the training layout (forward only)."""
+        if self.cp is not None:
+            inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
         if self.pipeline is not None:
             return self.pipeline.eval_loss(inputs, labels)
         loss = self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))

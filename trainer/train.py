@@ -101,6 +101,7 @@ class Trainer:
             model=self.model, loss_fn=self.loss_fn, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, max_norm=t.max_norm, fused=cfg.optimizer.implementation != "foreach",
             device=self.device, pipeline=self.pipeline, loss_context=self.loss_context,
+            cp=getattr(self.model, "cp", None),
         )
         self.hooks = self._build_hooks(job)
         self.state = TrainState(mixed_precision=t.mixed_precision)
@@ -140,7 +141,8 @@ class Trainer:
             # Stages built, parallelized and initialized one by one; `model` is this rank's stages
             # seen as one module with the full model's fqns (for the optimizer and checkpoints).
             self.pipeline = Pipeline(self.model_args, self.parallel_dims, options=job.pipeline, build=job.build,
-                                     device=self.device, seed=t.seed, seq_len=t.seq_len, build_loss=build_loss)
+                                     device=self.device, seed=t.seed, seq_len=t.seq_len // self.parallel_dims.cp,
+                                     build_loss=build_loss)
             return self.pipeline.model, self.pipeline.float8_report, self.pipeline.loss_fn
         report = build_parallel_model(model, self.parallel_dims, options=job.build, device=self.device)
         # Materialize only this rank's shards, then fill them as if the model were whole.
@@ -190,7 +192,7 @@ class Trainer:
             # slices of the same sequences); on every rank, since its collectives are (a pipeline rank may
             # hold no MoE layer).
             hooks.append(MoEBalancer(self.model, bias_update_rate=self.model_args.bias_update_rate,
-                                     stage_group=self.parallel_dims.mesh("dp_tp").get_group(),
+                                     stage_group=self.parallel_dims.mesh("stage").get_group(),
                                      pp_group=self.pipeline.pp_group if self.pipeline else None))
         f8 = self.float8
         if f8 and f8.enabled and f8.fsdp_float8_all_gather:
@@ -202,7 +204,7 @@ class Trainer:
                 job.validation_source, model=self.model, batch_loss=self.step_fn.eval_loss, seq_len=t.seq_len,
                 batch_size=t.batch_size, steps=cfg.validation.steps, freq=cfg.validation.freq, last_step=t.steps,
                 dp_rank=self.dp_mesh.get_local_rank(), dp_degree=self.parallel_dims.dp, device=self.device,
-                dp_group=self.dp_mesh.get_group(), loss_context=self.loss_context,
+                dp_group=self.parallel_dims.mesh("dp_cp").get_group(), loss_context=self.loss_context,
             )
             logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
                         cfg.validation.steps, cfg.validation.freq, f"{evaluator.tokens:,}")
@@ -214,10 +216,11 @@ class Trainer:
         return CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder,
             state=CheckpointState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                  data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler),
+                                  data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler,
+                                  restart_data=cfg.checkpoint.restart_data),
             run=RunInfo(flavor=cfg.model.flavor, model_args=self.model_args, mixed_precision=cfg.train.mixed_precision,
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
-                                "ep": pd.ep, "pp": pd.pp, "world_size": self.env.world_size}),
+                                "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size}),
         )
 
     # -- one step ------------------------------------------------------------
@@ -333,8 +336,9 @@ class Trainer:
     def _log(self, step: int, result: StepResult, *, lr: float, interval: _Interval, first_step: int) -> None:
         """One log line (note: host syncs): this step's loss and grad norm, then what every hook reports."""
         self.check_finite()
-        # Mean over data-parallel ranks (TP ranks hold the same loss).
-        dist.all_reduce(result.loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+        # Mean over data- and context-parallel ranks (each cp rank's is the mean over its chunks; TP ranks hold
+        # the same loss).
+        dist.all_reduce(result.loss, op=dist.ReduceOp.AVG, group=self.parallel_dims.mesh("dp_cp").get_group())
         loss, norm = result.loss.item(), result.grad_norm.item()
         # Timed before the hooks report: an evaluation is not training time.
         seconds = time.perf_counter() - interval.start

@@ -128,3 +128,36 @@ def gradients_of_one_step(args: list[str], dump: str) -> dict:
     finally:
         trainer.close()
         destroy_distributed()
+
+
+def saved_bytes_of_one_forward(args: list[str], dump: str) -> int:
+    """Bytes this rank's first training forward (loss included) saves for backward: every tensor autograd keeps,
+    counted once per storage (`torch.autograd.graph.saved_tensors_hooks`); rank 0's value is returned."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import load_job_config
+    from trainer.distributed import destroy_distributed
+    from trainer.train import Trainer
+
+    trainer = Trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    try:
+        (inputs, labels), = trainer.data_loader.next_batch()
+        if trainer.step_fn.cp is not None:
+            inputs, labels = trainer.step_fn.cp.shard(inputs), trainer.step_fn.cp.shard(labels)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = trainer.loss_fn(trainer.model(inputs), labels)
+        loss.backward()
+        total = torch.tensor(sum(storages.values()), dtype=torch.int64)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return int(total.item())
+    finally:
+        trainer.close()
+        destroy_distributed()

@@ -78,7 +78,7 @@ def test_compile_matches_eager(reference, tmp_path: Path) -> None:
 def test_wrong_degree_product_is_one_line(tmp_path: Path) -> None:
     proc = launch([*FAST, "--train.steps=1", "--distributed.dp_shard=4", f"--job.dump_folder={tmp_path}"], nproc=2)
     assert proc.returncode != 0
-    want = "dp_replicate*dp_shard*tp*pp = 1*4*1*1 = 4, but WORLD_SIZE=2"
+    want = "dp_replicate*dp_shard*cp*tp*pp = 1*4*1*1*1 = 4, but WORLD_SIZE=2"
     # Found by the validation pass (before distributed init), printed once per node.
     assert proc.stderr.count(f"config error: parallel degrees do not multiply to the world size: {want}") == 1
     # torchrun reports the failed child with its own traceback; our ranks print none.

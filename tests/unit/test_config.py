@@ -100,6 +100,7 @@ SHIPPED = {
     "debug_pp.toml": [(2, (1, 1, 1, 2)), (4, (2, 1, 1, 2))],
     "llama3_1b.toml": [(8, (8, 1, 1, 1))],
     "llama3_8b.toml": [(8, (8, 1, 1, 1))],
+    "llama3_8b_128k_cp8.toml": [(8, (1, 1, 1, 1)), (16, (2, 1, 1, 1))],  # cp=8 takes the rest of the shard group
     "moe_16b_4gpu_fp8.toml": [(4, (4, 1, 4, 1))],
 }
 
@@ -123,6 +124,7 @@ def test_every_shipped_config_validates(path: Path, tmp_path: Path) -> None:
         assert (pd.dp_shard, pd.tp, pd.ep, pd.pp) == degrees, (path.name, world_size)
         assert (job.pipeline is not None) == (pd.pp > 1)
         assert (job.build.float8 is not None) == cfg.train.is_fp8
+        assert pd.cp == cfg.distributed.cp
 
 
 def test_debug_pp_config_resolves_the_stages_its_header_describes() -> None:

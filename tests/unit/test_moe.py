@@ -393,7 +393,7 @@ MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "co
         (1, ["--moe.capacity_factor=-0.5"], "moe.capacity_factor=-0.5 must be >= 0 (0 = no token dropping)"),
         (1, ["--moe.aux_loss_coef=-2"], "moe.aux_loss_coef=-2.0 must be >= 0 (0 = off), or -1 for the flavor's own"),
         (1, ["--moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1 must be >= 0"),
-        (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard=6"),
+        (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard x distributed.cp = 6 x 1"),
         (3, ["--distributed.ep=3"], "distributed.ep=3 must divide the 8 routed experts of model.flavor='debug_moe'"),
         (2, ["--distributed.tp=2", "--moe.capacity_factor=1.25"],
          "moe.capacity_factor=1.25 with distributed.tp=2: capacity keeps the earliest positions of each sequence"),

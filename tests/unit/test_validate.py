@@ -23,13 +23,19 @@ def _cfg(*args: str):
 @pytest.mark.parametrize(
     "world_size, args, message",
     [
-        (3, ["--distributed.dp_replicate=2"], "world size 3 is not divisible by dp_replicate*tp*pp = 2*1*1 = 2"),
-        (4, ["--distributed.dp_shard=3"], "dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3, but WORLD_SIZE=4"),
+        (3, ["--distributed.dp_replicate=2"], "world size 3 is not divisible by dp_replicate*cp*tp*pp = 2*1*1*1 = 2"),
+        (4, ["--distributed.dp_shard=3"], "dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3, but WORLD_SIZE=4"),
         (2, ["--model.flavor=7b"], "model.flavor='7b' is not one of"),
         (8, ["--distributed.tp=8"], "distributed.tp=8 must divide the model's n_heads=4 and n_kv_heads=2"),
         (2, ["--distributed.ep=2"], "distributed.ep=2 needs an MoE model, but model.flavor='debug' is dense"),
         (4, ["--distributed.ep=2", "--distributed.tp=2"], "expert parallel together with tensor parallel"),
-        (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard=6"),
+        (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard x distributed.cp = 6 x 1"),
+        (4, ["--distributed.cp=4", "--train.seq_len=100"],
+         "train.seq_len=100 with distributed.cp=4: each sequence is cut into 2 x cp = 8 chunks"),
+        (4, ["--distributed.cp=2", "--distributed.tp=2"], "distributed.cp=2 with distributed.tp=2: context parallel "
+                                                        "together with tensor parallel is not supported"),
+        (2, ["--model.flavor=debug_moe", "--distributed.cp=2", "--moe.capacity_factor=1.0"],
+         "moe.capacity_factor=1.0 with distributed.cp=2: capacity keeps the earliest positions"),
         (3, ["--distributed.pp=2"], "distributed.pp=2 does not divide the world size 3"),
         (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=ZBVZeroBubble", "--validation.enable=true"],
          "validation.enable=true with distributed.pipeline_schedule='ZBVZeroBubble'"),
@@ -87,7 +93,7 @@ def test_non_finite_floats_are_rejected(key: str, value: str) -> None:
 
 
 def test_dead_keys_are_gone() -> None:
-    for key in ("model.name=mistral", "optimizer.name=adamw", "distributed.cp=2"):
+    for key in ("model.name=mistral", "optimizer.name=adamw", "distributed.sp=2"):
         with pytest.raises(ConfigError, match="unknown key"):
             _cfg(f"--{key}")
 

@@ -113,6 +113,8 @@ class CheckpointState(Stateful):
     data_loader: Any  # TokenDataLoader
     train_state: Any  # trainer.train.TrainState
     loss_scaler: Any  # trainer.train.LossScaler
+    restart_data: bool = False
+    """Leave the data loader at its start on load (checkpoint.restart_data)."""
 
     def state_dict(self) -> dict[str, Any]:
         optimizer = get_optimizer_state_dict(self.model, self.optimizer)
@@ -141,7 +143,11 @@ class CheckpointState(Stateful):
         set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])
         self._keep_config_hyperparameters(config_groups)
         self._load_scheduler(sd["lr_scheduler"])
-        self.data_loader.load_state_dict(sd["dataloader"])
+        if self.restart_data:
+            logger.info("checkpoint.restart_data=true: the data starts over (the checkpoint's data position, %s "
+                        "samples in, is not used)", sd["dataloader"].get("consumed_samples"))
+        else:
+            self.data_loader.load_state_dict(sd["dataloader"])
         self.train_state.load_state_dict(sd["train_state"])
         if self.loss_scaler.enabled and sd["train_state"].get("mixed_precision") == "fp16":
             self.loss_scaler.load_state_dict(sd["loss_scaler"])  # otherwise the scaler keeps its initial scale
@@ -199,7 +205,7 @@ class RunInfo:
 
 def describe_layout(layout: dict[str, int]) -> str:
     degrees = [f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp") if k in layout]
-    degrees += [f"{k}={layout[k]}" for k in ("ep", "pp") if layout.get(k, 1) > 1]
+    degrees += [f"{k}={layout[k]}" for k in ("cp", "ep", "pp") if layout.get(k, 1) > 1]
     return ", ".join(degrees) + (f" (world size {layout['world_size']})" if "world_size" in layout else "")
 
 

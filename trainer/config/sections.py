@@ -154,6 +154,8 @@ class DistributedSection:
     """Expert-parallel degree (MoE flavors): routed experts split over ep ranks carved out of dp_shard (docs/moe.md)."""
     pp: int = 1
     """Pipeline-parallel degree: the model is split into stages over this many ranks (outermost mesh axis)."""
+    cp: int = 1
+    """Context-parallel degree: every sequence is cut into 2 x cp chunks, each rank holding two (i and 2cp-1-i), with K/V all-gathered in attention; cp ranks join FSDP's shard group (docs/distributed.md#context-parallel). Not with tp > 1."""
     pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"
     """With pp > 1: the torch.distributed.pipelining schedule; Interleaved*/ZBV run several stages per rank."""
     pp_microbatch_size: int = 1
@@ -216,6 +218,8 @@ class CheckpointSection:
     """A failed save (disk full, folder gone): stop the run, or log it and keep training ("continue")."""
     allow_unverified: bool = False
     """Load a checkpoint whose checkpoint.json has no "files" list (sizes, crc32), so its shards go unverified."""
+    restart_data: bool = False
+    """On resume, take model, optimizer, LR schedule and step from the checkpoint but start the data from its beginning: for a relaunch on other data, another data.seed or a longer train.seq_len (a context extension, docs/checkpointing.md). Without it such a resume is refused."""
 
 
 @dataclass

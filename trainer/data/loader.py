@@ -91,7 +91,7 @@ class TokenDataLoader:
             if state[key] != getattr(self, key):
                 raise DataError(f"cannot resume data loader: checkpoint has {key}={state[key]!r} but this run has "
                                 f"{key}={getattr(self, key)!r}; resume with the same data, seq_len and seed, "
-                                "or start a new run")
+                                "or set checkpoint.restart_data=true to start the data over (a context extension)")
         self.consumed_samples = int(state["consumed_samples"])
 
 

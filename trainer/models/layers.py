@@ -108,6 +108,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # (q, k, v) -> output for another layout of the sequence (context parallel sets it:
+        # trainer.parallel.context_parallel); None = causal SDPA over the whole local sequence.
+        self.attention_core = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
@@ -117,7 +120,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
         rope = rope[:seq_len]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.attention_core is not None:
+            out = self.attention_core(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -174,16 +180,21 @@ class Decoder(nn.Module):
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
 
+    cp = None
+    """This rank's chunks of each sequence under context parallelism (trainer.parallel.context_parallel)."""
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last block [batch, seq, dim]: what the loss needs (`trainer.loss.LossFn`
         applies the final norm and the output head), and what a pipeline stage hands to the next.
 
         A pipeline stage (trainer.parallel.pipeline) has None for the modules of other stages:
         without tok_embeddings it takes the previous stage's hidden states instead of tokens.
+        Under context parallelism the tokens are this rank's chunks, and RoPE takes their global positions.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         return h
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

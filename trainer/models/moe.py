@@ -331,6 +331,9 @@ class MoE(nn.Module):
         # The ranks that hold the other slices of this rank's sequences (tensor parallel: apply_tp sets the tp
         # group); the sequence-wise aux loss sums its statistics over them. None: whole sequences here.
         self.sequence_group: Any = None
+        # Under context parallelism FSDP averages over the cp ranks a loss each of them holds whole: the
+        # aux loss's gradient is injected this many times as strong (apply_cp sets cp's size).
+        self.aux_grad_multiplier = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim] -> output like x; the aux loss (times aux_loss_coef) is attached to it for backward."""
@@ -367,7 +370,7 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])
             if self.aux_loss_coef:
-                out = attach_aux_loss(out, self.aux_loss_coef * aux, self.aux_grad_scale)
+                out = attach_aux_loss(out, self.aux_loss_coef * aux, self.aux_grad_scale * self.aux_grad_multiplier)
         return out.reshape(bsz, seq_len, dim)
 
     def _aux_loss(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

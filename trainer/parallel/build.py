@@ -1,6 +1,6 @@
 """build_parallel_model: the order of these calls is the architecture.
 
-    TP / EP  ->  FP8  ->  activation checkpointing  ->  compile  ->  FSDP2
+    CP / TP / EP  ->  FP8  ->  activation checkpointing  ->  compile  ->  FSDP2
 
 The loss (final norm, output head, cross-entropy; chunked or not) is built beside the model by
 `trainer.loss.build_loss_fn`, the same for a whole model and a pipeline's last stage.
@@ -20,6 +20,7 @@ from torch import nn
 
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
+from trainer.parallel.context_parallel import apply_cp
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import Float8Report, Recipe, apply_float8
 from trainer.parallel.fsdp import apply_fsdp
@@ -64,19 +65,25 @@ class BuildOptions:
     loss_parallel: bool
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the output head and loss (trainer.loss.LossFn); 0 = all at once."""
+    seq_len: int = 0
+    """Tokens per sequence (train.seq_len): the chunk length under context parallelism."""
 
 
 def build_parallel_model(
     model: nn.Module, parallel_dims: ParallelDims, *, options: BuildOptions, device: torch.device
 ) -> Float8Report | None:
-    """Apply TP -> EP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place.
+    """Apply CP -> TP -> EP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place.
 
     Returns the FP8 report. The model stays on the meta device; the caller materializes it (`to_empty`)
     and calls `init_weights`, so no rank ever holds more than its shards.
     """
     pd, o = parallel_dims, options
 
-    # TP first: it replaces weights by DTensors that every later stage must see.
+    # CP first: it changes what attention and RoPE compute, not any weight.
+    if pd.cp > 1:
+        logger.info(apply_cp(model, pd.mesh("cp"), seq_len=o.seq_len))
+
+    # TP next: it replaces weights by DTensors that every later stage must see.
     if pd.tp > 1:
         logger.info(apply_tp(model, pd.mesh("tp"), loss_parallel=o.loss_parallel))
 

@@ -16,7 +16,7 @@ def apply_compile(model: nn.Module) -> str:
     """
     for name, block in list(model.layers.named_children()):
         # MoE blocks break the graph where the host needs token counts (EP split sizes,
-        # token dropping); dense blocks compile whole.
-        fullgraph = getattr(block, "moe", None) is None
+        # token dropping), context parallel around its attention; dense blocks compile whole.
+        fullgraph = getattr(block, "moe", None) is None and getattr(model, "cp", None) is None
         model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph))
     return f"torch.compile: {len(model.layers)} blocks"

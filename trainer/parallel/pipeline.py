@@ -192,6 +192,7 @@ class PipelineModel(nn.Module):
         self.layers = nn.ModuleDict({name: blocks[name] for name in sorted(blocks, key=int)})
         self.norm = last.norm if last is not None else None
         self.output_head = last.output_head if last is not None else None
+        self.cp = parts[0].cp  # every stage's: the same chunk layout
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a PipelineModel has no forward: run the pipeline schedule (Pipeline.forward_backward)")
@@ -275,7 +276,8 @@ class Pipeline:
         self.float8_report = self._gather_float8_reports(reports)
         last = next((p for p in parts if p.output_head is not None), None)
         self.loss_fn = build_loss(last) if last is not None else None
-        # What crosses a stage boundary: this rank's sequence shard (sequence parallel under TP) of one
+        # What crosses a stage boundary: this rank's sequence shard (sequence parallel under TP; under CP the
+        # caller gives seq_len // cp, this rank's chunks) of one
         # microbatch's hidden states, in the compute dtype (FSDP2's param_dtype, else the master dtype).
         self._hidden = torch.empty(
             (options.microbatch_size, seq_len // parallel_dims.tp, model_args.dim),

@@ -51,6 +51,7 @@ def _check_ranges(cfg: Any) -> None:
         "distributed.tp": d.tp,
         "distributed.ep": d.ep,
         "distributed.pp": d.pp,
+        "distributed.cp": d.cp,
         "distributed.pp_microbatch_size": d.pp_microbatch_size,
         "distributed.init_timeout_seconds": d.init_timeout_seconds,
     }

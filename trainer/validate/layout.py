@@ -26,8 +26,14 @@ def resolve_parallel_dims(cfg: JobConfig, *, world_size: int) -> ParallelDims:
     d = cfg.distributed
     if d.pp > 1 and world_size % d.pp:
         raise ConfigError(f"distributed.pp={d.pp} does not divide the world size {world_size}")
+    seq_len = cfg.train.seq_len
+    if d.cp > 1 and seq_len % (2 * d.cp):
+        raise ConfigError(
+            f"train.seq_len={seq_len} with distributed.cp={d.cp}: each sequence is cut into 2 x cp = {2 * d.cp} chunks "
+            f"of equal length, so seq_len must be a multiple of {2 * d.cp}"
+        )
     return ParallelDims.resolve(
-        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, ep=d.ep, pp=d.pp, world_size=world_size
+        dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp, ep=d.ep, pp=d.pp, world_size=world_size, cp=d.cp
     )
 
 
@@ -69,12 +75,13 @@ def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
         raise ConfigError(
             f"distributed.ep={pd.ep} must divide the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
         )
-    if pd.tp > 1 and args.capacity_factor > 0:
-        raise ConfigError(
-            f"moe.capacity_factor={args.capacity_factor} with distributed.tp={pd.tp}: capacity keeps the earliest "
-            "positions of each sequence, but under tensor parallel each tp rank routes its own slice of it; set "
-            "moe.capacity_factor=0 or distributed.tp=1"
-        )
+    for key, degree in (("tp", pd.tp), ("cp", pd.cp)):
+        if degree > 1 and args.capacity_factor > 0:
+            raise ConfigError(
+                f"moe.capacity_factor={args.capacity_factor} with distributed.{key}={degree}: capacity keeps the "
+                f"earliest positions of each sequence, but under {'tensor' if key == 'tp' else 'context'} parallel "
+                f"each rank routes its own slice of it; set moe.capacity_factor=0 or distributed.{key}=1"
+            )
     t = cfg.train
     if pd.ep > 1 and t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
         # The experts' own FSDP2 unit runs different hooks in the recompute than in the forward,

@@ -64,7 +64,7 @@ def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> Float8Options
     f8 = cfg.float8
     all_gather = f8.enable_fsdp_float8_all_gather
     if all_gather == "auto":
-        all_gather = f8.recipe == "tensorwise" and pd.dp_shard > 1
+        all_gather = f8.recipe == "tensorwise" and pd.fsdp_shard > 1
     with torch.device("meta"):
         shapes = build_model(args)
     try:
@@ -96,7 +96,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     # Under PP every microbatch runs forward and backward through each stage: resharding would
     # all-gather the weights again for each of them, so the default keeps them (ZeRO-2 style).
     reshard = d.reshard_after_forward == "always" or (
-        d.reshard_after_forward == "default" and pd.dp_shard > 1 and pd.pp == 1
+        d.reshard_after_forward == "default" and pd.fsdp_shard > 1 and pd.pp == 1
     )
     tokens = t.batch_size * t.seq_len
     if t.loss_chunk_tokens >= tokens:
@@ -116,6 +116,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         ),
         loss_parallel=d.loss_parallel,
         loss_chunk_tokens=t.loss_chunk_tokens,
+        seq_len=t.seq_len,
     )
 
 
