@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
+from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo, run_tokenizer
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
 from trainer.distributed import (
@@ -217,7 +217,8 @@ class Trainer:
                                   data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler),
             run=RunInfo(flavor=cfg.model.flavor, model_args=self.model_args, mixed_precision=cfg.train.mixed_precision,
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
-                                "ep": pd.ep, "pp": pd.pp, "world_size": self.env.world_size}),
+                                "ep": pd.ep, "pp": pd.pp, "world_size": self.env.world_size},
+                        **run_tokenizer(cfg.data.source, cfg.data.tokenizer)),
         )
 
     # -- one step ------------------------------------------------------------
