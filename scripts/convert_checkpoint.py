@@ -1,14 +1,17 @@
-"""Convert between our DCP checkpoints and Hugging Face Llama folders (one process, no GPU needed).
+"""Convert between our DCP checkpoints and Hugging Face folders (one process, no GPU needed).
 
-Export a training checkpoint's model weights (safetensors + config.json, loadable
-by transformers' LlamaForCausalLM):
+Export a training checkpoint's model weights (safetensors + config.json, loadable by
+transformers' AutoModelForCausalLM: LlamaForCausalLM for dense flavors, Ernie4_5_MoeForCausalLM
+or Glm4MoeForCausalLM for MoE flavors; docs/checkpointing.md#exporting-weights-hugging-face),
+with the run's tokenizer when checkpoint.json records one:
 
     python scripts/convert_checkpoint.py export outputs/run/checkpoint/step-1000 outputs/run/hf \\
-        [--dtype bfloat16|float32] [--max-shard-size 5GB]
+        [--dtype bfloat16|float32] [--max-shard-size 5GB] [--tokenizer PATH | --no-tokenizer]
 
     (a checkpoint folder instead of a step-N folder means its latest complete checkpoint)
 
-Import Hugging Face Llama weights as a model-only checkpoint for checkpoint.initial_load_path:
+Import Hugging Face weights (one of our exports, or Llama) as a model-only checkpoint for
+checkpoint.initial_load_path:
 
     python scripts/convert_checkpoint.py import /models/Llama-3.2-1B outputs/llama1b-init --flavor 1b
     python scripts/train.py --config ... --model.flavor=1b --checkpoint.initial_load_path=outputs/llama1b-init
@@ -38,50 +41,73 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit])
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A step-N folder as is; a checkpoint folder -> its latest complete checkpoint."""
-    from trainer.checkpoint import CHECKPOINT_JSON, CheckpointError, scan_checkpoints
+def export_tokenizer(args: argparse.Namespace, info: dict, source: Path):
+    """The tokenizer to copy: --tokenizer, else the one checkpoint.json records (checked unchanged), else none."""
+    from trainer.export import resolve_tokenizer
 
-    if (path / CHECKPOINT_JSON).exists() or not path.is_dir():
-        return path
-    complete, incomplete = scan_checkpoints(path)
-    for p, why in incomplete:
-        logger.warning("ignoring incomplete checkpoint %s: %s", p, why)
-    if not complete:
-        raise CheckpointError(f"{path} holds no complete checkpoint (no step-N folder with {CHECKPOINT_JSON})")
-    return complete[max(complete)]
+    if args.no_tokenizer:
+        return None
+    if args.tokenizer:
+        return resolve_tokenizer(args.tokenizer, where="--tokenizer")
+    recorded = info.get("tokenizer")
+    if not recorded:
+        logger.info("%s records no tokenizer (a synthetic-data run, or an older checkpoint): none copied; "
+                    "--tokenizer=PATH adds one", source / "checkpoint.json")
+        return None
+    return resolve_tokenizer(recorded["spec"], fingerprint=recorded.get("fingerprint") or None,
+                             where=f"{source / 'checkpoint.json'}")
 
 
 def export(args: argparse.Namespace) -> None:
     import torch
 
-    from trainer.checkpoint import args_from_json, load_full_model_weights
-    from trainer.export import require_safetensors, write_hf_export
+    from trainer.checkpoint import args_from_json, load_full_model_weights, resolve_checkpoint
+    from trainer.export import family, require_safetensors, write_hf_export
 
     require_safetensors("export")
     source = resolve_checkpoint(Path(args.checkpoint))
     info, weights = load_full_model_weights(source, allow_unverified=args.allow_unverified)
     model_args = args_from_json(info["model"])
+    tokenizer = export_tokenizer(args, info, source)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    logger.info("exporting %s (step %s, llama3 %s, saved with mixed_precision=%s)", source, info.get("step"),
-                info["model"].get("flavor"), info.get("mixed_precision"))
+    logger.info("exporting %s (step %s, %s %s, saved with mixed_precision=%s) as %s", source, info.get("step"),
+                info["model"].get("name", "llama3"), info["model"].get("flavor"), info.get("mixed_precision"),
+                family(model_args).architecture(model_args))
     write_hf_export(Path(args.out), args=model_args, shapes={k: tuple(v.shape) for k, v in weights.items()},
                     fetch=lambda fqns: {k: weights[k] for k in fqns}, dtype=dtype,
-                    max_shard_bytes=parse_size(args.max_shard_size))
+                    max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
 
 
 def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
     from trainer.export import read_hf_weights
-    from trainer.models import model_args_for
+    from trainer.models import is_moe, model_args_for
 
     model_args = model_args_for(args.flavor, vocab_size=args.vocab_size, n_layers=args.n_layers)
     weights = read_hf_weights(args.hf_folder, args=model_args)
+    if is_moe(model_args):
+        model_args = _routing_of_folder(model_args, Path(args.hf_folder))
     run = RunInfo(flavor=args.flavor, model_args=model_args, mixed_precision="hf-import")
     out = save_model_only(Path(args.out), weights, run=run, source=str(Path(args.hf_folder).resolve()))
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
     logger.info("imported %d tensors (%s) from %s into %s; use --checkpoint.initial_load_path=%s "
                 "--model.flavor=%s", len(weights), ", ".join(dtypes), args.hf_folder, out, out, args.flavor)
+
+
+def _routing_of_folder(model_args, folder: Path):
+    """The flavor's MoE args with the folder's top_k and route_norm (recorded in the checkpoint; a run routes with
+    its own [moe] settings, and says so when they differ)."""
+    import json
+
+    from trainer.export.moe import with_routing_of
+
+    where = str(folder / "config.json")
+    routed = with_routing_of(model_args, json.loads((folder / "config.json").read_text()), where=where)
+    if (routed.top_k, routed.route_norm) != (model_args.top_k, model_args.route_norm):
+        logger.info("%s routes top-%d (route_norm=%s), the flavor top-%d (route_norm=%s): recorded as the folder's; "
+                    "a run started from it routes by its own [moe] settings (--moe.top_k=%d to keep them)", where,
+                    routed.top_k, routed.route_norm, model_args.top_k, model_args.route_norm, routed.top_k)
+    return routed
 
 
 def main(argv: list[str]) -> int:
@@ -97,10 +123,13 @@ def main(argv: list[str]) -> int:
     e.add_argument("--max-shard-size", default="5GB", help="split into model-0000i-of-0000n files above this")
     e.add_argument("--allow-unverified", action="store_true",
                    help="export a checkpoint whose checkpoint.json has no \"files\" list (its shards go unverified)")
-    i = sub.add_parser("import", help="Hugging Face Llama folder -> model-only DCP checkpoint (initial_load_path)")
+    tok = e.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", help="tokenizer.json (or 'byte') to put in the export, instead of the run's")
+    tok.add_argument("--no-tokenizer", action="store_true", help="copy no tokenizer")
+    i = sub.add_parser("import", help="Hugging Face folder -> model-only DCP checkpoint (initial_load_path)")
     i.add_argument("hf_folder")
     i.add_argument("out")
-    i.add_argument("--flavor", required=True, help="model.flavor the weights must match (debug, 1b, 3b, 8b, ...)")
+    i.add_argument("--flavor", required=True, help="model.flavor the weights must match (debug, 1b, 8b, ..., debug_moe, moe_16b, ...)")
     i.add_argument("--vocab-size", type=int, default=0, help="model.vocab_size, if not the flavor's")
     i.add_argument("--n-layers", type=int, default=0, help="model.n_layers, if not the flavor's")
     args = parser.parse_args(argv)

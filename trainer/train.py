@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
+from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo, run_tokenizer
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
 from trainer.distributed import (
@@ -220,7 +220,8 @@ class Trainer:
                                   restart_data=cfg.checkpoint.restart_data),
             run=RunInfo(flavor=cfg.model.flavor, model_args=self.model_args, mixed_precision=cfg.train.mixed_precision,
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
-                                "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size}),
+                                "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},
+                        **run_tokenizer(cfg.data.source, cfg.data.tokenizer)),
         )
 
     # -- one step ------------------------------------------------------------

@@ -397,7 +397,6 @@ MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "co
         (3, ["--distributed.ep=3"], "distributed.ep=3 must divide the 8 routed experts of model.flavor='debug_moe'"),
         (2, ["--distributed.tp=2", "--moe.capacity_factor=1.25"],
          "moe.capacity_factor=1.25 with distributed.tp=2: capacity keeps the earliest positions of each sequence"),
-        (1, ["--checkpoint.model_only=true"], "checkpoint.model_only=true exports Hugging Face Llama weights"),
         (2, ["--distributed.ep=2", "--train.activation_checkpointing=selective"],
          "per-op policy (train.selective_ac_every=0) does not work with distributed.ep=2"),
         (2, ["--model.flavor=debug", "--distributed.ep=2"],
@@ -414,6 +413,14 @@ def test_bad_moe_configs_are_one_line_naming_the_key(world_size: int, args: list
         validate_job(load_job_config(["--config", MOE_CONFIG, *args]), world_size=world_size)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_moe_flavors_may_export_at_the_end_of_training() -> None:
+    """checkpoint.model_only=true: MoE flavors export to transformers (tests/unit/test_export_moe.py)."""
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    validate_job(load_job_config(["--config", MOE_CONFIG, "--checkpoint.model_only=true"]), world_size=1)
 
 
 def test_moe_section_overrides_the_flavor() -> None:

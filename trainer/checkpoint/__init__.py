@@ -14,10 +14,12 @@ from trainer.checkpoint.format import (
     write_json,
 )
 from trainer.checkpoint.manager import CheckpointManager, prune_checkpoints
-from trainer.checkpoint.offline import build_model, load_full_model_weights, load_model, save_model_only
+from trainer.checkpoint.offline import (
+    build_model, load_full_model_weights, load_model, resolve_checkpoint, save_model_only,
+)
 from trainer.checkpoint.state import (
     CheckpointState, RunInfo, args_from_json, describe_layout, merge_tensors, model_state_dict, plain_tensor,
-    split_tensors,
+    run_tokenizer, split_tensors,
 )
 from trainer.checkpoint.verify import (
     SafeReader, check_file, load_dcp_metadata, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
@@ -28,5 +30,5 @@ __all__ = [
     "CorruptCheckpointError", "RunInfo", "SafeReader", "args_from_json", "build_model", "check_file",
     "describe_layout", "file_digest", "load_dcp_metadata", "load_full_model_weights", "load_model", "merge_tensors",
     "model_state_dict", "plain_tensor", "prune_checkpoints", "publish", "read_checkpoint_json", "read_dcp_metadata",
-    "save_model_only", "scan_checkpoints", "split_tensors", "write_json",
+    "resolve_checkpoint", "run_tokenizer", "save_model_only", "scan_checkpoints", "split_tensors", "write_json",
 ]

@@ -11,33 +11,46 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint.state import model_state_dict
+from trainer.checkpoint.state import RunInfo, model_state_dict
+
+
+def prepare_export(run: RunInfo) -> Any:
+    """Before training, on every rank: what the final export needs is there (safetensors, a Hugging Face target
+    for the model's options, the run's tokenizer unchanged), so a run that cannot export stops before it trains.
+    Returns the tokenizer to copy (an ExportTokenizer) or None."""
+    from trainer.export import check_exportable, require_safetensors, resolve_tokenizer
+
+    require_safetensors("checkpoint.model_only=true (a safetensors export)")
+    check_exportable(run.model_args)
+    return resolve_tokenizer(run.tokenizer, fingerprint=run.tokenizer_fingerprint) if run.tokenizer else None
 
 
 def export_gathered(model: nn.Module, path: Path, *, args: Any, dtype: torch.dtype, p2p_group: Any,
-                    before_p2p: Callable[[], None]) -> Path:
+                    before_p2p: Callable[[], None], tokenizer: Any = None) -> Path:
     """Write `model`'s weights, gathered whole, as a Hugging Face export at `path` (collective; rank 0 writes).
 
     Sharded tensors are all-gathered one at a time (ranks other than 0 hold one full tensor at a
     time); a tensor rank 0 does not hold (another pipeline stage's) comes from its first holder
     by a send over `p2p_group`, after `before_p2p()` (the manager waits for a background save,
-    which may be using that group).
+    which may be using that group). `tokenizer` (an ExportTokenizer) is copied into the export.
     """
     from trainer.export import write_hf_export
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sd = model_state_dict(model)
     # Every rank's keys, in rank order: under pipeline parallelism ranks hold different stages.
-    gathered: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(world_size)]
+    gathered: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[] for _ in range(world_size)]
     # The default group, not p2p_group: a background save of this step may be using that right now.
-    dist.all_gather_object(gathered, [(k, tuple(v.shape)) for k, v in sd.items()])
+    dist.all_gather_object(gathered, [(k, tuple(v.shape), v.dtype) for k, v in sd.items()])
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
     owner: dict[str, int] = {}
     for r, items in enumerate(gathered):
-        for k, shape in items:
+        for k, shape, dt in items:
             shapes.setdefault(k, shape)
+            dtypes.setdefault(k, dt)
             owner.setdefault(k, r)
-    on_rank0 = {k for k, _ in gathered[0]}
+    on_rank0 = {k for k, _, _ in gathered[0]}
     if any(k not in sd for k in shapes):
         before_p2p()
 
@@ -49,16 +62,18 @@ def export_gathered(model: nn.Module, path: Path, *, args: Any, dtype: torch.dty
                 t = sd[fqn]
                 # note: an all-gather per tensor; ranks other than 0 hold one full tensor at a time.
                 full = t.full_tensor() if isinstance(t, DTensor) else t
+            # In the tensor's own dtype: the writer casts, and keeps what it must in fp32 (MoE expert biases).
             if rank == 0:
                 if full is None:  # another pipeline stage's tensor: its first rank sends it
-                    full = torch.empty(shapes[fqn], dtype=dtype)
+                    full = torch.empty(shapes[fqn], dtype=dtypes[fqn])
                     dist.recv(full, src=owner[fqn], group=p2p_group)
-                out[fqn] = full.detach().to("cpu", dtype)
+                out[fqn] = full.detach().to("cpu")
             elif owner[fqn] == rank and fqn not in on_rank0:
-                dist.send(full.detach().to("cpu", dtype).contiguous(), dst=0, group=p2p_group)
+                dist.send(full.detach().to("cpu").contiguous(), dst=0, group=p2p_group)
         return out
 
-    out = write_hf_export(path, args=args, shapes=shapes, fetch=fetch, dtype=dtype, is_writer=rank == 0)
+    out = write_hf_export(path, args=args, shapes=shapes, fetch=fetch, dtype=dtype, is_writer=rank == 0,
+                          tokenizer=tokenizer)
     # Not p2p_group: a background save of this step may be using it from its thread right now.
     dist.barrier()
     return out

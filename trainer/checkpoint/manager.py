@@ -30,7 +30,7 @@ from trainer.checkpoint.format import (
     CHECKPOINT_JSON, EXPORT_DTYPES, FORMAT, STATE_JSON, STEP_DIR, CheckpointError, ChecksummedWriter,
     CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
 )
-from trainer.checkpoint.gather import export_gathered
+from trainer.checkpoint.gather import export_gathered, prepare_export
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     split_tensors
 from trainer.checkpoint.verify import (
@@ -79,10 +79,7 @@ class CheckpointManager:
         self.last_saved_step = -1
         self._pending: _PendingSave | None = None
         self._stager = None
-        if self.model_only:
-            from trainer.export import require_safetensors
-
-            require_safetensors("checkpoint.model_only=true (a safetensors export)")
+        self.export_tokenizer = prepare_export(run) if self.model_only else None
         # Checkpoint traffic gets its own gloo group: an async save runs its collectives in a
         # background thread, which must never interleave with training's collectives on one group.
         self.pg = dist.new_group(backend="gloo")
@@ -407,6 +404,7 @@ class CheckpointManager:
             "model": self.run.model_json(),
             "mixed_precision": self.run.mixed_precision,
             "layout": self.run.layout,
+            "tokenizer": self.run.tokenizer_json(),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": files,
         }
@@ -426,9 +424,11 @@ class CheckpointManager:
     # -- export --------------------------------------------------------------
 
     def export(self, step: int) -> Path:
-        """The model weights, gathered whole, in Hugging Face Llama layout (collective; rank 0 writes)."""
+        """The model weights, gathered whole, in Hugging Face layout, with the run's tokenizer (collective; rank 0
+        writes)."""
         return export_gathered(self.state.model, self.folder / f"step-{step}-hf", args=self.run.model_args,
-                               dtype=self.export_dtype, p2p_group=self.pg, before_p2p=self.wait)
+                               dtype=self.export_dtype, p2p_group=self.pg, before_p2p=self.wait,
+                               tokenizer=self.export_tokenizer)
 
     def close(self) -> None:
         """Finish a background save (it becomes complete) and release the stager."""

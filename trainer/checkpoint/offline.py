@@ -1,10 +1,11 @@
 """Checkpoints outside a training run, in one process without a process group: load a model, read or write weights.
 
 `load_model` is the public way to get a trained model back for evaluation or
-generation, from either of the two formats this trainer writes:
+generation (dense or MoE), from either of the two formats this trainer writes:
 
     from trainer.checkpoint import load_model
     model = load_model("outputs/run/checkpoint/step-1000")        # a DCP checkpoint (training or model-only)
+    model = load_model("outputs/run/checkpoint")                  # the folder's latest complete checkpoint
     model = load_model("outputs/run/checkpoint/step-1000-hf")     # a Hugging Face export (safetensors)
 
 Both paths run no code from the folder: DCP's index goes through the restricted
@@ -15,6 +16,7 @@ Hugging Face weights through safetensors and config.json through json.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import time
@@ -31,8 +33,13 @@ from trainer.checkpoint.format import (
     collect_checksums, first_line, publish, root_cause, write_json,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json
-from trainer.checkpoint.verify import SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata
-from trainer.models.llama import Llama, ModelArgs, rope_cache
+from trainer.checkpoint.verify import (
+    SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
+)
+from trainer.models.layers import Decoder
+from trainer.models.llama import ModelArgs, rope_cache
+
+logger = logging.getLogger("trainer.checkpoint")
 
 
 @contextlib.contextmanager
@@ -55,7 +62,8 @@ def save_model_only(
         dcp.save({"model": weights}, storage_writer=ChecksummedWriter(tmp, step=step), no_dist=True)
     write_json(tmp / CHECKPOINT_JSON, {
         "format": FORMAT, "kind": "model_only", "step": step, "model": run.model_json(),
-        "mixed_precision": run.mixed_precision, "layout": run.layout, "source": source,
+        "mixed_precision": run.mixed_precision, "layout": run.layout, "tokenizer": run.tokenizer_json(),
+        "source": source,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": collect_checksums(tmp),
     })
     publish(tmp, path)
@@ -95,23 +103,37 @@ def load_full_model_weights(
     return info, sd
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A step-N folder (or anything else) as is; a checkpoint folder -> its latest complete checkpoint."""
+    path = Path(path)
+    if (path / CHECKPOINT_JSON).exists() or (path / "config.json").exists() or not path.is_dir():
+        return path
+    complete, incomplete = scan_checkpoints(path)
+    for p, why in incomplete:
+        logger.warning("ignoring incomplete checkpoint %s: %s", p, why)
+    if not complete:
+        raise CheckpointError(f"{path} holds no complete checkpoint (no step-N folder with {CHECKPOINT_JSON})")
+    return complete[max(complete)]
+
+
 def load_model(
     path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
     max_seq_len: int | None = None,
-) -> Llama:
-    """Our Llama with the weights of a DCP checkpoint step folder or a Hugging Face export folder, in eval mode.
+) -> Decoder:
+    """Our model (Llama or MoETransformer) with the weights of a DCP checkpoint or a Hugging Face export, in eval mode.
 
-    The model's arguments come from the checkpoint's checkpoint.json (or the export's
-    config.json); `max_seq_len` overrides the length of the RoPE table (default: the
-    training run's sequence length, or the export's max_position_embeddings).
-    Every file is verified (checksums for DCP, names and shapes for both) first;
-    errors are one line naming the file (CheckpointError or ExportError).
+    `path`: a step-N folder, a checkpoint folder (its latest complete checkpoint) or an export
+    folder (Llama, Ernie4_5_Moe or Glm4Moe layout). The model's arguments come from the
+    checkpoint's checkpoint.json (or the export's config.json); `max_seq_len` overrides the
+    length of the RoPE table (default: the training run's sequence length, or the export's
+    max_position_embeddings). Every file is verified (checksums for DCP, names and shapes
+    for both) first; errors are one line naming the file (CheckpointError or ExportError).
     """
     from dataclasses import replace
 
     from trainer.export import read_hf_config, read_hf_weights
 
-    path = Path(path)
+    path = resolve_checkpoint(path)
     if (path / "config.json").is_file() and not (path / CHECKPOINT_JSON).exists():
         args = read_hf_config(path)
         weights = read_hf_weights(path, args=args)
@@ -124,13 +146,18 @@ def load_model(
 
 
 def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], *, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> Llama:
-    """A plain (unsharded) Llama holding these full weights (by our fqns), cast to dtype, in eval mode."""
+                dtype: torch.dtype = torch.float32) -> Decoder:
+    """A plain (unsharded) model of the args' family holding these full weights (by our fqns), in eval mode.
+
+    Parameters are cast to dtype; buffers (the MoE expert biases) stay fp32, as in training:
+    a bias rounded to bf16 would choose other experts.
+    """
     from trainer.models import build_model as family_model
 
     with torch.device("meta"):
         model = family_model(args)  # Llama, or MoETransformer for MoE args
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()}, strict=True,
-                          assign=True)
+    buffers = {name for name, _ in model.named_buffers()}
+    model.load_state_dict({k: v.to(device=device, dtype=torch.float32 if k in buffers else dtype)
+                           for k, v in weights.items()}, strict=True, assign=True)
     model.rope = rope_cache(args, args.max_seq_len, device=device)
     return model.eval()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -195,12 +196,30 @@ class RunInfo:
     model_args: ModelArgs
     mixed_precision: str
     layout: dict[str, int] = field(default_factory=dict)  # dp_replicate, dp_shard, tp, world_size
+    tokenizer: str = ""
+    """The run's tokenizer ('byte' or a tokenizer.json's absolute path), copied into exports; '' = none recorded."""
+    tokenizer_fingerprint: str = ""
 
     def model_json(self) -> dict[str, Any]:
         args = asdict(self.model_args)
         # The run's sequence length (the rope table's size) is recorded but is not part of the weights.
         name = "moe" if "n_experts" in args else "llama3"
         return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim}
+
+    def tokenizer_json(self) -> dict[str, str] | None:
+        """checkpoint.json's "tokenizer" entry: what an export made from the checkpoint later copies."""
+        return {"spec": self.tokenizer, "fingerprint": self.tokenizer_fingerprint} if self.tokenizer else None
+
+
+def run_tokenizer(source: str, spec: str) -> dict[str, str]:
+    """RunInfo's tokenizer fields for data.source / data.tokenizer: none for synthetic tokens, which no tokenizer
+    made; a tokenizer.json by its absolute path, so a later export finds it from any directory."""
+    from trainer.data.tokenizer import tokenizer_fingerprint
+
+    if source == "synthetic":
+        return {}
+    resolved = spec if spec == "byte" else str(Path(spec).resolve())
+    return {"tokenizer": resolved, "tokenizer_fingerprint": tokenizer_fingerprint(spec)}
 
 
 def describe_layout(layout: dict[str, int]) -> str:

@@ -92,10 +92,12 @@ def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
             "train.activation_checkpointing='full'"
         )
     if cfg.checkpoint.model_only:
-        raise ConfigError(
-            f"checkpoint.model_only=true exports Hugging Face Llama weights, which model.flavor={m.flavor!r} "
-            "(MoE) has no layout for; set checkpoint.model_only=false"
-        )
+        from trainer.export import ExportError, check_exportable
+
+        try:  # routing with no exact Hugging Face target: refused before training, not at its end
+            check_exportable(args)
+        except ExportError as e:
+            raise ConfigError(f"checkpoint.model_only=true: {e}; set checkpoint.model_only=false") from None
 
 
 # -- the pipeline -------------------------------------------------------------

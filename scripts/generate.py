@@ -1,0 +1,103 @@
+"""Sample text from a checkpoint or a Hugging Face export (one process, CPU or one GPU).
+
+    python scripts/generate.py outputs/run/checkpoint --prompt "The Python " \\
+        [--max-new-tokens 200] [--temperature 0.8] [--top-k 50] [--seed 0] \\
+        [--tokenizer PATH|byte] [--device cuda] [--dtype bfloat16]
+
+PATH is a step-N checkpoint folder, a checkpoint folder (its latest complete checkpoint) or an
+export folder (step-N-hf, or what convert_checkpoint.py export wrote), dense or MoE. The
+tokenizer is --tokenizer, else the export's tokenizer.json, else the one the checkpoint's run
+recorded. The prompt follows the end-of-document token, as every document did in training.
+--temperature 0 is greedy. Errors are one line (exit 2). To sample from an export with
+transformers instead, see docs/checkpointing.md#generating-text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+# The checkout this script is in comes first, even when another copy of trainer is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.errors import UserError  # noqa: E402
+
+logger = logging.getLogger("trainer")
+
+
+def find_tokenizer(path: Path, override: str | None):
+    """--tokenizer, else the export's tokenizer.json, else the tokenizer checkpoint.json records (checked unchanged)."""
+    from trainer.checkpoint import CHECKPOINT_JSON
+    from trainer.data import build_tokenizer
+
+    if override:
+        return build_tokenizer(override)
+    if (path / "tokenizer.json").is_file():
+        return build_tokenizer(str(path / "tokenizer.json"))
+    recorded = json.loads((path / CHECKPOINT_JSON).read_text()).get("tokenizer") if (
+        path / CHECKPOINT_JSON).is_file() else None
+    if recorded:
+        tok = build_tokenizer(recorded["spec"])
+        if recorded.get("fingerprint") and tok.fingerprint != recorded["fingerprint"]:
+            raise UserError(f"tokenizer {recorded['spec']} has changed since the run ({tok.fingerprint}, the run's "
+                            f"{recorded['fingerprint']}); pass --tokenizer=PATH of the run's tokenizer.json")
+        return tok
+    raise UserError(f"{path} names no tokenizer (an export made without one, or a synthetic-data run); pass "
+                    "--tokenizer=PATH of the run's tokenizer.json, or --tokenizer=byte for the built-in byte tokenizer")
+
+
+def run(args: argparse.Namespace) -> str:
+    import torch
+
+    from trainer.checkpoint import load_model, resolve_checkpoint
+    from trainer.generate import generate
+    from trainer.models import num_params
+
+    path = resolve_checkpoint(Path(args.path))
+    tok = find_tokenizer(path, args.tokenizer)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = load_model(path, device=args.device, dtype=dtype)
+    if tok.vocab_size > model.args.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary {model.args.vocab_size}: "
+                        "not the run's tokenizer; pass --tokenizer=PATH of the run's tokenizer.json")
+    logger.info("loaded %s (%s, %.1fM parameters) on %s; sampling %d tokens at temperature %g%s", path,
+                type(model).__name__, num_params(model) / 1e6, args.device, args.max_new_tokens, args.temperature,
+                f", top-{args.top_k}" if args.top_k else "")
+    prompt = [tok.eos_id, *tok.encode(args.prompt)]
+    new = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   eos_id=tok.eos_id, seed=args.seed)
+    return args.prompt + tok.decode([i for i in new if i != tok.eos_id])
+
+
+def main(argv: list[str]) -> int:
+    from trainer.log import setup_logging
+
+    setup_logging(0)
+    logging.getLogger("trainer").handlers[0].setStream(sys.stderr)  # stdout holds the text alone
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("path", help="a step-N checkpoint, a checkpoint folder (its latest) or an export folder")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the export's or the run's)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        parser.error("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
+    try:
+        text = run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

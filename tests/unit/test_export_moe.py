@@ -1,0 +1,380 @@
+"""MoE export to transformers: Ernie4_5_MoeForCausalLM (softmax scores) and Glm4MoeForCausalLM (sigmoid scores).
+
+Each case builds a small MoE with random weights and an expert bias that changes routing, exports it,
+loads it with `AutoModelForCausalLM.from_pretrained` (transformers' own modeling code: the independent
+implementation) and compares fp32 logits to 1e-4 relative; then imports it back. The run-level path
+(training with checkpoint.model_only, scripts/convert_checkpoint.py) is in the slow tests at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+import stat
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, env, launch
+from trainer.checkpoint import RunInfo, load_full_model_weights, load_model, save_model_only
+from trainer.export import (
+    ExportError, args_from_hf_config, expected_shapes, hf_config, read_hf_config, read_hf_weights, resolve_tokenizer,
+    write_hf_export,
+)
+from trainer.models.layers import RopeScaling
+from trainer.models.moe import MOE_FLAVORS, MoEArgs, MoETransformer, Router
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+CONVERT = str(REPO / "scripts" / "convert_checkpoint.py")
+GENERATE = str(REPO / "scripts" / "generate.py")
+# debug_moe's shapes with 3 blocks (the first dense): the shipped layout, cheap.
+BASE = replace(MOE_FLAVORS["debug_moe"], n_layers=3, max_seq_len=64)
+TOKENS = torch.randint(0, BASE.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def _random_moe(args: MoEArgs) -> MoETransformer:
+    """The pretraining init, and random expert biases of the size the balancer reaches (it steps by 1e-3)."""
+    with torch.device("meta"):
+        model = MoETransformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    gen = torch.Generator().manual_seed(1)
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.expert_bias.copy_(torch.randn(args.n_experts, generator=gen) * 0.05)
+    return model.eval()
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _export(weights: dict[str, torch.Tensor], args: MoEArgs, out: Path, **kw) -> Path:
+    return write_hf_export(out, args=args, shapes={k: tuple(v.shape) for k, v in weights.items()},
+                           fetch=lambda fqns: {k: weights[k] for k in fqns}, **{"dtype": torch.float32, **kw})
+
+
+def _hf(folder: Path):
+    # .float(): transformers 5 loads the config's dtype; bf16 -> fp32 is exact.
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
+    """Our model's logits, or a transformers model's."""
+    with torch.no_grad():
+        return model.logits(tokens) if isinstance(model, MoETransformer) else model(tokens).logits
+
+
+CASES = {
+    # The shipped layout: softmax scores as they are, expert bias, a shared expert, first block dense, GQA.
+    "softmax": (dict(), "Ernie4_5_MoeForCausalLM"),
+    "softmax route_norm": (dict(route_norm=True), "Ernie4_5_MoeForCausalLM"),
+    "softmax, no shared, no dense, llama3 rope": (
+        dict(n_shared_experts=0, n_dense_layers=0, rope_theta=500000.0, max_seq_len=128,
+             rope_scaling=RopeScaling(factor=8.0, original_max_seq_len=32)),
+        "Ernie4_5_MoeForCausalLM"),
+    "sigmoid": (dict(score_func="sigmoid"), "Glm4MoeForCausalLM"),
+    "sigmoid route_norm, 2 shared": (dict(score_func="sigmoid", route_norm=True, n_shared_experts=2),
+                                     "Glm4MoeForCausalLM"),
+    "sigmoid, no shared": (dict(score_func="sigmoid", n_shared_experts=0), "Glm4MoeForCausalLM"),
+}
+
+
+# GLM without shared experts: transformers initializes the zero-width MLP it always builds, and says so.
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_export_gives_our_logits_in_transformers_and_imports_back(case, tmp_path):
+    changes, architecture = CASES[case]
+    args = replace(BASE, **changes)
+    model = _random_moe(args)
+    weights = _weights(model)
+    ours = _logits(model)
+    # The bias matters here: without it other experts are chosen and the logits move.
+    without_bias = copy.deepcopy(model)
+    for router in (m for m in without_bias.modules() if isinstance(m, Router)):
+        router.expert_bias.zero_()
+    assert _relative(_logits(without_bias), ours) > 1e-3
+    out = _export(weights, args, tmp_path / "hf")
+    hf = _hf(out)
+    assert type(hf).__name__ == architecture
+    assert _relative(_logits(hf), ours) < 1e-4, case
+    # Import back: the same tensors, and a model built from config.json alone gives the same logits.
+    back = read_hf_weights(out, args=args)
+    assert list(back) == list(expected_shapes(args)) and all(torch.equal(back[k], weights[k]) for k in weights)
+    read = read_hf_config(out)
+    assert (read.score_func, read.route_norm, read.ffn_dim) == (args.score_func, args.route_norm, args.ffn_dim)
+    # All but what config.json does not hold: the balancer's rate, and the context of a RoPE-scaled model (131072).
+    assert replace(read, bias_update_rate=args.bias_update_rate, max_seq_len=args.max_seq_len) == args
+    assert torch.equal(_logits(load_model(out, max_seq_len=args.max_seq_len)), ours)
+
+
+def test_shipped_flavors_map_to_ernie_with_their_shapes():
+    for name in ("debug_moe", "moe_small", "moe_16b"):
+        args = MOE_FLAVORS[name]
+        config = hf_config(args, dtype=torch.bfloat16)
+        assert config["architectures"] == ["Ernie4_5_MoeForCausalLM"] and config["moe_norm_min"] == 1.0
+        # transformers' own config class reads it with the values we wrote.
+        hf = transformers.AutoConfig.for_model(config["model_type"],
+                                               **{k: v for k, v in config.items() if k != "model_type"})
+        assert (hf.moe_num_experts, hf.moe_k, hf.moe_num_shared_experts, hf.moe_layer_start_index,
+                hf.moe_layer_end_index, hf.intermediate_size, hf.moe_intermediate_size, hf.num_key_value_heads) == (
+            args.n_experts, args.top_k, args.n_shared_experts, args.n_dense_layers, args.n_layers - 1, args.ffn_dim,
+            args.moe_ffn_dim, args.n_kv_heads)
+        assert hf.tie_word_embeddings is False and hf.eos_token_id is None
+        back = args_from_hf_config(config, where="config.json")
+        assert back == replace(args, bias_update_rate=0.0, max_seq_len=back.max_seq_len), name
+
+
+def test_bf16_sharded_export_keeps_the_expert_bias_fp32_and_files_0644(tmp_path):
+    model = _random_moe(BASE)
+    weights = _weights(model)
+    old = os.umask(0o077)  # even a private umask: the files are 0644 like save_pretrained's (the folder keeps it)
+    try:
+        out = _export(weights, BASE, tmp_path / "hf", dtype=torch.bfloat16, max_shard_bytes=100_000)
+    finally:
+        os.umask(old)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and sorted(p.name for p in out.iterdir()) == sorted(
+        [*shards, "config.json", "model.safetensors.index.json"])
+    assert all(stat.S_IMODE((out / name).stat().st_mode) == 0o644 for name in os.listdir(out))
+    from safetensors import safe_open
+
+    bias = "model.layers.1.mlp.moe_statics.e_score_correction_bias"
+    with safe_open(str(out / index["weight_map"][bias]), "pt") as f:
+        assert f.get_tensor(bias).dtype == torch.float32
+        assert torch.equal(f.get_tensor(bias)[0], weights["layers.1.moe.router.expert_bias"])
+    # Ours loaded from the bf16 export (bias still fp32) and transformers agree.
+    loaded = load_model(out, dtype=torch.bfloat16)
+    assert loaded.layers["1"].moe.router.expert_bias.dtype == torch.float32
+    assert _relative(_logits(_hf(out)), _logits(load_model(out))) < 1e-4
+
+
+def test_capacity_factor_warns_and_exports_routing_every_token(tmp_path, caplog):
+    args = replace(BASE, capacity_factor=0.5)
+    weights = _weights(_random_moe(BASE))
+    logger = logging.getLogger("trainer.export")
+    logger.addHandler(caplog.handler)  # directly: trainer.log's setup_logging stops propagation to the root
+    try:
+        out = _export(weights, args, tmp_path / "hf")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "capacity_factor=0.5 (token dropping) has no counterpart in Ernie4_5_MoeForCausalLM" in caplog.text
+    assert _relative(_logits(_hf(out)), _logits(_random_moe(BASE))) < 1e-4  # = ours without dropping
+    assert load_model(out).args.capacity_factor == 0.0
+
+
+def test_routing_without_an_exact_target_is_refused_in_one_line(tmp_path):
+    args = replace(BASE, score_func="sigmoid", n_experts=1, top_k=1)
+    weights = _weights(_random_moe(args))
+    with pytest.raises(ExportError) as e:
+        _export(weights, args, tmp_path / "hf")
+    assert "score_func='sigmoid' with n_experts=1 has no Hugging Face target" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+
+
+def test_import_checks_config_against_the_flavor(tmp_path):
+    out = _export(_weights(_random_moe(BASE)), BASE, tmp_path / "hf")
+    with pytest.raises(ExportError, match="config.json: moe_num_experts=8 but the trainer model has 4"):
+        read_hf_weights(out, args=replace(BASE, n_experts=4))
+    with pytest.raises(ExportError, match="model_type='ernie4_5_moe', but the trainer model scores experts with "
+                                          "sigmoid, whose layout is 'glm4_moe'"):
+        read_hf_weights(out, args=replace(BASE, score_func="sigmoid"))
+    from trainer.models.llama import FLAVORS
+
+    with pytest.raises(ExportError, match="model_type='ernie4_5_moe' is a MoE layout, but the trainer model is dense"):
+        read_hf_weights(out, args=FLAVORS["debug"])
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "moe_norm_min": 0.5}))
+    with pytest.raises(ExportError, match="moe_norm_min=0.5 has no equivalent in this trainer's MoE"):
+        read_hf_config(out)
+
+
+def test_load_model_returns_moe_models_from_dcp_checkpoints(tmp_path):
+    args = replace(BASE, max_seq_len=48)
+    model = _random_moe(args)
+    weights = _weights(model)
+    save_model_only(tmp_path / "ckpt", weights, run=RunInfo(flavor="debug_moe", model_args=args,
+                                                            mixed_precision="fp32"), source="test")
+    loaded = load_model(tmp_path / "ckpt")
+    assert isinstance(loaded, MoETransformer) and loaded.args == args and not loaded.training
+    assert all(torch.equal(v, weights[k]) for k, v in loaded.state_dict().items())
+    assert torch.equal(_logits(loaded), _logits(model))
+    half = load_model(tmp_path / "ckpt", dtype=torch.bfloat16)
+    assert half.tok_embeddings.weight.dtype == torch.bfloat16
+    assert half.layers["2"].moe.router.expert_bias.dtype == torch.float32  # as in training: bf16 would reroute
+
+
+# -- the tokenizer and generation ------------------------------------------------
+
+
+def _tokenizer_json(path: Path) -> Path:
+    """A small word-level tokenizer.json with the end-of-text token the trainer looks for."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<|endoftext|>", "[UNK]", "the", "experts", "route", "tokens", "to", "a", "model"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+def test_export_copies_the_tokenizer_and_transformers_reads_it(tmp_path):
+    path = _tokenizer_json(tmp_path / "tok.json")
+    tok = resolve_tokenizer(str(path))
+    assert (tok.eos_id, tok.eos_token, tok.bos_id) == (0, "<|endoftext|>", None)
+    out = _export(_weights(_random_moe(BASE)), BASE, tmp_path / "hf", tokenizer=tok)
+    assert (out / "tokenizer.json").read_bytes() == path.read_bytes()
+    assert stat.S_IMODE((out / "tokenizer_config.json").stat().st_mode) == 0o644
+    config = json.loads((out / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (0, None)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    from trainer.data import build_tokenizer
+
+    text = "the experts route tokens to a model"
+    assert hf_tok(text)["input_ids"] == build_tokenizer(str(path)).encode(text) and hf_tok.eos_token_id == 0
+    byte = resolve_tokenizer("byte")
+    assert (byte.bos_id, byte.eos_id, byte.is_file) == (256, 257, False)
+    # The transformers snippet of docs/checkpointing.md#generating-text runs on this export as written.
+    page = (REPO / "docs" / "checkpointing.md").read_text()
+    snippet = next(b for b in page.split("```python\n")[1:] if "AutoTokenizer.from_pretrained(folder)" in b)
+    snippet = re.sub(r'folder = "[^"]*"', f"folder = {str(out)!r}", snippet.split("```")[0])
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _checkpoint_with_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
+    from trainer.checkpoint import run_tokenizer
+
+    path = _tokenizer_json(tmp_path / "tok.json")
+    assert run_tokenizer("synthetic", str(path)) == {}  # random tokens: no tokenizer made them
+    run = RunInfo(flavor="debug_moe", model_args=BASE, mixed_precision="fp32", **run_tokenizer("shards", str(path)))
+    ckpt = save_model_only(tmp_path / "ckpt", _weights(_random_moe(BASE)), run=run, source="test")
+    return ckpt, path
+
+
+def test_checkpoint_records_the_tokenizer_and_an_export_checks_it(tmp_path):
+    from trainer.data import tokenizer_fingerprint
+
+    ckpt, path = _checkpoint_with_tokenizer(tmp_path)
+    recorded = json.loads((ckpt / "checkpoint.json").read_text())["tokenizer"]
+    assert recorded == {"spec": str(path.resolve()), "fingerprint": tokenizer_fingerprint(str(path))}
+    assert resolve_tokenizer(recorded["spec"], fingerprint=recorded["fingerprint"]).eos_id == 0
+    path.write_text(path.read_text().replace("experts", "expert"))
+    with pytest.raises(ExportError, match=f"tokenizer {path.resolve()} has changed since the run"):
+        resolve_tokenizer(recorded["spec"], fingerprint=recorded["fingerprint"])
+    path.unlink()
+    with pytest.raises(ExportError, match="does not exist; pass --tokenizer=PATH of the run's tokenizer.json, or "
+                                          "--no-tokenizer"):
+        resolve_tokenizer(recorded["spec"])
+
+
+@pytest.mark.slow
+def test_convert_export_copies_the_recorded_tokenizer(tmp_path):
+    ckpt, path = _checkpoint_with_tokenizer(tmp_path)
+
+    def export(out: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, CONVERT, "export", str(ckpt), str(tmp_path / out), *flags],
+                              capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
+
+    proc = export("hf")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == path.read_bytes()
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).eos_token == "<|endoftext|>"
+    assert export("bare", "--no-tokenizer").returncode == 0 and not (tmp_path / "bare" / "tokenizer.json").exists()
+    path.write_text(path.read_text().replace("experts", "expert"))
+    bad = export("changed")
+    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0, bad.stderr[-2000:]
+    assert "has changed since " + str(ckpt / "checkpoint.json") in bad.stderr and not (tmp_path / "changed").exists()
+
+
+def test_generate_greedy_matches_transformers_generate(tmp_path):
+    from trainer.generate import generate
+
+    model = _random_moe(BASE)
+    out = _export(_weights(model), BASE, tmp_path / "hf")
+    prompt = TOKENS[0, :7].tolist()
+    ours = generate(model, prompt, max_new_tokens=12, temperature=0)
+    with torch.no_grad():
+        theirs = _hf(out).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, top_k=None,
+                                   top_p=None, eos_token_id=None, pad_token_id=0)
+    assert ours == theirs[0, len(prompt):].tolist()
+    # Sampling: the same seed gives the same tokens; top_k=1 is greedy whatever the temperature.
+    assert generate(model, prompt, max_new_tokens=8, seed=3) == generate(model, prompt, max_new_tokens=8, seed=3)
+    assert generate(model, prompt, max_new_tokens=8, temperature=5.0, top_k=1) == ours[:8]
+
+
+# -- the run: checkpoint.model_only, convert_checkpoint.py, generate.py ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_moe(tmp_path_factory):
+    """debug_moe, 3 fp32 steps (the balancer moves the expert biases), a checkpoint and the final bf16 export."""
+    dump = tmp_path_factory.mktemp("trained_moe")
+    proc = launch(["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--train.steps=3",
+                   "--train.seq_len=32", "--train.batch_size=2", "--metrics.enable_tensorboard=false",
+                   "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.model_only=true",
+                   f"--job.dump_folder={dump}"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dump / "checkpoint"
+
+
+@pytest.mark.slow
+def test_trained_moe_export_and_convert_load_in_transformers(trained_moe, tmp_path):
+    checkpoint = load_model(trained_moe / "step-3")
+    biases = {k: v for k, v in checkpoint.state_dict().items() if k.endswith("expert_bias")}
+    assert all(b.abs().sum() > 0 for b in biases.values())  # the balancer moved them
+    # The run's final export: bf16 weights, fp32 expert biases (bit-equal to the checkpoint's), byte tokenizer ids.
+    final = trained_moe / "step-3-hf"
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]  # byte tokenizer: no files
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == 257
+    exported = load_model(final)
+    assert all(torch.equal(exported.state_dict()[k], v) for k, v in biases.items())
+    assert _relative(_logits(_hf(final)), _logits(exported)) < 1e-4
+    # scripts/convert_checkpoint.py export: fp32, sharded, our logits; then import back.
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, CONVERT, "export", str(trained_moe), str(out), "--dtype=float32",
+                           "--max-shard-size=200KB"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "as Ernie4_5_MoeForCausalLM" in proc.stdout + proc.stderr
+    assert len(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    assert _relative(_logits(_hf(out)), _logits(checkpoint)) < 1e-4
+    imported = tmp_path / "imported"
+    proc = subprocess.run([sys.executable, CONVERT, "import", str(out), str(imported), "--flavor=debug_moe"],
+                          capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _, weights = load_full_model_weights(trained_moe / "step-3")
+    _, back = load_full_model_weights(imported)
+    assert sorted(back) == sorted(weights) and all(torch.equal(back[k], weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_generate_script_samples_from_checkpoint_and_export(trained_moe):
+    def generate(*args):
+        return subprocess.run([sys.executable, GENERATE, *args, "--prompt=The ", "--max-new-tokens=16",
+                               "--temperature=0"], capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
+
+    from_checkpoint = generate(str(trained_moe))  # the latest checkpoint; its run recorded the byte tokenizer
+    assert from_checkpoint.returncode == 0, from_checkpoint.stderr[-2000:]
+    from_export = generate(str(trained_moe / "step-3-hf"), "--tokenizer=byte")
+    assert from_export.returncode == 0, from_export.stderr[-2000:]
+    for proc in (from_checkpoint, from_export):  # stdout is the text alone: the prompt and 16 bytes at most
+        assert proc.stdout.startswith("The ") and len(proc.stdout.encode()) > len("The \n"), proc.stdout
+    # An export without tokenizer files names no tokenizer: one line, exit 2.
+    bad = generate(str(trained_moe / "step-3-hf"))
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--tokenizer=byte" in bad.stderr

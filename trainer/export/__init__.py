@@ -1,0 +1,170 @@
+"""Hugging Face export and import, per model family; the entry points pick the family from the args or config.json.
+
+    folder.py     the folder on disk: config.json, safetensors (sharded with an index above a size), 0644 files,
+                  reading only safetensors and JSON
+    llama.py      dense Llama <-> LlamaForCausalLM, names one to one
+    moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores)
+    tokenizer.py  the run's tokenizer (tokenizer.json, BOS/EOS ids) in the export
+
+An export loads with `transformers.AutoModelForCausalLM.from_pretrained(folder)` and with
+`trainer.checkpoint.load_model(folder)`, and gives our model's logits (tests/unit/test_checkpoint.py,
+tests/unit/test_export_moe.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from trainer.export import llama, moe
+from trainer.export.folder import (
+    DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, SAFETENSORS_HINT, ExportError, Spec, join_tensors, numel, plan_shards,
+    read_config, read_tensors, require_safetensors, write_folder,
+)
+from trainer.export.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
+from trainer.export.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
+from trainer.models import is_moe
+from trainer.models.llama import ModelArgs
+
+logger = logging.getLogger("trainer.export")
+
+
+def family(args: ModelArgs) -> ModuleType:
+    """The module that maps this model family: `trainer.export.moe` or `trainer.export.llama`."""
+    return moe if is_moe(args) else llama
+
+
+def _family_of_config(config: dict, *, where: str) -> ModuleType:
+    model_type = config.get("model_type", llama.MODEL_TYPE)
+    if model_type == llama.MODEL_TYPE:
+        return llama
+    if model_type in moe.MODEL_TYPES.values():
+        return moe
+    raise ExportError(f"{where}: model_type={model_type!r} is not a layout this trainer reads "
+                      f"({', '.join(repr(t) for t in (llama.MODEL_TYPE, *moe.MODEL_TYPES.values()))})")
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model with these args exports, by our fqn."""
+    return family(args).expected_shapes(args)
+
+
+def check_exportable(args: ModelArgs) -> list[str]:
+    """A one-line ExportError for options without an exact Hugging Face target; the warnings an export prints."""
+    return family(args).check_exportable(args)
+
+
+def hf_config(args: ModelArgs, *, dtype: torch.dtype, tokenizer: ExportTokenizer | None = None) -> dict:
+    """config.json of the export: the family's architecture, and the tokenizer's BOS/EOS ids (null if unknown)."""
+    return {
+        **family(args).hf_config(args, dtype=dtype),
+        "bos_token_id": tokenizer.bos_id if tokenizer else None,
+        "eos_token_id": tokenizer.eos_id if tokenizer else None,
+        "pad_token_id": None,
+    }
+
+
+def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
+    """ModelArgs (MoEArgs for an MoE layout) of a Hugging Face config.json."""
+    return _family_of_config(config, where=where).args_from_hf_config(config, where=where)
+
+
+def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
+    """Raise ExportError naming the first field where config.json disagrees with args."""
+    theirs = _family_of_config(config, where=where)
+    if theirs is not family(args):
+        kinds = {llama: "dense (Llama)", moe: "MoE"}
+        raise ExportError(f"{where}: model_type={config.get('model_type', llama.MODEL_TYPE)!r} is a {kinds[theirs]} "
+                          f"layout, but the trainer model is {kinds[family(args)]}")
+    theirs.check_hf_config(config, args, where=where)
+
+
+def read_hf_config(folder: str | os.PathLike) -> ModelArgs:
+    """ModelArgs of a Hugging Face folder's config.json (Llama, Ernie4_5_Moe or Glm4Moe)."""
+    folder = Path(folder)
+    return args_from_hf_config(read_config(folder), where=str(folder / "config.json"))
+
+
+def read_hf_weights(folder: str | os.PathLike, *, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder's weights (config.json + single or sharded safetensors) as our fqns.
+
+    Checks config.json and every tensor's shape against args before returning; tensors keep
+    the folder's dtype. A tied model's head is a copy of the embeddings.
+    """
+    folder = Path(folder)
+    config = read_config(folder)
+    check_hf_config(config, args, where=str(folder / "config.json"))
+    fam = family(args)
+    tensors = read_tensors(folder)
+    tied = config.get("tie_word_embeddings", fam.tied_by_default(config))
+    if "lm_head.weight" not in tensors and tied and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    shapes = fam.expected_shapes(args)
+    return join_tensors(tensors, specs={fqn: fam.spec(fqn, args) for fqn in shapes}, shapes=shapes, folder=folder)
+
+
+def _check_shapes(shapes: dict[str, tuple[int, ...]], args: ModelArgs) -> None:
+    expected = expected_shapes(args)
+    missing = [k for k in expected if k not in shapes]
+    unexpected = [k for k in shapes if k not in expected]
+    wrong = [k for k in expected if k in shapes and tuple(shapes[k]) != expected[k]]
+    if missing or unexpected or wrong:
+        first = (f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}" if unexpected
+                 else f"{wrong[0]} has shape {list(shapes[wrong[0]])}, expected {list(expected[wrong[0]])}")
+        raise ExportError(f"the weights do not match the model arguments ({first}; {len(missing)} missing, "
+                          f"{len(unexpected)} unexpected, {len(wrong)} of another shape)")
+
+
+def write_hf_export(
+    out_dir: str | os.PathLike,
+    *,
+    args: ModelArgs,
+    shapes: dict[str, tuple[int, ...]],
+    fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+    dtype: torch.dtype,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    is_writer: bool = True,
+    tokenizer: ExportTokenizer | None = None,
+) -> Path:
+    """Write config.json, the safetensors and the tokenizer for `shapes` (our fqns), one shard's tensors at a time.
+
+    `fetch(fqns)` returns those tensors (any dtype/device; cast here). In a distributed
+    export every rank calls this with the same arguments (fetch may be collective) and only
+    the writer rank writes. The folder appears complete or not at all: it is written as
+    `{out_dir}.tmp` and renamed. Options without an exact target are refused before anything
+    is fetched or written.
+    """
+    out = Path(out_dir)
+    fam = family(args)
+    notes = fam.check_exportable(args)
+    _check_shapes(shapes, args)
+    config = hf_config(args, dtype=dtype, tokenizer=tokenizer)
+    if is_writer:
+        for note in notes:
+            logger.warning("%s", note)
+    extra = None
+    if tokenizer is not None:
+        def extra(tmp: Path) -> None:
+            write_tokenizer_files(tokenizer, folder=tmp, max_seq_len=config["max_position_embeddings"])
+    names = write_folder(out, specs={fqn: fam.spec(fqn, args) for fqn in shapes}, shapes=shapes, fetch=fetch,
+                         dtype=dtype, config=config, max_shard_bytes=max_shard_bytes, is_writer=is_writer,
+                         extra_files=extra)
+    if is_writer:
+        mib = sum(numel(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size() / 2**20
+        logger.info("exported %d tensors (%s, %.1f MiB) as %s to %s (%s); %s", len(shapes), DTYPE_NAMES[dtype], mib,
+                    fam.architecture(args), out, names[0] if len(names) == 1 else f"{len(names)} shards",
+                    tokenizer.describe() if tokenizer else "no tokenizer")
+    return out
+
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES", "LLAMA3_SCALED_CONTEXT", "SAFETENSORS_HINT", "ExportError", "ExportTokenizer", "Spec",
+    "args_from_hf_config", "check_exportable", "check_hf_config", "expected_shapes", "family", "from_hf_name",
+    "hf_config", "plan_shards", "read_hf_config", "read_hf_weights", "require_safetensors", "resolve_tokenizer",
+    "to_hf_name", "write_hf_export",
+]

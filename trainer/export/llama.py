@@ -1,0 +1,258 @@
+"""The dense family in Hugging Face's Llama layout (`LlamaForCausalLM`): weight names and config.json.
+
+Our RoPE uses transformers' "rotate half" layout (see trainer/models/layers.py), so
+weights map one to one by name, with no permutation of q/k. The output head is
+never tied to the embeddings here; a tied HF model (Llama 3.2 1B/3B) is imported
+by copying `embed_tokens` into the head. The attention and dense-MLP names and the
+RoPE fields of config.json are shared with the MoE family (`trainer.export.moe`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from trainer.export.folder import DTYPE_NAMES, ExportError, Spec, rename
+from trainer.models.llama import ModelArgs
+
+MODEL_TYPE = "llama"
+TIED_BY_DEFAULT = False
+
+# max_position_embeddings of every RoPE-scaled reference config (Llama 3.1 with factor 8, 3.2 with factor 32).
+LLAMA3_SCALED_CONTEXT = 131072
+
+# (our fqn pattern, HF name pattern); {i} is the layer index.
+_NAME_MAP = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attention.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attention.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attention.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.mlp.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output_head.proj.weight", "lm_head.weight"),
+]
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+
+_TO_HF = [(_compile(ours), hf) for ours, hf in _NAME_MAP]
+_FROM_HF = [(_compile(hf), ours) for ours, hf in _NAME_MAP]
+
+
+def _rename(name: str, table: list[tuple[re.Pattern, str]], what: str) -> str:
+    for pattern, target in table:
+        m = pattern.match(name)
+        if m:
+            return target.format(i=m.group(1)) if m.groups() else target
+    raise ExportError(f"{name!r} is not a {what} Llama weight name")
+
+
+def to_hf_name(fqn: str) -> str:
+    """`layers.0.attention.q_proj.weight` -> `model.layers.0.self_attn.q_proj.weight`."""
+    return _rename(fqn, _TO_HF, "known (trainer)")
+
+
+def from_hf_name(name: str) -> str:
+    """`model.layers.0.self_attn.q_proj.weight` -> `layers.0.attention.q_proj.weight`."""
+    return _rename(name, _FROM_HF, "known Hugging Face")
+
+
+def architecture(args: ModelArgs) -> str:
+    return "LlamaForCausalLM"
+
+
+def check_exportable(args: ModelArgs) -> list[str]:
+    """Every dense model has its exact target; nothing to warn about."""
+    return []
+
+
+def spec(fqn: str, args: ModelArgs) -> Spec:
+    return rename(to_hf_name(fqn))
+
+
+def attention_shapes(args: ModelArgs, i: int) -> dict[str, tuple[int, ...]]:
+    """Block i's norms and attention, by our fqn (every family's blocks have them)."""
+    kv = args.n_kv_heads * args.head_dim
+    return {
+        f"layers.{i}.attention_norm.weight": (args.dim,),
+        f"layers.{i}.attention.q_proj.weight": (args.n_heads * args.head_dim, args.dim),
+        f"layers.{i}.attention.k_proj.weight": (kv, args.dim),
+        f"layers.{i}.attention.v_proj.weight": (kv, args.dim),
+        f"layers.{i}.attention.o_proj.weight": (args.dim, args.n_heads * args.head_dim),
+        f"layers.{i}.mlp_norm.weight": (args.dim,),
+    }
+
+
+def mlp_shapes(prefix: str, *, dim: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's weights under `prefix` (a dense block's `layers.{i}.mlp`, a shared expert)."""
+    return {
+        f"{prefix}.gate_proj.weight": (hidden, dim),
+        f"{prefix}.up_proj.weight": (hidden, dim),
+        f"{prefix}.down_proj.weight": (dim, hidden),
+    }
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every weight of a Llama with these args, by our fqn, in module order."""
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        shapes.update(attention_shapes(args, i))
+        shapes.update(mlp_shapes(f"layers.{i}.mlp", dim=args.dim, hidden=args.ffn_dim))
+    shapes["norm.weight"] = (args.dim,)
+    shapes["output_head.proj.weight"] = (args.vocab_size, args.dim)
+    return shapes
+
+
+def rope_config(args: ModelArgs) -> dict:
+    """The RoPE fields of config.json, in the keys transformers 4.x reads (5.x converts them)."""
+    s = args.rope_scaling
+    rope_scaling = None if s is None else {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_seq_len,
+    }
+    return {
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        # What the reference configs write: the scaled context, not original_max_position_embeddings
+        # (transformers warns when the two are equal).
+        "max_position_embeddings": args.max_seq_len if s is None else max(args.max_seq_len, LLAMA3_SCALED_CONTEXT),
+    }
+
+
+def common_config(args: ModelArgs, *, dtype: torch.dtype) -> dict:
+    """The config.json fields every family writes (decoder shapes, norm, RoPE, untied head, dtype)."""
+    return {
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        **rope_config(args),
+        "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+
+
+def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict:
+    """config.json for `LlamaForCausalLM` (keys read by transformers 4.x and 5.x)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": MODEL_TYPE,
+        **common_config(args, dtype=dtype),
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def rope_fields(config: dict) -> tuple[dict, float | None]:
+    """(the rope scaling dict or {}, rope_theta or None) of a config.json, in the 4.x or the 5.x keys."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope, config.get("rope_theta", rope.get("rope_theta"))
+
+
+def check_rope(config: dict, args: ModelArgs, *, where: str) -> None:
+    rope, theta = rope_fields(config)
+    if theta is not None and float(theta) != args.rope_theta:
+        raise ExportError(f"{where}: rope_theta={theta} but the trainer model has {args.rope_theta}")
+    has_scaling = rope.get("rope_type", rope.get("type", "default")) == "llama3"
+    if has_scaling != (args.rope_scaling is not None) or (
+        has_scaling and float(rope.get("factor", 0)) != args.rope_scaling.factor
+    ):
+        raise ExportError(f"{where}: rope scaling {rope or None} does not match the trainer model's "
+                          f"{args.rope_scaling}")
+
+
+def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
+    """Raise ExportError naming the first field where an HF config.json disagrees with args."""
+    expected = {
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "vocab_size": args.vocab_size,
+        "intermediate_size": args.ffn_dim,
+    }
+    for key, value in expected.items():
+        if config.get(key) != value:
+            raise ExportError(f"{where}: {key}={config.get(key)} but the trainer model has {value} "
+                              f"({describe(args)})")
+    if config.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        raise ExportError(f"{where}: model_type={config.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
+        raise ExportError(f"{where}: only hidden_act='silu' without attention/mlp biases is supported")
+    check_rope(config, args, where=where)
+
+
+def decoder_fields(config: dict, flavors: list[ModelArgs]) -> dict:
+    """ModelArgs fields of a config.json's decoder: shapes, norm, RoPE, context; KeyError/ValueError if absent.
+
+    The FFN width comes from (multiple_of, ffn_dim_multiplier): a flavor's when it gives this
+    width, else the pair that gives exactly `intermediate_size`.
+    """
+    from trainer.models.llama import RopeScaling
+
+    dim, ffn = int(config["hidden_size"]), int(config["intermediate_size"])
+    n_heads = int(config["num_attention_heads"])
+    rope, theta = rope_fields(config)
+    scaling = None
+    if rope.get("rope_type", rope.get("type", "default")) == "llama3":
+        scaling = RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                              high_freq_factor=float(rope["high_freq_factor"]),
+                              original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    hidden = int(2 * 4 * dim / 3)
+    multiple_of, multiplier = ffn, (None if ffn >= hidden else ffn / hidden)
+    for flavor in flavors:
+        if flavor.dim == dim and flavor.ffn_dim == ffn:
+            multiple_of, multiplier = flavor.multiple_of, flavor.ffn_dim_multiplier
+            break
+    return dict(
+        dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads", n_heads)), vocab_size=int(config["vocab_size"]),
+        multiple_of=multiple_of, ffn_dim_multiplier=multiplier, norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=scaling,
+        max_seq_len=int(config.get("max_position_embeddings", 8192)),
+    )
+
+
+def check_head_dim(config: dict, args: ModelArgs, *, where: str) -> None:
+    if config.get("head_dim", args.head_dim) != args.head_dim:
+        raise ExportError(f"{where}: head_dim={config['head_dim']} but hidden_size/num_attention_heads is "
+                          f"{args.head_dim}; this trainer's models have no separate head_dim")
+
+
+def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
+    """ModelArgs of a Hugging Face Llama config.json (checked back against it with `check_hf_config`)."""
+    from trainer.models.llama import FLAVORS
+
+    try:
+        args = ModelArgs(**decoder_fields(config, list(FLAVORS.values())))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{where}: not a Llama config ({type(e).__name__}: {e})") from None
+    check_head_dim(config, args, where=where)
+    check_hf_config(config, args, where=where)
+    return args
+
+
+def describe(args: ModelArgs) -> str:
+    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+    return ", ".join(f"{k}={getattr(args, k)}" for k in shape)
+
+
+def tied_by_default(config: dict) -> bool:
+    """tie_word_embeddings when config.json does not say (transformers' LlamaConfig default)."""
+    return TIED_BY_DEFAULT
