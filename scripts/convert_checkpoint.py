@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         if type(e).__module__.startswith(("trainer", "builtins", "__main__")):
             print(f"error: {e}", file=sys.stderr)
-            return 1
+            return 2
         raise
     return 0
 

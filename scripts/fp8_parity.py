@@ -18,12 +18,15 @@ The verdict compares the final validation losses: each variant's gap |x - bf16| 
 at most max(noise floor |bf16-seed2 - bf16| / bf16, --tolerance). Exit code 0 = all pass,
 1 = a variant further from bf16 than that (or a leg failed), 2 = bad arguments/config.
 
-Writes to --out: each leg's dump folder and log, parity.json (per-window losses, the verdicts)
-and parity.png (train loss solid, validation loss as dots: bf16 blue, bf16-seed2 grey, variants
-red, orange, green, purple, ...). A leg that already finished in --out with the same command is
-reused, not rerun, so `--legs a,b` can spread the legs over several machines or sittings; the
-verdict comes once every leg has finished. With enough GPUs for --nproc-per-leg, legs run side
-by side (CUDA_VISIBLE_DEVICES split); otherwise one after another.
+Writes to --out: each leg's dump folder and log (--out/LEG.log; a line says when each leg starts,
+with its log's path, and when it ends, with its exit code and seconds), parity.json (per-window
+losses, the verdicts) and parity.png (train loss as lines, validation loss as dots: bf16 blue,
+bf16-seed2 grey, variants red, orange, green, purple, ...). The plot needs matplotlib
+(pip install -e '.[plot]'); without it one line says the plot was skipped, and the rest is the same.
+A leg that already finished in --out with the same command is reused, not rerun, so `--legs a,b`
+can spread the legs over several machines or sittings; the verdict comes once every leg has
+finished. With enough GPUs for --nproc-per-leg, legs run side by side (CUDA_VISIBLE_DEVICES
+split); otherwise one after another.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-import zlib
+import time
 from pathlib import Path
 
 # The checkout this script is in comes first, even when another copy of trainer is installed.
@@ -49,6 +52,9 @@ from trainer.config import ConfigError, load_job_config  # noqa: E402
 REFERENCE, NOISE = "bf16", "bf16-seed2"
 PALETTE = [(214, 39, 40), (255, 127, 14), (44, 160, 44), (148, 103, 189), (140, 86, 75), (227, 119, 194),
            (188, 189, 34), (23, 190, 207), (0, 0, 0), (255, 215, 0)]
+COLOR_NAMES = {(31, 119, 180): "blue", (150, 150, 150): "grey", (214, 39, 40): "red", (255, 127, 14): "orange",
+               (44, 160, 44): "green", (148, 103, 189): "purple", (140, 86, 75): "brown", (227, 119, 194): "pink",
+               (188, 189, 34): "olive", (23, 190, 207): "cyan", (0, 0, 0): "black", (255, 215, 0): "gold"}
 MARKER = "parity_leg.json"  # in each leg's folder: the leg's command and whether it finished
 
 
@@ -142,26 +148,39 @@ def run_legs(commands: dict[str, list[str]], out: Path, nproc: int) -> dict[str,
     waves = [names[i:i + len(slots)] for i in range(0, len(names), len(slots))] if slots else [[n] for n in names]
     codes = {}
     for wave in waves:
-        procs = {}
-        for slot, leg in enumerate(wave):
-            folder = out / leg
-            if folder.exists():  # an unfinished or different earlier run of this leg (main checked the marker)
-                shutil.rmtree(folder)
-            folder.mkdir(parents=True)
-            (folder / MARKER).write_text(json.dumps({"command": _portable(commands[leg], out), "finished": False}))
-            env = dict(os.environ)
-            if slots:
-                env["CUDA_VISIBLE_DEVICES"] = slots[slot]
-            log = open(out / f"{leg}.log", "w")
-            print(f"[{leg}] {shlex.join(commands[leg])}"
-                  + (f"  (CUDA_VISIBLE_DEVICES={slots[slot]})" if slots else ""), flush=True)
-            procs[leg] = (subprocess.Popen(commands[leg], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
-        for leg, (proc, log) in procs.items():
-            codes[leg] = proc.wait()
-            log.close()
-            if codes[leg] == 0:
-                (out / leg / MARKER).write_text(json.dumps({"command": _portable(commands[leg], out), "finished": True}))
+        running = {leg: start_leg(leg, commands[leg], out, slots[slot] if slots else None)
+                   for slot, leg in enumerate(wave)}
+        while running:  # report each leg when it ends, not in start order
+            for leg, (proc, log, started) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[leg]
+                codes[leg] = proc.returncode
+                if codes[leg] == 0:
+                    (out / leg / MARKER).write_text(json.dumps({"command": _portable(commands[leg], out),
+                                                                "finished": True}))
+                print(f"[{leg}] {'done' if codes[leg] == 0 else 'FAILED'}: exit code {codes[leg]} after "
+                      f"{time.monotonic() - started:.1f} s; log {out / (leg + '.log')}", flush=True)
+            time.sleep(0.2)
     return codes
+
+
+def start_leg(leg: str, cmd: list[str], out: Path, gpus: str | None) -> tuple[subprocess.Popen, object, float]:
+    """Start one leg in a fresh folder, its output to --out/LEG.log; say so (the log is where to watch it)."""
+    folder = out / leg
+    if folder.exists():  # an unfinished or different earlier run of this leg (main checked the marker)
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text(json.dumps({"command": _portable(cmd, out), "finished": False}))
+    env = dict(os.environ)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    log = open(out / f"{leg}.log", "w")
+    print(f"[{leg}] started: log {out / (leg + '.log')}" + (f" (CUDA_VISIBLE_DEVICES={gpus})" if gpus else ""),
+          flush=True)
+    print(f"[{leg}] {shlex.join(cmd)}", flush=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log, time.monotonic()
 
 
 def read_curves(folder: Path) -> tuple[dict[int, float], dict[int, float]]:
@@ -264,12 +283,16 @@ def compare(args: argparse.Namespace, overrides: list[str], legs: list[str], ste
         summary.update({k: v for k, v in results[variants[0]].items() if k != "passed"})
     (out / "parity.json").write_text(json.dumps(summary, indent=2) + "\n")
     colors = legend(legs)
-    write_plot(out / "parity.png", curves, colors)
-    names = {(31, 119, 180): "blue", (150, 150, 150): "grey", (214, 39, 40): "red", (255, 127, 14): "orange",
-             (44, 160, 44): "green", (148, 103, 189): "purple", (140, 86, 75): "brown", (227, 119, 194): "pink",
-             (188, 189, 34): "olive", (23, 190, 207): "cyan", (0, 0, 0): "black", (255, 215, 0): "gold"}
-    print(f"wrote {out / 'parity.json'} and {out / 'parity.png'} (train solid, validation dots; "
-          + ", ".join(f"{leg} {names[c]}" for leg, c in colors.items()) + ")")
+    key = ", ".join(f"{leg} {COLOR_NAMES[c]}" for leg, c in colors.items())
+    if write_plot(out / "parity.png", curves, colors, title=f"FP8 parity: {Path(args.config).name}, {steps} steps"):
+        print(f"wrote {out / 'parity.json'} and {out / 'parity.png'} (train lines, validation dots; {key})")
+    else:
+        print(f"wrote {out / 'parity.json'}")
+        # An older plot beside a new parity.json would show curves the verdict no longer describes.
+        stale = (out / "parity.png").exists()
+        (out / "parity.png").unlink(missing_ok=True)
+        print("plot skipped: matplotlib is not installed (pip install -e '.[plot]' to get parity.png)"
+              + ("; removed the earlier run's parity.png" if stale else ""))
     return 0 if passed else 1
 
 
@@ -279,55 +302,34 @@ def legend(legs: list[str]) -> dict[str, tuple[int, int, int]]:
     return colors
 
 
-# -- a dependency-free PNG line plot ---------------------------------------------
-
-
 def write_plot(path: Path, curves: dict[str, tuple[dict[int, float], dict[int, float]]],
-               colors: dict[str, tuple[int, int, int]], size: tuple[int, int] = (800, 500)) -> None:
-    import numpy as np
+               colors: dict[str, tuple[int, int, int]], *, title: str) -> bool:
+    """Draw the legs' losses to `path` (PNG); False, writing nothing, when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")  # a file, no display (a GPU machine has none)
+    from matplotlib.figure import Figure
 
-    width, height = size
-    margin = 40
-    img = np.full((height, width, 3), 255, dtype=np.uint8)
-    points = [(s, v) for train, val in curves.values() for c in (train, val) for s, v in c.items() if math.isfinite(v)]
-    steps = [s for s, _ in points]
-    values = sorted(v for _, v in points)
-    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
-    # Clip the first steps' high loss so the region where the curves differ is readable.
-    y0, y1 = values[0], values[min(len(values) - 1, int(0.95 * len(values)))]
-    y1 = y1 if y1 > y0 else y0 + 1
-
-    def xy(step: float, value: float) -> tuple[int, int]:
-        x = margin + (step - x0) / (x1 - x0) * (width - 2 * margin)
-        y = height - margin - (min(value, y1) - y0) / (y1 - y0) * (height - 2 * margin)
-        return int(round(x)), int(round(y))
-
-    img[margin:height - margin + 1, margin] = img[height - margin, margin:width - margin + 1] = 0  # axes
-    for k in range(1, 5):  # light grid
-        img[margin + k * (height - 2 * margin) // 5, margin + 1:width - margin] = 225
+    fig = Figure(figsize=(10, 6), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
     for leg, (train, val) in curves.items():
-        color = colors[leg]
-        line = [xy(s, v) for s, v in sorted(train.items()) if math.isfinite(v)]
-        for (ax, ay), (bx, by) in zip(line, line[1:]):
-            n = max(abs(bx - ax), abs(by - ay), 1)
-            for t in np.linspace(0, 1, n + 1):
-                img[int(round(ay + t * (by - ay))), int(round(ax + t * (bx - ax)))] = color
-        for s, v in val.items():
-            x, y = xy(s, v)
-            img[max(0, y - 3):y + 4, max(0, x - 3):x + 4] = color
-    _write_png(path, img)
-
-
-def _write_png(path: Path, rgb) -> None:
-    height, width, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[row].tobytes() for row in range(height))  # filter type 0 per row
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
-
-    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])  # 8-bit RGB
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-                     + chunk(b"IEND", b""))
+        color = tuple(c / 255 for c in colors[leg])
+        ax.plot(sorted(train), [train[s] for s in sorted(train)], color=color, linewidth=1.2, label=leg)
+        ax.plot(sorted(val), [val[s] for s in sorted(val)], "o", color=color, markersize=5)
+    # Clip the first steps' high loss so the region where the curves differ is readable.
+    values = sorted(v for train, val in curves.values() for c in (train, val) for v in c.values() if math.isfinite(v))
+    low, high = values[0], values[min(len(values) - 1, int(0.95 * len(values)))]
+    pad = 0.05 * (high - low) or 0.5
+    ax.set_ylim(low - pad, high + pad)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.legend(loc="outside right upper", title="train: lines\nvalidation: dots", fontsize="small")
+    fig.savefig(path)
+    return True
 
 
 if __name__ == "__main__":

@@ -152,10 +152,19 @@ def _update(
 _compiled_update = None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # The local shard itself, not DTensor.to_local(): that is an autograd function call, which per tensor
-    # and per step was most of this optimizer's host time (the GPU waited on it).
-    return t._local_tensor if isinstance(t, DTensor) else t
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor an optimizer updates in place: a DTensor's local shard, unwrapped from torchao's
+    fp8 all-gather weight wrapper (same storage).
+
+    Not DTensor.to_local(): that is an autograd function call, which per tensor and per step was most of
+    this optimizer's host time (the GPU waited on it). Not the wrapper: once FP8 scales are precomputed
+    it holds a scale tensor that torchao's __tensor_flatten__ tests for truth, which compiled code cannot
+    do (the compiled update failed from step 2 under fp8 + FSDP2 + bf16 master weights).
+    """
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    inner = getattr(t, "_tensor", None)  # torchao WeightWithDynamicFloat8CastTensor
+    return inner if type(t) is not torch.Tensor and isinstance(inner, torch.Tensor) else t
 
 
 class BF16AdamW(torch.optim.Optimizer):
@@ -195,7 +204,7 @@ class BF16AdamW(torch.optim.Optimizer):
             strides = [1] * len(shape)
             for d in range(len(shape) - 2, -1, -1):
                 strides[d] = strides[d + 1] * shape[d + 1]
-            dev = _local(p).device
+            dev = local_shard(p).device
             self._index_meta[p] = (torch.tensor(list(offsets), dtype=torch.int64, device=dev),
                                    torch.tensor(strides, dtype=torch.int64, device=dev))
         return self._index_meta[p]
@@ -241,8 +250,8 @@ class BF16AdamW(torch.optim.Optimizer):
                 comp = state.get("kahan_comp") if self.update == "kahan" else None
                 # Scalars as 0-dim CPU tensors: one compiled kernel per shape, not per value.
                 fn(
-                    _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                    None if comp is None else _local(comp), offsets, strides,
+                    local_shard(p), local_shard(p.grad), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]),
+                    None if comp is None else local_shard(comp), offsets, strides,
                     torch.tensor(step_key(self.seed, self._keys[p], step), dtype=torch.int64),
                     lr, *corrections[step], self.grad_scale, self.found_inf,
                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],

@@ -1,7 +1,10 @@
 """Command-line handling for scripts/train.py: help, config loading, one-line user errors.
 
-Errors the user can fix (`trainer.errors.UserError`) are printed as one line with a
-non-zero exit; anything else is a bug or an environment failure and keeps its traceback.
+Errors the user can fix (`trainer.errors.UserError`: a config, data, a checkpoint, a folder,
+FP8 that cannot run) are printed as one line and exit 2, whether found by the validation pass
+or after the process group exists; anything else is a bug or an environment failure and keeps
+its traceback (exit 1). A stop by SIGTERM or Ctrl-C (after its checkpoint) exits 143 or 130
+(trainer.train.STOP_SIGNALS); a second Ctrl-C quits at once with 130.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ from trainer.errors import UserError
 
 logger = logging.getLogger("trainer")
 
-EXIT_USER_ERROR = 1
-EXIT_CONFIG_ERROR = 2
+EXIT_USER_ERROR = 2
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +30,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         if speaks:
             print(usage(), file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return EXIT_USER_ERROR
     if "-h" in argv or "--help" in argv:
         sections = argv[argv.index("-h" if "-h" in argv else "--help") + 1:]
         sections = [s for s in sections if not s.startswith("-")]
@@ -36,7 +38,7 @@ def main(argv: list[str]) -> int:
             text = "\n\n".join(section_help(s) for s in sections) if sections else usage()
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
-            return EXIT_CONFIG_ERROR
+            return EXIT_USER_ERROR
         print(text)
         return 0
     setup_logging(rank)
@@ -45,22 +47,21 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         if speaks:
             print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return EXIT_USER_ERROR
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         logger.warning("no --config given: training the built-in defaults (model.flavor=%r, %d steps, data.source=%r) "
                        "into %s", cfg.model.flavor, cfg.train.steps, cfg.data.source, cfg.job.dump_folder)
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
-    logger.info("resolved config:\n%s", cfg.to_toml())
 
-    from trainer.train import EXIT_PREEMPTED, train
+    from trainer.train import train
 
     try:
         state = train(cfg)
     except ConfigError as e:  # found by the validation pass (world size, model shapes, data)
         if speaks:
             print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return EXIT_USER_ERROR
     except UserError as e:
         if speaks:
             print(f"error (rank {rank}): {e}", file=sys.stderr)
@@ -68,4 +69,4 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"interrupted (rank {rank})", file=sys.stderr)
         return 130
-    return EXIT_PREEMPTED if state.preempted else 0
+    return state.exit_code

@@ -1,4 +1,8 @@
-"""Logging with a rank and elapsed-time prefix; rank 0 logs at INFO, others at WARNING.
+"""Logging with a rank and elapsed-time prefix; rank 0 logs at INFO, each warning text once.
+
+A warning is about the job (a config, a checkpoint, FP8 without compile), which every rank meets
+alike: other ranks log errors only, unless a record says it is this rank's own
+(`logger.warning(..., extra=EVERY_RANK)`), so 8 ranks or 4 pipeline stages print it once.
 
 Also the one place where library warnings a user cannot act on are filtered out
 (`KNOWN_WARNINGS`): each is dropped on every rank, and where it needs a word, rank 0
@@ -7,10 +11,12 @@ says once, in our own terms, what it meant.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _START = time.monotonic()
@@ -29,9 +35,47 @@ class _Formatter(logging.Formatter):
         return f"[rank{self.rank} {elapsed:7.1f}s] {level}{record.getMessage()}"
 
 
+EVERY_RANK = {"every_rank": True}
+"""`extra=` of a warning that only this rank meets (every rank logs it, not only rank 0)."""
+
+
+class _OncePerJob(logging.Filter):
+    """Rank 0: each warning text once per process. Other ranks: errors, and warnings marked EVERY_RANK."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or getattr(record, "every_rank", False):
+            return True
+        if self.rank != 0:
+            return False
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+@contextlib.contextmanager
+def info_silenced() -> Iterator[None]:
+    """Drop the trainer's INFO lines (warnings still show): for work repeated alike, e.g. building the
+    second pipeline stage of a rank, whose lines the first stage's already said."""
+    root = logging.getLogger("trainer")
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 def setup_logging(rank: int) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_Formatter(rank))
+    handler.addFilter(_OncePerJob(rank))
     root = logging.getLogger("trainer")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)

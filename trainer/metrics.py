@@ -109,7 +109,7 @@ class MetricsLogger:
         self.running_loss: float | None = None
         self.num_nonfinite = 0
         self.num_loss_spikes = 0
-        self.start_time = time.perf_counter()
+        self.start_time = self.after_first_step = time.perf_counter()
         self.jsonl = None
         self.tb = None
         if rank != 0:
@@ -132,6 +132,40 @@ class MetricsLogger:
     def record_nonfinite(self) -> None:
         self.num_nonfinite += 1
 
+    def _loss_spike(self, loss: float) -> bool:
+        """Is this loss a spike against the running (EMA) loss? Updates the EMA."""
+        spike = False
+        if math.isfinite(loss):
+            if self.running_loss is not None and loss > self.loss_spike_factor * self.running_loss:
+                spike = True
+                self.num_loss_spikes += 1
+            # EMA of logged losses; slow enough that a spike stands out against it.
+            self.running_loss = loss if self.running_loss is None else 0.9 * self.running_loss + 0.1 * loss
+        return spike
+
+    def _eta(self, step: int, first_step: int, now: float) -> float:
+        # The ETA counts steps after the first, which holds compile and warm-up (2-3x a step's time).
+        if step == first_step:
+            self.after_first_step = now
+            return float("nan")
+        return (now - self.after_first_step) / (step - first_step) * (self.total_steps - step)
+
+    def _console_line(self, s: StepStats, *, tps: float, tflops: float, mfu: float | None,
+                      memory: tuple[float, float], eta: float) -> str:
+        extra = s.extra or {}
+        aux_text = f" | aux_loss {extra['aux_loss']:.4f}" if "aux_loss" in extra else ""
+        # On a CPU, model TFLOP/s and MFU say nothing (no peak to compare with): the line leaves them out.
+        perf = "" if self.device.type == "cpu" else f" | tflops {tflops:6.1f} | " + (
+            f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a")
+        line = (
+            f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f}{aux_text} | grad_norm {s.grad_norm:7.3f} | "
+            f"lr {s.lr:.2e} | tps {tps:,.0f}{perf} | "
+            f"mem {memory[0]:5.2f}/{memory[1]:5.2f} GiB | eta {_fmt_duration(eta)}"
+        )
+        if "val_loss" in extra:
+            line += f" | val_loss {extra['val_loss']:7.4f} ppl {extra['val_ppl']:.2f}"
+        return line
+
     def log(self, s: StepStats, *, first_step: int) -> dict:
         """Compute derived values, print one line, append to jsonl and TensorBoard."""
         tps = s.tokens / s.seconds if s.seconds > 0 else 0.0
@@ -141,16 +175,10 @@ class MetricsLogger:
         if self.device.type == "cuda":
             # Peaks per logged interval, so growth (a leak, a longer sequence) shows up.
             torch.cuda.reset_peak_memory_stats(self.device)
-        spike = False
-        if math.isfinite(s.loss):
-            if self.running_loss is not None and s.loss > self.loss_spike_factor * self.running_loss:
-                spike = True
-                self.num_loss_spikes += 1
-            # EMA of logged losses; slow enough that a spike stands out against it.
-            self.running_loss = s.loss if self.running_loss is None else 0.9 * self.running_loss + 0.1 * s.loss
-        elapsed = time.perf_counter() - self.start_time
-        done = s.step - first_step + 1
-        eta = elapsed / done * (self.total_steps - s.step) if done > 0 else float("nan")
+        spike = self._loss_spike(s.loss)
+        now = time.perf_counter()
+        elapsed = now - self.start_time
+        eta = self._eta(s.step, first_step, now)
         record = {
             "step": s.step,
             "loss": s.loss,
@@ -172,15 +200,7 @@ class MetricsLogger:
         record.update(extra)
         if self.rank != 0:
             return record
-        mfu_text = f"mfu {mfu:5.1f}%" if mfu is not None else "mfu n/a"
-        aux_text = f" | aux_loss {extra['aux_loss']:.4f}" if "aux_loss" in extra else ""
-        line = (
-            f"step {s.step:>6}/{self.total_steps} | loss {s.loss:7.4f}{aux_text} | grad_norm {s.grad_norm:7.3f} | "
-            f"lr {s.lr:.2e} | tps {tps:,.0f} | tflops {tflops:6.1f} | {mfu_text} | "
-            f"mem {mem_alloc:5.2f}/{mem_reserved:5.2f} GiB | eta {_fmt_duration(eta)}"
-        )
-        if "val_loss" in extra:
-            line += f" | val_loss {extra['val_loss']:7.4f} ppl {extra['val_ppl']:.2f}"
+        line = self._console_line(s, tps=tps, tflops=tflops, mfu=mfu, memory=(mem_alloc, mem_reserved), eta=eta)
         logger.info(line + ("  << LOSS SPIKE" if spike else ""))
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")

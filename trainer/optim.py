@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from trainer.bf16_adamw import BF16AdamW
+from trainer.bf16_adamw import BF16AdamW, local_shard
 
 
 class LocalFusedAdamW(torch.optim.AdamW):
@@ -38,13 +38,13 @@ class LocalFusedAdamW(torch.optim.AdamW):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                local = _local(p)
+                local = local_shard(p)
                 entry = lists.setdefault((local.device, local.dtype), ([], [], [], [], []))
-                for out, t in zip(entry, (local, _local(p.grad), _local(state["exp_avg"]),
-                                          _local(state["exp_avg_sq"]), state["step"])):
+                for out, t in zip(entry, (local, local_shard(p.grad), local_shard(state["exp_avg"]),
+                                          local_shard(state["exp_avg_sq"]), state["step"])):
                     out.append(t)
             for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
                 scale = None if self.grad_scale is None else self.grad_scale.to(device)
@@ -58,12 +58,6 @@ class LocalFusedAdamW(torch.optim.AdamW):
                 if inf is not None:  # a skipped step does not count (as in torch's fused AdamW)
                     torch._foreach_sub_(steps, [inf] * len(steps))
         return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def build_optimizer(
@@ -136,8 +130,16 @@ def lr_lambda(
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# The config key of each argument of lr_lambda, for a resume that says what changed.
+SCHEDULE_KEYS = {"warmup_steps": "scheduler.warmup_steps", "total_steps": "train.steps",
+                 "decay_type": "scheduler.decay_type", "min_lr_ratio": "scheduler.min_lr_ratio",
+                 "wsd_decay_ratio": "scheduler.wsd_decay_ratio"}
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, **schedule) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, **schedule))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, **schedule))
+    scheduler.schedule = dict(schedule)  # saved with the scheduler's state (LambdaLR saves its attributes)
+    return scheduler
 
 
 def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:

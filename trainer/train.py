@@ -24,6 +24,7 @@ from trainer.distributed import (
 )
 from trainer.evaluate import Evaluator
 from trainer.hooks import StepHook
+from trainer.log import EVERY_RANK
 from trainer.loss import LossFn, build_loss_fn
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
 from trainer.models import build_model, flops_per_token, is_moe, num_params, param_counts
@@ -35,6 +36,7 @@ from trainer.parallel.fp8_health import Fp8HealthHook
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import resolve_phases, run_precision_schedule
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
+from trainer.run_files import describe_precision, write_run_files
 from trainer.run_lock import RunLock, check_writable
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.validate import ResolvedJob, validate_job
@@ -44,8 +46,11 @@ logger = logging.getLogger(__name__)
 
 # Exit code of a run stopped by SIGTERM before its last step (after saving, when checkpoints are on):
 # what a shell reports for a SIGTERM death (128 + 15), so SLURM requeue scripts can tell
-# preemption (143) from completion (0) and from failure (1, 2).
+# preemption (143) from completion (0) and from failure (1, 2). Ctrl-C (SIGINT) stops the same way
+# and exits 130 (128 + 2); a second Ctrl-C quits at once, saving nothing.
 EXIT_PREEMPTED = 143
+EXIT_INTERRUPTED = 130
+STOP_SIGNALS = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 # Written to the dump folder by such a stop (and removed when the next run starts): under torchrun,
 # whose own exit code is 1 when its workers fail or it gets SIGTERM itself, this file is the signal.
 PREEMPTED_MARKER = "preempted.json"
@@ -58,7 +63,12 @@ class TrainState:
     step: int = 0
     mixed_precision: str = ""  # this run's train.mixed_precision, saved so a resume can say what changed
     resumed_mixed_precision: str = ""  # what the loaded checkpoint was written with ("" = not resumed)
-    preempted: bool = False  # stopped by SIGTERM before the last step (not saved: a resume clears it)
+    preempted: bool = False  # stopped by SIGTERM or Ctrl-C before the last step (not saved: a resume clears it)
+    stopped_by: str = ""  # the signal that stopped it: "SIGTERM" or "SIGINT"
+
+    @property
+    def exit_code(self) -> int:
+        return STOP_SIGNALS[signal.Signals[self.stopped_by]] if self.preempted else 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "mixed_precision": self.mixed_precision}
@@ -78,7 +88,7 @@ class Trainer:
         with a checkpoint there; `run_cfg` is then the whole run's config, written to config.toml.
         """
         job = job or validate_job(cfg, world_size=world_size_from_env())
-        self.cfg, self.run_cfg = cfg, run_cfg or cfg
+        self.cfg, self.run_cfg, self.job = cfg, run_cfg or cfg, job
         self.end_step = end_step or cfg.train.steps
         t = cfg.train
         self.parallel_dims, self.model_args = job.parallel_dims, job.model_args
@@ -175,6 +185,7 @@ class Trainer:
             self.cfg.model.flavor, f"{self._total_params:,}", f"{self._non_embedding_params:,}",
             args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
         )
+        logger.info(describe_precision(self.cfg, self.job))
         if is_moe(args):
             logger.info(
                 "MoE: %s active parameters per token (MFU counts these); %d routed experts top-%d (%s scores%s), "
@@ -256,8 +267,13 @@ class Trainer:
     # -- the loop ------------------------------------------------------------
 
     def _request_stop(self, signum, frame) -> None:
-        logger.warning("received %s: stopping after this step", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.stop_requested:
+            raise KeyboardInterrupt  # the second Ctrl-C: quit now
+        logger.warning("received %s: stopping after this step%s", name, " (Ctrl-C again to quit at once, saving "
+                       "nothing)" if signum == signal.SIGINT else "", extra=EVERY_RANK)
         self.stop_requested = True
+        self.state.stopped_by = self.state.stopped_by or name
 
     def _agree_to_stop(self) -> bool:
         """True on every rank once any rank got SIGTERM, so all stop (and save) after the same step.
@@ -273,23 +289,28 @@ class Trainer:
         cfg = self.cfg
         Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
         if self.env.rank == 0:
-            (Path(cfg.job.dump_folder) / "config.toml").write_text(self.run_cfg.to_toml())
+            written = write_run_files(cfg.job.dump_folder, cfg=cfg, run_cfg=self.run_cfg, job=self.job)
+            logger.info("outputs: %s (%s, metrics.jsonl%s%s)", cfg.job.dump_folder, ", ".join(written),
+                        ", tb/" if cfg.metrics.enable_tensorboard else "",
+                        f", {cfg.checkpoint.folder}/ every {cfg.checkpoint.interval} steps" if cfg.checkpoint.enable
+                        else "")
             (Path(cfg.job.dump_folder) / PREEMPTED_MARKER).unlink(missing_ok=True)  # from a preempted earlier run
-        previous = signal.signal(signal.SIGTERM, self._request_stop)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         p = cfg.profiling
         profiling = maybe_enable_profiling(
-            enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=p.trace_dir,
+            enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=cfg.trace_dir,
             rank=self.env.rank, record_shapes=p.record_shapes, with_stack=p.with_stack,
             profile_memory=p.profile_memory, expect_fp8=cfg.is_fp8 and not cfg.float8.emulate,
         )
         memory = maybe_record_memory_history(
-            enable=p.memory_snapshot, snapshot_dir=str(Path(p.trace_dir) / "memory_snapshot"), rank=self.env.rank
+            enable=p.memory_snapshot, snapshot_dir=str(Path(cfg.trace_dir) / "memory_snapshot"), rank=self.env.rank
         )
         try:
             with profiling as profiler, memory as memory_recorder:
                 self._loop(profiler, memory_recorder)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         self.check_finite()
         marker = Path(cfg.job.dump_folder) / PREEMPTED_MARKER
         if self.state.preempted:
@@ -297,12 +318,13 @@ class Trainer:
             saved = self.checkpoint.last_saved_step == self.state.step
             what = f"checkpoint step-{self.state.step} saved" if saved else "no checkpoint saved (" + (
                 "its save failed, see above" if self.checkpoint.enable else "checkpoint.enable=false") + ")"
-            logger.warning("stopped by SIGTERM at step %d of %d; %s; exiting with code %d", self.state.step,
-                           cfg.train.steps, what, EXIT_PREEMPTED)
+            self.state.stopped_by = self.state.stopped_by or "SIGTERM"  # another rank's signal
+            logger.warning("stopped by %s at step %d of %d; %s; exiting with code %d", self.state.stopped_by,
+                           self.state.step, cfg.train.steps, what, self.state.exit_code)
             if self.env.rank == 0:
                 # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
                 marker.write_text(json.dumps({"step": self.state.step, "of_steps": cfg.train.steps,
-                                              "checkpoint_saved": saved}) + "\n")
+                                              "checkpoint_saved": saved, "signal": self.state.stopped_by}) + "\n")
         elif self.end_step == cfg.train.steps:  # not a precision-schedule phase that ends before the run does
             logger.info("training finished at step %d", self.state.step)
         return self.state
@@ -313,6 +335,9 @@ class Trainer:
         interval = _Interval()
         # Tokens per device per step, each token counted once (TP and PP ranks share their dp rank's tokens).
         local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
+        logger.info("training steps %d-%d, %s tokens per step; the first step includes %swarm-up", first_step,
+                    self.end_step, f"{round(local_tokens * self.env.world_size):,}",
+                    "compilation and " if t.compile_model else "")
         stopping = False
         while self.state.step < self.end_step and not stopping:
             lr = self.scheduler.get_last_lr()[0]
@@ -409,5 +434,5 @@ def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:
     if cfg.checkpoint.enable:
         folders.append((str(Path(cfg.job.dump_folder) / cfg.checkpoint.folder), "checkpoint.folder"))
     if cfg.profiling.enable:
-        folders.append((cfg.profiling.trace_dir, "profiling.trace_dir"))
+        folders.append((cfg.trace_dir, "profiling.trace_dir"))
     return folders

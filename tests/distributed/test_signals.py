@@ -1,4 +1,4 @@
-"""SIGTERM to one rank stops every rank after the same step, with a checkpoint."""
+"""A stop signal to one rank, or Ctrl-C to torchrun, stops every rank after the same step, with a checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import FAST, REPO, TRAIN, env
 
 
@@ -17,7 +19,12 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_sigterm_on_one_rank_stops_all_ranks_together(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target, sig, worker_code", [
+    ("one worker", signal.SIGTERM, 143),
+    ("torchrun", signal.SIGINT, 130),  # Ctrl-C in the terminal: torchrun sends SIGINT to every worker
+])
+def test_stop_signal_stops_all_ranks_together(tmp_path: Path, target: str, sig: signal.Signals,
+                                              worker_code: int) -> None:
     args = [*FAST, "--train.steps=100000", "--train.batch_size=2", "--distributed.dp_shard=2",
             "--checkpoint.enable=true", "--checkpoint.interval=100000", f"--job.dump_folder={tmp_path}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN, *args]
@@ -30,21 +37,25 @@ def test_sigterm_on_one_rank_stops_all_ranks_together(tmp_path: Path) -> None:
             time.sleep(0.2)
         workers = _children(proc.pid)
         assert len(workers) == 2
-        # Only one rank is told to stop: the other must learn it from the agreement.
+        # With one worker told to stop, the other must learn it from the agreement.
         import os
 
-        os.kill(max(workers), signal.SIGTERM)
+        os.kill(max(workers) if target == "one worker" else proc.pid, sig)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    # Each worker exits 143 (preempted); torchrun turns any worker failure into its own exit code 1.
+    # torchrun exits 1 either way: a worker that exited 143 is a failure to it, and so is its own SIGINT.
     assert proc.returncode == 1, err[-3000:]
-    assert "exitcode  : 143" in err
-    assert "received SIGTERM: stopping after this step" in out + err
+    if target == "one worker":
+        assert f"exitcode  : {worker_code}" in err
+    name = sig.name
+    assert f"received {name}: stopping after this step" in out + err
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    stopped = [line for line in out.splitlines() if "stopped by SIGTERM at step" in line]
-    step = int(stopped[-1].split("stopped by SIGTERM at step ")[1].split()[0])
-    assert json.loads((tmp_path / "preempted.json").read_text())["step"] == step
+    stopped = [line for line in out.splitlines() if f"stopped by {name} at step" in line]
+    step = int(stopped[-1].split(f"stopped by {name} at step ")[1].split()[0])
+    assert stopped[-1].endswith(f"exiting with code {worker_code}")
+    assert json.loads((tmp_path / "preempted.json").read_text()) == {
+        "step": step, "of_steps": 100000, "checkpoint_saved": True, "signal": name}
     assert step >= last
     assert (tmp_path / "checkpoint" / f"step-{step}").is_dir()  # saved on the way out

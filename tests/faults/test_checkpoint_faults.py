@@ -89,7 +89,7 @@ def test_unverifiable_and_corrupt_checkpoints(steps_2_and_4, tmp_path):
     def one_line_error(name: str) -> str:
         r = results[name]
         lines = r["stderr"].strip().splitlines()
-        assert r["rc"] == 1 and len(lines) == 1, (name, r["stderr"][-2000:])
+        assert r["rc"] == 2 and len(lines) == 1, (name, r["stderr"][-2000:])
         assert "| loss" not in r["stdout"], name
         return lines[0]
 
@@ -134,7 +134,7 @@ def test_failed_save_is_one_line_and_leaves_nothing_behind(tmp_path, async_mode)
     stop = _run_with_full_disk(args, tmp_path / "stop", 4)
     tmp = tmp_path / "stop" / "checkpoint" / "step-4.tmp"
     lines = stop.stderr.strip().splitlines()
-    assert stop.returncode == 1 and len(lines) == 1, stop.stderr[-3000:]
+    assert stop.returncode == 2 and len(lines) == 1, stop.stderr[-3000:]
     assert lines[0].startswith(f"error (rank 0): checkpoint step-4 failed to save into {tmp}: no space left on "
                                "device (this checkpoint needs about "), lines[0]
     assert "MiB free); removed the partial step-4.tmp; earlier checkpoints are untouched" in lines[0]

@@ -209,20 +209,20 @@ def test_hostile_checkpoints_refused_on_resume_initial_load_and_export(trained, 
     for name, (_, file, message) in cases.items():
         r = results[name]
         lines = r["stderr"].strip().splitlines()
-        assert r["rc"] == 1 and len(lines) == 1, (name, r["stderr"][-2000:])
+        assert r["rc"] == 2 and len(lines) == 1, (name, r["stderr"][-2000:])
         assert file in lines[0] and message in lines[0], (name, lines[0])
         assert "| loss" not in r["stdout"], name
     # scripts/convert_checkpoint.py export (DCP -> HF) and import (HF -> DCP).
     for kind, folder in hostile.items():
         out = subprocess.run([sys.executable, CONVERT, "export", str(folder), str(tmp_path / f"out-{kind}")],
                              capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
-        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
         assert str(folder / ".metadata") in out.stderr and expected[kind] in out.stderr
         assert not (tmp_path / f"out-{kind}").exists()
     for name, folder in hf.items():
         out = subprocess.run([sys.executable, CONVERT, "import", str(folder), str(tmp_path / f"imp-{name}"),
                               "--flavor=debug"], capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
-        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
         assert str(folder) in out.stderr
     assert not marker.exists(), "a hostile file ran code"
     # The untouched original still loads everywhere: the checks refuse only what is unsafe.

@@ -50,7 +50,7 @@ def test_sigterm_saves_exits_143_and_resume_has_no_duplicate_rows(tmp_path: Path
     assert f"stopped by SIGTERM at step {step} of 100000; checkpoint step-{step} saved; exiting with code 143" in out
     assert "training finished" not in out
     assert json.loads((tmp_path / "preempted.json").read_text()) == {"step": step, "of_steps": 100000,
-                                                                    "checkpoint_saved": True}
+                                                                    "checkpoint_saved": True, "signal": "SIGTERM"}
     # The requeued run resumes, finishes (exit 0), clears the marker, and logs each step once.
     done = launch([*args[:-3], f"--train.steps={step + 2}", "--checkpoint.enable=true",
                    f"--job.dump_folder={tmp_path}"])
@@ -68,7 +68,7 @@ def test_second_run_on_the_same_folder_fails_at_once_naming_the_first(tmp_path: 
         start = time.time()
         second = launch([*FAST, "--train.steps=3", "--train.seed=1", f"--job.dump_folder={tmp_path}"])
         assert time.time() - start < 60
-        assert second.returncode == 1
+        assert second.returncode == 2
         line = second.stderr.strip()
         assert len(line.splitlines()) == 1 and "Traceback" not in second.stderr
         assert f"is in use by another run (host {socket.gethostname()}, pid {first.pid}, started " in line
@@ -116,7 +116,7 @@ def test_unwritable_outputs_fail_before_the_model_is_built(tmp_path: Path, monke
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     proc = launch([*FAST, "--train.steps=1", f"--job.dump_folder={blocker}/run"])
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"error (rank 0): job.dump_folder='{blocker}/run' is not writable: "), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Model:" not in proc.stdout
     # The checkpoint folder under a file is found before training, not at the first save.
@@ -124,7 +124,7 @@ def test_unwritable_outputs_fail_before_the_model_is_built(tmp_path: Path, monke
     (tmp_path / "run" / "ckpt").write_text("")
     proc = launch([*FAST, "--train.steps=1", "--checkpoint.enable=true", "--checkpoint.folder=ckpt",
                    f"--job.dump_folder={tmp_path / 'run'}"])
-    assert proc.returncode == 1 and "checkpoint.folder=" in proc.stderr and "is not writable" in proc.stderr
+    assert proc.returncode == 2 and "checkpoint.folder=" in proc.stderr and "is not writable" in proc.stderr
     assert "Model:" not in proc.stdout and "| loss" not in proc.stdout
 
     # A read-only mount (root ignores permission bits, so the filesystem's answer is simulated).

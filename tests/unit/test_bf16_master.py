@@ -207,6 +207,37 @@ def test_compiled_step_equals_eager(tmp_path: Path, monkeypatch) -> None:
             assert out[1][-1].abs().max() > 0  # the compensation is alive
 
 
+
+@pytest.mark.slow
+def test_compiled_step_updates_an_fp8_all_gather_weight_with_a_precomputed_scale(tmp_path: Path, monkeypatch) -> None:
+    """fp8 + FSDP2 + compile: the weights are torchao's fp8 all-gather wrappers, and after the first step they
+    hold a precomputed scale, which the compiled update cannot take (CI failed at step 2). The update must
+    reach the wrapped storage and equal eager on a plain tensor."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    gen = torch.Generator().manual_seed(3)
+    w0 = (1 + torch.rand(16, 32, generator=gen)).bfloat16()
+    grads = [torch.randn(16, 32, generator=gen).bfloat16() for _ in range(3)]
+    mm_config = Float8Linear.from_float(torch.nn.Linear(32, 16), config=Float8LinearConfig()).linear_mm_config
+    out = []
+    for wrapped in (False, True):
+        data = w0.clone()
+        p = torch.nn.Parameter(WeightWithDynamicFloat8CastTensor(data, mm_config, torch.float8_e4m3fn)
+                               if wrapped else data)
+        opt = BF16AdamW([p], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1, update="stochastic", seed=0,
+                        compile=wrapped)
+        for g in grads:
+            p.grad = g
+            opt.step()
+            if wrapped:
+                p._precomputed_scale = torch.tensor(7.0)  # as precompute_float8_dynamic_scale_for_fsdp leaves it
+        out.append(data)
+    assert not torch.equal(out[1], w0)
+    assert torch.equal(out[0], out[1])
+
 # -- config -------------------------------------------------------------------
 
 

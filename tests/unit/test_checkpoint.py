@@ -208,7 +208,8 @@ def test_kill_mid_save_leaves_previous_checkpoint_latest(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_stops(tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["sigterm", "ctrl-c"])
+def test_sigterm_and_ctrl_c_save_and_stop(tmp_path, sig, code):
     dump = tmp_path / "run"
     cmd = [sys.executable, TRAIN, *ARGS, "--train.mixed_precision=fp32", "--train.steps=1000",
            "--checkpoint.enable=true", "--checkpoint.interval=1000", f"--job.dump_folder={dump}"]
@@ -219,14 +220,26 @@ def test_sigterm_saves_and_stops(tmp_path):
     for line in proc.stdout:
         out.append(line)
         if "step      3/1000" in line:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     out.append(proc.stdout.read())
     watchdog.cancel()
-    assert proc.wait(timeout=30) == 143, "".join(out)[-3000:]  # preempted: see trainer.train.EXIT_PREEMPTED
+    assert proc.wait(timeout=30) == code, "".join(out)[-3000:]  # see trainer.train.STOP_SIGNALS
     last = max(r["step"] for r in read_metrics(dump))
-    assert "received SIGTERM" in "".join(out)
+    assert f"received {sig.name}" in "".join(out) and f"stopped by {sig.name} at step {last}" in "".join(out)
     assert _dirs(dump) == [f"step-{last}"]
+    assert json.loads((dump / "preempted.json").read_text()) == {
+        "step": last, "of_steps": 1000, "checkpoint_saved": True, "signal": sig.name}
+
+
+def test_extending_a_run_names_the_schedule_key_that_moved_its_learning_rate(tmp_path):
+    """A relaunch with only train.steps raised: the cosine decay stretches, and the warning says so by key."""
+    base = [*ARGS, "--train.mixed_precision=fp32", "--scheduler.warmup_steps=1", "--scheduler.decay_type=cosine",
+            "--checkpoint.enable=true", "--checkpoint.interval=100"]
+    _run([*base, "--train.steps=2"], tmp_path)
+    longer = _run([*base, "--train.steps=4"], tmp_path)
+    warning = next(line for line in longer.stdout.splitlines() if "learning rate at step 2" in line)
+    assert warning.endswith("(the checkpoint's run had 3.000e-04): train.steps 2 -> 4"), warning  # nothing else
 
 
 @pytest.mark.slow
@@ -327,7 +340,7 @@ def test_bad_input_is_one_line_before_training(trained, tmp_path):
     for name, (_, expected) in cases.items():
         r = results[name]
         lines = r["stderr"].strip().splitlines()
-        assert r["rc"] == 1 and len(lines) == 1, (name, r["stderr"])
+        assert r["rc"] == 2 and len(lines) == 1, (name, r["stderr"])
         assert lines[0].startswith("error (rank 0): ") and expected in lines[0], (name, lines[0], expected)
         assert "step      1/" not in r["stdout"], name  # found before training started
 
@@ -371,7 +384,7 @@ def test_import_hf_weights_as_initial_load_path(trained, tmp_path):
     # Wrong flavor: one line naming config.json.
     bad = subprocess.run([sys.executable, CONVERT, "import", str(trained / "step-2-hf"), str(tmp_path / "x"),
                           "--flavor=debug", "--n-layers=2"], capture_output=True, text=True, env=env(), cwd=REPO)
-    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "config.json: num_hidden_layers=4 but the trainer model has 2" in bad.stderr
 
     # A new run starts from the imported weights: its step-1 loss is this model's loss on the first batch.

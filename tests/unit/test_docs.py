@@ -72,3 +72,46 @@ def test_anchor_rules() -> None:
     page = REPO / "docs" / "benchmarks.md"
     assert "multi-gpu-1b-on-2x-h200-fsdp2-over-both-gpus" in anchors(page)
     assert "fp8-accuracy-vs-bf16-1b-real-text" in anchors(page)
+
+
+# -- the docs against behaviour ------------------------------------------------------------------
+
+_OVERRIDE = re.compile(r"--([a-z][a-z0-9]*)\.([a-z][a-z0-9_]*)\b")
+_SECTION_KEY = re.compile(r"`([a-z][a-z0-9]*)\.([a-z][a-z0-9_]*)( = [^`]+)?`")
+_FILE_SUFFIXES = {"json", "jsonl", "safetensors", "py", "sbatch", "toml", "md", "txt", "bin"}  # metrics.jsonl
+_PATH = re.compile(r"\b((?:configs/train|scripts|trainer|tests)/[\w/.-]+\.(?:toml|py|sh))\b")
+
+
+def _all_text() -> list[tuple[str, str]]:
+    return [(page.name, page.read_text()) for page in PAGES]
+
+
+def test_every_override_and_key_the_docs_name_exists() -> None:
+    """`--section.key` and `section.key` in the docs are config keys (a renamed key leaves no stale doc)."""
+    import dataclasses
+
+    from trainer.config import JobConfig
+
+    defaults = JobConfig()
+    fields = {s.name: {f.name for f in dataclasses.fields(getattr(defaults, s.name))} for s in dataclasses.fields(defaults)}
+    unknown = set()
+    for name, text in _all_text():
+        for section, key in _OVERRIDE.findall(text):
+            if section in fields and key not in fields[section]:
+                unknown.add(f"{name}: --{section}.{key}")
+        for section, key, _ in _SECTION_KEY.findall(text):
+            if section in fields and key not in fields[section] and key not in _FILE_SUFFIXES:
+                unknown.add(f"{name}: {section}.{key}")
+    assert not unknown, sorted(unknown)
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    missing = {f"{name}: {path}" for name, text in _all_text() for path in _PATH.findall(text)
+               if not (REPO / path).exists() and "*" not in path}
+    assert not missing, sorted(missing)
+
+
+def test_readme_says_how_ci_installs_torch() -> None:
+    """The README's claim about .ci/run is .ci/run's own torch pin."""
+    pin = re.search(r'"(torch==[\d.]+)"', (REPO / ".ci" / "run").read_text()).group(1)
+    assert f"`.ci/run` pins `{pin}`" in (REPO / "README.md").read_text()

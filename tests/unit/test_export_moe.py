@@ -299,7 +299,7 @@ def test_convert_export_copies_the_recorded_tokenizer(tmp_path):
     assert export("bare", "--no-tokenizer").returncode == 0 and not (tmp_path / "bare" / "tokenizer.json").exists()
     path.write_text(path.read_text().replace("experts", "expert"))
     bad = export("changed")
-    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0, bad.stderr[-2000:]
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr[-2000:]
     assert "has changed since " + str(ckpt / "checkpoint.json") in bad.stderr and not (tmp_path / "changed").exists()
 
 

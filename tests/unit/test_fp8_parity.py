@@ -88,6 +88,37 @@ def test_a_finished_leg_is_reused_only_with_the_same_command(tmp_path: Path):
     assert not fp8_parity.finished(tmp_path, "a", cmd)
 
 
+def _fake_legs(out: Path) -> None:
+    for leg, shift in (("bf16", 0.0), ("bf16-seed2", 0.01), ("fp8", 0.02)):
+        (out / leg).mkdir(parents=True)
+        rows = [{"step": s, "loss": 5 - s / 10 + shift, **({"val_loss": 5 - s / 10 + shift} if s % 5 == 0 else {})}
+                for s in range(1, 11)]
+        (out / leg / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("matplotlib_installed", [True, False])
+def test_plot_is_matplotlib_and_without_it_one_line_says_so(tmp_path: Path, capsys, monkeypatch,
+                                                           matplotlib_installed: bool):
+    _fake_legs(tmp_path)
+    (tmp_path / "parity.png").write_bytes(b"an earlier run's plot")
+    if not matplotlib_installed:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    args = fp8_parity.argparse.Namespace(config=DEBUG_CONFIG, windows=2, tolerance=0.05)
+    assert fp8_parity.compare(args, [], ["bf16", "bf16-seed2", "fp8"], 10, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert json.loads((tmp_path / "parity.json").read_text())["passed"]  # the verdict either way
+    assert "PASS: final validation loss fp8" in out
+    if matplotlib_installed:
+        png = (tmp_path / "parity.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1000
+        assert "bf16 blue, bf16-seed2 grey, fp8 red" in out and "plot skipped" not in out
+    else:
+        skipped = [line for line in out.splitlines() if "plot skipped" in line]
+        assert skipped == ["plot skipped: matplotlib is not installed (pip install -e '.[plot]' to get parity.png); "
+                           "removed the earlier run's parity.png"]
+        assert not (tmp_path / "parity.png").exists()
+
+
 @pytest.mark.slow
 def test_legs_split_over_two_calls_and_two_variants(tmp_path: Path):
     variants = ["--variant", "tw=", "--variant", "head=--float8.exclude_fqns=output_head.proj"]
@@ -119,7 +150,7 @@ def test_real_fp8_passes_and_writes_table_json_and_plot(tmp_path: Path):
     assert "Applied Float8 training" in (tmp_path / "fp8.log").read_text()
     assert "Applied Float8 training" not in (tmp_path / "bf16.log").read_text()
     png = (tmp_path / "parity.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 800
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1000
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DEBUG_CONFIG, column, launch, train
+from tests.helpers import DEBUG_CONFIG, REPO, column, launch, train
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.optim import lr_lambda
@@ -126,6 +126,44 @@ def test_startup_lines_follow_the_fp8_page(tmp_path: Path) -> None:
     # fp8 keeps bf16 master weights by default (distributed.master_dtype="auto"), with stochastic rounding.
     assert "BF16AdamW (bf16 master weights, stochastic rounding), 1 group: 39 tensors, 918,656 parameters" in groups
     assert "Model: debug, 918,656 parameters (853,120 non-embedding)" in lines[order[2]]
+
+
+def lines_before_step_1(output: str) -> list[str]:
+    lines = output.splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if "step      1/" in line)]
+
+
+def test_console_is_a_short_header_and_the_values_used_go_to_files(tmp_path: Path) -> None:
+    """No config dump on the console: config.toml as given (relaunchable), resolved.toml with the real values."""
+    import json
+    import tomllib
+
+    proc = launch(["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--train.steps=1",
+                   "--train.seq_len=32", "--train.mixed_precision=fp8", "--float8.emulate=true",
+                   f"--job.dump_folder={tmp_path}", "--metrics.enable_tensorboard=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header = lines_before_step_1(proc.stdout + proc.stderr)
+    assert len(header) <= 30, "\n".join(header)
+    text = "\n".join(header)
+    for what in ("job: ", "parallelism: ", "data: ", "converted 20/32 Linear layers", "precision: ", "Model: ",
+                 "MoE: ", f"outputs: {tmp_path} (config.toml, resolved.toml, fp8_layers.json, metrics.jsonl)"):
+        assert what in text, what
+    assert "[train]" not in text and "vocab_size = 0" not in text
+    # "fp8 without compile" is said once, by rank 0.
+    assert text.count("FP8 without train.compile_model=true") == 1
+    given = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert given["model"]["vocab_size"] == 0 and given["distributed"]["master_dtype"] == "auto"
+    used = tomllib.loads((tmp_path / "resolved.toml").read_text())
+    assert used["model"]["vocab_size"] == 512 and used["model"]["n_layers"] == 4
+    assert used["moe"]["top_k"] == 2 and used["moe"]["aux_loss_coef"] == 0.01
+    assert used["distributed"]["dp_shard"] == 1 and used["distributed"]["master_dtype"] == "bf16"
+    assert used["model_args"]["dim"] == 128 and used["model_args"]["n_experts"] == 8
+    fates = json.loads((tmp_path / "fp8_layers.json").read_text())
+    assert fates["layers.0.attention.q_proj"] == "converted" and fates["layers.1.moe.router.gate"] == "MoE router"
+    assert sum(fate == "converted" for fate in fates.values()) == 20 and len(fates) == 32
+    # The step line on a CPU leaves out model TFLOP/s and MFU (no peak to compare with).
+    step_line = next(line for line in proc.stdout.splitlines() if "step      1/1" in line)
+    assert "tflops" not in step_line and "mfu" not in step_line
 
 
 def test_fresh_run_sets_old_metrics_aside_and_resume_drops_rerun_rows(tmp_path: Path) -> None:

@@ -99,7 +99,7 @@ def test_dead_keys_are_gone() -> None:
 
 
 def test_data_path_implies_shards(tmp_path: Path) -> None:
-    write_shard(tmp_path / "a.bin", np.arange(300) % 258, vocab_size=258, tokenizer_fingerprint=ByteTokenizer.fingerprint)
+    write_shard(tmp_path / "a.bin", np.arange(2000) % 258, vocab_size=258, tokenizer_fingerprint=ByteTokenizer.fingerprint)
     # The debug TOML says source='default'; a path on the command line means shards.
     cfg = _cfg(f"--data.path={tmp_path}")
     assert cfg.data.source == "shards"

@@ -176,6 +176,8 @@ class CheckpointState(Stateful):
         s = self.scheduler
         config_base_lrs = list(s.base_lrs)
         saved_lr = saved.get("_last_lr")
+        saved = dict(saved)
+        saved_schedule, schedule = saved.pop("schedule", None), getattr(s, "schedule", None)
         s.load_state_dict({**saved, "base_lrs": config_base_lrs})
         # The lr of the next step from this run's schedule at the saved position; the same
         # expression LambdaLR uses, so an unchanged config gives the bit-identical lr.
@@ -185,7 +187,20 @@ class CheckpointState(Stateful):
         s._last_lr = lrs
         if saved_lr is not None and list(saved_lr) != lrs:
             logger.warning("learning rate at step %d is %.3e from this run's schedule (the checkpoint's run had "
-                           "%.3e): optimizer/scheduler settings changed", s.last_epoch, lrs[0], saved_lr[0])
+                           "%.3e): %s", s.last_epoch, lrs[0], saved_lr[0],
+                           _schedule_changes(saved_schedule, schedule, saved.get("base_lrs"), config_base_lrs))
+
+
+def _schedule_changes(saved: dict | None, now: dict | None, saved_lrs: list | None, lrs: list) -> str:
+    """What differs between the checkpoint's schedule and this run's, by config key."""
+    from trainer.optim import SCHEDULE_KEYS
+
+    if saved is None or now is None:  # a checkpoint from before schedules were saved
+        return "optimizer/scheduler settings changed"
+    changed = [f"{SCHEDULE_KEYS.get(k, k)} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+    if saved_lrs is not None and list(saved_lrs) != list(lrs):
+        changed.append(f"optimizer.lr {saved_lrs[0]:g} -> {lrs[0]:g}")
+    return ", ".join(changed) or "optimizer/scheduler settings changed"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
@@ -18,8 +19,8 @@ MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
 @dataclass
 class JobSection:
-    dump_folder: str = "./outputs"
-    """Folder for everything a run writes: resolved config, metrics.jsonl, tb/, checkpoints."""
+    dump_folder: str = "./outputs/run"
+    """Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler traces."""
     description: str = ""
     """Free text logged at start; say what this run is for."""
 
@@ -230,8 +231,8 @@ class ProfilingSection:
     """First profiled step (1-based, inclusive)."""
     end_step: int = 5
     """Last profiled step (inclusive)."""
-    trace_dir: str = "profiler_traces/trace"
-    """Where traces (rank{r}_step{a}-{b}.pt.trace.json.gz), the kernel summary and memory snapshots go."""
+    trace_dir: str = ""
+    """Where traces (rank{r}_step{a}-{b}.pt.trace.json.gz), the kernel summary and memory snapshots go; "" = the run's job.dump_folder/profiler_traces."""
     record_shapes: bool = False
     """Record operator input shapes."""
     with_stack: bool = False
@@ -315,6 +316,11 @@ class JobConfig:
     @property
     def is_fp8(self) -> bool:
         return self.train.is_fp8
+
+    @property
+    def trace_dir(self) -> str:
+        """profiling.trace_dir, or the run's own folder for traces when it is empty."""
+        return self.profiling.trace_dir or str(Path(self.job.dump_folder) / "profiler_traces")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

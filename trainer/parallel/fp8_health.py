@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from trainer.hooks import StepHook
+from trainer.log import EVERY_RANK
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class Fp8HealthMonitor:
                         "excluding the layer (float8.exclude_fqns)", 100 * worst[what], fqn,
                         "input" if kind == "input" else "output-gradient",
                         "underflow to zero" if what == "underflow" else "saturate", fmt, worst["amax"],
-                        worst["scale"], 100 * limit)
+                        worst["scale"], 100 * limit, extra=EVERY_RANK)  # this rank's tokens and layers
         return out
 
 

@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.log import info_silenced
+
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -235,6 +237,22 @@ def _merge_float8_reports(reports: list):
     return merged
 
 
+def describe_split(stage_fqns, costs, own: list[int], pp_rank: int) -> str:
+    """One line for the whole split, e.g. `pipeline split: 0 tok_embeddings+layers.0 23% | 1 layers.1-2 40%
+    | ...; pp rank 0 runs stages 0, 2`."""
+    stages = []
+    for sid, fqns in enumerate(stage_fqns):
+        blocks = [int(f.split(".")[1]) for f in fqns if f.startswith("layers.")]
+        names = [f for f in fqns if not f.startswith("layers.")]
+        if blocks:
+            span = f"layers.{blocks[0]}" if len(blocks) == 1 else f"layers.{blocks[0]}-{blocks[-1]}"
+            names.insert(1 if fqns[0] == "tok_embeddings" else 0, span)
+        share = f" {100 * costs[sid]:.0f}%" if costs else ""
+        stages.append(f"{sid} {'+'.join(names) or 'empty'}{share}")
+    return (f"pipeline split ({'share of the FLOPs' if costs else 'stage: modules'}): " + " | ".join(stages)
+            + f"; pp rank {pp_rank} runs stage{'s' if len(own) > 1 else ''} {', '.join(map(str, own))}")
+
+
 class Pipeline:
     """This rank's stages, their schedule, and the forward/backward of one optimizer step."""
 
@@ -263,14 +281,19 @@ class Pipeline:
             if build.float8 is not None:
                 opts = dataclasses.replace(build, float8=dataclasses.replace(
                     build.float8, exclude_fqns=_stage_float8_excludes(part, build.float8.exclude_fqns)))
-            reports.append(build_parallel_model(part, parallel_dims, options=opts, device=device))
+            # The first stage's build lines say how every stage is built; the others' would repeat them.
+            if not parts:
+                logger.info("pipeline stage %d/%d first (this rank's others are built alike, the split follows):",
+                            sid, options.num_stages)
+            with info_silenced() if parts else contextlib.nullcontext():
+                reports.append(build_parallel_model(part, parallel_dims, options=opts, device=device))
             # Materialize this rank's shards and fill them with the per-fqn seeded init: the
             # same values as the pp=1 model's (trainer.models.layers.Decoder.init_weights).
             part.to_empty(device=device)
             part.init_weights(seed=seed)
             part.train()
             parts.append(part)
-            self._log_stage(sid, options.stage_fqns[sid])
+        logger.info(describe_split(options.stage_fqns, options.stage_costs, self.stage_ids, self.pp_rank))
         self.parts = parts
         self.model = PipelineModel(parts)
         self.float8_report = self._gather_float8_reports(reports)
@@ -289,28 +312,23 @@ class Pipeline:
         self.has_last = any(s.is_last for s in self._stages)
 
     def _gather_float8_reports(self, reports: list):
-        """Every stage's FP8 report, from every pp rank: rank 0 logs one line per stage and the merged report
-        (the whole model's) feeds the metrics. None when the run is not fp8."""
+        """Every stage's FP8 report, from every pp rank, merged: the whole model's, which rank 0 logs in one
+        line and which feeds the metrics and fp8_layers.json. None when the run is not fp8."""
         if all(r is None for r in reports):
             return None
         gathered: list = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(gathered, list(zip(self.stage_ids, reports)), group=self.pp_group)
         by_stage = sorted((sid, report) for part in gathered for sid, report in part)
-        for sid, report in by_stage:
-            logger.info("FP8 on pipeline stage %d/%d: %s", sid, self.options.num_stages, report.lines()[1])
-        return _merge_float8_reports([report for _, report in by_stage])
+        merged = _merge_float8_reports([report for _, report in by_stage])
+        if merged is not None:
+            per_stage = ", ".join(f"{len(r.converted)}/{r.num_linear}" for _, r in by_stage)
+            logger.info("FP8 over all %d pipeline stages (%s converted on stages 0..%d): %s",
+                        self.options.num_stages, per_stage, self.options.num_stages - 1, merged.lines()[1])
+        return merged
 
     @property
     def num_microbatches(self) -> int:
         return self.options.num_microbatches
-
-    def _log_stage(self, sid: int, fqns: tuple[str, ...]) -> None:
-        blocks = [f for f in fqns if f.startswith("layers.")]
-        edges = [f for f in fqns if not f.startswith("layers.")]
-        share = f", {100 * self.options.stage_costs[sid]:.0f}% of the FLOPs" if self.options.stage_costs else ""
-        logger.info("pipeline stage %d/%d on pp rank %d: %s%s%s", sid, self.options.num_stages, self.pp_rank,
-                    f"{blocks[0]}..{blocks[-1]} ({len(blocks)} blocks)" if blocks else "no blocks",
-                    f" + {', '.join(edges)}" if edges else "", share)
 
     def _build_schedule(self, parts: list[nn.Module]):
         from torch.distributed.pipelining import PipelineStage

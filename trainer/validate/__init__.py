@@ -39,6 +39,8 @@ class ResolvedJob:
     """The held-out source when validation.enable (never overlaps data_source)."""
     pipeline: PipelineOptions | None = None
     """The stage layout and schedule when distributed.pp > 1."""
+    float8_layers: dict[str, str] | None = None
+    """fp8 runs: every Linear's fqn -> "converted" or why it is excluded, in model order."""
 
 
 def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
@@ -47,11 +49,11 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
     pipeline = resolve_pipeline(cfg, pp=pd.pp, args=args)
-    float8 = resolve_float8(cfg, args, pd) if cfg.train.is_fp8 else None
+    float8, float8_layers = resolve_float8(cfg, args, pd) if cfg.train.is_fp8 else (None, None)
     build = resolve_build(cfg, pd, float8)
     source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
-                       validation_source=validation, pipeline=pipeline)
+                       validation_source=validation, pipeline=pipeline, float8_layers=float8_layers)
 
 
 __all__ = ["ResolvedJob", "check_config", "validate_job"]

@@ -53,8 +53,11 @@ def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
     return out
 
 
-def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> Float8Options:
-    """The FP8 options of an fp8 run: every exclusion must match a Linear; the GPU is probed under float8.require."""
+def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> tuple[Float8Options, dict[str, str]]:
+    """The FP8 options of an fp8 run and every Linear's fate (fqn -> "converted" or why it is excluded).
+
+    Every exclusion must match a Linear; the GPU is probed under float8.require.
+    """
     import torch
 
     from trainer.models import build_model
@@ -68,12 +71,14 @@ def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> Float8Options
     with torch.device("meta"):
         shapes = build_model(args)
     try:
-        select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns))
+        converted, excluded, _ = select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns))
     except ValueError as e:  # an exclude_fqns entry that matches nothing
         raise ConfigError(str(e)) from None
     _check_fp8_hardware(require=f8.require, emulate=f8.emulate)
-    return Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
-                         exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require)
+    options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
+                            exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require)
+    fates = {fqn: "converted" for fqn in converted} | excluded
+    return options, {fqn: fates[fqn] for fqn, _ in shapes.named_modules() if fqn in fates}
 
 
 def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None) -> BuildOptions:
@@ -127,6 +132,15 @@ def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]
     data, t = cfg.data, cfg.train
     source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                           vocab_size=vocab_size, seq_len=t.seq_len)
+    # A step takes batch_size x grad_accum_steps samples on each dp rank; fewer samples than one global
+    # batch would repeat them within the step (and a long seq_len on a small file gives few samples).
+    needed, have = t.batch_size * t.grad_accum_steps * dp, source.num_samples(t.seq_len)
+    if needed > have:
+        raise ConfigError(
+            f"one step needs a global batch of {needed} samples (train.batch_size={t.batch_size} x "
+            f"train.grad_accum_steps={t.grad_accum_steps} x {dp} data-parallel ranks) of train.seq_len={t.seq_len} "
+            f"tokens, but {source!r} has {have}; lower train.seq_len or train.batch_size, or give more data"
+        )
     validation = _validation_source(cfg, vocab_size=vocab_size, dp=dp) if cfg.validation.enable else None
     return source, validation
 

@@ -1,0 +1,82 @@
+"""Text inputs of the data scripts: files or quoted globs -> validated documents.
+
+`scripts/prepare_data.py` and `scripts/build_tokenizer.py` both read `--input` through here, so they
+take the same files (.txt, .jsonl, .parquet) and fail on bad input with the same one-line DataError.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainer.data.shards import DataError
+
+EXTENSIONS = (".txt", ".jsonl", ".parquet")
+
+
+def expand_inputs(patterns: list[str]) -> list[Path]:
+    """The input files: each pattern is a file or a glob (quoted, so the shell leaves it alone) matching some."""
+    paths = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern, recursive=True))
+            if not matches:
+                raise DataError(f"--input {pattern} matches no files")
+        elif not Path(pattern).is_file():
+            raise DataError(f"--input {pattern} is not a file (pass files or globs like 'dir/*.jsonl')")
+        else:
+            matches = [pattern]
+        for match in map(Path, matches):
+            if match.suffix not in EXTENSIONS:
+                raise DataError(f"--input {match} has an unsupported extension; expected one of {', '.join(EXTENSIONS)}")
+            paths.append(match)
+    return paths
+
+
+def _text(value, *, where: str, field: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{field}' is {type(value).__name__}, not a string")
+    return value
+
+
+def read_documents(path: Path, *, text_field: str) -> Iterator[str]:
+    """Yield the documents of one input file: a .txt is one document, a .jsonl one per line, a .parquet one per row."""
+    if path.suffix == ".txt":
+        try:
+            yield path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    elif path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            for line_number, raw in enumerate(f, 1):
+                where = f"{path}:{line_number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(record, dict) or text_field not in record:
+                    fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{where}: no field '{text_field}' (found: {fields}); set --text-field")
+                yield _text(record[text_field], where=where, field=text_field)
+    else:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"reading {path} needs the optional package pyarrow: pip install pyarrow") from None
+        parquet = pq.ParquetFile(path)
+        if text_field not in parquet.schema_arrow.names:
+            raise DataError(f"{path}: no column '{text_field}' (found: {', '.join(parquet.schema_arrow.names)}); "
+                            "set --text-field")
+        row = 0
+        for batch in parquet.iter_batches(columns=[text_field]):
+            for value in batch.column(0).to_pylist():
+                yield _text(value, where=f"{path} row {row}", field=text_field)
+                row += 1

@@ -1,0 +1,103 @@
+"""What a run writes beside its metrics so the console can stay short: the values it used.
+
+    config.toml       the config as given (placeholders such as dp_shard = -1 kept): relaunchable as is
+    resolved.toml     every value the run used: the placeholders replaced (vocab_size, n_layers, the MoE
+                      routing, dp_shard, master weights, FP8 all-gather, resharding, pipeline stages) and
+                      the model's whole shape ([model_args])
+    fp8_layers.json   fp8 runs: every Linear layer, converted or the reason it was excluded
+
+The startup log names these files instead of printing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.config.sections import toml_value
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
+    from trainer.validate import ResolvedJob
+
+RESOLVED = "resolved.toml"
+FP8_LAYERS = "fp8_layers.json"
+
+
+def resolved_config(cfg: JobConfig, job: ResolvedJob) -> dict[str, dict[str, Any]]:
+    """cfg's sections with every placeholder replaced by what validation resolved."""
+    import torch
+
+    from trainer.models import is_moe
+
+    d = cfg.to_dict()
+    args, pd, build = job.model_args, job.parallel_dims, job.build
+    d["model"].update(vocab_size=args.vocab_size, n_layers=args.n_layers)
+    if is_moe(args):
+        d["moe"].update(top_k=args.top_k, aux_loss_coef=args.aux_loss_coef, bias_update_rate=args.bias_update_rate,
+                        capacity_factor=args.capacity_factor)
+    d["distributed"].update(
+        dp_shard=pd.dp_shard, master_dtype="bf16" if build.fsdp.master_dtype == torch.bfloat16 else "fp32",
+        reshard_after_forward="always" if build.fsdp.reshard_after_forward else "never",
+    )
+    if build.float8 is not None:
+        d["float8"]["enable_fsdp_float8_all_gather"] = build.float8.enable_fsdp_float8_all_gather
+    if job.pipeline is not None:
+        p = job.pipeline
+        d["distributed"].update(pp_stages_per_rank=p.stages_per_rank, pp_microbatch_size=p.microbatch_size)
+        d["pipeline"] = {f"stage_{i}": list(fqns) for i, fqns in enumerate(p.stage_fqns)}
+        d["pipeline"]["stage_costs"] = [round(c, 4) for c in p.stage_costs]
+    d["model_args"] = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+    d["model_args"]["ffn_dim"] = args.ffn_dim
+    return d
+
+
+def describe_precision(cfg: JobConfig, job: ResolvedJob) -> str:
+    """The startup log's one line on precision: compute, FP8, master weights, gradient reduction."""
+    import torch
+
+    fsdp, f8 = job.build.fsdp, job.build.float8
+    compute = str(fsdp.param_dtype or torch.float32).removeprefix("torch.")
+    parts = [f"train.mixed_precision={cfg.train.mixed_precision!r}: {compute} compute"]
+    if f8 is not None:
+        n = sum(1 for fate in (job.float8_layers or {}).values() if fate == "converted")
+        parts[0] += f", FP8 {f8.recipe} matmuls in {n} Linear layers" + (" (EMULATED)" if f8.emulate else "")
+    master = "bf16 master weights" if fsdp.master_dtype == torch.bfloat16 else "fp32 master weights"
+    if fsdp.master_dtype == torch.bfloat16:
+        master += {"stochastic": " (stochastic rounding)", "kahan": " (Kahan-compensated updates)",
+                   "nearest": " (round-to-nearest updates)"}[cfg.optimizer.bf16_update]
+    parts += [master, f"gradients reduced in {str(fsdp.reduce_dtype).removeprefix('torch.')}"]
+    return "precision: " + "; ".join(parts)
+
+
+def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
+    """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling])."""
+    lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
+        lines.append("")
+        for k, v in values.items():
+            if isinstance(v, dict):
+                table(f"{name}.{k}", v)
+
+    for name, values in sections.items():
+        table(name, values)
+    return "\n".join(lines)
+
+
+def write_run_files(folder: str | Path, *, cfg: JobConfig, run_cfg: JobConfig, job: ResolvedJob) -> list[str]:
+    """config.toml, resolved.toml and (fp8) fp8_layers.json in `folder`; returns the names written."""
+    folder = Path(folder)
+    (folder / "config.toml").write_text(run_cfg.to_toml())
+    header = ("Every value this run used (config.toml is the config as given, relaunchable as is).\n"
+              "[model_args] is the model's whole shape; [pipeline] the stages (pp > 1).")
+    (folder / RESOLVED).write_text(to_toml(resolved_config(cfg, job), header=header))
+    written = ["config.toml", RESOLVED]
+    if job.float8_layers:
+        (folder / FP8_LAYERS).write_text(json.dumps(job.float8_layers, indent=1) + "\n")
+        written.append(FP8_LAYERS)
+    return written
