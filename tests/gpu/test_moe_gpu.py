@@ -70,3 +70,27 @@ def test_debug_moe_trains_in_bf16_on_gpu_as_the_fp32_expert_loop_does(tmp_path: 
     assert loss[-1] == pytest.approx(ref_loss[-1], rel=5e-2)
     assert loss[-1] < loss[0] - 2.0  # it trains
     assert column(got, "aux_loss")[0] == pytest.approx(column(ref, "aux_loss")[0], rel=5e-2)
+
+
+def test_moe_layer_forward_and_backward_make_no_host_sync() -> None:
+    """At ep=1 without token dropping the layer never waits on the GPU: routing, the expert sort, the grouped
+    GEMMs and the gathers that move rows (trainer/models/moe_permute.py) all keep sizes on the device.
+    torch's sync debug mode raises on any synchronizing call (.item(), .tolist(), nonzero, ...)."""
+    from trainer.models.moe import MoE, moe_args_for
+
+    args = moe_args_for("moe_16b", n_layers=2)  # 64 experts top-6, dim 2048, 2 shared
+    torch.manual_seed(0)
+    moe = MoE(args).cuda().bfloat16()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(2, 4096, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().square().mean().backward()  # warm-up: lazy inits may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe(x)
+        out.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(x.grad).all()

@@ -100,6 +100,28 @@ def test_moe_layer_matches_per_expert_loop(overrides) -> None:
         assert dropped > 0, "capacity 1.0 on 10 tokens x 2 should drop some assignments"
 
 
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["no-drop", "capacity"])
+def test_rows_move_by_gathers_in_forward_and_backward(capacity_factor: float) -> None:
+    """No index_add / index_put anywhere in the layer's autograd graph: its backward moves rows by gathers
+    (no atomics on CUDA, deterministic sums over each token's k experts; trainer/models/moe_permute.py)."""
+    from dataclasses import replace
+
+    moe = make_moe(replace(SMALL, capacity_factor=capacity_factor))
+    out = moe(torch.randn(3, 10, SMALL.dim, generator=torch.Generator().manual_seed(1), requires_grad=True))
+    names, todo, seen = set(), [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo += [next_fn for next_fn, _ in fn.next_functions]
+    assert "_TokensToExpertsBackward" in names and "_PermuteRowsBackward" in names
+    scatters = {n for n in names if n.startswith(("IndexSelectBackward", "IndexAddBackward", "IndexBackward",
+                                                  "IndexPutBackward"))}
+    assert not scatters, scatters
+
+
 def _reference_with_leaves(moe: MoE, params: dict[str, torch.Tensor], x: torch.Tensor, args: MoEArgs):
     class View:  # the attribute paths reference_moe reads, backed by float64 leaves
         pass

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.layers import MLP, Attention, Decoder, ModelArgs, RMSNorm, RopeScaling, TransformerBlock
+from trainer.models.moe_permute import experts_to_tokens, inverse_permutation, select_unique_rows, tokens_to_experts
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     offs = torch.cumsum(padded, 0).to(torch.int32)
     h = F.silu(_grouped_mm(x_pad, w1, offs)) * _grouped_mm(x_pad, w3, offs)
     # Rows past offs[-1] belong to no group (the kernel leaves them unwritten); they are never read.
-    return _grouped_mm(h, w2, offs).index_select(0, dst)
+    return select_unique_rows(_grouped_mm(h, w2, offs), dst)
 
 
 class GroupedExperts(nn.Module):
@@ -354,15 +355,12 @@ class MoE(nn.Module):
             0, key, torch.ones_like(key))
         dropped = counts[n_experts]
         counts = counts[:n_experts]
-        if keep is not None:
-            # note: a host sync, only with token dropping: the experts get the kept rows only.
-            order = order[: n_tokens * k - int(dropped)]
-        token_of = order // k
-        routed = self.experts(flat.index_select(0, token_of), counts)
+        inverse = inverse_permutation(order)
+        # note: a host sync, only with token dropping: the experts get the kept rows only.
+        kept = order if keep is None else order[: n_tokens * k - int(dropped)]
+        routed = self.experts(tokens_to_experts(flat, kept, inverse, k), counts)
         # Weighted and summed over each token's k experts in fp32, then back to the compute dtype.
-        routed = routed.float() * weights.reshape(-1)[order].unsqueeze(1)
-        out = torch.zeros(flat.shape, device=x.device, dtype=torch.float32).index_add_(0, token_of, routed)
-        out = out.to(x.dtype)
+        out = experts_to_tokens(routed, inverse, order, weights).to(x.dtype)
         if self.shared_expert is not None:
             # On x [batch, seq, dim]: under TP the shared expert gathers the sequence's slices (Shard(1)).
             out = out + self.shared_expert(x).reshape(-1, dim)

@@ -23,6 +23,8 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from trainer.models.moe_permute import inverse_permutation, permute_rows
+
 
 class AllToAllDispatcher:
     """Moves expert-sorted rows to the rank that holds their expert (dispatch) and back (combine)."""
@@ -51,12 +53,13 @@ class AllToAllDispatcher:
         )
         src, expert = segment // n_local, segment % n_local
         perm = torch.argsort(expert * ep + src, stable=True)
-        return x_recv.index_select(0, perm), recv.sum(0), (perm, send_splits, recv_splits)
+        inverse = inverse_permutation(perm)
+        return permute_rows(x_recv, perm, inverse), recv.sum(0), (perm, inverse, send_splits, recv_splits)
 
     def combine(self, y: torch.Tensor, ctx: tuple) -> torch.Tensor:
         """Outputs for this rank's experts -> back to the ranks (and the order) the rows came from."""
-        perm, send_splits, recv_splits = ctx
-        y_recv_order = torch.zeros_like(y).index_copy(0, perm, y)
+        perm, inverse, send_splits, recv_splits = ctx
+        y_recv_order = permute_rows(y, inverse, perm)  # row perm[i] of the received order is y's row i
         return all_to_all_single_autograd(y_recv_order, send_splits, recv_splits, group=self.group)
 
 

@@ -1,0 +1,88 @@
+"""Moving MoE rows between token order and expert order by gathers only, forward and backward.
+
+`x.index_select(0, idx)` has a scatter-add (`index_add`, atomics on CUDA) as its backward, and
+`out.index_add_(0, idx, rows)` is one in forward. Every move here is a permutation whose inverse
+is known (or k copies of each token, summed back over a view), so both directions are gathers:
+no atomics, deterministic sums, and nothing that needs a host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv with inv[perm[i]] = i (a scatter of arange: no sort, no host sync)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x[perm] for a permutation `perm` of x's rows whose inverse is `inverse`; backward grad[inverse]."""
+    return _PermuteRows.apply(x, perm, inverse)
+
+
+class _SelectUniqueRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, grad.shape[1]).index_copy_(0, index, grad), None
+
+
+def select_unique_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for distinct indices (rows never read get zero gradient); backward copies rows back
+    (index_copy: a plain scatter, no accumulation)."""
+    return _SelectUniqueRows.apply(x, index)
+
+
+class _TokensToExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        n_assign, dim = inverse.numel(), grad.shape[1]
+        if grad.shape[0] < n_assign:  # dropped assignments (past capacity) give no gradient
+            grad = torch.cat([grad, grad.new_zeros(n_assign - grad.shape[0], dim)])
+        return grad.index_select(0, inverse).view(n_assign // ctx.k, ctx.k, dim).sum(1), None, None, None
+
+
+def tokens_to_experts(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows x[order[i] // k]: token t's copy for its j-th expert is assignment t * k + j, `order` sorts the
+    assignments by expert (it may stop early: dropped ones are last), `inverse` is the full sort's inverse.
+    Backward sums each token's k gradients by a gather and a sum over k."""
+    return _TokensToExperts.apply(x, order, inverse, k)
+
+
+def experts_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                      ) -> torch.Tensor:
+    """Each token's weighted sum over its k experts' output rows, in fp32: rows [kept, dim] in expert order
+    (dropped assignments past the end count as zeros), `order` the full sort, `inverse` its inverse,
+    weights [tokens, k] fp32 -> [tokens, dim] fp32."""
+    n_tokens, k = weights.shape
+    n_assign, dim = inverse.numel(), rows.shape[1]
+    if rows.shape[0] < n_assign:
+        rows = torch.cat([rows, rows.new_zeros(n_assign - rows.shape[0], dim)])
+    by_token = permute_rows(rows, inverse, order).view(n_tokens, k, dim)
+    return (by_token.float() * weights.unsqueeze(-1)).sum(1)
