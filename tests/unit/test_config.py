@@ -110,7 +110,7 @@ def test_every_shipped_config_is_listed() -> None:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_validates(path: Path, tmp_path: Path) -> None:
+def test_every_shipped_config_validates(path: Path, tmp_path: Path, on_h100) -> None:
     cfg = load_job_config(["--config", str(path)])
     # The resolved config (saved as TOML in the dump folder) loads back to the same config.
     (tmp_path / "again.toml").write_text(cfg.to_toml())
@@ -137,7 +137,7 @@ def test_debug_pp_config_resolves_the_stages_its_header_describes() -> None:
     assert [round(100 * x) for x in p.stage_costs] == [23, 23, 23, 30]
 
 
-def test_fp8_reference_recipe() -> None:
+def test_fp8_reference_recipe(on_h100) -> None:
     """The recipe users copy must pass the whole validation pass at the world size it names,
     with FP8 on every attention/MLP projection and the output head of the 8B model."""
     # Its data.path names the user's shards; the data check is exercised elsewhere.

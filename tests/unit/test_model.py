@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.loss import LossFn
-from trainer.models import FLAVORS, Llama, flops_per_token, model_args_for, num_params
+from trainer.models import FLAVORS, Llama, build_model, count_params, flops_per_token, model_args_for, num_params
 from trainer.models.llama import ModelArgs, RopeScaling, rope_inv_freq
 
 
@@ -38,6 +38,15 @@ def test_published_llama3_shapes(flavor: str, params_b: float, ffn: int) -> None
     # Untied embeddings: 8B is the published 8.03B, 1B/3B are the published counts plus an untied head.
     assert num_params(model) / 1e9 == pytest.approx(params_b, abs=1e-3)
     assert args.vocab_size == 128256 and args.n_kv_heads == 8
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVORS))
+def test_count_params_matches_the_built_model(flavor: str) -> None:
+    """Validation sizes a model from its shapes (count_params) before building it: exact for every family."""
+    args = model_args_for(flavor, n_layers=3)
+    with torch.device("meta"):
+        model = build_model(args)
+    assert count_params(args) == num_params(model)
 
 
 def test_flops_per_token_counts_every_matmul() -> None:

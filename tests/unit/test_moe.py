@@ -456,7 +456,7 @@ def test_moe_section_overrides_the_flavor() -> None:
     assert args.bias_update_rate == FLAVORS["debug_moe"].bias_update_rate  # -1 keeps the flavor's own
 
 
-def test_fp8_ep_recipe_validates_on_four_ranks() -> None:
+def test_fp8_ep_recipe_validates_on_four_ranks(on_h100) -> None:
     from pathlib import Path
 
     from trainer.config import load_job_config

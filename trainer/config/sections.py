@@ -20,7 +20,7 @@ MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 @dataclass
 class JobSection:
     dump_folder: str = "./outputs/run"
-    """Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler traces."""
+    """Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler traces. Not empty ("." for the current directory)."""
     description: str = ""
     """Free text logged at start; say what this run is for."""
 
@@ -66,7 +66,7 @@ class TrainSection:
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
     seed: int = 0
-    """Seed for weights and dropout-free RNG; the data order has its own seed in [data]."""
+    """Seed for weights and dropout-free RNG, 0 to 18446688729348 (each parameter's init generator is seeded with seed x 1000003 + crc32(fqn), which must fit torch's 64 bits); the data order has its own seed in [data]."""
     deterministic: bool = False
     """Use deterministic algorithms (slower); for bitwise-reproducible debugging."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
@@ -126,7 +126,7 @@ class DataSection:
     tokenizer: str = "byte"
     """'byte' or the path of the tokenizer.json the shards were written with (checked against each shard)."""
     seed: int = 0
-    """Seed of the sample order."""
+    """Seed of the sample order, 0 to 2**64 - 1."""
     shuffle: bool = True
     """Shuffle samples each epoch (with data.seed)."""
 

@@ -110,9 +110,13 @@ def open_shard(path: str | os.PathLike) -> ShardInfo:
     if actual != expected:
         raise DataError(f"shard {path} is truncated or corrupt: header says {num_tokens} tokens "
                         f"({expected} bytes) but the file has {actual} bytes; re-run scripts/prepare_data.py")
+    fingerprint = fp.rstrip(b"\x00")
+    if not fingerprint.isascii():
+        raise DataError(f"shard {path} is corrupt: its header's tokenizer fingerprint field (bytes 45-108) holds "
+                        f"non-ASCII bytes {fingerprint[:16]!r}; re-run scripts/prepare_data.py")
     tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
     return ShardInfo(path=path, num_tokens=num_tokens, vocab_size=vocab_size, max_token_id=max_token_id,
-                     tokenizer_fingerprint=fp.rstrip(b"\x00").decode("ascii"), tokens=tokens)
+                     tokenizer_fingerprint=fingerprint.decode("ascii"), tokens=tokens)
 
 
 def scan_shard_tokens(shard: ShardInfo, *, chunk_tokens: int = 1 << 26) -> None:

@@ -12,12 +12,13 @@ weights load into `LlamaForCausalLM` without permuting q/k.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from trainer.seeds import param_seed
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ def _fill(param: torch.Tensor, fqn: str, *, seed: int, std: float | None) -> Non
     device = local.device
     full = torch.empty(param.shape, dtype=torch.float32, device=device)
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+    gen.manual_seed(param_seed(seed, fqn))
     nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
     if isinstance(param, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -2,6 +2,7 @@
 
     config_checks.py   the config alone (JobConfig runs it when built, so a bad TOML or override fails while parsing)
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
+    memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
 
 `validate_job` runs them in that order on every rank before `init_distributed` does any
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.validate.config_checks import check_config
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
+from trainer.validate.memory import check_fits_device
 from trainer.validate.resolve import resolve_build, resolve_data, resolve_float8, resolve_model_args
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
+    # Before anything walks the blocks (pipeline costs, the FP8 meta model): 10**8 of them take minutes.
+    check_fits_device(cfg, args, pd)
     pipeline = resolve_pipeline(cfg, pp=pd.pp, args=args)
     float8, float8_layers = resolve_float8(cfg, args, pd) if cfg.train.is_fp8 else (None, None)
     build = resolve_build(cfg, pd, float8)

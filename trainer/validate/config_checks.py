@@ -1,8 +1,8 @@
 """Checks on the config alone: values and combinations, each failure one `ConfigError` line naming the key.
 
 `JobConfig.__post_init__` runs `check_config`, so a bad TOML file or override fails while it
-is parsed, before anything is built. A leaf: it imports nothing of the trainer but the errors
-and the precision-schedule syntax, since the config imports it (`cfg` is a
+is parsed, before anything is built. A leaf: it imports nothing of the trainer but the errors,
+the precision-schedule syntax and the seed ranges (trainer.seeds), since the config imports it (`cfg` is a
 `trainer.config.JobConfig`, not imported here for that reason).
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from trainer.errors import ConfigError
 from trainer.precision_phases import parse_precision_schedule
+from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
 
 def check_config(cfg: Any) -> None:
@@ -26,6 +27,8 @@ def check_config(cfg: Any) -> None:
     _check_checkpoint_and_master(cfg)
     _check_float8_and_profiling(cfg)
     _check_data(cfg)
+    _check_seeds(cfg)
+    _check_paths(cfg)
 
 
 def _check_fp8_with_tp(cfg: Any) -> None:
@@ -164,6 +167,36 @@ def _check_data(cfg: Any) -> None:
             f"data.source='{data.source}' is byte-tokenized but data.tokenizer='{data.tokenizer}'; "
             "set data.source='shards' (with data.path) to read shards made with that tokenizer"
         )
+
+
+def _check_seeds(cfg: Any) -> None:
+    # trainer/seeds.py: torch generators take 64 bits, and the init seeds each parameter with
+    # train.seed x 1,000,003 + crc32(fqn); numpy's default_rng refuses negative seeds.
+    seeds = (
+        ("train.seed", cfg.train.seed, MAX_TRAIN_SEED,
+         "each parameter's init generator is seeded with train.seed x 1000003 + crc32(fqn), which must fit 64 bits"),
+        ("data.seed", cfg.data.seed, MAX_DATA_SEED, "the sample order's generator takes a 64-bit seed >= 0"),
+    )
+    for key, value, limit, why in seeds:
+        if not 0 <= value <= limit:
+            raise ConfigError(f"{key}={value} is outside the allowed range [0, {limit}] ({why}); pick a seed in it")
+
+
+# Keys naming files or folders: a NUL byte is refused by every OS call (ValueError: embedded null byte).
+_PATH_KEYS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "initial_load_path"),
+              ("profiling", "trace_dir"), ("data", "path"), ("data", "tokenizer"), ("validation", "path"))
+
+
+def _check_paths(cfg: Any) -> None:
+    for section, name in _PATH_KEYS:
+        value = getattr(getattr(cfg, section), name)
+        if "\x00" in value:
+            raise ConfigError(f"{section}.{name}={value!r} holds a NUL byte (\\x00), which no path can contain; "
+                              "remove it")
+    if not cfg.job.dump_folder.strip():
+        # Path("") is the current directory: config.toml, metrics.jsonl and tb/ would land wherever the run started.
+        raise ConfigError(f"job.dump_folder={cfg.job.dump_folder!r} is empty: name the run's output folder "
+                          "(e.g. --job.dump_folder=./outputs/run, or '.' for the current directory)")
 
 
 def _check_precision_schedule(cfg: Any) -> None:

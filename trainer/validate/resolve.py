@@ -81,6 +81,12 @@ def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> tuple[Float8O
     return options, {fqn: fates[fqn] for fqn, _ in shapes.named_modules() if fqn in fates}
 
 
+def uses_bf16_master(cfg: JobConfig) -> bool:
+    """distributed.master_dtype resolved: 'auto' is bf16 for bf16 and fp8 compute, fp32 for fp32 and fp16."""
+    d = cfg.distributed
+    return d.master_dtype == "bf16" or (d.master_dtype == "auto" and cfg.train.mixed_precision in ("bf16", "fp8"))
+
+
 def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None) -> BuildOptions:
     """What build_parallel_model takes: FP8, AC, compile and the FSDP2 policy."""
     import torch
@@ -88,7 +94,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     from trainer.parallel import ACOptions, BuildOptions, FSDPOptions
 
     t, d = cfg.train, cfg.distributed
-    bf16_master = d.master_dtype == "bf16" or (d.master_dtype == "auto" and t.mixed_precision in ("bf16", "fp8"))
+    bf16_master = uses_bf16_master(cfg)
     if bf16_master and cfg.optimizer.bf16_update == "nearest":
         logger.warning(
             "distributed.master_dtype='bf16' with optimizer.bf16_update='nearest': plain AdamW on bf16 weights "

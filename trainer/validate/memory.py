@@ -1,0 +1,102 @@
+"""Will the training state fit the device? Estimated from the model args, before anything is built.
+
+Every parameter is sharded over its pipeline stage's FSDP x TP ranks (dp_shard x cp x tp: routed
+experts are split over ep and FSDP-sharded over the rest of that group, so ep moves experts
+between ranks without changing how much each holds), and each pp rank holds about 1/pp of the
+model. What stays resident for the whole run, per parameter: the master weight, its gradient
+(FSDP2 reduce-scatters into the master dtype) and AdamW's two moments, all in
+distributed.master_dtype, plus a bf16 compensation buffer under optimizer.bf16_update='kahan'.
+
+That is a lower bound: no activations, no gathered compute-dtype weights, no padding or
+allocator slack, replicated norms counted as sharded and the average pipeline stage rather than
+the largest. So a refusal means the run cannot fit, never that it might not; on a GPU the bound
+is held against the whole memory of the device (not what is free), on a CPU against the host's RAM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
+    from trainer.parallel import ParallelDims
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class TrainStateEstimate:
+    """Parameters and the bytes of training state each rank holds for them (a lower bound)."""
+
+    num_params: int
+    bytes_per_param: int
+    num_ranks: int
+    """Ranks one parameter's state is spread over: dp_shard x cp x tp x pp."""
+    what: str
+    """What the bytes per parameter are, for the message."""
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return self.num_params * self.bytes_per_param // self.num_ranks
+
+
+def estimate_train_state(args: Any, pd: ParallelDims, *, bf16_master: bool, kahan: bool) -> TrainStateEstimate:
+    """The training state per rank of the model `args` describes under the degrees `pd`."""
+    from trainer.models import count_params
+
+    master = 2 if bf16_master else 4
+    what = f"{'bf16' if bf16_master else 'fp32'} master weights, gradients and 2 AdamW moments"
+    if kahan:
+        what += ", a bf16 Kahan buffer"
+    return TrainStateEstimate(num_params=count_params(args), bytes_per_param=4 * master + (2 if kahan else 0),
+                              num_ranks=pd.fsdp_shard * pd.tp * pd.pp, what=what)
+
+
+def check_fits_device(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
+    """Refuse a model whose sharded weights, gradients and optimizer state alone exceed this rank's device."""
+    from trainer.validate.resolve import uses_bf16_master
+
+    memory = device_memory()
+    if memory is None:
+        return
+    capacity, device = memory
+    bf16_master = uses_bf16_master(cfg)
+    est = estimate_train_state(args, pd, bf16_master=bf16_master,
+                               kahan=bf16_master and cfg.optimizer.bf16_update == "kahan")
+    if est.bytes_per_rank <= capacity:
+        return
+    m = cfg.model
+    key = f"model.n_layers={m.n_layers} (model.flavor={m.flavor!r})" if m.n_layers else f"model.flavor={m.flavor!r}"
+    cp = f", cp={pd.cp}" if pd.cp > 1 else ""
+    layout = f"dp_shard={pd.dp_shard}{cp}, tp={pd.tp}, pp={pd.pp}, ep={pd.ep}"
+    fixes = ["lower model.n_layers" if m.n_layers else "pick a smaller model.flavor",
+             "spread the model over more ranks (distributed.dp_shard, pp or tp)"]
+    if not bf16_master and cfg.train.mixed_precision != "fp32":
+        fixes.append("set distributed.master_dtype='bf16' (half the bytes)")
+    raise ConfigError(
+        f"{key}: about {est.num_params / 1e9:,.1f}B parameters, {est.bytes_per_rank / GIB:,.1f} GiB of weights, "
+        f"gradients and optimizer state per rank after sharding ({layout}; {est.bytes_per_param} bytes per "
+        f"parameter: {est.what}), more than the {capacity / GIB:,.1f} GiB of {device}, before any activation; "
+        + ", or ".join(fixes)
+    )
+
+
+def device_memory() -> tuple[int, str] | None:
+    """(bytes, what) of the memory this rank will train in, by init_distributed's rule: GPU LOCAL_RANK's whole
+    memory when CUDA is available, else the host's RAM; None when it cannot be told."""
+    import torch
+
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            return None  # init_distributed's set_device reports it
+        props = torch.cuda.get_device_properties(local_rank)
+        return props.total_memory, f"GPU {local_rank} ({props.name})"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory (a CPU run)"
+    except (ValueError, OSError, AttributeError):  # not a POSIX host
+        return None
