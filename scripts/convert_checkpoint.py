@@ -63,8 +63,10 @@ def export(args: argparse.Namespace) -> None:
 
     from trainer.checkpoint import args_from_json, load_full_model_weights, resolve_checkpoint
     from trainer.export import family, require_safetensors, write_hf_export
+    from trainer.output_folder import EXPORT, check_output
 
     require_safetensors("export")
+    check_output(args.out, kind=EXPORT)  # before reading any weights: never into a folder of checkpoints
     source = resolve_checkpoint(Path(args.checkpoint))
     info, weights = load_full_model_weights(source, allow_unverified=args.allow_unverified)
     model_args = args_from_json(info["model"])
@@ -82,7 +84,9 @@ def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
     from trainer.export import read_hf_weights
     from trainer.models import is_moe, model_args_for
+    from trainer.output_folder import IMPORT, check_output
 
+    check_output(args.out, kind=IMPORT)  # before reading any weights: never into a folder of checkpoints
     model_args = model_args_for(args.flavor, vocab_size=args.vocab_size, n_layers=args.n_layers)
     weights = read_hf_weights(args.hf_folder, args=model_args)
     if is_moe(model_args):
@@ -118,7 +122,7 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="DCP checkpoint -> Hugging Face safetensors + config.json")
     e.add_argument("checkpoint", help="a step-N checkpoint folder, or a checkpoint folder (its latest)")
-    e.add_argument("out", help="output folder (replaced if it exists)")
+    e.add_argument("out", help="output folder: new, empty, or an earlier export (moved aside to OUT.old)")
     e.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     e.add_argument("--max-shard-size", default="5GB", help="split into model-0000i-of-0000n files above this")
     e.add_argument("--allow-unverified", action="store_true",
@@ -128,7 +132,7 @@ def main(argv: list[str]) -> int:
     tok.add_argument("--no-tokenizer", action="store_true", help="copy no tokenizer")
     i = sub.add_parser("import", help="Hugging Face folder -> model-only DCP checkpoint (initial_load_path)")
     i.add_argument("hf_folder")
-    i.add_argument("out")
+    i.add_argument("out", help="output folder: new, empty, or an earlier import (moved aside to OUT.old)")
     i.add_argument("--flavor", required=True, help="model.flavor the weights must match (debug, 1b, 8b, ..., debug_moe, moe_16b, ...)")
     i.add_argument("--vocab-size", type=int, default=0, help="model.vocab_size, if not the flavor's")
     i.add_argument("--n-layers", type=int, default=0, help="model.n_layers, if not the flavor's")

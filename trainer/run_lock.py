@@ -4,9 +4,15 @@ Two runs writing one folder interleave metrics and can publish a checkpoint whos
 shards came from both. The lock is a file created with O_EXCL (atomic on local
 filesystems and on NFSv3+), holding who owns it, so the second run fails at once
 with one line naming the first. A heartbeat thread refreshes its mtime; a lock whose
-owner is gone (same host: its pid is dead; any host: no heartbeat for
-`stale_seconds`) is reclaimed with a log line, so a SIGKILLed job never blocks the
-next one for long.
+owner is gone is reclaimed with a log line, so a SIGKILLed job never blocks the next
+one for long. On the same host the owner is known by more than its pid, which the
+system reuses (after a reboot, or in a fresh container whose first processes get the
+same small pids): the lock records the boot id and the process's start time
+(/proc/PID/stat), so a lock from before a reboot, or whose pid now belongs to another
+program, is stale. A lock without them (written by an older version) whose pid is alive
+is stale once it has had no heartbeat for `stale_seconds`, as is one from another host.
+A `.trainer.lock` that is not a regular file (a directory, a link) is no lock this
+trainer wrote: refused in one line, and left alone.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from datetime import datetime, timezone
@@ -41,12 +48,33 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:  # not Linux
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """When the process started, in clock ticks after boot (field 22 of /proc/PID/stat); None if unknown."""
+    try:
+        # The command name (field 2) may hold spaces and parentheses: count from the last ")".
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"),
+               (stat.S_ISSOCK, "a socket"))
+
+
 class RunLock:
     def __init__(self, folder: str | Path, *, heartbeat_seconds: float = 30.0, stale_seconds: float = 300.0):
         self.path = Path(folder) / LOCK_NAME
         self.heartbeat_seconds, self.stale_seconds = heartbeat_seconds, stale_seconds
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
-                      "start_time": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}
+                      "start_time": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                      "boot_id": _boot_id(), "process_start_ticks": _process_start(os.getpid())}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -56,6 +84,7 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
+                self._check_type()
                 holder = self._read_holder()
                 why = self._stale_reason(holder)
                 if why is None:
@@ -74,6 +103,17 @@ class RunLock:
             return
         raise RunLockError(f"could not take the lock {self.path}: another run keeps creating it")
 
+    def _check_type(self) -> None:
+        """A lock that is not a regular file was not written by a run: refused in one line (never removed)."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return  # released meanwhile: the next try takes it
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_TYPES if test(mode)), "not a regular file")
+            raise RunLockError(f"{self.path} is {kind}, not a lock file that a run writes: remove it if no run uses "
+                               f"{self.path.parent} (rm -r {self.path}), or use another job.dump_folder")
+
     def _read_holder(self) -> dict:
         try:
             holder = json.loads(self.path.read_text())
@@ -82,16 +122,24 @@ class RunLock:
             return {}
 
     def _stale_reason(self, holder: dict) -> str | None:
-        if holder.get("host") == self.owner["host"] and isinstance(holder.get("pid"), int):
-            if not _pid_alive(holder["pid"]):
-                return f"pid {holder['pid']} on this host is gone"
-            return None
+        pid = holder.get("pid")
+        if holder.get("host") == self.owner["host"] and isinstance(pid, int):
+            boot_id = holder.get("boot_id")
+            if boot_id and self.owner["boot_id"] and boot_id != self.owner["boot_id"]:
+                return f"it was taken by pid {pid} before this host rebooted"
+            if not _pid_alive(pid):
+                return f"pid {pid} on this host is gone"
+            recorded, started = holder.get("process_start_ticks"), _process_start(pid)
+            if isinstance(recorded, int) and started is not None:
+                # The pid was reused (a reboot, a container): the process that has it now started at another time.
+                return None if started == recorded else f"pid {pid} on this host is now another program"
+            # A lock without a start time (an older version wrote it): a live owner refreshes it every heartbeat.
         try:
             age = time.time() - self.path.stat().st_mtime
         except FileNotFoundError:
             return "it disappeared"
         if age > self.stale_seconds:
-            return f"no heartbeat from host {holder.get('host', '?')} pid {holder.get('pid', '?')} for {age:.0f} s"
+            return f"no heartbeat from host {holder.get('host', '?')} pid {pid or '?'} for {age:.0f} s"
         return None
 
     def _heartbeat(self) -> None:

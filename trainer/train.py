@@ -326,6 +326,8 @@ class Trainer:
                 marker.write_text(json.dumps({"step": self.state.step, "of_steps": cfg.train.steps,
                                               "checkpoint_saved": saved, "signal": self.state.stopped_by}) + "\n")
         elif self.end_step == cfg.train.steps:  # not a precision-schedule phase that ends before the run does
+            # With checkpoint.on_save_error="continue", a failed last save is an error here (exit 2), not a success.
+            self.checkpoint.require_saved(self.state.step)
             logger.info("training finished at step %d", self.state.step)
         return self.state
 

@@ -4,6 +4,7 @@
     state.py     CheckpointState (the one Stateful a resume loads), RunInfo, tensor/JSON split
     verify.py    scan, checksums, checkpoint.json, model/key checks, reading DCP's index without running code
     manager.py   CheckpointManager: resume (falling back past corrupt checkpoints), save (sync/async), prune, export
+    space.py     a checkpoint's size, free space (a warning before a save), pruning, a full disk in one line
     offline.py   one process, no process group: load_model, load_full_model_weights, save_model_only
 
 docs/checkpointing.md describes the layout on disk and what survives what.
@@ -13,7 +14,8 @@ from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, METADATA, STATE_JSON, CheckpointError, CorruptCheckpointError, file_digest, publish,
     write_json,
 )
-from trainer.checkpoint.manager import CheckpointManager, prune_checkpoints
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.space import prune_checkpoints
 from trainer.checkpoint.offline import (
     build_model, load_full_model_weights, load_model, resolve_checkpoint, save_model_only,
 )

@@ -18,6 +18,7 @@ loading a folder someone else wrote never runs code.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -44,6 +45,8 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim
               "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers")  # the last four: MoE only
 # Same shapes, different function: loaded, with a warning.
 FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")
+# A write that failed for lack of space: no space left, past the file size limit (ulimit -f), over quota.
+DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -116,7 +119,15 @@ class ChecksummedWriter(FileSystemWriter):
         self.step = step
 
     def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
+        try:
+            future = super().write_data(plan, planner)
+        except Exception as e:
+            # torch.save reports a full disk as "unexpected pos 704 vs 598" with the OSError only in __context__,
+            # which DCP's pickling to rank 0 drops: raise the OSError itself, its errno survives.
+            disk = disk_error(e)
+            if disk is None or disk is e:
+                raise
+            raise disk from e
         results = future.value()  # FileSystemWriter writes synchronously; the future is already done
         root = Path(self.path)
         files = sorted({r.storage_data.relative_path for r in results})
@@ -149,3 +160,23 @@ def root_cause(e: BaseException) -> BaseException:
         if isinstance(inner, BaseException):
             return root_cause(inner)
     return e
+
+
+def disk_error(e: BaseException) -> OSError | None:
+    """The ENOSPC / EFBIG / EDQUOT OSError behind `e` (DCP's CheckpointException, torch.save's RuntimeError, ...).
+
+    Follows DCP's per-rank failures, then `__cause__` / `__context__`; an error that crossed ranks
+    keeps only its text, so "No space left on device" in a message counts too.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = root_cause(e)
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in DISK_ERRNOS:
+            return cause
+        text = str(cause)
+        for code in DISK_ERRNOS:
+            if os.strerror(code) in text:
+                return OSError(code, os.strerror(code), getattr(cause, "filename", None))
+        cause = cause.__cause__ or cause.__context__
+    return None

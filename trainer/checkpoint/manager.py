@@ -5,12 +5,13 @@ results before rank 0 writes `.metadata`, so once rank 0's save returns, every r
 has finished; only then does rank 0 add `checkpoint.json` and rename the folder.
 "Latest" is therefore always a checkpoint that every rank finished, and a process
 killed mid-save leaves the previous one as latest. A save that fails (disk full, a
-folder removed) leaves no partial folder and never touches the previous checkpoints.
+folder removed) leaves no partial folder and never touches the previous checkpoints;
+space.py says how big a checkpoint is, warns before a save that will not fit, and words
+a full disk.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
 import time
@@ -24,13 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, EXPORT_DTYPES, FORMAT, STATE_JSON, STEP_DIR, CheckpointError, ChecksummedWriter,
+    CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter,
     CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
+from trainer.checkpoint.space import (
+    checkpoint_bytes, describe_disk_error, prune_checkpoints, save_error, warn_if_short,
+)
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     split_tensors
 from trainer.checkpoint.verify import (
@@ -77,6 +80,7 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.last_saved_step = -1
+        self._nbytes: int | None = None  # the checkpoint's size, estimated at the first save
         self._pending: _PendingSave | None = None
         self._stager = None
         self.export_tokenizer = prepare_export(run) if self.model_only else None
@@ -305,9 +309,12 @@ class CheckpointManager:
         start = time.perf_counter()
         tmp = self.folder / f"step-{step}.tmp"
         tensors, rest = split_tensors(self.state.state_dict())
-        nbytes = _local_bytes(tensors) * self.world_size  # about: replicated tensors are written once
+        if self._nbytes is None:  # shapes do not change during a run: one collective, at the first save
+            self._nbytes = checkpoint_bytes(tensors, group=self.pg)
+        nbytes = self._nbytes
         error = None
         if self.rank == 0:
+            warn_if_short(self.folder, step=step, nbytes=nbytes, keep_latest_k=self.keep_latest_k)
             try:
                 if tmp.exists():
                     shutil.rmtree(tmp)  # left by an earlier, interrupted save of this step
@@ -327,7 +334,7 @@ class CheckpointManager:
                 dcp.save(tensors, storage_writer=writer, process_group=self.pg)
                 self._finalize(step, tmp, start)
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-                error = root_cause(e)
+                error = save_error(e)
             # Nobody goes on until step-N is complete (or every rank knows it failed).
             error = self._broadcast_error(error)
             if error is not None:
@@ -358,19 +365,37 @@ class CheckpointManager:
 
     def _save_failed(self, step: int, tmp: Path, error: BaseException, nbytes: int) -> None:
         """One line saying what failed and why; the partial folder removed; stop or continue as configured."""
-        why = f"{type(error).__name__}: {first_line(error)}"
-        if getattr(error, "errno", None) == errno.ENOSPC:
-            free = _free_bytes(tmp)
-            why = (f"no space left on device (this checkpoint needs about {nbytes / 2**20:,.1f} MiB; "
-                   f"{'unknown' if free is None else f'{free / 2**20:,.1f} MiB'} free)")
         removed = ""
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
             removed = f"; removed the partial {tmp.name}"
+        # After the removal: the free space it reports is what a retry would find.
+        why = f"{type(error).__name__}: {first_line(error)}"
+        if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+            why = describe_disk_error(error, folder=self.folder, step=step, nbytes=nbytes,
+                                      keep_latest_k=self.keep_latest_k)
         message = f"checkpoint step-{step} failed to save into {tmp}: {why}{removed}; earlier checkpoints are untouched"
         if self.on_save_error == "stop":
             raise CheckpointError(message + " (checkpoint.on_save_error=continue would keep training)")
         logger.error("%s; training continues without it (checkpoint.on_save_error=continue)", message)
+
+    def require_saved(self, step: int) -> None:
+        """At the end of a run (collective): the last step's checkpoint exists, or a one-line CheckpointError.
+
+        With on_save_error="continue" a failed save lets training go on, but a run whose last
+        checkpoint failed must not exit 0: a scheduler would call it done and its last steps lost.
+        """
+        if not self.enable:
+            return
+        self.wait()
+        box = [self.last_saved_step]  # rank 0 finalizes every save: its word is the one
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        if box[0] == step:
+            return
+        latest = f"step-{box[0]}" if box[0] >= 0 else "step 0 (no checkpoint)"
+        raise CheckpointError(f"training reached its last step {step}, but checkpoint step-{step} failed to save (see "
+                              f"above), so steps after {latest} are in no checkpoint: make room in {self.folder} and "
+                              "relaunch the same command to redo them")
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
@@ -389,7 +414,7 @@ class CheckpointManager:
             # write to every rank; a failed finalize is rank 0's alone, and stopping ends the job.
             if self.last_saved_step == pending.step:
                 self.last_saved_step = pending.previous
-            self._save_failed(pending.step, pending.tmp, root_cause(e), pending.nbytes)
+            self._save_failed(pending.step, pending.tmp, save_error(e), pending.nbytes)
 
     def _finalize(self, step: int, tmp: Path, start: float) -> None:
         """Rank 0, once every rank has written: checkpoint.json, rename to step-N, prune."""
@@ -440,24 +465,6 @@ class CheckpointManager:
                 self._stager = None
 
 
-def _local_bytes(tree: dict[str, Any]) -> int:
-    total = 0
-    for v in tree.values():
-        if isinstance(v, dict):
-            total += _local_bytes(v)
-        else:
-            t = v._local_tensor if isinstance(v, DTensor) else v
-            total += t.numel() * t.element_size()
-    return total
-
-
-def _free_bytes(path: Path) -> int | None:
-    for p in (path, *path.parents):
-        if p.exists():
-            return shutil.disk_usage(p).free
-    return None
-
-
 def _move_aside(path: Path) -> Path:
     """Rename a corrupt checkpoint out of the way (`step-N.corrupt`, `.corrupt-2`, ...); never delete it."""
     aside = path.with_name(path.name + ".corrupt")
@@ -470,23 +477,3 @@ def _move_aside(path: Path) -> Path:
     except OSError as e:
         raise CheckpointError(f"{path} is corrupt and could not be moved aside to {aside}: {e}") from None
     return aside
-
-
-def prune_checkpoints(folder: Path, *, newest: int, keep_latest_k: int) -> list[Path]:
-    """Remove interrupted saves older than step-{newest} and, with keep_latest_k > 0, all but the newest k.
-
-    Called right after step-{newest} became complete, so with k >= 1 the only
-    complete checkpoint always survives. Returns what was removed. Corrupt
-    checkpoints moved aside (`step-N.corrupt`) are never removed.
-    """
-    complete, incomplete = scan_checkpoints(folder)
-    removed = []
-    for path, _ in incomplete:
-        m = STEP_DIR.match(path.name)
-        if m and m.group(2) and int(m.group(1)) < newest:
-            removed.append(path)
-    if keep_latest_k > 0:
-        removed += [complete[step] for step in sorted(complete)[:-keep_latest_k]]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed

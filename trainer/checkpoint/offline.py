@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -30,13 +29,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter, CorruptCheckpointError,
-    collect_checksums, first_line, publish, root_cause, write_json,
+    collect_checksums, first_line, root_cause, write_json,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.verify import (
     SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
 )
 from trainer.models.layers import Decoder
+from trainer.output_folder import IMPORT, prepare_output, publish_output
 from trainer.models.llama import ModelArgs, rope_cache
 
 logger = logging.getLogger("trainer.checkpoint")
@@ -53,11 +53,12 @@ def _single_process():
 def save_model_only(
     path: Path, weights: dict[str, torch.Tensor], *, run: RunInfo, source: str, step: int = 0
 ) -> Path:
-    """A model-only DCP checkpoint (for checkpoint.initial_load_path) from full tensors, in one process."""
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    """A model-only DCP checkpoint (for checkpoint.initial_load_path) from full tensors, in one process.
+
+    `path` must be new, empty or an earlier import (moved aside to `{path}.old`); anything else, a
+    folder of checkpoints above all, is refused in one line (trainer/output_folder.py).
+    """
+    tmp = prepare_output(path, kind=IMPORT)
     with _single_process():
         dcp.save({"model": weights}, storage_writer=ChecksummedWriter(tmp, step=step), no_dist=True)
     write_json(tmp / CHECKPOINT_JSON, {
@@ -66,7 +67,7 @@ def save_model_only(
         "source": source,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": collect_checksums(tmp),
     })
-    publish(tmp, path)
+    publish_output(tmp, path, kind=IMPORT)
     return path
 
 

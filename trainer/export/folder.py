@@ -4,7 +4,9 @@ Export writes `config.json` and either `model.safetensors` or, above `max_shard_
 `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`: the two layouts
 `from_pretrained` reads. Tensors are fetched one shard at a time, so the writer never
 holds more than one shard in memory. Files are written 0644 (safetensors alone would
-leave them 0600) into `{out}.tmp`, which is renamed when complete.
+leave them 0600) into `{out}.tmp`, which is renamed when complete. The output folder must be new, empty
+or an earlier export (moved aside to `{out}.old`, never deleted): a folder holding checkpoints or
+anything else is refused before anything is written (trainer/output_folder.py).
 
 What each of our tensors is called there, and how it is cut or permuted, is the family's
 (`trainer.export.llama`, `trainer.export.moe`): one `Spec` per tensor of ours.
@@ -18,7 +20,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import UserError
+from trainer.output_folder import EXPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.export")
 
@@ -104,15 +106,13 @@ def write_folder(
     every rank calls this with the same arguments (fetch may be collective) and only the writer
     writes. `extra_files(tmp)` adds files (the tokenizer) before the folder is published.
     """
-    tmp = out.with_name(out.name + ".tmp")
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = {fqn: (4 if specs[fqn].keep_fp32 else itemsize) * numel(shape) for fqn, shape in shapes.items()}
     shards = plan_shards(sizes, max_shard_bytes=max_shard_bytes)
+    tmp = None
     if is_writer:
         require_safetensors("writing a Hugging Face export")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        tmp = prepare_output(out, kind=EXPORT)  # refuses a folder of checkpoints (or anything but an export)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
@@ -122,7 +122,7 @@ def write_folder(
         if is_writer:
             weight_map.update(_write_shard(tmp / file_name, fqns, tensors, specs=specs, shapes=shapes, dtype=dtype))
         del tensors
-    if not is_writer:
+    if tmp is None:
         return names
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
@@ -130,9 +130,7 @@ def write_folder(
     _write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
     if extra_files is not None:
         extra_files(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    publish_output(tmp, out, kind=EXPORT)
     return names
 
 
