@@ -98,9 +98,9 @@ def reap(tag: str | None = None, timeout: float = 20) -> dict[int, str]:
     return alive
 
 
-def train(args: list[str], dump: Path, *, nproc: int = 1) -> list[dict]:
+def train(args: list[str], dump: Path, *, nproc: int = 1, timeout: int = 300) -> list[dict]:
     """Run training; return the metrics.jsonl records. Fails the test with the output on error."""
-    proc = launch([*args, f"--job.dump_folder={dump}"], nproc=nproc)
+    proc = launch([*args, f"--job.dump_folder={dump}"], nproc=nproc, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return read_metrics(dump)
