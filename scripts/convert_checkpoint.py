@@ -69,7 +69,7 @@ def export(args: argparse.Namespace) -> None:
     check_output(args.out, kind=EXPORT)  # before reading any weights: never into a folder of checkpoints
     source = resolve_checkpoint(Path(args.checkpoint))
     info, weights = load_full_model_weights(source, allow_unverified=args.allow_unverified)
-    model_args = args_from_json(info["model"])
+    model_args = args_from_json(info["model"], where=str(source / "checkpoint.json"))
     tokenizer = export_tokenizer(args, info, source)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     logger.info("exporting %s (step %s, %s %s, saved with mixed_precision=%s) as %s", source, info.get("step"),

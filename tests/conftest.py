@@ -1,5 +1,7 @@
 """Checks that hold for every test."""
 
+import logging
+
 import pytest
 
 from tests.helpers import reap
@@ -13,6 +15,18 @@ def no_leaked_processes():
     if leaked:
         pytest.fail("processes outlived the test (now killed): "
                     + "; ".join(f"pid {pid}: {cmd[:200]}" for pid, cmd in leaked.items()), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def trainer_logger_restored():
+    """A CLI entry point run in-process (scripts/convert_checkpoint.py's main) calls setup_logging, which stops the
+    trainer's loggers from reaching caplog: every test starts from the logger as it was."""
+    log = logging.getLogger("trainer")
+    saved = list(log.handlers), list(log.filters), log.level, log.propagate
+    yield
+    log.handlers[:], log.filters[:] = saved[0], saved[1]
+    log.setLevel(saved[2])
+    log.propagate = saved[3]
 
 
 @pytest.fixture

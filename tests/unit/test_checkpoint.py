@@ -414,6 +414,7 @@ def test_hf_config_round_trip(flavor):
     assert (back.rope_scaling, back.rope_theta, back.norm_eps) == (args.rope_scaling, args.rope_theta, args.norm_eps)
     # A width no flavor has still maps exactly.
     odd = args_from_hf_config({**config, "intermediate_size": 300, "hidden_size": 128, "num_attention_heads": 4,
+                               "num_key_value_heads": 2,
                                "head_dim": 32}, where="config.json")
     assert odd.ffn_dim == 300
 

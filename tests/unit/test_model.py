@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.loss import LossFn
-from trainer.models import FLAVORS, Llama, build_model, count_params, flops_per_token, model_args_for, num_params
+from trainer.model_values import param_count
+from trainer.models import FLAVORS, Llama, build_model, flops_per_token, model_args_for, num_params
 from trainer.models.llama import ModelArgs, RopeScaling, rope_inv_freq
 
 
@@ -41,12 +42,14 @@ def test_published_llama3_shapes(flavor: str, params_b: float, ffn: int) -> None
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))
-def test_count_params_matches_the_built_model(flavor: str) -> None:
-    """Validation sizes a model from its shapes (count_params) before building it: exact for every family."""
+def test_param_count_matches_the_built_model(flavor: str) -> None:
+    """Validation sizes a model from its shapes (param_count: parameters and the MoE expert biases a checkpoint
+    stores) before building it: exact for every family."""
     args = model_args_for(flavor, n_layers=3)
     with torch.device("meta"):
         model = build_model(args)
-    assert count_params(args) == num_params(model)
+    biases = sum(b.numel() for name, b in model.named_buffers() if name.endswith("expert_bias"))
+    assert param_count(args) == num_params(model) + biases
 
 
 def test_flops_per_token_counts_every_matmul() -> None:

@@ -96,10 +96,12 @@ def test_circle_finder_finds_a_circle() -> None:
 
 
 def test_config_checks_and_schedule_syntax_are_leaves() -> None:
-    # The config imports its checks, which import the precision-schedule syntax and the seed ranges: none may
-    # reach back.
+    # The config imports its checks, which import the precision-schedule syntax, the model-argument rules and
+    # the seed ranges: none may reach back.
     graph = import_graph()
-    assert graph["trainer.validate.config_checks"] <= {"trainer.errors", "trainer.precision_phases", "trainer.seeds"}
+    assert graph["trainer.validate.config_checks"] <= {"trainer.errors", "trainer.precision_phases", "trainer.seeds",
+                                                       "trainer.model_values"}
+    assert graph["trainer.model_values"] <= {"trainer.errors"}
     assert graph["trainer.precision_phases"] <= {"trainer.errors"}
     assert graph["trainer.seeds"] == set()
     assert graph["trainer.hooks"] == set()

@@ -36,8 +36,9 @@ from trainer.checkpoint.space import (
 )
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     split_tensors
+from trainer.checkpoint.values import check_index_entries
 from trainer.checkpoint.verify import (
-    SafeReader, check_files, check_model_keys, check_model_matches, data_files, read_checkpoint_json,
+    SafeReader, check_files, check_model_matches, data_files, read_checkpoint_json,
     read_dcp_metadata, read_state_json, scan_checkpoints,
 )
 from trainer.config import CheckpointSection
@@ -207,7 +208,8 @@ class CheckpointManager:
                 raise CheckpointError(f"{path / CHECKPOINT_JSON}: a {info.get('kind')} checkpoint has no optimizer or "
                                       "step to resume; pass it as checkpoint.initial_load_path instead")
             metadata = read_dcp_metadata(path, info)
-            check_model_keys(metadata, model_sd, path=path, all_keys=all_keys)
+            check_index_entries(metadata, {k: tuple(v.shape) for k, v in model_sd.items()}, path=path,
+                                all_keys=all_keys)
             names = data_files(metadata)
             if not model_only:
                 names[STATE_JSON] = 1
@@ -250,6 +252,8 @@ class CheckpointManager:
                 logger.info("checkpoint has no Kahan compensation buffers (optimizer.bf16_update was not 'kahan'): "
                             "starting them at zero")
         tensors, _ = split_tensors(sd)
+        # state.json's values are checked before any tensor is read.
+        rest = None if model_only else read_state_json(path, info)
         try:
             dcp.load(tensors, storage_reader=SafeReader(str(path)), process_group=self.pg)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -265,7 +269,6 @@ class CheckpointManager:
                         "optimizer, schedule and data start fresh at step 0", path, info.get("step"),
                         info.get("mixed_precision"), time.perf_counter() - start)
             return
-        rest = read_state_json(path, info)
         try:
             self.state.load_state_dict(merge_tensors(tensors, rest))
         except (KeyError, TypeError, AttributeError) as e:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,16 @@ from trainer.checkpoint.format import (
     collect_checksums, first_line, root_cause, write_json,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json
+from trainer.checkpoint.values import (
+    check_args_fit_files, check_entry_count, check_host_memory, check_index_entries, model_shapes, rope_table_bytes,
+)
 from trainer.checkpoint.verify import (
     SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
 )
+from trainer.model_values import param_count
 from trainer.models.layers import Decoder
-from trainer.output_folder import IMPORT, prepare_output, publish_output
 from trainer.models.llama import ModelArgs, rope_cache
+from trainer.output_folder import IMPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -72,14 +78,20 @@ def save_model_only(
 
 
 def load_full_model_weights(
-    path: str | os.PathLike, *, dtype: torch.dtype | None = None, allow_unverified: bool = False
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, allow_unverified: bool = False,
+    extra_bytes: Callable[[ModelArgs, int], tuple[int, str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(checkpoint.json, {fqn: full tensor}) of a DCP checkpoint's model.
 
-    Verifies every file first. Needs no torchao, even for a checkpoint of an fp8 run.
+    Verifies every file and checks every value first (trainer/checkpoint/values.py): the model
+    arguments, their size against the data files and the host's memory, every index entry against
+    a meta-device model of those arguments. `extra_bytes(args, weight_bytes)`: (bytes, what) the
+    caller will need besides the weights (load_model: the cast copy and the RoPE table). Needs no
+    torchao, even for a checkpoint of an fp8 run.
     """
     path = Path(path)
     info = read_checkpoint_json(path, allow_unverified=allow_unverified)
+    args = args_from_json(info["model"], where=str(path / CHECKPOINT_JSON))
     metadata = read_dcp_metadata(path, info)
     names = data_files(metadata)
     if info.get("kind") == "training":
@@ -87,10 +99,17 @@ def load_full_model_weights(
     problems = check_files(path, info, names)
     if problems:
         raise CorruptCheckpointError(problems[0])
-    sd = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("model."):
-            sd[key[len("model."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    data_bytes = sum((path / n).stat().st_size for n in names if n != STATE_JSON)
+    check_args_fit_files(args, data_bytes=data_bytes, where=str(path / CHECKPOINT_JSON),
+                         files=f"its data files ({', '.join(sorted(n for n in names if n != STATE_JSON))})",
+                         error=CheckpointError)
+    check_entry_count(metadata, args, path=path)
+    check_index_entries(metadata, model_shapes(args), path=path)
+    entries = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    weight_bytes = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in entries.values())
+    more, what = extra_bytes(args, weight_bytes) if extra_bytes else (0, "")
+    check_host_memory(weight_bytes + more, what=f"the weights{what}", where=str(path), error=CheckpointError)
+    sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()}
     try:
         with _single_process():
             dcp.load({"model": sd}, storage_reader=SafeReader(str(path)), no_dist=True)
@@ -132,18 +151,39 @@ def load_model(
     """
     from dataclasses import replace
 
-    from trainer.export import read_hf_config, read_hf_weights
-
     path = resolve_checkpoint(path)
+
+    def extra_bytes(args: ModelArgs, weight_bytes: int) -> tuple[int, str]:
+        # The weights cast to `dtype` (a copy, at worst) and the RoPE table of the length it will have.
+        seq_len = max_seq_len or args.max_seq_len
+        cast = param_count(args) * dtype.itemsize
+        return cast + rope_table_bytes(args, seq_len), f", a {dtype} copy and the RoPE table of {seq_len:,} positions"
+
     if (path / "config.json").is_file() and not (path / CHECKPOINT_JSON).exists():
-        args = read_hf_config(path)
-        weights = read_hf_weights(path, args=args)
+        args, weights = _read_hf_folder(path, extra_bytes=extra_bytes)
     else:
-        info, weights = load_full_model_weights(path)
-        args = args_from_json(info["model"])
+        info, weights = load_full_model_weights(path, extra_bytes=extra_bytes)
+        args = args_from_json(info["model"], where=str(path / CHECKPOINT_JSON))
     if max_seq_len:
         args = replace(args, max_seq_len=max_seq_len)
     return build_model(args, weights, device=device, dtype=dtype)
+
+
+def _read_hf_folder(path: Path, *, extra_bytes: Callable[[ModelArgs, int], tuple[int, str]]
+                    ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(args, weights) of a Hugging Face folder, its config checked against its files' sizes and this host's memory
+    before any weight is read."""
+    from trainer.export import ExportError, family, read_hf_config, read_hf_weights, safetensors_bytes
+    from trainer.export.folder import read_config
+
+    args = read_hf_config(path)
+    config = read_config(path)
+    data_bytes, files = safetensors_bytes(path)
+    check_args_fit_files(args, data_bytes=data_bytes, where=str(path / "config.json"), files=files, error=ExportError,
+                         tied=bool(config.get("tie_word_embeddings", family(args).tied_by_default(config))))
+    more, what = extra_bytes(args, data_bytes)
+    check_host_memory(data_bytes + more, what=f"the weights{what}", where=str(path), error=ExportError)
+    return args, read_hf_weights(path, args=args)
 
 
 def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], *, device: torch.device | str = "cpu",

@@ -243,14 +243,36 @@ def describe_layout(layout: dict[str, int]) -> str:
     return ", ".join(degrees) + (f" (world size {layout['world_size']})" if "world_size" in layout else "")
 
 
-def args_from_json(model: dict[str, Any]) -> ModelArgs:
-    """The ModelArgs (MoEArgs for an MoE checkpoint) recorded in checkpoint.json (for tools that have no job config)."""
+def args_from_json(model: dict[str, Any], *, where: str = "checkpoint.json") -> ModelArgs:
+    """The ModelArgs (MoEArgs for an MoE checkpoint) recorded in checkpoint.json (for tools that have no job config).
+
+    Every value is checked by type and range with the rules of the TOML [model] section
+    (`trainer.model_values`) first: a CheckpointError naming the file (`where`) and the field.
+    """
+    from trainer.checkpoint.format import CheckpointError
+    from trainer.model_values import values_problem
     from trainer.models.moe import MoEArgs
 
+    edited = "not as this trainer writes it: an edited or foreign file"
+    if model.get("name", "llama3") not in ("llama3", "moe"):
+        raise CheckpointError(f"{where}: model.name={model.get('name')!r} must be 'llama3' or 'moe' ({edited})")
     cls = MoEArgs if model.get("name") == "moe" else ModelArgs
+    known = {*cls.__dataclass_fields__, "name", "flavor", "ffn_dim"}
+    unknown = sorted(k for k in model if k not in known)
+    missing = [k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size") if k not in model]
+    if unknown or missing:
+        raise CheckpointError(f"{where}: model.{(unknown or missing)[0]} is "
+                              f"{'not an argument of ' + cls.__name__ if unknown else 'missing'} ({edited})")
+    scaling = model.get("rope_scaling")
+    if isinstance(scaling, dict) and (extra := sorted(set(scaling) - set(RopeScaling.__dataclass_fields__))):
+        raise CheckpointError(f"{where}: model.rope_scaling.{extra[0]} is not a RopeScaling field ({edited})")
+    if problem := values_problem(model, keys={k: f"model.{k}" for k in model}):
+        raise CheckpointError(f"{where}: {problem} ({edited})")
     fields = {k: v for k, v in model.items() if k in cls.__dataclass_fields__}
     if fields.get("rope_scaling") is not None:
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     args = cls(**fields)
-    assert args.ffn_dim == model["ffn_dim"], (args.ffn_dim, model["ffn_dim"])
+    if args.ffn_dim != model.get("ffn_dim", args.ffn_dim):
+        raise CheckpointError(f"{where}: model.ffn_dim={model['ffn_dim']} but the other arguments give "
+                              f"{args.ffn_dim} ({edited})")
     return args

@@ -25,14 +25,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
     CorruptCheckpointError, file_digest, first_line,
 )
-from trainer.checkpoint.state import RunInfo
+from trainer.checkpoint.state import RunInfo, args_from_json
+from trainer.checkpoint.values import check_state_values
+from trainer.confine import outside_problem
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -83,6 +87,9 @@ def load_dcp_metadata(file: Path) -> Metadata:
                 f"can run code, and this trainer writes only tensors with DCP; checkpoints of format "
                 f"{OLD_FORMATS[0]} held such entries)"
             )
+        if problem := _entry_problem(md):
+            raise CheckpointError(f"{file}: entry {key!r} {problem}; not a DCP index this trainer wrote (an edited "
+                                  "or foreign file)")
     for item in metadata.storage_data.values():
         name = getattr(item, "relative_path", None)
         if type(item) is not _StorageInfo or not isinstance(name, str) or not _DATA_FILE.match(name):
@@ -91,6 +98,26 @@ def load_dcp_metadata(file: Path) -> Metadata:
             raise CheckpointError(f"{file}: {name} is stored with transforms {item.transform_descriptors}, which "
                                   "this trainer never writes")
     return metadata
+
+
+def _dims(value: Any) -> bool:
+    return isinstance(value, torch.Size) and all(type(d) is int and d >= 0 for d in value)
+
+
+def _entry_problem(md: TensorStorageMetadata) -> str | None:
+    """What is malformed in a tensor entry (its size, dtype, chunks), before anything is allocated by it."""
+    if not _dims(md.size):
+        return f"has size {md.size!r}, not a list of sizes >= 0"
+    if type(md.properties) is not TensorProperties or not isinstance(md.properties.dtype, torch.dtype):
+        return f"has properties {md.properties!r}, not a tensor dtype"
+    if not isinstance(md.chunks, list):
+        return f"has chunks {md.chunks!r}, not a list"
+    for chunk in md.chunks:
+        if type(chunk) is not ChunkStorageMetadata or not _dims(chunk.offsets) or not _dims(chunk.sizes) or len(
+                chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size) or any(
+                o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, md.size)):
+            return f"has a chunk outside its size {list(md.size)}"
+    return None
 
 
 class SafeReader(FileSystemReader):
@@ -140,7 +167,10 @@ def scan_checkpoints(folder: Path) -> tuple[dict[int, Path], list[tuple[Path, st
 
 
 def check_file(path: Path, expected: dict[str, Any] | None, *, min_bytes: int = 0) -> str | None:
-    """None when the file is intact, else a one-line reason naming it."""
+    """None when the file is intact, else a one-line reason naming it; a CheckpointError if it resolves outside
+    its folder (a symlink: unsafe, not corrupt)."""
+    if problem := outside_problem(path):
+        raise CheckpointError(problem)
     if not path.is_file():
         return f"{path} is missing"
     size = path.stat().st_size
@@ -165,6 +195,8 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a folder")
     file = path / CHECKPOINT_JSON
+    if problem := outside_problem(file):
+        raise CheckpointError(problem)
     try:
         info = json.loads(file.read_text())
     except FileNotFoundError:
@@ -190,6 +222,11 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
         raise CheckpointError(f"{file} is not a {FORMAT} checkpoint description (format={info.get('format')!r})")
     if not isinstance(info.get("model"), dict):
         raise CheckpointError(f"{file} has no model description")
+    step = info.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise CheckpointError(f"{file}: step={step!r} must be an integer in [0, 2**63-1] (not as this trainer "
+                              "writes it: an edited or foreign file)")
+    args_from_json(info["model"], where=str(file))  # every model argument by type and range
     files = info.get("files")
     if not (isinstance(files, dict) and files and all(
         isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), str)
@@ -259,29 +296,6 @@ def check_files(path: Path, info: dict[str, Any], names: dict[str, int]) -> list
     return problems
 
 
-def check_model_keys(metadata: Metadata, model_sd: dict[str, torch.Tensor], *, path: Path,
-                     all_keys: set[str] | None = None) -> None:
-    """Every model tensor is in the checkpoint with the same shape, and it has no other model tensors.
-
-    all_keys: the model keys of every rank together, when ranks hold different parameters
-    (pipeline stages); the key sets are compared with it, the shapes with this rank's tensors.
-    """
-    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    file = path / METADATA
-    keys = all_keys if all_keys is not None else set(model_sd)
-    missing = sorted(k for k in keys if k not in saved)
-    unexpected = [k for k in saved if k not in keys]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{file}: model keys do not match: {len(missing)} missing (first: {missing[0] if missing else '-'}), "
-            f"{len(unexpected)} unexpected (first: {unexpected[0] if unexpected else '-'})"
-        )
-    for k, t in model_sd.items():
-        if tuple(saved[k].size) != tuple(t.shape):
-            raise CheckpointError(f"{file}: model.{k} has shape {list(saved[k].size)} in the checkpoint but "
-                                  f"{list(t.shape)} in this model")
-
-
 def read_state_json(path: Path, info: dict[str, Any]) -> dict[str, Any]:
     """The non-tensor state of a training checkpoint (verified against checkpoint.json)."""
     file = path / STATE_JSON
@@ -294,4 +308,5 @@ def read_state_json(path: Path, info: dict[str, Any]) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{file} is not a training state (a JSON {type(state).__name__})")
+    check_state_values(state, info, path=path)
     return state

@@ -24,7 +24,7 @@ import torch
 from trainer.export import llama, moe
 from trainer.export.folder import (
     DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, SAFETENSORS_HINT, ExportError, Spec, join_tensors, numel, plan_shards,
-    read_config, read_tensors, require_safetensors, write_folder,
+    read_config, read_tensors, require_safetensors, safetensors_bytes, write_folder,
 )
 from trainer.export.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
 from trainer.export.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
@@ -166,5 +166,5 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES", "LLAMA3_SCALED_CONTEXT", "SAFETENSORS_HINT", "ExportError", "ExportTokenizer", "Spec",
     "args_from_hf_config", "check_exportable", "check_hf_config", "expected_shapes", "family", "from_hf_name",
     "hf_config", "plan_shards", "read_hf_config", "read_hf_weights", "require_safetensors", "resolve_tokenizer",
-    "to_hf_name", "write_hf_export",
+    "safetensors_bytes", "to_hf_name", "write_hf_export",
 ]

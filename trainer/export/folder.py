@@ -11,7 +11,7 @@ anything else is refused before anything is written (trainer/output_folder.py).
 What each of our tensors is called there, and how it is cut or permuted, is the family's
 (`trainer.export.llama`, `trainer.export.moe`): one `Spec` per tensor of ours.
 Needs the `safetensors` package (the `hf` extra). Reading runs no code from the folder:
-only safetensors and JSON are read.
+only safetensors and JSON are read, and only files that resolve inside the folder (trainer/confine.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.confine import outside_problem
 from trainer.errors import UserError
 from trainer.output_folder import EXPORT, prepare_output, publish_output
 
@@ -158,7 +159,7 @@ def read_config(folder: Path) -> dict:
     """config.json of a Hugging Face folder, as a dict; a one-line ExportError if it is not one."""
     if not folder.is_dir():
         raise ExportError(f"{folder} does not exist or is not a folder")
-    config_path = folder / "config.json"
+    config_path = _confined(folder / "config.json")
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
@@ -170,9 +171,34 @@ def read_config(folder: Path) -> dict:
     return config
 
 
+def _confined(path: Path) -> Path:
+    """`path`, a file of a Hugging Face folder, unless it resolves outside the folder (ExportError)."""
+    if problem := outside_problem(path):
+        raise ExportError(problem)
+    return path
+
+
+def safetensors_bytes(folder: Path) -> tuple[int, str]:
+    """(total size, a description) of the folder's safetensors files: what a config's arguments must fit in."""
+    require_safetensors("reading a Hugging Face model")
+    from safetensors import SafetensorError, safe_open
+
+    names = _safetensors_files(folder)
+    total = 0
+    for name in names:
+        path = _confined(folder / name)
+        try:
+            with safe_open(str(path), framework="pt"):  # reads the header only
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ExportError(f"{path} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
+        total += path.stat().st_size
+    return total, f"its safetensors files ({', '.join(names) if len(names) <= 3 else f'{len(names)} files'})"
+
+
 def _safetensors_files(folder: Path) -> list[str]:
     # Only safetensors are read: pytorch_model.bin and *.pt files are pickles, and unpickling runs code.
-    index_path = folder / "model.safetensors.index.json"
+    index_path = _confined(folder / "model.safetensors.index.json")
     if index_path.exists():
         try:
             files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
@@ -200,7 +226,7 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
     tensors: dict[str, torch.Tensor] = {}
     for name in _safetensors_files(folder):
-        path = folder / name
+        path = _confined(folder / name)
         try:
             loaded = load_file(str(path))
         except (SafetensorError, OSError) as e:

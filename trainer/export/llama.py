@@ -14,6 +14,7 @@ import re
 import torch
 
 from trainer.export.folder import DTYPE_NAMES, ExportError, Spec, rename
+from trainer.model_values import values_problem
 from trainer.models.llama import ModelArgs
 
 MODEL_TYPE = "llama"
@@ -229,6 +230,25 @@ def decoder_fields(config: dict, flavors: list[ModelArgs]) -> dict:
     )
 
 
+# Our ModelArgs field -> its config.json key: checked by the rules of every model argument (trainer.model_values).
+CONFIG_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+               "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
+               "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings"}
+
+
+def check_config_values(config: dict, keys: dict[str, str], *, where: str) -> None:
+    """Every value of config.json that becomes a model argument, by type and range, before any is converted."""
+    values = {field: config[key] for field, key in keys.items() if key in config}
+    rope, theta = rope_fields(config)
+    if theta is not None:
+        values["rope_theta"] = theta
+    if rope.get("rope_type", rope.get("type", "default")) == "llama3":
+        values["rope_scaling"] = {k: rope.get(k) for k in ("factor", "low_freq_factor", "high_freq_factor")}
+        values["rope_scaling"]["original_max_seq_len"] = rope.get("original_max_position_embeddings")
+    if problem := values_problem(values, keys={**keys, "rope_scaling": "rope_scaling"}):
+        raise ExportError(f"{where}: {problem} (not a model this trainer can load)")
+
+
 def check_head_dim(config: dict, args: ModelArgs, *, where: str) -> None:
     if config.get("head_dim", args.head_dim) != args.head_dim:
         raise ExportError(f"{where}: head_dim={config['head_dim']} but hidden_size/num_attention_heads is "
@@ -239,6 +259,7 @@ def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
     """ModelArgs of a Hugging Face Llama config.json (checked back against it with `check_hf_config`)."""
     from trainer.models.llama import FLAVORS
 
+    check_config_values(config, CONFIG_KEYS, where=where)
     try:
         args = ModelArgs(**decoder_fields(config, list(FLAVORS.values())))
     except (KeyError, TypeError, ValueError) as e:

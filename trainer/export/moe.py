@@ -27,7 +27,8 @@ import torch
 
 from trainer.export.folder import ExportError, Spec, rename
 from trainer.export.llama import (
-    attention_shapes, check_head_dim, check_rope, common_config, decoder_fields, mlp_shapes, to_hf_name,
+    CONFIG_KEYS, attention_shapes, check_config_values, check_head_dim, check_rope, common_config, decoder_fields,
+    mlp_shapes, to_hf_name,
 )
 from trainer.models.moe import MOE_FLAVORS, MoEArgs
 
@@ -223,6 +224,8 @@ def args_from_hf_config(config: dict, *, where: str) -> MoEArgs:
     if target not in _ARCHITECTURES:
         raise ExportError(f"{where}: model_type={target!r} is not an MoE layout this trainer reads "
                           f"({', '.join(map(repr, _ARCHITECTURES))})")
+    keys = {**CONFIG_KEYS, "moe_ffn_dim": "moe_intermediate_size", **_KEYS[target]}
+    check_config_values({**config, **{key: _get(config, key) for key in _KEYS[target].values()}}, keys, where=where)
     try:
         fields = decoder_fields(config, [])
         ffn = int(config["intermediate_size"])
@@ -232,10 +235,9 @@ def args_from_hf_config(config: dict, *, where: str) -> MoEArgs:
                 fields.update(multiple_of=flavor.multiple_of, ffn_dim_multiplier=flavor.ffn_dim_multiplier,
                               dense_ffn_dim=flavor.dense_ffn_dim)
                 break
-        keys = _KEYS[target]
         args = MoEArgs(
             **fields, moe_ffn_dim=int(config["moe_intermediate_size"]),
-            **{ours: int(_get(config, key)) for ours, key in keys.items()},
+            **{ours: int(_get(config, key)) for ours, key in _KEYS[target].items()},
             score_func="softmax" if target == ERNIE else "sigmoid", route_norm=_route_norm(config, where=where),
             aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0), bias_update_rate=0.0,
         )

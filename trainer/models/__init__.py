@@ -41,16 +41,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return moe_flops_per_token(args, seq_len) if is_moe(args) else dense_flops_per_token(args, seq_len)
 
 
-def count_params(args: ModelArgs) -> int:
-    """Parameters of the model `build_model(args)` builds, from its shapes alone: validation sizes a model this
-    way before anything is built (a meta model of 10**8 blocks takes minutes to construct)."""
-    if is_moe(args):
-        return param_counts(args)[0]
-    attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
-    block = attn + 3 * args.dim * args.ffn_dim + 2 * args.dim  # + attention_norm and mlp_norm
-    return args.n_layers * block + 2 * args.vocab_size * args.dim + args.dim  # + embedding, output head, final norm
-
-
 def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], float]:
     """Training FLOPs per token of (the embedding, each block, the final norm + output head): what the automatic
     pipeline split balances. They sum to `flops_per_token` (6 x the matmul parameters a token passes through,
@@ -70,7 +60,7 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
 
 
 __all__ = [
-    "FLAVORS", "Llama", "MoEArgs", "MoETransformer", "ModelArgs", "build_model", "count_params", "flops_per_token",
+    "FLAVORS", "Llama", "MoEArgs", "MoETransformer", "ModelArgs", "build_model", "flops_per_token",
     "is_moe",
     "model_args_for", "num_params", "param_counts", "pipeline_costs",
 ]

@@ -2,8 +2,9 @@
 
 `JobConfig.__post_init__` runs `check_config`, so a bad TOML file or override fails while it
 is parsed, before anything is built. A leaf: it imports nothing of the trainer but the errors,
-the precision-schedule syntax and the seed ranges (trainer.seeds), since the config imports it (`cfg` is a
-`trainer.config.JobConfig`, not imported here for that reason).
+the precision-schedule syntax, the model-argument rules (trainer.model_values) and the seed
+ranges (trainer.seeds), since the config imports it (`cfg` is a `trainer.config.JobConfig`, not
+imported here for that reason).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.errors import ConfigError
+from trainer.model_values import value_problem
 from trainer.precision_phases import parse_precision_schedule
 from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
@@ -61,9 +63,11 @@ def _check_ranges(cfg: Any) -> None:
     for key, value in at_least_one.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    for field in ("n_layers", "vocab_size"):  # the rules of every model argument's source (checkpoints too)
+        if problem := value_problem(field, getattr(cfg.model, field), key=f"model.{field}",
+                                    zero_keeps="the flavor's own"):
+            raise ConfigError(problem)
     at_least_zero = {
-        "model.n_layers": (cfg.model.n_layers, " (0 = the flavor's own)"),
-        "model.vocab_size": (cfg.model.vocab_size, " (0 = the flavor's own)"),
         "train.max_norm": (t.max_norm, " (0 disables clipping)"),
         "train.selective_ac_every": (t.selective_ac_every, ""),
         "train.loss_chunk_tokens": (t.loss_chunk_tokens, " (0 = off)"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ConfigError
+from trainer.model_values import param_count
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -46,13 +47,11 @@ class TrainStateEstimate:
 
 def estimate_train_state(args: Any, pd: ParallelDims, *, bf16_master: bool, kahan: bool) -> TrainStateEstimate:
     """The training state per rank of the model `args` describes under the degrees `pd`."""
-    from trainer.models import count_params
-
     master = 2 if bf16_master else 4
     what = f"{'bf16' if bf16_master else 'fp32'} master weights, gradients and 2 AdamW moments"
     if kahan:
         what += ", a bf16 Kahan buffer"
-    return TrainStateEstimate(num_params=count_params(args), bytes_per_param=4 * master + (2 if kahan else 0),
+    return TrainStateEstimate(num_params=param_count(args), bytes_per_param=4 * master + (2 if kahan else 0),
                               num_ranks=pd.fsdp_shard * pd.tp * pd.pp, what=what)
 
 

@@ -1,0 +1,163 @@
+"""Every value a checkpoint's files give, checked by type and range before anything is allocated.
+
+A checkpoint folder may be crafted, and its checksums rewritten to match, so nothing in it is trusted:
+
+- the model arguments of checkpoint.json follow the rules of the TOML `[model]` section
+  (`trainer.model_values`), and the parameters they imply must fit in the checkpoint's data files
+  (`check_args_fit_files`) and, for a load into this process, in the host's memory (`check_host_memory`);
+- every `.metadata` entry of the model and the optimizer has the shape of a model built on the meta
+  device from those arguments, and a dtype this trainer writes (`check_index_entries`);
+- `state.json`'s step and data position are integers in range (`check_state_values`).
+
+Each failure is one CheckpointError line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from trainer.checkpoint.format import CHECKPOINT_JSON, CheckpointError
+from trainer.model_values import num_tensors, param_count
+
+# The dtypes this trainer writes model weights, expert biases and optimizer moments in (the master dtype).
+INDEX_DTYPES = (torch.float32, torch.bfloat16)
+# The smallest of them: a checkpoint's data files hold at least 2 bytes per parameter.
+MIN_BYTES_PER_PARAM = 2
+# state.json counters are int64 in every consumer (scheduler, metrics, the data loader's arithmetic).
+MAX_COUNTER = 2**63 - 1
+EDITED = "not as this trainer writes it: an edited or foreign file"
+
+
+def _gib(n: float) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:,.1f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n):,} bytes"
+
+
+def check_args_fit_files(args: Any, *, data_bytes: int, where: str, files: str, error: type[Exception],
+                         tied: bool = False) -> None:
+    """The parameters `args` imply, at 2 bytes each at least, fit in the `data_bytes` the data files hold.
+
+    tied: the files hold the embeddings once for the head too (a tied Hugging Face model).
+    """
+    n = param_count(args) - (args.vocab_size * args.dim if tied else 0)
+    if n * MIN_BYTES_PER_PARAM > data_bytes:
+        raise error(f"{where}: the model arguments (dim={args.dim}, n_layers={args.n_layers}, "
+                    f"vocab_size={args.vocab_size}) imply {n:,} parameters, at least {_gib(n * MIN_BYTES_PER_PARAM)}, "
+                    f"but {files} hold {_gib(data_bytes)}; the arguments are not this model's ({EDITED})")
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else free physical pages; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(need_bytes: int, *, what: str, where: str, error: type[Exception]) -> None:
+    """Refuse a load that needs more host memory than is available (an estimate: `what` says of what)."""
+    free = available_memory_bytes()
+    if free is not None and need_bytes > free:
+        raise error(f"{where}: loading it needs about {_gib(need_bytes)} of memory ({what}) but {_gib(free)} is "
+                    "available on this host; load it on a larger host (or with a smaller max_seq_len)")
+
+
+def rope_table_bytes(args: Any, max_seq_len: int) -> int:
+    """The fp32 cos/sin table `rope_cache` builds: [max_seq_len, 2, head_dim]."""
+    return max_seq_len * 2 * (args.dim // args.n_heads) * 4
+
+
+def model_shapes(args: Any) -> dict[str, tuple[int, ...]]:
+    """Every state-dict entry of the model these args build, by fqn: built on the meta device (allocates nothing).
+
+    Call after `check_args_fit_files`: building a model of a crafted n_layers would take as long as its layers.
+    """
+    from trainer.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(args)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_index_entries(metadata: Metadata, shapes: dict[str, tuple[int, ...]], *, path: Path,
+                        all_keys: set[str] | None = None) -> None:
+    """Every model and optimizer entry of the index has the model's shape and a dtype this trainer writes.
+
+    shapes: {fqn: shape} of the model (this rank's tensors under pipeline parallelism, with all_keys
+    the fqns of every rank together). Optimizer entries are `optimizer.state.{fqn}.{name}`: a scalar
+    `step`, or a tensor of the parameter's shape.
+    """
+    file = path / ".metadata"
+    entries = metadata.state_dict_metadata
+    saved = {k[len("model."):]: md for k, md in entries.items() if k.startswith("model.")}
+    keys = all_keys if all_keys is not None else set(shapes)
+    missing = sorted(k for k in keys if k not in saved)
+    unexpected = [k for k in saved if k not in keys]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{file}: model keys do not match: {len(missing)} missing (first: {missing[0] if missing else '-'}), "
+            f"{len(unexpected)} unexpected (first: {unexpected[0] if unexpected else '-'})"
+        )
+    for key, md in entries.items():
+        if key.startswith("model."):
+            fqn, want = key[len("model."):], shapes.get(key[len("model."):])
+        elif key.startswith("optimizer.state."):
+            fqn, name = key[len("optimizer.state."):].rsplit(".", 1)
+            if fqn not in keys:
+                raise CheckpointError(f"{file}: {key} is the optimizer state of {fqn!r}, which the model has not")
+            want = () if name == "step" or fqn not in shapes else shapes[fqn]
+            if fqn not in shapes:
+                continue  # another pipeline stage's parameter: that rank checks it
+        else:
+            continue  # rng, loss scaler: loaded into this process's own tensors, whose shapes DCP compares
+        if want is not None and tuple(md.size) != tuple(want):
+            raise CheckpointError(f"{file}: {key} has shape {list(md.size)} in the checkpoint but "
+                                  f"{list(want)} in this model ({EDITED}, or another model's)")
+        if md.properties.dtype not in INDEX_DTYPES:
+            raise CheckpointError(f"{file}: {key} is stored as {md.properties.dtype}, not one of "
+                                  f"{', '.join(map(str, INDEX_DTYPES))} ({EDITED})")
+
+
+def check_entry_count(metadata: Metadata, args: Any, *, path: Path) -> None:
+    """As many model entries as the arguments imply (counted in closed form, before a model is built)."""
+    have = sum(1 for k in metadata.state_dict_metadata if k.startswith("model."))
+    want = num_tensors(args)
+    if have != want:
+        raise CheckpointError(f"{path / CHECKPOINT_JSON}: the model arguments (n_layers={args.n_layers}) imply "
+                              f"{want:,} model tensors but {path / '.metadata'} holds {have:,}; the arguments are "
+                              f"not this model's ({EDITED})")
+
+
+def _counter(tree: Any, dotted: str, *, file: Path, low: int = 0) -> int:
+    value: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise CheckpointError(f"{file}: {dotted} is missing ({EDITED})")
+        value = value[part]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_COUNTER:
+        raise CheckpointError(f"{file}: {dotted}={value!r} must be an integer in [{low}, 2**63-1] ({EDITED})")
+    return value
+
+
+def check_state_values(state: dict[str, Any], info: dict[str, Any], *, path: Path) -> None:
+    """state.json's step and data position: integers in range, the step the one checkpoint.json records."""
+    file = path / "state.json"
+    step = _counter(state, "train_state.step", file=file)
+    if step != info.get("step"):
+        raise CheckpointError(f"{file}: train_state.step={step} but {path / CHECKPOINT_JSON} records step "
+                              f"{info.get('step')!r} ({EDITED})")
+    _counter(state, "dataloader.consumed_samples", file=file)
+    _counter(state, "lr_scheduler.last_epoch", file=file)

@@ -1,0 +1,157 @@
+"""Type and range rules of model arguments, wherever they come from: the TOML `[model]` section, a checkpoint's
+checkpoint.json, a Hugging Face config.json.
+
+One table (`RULES`), so a value refused in one place is refused in all. A leaf: it imports nothing of the
+trainer (the config checks import it while the config is parsed), and each caller raises its own error type
+(ConfigError, CheckpointError, ExportError) with the problem returned here. Sizes have no upper bound
+beyond `MAX_INT` here: what a checkpoint's arguments imply is checked against its files' own sizes
+(`param_count`), and a training run's against the device (trainer/validate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# No model has a dimension or count this large; it keeps the arithmetic on them (ffn_dim's float rule) exact.
+MAX_INT = 2**40
+# The longest RoPE table a checkpoint or config may ask for (16M positions; 128K is the longest flavor's).
+MAX_SEQ_LEN = 2**24
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str  # "int", "float", "bool" or "choice"
+    low: float = 1
+    """The least value (inclusive); for floats with `open_low`, exclusive."""
+    high: float = MAX_INT
+    open_low: bool = False
+    optional: bool = False
+    """None is allowed (ffn_dim_multiplier, rope_scaling)."""
+    choices: tuple[str, ...] = ()
+
+
+RULES: dict[str, Rule] = {
+    "dim": Rule("int"),
+    "n_layers": Rule("int"),
+    "n_heads": Rule("int"),
+    "n_kv_heads": Rule("int"),
+    "vocab_size": Rule("int"),
+    "ffn_dim": Rule("int"),
+    "multiple_of": Rule("int"),
+    "ffn_dim_multiplier": Rule("float", low=0, high=1e6, open_low=True, optional=True),
+    "norm_eps": Rule("float", low=0, high=1, open_low=True),
+    "rope_theta": Rule("float", low=0, high=1e30, open_low=True),
+    "max_seq_len": Rule("int", high=MAX_SEQ_LEN),
+    # RopeScaling
+    "factor": Rule("float", low=0, high=1e6, open_low=True),
+    "low_freq_factor": Rule("float", low=0, high=1e6, open_low=True),
+    "high_freq_factor": Rule("float", low=0, high=1e6, open_low=True),
+    "original_max_seq_len": Rule("int", high=MAX_SEQ_LEN),
+    # MoEArgs
+    "n_experts": Rule("int"),
+    "top_k": Rule("int"),
+    "moe_ffn_dim": Rule("int"),
+    "n_shared_experts": Rule("int", low=0),
+    "n_dense_layers": Rule("int", low=0),
+    "dense_ffn_dim": Rule("int", low=0),
+    "score_func": Rule("choice", choices=("softmax", "sigmoid")),
+    "route_norm": Rule("bool"),
+    "aux_loss_coef": Rule("float", low=0, high=1e6),
+    "bias_update_rate": Rule("float", low=0, high=1e6),
+    "capacity_factor": Rule("float", low=0, high=1e6),
+}
+
+
+def value_problem(field: str, value: Any, *, key: str | None = None, zero_keeps: str = "") -> str | None:
+    """What is wrong with `value` for the model argument `field` ("key=value must be ..."), or None.
+
+    `key` names it in the message (default: the field); `zero_keeps`: 0 is allowed and means that
+    (the TOML overrides, where 0 keeps the flavor's own).
+    """
+    rule, key = RULES[field], key or field
+    if value is None and rule.optional:
+        return None
+    if rule.kind == "bool":
+        return None if isinstance(value, bool) else f"{key}={value!r} must be true or false"
+    if rule.kind == "choice":
+        return None if value in rule.choices else f"{key}={value!r} must be one of {', '.join(map(repr, rule.choices))}"
+    zero = f", or 0 for {zero_keeps}" if zero_keeps else ""
+    if rule.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{key}={value!r} must be an integer" + (" (or null)" if rule.optional else "")
+        if zero_keeps and value == 0:
+            return None
+        if not rule.low <= value <= rule.high:
+            return f"{key}={value} must be an integer in [{rule.low:g}, {rule.high}]{zero}"
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{key}={value!r} must be a number" + (" (or null)" if rule.optional else "")
+    low_ok = value > rule.low if rule.open_low else value >= rule.low
+    if not (math.isfinite(value) and low_ok and value <= rule.high):
+        return f"{key}={value!r} must be in {'(' if rule.open_low else '['}{rule.low:g}, {rule.high:g}]"
+    return None
+
+
+def values_problem(values: Mapping[str, Any], *, keys: Mapping[str, str] | None = None) -> str | None:
+    """The first problem with these model arguments (each field with a rule, then the combinations), or None.
+
+    `values`: field -> value (ModelArgs fields, ffn_dim, and rope_scaling as a dict or None); fields
+    without a rule are not looked at. `keys`: field -> the name the source gives it (config.json's keys).
+    """
+    keys = keys or {}
+    for field, value in values.items():
+        if field == "rope_scaling":
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                return f"{keys.get(field, field)}={value!r} must be an object (or null)"
+            inner = {k: v for k, v in value.items() if k in RULES}
+            if problem := values_problem(inner, keys={k: f"{keys.get(field, field)}.{k}" for k in inner}):
+                return problem
+        elif field in RULES and (problem := value_problem(field, value, key=keys.get(field))):
+            return problem
+    return _combination_problem(values, keys)
+
+
+def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str | None:
+    def name(field: str) -> str:
+        return f"{keys.get(field, field)}={v[field]}"
+
+    if {"dim", "n_heads"} <= v.keys() and (v["dim"] % v["n_heads"] or (v["dim"] // v["n_heads"]) % 2):
+        return f"{name('dim')} must be an even multiple of {name('n_heads')} (an even head_dim, for RoPE)"
+    if {"n_heads", "n_kv_heads"} <= v.keys() and v["n_heads"] % v["n_kv_heads"]:
+        return f"{name('n_heads')} must be a multiple of {name('n_kv_heads')}"
+    if {"top_k", "n_experts"} <= v.keys() and v["top_k"] > v["n_experts"]:
+        return f"{name('top_k')} must be at most {name('n_experts')}"
+    if {"n_dense_layers", "n_layers"} <= v.keys() and v["n_dense_layers"] > v["n_layers"]:
+        return f"{name('n_dense_layers')} must be at most {name('n_layers')}"
+    return None
+
+
+def param_count(args: Any) -> int:
+    """Parameters (and MoE expert biases) of a model with these (checked) ModelArgs / MoEArgs, in closed form:
+    no loop over layers, so a crafted n_layers costs nothing to count."""
+    d, hd = args.dim, args.dim // args.n_heads
+    attention = 2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 2 * d  # q, o; k, v; two norms
+    dense = 3 * d * args.ffn_dim
+    total = 2 * args.vocab_size * d + d + args.n_layers * attention  # embeddings, head, final norm
+    n_experts = getattr(args, "n_experts", None)
+    if n_experts is None:
+        return total + args.n_layers * dense
+    n_dense = min(args.n_dense_layers, args.n_layers)
+    h = args.moe_ffn_dim
+    moe = n_experts * d + n_experts + 3 * n_experts * h * d + 3 * d * args.n_shared_experts * h
+    return total + n_dense * dense + (args.n_layers - n_dense) * moe
+
+
+def num_tensors(args: Any) -> int:
+    """Model tensors (state-dict entries) of a model with these args, in closed form."""
+    n_experts = getattr(args, "n_experts", None)
+    if n_experts is None:
+        return 3 + 9 * args.n_layers
+    n_dense = min(args.n_dense_layers, args.n_layers)
+    per_moe = 6 + 5 + (3 if args.n_shared_experts else 0)
+    return 3 + 9 * n_dense + per_moe * (args.n_layers - n_dense)
