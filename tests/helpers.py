@@ -106,6 +106,12 @@ def train(args: list[str], dump: Path, *, nproc: int = 1, timeout: int = 300) ->
     return read_metrics(dump)
 
 
+def lines_before_step_1(output: str) -> list[str]:
+    """The lines of a run's output before its first step line: the startup header a user reads."""
+    lines = output.splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if "step      1/" in line)]
+
+
 def read_metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
 

@@ -9,7 +9,8 @@ folder with other files, a folder inside a checkpoint) is refused in one line an
 is touched. An earlier output is moved aside to `{out}.old` (`.old-2`, ...) when the new one
 is complete: never deleted.
 
-A leaf module (only trainer.errors): both trainer.export and trainer.checkpoint use it.
+A leaf module (only trainer.errors): both trainer.export and trainer.checkpoint use it, and its
+`fsync_dir` and `aside_name` for publishing and moving checkpoints aside too.
 """
 
 from __future__ import annotations
@@ -117,23 +118,29 @@ def prepare_output(out: str | os.PathLike, *, kind: OutputKind) -> Path:
 def publish_output(tmp: Path, out: str | os.PathLike, *, kind: OutputKind) -> Path | None:
     """Rename the complete `tmp` to `out`; an earlier output there is moved aside first (returned), never deleted."""
     out = Path(os.path.abspath(out))
-    _fsync(tmp)
+    fsync_dir(tmp)
     aside = None
     if out.is_dir() and any(out.iterdir()):
-        aside = out.with_name(out.name + ".old")
-        n = 1
-        while os.path.lexists(aside):
-            n += 1
-            aside = out.with_name(f"{out.name}.old-{n}")
+        aside = aside_name(out, "old")
         os.replace(out, aside)
         logger.warning("moved the earlier %s %s aside to %s (delete it when done)", kind.verb, out, aside)
     os.replace(tmp, out)  # onto nothing, or onto an empty folder
-    _fsync(out.parent)
+    fsync_dir(out.parent)
     return aside
 
 
-def _fsync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def aside_name(path: Path, tag: str) -> Path:
+    """The first free name of `NAME.tag`, `NAME.tag-2`, ... beside `path`: where it is moved aside, never deleted."""
+    aside, n = path.with_name(f"{path.name}.{tag}"), 1
+    while os.path.lexists(aside):
+        n += 1
+        aside = path.with_name(f"{path.name}.{tag}-{n}")
+    return aside
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

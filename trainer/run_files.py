@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.config.sections import toml_value
+from trainer.config.sections import to_toml
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -70,23 +70,6 @@ def describe_precision(cfg: JobConfig, job: ResolvedJob) -> str:
                    "nearest": " (round-to-nearest updates)"}[cfg.optimizer.bf16_update]
     parts += [master, f"gradients reduced in {str(fsdp.reduce_dtype).removeprefix('torch.')}"]
     return "precision: " + "; ".join(parts)
-
-
-def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
-    """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling])."""
-    lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
-
-    def table(name: str, values: dict[str, Any]) -> None:
-        lines.append(f"[{name}]")
-        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
-        lines.append("")
-        for k, v in values.items():
-            if isinstance(v, dict):
-                table(f"{name}.{k}", v)
-
-    for name, values in sections.items():
-        table(name, values)
-    return "\n".join(lines)
 
 
 def write_run_files(folder: str | Path, *, cfg: JobConfig, run_cfg: JobConfig, job: ResolvedJob) -> list[str]:

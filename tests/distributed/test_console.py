@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, launch
+from tests.helpers import REPO, launch, lines_before_step_1
 
 MOE = str(REPO / "configs" / "train" / "debug_moe.toml")
 PP = str(REPO / "configs" / "train" / "debug_pp.toml")
@@ -18,8 +18,7 @@ PP = str(REPO / "configs" / "train" / "debug_pp.toml")
 
 def _header(proc) -> list[str]:
     """What a user sees before step 1: stdout up to the step line, and stderr (torchrun's banner, warnings)."""
-    out = proc.stdout.splitlines()
-    return out[:next(i for i, line in enumerate(out) if "step      1/" in line)] + proc.stderr.splitlines()
+    return lines_before_step_1(proc.stdout) + proc.stderr.splitlines()
 
 
 @pytest.mark.parametrize("layout, nproc, args, converted", [

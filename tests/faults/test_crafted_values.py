@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.faults.test_hostile_checkpoint import ARGS, CONVERT, DEBUG, _rewrite_checksums
-from tests.helpers import REPO, env, launch, run_cli_cases
+from tests.helpers import REPO, env, run_cli_cases
 from trainer.checkpoint import (
     CheckpointError, RunInfo, load_dcp_metadata, load_full_model_weights, load_model, read_checkpoint_json,
     save_model_only,
@@ -35,16 +35,6 @@ from trainer.export import ExportError, expected_shapes, read_hf_weights
 from trainer.models.moe import MOE_FLAVORS
 
 EDITED = "(not as this trainer writes it: an edited or foreign file)"
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A 2-step training checkpoint of the debug model (model, optimizer, state.json)."""
-    dump = tmp_path_factory.mktemp("trained")
-    proc = launch([*ARGS, "--train.steps=2", "--checkpoint.enable=true", "--checkpoint.interval=2",
-                   f"--job.dump_folder={dump}"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dump / "checkpoint" / "step-2"
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.helpers import REPO, env, launch, run_cli_cases
+from tests.helpers import REPO, env, run_cli_cases
 from trainer.checkpoint import (
     CheckpointError, RunInfo, file_digest, load_dcp_metadata, load_full_model_weights, load_model, save_model_only,
 )
@@ -168,16 +168,6 @@ def test_crafted_hf_folders_are_refused_and_run_nothing(tmp_path):
 
 
 # -- the same files through the command lines: resume, initial load, export, import ------------------
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A 2-step training checkpoint of the debug model (the genuine article the attacker edits)."""
-    dump = tmp_path_factory.mktemp("trained")
-    proc = launch([*ARGS, "--train.steps=2", "--checkpoint.enable=true", "--checkpoint.interval=2",
-                   f"--job.dump_folder={dump}"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dump / "checkpoint" / "step-2"
 
 
 @pytest.mark.slow

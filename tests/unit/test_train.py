@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DEBUG_CONFIG, REPO, column, launch, train
+from tests.helpers import DEBUG_CONFIG, REPO, column, launch, lines_before_step_1, train
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.optim import lr_lambda
@@ -126,11 +126,6 @@ def test_startup_lines_follow_the_fp8_page(tmp_path: Path) -> None:
     # fp8 keeps bf16 master weights by default (distributed.master_dtype="auto"), with stochastic rounding.
     assert "BF16AdamW (bf16 master weights, stochastic rounding), 1 group: 39 tensors, 918,656 parameters" in groups
     assert "Model: debug, 918,656 parameters (853,120 non-embedding)" in lines[order[2]]
-
-
-def lines_before_step_1(output: str) -> list[str]:
-    lines = output.splitlines()
-    return lines[:next(i for i, line in enumerate(lines) if "step      1/" in line)]
 
 
 def test_console_is_a_short_header_and_the_values_used_go_to_files(tmp_path: Path) -> None:

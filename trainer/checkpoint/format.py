@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.errors import UserError
+from trainer.output_folder import fsync_dir
 
 CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"
@@ -72,14 +73,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         f.write(json.dumps(data, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def publish(tmp: Path, final: Path) -> None:

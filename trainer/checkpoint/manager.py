@@ -42,6 +42,7 @@ from trainer.checkpoint.verify import (
     read_dcp_metadata, read_state_json, scan_checkpoints,
 )
 from trainer.config import CheckpointSection
+from trainer.output_folder import aside_name
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -470,11 +471,7 @@ class CheckpointManager:
 
 def _move_aside(path: Path) -> Path:
     """Rename a corrupt checkpoint out of the way (`step-N.corrupt`, `.corrupt-2`, ...); never delete it."""
-    aside = path.with_name(path.name + ".corrupt")
-    n = 1
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{path.name}.corrupt-{n}")
+    aside = aside_name(path, "corrupt")
     try:
         path.rename(aside)
     except OSError as e:

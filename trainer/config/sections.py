@@ -326,17 +326,29 @@ class JobConfig:
         return dataclasses.asdict(self)
 
     def to_toml(self) -> str:
-        lines: list[str] = []
-        for section, values in self.to_dict().items():
-            lines.append(f"[{section}]")
-            lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
-            lines.append("")
-        return "\n".join(lines)
+        return to_toml(self.to_dict())
 
 
 def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
+    """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling])."""
+    lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
+
+    def table(name: str, values: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
+        lines.append("")
+        for k, v in values.items():
+            if isinstance(v, dict):
+                table(f"{name}.{k}", v)
+
+    for name, values in sections.items():
+        table(name, values)
+    return "\n".join(lines)
 
 
 def toml_value(value: Any) -> str:

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.model_values import param_count
 from trainer.models.layers import MLP, Attention, Decoder, ModelArgs, RMSNorm, RopeScaling, TransformerBlock
 from trainer.models.moe_permute import experts_to_tokens, inverse_permutation, select_unique_rows, tokens_to_experts
 
@@ -453,18 +454,11 @@ def param_counts(args: MoEArgs) -> tuple[int, int]:
     """(total, active) parameters. Active = what one token passes through: all but the
     n_experts - top_k routed experts it does not choose, and without the embedding table
     (a lookup, no matmul)."""
-    attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
-    norms = 2 * args.dim
-    dense = attn + 3 * args.dim * args.ffn_dim + norms
-    shared = 3 * args.dim * args.n_shared_experts * args.moe_ffn_dim
-    router = args.dim * args.n_experts
-    moe_common = attn + shared + router + norms
     n_moe = args.n_layers - args.n_dense_layers
-    head = args.dim + args.dim * args.vocab_size  # final norm + output projection
-    embed = args.vocab_size * args.dim
-    total = args.n_dense_layers * dense + n_moe * (moe_common + args.n_experts * expert_params(args)) + head + embed
-    active = args.n_dense_layers * dense + n_moe * (moe_common + args.top_k * expert_params(args)) + head
-    return total, active
+    total = param_count(args) - n_moe * args.n_experts  # param_count also counts the expert-bias buffers
+    # Active: less the embedding table and the routed experts a token does not choose.
+    unchosen = n_moe * (args.n_experts - args.top_k) * expert_params(args)
+    return total, total - args.vocab_size * args.dim - unchosen
 
 
 def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
