@@ -4,6 +4,9 @@
         --warmup 5 --steps 15 -- --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 \
         --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true
 
+A precision may name an FP8 recipe, `fp8:RECIPE` (e.g. `--precisions bf16,fp8,fp8:blockwise`): that run adds
+`--float8.recipe=RECIPE` after the overrides.
+
 Everything after `--` is a normal config override. Prints, per precision: tokens/s per
 GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
 the GPU's dense bf16 peak from trainer.metrics.PEAK_BF16_FLOPS (the same table the
@@ -145,6 +148,12 @@ def reference_optimizer(shapes: list[tuple[int, ...]], dtype: torch.dtype, devic
     return statistics.median(times)
 
 
+def precision_overrides(precision: str) -> list[str]:
+    """`bf16` -> [--train.mixed_precision=bf16]; `fp8:blockwise` -> [... =fp8, --float8.recipe=blockwise]."""
+    name, _, recipe = precision.partition(":")
+    return [f"--train.mixed_precision={name}", *([f"--float8.recipe={recipe}"] if recipe else [])]
+
+
 def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None,
               emulate: tuple[int, float] | None = None) -> dict:
     result, shapes, dtype, device = _bench_runner(argv, precision, warmup=warmup, steps=steps,
@@ -162,8 +171,9 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
 
 def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None,
                   emulate: tuple[int, float] | None):
-    cfg = load_job_config([*argv, f"--train.mixed_precision={precision}", "--train.precision_schedule=", f"--train.steps={warmup + steps}",
-                           "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false"])
+    cfg = load_job_config([*argv, *precision_overrides(precision), "--train.precision_schedule=",
+                           f"--train.steps={warmup + steps}", "--metrics.enable_tensorboard=false",
+                           "--metrics.enable_jsonl=false"])
     runner = Trainer(cfg)
     try:
         device, t = runner.device, cfg.train
@@ -184,10 +194,10 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
         step_s = (time.perf_counter() - start) / steps
         runner.check_finite()
         if profile_dir:
-            profile_steps(runner, Path(profile_dir) / precision)
+            profile_steps(runner, Path(profile_dir) / precision.replace(":", "_"))
         optimizer_s, shapes, dtype = time_optimizer(runner)
         if profile_dir:
-            profile_optimizer(runner, Path(profile_dir) / precision)
+            profile_optimizer(runner, Path(profile_dir) / precision.replace(":", "_"))
         world = runner.env.world_size
         tokens_per_gpu = t.batch_size * t.seq_len * t.grad_accum_steps * runner.parallel_dims.dp / world
         tps = tokens_per_gpu / step_s
@@ -258,7 +268,8 @@ def main() -> int:
     setup_logging(0)
     argv = ["--config", args.config, *overrides]
     try:
-        load_job_config(argv)
+        for p in args.precisions.split(","):  # every precision's config, before any of them builds a model
+            load_job_config([*argv, *precision_overrides(p)])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -277,14 +288,14 @@ def main() -> int:
     if args.emulate_gpus:
         print(f"memory capped per process to {results[0]['memory_cap_gib']:.1f} GiB: one of {args.emulate_gpus} "
               f"GPUs of {args.gpu_memory_gib} GiB running this job")
-    print(f"{'precision':>9} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} {'vs ' + results[0]['precision']:>8}")
+    print(f"{'precision':<13} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} {'vs ' + results[0]['precision']:>8}")
     for r in results:
         r["speedup"] = r["tokens_per_s_per_gpu"] / base
         r["label"], r["overrides"] = args.label, overrides
-        print(f"{r['precision']:>9} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
+        print(f"{r['precision']:<13} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
               f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x")
     for r in results:
-        print(f"{r['precision']:>9} optimizer step ({r['master_dtype']} master weights): {r['optimizer_ms']:.1f} ms, "
+        print(f"{r['precision']:<13} optimizer step ({r['master_dtype']} master weights): {r['optimizer_ms']:.1f} ms, "
               f"{r['optimizer_gbps']:.0f} GB/s; torch AdamW(fused) on plain tensors + a norm read: "
               f"{r['reference_optimizer_ms']:.1f} ms, {r['reference_optimizer_gbps']:.0f} GB/s "
               f"(ours {r['optimizer_ms'] / r['reference_optimizer_ms']:.2f}x its time)")

@@ -4,6 +4,8 @@
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
 #       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
+#   bash scripts/gpu_checks.sh blockwise  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
+#       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
@@ -28,6 +30,12 @@ BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
   bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096${ARGS_8B:+, $ARGS_8B}" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
+  blockwise)  # float8.recipe=blockwise: torchao's kernels vs our emulation and a compiled profiled train, then the
+    # 1x H100 benchmark of Llama 3 8B shapes x 8 layers, batch 4 x 4096, compile, no AC: bf16, tensorwise, blockwise
+    python3 -m pytest -q -m gpu tests/gpu/test_float8_blockwise_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_blockwise.log" | tail -20
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $B --label "8B shapes, 8 layers, batch 4, seq 4096, bf16 / fp8 tensorwise / fp8 blockwise${ARGS_8B:+, $ARGS_8B}" \
+      --precisions bf16,fp8:tensorwise,fp8:blockwise --warmup 6 --steps 10 --profile-dir /tmp/prof8b_blockwise $BENCH_8B 2>&1 \
+      | tee "$OUT/bench8b_blockwise.log" | grep -v "^\[rank" ;;
   bench8b_ag)  # fp8 with bf16 all-gather, explicitly (the "auto" default also turns it off with one rank)
     $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench8b_ag.log" | grep -v "^\[rank" ;;
   bench8b_bf16m)  # fp8, bf16 master weights and moments, each bf16_update (all-gather off as in bench8b_ag)
@@ -97,6 +105,7 @@ for s in $STEPS; do case $s in
       --variant "rowwise=--float8.recipe=rowwise --float8.enable_fsdp_float8_all_gather=false" \
       --variant "rowwise_gw_hp=--float8.recipe=rowwise_with_gw_hp --float8.enable_fsdp_float8_all_gather=false" \
       --variant "tensorwise-head-bf16=--float8.exclude_fqns=output_head.proj" \
+      --variant "fp8-blockwise=--float8.recipe=blockwise --float8.enable_fsdp_float8_all_gather=false" \
       --variant "fp8-bf16-master=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
       --variant "bf16-master=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
       --variant "bf16-master-nearest=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=nearest" \
@@ -163,6 +172,7 @@ for s in $STEPS; do case $s in
     done ;;
 esac; done
 echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
+grep -h "passed\|failed\|real vs" "$OUT/gpu_tests_blockwise.log" 2>/dev/null
 for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" | grep -v "^\[rank"; done
 for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -1 "$f")"; done
 [ -f "$OUT/bench8b_ce.log" ] && grep "^\[bench8b_ce\]" "$OUT/bench8b_ce.log"

@@ -39,6 +39,7 @@ CATEGORY_LABELS = {"gemm_fp8": "GEMM fp8", "gemm": "GEMM bf16/other", "attention
 GEMM_CATEGORIES = ("gemm_fp8", "gemm")
 
 # An FP8 GEMM is any op/kernel named like `scaled_mm` (aten::_scaled_mm, aten::_scaled_grouped_mm,
+# F.scaled_mm's aten::_scaled_mm_v2 and torchao::blockwise_scaled_mm of the blockwise recipe,
 # inductor's triton_tem_fused__scaled_mm_0), or a GEMM whose name carries an FP8 dtype:
 # cuBLASLt `sm90_xmma_gemm_e4m3bf16_e4m3f32_...`, cutlass `..._e4m3_e4m3_...`/`f8f8bf16`, and
 # cuBLAS 13 nvjet kernels, whose first letters after `nvjet_[smXX_]` are the operand types:

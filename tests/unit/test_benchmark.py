@@ -63,6 +63,21 @@ def test_benchmark_mfu_uses_the_metrics_peak_table(monkeypatch, gpu, peak) -> No
     assert benchmark.mfu_pct(100e12, torch.device("cpu")) is None
 
 
+def test_precision_may_name_a_recipe() -> None:
+    overrides = _load_benchmark().precision_overrides
+    assert overrides("bf16") == ["--train.mixed_precision=bf16"]
+    assert overrides("fp8:blockwise") == ["--train.mixed_precision=fp8", "--float8.recipe=blockwise"]
+
+
+def test_a_recipe_with_a_bad_override_is_a_config_error_before_any_run() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG,
+                           "--precisions", "bf16,fp8:blockwise", "--", "--float8.enable_fsdp_float8_all_gather=true"],
+                          capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("config error: float8.enable_fsdp_float8_all_gather=true only works with "
+                                          "float8.recipe='tensorwise' (got recipe='blockwise')")
+
+
 def test_benchmark_config_error_is_one_line() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--",
                            "--train.bach_size=2"], capture_output=True, text=True, env=env(), cwd=REPO)

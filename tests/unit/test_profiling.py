@@ -236,6 +236,12 @@ def test_fp8_warning_names_the_recorded_dtype(tmp_path):
     ("triton_tem_fused__scaled_mm_0", "gemm", True),
     ("aten::_scaled_mm", "gemm", True),
     ("aten::_scaled_grouped_mm", "gemm", True),
+    # The blockwise recipe: F.scaled_mm's op, torchao's custom op around it, and its Triton quantization
+    # kernels (named fp8, but casts, not GEMMs).
+    ("aten::_scaled_mm_v2", "gemm", True),
+    ("torchao::blockwise_scaled_mm", "gemm", True),
+    ("triton_fp8_blockwise_act_quant_lhs_kernel", "other", False),
+    ("torchao::triton_fp8_blockwise_weight_quant_transposed_rhs", "other", False),
     ("aten::mm", "gemm", False),
     ("aten::addmm", "gemm", False),
     ("triton_tem_fused_mm_0", "gemm", False),

@@ -2,7 +2,9 @@
 
 FP8 is a compute dtype only: weights stay bf16/fp32 in the model and optimizer;
 torchao's Float8Linear casts inputs, weights and gradients to float8 with dynamic
-scales right before each matmul (`torch._scaled_mm`).
+scales right before each matmul (`torch._scaled_mm`). The blockwise recipe swaps in
+`trainer.parallel.float8_blockwise.BlockwiseFloat8Linear` instead (torchao's blockwise
+autograd function, or its plain-torch emulation).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from trainer.hooks import StepHook
 
 logger = logging.getLogger(__name__)
 
-Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+
+# Blockwise scales cover 1x128 tiles and 128x128 blocks: both GEMM dims of a converted Linear must be multiples.
+BLOCKWISE_EXCLUDED = "dims not multiples of 128 (blockwise)"
 
 # Converted: attention and dense-MLP projections, and the output head.
 _CONVERT = re.compile(r"(^|\.)(attention\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj|output_head\.proj)$")
@@ -129,25 +134,37 @@ def _braced_indices(indices: list[int]) -> str:
     return text if len(indices) == 1 else "{" + text + "}"
 
 
-def fp8_supported(device: torch.device) -> tuple[bool, str]:
-    """Whether real FP8 matmuls can run on this device, and what runs."""
+def fp8_supported(device: torch.device, recipe: Recipe = "tensorwise") -> tuple[bool, str]:
+    """Whether real FP8 matmuls of `recipe` can run on this device, and what runs."""
+    blockwise = recipe == "blockwise"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         name = torch.cuda.get_device_name(device)
         if (major, minor) < (8, 9):
             return False, f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores (needs >= 8.9)"
+        if blockwise and major < 9:
+            return False, (f"{name} (compute capability {major}.{minor}) has no blockwise FP8 GEMM (torchao's "
+                           "blockwise kernels need >= 9.0)")
+        if blockwise:
+            return True, (f"{name} (compute capability {major}.{minor}): blockwise FP8 (1x128 / 128x128 scales) "
+                          "via torchao's quantization kernels and cuBLAS F.scaled_mm")
         return True, f"{name} (compute capability {major}.{minor}): FP8 tensor cores via torch._scaled_mm"
+    if device.type == "cpu" and blockwise:
+        return False, "CPU has no blockwise FP8 kernels (torchao's are Triton + cuBLAS; float8.emulate=true emulates them)"
     if device.type == "cpu":
         return True, "CPU: real torch._scaled_mm path (aten's CPU kernel; for correctness, not speed)"
     return False, f"device type {device.type!r} has no known FP8 matmul"
 
 
-def select_float8_linears(model: nn.Module, *, exclude_fqns: list[str]) -> tuple[list[str], dict[str, str], int]:
+def select_float8_linears(
+    model: nn.Module, *, exclude_fqns: list[str], recipe: Recipe = "tensorwise"
+) -> tuple[list[str], dict[str, str], int]:
     """Decide which Linear fqns convert. Returns (converted, excluded {fqn: reason}, num_linear).
 
     An exclude_fqns entry matches a Linear whose fqn equals it or contains it as a
     dotted component run (e.g. "output_head.proj" or "layers.0.mlp"); an entry
     matching nothing is an error, so a typo never silently leaves a layer in FP8.
+    The blockwise recipe also leaves out Linears with a dim that is not a multiple of 128.
     """
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     unmatched = [e for e in exclude_fqns if not any(_matches(fqn, e) for fqn in linears)]
@@ -168,6 +185,8 @@ def select_float8_linears(model: nn.Module, *, exclude_fqns: list[str]) -> tuple
         elif mod.in_features % 16 or mod.out_features % 16:
             # torch._scaled_mm needs both GEMM dims divisible by 16.
             excluded[fqn] = f"shape {mod.in_features}x{mod.out_features} not divisible by 16"
+        elif recipe == "blockwise" and (mod.in_features % 128 or mod.out_features % 128):
+            excluded[fqn] = f"shape {mod.in_features}x{mod.out_features}: {BLOCKWISE_EXCLUDED}"
         else:
             converted.append(fqn)
     return converted, excluded, len(linears)
@@ -187,7 +206,7 @@ def apply_float8(
     require: bool,
     device: torch.device,
 ) -> Float8Report:
-    """Swap the selected nn.Linear modules for torchao Float8Linear, in place.
+    """Swap the selected nn.Linear modules for torchao Float8Linear (blockwise: BlockwiseFloat8Linear), in place.
 
     Must run after TP/EP (which it refuses: FP8 + TP is unsupported) and before
     activation checkpointing, torch.compile and FSDP2, which wrap whatever
@@ -201,25 +220,40 @@ def apply_float8(
         if isinstance(mod, nn.Linear) and isinstance(mod.weight, DTensor):
             raise ValueError(TP_MESSAGE.format(what=f"{fqn}.weight is already a tensor-parallel DTensor"))
 
+    # The config check refuses it: blockwise weights are all-gathered in bf16.
+    assert not (enable_fsdp_float8_all_gather and recipe == "blockwise"), "blockwise has no fp8 all-gather"
     report = Float8Report(recipe=recipe, fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate)
-    converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=exclude_fqns)
+    converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=exclude_fqns, recipe=recipe)
     report.excluded, report.num_linear = excluded, num_linear
 
-    ok, what = fp8_supported(device)
+    ok, what = fp8_supported(device, recipe)
     if not ok and not emulate:
         if require:
             raise ValueError(f"train.mixed_precision='fp8' but {what}; float8.require=true, so stopping")
         banner = "!" * 100
         logger.warning(
-            "\n%s\nFP8 IS UNAVAILABLE ON THIS GPU: %s.\nThis run trains in BF16 instead. "
+            "\n%s\nFP8 IS UNAVAILABLE ON THIS %s: %s.\nThis run trains in BF16 instead. "
             "Set float8.require=true to fail instead.\n%s",
-            banner, what, banner,
+            banner, "GPU" if device.type == "cuda" else "DEVICE", what, banner,
         )
         return report
+    _convert(model, set(converted), recipe=recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
+             emulate=emulate, device=device)
+    report.converted = converted
+    _log_conversion(model, report, what)
+    return report
+
+
+def _convert(model: nn.Module, selected: set[str], *, recipe: Recipe, enable_fsdp_float8_all_gather: bool,
+             emulate: bool, device: torch.device) -> None:
+    """Swap the selected Linears: BlockwiseFloat8Linear for blockwise, torchao's Float8Linear otherwise."""
+    if recipe == "blockwise":
+        from trainer.parallel.float8_blockwise import convert_to_blockwise
+
+        convert_to_blockwise(model, selected, emulate=emulate)
+        return
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    from trainer.models.layers import clean_fqn
 
     if recipe == "tensorwise":
         config = Float8LinearConfig(
@@ -233,19 +267,26 @@ def apply_float8(
         # 1024x128x384). Disabling oneDNN routes torch._scaled_mm to aten's kernel.
         torch.backends.mkldnn.enabled = False
         logger.info("float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel")
-    selected = set(converted)
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in selected, config=config)
-    report.converted = converted
+
+
+def _log_conversion(model: nn.Module, report: Float8Report, what: str) -> None:
+    """The confirmation lines: what converted, what stayed bf16 and why, and what runs the matmuls."""
+    from trainer.models.layers import clean_fqn
+
     for line in report.lines():
         logger.info(line)
     n = sum(1 for fqn, _ in model.named_parameters() if clean_fqn(fqn).endswith(".moe.experts.w1"))
     if n:
         logger.info("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x%d (grouped GEMM on 3-D "
                     "weights; FP8 grouped GEMMs are not wired up)", n)
-    logger.info(
-        "float8 matmuls: %s", "EMULATED in high precision (float8.emulate=true)" if emulate else what
-    )
-    return report
+    if not report.emulate:
+        logger.info("float8 matmuls: %s", what)
+    elif report.recipe == "blockwise":
+        logger.info("float8 matmuls: EMULATED in plain torch (blockwise 1x128 / 128x128 e4m3 quantize-dequantize, "
+                    "fp32 matmuls; float8.emulate=true)")
+    else:
+        logger.info("float8 matmuls: EMULATED in high precision (float8.emulate=true)")
 
 
 def precompute_float8_scales(model: nn.Module) -> None:
@@ -273,21 +314,29 @@ class Float8ScalePrecompute(StepHook):
 def float8_weight_stats(model: nn.Module) -> dict[str, float]:
     """Per converted layer: weight amax and the tensorwise e4m3 scale it implies.
 
+    For a blockwise layer that scale is its smallest 128x128 block scale (the block holding the amax).
     A tiny amax (scale near its upper range) means small weights lose precision to
     underflow; a growing amax shows outliers building up. For TensorBoard.
     """
     from torch.distributed.tensor import DTensor
-    from torchao.float8.float8_linear import Float8Linear
-
     from trainer.models.llama import clean_fqn
 
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     stats: dict[str, float] = {}
     for fqn, mod in model.named_modules():
-        if isinstance(mod, Float8Linear):
+        if is_float8_linear(mod):
             weight = mod.weight.full_tensor() if isinstance(mod.weight, DTensor) else mod.weight
             amax = weight.detach().abs().max().float().item()
             name = clean_fqn(fqn)
             stats[f"fp8/weight_amax/{name}"] = amax
             stats[f"fp8/weight_scale/{name}"] = fp8_max / max(amax, 1e-12)
     return stats
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether apply_float8 converted this module (torchao's Float8Linear or a BlockwiseFloat8Linear)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from trainer.parallel.float8_blockwise import BlockwiseFloat8Linear
+
+    return isinstance(module, (Float8Linear, BlockwiseFloat8Linear))

@@ -1,12 +1,14 @@
 """FP8 health of activations and gradients: what the casts into float8 lose.
 
-At `metrics.fp8_stats_freq` steps, every converted Linear (torchao Float8Linear) reports,
-per layer group (the same projection across layers, e.g. `attention.q_proj`):
+At `metrics.fp8_stats_freq` steps, every converted Linear (torchao Float8Linear, or
+BlockwiseFloat8Linear under the blockwise recipe) reports, per layer group (the same
+projection across layers, e.g. `attention.q_proj`):
 
 - the amax of its inputs (cast to e4m3) and of its output gradients (e5m2 under the
-  tensorwise recipe, e4m3 under the rowwise ones), and the scale that dynamic scaling
-  gives them (format max / amax; per row for the rowwise recipes, the smallest row scale
-  reported);
+  tensorwise recipe, e4m3 under the rowwise and blockwise ones), and the scale that dynamic
+  scaling gives them (format max / amax; per row for the rowwise recipes and per 1x128 tile
+  for blockwise, the smallest such scale reported; blockwise's weight-gradient GEMM re-tiles
+  the output gradient 128x1, which is not reported separately);
 - the fraction of elements that underflow (non-zero, but below half the format's
   smallest subnormal after scaling: they become 0) and that saturate (beyond the
   format's max by more than rounding would absorb; dynamic scaling maps amax to max,
@@ -51,13 +53,15 @@ def _format_limits(fmt: str) -> tuple[float, float, float]:
             float(info.smallest_normal) * 2.0 ** -mantissa_bits)
 
 
-def cast_health(x: torch.Tensor, fmt: str, *, rowwise: bool) -> dict[str, torch.Tensor]:
+def cast_health(x: torch.Tensor, fmt: str, *, rowwise: bool, tile: int = 0) -> dict[str, torch.Tensor]:
     """amax, scale, and the counts of elements that underflow / saturate when x is cast to fmt.
 
+    One scale for all of x, per row (`rowwise`), or per 1 x `tile` group of the last dim (`tile`, blockwise).
     Device tensors (no host sync): {"amax", "scale", "underflow", "saturated", "numel"}.
     """
     fmax, saturates_above, tiny = _format_limits(fmt)
-    x = x.detach().float().reshape(-1, x.shape[-1])
+    x = x.detach().float().reshape(-1, tile or x.shape[-1])
+    rowwise = rowwise or bool(tile)
     magnitude = x.abs()
     amax = magnitude.amax(dim=-1, keepdim=True) if rowwise else magnitude.amax()
     scale = fmax / amax.clamp(min=1e-12)
@@ -84,20 +88,21 @@ class Fp8HealthMonitor:
     """Collect cast health of every Float8Linear during the steps run inside `collect()`."""
 
     def __init__(self, model: nn.Module, *, recipe: str):
-        from torchao.float8.float8_linear import Float8Linear
-
         from trainer.models.llama import clean_fqn
+        from trainer.parallel.float8 import is_float8_linear
+        from trainer.parallel.float8_blockwise import BLOCK
 
         self.rowwise = recipe != "tensorwise"
+        self.tile = BLOCK if recipe == "blockwise" else 0
         self.grad_format = "e5m2" if recipe == "tensorwise" else "e4m3"
-        self.modules = {clean_fqn(fqn): m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
+        self.modules = {clean_fqn(fqn): m for fqn, m in model.named_modules() if is_float8_linear(m)}
         self._stats: dict[tuple[str, str], list[dict[str, torch.Tensor]]] = defaultdict(list)
 
     def _record(self, fqn: str, kind: str, tensor: torch.Tensor | None) -> None:
         if tensor is None:
             return
         fmt = "e4m3" if kind == "input" else self.grad_format
-        self._stats[(fqn, kind)].append(cast_health(tensor, fmt, rowwise=self.rowwise))
+        self._stats[(fqn, kind)].append(cast_health(tensor, fmt, rowwise=self.rowwise, tile=self.tile))
 
     @contextlib.contextmanager
     def collect(self):

@@ -66,15 +66,15 @@ def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> tuple[Float8O
 
     f8 = cfg.float8
     all_gather = f8.enable_fsdp_float8_all_gather
-    if all_gather == "auto":
+    if all_gather == "auto":  # rowwise and blockwise weights are all-gathered in bf16
         all_gather = f8.recipe == "tensorwise" and pd.fsdp_shard > 1
     with torch.device("meta"):
         shapes = build_model(args)
     try:
-        converted, excluded, _ = select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns))
+        converted, excluded, _ = select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns), recipe=f8.recipe)
     except ValueError as e:  # an exclude_fqns entry that matches nothing
         raise ConfigError(str(e)) from None
-    _check_fp8_hardware(require=f8.require, emulate=f8.emulate)
+    _check_fp8_hardware(require=f8.require, emulate=f8.emulate, recipe=f8.recipe)
     options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require)
     fates = {fqn: "converted" for fqn in converted} | excluded
@@ -171,14 +171,28 @@ def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
     return source
 
 
-def _check_fp8_hardware(*, require: bool, emulate: bool) -> None:
-    """float8.require on a GPU without FP8 tensor cores fails here, before any process group exists."""
+def _check_fp8_hardware(*, require: bool, emulate: bool, recipe: str) -> None:
+    """float8.require on a GPU without FP8 tensor cores (for blockwise: without CUDA or below compute capability
+    9.0) fails here, before any process group exists."""
     import torch
 
-    if emulate or not require or not torch.cuda.is_available():
+    if emulate or not require:
+        return
+    if recipe == "blockwise" and not torch.cuda.is_available():
+        raise ConfigError(
+            "float8.recipe='blockwise' with float8.require=true, but there is no CUDA GPU: torchao's blockwise "
+            "kernels need one (compute capability >= 9.0); set float8.emulate=true to emulate them"
+        )
+    if not torch.cuda.is_available():
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     major, minor = torch.cuda.get_device_capability(local_rank)
+    if recipe == "blockwise" and major < 9:
+        raise ConfigError(
+            f"float8.recipe='blockwise' with float8.require=true, but {torch.cuda.get_device_name(local_rank)} "
+            f"(compute capability {major}.{minor}) has no blockwise FP8 GEMM (needs >= 9.0); use "
+            "float8.recipe='tensorwise' or 'rowwise' (>= 8.9), or a Hopper GPU"
+        )
     if (major, minor) < (8, 9):
         raise ConfigError(
             f"train.mixed_precision='fp8' with float8.require=true, but {torch.cuda.get_device_name(local_rank)} "

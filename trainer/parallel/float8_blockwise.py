@@ -1,0 +1,110 @@
+"""Blockwise FP8 (DeepSeek-V3 scales): 1x128 tiles for activations and gradients, 128x128 blocks for weights.
+
+Real path: torchao's `fp8_blockwise_mm` (the autograd function of
+`torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear`) with `use_triton=False`: Triton
+kernels quantize, `F.scaled_mm` (cuBLAS, SM90+) multiplies with per-tile scales. Emulated path
+(`float8.emulate = true`, CPU and CI): the same quantize -> dequantize in plain torch, then an fp32 matmul.
+
+The layouts torchao uses (block = 128; M tokens, K in_features, N out_features; each group's scale is
+448 / amax, amax clamped to >= 1e-12 and the division done in float64, then fp32):
+
+    forward  out    = x @ W.T      x: 1x128 groups along K      W: 128x128 blocks
+    dgrad    grad_x = g @ W        g: 1x128 groups along N      W: 128x128 blocks (the same scales)
+    wgrad    grad_W = g.T @ x      g: 128x1 groups along M      x: 128x1 groups along M
+
+so every scale group lies inside one 128-slice of the contracting dim, which is what lets the GEMM apply
+one scale per (tile, block) product. Values are scaled, clamped to +-448, rounded to float8_e4m3fn; the
+GEMM multiplies by the reciprocal (fp32) of each scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 128
+_E4M3 = torch.float8_e4m3fn
+_E4M3_MAX = float(torch.finfo(_E4M3).max)  # 448
+_EPS = 1e-12  # torchao.prototype.blockwise_fp8_training.kernels.EPS
+
+
+def quantize_dequantize(t: torch.Tensor, group: tuple[int, int]) -> torch.Tensor:
+    """`t` (2-D) through float8_e4m3fn with one scale per `group` (rows x cols) tile, back in fp32.
+
+    Both dims of `t` must be multiples of the group's. Numerics of torchao's blockwise quantization
+    kernels: amax per group, scale = fp32(448 / float64(max(amax, 1e-12))), e4m3(clamp(t * scale, +-448)),
+    then times fp32(1 / scale).
+    """
+    rows, cols = t.shape
+    gr, gc = group
+    assert rows % gr == 0 and cols % gc == 0, (t.shape, group)
+    tiles = t.float().reshape(rows // gr, gr, cols // gc, gc)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).double().clamp(min=_EPS)
+    scale = (_E4M3_MAX / amax).float()
+    q = (tiles * scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(_E4M3)
+    return (q.float() * (1.0 / scale)).reshape(rows, cols)
+
+
+class EmulatedBlockwiseMM(torch.autograd.Function):
+    """x @ w.T with blockwise FP8 numerics in forward and backward, in plain torch (fp32 matmuls)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        out = quantize_dequantize(x, (1, BLOCK)) @ quantize_dequantize(weight, (BLOCK, BLOCK)).t()
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        grad_x = quantize_dequantize(grad_out, (1, BLOCK)) @ quantize_dequantize(weight, (BLOCK, BLOCK))
+        grad_w = quantize_dequantize(grad_out, (BLOCK, 1)).t() @ quantize_dequantize(x, (BLOCK, 1))
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype)
+
+
+class BlockwiseFloat8Linear(nn.Linear):
+    """nn.Linear (no bias) whose matmul runs blockwise FP8 forward and backward; the weight stays high precision.
+
+    Same parameters and state_dict as the nn.Linear it replaces, so checkpoints move freely between
+    recipes and bf16. Any token count works: tokens are zero-padded to a multiple of 128 (torchao's wgrad
+    needs it); a zero row changes no amax, so padding changes no value.
+    """
+
+    emulate: bool = False
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, *, emulate: bool) -> BlockwiseFloat8Linear:
+        assert mod.bias is None and mod.in_features % BLOCK == 0 and mod.out_features % BLOCK == 0, mod
+        mod.__class__ = cls  # in place: the same Parameter object (and any hooks); only forward changes
+        mod.emulate = emulate
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2d = x.reshape(-1, k)
+        pad = -x2d.shape[0] % BLOCK
+        if pad:
+            x2d = F.pad(x2d, (0, 0, 0, pad))
+        x2d = x2d.contiguous()  # torchao's quantization kernels need row-major input
+        if self.emulate:
+            out = EmulatedBlockwiseMM.apply(x2d, self.weight)
+        else:
+            from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+            # torchao's Float8BlockwiseLinear.forward with use_triton=False: cuBLAS F.scaled_mm, bf16 out.
+            out = fp8_blockwise_mm.apply(x2d, self.weight, BLOCK, torch.bfloat16, False).to(x.dtype)
+        if pad:
+            out = out[: out.shape[0] - pad]
+        return out.reshape(*lead, out.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, blockwise fp8 1x128/128x128{', emulated' if self.emulate else ''}"
+
+
+def convert_to_blockwise(model: nn.Module, fqns: set[str], *, emulate: bool) -> None:
+    """Swap the nn.Linear modules named in `fqns` for BlockwiseFloat8Linear, in place."""
+    for fqn in fqns:
+        parent_fqn, _, name = fqn.rpartition(".")
+        parent = model.get_submodule(parent_fqn)
+        setattr(parent, name, BlockwiseFloat8Linear.from_linear(getattr(parent, name), emulate=emulate))
