@@ -4,6 +4,7 @@
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
 #       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
+#   bash scripts/gpu_checks.sh optim8b    (fp8, fp32 master weights: optimizer.implementation fused vs compiled)
 #   bash scripts/gpu_checks.sh blockwise  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
@@ -36,6 +37,11 @@ for s in $STEPS; do case $s in
     CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $B --label "8B shapes, 8 layers, batch 4, seq 4096, bf16 / fp8 tensorwise / fp8 blockwise${ARGS_8B:+, $ARGS_8B}" \
       --precisions bf16,fp8:tensorwise,fp8:blockwise --warmup 6 --steps 10 --profile-dir /tmp/prof8b_blockwise $BENCH_8B 2>&1 \
       | tee "$OUT/bench8b_blockwise.log" | grep -v "^\[rank" ;;
+  optim8b)  # fp8, fp32 master weights: torch's fused AdamW kernel (optimizer.implementation=fused) vs the compiled one
+    for impl in fused compiled; do
+      $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8, fp32 master, optimizer $impl" --precisions fp8 --warmup 6 --steps 10 \
+        ${BENCH_8B} --distributed.master_dtype=fp32 --optimizer.implementation=$impl 2>&1 | tee "$OUT/bench8b_optim_$impl.log" | grep -v "^\[rank"
+    done ;;
   bench8b_ag)  # fp8 with bf16 all-gather, explicitly (the "auto" default also turns it off with one rank)
     $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench8b_ag.log" | grep -v "^\[rank" ;;
   bench8b_bf16m)  # fp8, bf16 master weights and moments, each bf16_update (all-gather off as in bench8b_ag)

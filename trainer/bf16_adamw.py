@@ -149,7 +149,45 @@ def _update(
     p.copy_(p_new.to(torch.bfloat16))  # exact: p_new is a bf16 value
 
 
-_compiled_update = None
+def _update_many(
+    ps: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+    comps: list[torch.Tensor] | None, offsets: list[torch.Tensor], strides: list[torch.Tensor], keys: list[torch.Tensor],
+    lr: torch.Tensor, bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor,
+    grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+    *, beta1: float, beta2: float, eps: float, weight_decay: float,
+) -> None:
+    """`_update` of each tensor of a list: compiled, one graph (one call from Python) for the whole list."""
+    for i, p in enumerate(ps):
+        _update(p, grads[i], exp_avgs[i], exp_avg_sqs[i], None if comps is None else comps[i], offsets[i], strides[i],
+                keys[i], lr, bias_correction1, bias_correction2_sqrt, grad_scale, found_inf,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+# At most this many tensors per compiled call. Tensors of one shape share a call, so a model's repeated
+# layers reuse a handful of compiled graphs; the cap bounds one graph's size (and its compile time).
+MAX_TENSORS_PER_CALL = 16
+
+_compiled_many = None
+
+
+def compiled_update_many():
+    """`_update_many` under torch.compile (built once per process).
+
+    emulate_precision_casts: an fp32 -> bf16 -> fp32 round trip must round, as in eager."""
+    global _compiled_many
+    if _compiled_many is None:
+        _compiled_many = torch.compile(_update_many, fullgraph=True, dynamic=False,
+                                       options={"emulate_precision_casts": True})
+    return _compiled_many
+
+
+def batches(keys: list[tuple], limit: int = MAX_TENSORS_PER_CALL) -> list[list[int]]:
+    """Indices of `keys` grouped by equal key (first-seen order, model order within a group), each group cut
+    into runs of at most `limit`: the tensors one fused call updates together."""
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return [idx[j:j + limit] for idx in groups.values() for j in range(0, len(idx), limit)]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -212,47 +250,49 @@ class BF16AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "BF16AdamW takes no closure"
-        global _compiled_update
-        fn = _update
-        if self.compile:
-            if _compiled_update is None:
-                # emulate_precision_casts: an fp32 -> bf16 -> fp32 round trip must round, as in eager.
-                _compiled_update = torch.compile(_update, fullgraph=True, dynamic=False,
-                                                 options={"emulate_precision_casts": True})
-            fn = _compiled_update
-        # One compiled kernel per distinct local shape (a handful per model): lift dynamo's
-        # recompile limit as torchao's optimizers do.
-        with torch._dynamo.utils.disable_cache_limit() if self.compile else contextlib.nullcontext():
-            self._step(fn)
+        # Compiled: the tensors of one shape (and step) go through one compiled call, up to
+        # MAX_TENSORS_PER_CALL at a time: launching one compiled call per tensor from Python left the
+        # GPU waiting on the host (docs/benchmarks.md, the optimizer step). Each distinct batch of
+        # shapes compiles once: lift dynamo's recompile limit as torchao's optimizers do.
+        if not self.compile:
+            self._step(_update_many)
+            return None
+        with torch._dynamo.utils.disable_cache_limit():
+            self._step(compiled_update_many())
         return None
 
+    def _state(self, p: torch.Tensor) -> dict:
+        assert p.dtype == torch.bfloat16, f"BF16AdamW needs bf16 parameters, got {p.dtype}"
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if self.update == "kahan" and "kahan_comp" not in state:
+            state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        return state
+
     def _step(self, fn) -> None:
+        kahan = self.update == "kahan"
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = torch.tensor(float(group["lr"]))
-            corrections: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by step: shared by the group's tensors
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                assert p.dtype == torch.bfloat16, f"BF16AdamW needs bf16 parameters, got {p.dtype}"
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if self.update == "kahan" and "kahan_comp" not in state:
-                    state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = int(state["step"].item())  # a CPU tensor: no device sync
-                if step not in corrections:
-                    corrections[step] = (torch.tensor(1 - beta1**step), torch.tensor((1 - beta2**step) ** 0.5))
-                offsets, strides = self._meta(p)
-                comp = state.get("kahan_comp") if self.update == "kahan" else None
-                # Scalars as 0-dim CPU tensors: one compiled kernel per shape, not per value.
+            params = [p for p in group["params"] if p.grad is not None]
+            steps = [int(self._state(p)["step"].item()) for p in params]  # CPU tensors: no device sync
+            local = [local_shard(p) for p in params]
+            for idx in batches([(t.device, tuple(t.shape), s) for t, s in zip(local, steps)], MAX_TENSORS_PER_CALL):
+                step = steps[idx[0]]
+                states = [self.state[params[i]] for i in idx]
+                metas = [self._meta(params[i]) for i in idx]
+                # Scalars as 0-dim CPU tensors: one compiled graph per batch of shapes, not per value.
                 fn(
-                    local_shard(p), local_shard(p.grad), local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]),
-                    None if comp is None else local_shard(comp), offsets, strides,
-                    torch.tensor(step_key(self.seed, self._keys[p], step), dtype=torch.int64),
-                    lr, *corrections[step], self.grad_scale, self.found_inf,
+                    [local[i] for i in idx], [local_shard(params[i].grad) for i in idx],
+                    [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states],
+                    [local_shard(s["kahan_comp"]) for s in states] if kahan else None,
+                    [m[0] for m in metas], [m[1] for m in metas],
+                    [torch.tensor(step_key(self.seed, self._keys[params[i]], step), dtype=torch.int64) for i in idx],
+                    lr, torch.tensor(1 - beta1**step), torch.tensor((1 - beta2**step) ** 0.5),
+                    self.grad_scale, self.found_inf,
                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 )

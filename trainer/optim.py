@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from trainer.bf16_adamw import BF16AdamW, local_shard
+from trainer.bf16_adamw import MAX_TENSORS_PER_CALL, BF16AdamW, batches, local_shard
 
 
 class LocalFusedAdamW(torch.optim.AdamW):
@@ -60,6 +60,84 @@ class LocalFusedAdamW(torch.optim.AdamW):
         return None
 
 
+def _adamw_many(
+    ps: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor], lr: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+    *, beta1: float, beta2: float, eps: float, weight_decay: float,
+) -> None:
+    """torch's AdamW update (decoupled weight decay, bias correction) of each tensor of a list, in place, with the
+    fused protocol: gradients divided by `grad_scale`; a nonzero `found_inf` leaves every tensor and step as it was."""
+    for i, p in enumerate(ps):
+        g = grads[i] if grad_scale is None else grads[i] / grad_scale
+        step = steps[i] + 1
+        m = exp_avgs[i].lerp(g, 1 - beta1)
+        v = exp_avg_sqs[i] * beta2 + (1 - beta2) * g * g
+        denom = v.sqrt() / (1 - torch.pow(beta2, step)).sqrt() + eps
+        new = p * (1 - lr * weight_decay) - (lr / (1 - torch.pow(beta1, step))) * m / denom
+        if found_inf is not None:
+            keep = found_inf == 0
+            m, v, new = torch.where(keep, m, exp_avgs[i]), torch.where(keep, v, exp_avg_sqs[i]), torch.where(keep, new, p)
+            step = step - (found_inf != 0).to(step.dtype)
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+        p.copy_(new)
+        steps[i].copy_(step)
+
+
+_compiled_adamw_many = None
+
+
+class CompiledAdamW(LocalFusedAdamW):
+    """AdamW over the local shards as torch.compile'd kernels: the tensors of one shape go through one compiled
+    call (at most MAX_TENSORS_PER_CALL at a time; one kernel per tensor inside it).
+
+    The same state and protocol as LocalFusedAdamW (so checkpoints of either load into the other); the same
+    arithmetic as torch's AdamW up to fp32 rounding order. An alternative to torch's fused kernel where inductor's
+    kernels move the bytes faster (docs/benchmarks.md, the optimizer step). compile=False runs the same function
+    eagerly (tests).
+    """
+
+    def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 compile: bool = True):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.compile = compile
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "CompiledAdamW takes no closure"
+        global _compiled_adamw_many
+        fn = _adamw_many
+        if self.compile:
+            if _compiled_adamw_many is None:
+                _compiled_adamw_many = torch.compile(_adamw_many, fullgraph=True, dynamic=False)
+            fn = _compiled_adamw_many
+        with torch._dynamo.utils.disable_cache_limit():
+            for group in self.param_groups:
+                self._group_step(group, fn)
+        return None
+
+    def _group_step(self, group: dict, fn) -> None:
+        beta1, beta2 = group["betas"]
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        local = [local_shard(p) for p in params]
+        lr = torch.tensor(float(group["lr"]))  # a 0-dim CPU tensor: one compiled graph for every lr
+        for idx in batches([(t.device, t.dtype, tuple(t.shape)) for t in local], MAX_TENSORS_PER_CALL):
+            device = local[idx[0]].device
+            states = [self.state[params[i]] for i in idx]
+            fn([local[i] for i in idx], [local_shard(params[i].grad) for i in idx],
+               [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states],
+               [s["step"] for s in states], lr,
+               None if self.grad_scale is None else self.grad_scale.to(device),
+               None if self.found_inf is None else self.found_inf.to(device),
+               beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+
 def build_optimizer(
     model: nn.Module,
     *,
@@ -67,12 +145,13 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    implementation: Literal["fused", "torch_fused", "foreach"],
+    implementation: Literal["fused", "compiled", "torch_fused", "foreach"],
     bf16_update: Literal["stochastic", "kahan", "nearest"] | None = None,
     seed: int = 0,
     compile: bool = False,
 ) -> torch.optim.Optimizer:
-    """AdamW: "fused" runs torch's fused kernel over the local shards (LocalFusedAdamW), "torch_fused" is
+    """AdamW: "fused" runs torch's fused kernel over the local shards (LocalFusedAdamW), "compiled" the same
+    update as compiled kernels (CompiledAdamW), "torch_fused" is
     torch.optim.AdamW(fused=True) on the (DTensor) parameters, "foreach" torch's foreach AdamW; with bf16
     master weights (`bf16_update` not None) and a safe rounding, BF16AdamW.
 
@@ -86,6 +165,8 @@ def build_optimizer(
         named = list(model.named_parameters())
         return BF16AdamW([p for _, p in named], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          update=bf16_update, seed=seed, compile=compile, names=[clean_fqn(n) for n, _ in named])
+    if implementation == "compiled":
+        return CompiledAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if implementation == "fused":
         return LocalFusedAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return torch.optim.AdamW(

@@ -186,26 +186,37 @@ def test_integer_round_to_nearest_is_torchs_cast() -> None:
 @pytest.mark.slow
 def test_compiled_step_equals_eager(tmp_path: Path, monkeypatch) -> None:
     """train.compile_model=true compiles the step; it must round exactly as eager (inductor once dropped the
-    bf16 round trip that Kahan's compensation measures, making it always zero)."""
+    bf16 round trip that Kahan's compensation measures, making it always zero). The compiled step updates the
+    tensors of one shape in one compiled call, at most MAX_TENSORS_PER_CALL at a time: one call from Python
+    per batch, not per tensor (per-tensor calls left the GPU waiting on the host)."""
+    import trainer.bf16_adamw as bf16_adamw
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(bf16_adamw, "MAX_TENSORS_PER_CALL", 2)
+    calls = []
+    compiled = bf16_adamw.compiled_update_many()
+    monkeypatch.setattr(bf16_adamw, "compiled_update_many",
+                        lambda: lambda ps, *a, **k: (calls.append(len(ps)), compiled(ps, *a, **k)))
     gen = torch.Generator().manual_seed(7)
-    w0 = (1 + torch.rand(300, generator=gen)).bfloat16()
-    grads = [torch.randn(300, generator=gen).bfloat16() for _ in range(3)]
-    for kind in ("stochastic", "kahan"):
+    for kind, shapes in (("stochastic", [(300,), (7, 5), (300,), (300,)]), ("kahan", [(300,)])):
+        w0 = [(1 + torch.rand(s, generator=gen)).bfloat16() for s in shapes]
+        grads = [[torch.randn(s, generator=gen).bfloat16() for s in shapes] for _ in range(3)]
         out = []
         for compile in (False, True):
-            p = torch.nn.Parameter(w0.clone())
-            opt = BF16AdamW([p], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1, update=kind, seed=0,
+            params = [torch.nn.Parameter(w.clone()) for w in w0]
+            opt = BF16AdamW(params, lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1, update=kind, seed=0,
                             compile=compile)
-            for g in grads:
-                p.grad = g
+            for step_grads in grads:
+                for p, g in zip(params, step_grads):
+                    p.grad = g
                 opt.step()
-            out.append([p.detach()] + [v for k, v in opt.state[p].items() if k != "step"])
-        for eager, compiled in zip(*out):
-            assert torch.equal(eager, compiled), kind
+            out.append([t for p in params for t in [p.detach(), *(v for k, v in opt.state[p].items() if k != "step")]])
+        for eager, comp in zip(*out):
+            assert torch.equal(eager, comp), kind
         if kind == "kahan":
             assert out[1][-1].abs().max() > 0  # the compensation is alive
-
+    # Per step: the three (300,) tensors in runs of 2, then (7, 5); then Kahan's one tensor.
+    assert calls == [2, 1, 1] * 3 + [1] * 3
 
 
 @pytest.mark.slow
@@ -337,3 +348,12 @@ def test_switching_rounding_or_master_dtype_across_a_resume(tmp_path: Path) -> N
     losses = _losses(dump)
     assert max(losses) == 6 and all(math.isfinite(v) for v in losses.values())
     assert losses[6] < losses[1] - 1.0  # still learning after both switches
+
+
+def test_batches_group_equal_keys_in_order_and_cap_their_length() -> None:
+    from trainer.bf16_adamw import batches
+
+    keys = ["a", "b", "a", "c", "a", "b", "a"]
+    assert batches(keys, limit=3) == [[0, 2, 4], [6], [1, 5], [3]]
+    assert batches(keys, limit=1) == [[i] for i in (0, 2, 4, 6, 1, 5, 3)]
+

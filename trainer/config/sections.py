@@ -99,8 +99,8 @@ class OptimizerSection:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (applied to every parameter)."""
-    implementation: Literal["fused", "torch_fused", "foreach"] = "fused"
-    """fused = torch's fused AdamW kernel over every local shard at once, applying clipping and skipping non-finite steps on the device (fp32 master weights; bf16 master weights use BF16AdamW); torch_fused = torch.optim.AdamW(fused=True) on the sharded parameters (the same kernel dispatched through DTensor); foreach syncs each step."""
+    implementation: Literal["fused", "compiled", "torch_fused", "foreach"] = "fused"
+    """fused = torch's fused AdamW kernel over every local shard at once, applying clipping and skipping non-finite steps on the device (fp32 master weights; bf16 master weights use BF16AdamW, compiled when train.compile_model is on); compiled = the same update as torch.compile'd kernels, the tensors of one shape per call (docs/benchmarks.md, the optimizer step); torch_fused = torch.optim.AdamW(fused=True) on the sharded parameters (the same kernel dispatched through DTensor); foreach syncs each step."""
     bf16_update: Literal["stochastic", "kahan", "nearest"] = "stochastic"
     """With bf16 master weights (distributed.master_dtype, bf16 by default for bf16 and fp8 compute; ignored with fp32): how each update is rounded into the bf16 weights. stochastic = unbiased random rounding (no extra memory); kahan = round to nearest plus a bf16 compensation buffer (+2 bytes/parameter); nearest = plain AdamW, loses updates below half a bf16 ulp (~0.2% of the weight). See docs/distributed.md, Master weights."""
 
