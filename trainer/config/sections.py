@@ -192,7 +192,9 @@ class Float8Section:
     exclude_fqns: list[str] = field(default_factory=list)
     """Extra module names (or fqn substrings) to keep in bf16; an entry matching no Linear is an error."""
     require: bool = False
-    """Fail instead of running bf16 when this CUDA GPU has no FP8 tensor cores (compute capability < 8.9)."""
+    """Fail instead of running bf16 when this CUDA GPU has no FP8 tensor cores (compute capability < 8.9), or no FP8 grouped GEMM for float8.moe_experts (sm90 only)."""
+    moe_experts: str = "off"
+    """MoE routed experts: "off" keeps their grouped GEMMs bf16; "rowwise" runs them as FP8 grouped GEMMs (torch._scaled_grouped_mm, rowwise e4m3 scales; forward and dgrad FP8, wgrad bf16; docs/fp8.md). Needs an MoE flavor, H100/H200 (or float8.emulate=true), dim and moe_ffn_dim multiples of 16."""
 
 
 @dataclass

@@ -186,6 +186,7 @@ def apply_float8(
     emulate: bool,
     require: bool,
     device: torch.device,
+    moe_experts: str = "off",
 ) -> Float8Report:
     """Swap the selected nn.Linear modules for torchao Float8Linear, in place.
 
@@ -239,9 +240,9 @@ def apply_float8(
     for line in report.lines():
         logger.info(line)
     n = sum(1 for fqn, _ in model.named_parameters() if clean_fqn(fqn).endswith(".moe.experts.w1"))
-    if n:
+    if n and moe_experts == "off":  # otherwise trainer.parallel.float8_experts says what they run
         logger.info("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x%d (grouped GEMM on 3-D "
-                    "weights; FP8 grouped GEMMs are not wired up)", n)
+                    "weights; float8.moe_experts='rowwise' runs them as FP8 grouped GEMMs)", n)
     logger.info(
         "float8 matmuls: %s", "EMULATED in high precision (float8.emulate=true)" if emulate else what
     )
