@@ -88,8 +88,8 @@ class Fp8ExpertWeightsRefresh(StepHook):
 
 
 def fp8_expert_weight_stats(model: nn.Module) -> dict[str, float]:
-    """Per FP8 expert weight: amax over the whole (global) tensor and the smallest rowwise e4m3 scale (the
-    scale of its largest row; rows are quantized along the GEMM's contraction dim). Host syncs: log steps."""
+    """Per FP8 expert weight: amax over the whole (global) tensor and E4M3_MAX / amax, the scale its largest row
+    gets before rounding down to a power of two (the smallest of its rowwise scales). Host syncs: log steps."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
