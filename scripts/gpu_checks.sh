@@ -5,9 +5,11 @@
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
 #       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
 #   bash scripts/gpu_checks.sh optim8b    (fp8, fp32 master weights: optimizer.implementation fused vs compiled)
-#   bash scripts/gpu_checks.sh blockwise  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
+#   bash scripts/gpu_checks.sh blockwise_tests blockwise_bench  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
+#   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
+#   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
@@ -31,9 +33,9 @@ BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
   bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096${ARGS_8B:+, $ARGS_8B}" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
-  blockwise)  # float8.recipe=blockwise: torchao's kernels vs our emulation and a compiled profiled train, then the
-    # 1x H100 benchmark of Llama 3 8B shapes x 8 layers, batch 4 x 4096, compile, no AC: bf16, tensorwise, blockwise
-    python3 -m pytest -q -m gpu tests/gpu/test_float8_blockwise_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_blockwise.log" | tail -20
+  blockwise_tests)  # float8.recipe=blockwise: torchao's kernels vs our emulation and a compiled profiled train
+    python3 -m pytest -q -m gpu tests/gpu/test_float8_blockwise_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_blockwise.log" | tail -20 ;;
+  blockwise_bench)  # 1x H100, Llama 3 8B shapes x 8 layers, batch 4 x 4096, compile, no AC: bf16, tensorwise, blockwise
     CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $B --label "8B shapes, 8 layers, batch 4, seq 4096, bf16 / fp8 tensorwise / fp8 blockwise${ARGS_8B:+, $ARGS_8B}" \
       --precisions bf16,fp8:tensorwise,fp8:blockwise --warmup 6 --steps 10 --profile-dir /tmp/prof8b_blockwise $BENCH_8B 2>&1 \
       | tee "$OUT/bench8b_blockwise.log" | grep -v "^\[rank" ;;
@@ -96,6 +98,23 @@ for s in $STEPS; do case $s in
       --train.steps=30 --metrics.log_freq=10 --job.dump_folder=/tmp/moe_run 2>&1 \
       | grep -E "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
     cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
+  moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8
+    # layers on one GPU (ep=1, batch 2 x 4096, compile, no AC): bf16, fp8 with the experts off, fp8 with rowwise: tokens/s, peak memory
+    python3 -m pytest -q -m gpu tests/gpu/test_moe_fp8_gpu.py -s 2>&1 | tee "$OUT/moe_fp8_tests.log" | tail -20
+    python3 scripts/bench_moe_experts.py --json "$OUT/bench_moe_experts.jsonl" 2>&1 | tee "$OUT/moe_fp8_micro.log"
+    for mode in off rowwise; do  # off: bf16 too (issue 21's 1-GPU MoE target), rowwise: fp8 only
+      $B --label "moe_16b x 8 layers, ep=1, batch 2, seq 4096, float8.moe_experts=$mode" \
+        --precisions $([ $mode = off ] && echo bf16,fp8 || echo fp8) --warmup 6 --steps 10 \
+        --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 --distributed.ep=1 --data.source=synthetic \
+        --float8.moe_experts=$mode ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe_fp8_$mode.log" | grep -v "^\[rank"
+    done ;;
+  parity_moe)  # FP8 experts' accuracy: moe_small (1 GPU), bf16 x2 seeds vs fp8 with the experts bf16 and with FP8 experts
+    python3 scripts/fp8_parity.py --config configs/train/debug_moe.toml --out "$OUT/parity_moe" --tolerance 0.01 \
+      --model.flavor=moe_small --train.steps=${PARITY_MOE_STEPS:-500} --train.batch_size=8 --train.seq_len=2048 \
+      --train.compile_model=true --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --data.source=stdlib \
+      --validation.freq=100 --validation.steps=8 --metrics.log_freq=10 --metrics.enable_tensorboard=false \
+      --variant "experts-bf16=--float8.moe_experts=off" --variant "experts-fp8=--float8.moe_experts=rowwise" \
+      2>&1 | tee "$OUT/parity_moe.log" | tail -12 ;;
   parity1b)  # docs/fp8.md "Check that FP8 did not hurt": 1B, 1,000 steps x 16K tokens of BPE text (data/py_bpe, built
     # by scripts/build_tokenizer.py), bf16 x2 seeds vs each FP8 setting and bf16 master weights (the *-seed1 legs: the
     # two stochastic bf16-master legs again with train.seed=1, the seed of bf16-seed2; the variant's override comes
@@ -187,5 +206,7 @@ for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -
 [ -f "$OUT/pp2.log" ] && cat "$OUT/pp2.log"
 [ -f "$OUT/health8b.log" ] && cat "$OUT/health8b.log"
 [ -f "$OUT/moe16b_train.log" ] && cat "$OUT/moe16b_train.log"
+[ -f "$OUT/moe_fp8_tests.log" ] && tail -1 "$OUT/moe_fp8_tests.log"
+[ -f "$OUT/moe_fp8_micro.log" ] && cat "$OUT/moe_fp8_micro.log"
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 exit 0

@@ -164,8 +164,11 @@ def _update_many(
 
 
 # At most this many tensors per compiled call. Tensors of one shape share a call, so a model's repeated
-# layers reuse a handful of compiled graphs; the cap bounds one graph's size (and its compile time).
+# layers reuse a handful of compiled graphs; the cap bounds one graph's size and its compile time: inductor
+# fuses the updates of one call into one kernel (they share their scalar inputs), and BF16AdamW's update,
+# with its integer hashing, compiles slowly when 16 of them are fused (minutes on the GPU machine).
 MAX_TENSORS_PER_CALL = 16
+BF16_TENSORS_PER_CALL = 4
 
 _compiled_many = None
 
@@ -251,7 +254,7 @@ class BF16AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         assert closure is None, "BF16AdamW takes no closure"
         # Compiled: the tensors of one shape (and step) go through one compiled call, up to
-        # MAX_TENSORS_PER_CALL at a time: launching one compiled call per tensor from Python left the
+        # BF16_TENSORS_PER_CALL at a time: launching one compiled call per tensor from Python left the
         # GPU waiting on the host (docs/benchmarks.md, the optimizer step). Each distinct batch of
         # shapes compiles once: lift dynamo's recompile limit as torchao's optimizers do.
         if not self.compile:
@@ -281,7 +284,7 @@ class BF16AdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             steps = [int(self._state(p)["step"].item()) for p in params]  # CPU tensors: no device sync
             local = [local_shard(p) for p in params]
-            for idx in batches([(t.device, tuple(t.shape), s) for t, s in zip(local, steps)], MAX_TENSORS_PER_CALL):
+            for idx in batches([(t.device, tuple(t.shape), s) for t, s in zip(local, steps)], BF16_TENSORS_PER_CALL):
                 step = steps[idx[0]]
                 states = [self.state[params[i]] for i in idx]
                 metas = [self._meta(params[i]) for i in idx]

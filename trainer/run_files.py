@@ -64,6 +64,8 @@ def describe_precision(cfg: JobConfig, job: ResolvedJob) -> str:
     if f8 is not None:
         n = sum(1 for fate in (job.float8_layers or {}).values() if fate == "converted")
         parts[0] += f", FP8 {f8.recipe} matmuls in {n} Linear layers" + (" (EMULATED)" if f8.emulate else "")
+        if f8.moe_experts != "off":
+            parts[0] += f" and FP8 {f8.moe_experts} grouped GEMMs in the routed experts"
     master = "bf16 master weights" if fsdp.master_dtype == torch.bfloat16 else "fp32 master weights"
     if fsdp.master_dtype == torch.bfloat16:
         master += {"stochastic": " (stochastic rounding)", "kahan": " (Kahan-compensated updates)",

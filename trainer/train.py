@@ -29,9 +29,10 @@ from trainer.loss import LossFn, build_loss_fn
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
 from trainer.models import build_model, flops_per_token, is_moe, num_params, param_counts
 from trainer.models.moe_balancer import MoEBalancer
-from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
+from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups, resolve_implementation
 from trainer.parallel import build_parallel_model
 from trainer.parallel.float8 import Float8ScalePrecompute
+from trainer.parallel.float8_experts import Fp8ExpertWeightsRefresh
 from trainer.parallel.fp8_health import Fp8HealthHook
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import resolve_phases, run_precision_schedule
@@ -165,7 +166,9 @@ class Trainer:
         o, t = self.cfg.optimizer, self.cfg.train
         optimizer = build_optimizer(
             self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation, seed=t.seed, compile=t.compile_model,
+            implementation=resolve_implementation(o.implementation, compile_model=t.compile_model,
+                                                  device_type=self.device.type),
+            seed=t.seed, compile=t.compile_model,
             bf16_update=o.bf16_update if bf16_master else None,
         )
         s = self.cfg.scheduler
@@ -205,6 +208,9 @@ class Trainer:
             hooks.append(MoEBalancer(self.model, bias_update_rate=self.model_args.bias_update_rate,
                                      stage_group=self.parallel_dims.mesh("stage").get_group(),
                                      pp_group=self.pipeline.pp_group if self.pipeline else None))
+        refresh = Fp8ExpertWeightsRefresh(self.model)
+        if any(cache.per_step for cache in refresh.caches):  # FP8 experts' weights: quantized once per step
+            hooks.append(refresh)
         f8 = self.float8
         if f8 and f8.enabled and f8.fsdp_float8_all_gather:
             hooks.append(Float8ScalePrecompute(self.model))

@@ -172,3 +172,25 @@ def test_every_gradient_matches_single_process(nproc: int, args: list[str], tmp_
     for fqn, g in ref.items():
         err = ((got[fqn] - g).norm() / g.norm()).item()
         assert err < 1e-5, (fqn, err)
+
+
+# FP8 experts (emulated) with every Linear left bf16: rowwise scales depend on a row alone, so the layout
+# cannot change what is quantized, only bf16 summation orders.
+FP8_EXPERTS = ["--train.mixed_precision=fp8", "--float8.emulate=true", "--float8.exclude_fqns=layers,output_head"]
+
+
+def test_fp8_experts_under_ep2_match_single_process(tmp_path: Path) -> None:
+    def grads(name: str, nproc: int, args: list[str]) -> dict[str, torch.Tensor]:
+        return run_distributed(gradients_of_one_step, world_size=nproc,
+                               args=([*ARGS, *FP8_EXPERTS, *args], str(tmp_path / name)))[0]
+
+    ref = grads("ref", 1, ["--train.batch_size=4", "--float8.moe_experts=rowwise"])
+    got = grads("ep", 2, ["--train.batch_size=2", "--distributed.ep=2", "--float8.moe_experts=rowwise"])
+    bf16_experts = grads("off", 1, ["--train.batch_size=4", "--float8.moe_experts=off"])
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn].float() - g.float()).norm() / g.float().norm()).item()
+        assert err < 1e-2, (fqn, err)  # bf16 gradients, summed in other orders
+    w1 = "layers.1.moe.experts.w1"
+    err = ((bf16_experts[w1].float() - ref[w1].float()).norm() / ref[w1].float().norm()).item()
+    assert err > 3e-2, err  # the FP8 experts ran: their gradient is an FP8 rounding away from the bf16 one

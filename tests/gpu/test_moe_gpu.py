@@ -85,12 +85,16 @@ def test_moe_layer_forward_and_backward_make_no_host_sync() -> None:
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(2, 4096, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     moe(x).float().square().mean().backward()  # warm-up: lazy inits may sync once
+    forward_backward_without_host_sync(moe, x)
+    assert torch.isfinite(x.grad).all()
+
+
+def forward_backward_without_host_sync(module: torch.nn.Module, x: torch.Tensor) -> None:
+    """One forward and backward under torch's sync debug mode "error" (raises on any synchronizing call)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = moe(x)
-        out.float().square().mean().backward()
+        module(x).float().square().mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert torch.isfinite(x.grad).all()

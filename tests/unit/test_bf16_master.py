@@ -187,12 +187,12 @@ def test_integer_round_to_nearest_is_torchs_cast() -> None:
 def test_compiled_step_equals_eager(tmp_path: Path, monkeypatch) -> None:
     """train.compile_model=true compiles the step; it must round exactly as eager (inductor once dropped the
     bf16 round trip that Kahan's compensation measures, making it always zero). The compiled step updates the
-    tensors of one shape in one compiled call, at most MAX_TENSORS_PER_CALL at a time: one call from Python
+    tensors of one shape in one compiled call, at most BF16_TENSORS_PER_CALL at a time: one call from Python
     per batch, not per tensor (per-tensor calls left the GPU waiting on the host)."""
     import trainer.bf16_adamw as bf16_adamw
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(bf16_adamw, "MAX_TENSORS_PER_CALL", 2)
+    monkeypatch.setattr(bf16_adamw, "BF16_TENSORS_PER_CALL", 2)
     calls = []
     compiled = bf16_adamw.compiled_update_many()
     monkeypatch.setattr(bf16_adamw, "compiled_update_many",

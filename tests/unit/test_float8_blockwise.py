@@ -169,7 +169,7 @@ def test_health_stats_cover_blockwise_layers() -> None:
     apply_float8(model, recipe="blockwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[], emulate=True,
                  require=False, device=CPU)
     monitor = Fp8HealthMonitor(model, recipe="blockwise")
-    assert len(monitor.modules) == 21 and monitor.grad_format == "e4m3" and monitor.tile == 128
+    assert len(monitor.modules) == 21 and set(monitor.formats.values()) == {(True, 128, "e4m3")}
     with monitor.collect():
         _loss_and_grads(model, torch.randint(0, 512, (2, 65)))
     stats = monitor.report()

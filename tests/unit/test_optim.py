@@ -74,3 +74,12 @@ def test_compiled_adamw_compiled_equals_its_eager_function(tmp_path, monkeypatch
     for p, q in zip(compiled[2], compiled[3]):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert compiled[0].state[compiled[2][0]]["step"].item() == 4
+
+
+def test_auto_implementation_is_compiled_only_for_a_compiled_model_on_a_gpu() -> None:
+    from trainer.optim import resolve_implementation
+
+    assert resolve_implementation("auto", compile_model=True, device_type="cuda") == "compiled"
+    assert resolve_implementation("auto", compile_model=False, device_type="cuda") == "fused"
+    assert resolve_implementation("auto", compile_model=True, device_type="cpu") == "fused"
+    assert resolve_implementation("torch_fused", compile_model=True, device_type="cuda") == "torch_fused"

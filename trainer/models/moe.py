@@ -50,7 +50,9 @@ from torch import nn
 
 from trainer.model_values import param_count
 from trainer.models.layers import MLP, Attention, Decoder, ModelArgs, RMSNorm, RopeScaling, TransformerBlock
-from trainer.models.moe_permute import experts_to_tokens, inverse_permutation, select_unique_rows, tokens_to_experts
+from trainer.models.moe_fp8 import Fp8ExpertWeights, fp8_grouped_swiglu
+from trainer.models.moe_permute import (experts_to_tokens, inverse_permutation, padded_layout, select_unique_rows,
+                                        tokens_to_experts)
 
 logger = logging.getLogger(__name__)
 
@@ -227,25 +229,16 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     expert's rows are copied into a zero-padded buffer whose groups start at multiples
     of `align` rows; its size N + E * (align - 1) is known without a host sync.
     """
-    n_rows, dim = x.shape
-    n_experts = counts.shape[0]
-    counts = counts.to(torch.int64)
-    padded = (counts + align - 1) // align * align
-    starts = torch.cumsum(counts, 0) - counts
-    padded_starts = torch.cumsum(padded, 0) - padded
-    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=n_rows)
-    dst = torch.arange(n_rows, device=x.device) - starts[expert_of_row] + padded_starts[expert_of_row]
-    rows = n_rows + n_experts * (align - 1)
-    rows = (rows + align - 1) // align * align
-    x_pad = x.new_zeros(rows, dim).index_copy(0, dst, x)
-    offs = torch.cumsum(padded, 0).to(torch.int32)
+    dst, offs, rows = padded_layout(counts, x.shape[0], align)
+    x_pad = x.new_zeros(rows, x.shape[1]).index_copy(0, dst, x)
     h = F.silu(_grouped_mm(x_pad, w1, offs)) * _grouped_mm(x_pad, w3, offs)
     # Rows past offs[-1] belong to no group (the kernel leaves them unwritten); they are never read.
     return select_unique_rows(_grouped_mm(h, w2, offs), dst)
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU MLPs as 3-D weights; `dispatcher` (set by apply_ep) sends rows to the expert's rank."""
+    """n_experts SwiGLU MLPs as 3-D weights; `dispatcher` (set by apply_ep) sends rows to the expert's rank;
+    `fp8` (set by trainer.parallel.float8_experts.apply_fp8_experts) runs them as FP8 grouped GEMMs."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()
@@ -256,14 +249,32 @@ class GroupedExperts(nn.Module):
         # An object with dispatch(x, counts) -> (x_local, local_counts, ctx) and combine(y, ctx) -> y,
         # installed by trainer.parallel.expert_parallel.apply_ep; None = every expert is local.
         self.dispatcher: Any = None
+        # The one switch to FP8 grouped GEMMs: the layer's FP8 weight cache (trainer.models.moe_fp8), or None.
+        self.fp8: Fp8ExpertWeights | None = None
+        self.fp8_emulate = False
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] sorted by expert with counts [n_experts] rows each -> expert outputs, same order."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                k: int) -> torch.Tensor:
+        """Tokens x [T, dim]; their copies x[order[i] // k] sorted by expert, counts [n_experts] rows each
+        (`inverse` is the full sort's inverse) -> expert outputs [len(order), dim] in that order."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.fp8 is not None and self.dispatcher is None:
+            # The tokens are quantized once, then gathered in FP8 (trainer/models/moe_fp8.py).
+            return self._fp8_swiglu(x, order // k, inverse, counts, w1, w2, w3, k=k)
+        rows = tokens_to_experts(x, order, inverse, k)
         if self.dispatcher is None:
-            return grouped_swiglu(x, counts, w1, w2, w3)
-        x_local, local_counts, ctx = self.dispatcher.dispatch(x, counts)
+            return grouped_swiglu(rows, counts, w1, w2, w3)
+        if self.fp8 is not None:
+            # The all-to-all moves bf16 rows; the received rows are quantized once, then regrouped in FP8.
+            received, perm, perm_inverse, local_counts, ctx = self.dispatcher.dispatch_rows(rows, counts)
+            y = self._fp8_swiglu(received, perm, perm_inverse, local_counts, w1, w2, w3, k=1)
+            return self.dispatcher.combine(y, ctx)
+        x_local, local_counts, ctx = self.dispatcher.dispatch(rows, counts)
         return self.dispatcher.combine(grouped_swiglu(x_local, local_counts, w1, w2, w3), ctx)
+
+    def _fp8_swiglu(self, src, index, inverse, counts, w1, w2, w3, *, k: int) -> torch.Tensor:
+        return fp8_grouped_swiglu(src, index, inverse, counts, w1, w2, w3, k=k, weights=self.fp8,
+                                  emulate=self.fp8_emulate, align=GROUP_ALIGN)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -359,7 +370,7 @@ class MoE(nn.Module):
         inverse = inverse_permutation(order)
         # note: a host sync, only with token dropping: the experts get the kept rows only.
         kept = order if keep is None else order[: n_tokens * k - int(dropped)]
-        routed = self.experts(tokens_to_experts(flat, kept, inverse, k), counts)
+        routed = self.experts(flat, counts, kept, inverse, k)
         # Weighted and summed over each token's k experts in fp32, then back to the compute dtype.
         out = experts_to_tokens(routed, inverse, order, weights).to(x.dtype)
         if self.shared_expert is not None:

@@ -86,3 +86,22 @@ def experts_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, order: torch.Te
         rows = torch.cat([rows, rows.new_zeros(n_assign - rows.shape[0], dim)])
     by_token = permute_rows(rows, inverse, order).view(n_tokens, k, dim)
     return (by_token.float() * weights.unsqueeze(-1)).sum(1)
+
+
+def padded_layout(counts: torch.Tensor, n_rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where rows sorted by expert go in a buffer whose expert groups start at multiples of `align` rows.
+
+    counts [E] rows per expert (summing to n_rows) -> (dst [n_rows]: each row's buffer row, offs [E] int32:
+    the groups' ends, as grouped GEMMs take them, buffer rows). The buffer has n_rows + E * (align - 1) rows
+    rounded up to `align`, a size known without a host sync.
+    """
+    n_experts = counts.shape[0]
+    counts = counts.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    starts = torch.cumsum(counts, 0) - counts
+    padded_starts = torch.cumsum(padded, 0) - padded
+    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=counts.device), counts,
+                                            output_size=n_rows)
+    dst = torch.arange(n_rows, device=counts.device) - starts[expert_of_row] + padded_starts[expert_of_row]
+    rows = n_rows + n_experts * (align - 1)
+    return dst, torch.cumsum(padded, 0).to(torch.int32), (rows + align - 1) // align * align

@@ -23,6 +23,7 @@ from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import apply_cp
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import Float8Report, Recipe, apply_float8
+from trainer.parallel.float8_experts import apply_fp8_experts
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tp
@@ -37,6 +38,8 @@ class Float8Options:
     exclude_fqns: tuple[str, ...]
     emulate: bool
     require: bool
+    moe_experts: str = "off"
+    """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8_experts)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,12 @@ def build_parallel_model(
         report = apply_float8(
             model, recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
             exclude_fqns=list(f8.exclude_fqns), emulate=f8.emulate, require=f8.require, device=device,
+            moe_experts=f8.moe_experts,
         )
+        # The routed experts' grouped GEMMs: one switch per MoE layer. Their weights are quantized once per
+        # optimizer step unless FSDP2 shards the experts (a cached copy would pin them unsharded).
+        apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require, device=device,
+                          per_step_weights=_expert_fsdp_size(pd) == 1)
         if report.enabled and not o.compile:
             logger.warning(
                 "FP8 without train.compile_model=true: the eager float8 casts usually make it slower than "
@@ -123,6 +131,11 @@ def build_parallel_model(
         )
     )
     return report
+
+
+def _expert_fsdp_size(pd: ParallelDims) -> int:
+    """Ranks FSDP2 shards each routed expert over (apply_fsdp: the expert mesh under ep/tp, else all of fsdp)."""
+    return pd.fsdp_shard // pd.ep if pd.ep > 1 else pd.fsdp_shard
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

@@ -38,6 +38,13 @@ class AllToAllDispatcher:
     def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """x [N, dim] sorted by global expert, counts [n_experts] -> (rows for this rank's experts sorted
         by local expert, their counts [n_local], what combine needs)."""
+        received, perm, inverse, local_counts, ctx = self.dispatch_rows(x, counts)
+        return permute_rows(received, perm, inverse), local_counts, ctx
+
+    def dispatch_rows(self, x: torch.Tensor, counts: torch.Tensor):
+        """`dispatch` before its regrouping: (rows as received, grouped by source rank; perm, with
+        received[perm] sorted by local expert; its inverse; counts [n_local]; what combine needs).
+        FP8 experts quantize the received rows before that gather (trainer/models/moe_fp8.py)."""
         ep, n_local = self.ep, self.n_local
         # recv[src, e]: rows rank `src` sends to this rank's local expert e.
         # wait_tensor, not .wait(): torch 2.11 on CUDA may hand back a plain tensor rather than an
@@ -54,7 +61,7 @@ class AllToAllDispatcher:
         src, expert = segment // n_local, segment % n_local
         perm = torch.argsort(expert * ep + src, stable=True)
         inverse = inverse_permutation(perm)
-        return permute_rows(x_recv, perm, inverse), recv.sum(0), (perm, inverse, send_splits, recv_splits)
+        return x_recv, perm, inverse, recv.sum(0), (perm, inverse, send_splits, recv_splits)
 
     def combine(self, y: torch.Tensor, ctx: tuple) -> torch.Tensor:
         """Outputs for this rank's experts -> back to the ranks (and the order) the rows came from."""

@@ -205,6 +205,7 @@ def apply_float8(
     emulate: bool,
     require: bool,
     device: torch.device,
+    moe_experts: str = "off",
 ) -> Float8Report:
     """Swap the selected nn.Linear modules for torchao Float8Linear (blockwise: BlockwiseFloat8Linear), in place.
 
@@ -240,7 +241,7 @@ def apply_float8(
     _convert(model, set(converted), recipe=recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
              emulate=emulate, device=device)
     report.converted = converted
-    _log_conversion(model, report, what)
+    _log_conversion(model, report, what, moe_experts=moe_experts)
     return report
 
 
@@ -270,16 +271,16 @@ def _convert(model: nn.Module, selected: set[str], *, recipe: Recipe, enable_fsd
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in selected, config=config)
 
 
-def _log_conversion(model: nn.Module, report: Float8Report, what: str) -> None:
+def _log_conversion(model: nn.Module, report: Float8Report, what: str, *, moe_experts: str) -> None:
     """The confirmation lines: what converted, what stayed bf16 and why, and what runs the matmuls."""
     from trainer.models.layers import clean_fqn
 
     for line in report.lines():
         logger.info(line)
     n = sum(1 for fqn, _ in model.named_parameters() if clean_fqn(fqn).endswith(".moe.experts.w1"))
-    if n:
+    if n and moe_experts == "off":  # otherwise trainer.parallel.float8_experts says what they run
         logger.info("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x%d (grouped GEMM on 3-D "
-                    "weights; FP8 grouped GEMMs are not wired up)", n)
+                    "weights; float8.moe_experts='rowwise' runs them as FP8 grouped GEMMs)", n)
     if not report.emulate:
         logger.info("float8 matmuls: %s", what)
     elif report.recipe == "blockwise":

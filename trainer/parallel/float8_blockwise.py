@@ -63,6 +63,54 @@ class EmulatedBlockwiseMM(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w.to(weight.dtype)
 
 
+# The real path as custom ops around torchao's autograd function (forward and backward, use_triton=False: Triton
+# quantization kernels, cuBLAS F.scaled_mm, bf16 out): torch.compile treats each as one opaque call. Called
+# inside a compiled block, torchao's autograd function itself fails to trace (dynamo cannot trace
+# torch._scaled_mm_v2 inside an autograd.Function; 1x H100, torch 2.11).
+@torch.library.custom_op("trainer::blockwise_fp8_mm", mutates_args=())
+def blockwise_fp8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in blockwise FP8 (x: 2-D, row-major, rows a multiple of 128), bf16 out."""
+    from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+    return fp8_blockwise_mm.apply(x, weight, BLOCK, torch.bfloat16, False)
+
+
+@blockwise_fp8_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("trainer::blockwise_fp8_mm_backward", mutates_args=())
+def blockwise_fp8_mm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight) of blockwise_fp8_mm: torchao's backward (1x128 gradient tiles for dgrad, 128x1 groups
+    along the tokens for wgrad), bf16 out."""
+    from types import SimpleNamespace
+
+    from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+    ctx = SimpleNamespace(saved_tensors=(x, weight), block_size=BLOCK, out_dtype=torch.bfloat16, use_triton=False)
+    grad_x, grad_weight, *_ = fp8_blockwise_mm.backward(ctx, grad)
+    return grad_x, grad_weight
+
+
+@blockwise_fp8_mm_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape, dtype=torch.bfloat16), weight.new_empty(weight.shape, dtype=torch.bfloat16)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x, weight = ctx.saved_tensors
+    grad_x, grad_weight = blockwise_fp8_mm_backward(grad.contiguous(), x, weight)
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
+blockwise_fp8_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
 class BlockwiseFloat8Linear(nn.Linear):
     """nn.Linear (no bias) whose matmul runs blockwise FP8 forward and backward; the weight stays high precision.
 
@@ -90,10 +138,7 @@ class BlockwiseFloat8Linear(nn.Linear):
         if self.emulate:
             out = EmulatedBlockwiseMM.apply(x2d, self.weight)
         else:
-            from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
-
-            # torchao's Float8BlockwiseLinear.forward with use_triton=False: cuBLAS F.scaled_mm, bf16 out.
-            out = fp8_blockwise_mm.apply(x2d, self.weight, BLOCK, torch.bfloat16, False).to(x.dtype)
+            out = blockwise_fp8_mm(x2d, self.weight).to(x.dtype)
         if pad:
             out = out[: out.shape[0] - pad]
         return out.reshape(*lead, out.shape[-1])

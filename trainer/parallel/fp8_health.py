@@ -85,24 +85,39 @@ def layer_group(fqn: str) -> str:
 
 
 class Fp8HealthMonitor:
-    """Collect cast health of every Float8Linear during the steps run inside `collect()`."""
+    """Collect cast health of every Float8Linear, and of the FP8 routed experts (float8.moe_experts), during the
+    steps run inside `collect()`.
+
+    An FP8 experts module's input is its tokens, cast rowwise to e4m3 before the w1/w3 grouped GEMM, and its
+    output gradient the rows cast rowwise to e4m3 for w2's dgrad (group `moe.experts`).
+    """
 
     def __init__(self, model: nn.Module, *, recipe: str):
         from trainer.models.llama import clean_fqn
         from trainer.parallel.float8 import is_float8_linear
         from trainer.parallel.float8_blockwise import BLOCK
+        from trainer.parallel.float8_experts import experts_modules
 
-        self.rowwise = recipe != "tensorwise"
-        self.tile = BLOCK if recipe == "blockwise" else 0
-        self.grad_format = "e5m2" if recipe == "tensorwise" else "e4m3"
+        grad_format = "e5m2" if recipe == "tensorwise" else "e4m3"
         self.modules = {clean_fqn(fqn): m for fqn, m in model.named_modules() if is_float8_linear(m)}
+        # fqn -> (rowwise, tile (blockwise: 128 values per scale; 0 = whole rows or tensor), output gradient's format)
+        tile = BLOCK if recipe == "blockwise" else 0
+        self.formats = {fqn: (recipe != "tensorwise", tile, grad_format) for fqn in self.modules}
+        for fqn, module in experts_modules(model).items():
+            if module.fp8 is not None:
+                self.modules[fqn] = module
+                self.formats[fqn] = (True, 0, "e4m3")
         self._stats: dict[tuple[str, str], list[dict[str, torch.Tensor]]] = defaultdict(list)
+
+    def grad_format(self, fqn: str) -> str:
+        return self.formats[fqn][2]
 
     def _record(self, fqn: str, kind: str, tensor: torch.Tensor | None) -> None:
         if tensor is None:
             return
-        fmt = "e4m3" if kind == "input" else self.grad_format
-        self._stats[(fqn, kind)].append(cast_health(tensor, fmt, rowwise=self.rowwise, tile=self.tile))
+        rowwise, tile, grad_format = self.formats[fqn]
+        fmt = "e4m3" if kind == "input" else grad_format
+        self._stats[(fqn, kind)].append(cast_health(tensor, fmt, rowwise=rowwise, tile=tile))
 
     @contextlib.contextmanager
     def collect(self):
@@ -154,7 +169,7 @@ class Fp8HealthMonitor:
             for what, limit in (("underflow", UNDERFLOW_WARN), ("saturated", SATURATION_WARN)):
                 fqn, worst = max(layers, key=lambda item: item[1][what])
                 if worst[what] > limit:
-                    fmt = "e4m3" if kind == "input" else self.grad_format
+                    fmt = "e4m3" if kind == "input" else self.grad_format(fqn)
                     logger.warning(
                         "fp8 health: %.2f%% of %s's %s elements %s in %s (amax %.3g, scale %.3g; warning above "
                         "%.2g%%): a few outliers stretch the scale; consider float8.recipe='rowwise' or "
@@ -181,7 +196,8 @@ class Fp8HealthHook(StepHook):
 
     def on_log(self, step: int) -> dict[str, float]:
         from trainer.parallel.float8 import float8_weight_stats
+        from trainer.parallel.float8_experts import fp8_expert_weight_stats
 
         if not self.log_due(step):
             return {}
-        return {**float8_weight_stats(self.model), **self.monitor.report()}
+        return {**float8_weight_stats(self.model), **fp8_expert_weight_stats(self.model), **self.monitor.report()}

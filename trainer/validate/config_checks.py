@@ -28,6 +28,7 @@ def check_config(cfg: Any) -> None:
     _check_optimizer(cfg)
     _check_checkpoint_and_master(cfg)
     _check_float8_and_profiling(cfg)
+    _check_moe_experts(cfg)
     _check_data(cfg)
     _check_seeds(cfg)
     _check_paths(cfg)
@@ -152,6 +153,29 @@ def _check_float8_and_profiling(cfg: Any) -> None:
         raise ConfigError(
             f"profiling.start_step={p.start_step}, profiling.end_step={p.end_step}: the window must satisfy "
             "1 <= start_step <= end_step"
+        )
+
+
+MOE_EXPERTS_MODES = ("off", "rowwise")
+# Why float8.moe_experts='blockwise' is refused, in one line.
+BLOCKWISE_EXPERTS_REASON = (
+    "no Hopper blockwise FP8 grouped GEMM exists in torch 2.11-2.13 (torch._scaled_grouped_mm takes rowwise scales on "
+    "sm90) nor in torchao 0.18 (its blockwise grouped GEMM needs the DeepGEMM package, else it emulates)"
+)
+
+
+def _check_moe_experts(cfg: Any) -> None:
+    mode, t = cfg.float8.moe_experts, cfg.train
+    if mode == "blockwise":
+        raise ConfigError(f"float8.moe_experts='blockwise' is not available: {BLOCKWISE_EXPERTS_REASON}; use 'rowwise'")
+    if mode not in MOE_EXPERTS_MODES:
+        raise ConfigError(f"float8.moe_experts={mode!r} is not one of {', '.join(map(repr, MOE_EXPERTS_MODES))}")
+    fp8_phase = t.precision_schedule and any(
+        p.precision == "fp8" for p in parse_precision_schedule(t.precision_schedule, total_steps=t.steps))
+    if mode != "off" and not t.is_fp8 and not fp8_phase:
+        raise ConfigError(
+            f"float8.moe_experts='{mode}' applies to fp8 runs only, but train.mixed_precision='{t.mixed_precision}' "
+            "(a bf16 run keeps every GEMM bf16); set --train.mixed_precision=fp8, or float8.moe_experts='off'"
         )
 
 

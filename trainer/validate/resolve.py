@@ -75,8 +75,11 @@ def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> tuple[Float8O
     except ValueError as e:  # an exclude_fqns entry that matches nothing
         raise ConfigError(str(e)) from None
     _check_fp8_hardware(require=f8.require, emulate=f8.emulate, recipe=f8.recipe)
+    if f8.moe_experts != "off":
+        _check_fp8_experts(cfg, args)
     options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
-                            exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require)
+                            exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
+                            moe_experts=f8.moe_experts)
     fates = {fqn: "converted" for fqn in converted} | excluded
     return options, {fqn: fates[fqn] for fqn, _ in shapes.named_modules() if fqn in fates}
 
@@ -169,6 +172,36 @@ def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
             + ("" if v.path else " or set validation.path to held-out shards")
         )
     return source
+
+
+def _check_fp8_experts(cfg: JobConfig, args: Any) -> None:
+    """float8.moe_experts needs routed experts, shapes the FP8 grouped GEMM takes, and a device that runs it."""
+    import torch
+
+    from trainer.models import is_moe
+
+    f8, key = cfg.float8, f"float8.moe_experts='{cfg.float8.moe_experts}'"
+    if not is_moe(args):
+        raise ConfigError(f"{key} needs an MoE flavor, but model.flavor={cfg.model.flavor!r} has no routed experts; "
+                          "set float8.moe_experts='off'")
+    # torch._scaled_grouped_mm: fp8 operand strides are multiples of 16 bytes (rows of dim and of moe_ffn_dim
+    # values, in both orientations of each weight).
+    for name in ("dim", "moe_ffn_dim"):
+        if getattr(args, name) % 16:
+            raise ConfigError(f"{key} needs the experts' {name} to be a multiple of 16 (FP8 grouped GEMM alignment), "
+                              f"but model.flavor={cfg.model.flavor!r} has {name}={getattr(args, name)}")
+    if f8.emulate:
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key} on a machine without CUDA needs float8.emulate=true: torch._scaled_grouped_mm "
+                          "has no CPU kernel")
+    if f8.require:
+        from trainer.parallel.float8_experts import fp8_grouped_supported
+
+        ok, what = fp8_grouped_supported(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+        if not ok:
+            raise ConfigError(f"{key} with float8.require=true, but {what}; use an H100/H200 or "
+                              "float8.moe_experts='off'")
 
 
 def _check_fp8_hardware(*, require: bool, emulate: bool, recipe: str) -> None:
