@@ -31,7 +31,6 @@ of a string differs between processes).
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from collections.abc import Sequence
 from typing import Literal
@@ -184,7 +183,7 @@ def compiled_update_many():
     return _compiled_many
 
 
-def batches(keys: list[tuple], limit: int = MAX_TENSORS_PER_CALL) -> list[list[int]]:
+def batches(keys: list[tuple], limit: int) -> list[list[int]]:
     """Indices of `keys` grouped by equal key (first-seen order, model order within a group), each group cut
     into runs of at most `limit`: the tensors one fused call updates together."""
     groups: dict[tuple, list[int]] = {}

@@ -27,6 +27,15 @@ class LocalFusedAdamW(torch.optim.AdamW):
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
 
+    def _init_state(self, p: torch.Tensor) -> dict:
+        """p's state, created at its first step as torch's fused AdamW creates it (the step a 0-dim device tensor)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "LocalFusedAdamW takes no closure"
@@ -36,11 +45,7 @@ class LocalFusedAdamW(torch.optim.AdamW):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state = self._init_state(p)
                 local = local_shard(p)
                 entry = lists.setdefault((local.device, local.dtype), ([], [], [], [], []))
                 for out, t in zip(entry, (local, local_shard(p.grad), local_shard(state["exp_avg"]),
@@ -120,11 +125,7 @@ class CompiledAdamW(LocalFusedAdamW):
         beta1, beta2 = group["betas"]
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._init_state(p)
         local = [local_shard(p) for p in params]
         lr = torch.tensor(float(group["lr"]))  # a 0-dim CPU tensor: one compiled graph for every lr
         for idx in batches([(t.device, t.dtype, tuple(t.shape)) for t in local], MAX_TENSORS_PER_CALL):
