@@ -9,8 +9,12 @@ gathered back), in four variants:
 
     bf16          trainer.models.moe.grouped_swiglu: torch._grouped_mm (what float8.moe_experts='off' runs)
     torchao       the same layout with torchao's _to_fp8_rowwise_then_scaled_grouped_mm for each of the three GEMMs
-    fp8           trainer.models.moe_fp8 (float8.moe_experts='rowwise'), weights quantized once per step (cached)
-    fp8-requant   the same, weights quantized on every call (what FSDP-sharded experts do)
+    fp8           trainer.models.moe_fp8 (float8.moe_experts='rowwise'), the weights quantized in the call (forward
+                  its orientation, backward the other): what a step with one forward per layer pays
+    fp8-kept      the same with the weights' FP8 copies kept from an earlier call: what gradient accumulation's
+                  later microbatches (and pipeline microbatches) pay
+
+and the weights' quantization alone (both orientations of one layer), with the bytes it moves.
 
 TFLOP/s count the 3 GEMMs x (forward + dgrad + wgrad) = 18 x rows x dim x ffn FLOPs; times are the median of
 triton.testing.do_bench. Prints one line per variant and the speedup over bf16 (the target is >= 1.15x).
@@ -57,7 +61,6 @@ def _variants(x, w1, w2, w3, counts):
     from trainer.models.moe_fp8 import Fp8ExpertWeights, fp8_grouped_swiglu
 
     rows = torch.arange(x.shape[0], device="cuda")
-    cached = Fp8ExpertWeights(per_step=True)
 
     def fp8(weights):
         return lambda: fp8_grouped_swiglu(x, rows, rows, counts, w1, w2, w3, k=1, weights=weights, emulate=False,
@@ -66,9 +69,32 @@ def _variants(x, w1, w2, w3, counts):
     return {
         "bf16": lambda: grouped_swiglu(x, counts, w1, w2, w3),
         "torchao": lambda: _torchao_swiglu(x, counts, w1, w2, w3),
-        "fp8": fp8(cached),
-        "fp8-requant": fp8(Fp8ExpertWeights(per_step=False)),
+        "fp8": fp8(Fp8ExpertWeights(per_step=False)),
+        "fp8-kept": fp8(Fp8ExpertWeights(per_step=True)),
     }
+
+
+def _weight_quantization(w1, w2, w3, do_bench) -> str:
+    from trainer.models.moe_fp8 import quantize_dgrad_weights, quantize_forward_weights
+
+    def both():
+        quantize_forward_weights(w1, w2, w3)
+        quantize_dgrad_weights(w1, w2, w3)
+
+    both()
+    ms = do_bench(both, warmup=10, rep=100)
+    moved = 3 * (w1.numel() + w2.numel() + w3.numel())  # each orientation reads bf16 (2 bytes), writes e4m3 (1)
+    return f"weight quantization (both orientations, one layer): {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s"
+
+
+def _profile(name: str, forward, probe: torch.Tensor, calls: int = 5) -> None:
+    """Where one call's time goes: the CUDA kernels of `calls` forward + backward calls, per call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            forward().backward(probe)
+        torch.cuda.synchronize()
+    print(f"--- {name}: CUDA kernels, totals over {calls} calls")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=90))
 
 
 def main() -> None:
@@ -78,6 +104,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=1408, help="moe_ffn_dim (w1 and w3 together: 2 x ffn)")
     parser.add_argument("--json", default="", help="append one JSON line per variant to this file")
+    parser.add_argument("--profile", default="", help="also print the CUDA kernel table of these variants "
+                                                      "(comma-separated, e.g. bf16,fp8)")
     args = parser.parse_args()
     from triton.testing import do_bench
 
@@ -106,9 +134,14 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(line) + "\n")
-    verdict = "PASS" if results["bf16"] / results["fp8"] >= 1.15 else "BELOW TARGET"
-    print(f"fp8 experts vs bf16: {results['bf16'] / results['fp8']:.2f}x (target >= 1.15x: {verdict}); "
-          f"torchao: {results['bf16'] / results['torchao']:.2f}x")
+    print(_weight_quantization(w1, w2, w3, do_bench))
+    variants = _variants(x, w1, w2, w3, counts)
+    for name in filter(None, args.profile.split(",")):
+        _profile(name, variants[name], probe)
+    for name in ("fp8", "fp8-kept"):
+        speedup = results["bf16"] / results[name]
+        print(f"{name} experts vs bf16: {speedup:.2f}x (target >= 1.15x: {'PASS' if speedup >= 1.15 else 'BELOW'})")
+    print(f"torchao: {results['bf16'] / results['torchao']:.2f}x")
 
 
 if __name__ == "__main__":

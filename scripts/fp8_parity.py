@@ -106,6 +106,15 @@ def leg_overrides(leg: str, seed: int, out: Path, variants: dict[str, list[str]]
             "--validation.enable=true", f"--job.dump_folder={out / leg}", *variants.get(leg, [])]
 
 
+def check_legs(args: argparse.Namespace, overrides: list[str], variants: dict[str, list[str]], out: Path):
+    """The reference leg's JobConfig, after loading every leg's config as it will run (its precision, seed and
+    overrides): a bad leg stops the check before any leg starts."""
+    cfg = load_job_config(["--config", args.config, *overrides, "--validation.enable=true"])
+    for leg in (REFERENCE, NOISE, *variants):
+        load_job_config(["--config", args.config, *overrides, *leg_overrides(leg, cfg.train.seed, out, variants)])
+    return cfg
+
+
 def leg_commands(args: argparse.Namespace, overrides: list[str], variants: dict[str, list[str]], seed: int,
                  out: Path) -> dict[str, list[str]]:
     train = str(REPO / "scripts" / "train.py")
@@ -215,14 +224,12 @@ def verdict(final: dict[str, float], tolerance: float, leg: str = "fp8") -> dict
 
 def main(argv: list[str]) -> int:
     args, overrides, variants = parse_args(argv)
+    out = Path(args.out)
     try:
-        cfg = load_job_config(["--config", args.config, *overrides, "--validation.enable=true"])
-        for extra in variants.values():
-            load_job_config(["--config", args.config, *overrides, "--validation.enable=true", *extra])
+        cfg = check_legs(args, overrides, variants, out)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     commands = leg_commands(args, overrides, variants, cfg.train.seed, out)
     todo = {leg: commands[leg] for leg in args.legs if not finished(out, leg, commands[leg])}

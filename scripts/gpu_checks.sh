@@ -101,19 +101,24 @@ for s in $STEPS; do case $s in
   moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8
     # layers on one GPU (ep=1, batch 2 x 4096, compile, no AC): bf16, fp8 with the experts off, fp8 with rowwise: tokens/s, peak memory
     python3 -m pytest -q -m gpu tests/gpu/test_moe_fp8_gpu.py -s 2>&1 | tee "$OUT/moe_fp8_tests.log" | tail -20
-    python3 scripts/bench_moe_experts.py --json "$OUT/bench_moe_experts.jsonl" 2>&1 | tee "$OUT/moe_fp8_micro.log"
+    python3 scripts/bench_moe_experts.py --json "$OUT/bench_moe_experts.jsonl" --profile bf16,fp8 > "$OUT/moe_fp8_micro.log" 2>&1
+    sed '/^--- /,$d' "$OUT/moe_fp8_micro.log"  # the kernel tables stay in the log
     for mode in off rowwise; do  # off: bf16 too (issue 21's 1-GPU MoE target), rowwise: fp8 only
       $B --label "moe_16b x 8 layers, ep=1, batch 2, seq 4096, float8.moe_experts=$mode" \
-        --precisions $([ $mode = off ] && echo bf16,fp8 || echo fp8) --warmup 6 --steps 10 \
+        --precisions $([ $mode = off ] && echo bf16,fp8 || echo fp8) --warmup 6 --steps 10 --profile-dir /tmp/prof_moe_$mode \
         --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 --distributed.ep=1 --data.source=synthetic \
-        --float8.moe_experts=$mode ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe_fp8_$mode.log" | grep -v "^\[rank"
+        --float8.moe_experts=$mode ${MOE_ARGS:-} > "$OUT/bench_moe_fp8_$mode.log" 2>&1
+      grep -A4 "^precision" "$OUT/bench_moe_fp8_$mode.log"
     done ;;
   parity_moe)  # FP8 experts' accuracy: moe_small (1 GPU), bf16 x2 seeds vs fp8 with the experts bf16 and with FP8 experts
+    # PARITY_LEGS picks legs; legs finished in an earlier call and copied to docs/benchmark_data/parity_moe are reused.
+    [ -d docs/benchmark_data/parity_moe ] && cp -r docs/benchmark_data/parity_moe "$OUT/"
     python3 scripts/fp8_parity.py --config configs/train/debug_moe.toml --out "$OUT/parity_moe" --tolerance 0.01 \
       --model.flavor=moe_small --train.steps=${PARITY_MOE_STEPS:-500} --train.batch_size=8 --train.seq_len=2048 \
       --train.compile_model=true --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --data.source=stdlib \
       --validation.freq=100 --validation.steps=8 --metrics.log_freq=10 --metrics.enable_tensorboard=false \
       --variant "experts-bf16=--float8.moe_experts=off" --variant "experts-fp8=--float8.moe_experts=rowwise" \
+      ${PARITY_LEGS:+--legs $PARITY_LEGS} \
       2>&1 | tee "$OUT/parity_moe.log" | tail -12 ;;
   parity1b)  # docs/fp8.md "Check that FP8 did not hurt": 1B, 1,000 steps x 16K tokens of BPE text (data/py_bpe, built
     # by scripts/build_tokenizer.py), bf16 x2 seeds vs each FP8 setting and bf16 master weights (the *-seed1 legs: the

@@ -65,6 +65,26 @@ def test_moe_layer_with_fp8_experts_makes_no_host_sync() -> None:
     x = torch.randn(2, 4096, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     moe(x).float().square().mean().backward()  # warm-up: compiles the quantization kernels
     moe.experts.fp8.invalidate()  # the next forward quantizes the weights again, inside the checked region
+    before = moe.experts.fp8.num_quantizations
     forward_backward_without_host_sync(moe, x)
     assert torch.isfinite(x.grad).all()
-    assert moe.experts.fp8.num_quantizations == 2
+    assert moe.experts.fp8.num_quantizations == before + 2  # the forward and the dgrad orientation
+
+
+def test_compiled_weight_quantization_matches_the_eager_one() -> None:
+    """The weights' quantization is compiled with static shapes on the GPU (one fused pass per orientation, cat
+    and transpose included); it must give the eager reference's bytes and scales, contiguous."""
+    from trainer.models.moe_fp8 import _quantize, quantize_dgrad_weights, quantize_forward_weights
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1, w3 = (torch.randn(8, 384, 512, device="cuda", generator=g).bfloat16() for _ in range(2))
+    w2 = torch.randn(8, 512, 384, device="cuda", generator=g).bfloat16()
+    w13 = torch.cat([w1, w3], dim=1)
+    got = [*quantize_forward_weights(w1, w2, w3), *quantize_dgrad_weights(w1, w2, w3)]
+    refs = [w13, w2, w13.transpose(-2, -1).contiguous(), w2.transpose(-2, -1).contiguous()]
+    for (data, scale), ref in zip(got, refs):
+        want_data, want_scale = _quantize(ref)
+        assert data.is_contiguous() and data.shape == ref.shape
+        assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
+

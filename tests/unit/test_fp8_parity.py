@@ -44,6 +44,20 @@ def test_bad_override_is_a_config_error(tmp_path: Path):
     assert not list(tmp_path.iterdir())  # no leg started
 
 
+def test_each_leg_is_checked_as_it_will_run(tmp_path: Path):
+    """A variant is an fp8 leg: options valid only in fp8 runs pass, and a leg that would fail is refused."""
+    from trainer.config import ConfigError
+
+    moe_config = str(REPO / "configs" / "train" / "debug_moe.toml")
+    fp8_experts = "experts=--float8.moe_experts=rowwise --float8.emulate=true"
+    args, overrides, variants = fp8_parity.parse_args(["--config", moe_config, "--variant", fp8_experts])
+    assert fp8_parity.check_legs(args, overrides, variants, tmp_path).train.seed == 0
+    args, overrides, variants = fp8_parity.parse_args(
+        ["--config", moe_config, "--variant", f"{fp8_experts} --train.mixed_precision=bf16"])
+    with pytest.raises(ConfigError, match="float8.moe_experts='rowwise' applies to fp8 runs only"):
+        fp8_parity.check_legs(args, overrides, variants, tmp_path)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--variant", "fp8"], "expected NAME=OVERRIDES"),
     (["--variant", "bf16="], "not bf16 or bf16-seed2"),

@@ -122,14 +122,39 @@ def test_expert_weights_are_quantized_once_per_optimizer_step_with_grad_accumula
     for step in (1, 2):
         for micro in x:  # three microbatches of one step
             moe(micro).square().mean().backward()
-        assert moe.experts.fp8.num_quantizations == step
+        assert moe.experts.fp8.num_quantizations == 2 * step  # the forward and the dgrad orientation, once each
         with torch.no_grad():
             moe.experts.w1.add_(0.01)  # the optimizer step
         hook.after_optimizer_step(step, torch.tensor(False))
-    sharded = _moe_with_fp8(per_step=False)  # FSDP-sharded experts: every forward quantizes what it gathered
+    unkept = _moe_with_fp8(per_step=False)  # one forward per step, or FSDP-sharded experts: nothing is kept
     for micro in x:
-        sharded(micro).square().mean().backward()
-    assert sharded.experts.fp8.num_quantizations == 3
+        unkept(micro).square().mean().backward()
+    assert unkept.experts.fp8.num_quantizations == 6
+
+
+def test_unkept_expert_weights_are_quantized_where_used_and_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without per_step, forward quantizes only its orientation and backward the other: no FP8 copy of a layer's
+    weights lives from its forward to its backward (the memory that keeping them for the step cost)."""
+    import weakref
+
+    import trainer.models.moe_fp8 as moe_fp8
+
+    made = []
+
+    def recording(quantize):
+        def run(*weights):
+            out = quantize(*weights)
+            made.extend(weakref.ref(data) for data, _ in out)
+            return out
+        return run
+
+    monkeypatch.setattr(moe_fp8, "quantize_forward_weights", recording(moe_fp8.quantize_forward_weights))
+    moe = _moe_with_fp8(per_step=False)
+    out = moe(torch.randn(2, 16, 128)).square().mean()
+    assert moe.experts.fp8.num_quantizations == 1
+    assert len(made) == 2 and all(ref() is None for ref in made)  # freed with the forward's temporaries
+    out.backward()
+    assert moe.experts.fp8.num_quantizations == 2  # backward quantized the dgrad orientation
 
 
 def test_stale_weights_are_never_used_after_the_refresh() -> None:
@@ -202,13 +227,17 @@ def test_quantized_expert_weights_are_contiguous_for_the_kernel() -> None:
     """torch._scaled_grouped_mm takes each weight's transpose as mat2 and requires it column-major, i.e. the data
     contiguous; the dgrad orientations are transposes of the weights and must be made contiguous before quantizing
     (on the GPU a transposed data tensor failed with "Expected mat2 to be transposed")."""
-    from trainer.models.moe_fp8 import quantize_expert_weights
+    from trainer.models.moe_fp8 import quantize_dgrad_weights, quantize_forward_weights, quantize_rows
 
     w1, w3 = torch.randn(4, 32, 16), torch.randn(4, 32, 16)
     w2 = torch.randn(4, 16, 32)
-    quantized = quantize_expert_weights(w1, w2, w3)
-    for name in ("w13", "w2", "w13_t", "w2_t"):
-        data, scale = getattr(quantized, name)
+    (w13, w2q), (w13_t, w2_t) = quantize_forward_weights(w1, w2, w3), quantize_dgrad_weights(w1, w2, w3)
+    for name, (data, scale) in {"w13": w13, "w2": w2q, "w13_t": w13_t, "w2_t": w2_t}.items():
         assert data.is_contiguous(), name
         assert data.transpose(-2, -1).stride()[-2] == 1, name  # column-major mat2
-    assert quantized.w13_t[0].shape == (4, 16, 64) and quantized.w2_t[0].shape == (4, 32, 16)
+    assert w13_t[0].shape == (4, 16, 64) and w2_t[0].shape == (4, 32, 16)
+    # Each orientation is its weight quantized along the GEMM's reduction dim.
+    w13_ref = torch.cat([w1, w3], dim=1)
+    for got, ref in ((w13, w13_ref), (w2q, w2), (w13_t, w13_ref.transpose(-2, -1)), (w2_t, w2.transpose(-2, -1))):
+        want = quantize_rows(ref.contiguous())
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])

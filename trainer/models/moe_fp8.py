@@ -21,8 +21,9 @@ the dequantized activations of wgrad and of the emulation are exactly what the F
 
 `torch._scaled_grouped_mm` wants A row-major [M, K] with scale [M], B column-major [E, K, N] with scale [E, N],
 fp32 dequantization scales, int32 group ends and bf16 out. A weight of Linear layout [E, N, K] quantized along
-K is B transposed, as stored; the dgrad weight is quantized along N into a [E, K, N] copy, once.
-`Fp8ExpertWeights` keeps both per optimizer step (see its docstring for FSDP).
+K is B transposed, as stored; the dgrad weight is quantized along N into a [E, K, N] copy. Forward quantizes
+the one orientation, backward the other (`Fp8ExpertWeights`: kept per optimizer step only where a layer's
+forward runs more than once per step).
 
 `emulate=True` (CPU, CI) runs the same quantization, then dequantizes and multiplies with the plain
 `torch._grouped_mm`: the same numerics up to the GEMMs' accumulation order.
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.models.moe_permute import padded_layout, select_unique_rows
+from trainer.models.moe_permute import padded_layout
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -45,12 +46,17 @@ AMAX_EPS = 1e-12  # torchao's floor on amax: an all-zero row gets a finite scale
 USE_FAST_ACCUM = True
 
 
-def _fused_on_cuda(fn):
+def _fused_on_cuda(fn=None, *, dynamic: bool | None = None, mode: str | None = None):
     """fn compiled on CUDA (one or two Triton kernels instead of a chain of eager ones), eager on CPU.
 
     Compiled even when the model is not: these elementwise passes are what separate quantization costs
-    (MEASURED.md: torchao's eager path with separate passes is slower than bf16).
+    (MEASURED.md: torchao's eager path with separate passes is slower than bf16). `dynamic=False` for
+    functions of fixed shapes (the weights): a kernel specialized to the row length is faster than the
+    dynamic-shape one that torch.compile switches to once the activations' row counts vary; `mode` as
+    torch.compile's.
     """
+    if fn is None:
+        return functools.partial(_fused_on_cuda, dynamic=dynamic, mode=mode)
     compiled = None
 
     @functools.wraps(fn)
@@ -59,7 +65,7 @@ def _fused_on_cuda(fn):
         if not args[0].is_cuda:
             return fn(*args)
         if compiled is None:
-            compiled = torch.compile(fn)
+            compiled = torch.compile(fn, dynamic=dynamic, mode=mode)
         return compiled(*args)
 
     return run
@@ -106,61 +112,83 @@ def _swiglu_backward_quantize(dh: torch.Tensor, h13: torch.Tensor):
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """data * scale[..., None] in dtype (exact for bf16 and fp32: the scales are powers of two)."""
+    return _dequantize_fused(data, scale, dtype)
+
+
+def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (data.float() * scale.unsqueeze(-1)).to(dtype)
 
 
-@dataclass(frozen=True)
-class QuantizedExperts:
-    """One layer's expert weights in e4m3, each as (data, dequantization scale), in the layouts the GEMMs take.
-
-    w13 [E, 2H, D] (w1 || w3) and w2 [E, D, H] quantized along their last dim (forward); w13_t [E, D, 2H] and
-    w2_t [E, H, D], the transposes quantized along theirs (dgrad).
-    """
-
-    w13: tuple[torch.Tensor, torch.Tensor]
-    w2: tuple[torch.Tensor, torch.Tensor]
-    w13_t: tuple[torch.Tensor, torch.Tensor]
-    w2_t: tuple[torch.Tensor, torch.Tensor]
+_dequantize_fused = _fused_on_cuda(_dequantize)  # eager: an fp32 copy of the rows, then two more passes
 
 
-@torch.no_grad()
-def quantize_expert_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> QuantizedExperts:
-    w13 = torch.cat([w1, w3], dim=1)
-    # Each data tensor contiguous: the GEMM takes its transpose as the column-major mat2 the kernel requires
-    # (quantizing a transposed view would keep its strides: "Expected mat2 to be transposed" on the GPU).
-    return QuantizedExperts(w13=quantize_rows(w13), w2=quantize_rows(w2.contiguous()),
-                            w13_t=quantize_rows(w13.transpose(-2, -1).contiguous()),
-                            w2_t=quantize_rows(w2.transpose(-2, -1).contiguous()))
+@_fused_on_cuda
+def _sum_copies(dx: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """out[s] = sum over j of dx[rows[s * k + j]]: each source row's gradient from its k expert copies."""
+    return dx.index_select(0, rows).view(rows.shape[0] // k, k, dx.shape[1]).sum(1)
+
+
+Quantized = tuple[torch.Tensor, torch.Tensor]  # (e4m3 data, fp32 dequantization scale per row)
+
+
+# Every MoE layer's weights have the same shapes: one graph, specialized and autotuned (1x H200, moe_16b, both
+# orientations of one layer: 1.41 ms autotuned vs 1.83 ms default, the same bytes; docs/benchmarks.md).
+_WEIGHT_QUANT = dict(dynamic=False, mode="max-autotune-no-cudagraphs")
+
+
+@_fused_on_cuda(**_WEIGHT_QUANT)
+def quantize_forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[Quantized, Quantized]:
+    """The forward GEMMs' weights: w13 [E, 2H, D] (w1 || w3) and w2 [E, D, H], quantized along their last dim
+    (the reduction dim), contiguous: the GEMM takes each one's transpose as the column-major mat2."""
+    return _quantize(torch.cat([w1, w3], dim=1)), _quantize(w2)
+
+
+@_fused_on_cuda(**_WEIGHT_QUANT)
+def quantize_dgrad_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[Quantized, Quantized]:
+    """The dgrad GEMMs' weights: w13_t [E, D, 2H] and w2_t [E, H, D], the transposes quantized along their last
+    dim, made contiguous (a transposed data tensor fails on the GPU: "Expected mat2 to be transposed")."""
+    (w13_t, s13), (w2_t, s2) = (_quantize(torch.cat([w1, w3], dim=1).transpose(-2, -1)),
+                                _quantize(w2.transpose(-2, -1)))
+    return (w13_t.contiguous(), s13), (w2_t.contiguous(), s2)
 
 
 class Fp8ExpertWeights:
-    """A layer's expert weights in FP8, quantized once per optimizer step when `per_step`.
+    """A layer's expert weights in FP8: each orientation quantized where a GEMM first needs it.
 
-    Weights change only at the optimizer step, so every microbatch of a step (grad accumulation), the
-    recompute of activation checkpointing and evaluation forwards reuse one quantization;
-    `Fp8ExpertWeightsRefresh` (a step hook) drops it after each optimizer step. The copies cost 2 bytes per
-    expert parameter (both orientations) and live through the step, so the build turns `per_step` on only
-    when FSDP2 does not shard the experts (their FSDP mesh has one rank): with sharded experts they would pin
-    an unsharded FP8 copy of every layer and undo the sharding; there each forward quantizes the weights it
-    gathered (and backward the dgrad orientation again), freed with the activations.
+    Forward needs (w13, w2), backward's dgrad (w13_t, w2_t) (`quantize_forward_weights`,
+    `quantize_dgrad_weights`). Without `per_step` nothing is kept: forward quantizes its pair and frees it
+    with the forward's temporaries, backward quantizes the other pair, so at most one layer's copy is alive
+    (1 byte per expert parameter) and each weight is quantized once per forward + backward.
+    With `per_step` both pairs are kept until the optimizer step (`Fp8ExpertWeightsRefresh`, a step hook,
+    drops them): for layers whose forward runs more than once per step (gradient accumulation, pipeline
+    microbatches, the recompute of activation checkpointing), at 2 bytes per expert parameter held through
+    the step. The build turns `per_step` on only then, and only when FSDP2 does not shard the experts (their
+    FSDP mesh has one rank): cached copies of sharded experts would pin them unsharded.
     """
 
     def __init__(self, *, per_step: bool):
         self.per_step = per_step
-        self.num_quantizations = 0  # tests and the benchmark count them
-        self._cached: QuantizedExperts | None = None
+        self.num_quantizations = 0  # weight tensors quantized (each orientation counts one): tests, the benchmark
+        self._cached: dict[str, tuple[Quantized, Quantized]] = {}
 
-    def get(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> QuantizedExperts:
-        if self._cached is not None:
-            return self._cached
+    def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[Quantized, Quantized]:
+        return self._get("forward", quantize_forward_weights, w1, w2, w3)
+
+    def dgrad(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[Quantized, Quantized]:
+        return self._get("dgrad", quantize_dgrad_weights, w1, w2, w3)
+
+    def _get(self, which: str, quantize, w1, w2, w3) -> tuple[Quantized, Quantized]:
+        if which in self._cached:
+            return self._cached[which]
         self.num_quantizations += 1
-        quantized = quantize_expert_weights(w1, w2, w3)
+        with torch.no_grad():
+            quantized = quantize(w1, w2, w3)
         if self.per_step:
-            self._cached = quantized
+            self._cached[which] = quantized
         return quantized
 
     def invalidate(self) -> None:
-        self._cached = None
+        self._cached.clear()
 
 
 def _scaled_grouped_mm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
@@ -186,6 +214,7 @@ class RowPlan:
 
     offs: torch.Tensor  # [E] int32 group ends in the padded buffer
     dst: torch.Tensor  # [N] padded row of each expert-order row
+    pad_src: torch.Tensor  # [R] expert-order row of each padded row (padding: row 0, any finite row)
     data_rows: torch.Tensor  # [R] source row of each padded row (padding: row 0, any finite row)
     scale_rows: torch.Tensor  # [R] the same, padding -> S (the appended zero scale)
     grad_rows: torch.Tensor  # [S * k] padded row of each source row's k copies (dropped -> R, a zero row)
@@ -204,45 +233,59 @@ def build_row_plan(counts: torch.Tensor, index: torch.Tensor, inverse: torch.Ten
     data_rows = torch.where(scale_rows < n_source, scale_rows, 0)
     dst_or_zero_row = torch.cat([dst, dst.new_full((1,), rows)])
     grad_rows = dst_or_zero_row[inverse.clamp(max=n_rows)]
-    return RowPlan(offs=offs, dst=dst, data_rows=data_rows, scale_rows=scale_rows, grad_rows=grad_rows, k=k,
+    pad_src = torch.zeros(rows, device=index.device, dtype=torch.int64).index_copy_(
+        0, dst, torch.arange(n_rows, device=index.device))
+    return RowPlan(offs=offs, dst=dst, pad_src=pad_src, data_rows=data_rows, scale_rows=scale_rows, grad_rows=grad_rows, k=k,
                    dropped=n_rows < inverse.shape[0])
 
 
 class _Fp8SwiGLU(torch.autograd.Function):
-    """The expert MLP on the padded buffer: source rows [S, D] -> outputs [R, D] (padded expert order)."""
+    """The expert MLP on the padded buffer: source rows [S, D] -> outputs [N, D] in expert order (unpadded).
+
+    Backward pads the output gradient by one gather that fills each padding row with some real row's gradient
+    (finite, not zero: no zero-filled buffer and scatter). Padding rows contribute nothing all the same: their
+    inputs dequantize to exactly 0, so h13 = 0 there, d(h13) = dh * 0 = 0 and h = 0, which zeroes them in
+    every weight gradient; their dx rows are never read.
+    """
 
     @staticmethod
-    def forward(ctx, src, w1, w2, w3, plan: RowPlan, weights: QuantizedExperts, emulate: bool):
+    def forward(ctx, src, w1, w2, w3, plan: RowPlan, weights: Fp8ExpertWeights, emulate: bool):
         dtype = src.dtype
+        w13_q, w2_q = weights.forward(w1, w2, w3)
         data, scale = quantize_rows(src)
         if src.shape[0] == 0:  # an EP rank that received no rows: padding only
             data = data.new_zeros(1, src.shape[1])
         xq = (data.index_select(0, plan.data_rows),
               torch.cat([scale, scale.new_zeros(1)]).index_select(0, plan.scale_rows))
-        h13 = _scaled_grouped_mm(xq, weights.w13, plan.offs, dtype=dtype, emulate=emulate)
+        h13 = _scaled_grouped_mm(xq, w13_q, plan.offs, dtype=dtype, emulate=emulate)
         hq = _swiglu_quantize(h13)
-        y = _scaled_grouped_mm(hq, weights.w2, plan.offs, dtype=dtype, emulate=emulate)
-        ctx.save_for_backward(*xq, h13, *hq)
-        ctx.plan, ctx.weights, ctx.emulate, ctx.n_source = plan, weights, emulate, src.shape[0]
+        y = _scaled_grouped_mm(hq, w2_q, plan.offs, dtype=dtype, emulate=emulate)
+        # The weights themselves, not their FP8 forward copies: backward quantizes the other orientation.
+        ctx.save_for_backward(*xq, h13, *hq, w1, w2, w3)
+        ctx.plan, ctx.weights, ctx.emulate = plan, weights, emulate
         ctx.param_dtypes = (w1.dtype, w2.dtype, w3.dtype)
-        return y
+        return y.index_select(0, plan.dst)
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_data, x_scale, h13, h_data, h_scale = ctx.saved_tensors
-        plan, weights, emulate = ctx.plan, ctx.weights, ctx.emulate
+        x_data, x_scale, h13, h_data, h_scale, w1, w2, w3 = ctx.saved_tensors
+        plan, emulate = ctx.plan, ctx.emulate
         dtype, hidden = h13.dtype, h13.shape[1] // 2
-        grad_y = grad_y.contiguous()
-        dh = _scaled_grouped_mm(quantize_rows(grad_y), weights.w2_t, plan.offs, dtype=dtype, emulate=emulate)
+        w13_t, w2_t = ctx.weights.dgrad(w1, w2, w3)
+        if grad_y.shape[0]:
+            grad_y = grad_y.index_select(0, plan.pad_src)
+        else:  # an EP rank that received no rows: padding only
+            grad_y = grad_y.new_zeros(plan.pad_src.shape[0], grad_y.shape[1])
+        dh = _scaled_grouped_mm(quantize_rows(grad_y), w2_t, plan.offs, dtype=dtype, emulate=emulate)
         dw2 = _wgrad(grad_y, dequantize(h_data, h_scale, dtype), plan.offs)
         dh13, *dh13_q = _swiglu_backward_quantize(dh, h13)
-        dx = _scaled_grouped_mm(tuple(dh13_q), weights.w13_t, plan.offs, dtype=dtype, emulate=emulate)
+        dx = _scaled_grouped_mm(tuple(dh13_q), w13_t, plan.offs, dtype=dtype, emulate=emulate)
         x = dequantize(x_data, x_scale, dtype)
         # w1 and w3 apart (strided views of dh13): their gradients come out contiguous, with no split copy.
         dw1, dw3 = (_wgrad(part, x, plan.offs) for part in (dh13[:, :hidden], dh13[:, hidden:]))
         if plan.dropped:
             dx = torch.cat([dx, dx.new_zeros(1, dx.shape[1])])  # dropped copies read this zero row
-        d_src = dx.index_select(0, plan.grad_rows).view(ctx.n_source, plan.k, dx.shape[1]).sum(1)
+        d_src = _sum_copies(dx, plan.grad_rows, plan.k)
         w1_dtype, w2_dtype, w3_dtype = ctx.param_dtypes
         return d_src, dw1.to(w1_dtype), dw2.to(w2_dtype), dw3.to(w3_dtype), None, None, None
 
@@ -258,6 +301,4 @@ def fp8_grouped_swiglu(src: torch.Tensor, index: torch.Tensor, inverse: torch.Te
     autograd.Function holding a weight cache is nothing dynamo should trace.
     """
     plan = build_row_plan(counts, index, inverse, n_source=src.shape[0], k=k, align=align)
-    quantized = weights.get(w1, w2, w3)
-    y = _Fp8SwiGLU.apply(src, w1, w2, w3, plan, quantized, emulate)
-    return select_unique_rows(y, plan.dst)
+    return _Fp8SwiGLU.apply(src, w1, w2, w3, plan, weights, emulate)

@@ -40,6 +40,8 @@ class Float8Options:
     require: bool
     moe_experts: str = "off"
     """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8_experts)."""
+    expert_weights_per_step: bool = False
+    """Keep the FP8 expert weights through the optimizer step (trainer.models.moe_fp8.Fp8ExpertWeights)."""
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,9 @@ def build_parallel_model(
             exclude_fqns=list(f8.exclude_fqns), emulate=f8.emulate, require=f8.require, device=device,
             moe_experts=f8.moe_experts,
         )
-        # The routed experts' grouped GEMMs: one switch per MoE layer. Their weights are quantized once per
-        # optimizer step unless FSDP2 shards the experts (a cached copy would pin them unsharded).
+        # The routed experts' grouped GEMMs: one switch per MoE layer.
         apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require, device=device,
-                          per_step_weights=_expert_fsdp_size(pd) == 1)
+                          per_step_weights=f8.expert_weights_per_step)
         if report.enabled and not o.compile:
             logger.warning(
                 "FP8 without train.compile_model=true: the eager float8 casts usually make it slower than "
@@ -131,11 +132,6 @@ def build_parallel_model(
         )
     )
     return report
-
-
-def _expert_fsdp_size(pd: ParallelDims) -> int:
-    """Ranks FSDP2 shards each routed expert over (apply_fsdp: the expert mesh under ep/tp, else all of fsdp)."""
-    return pd.fsdp_shard // pd.ep if pd.ep > 1 else pd.fsdp_shard
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

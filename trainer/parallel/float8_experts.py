@@ -42,8 +42,8 @@ def apply_fp8_experts(model: nn.Module, *, mode: str, emulate: bool, require: bo
                       per_step_weights: bool) -> list[str]:
     """Run every MoE layer's routed experts as FP8 grouped GEMMs, in place; returns the lines it logged.
 
-    `per_step_weights`: quantize each expert weight once per optimizer step (when FSDP2 does not shard the
-    experts; `trainer.models.moe_fp8.Fp8ExpertWeights`). Where no FP8 grouped GEMM can run and nothing
+    `per_step_weights`: keep the FP8 weights through the optimizer step (`trainer.models.moe_fp8.Fp8ExpertWeights`;
+    trainer.validate decides). Where no FP8 grouped GEMM can run and nothing
     emulates it, the experts stay bf16 with a loud warning, or `require` stops the run.
     """
     from trainer.models.moe_fp8 import Fp8ExpertWeights
@@ -64,7 +64,8 @@ def apply_fp8_experts(model: nn.Module, *, mode: str, emulate: bool, require: bo
     for module in experts.values():
         module.fp8 = Fp8ExpertWeights(per_step=per_step_weights)
         module.fp8_emulate = emulate
-    weights = "once per optimizer step" if per_step_weights else "after each FSDP all-gather (experts sharded)"
+    weights = ("once per optimizer step and kept for its forwards" if per_step_weights
+               else "in each forward and backward, none kept")
     lines = [
         f"routed experts: FP8 {mode} grouped GEMM, layers.*.moe.experts.{{w1,w2,w3}} x{len(experts)} "
         f"(forward and dgrad in e4m3, wgrad bf16; tokens quantized once before the expert gather, weights "

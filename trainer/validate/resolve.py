@@ -79,9 +79,19 @@ def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> tuple[Float8O
         _check_fp8_experts(cfg, args)
     options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
-                            moe_experts=f8.moe_experts)
+                            moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd))
     fates = {fqn: "converted" for fqn in converted} | excluded
     return options, {fqn: fates[fqn] for fqn, _ in shapes.named_modules() if fqn in fates}
+
+
+def _keep_expert_weights(cfg: JobConfig, pd: ParallelDims) -> bool:
+    """Whether the FP8 expert weights are kept through the optimizer step (moe_fp8.Fp8ExpertWeights): where a
+    layer's forward runs more than once per step and FSDP2 does not shard the experts (apply_fsdp shards them
+    over the expert mesh under ep, else over all of fsdp; a kept copy would pin them unsharded)."""
+    t = cfg.train
+    expert_fsdp = pd.fsdp_shard // pd.ep if pd.ep > 1 else pd.fsdp_shard
+    repeated = t.grad_accum_steps > 1 or pd.pp > 1 or t.activation_checkpointing != "none"
+    return repeated and expert_fsdp == 1
 
 
 def uses_bf16_master(cfg: JobConfig) -> bool:
