@@ -241,3 +241,20 @@ def test_quantized_expert_weights_are_contiguous_for_the_kernel() -> None:
     for got, ref in ((w13, w13_ref), (w2q, w2), (w13_t, w13_ref.transpose(-2, -1)), (w2_t, w2.transpose(-2, -1))):
         want = quantize_rows(ref.contiguous())
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("args, world_size, kept", [
+    ([], 1, False),  # one forward per step: each forward and backward quantizes what it uses, nothing is kept
+    (["--train.grad_accum_steps=2"], 1, True),  # two forwards per step share one quantization
+    (["--train.activation_checkpointing=full"], 1, True),  # the recompute reuses the forward's
+    (["--train.grad_accum_steps=2", "--distributed.dp_shard=2"], 2, False),  # FSDP-sharded experts: never pinned
+    (["--train.grad_accum_steps=2", "--distributed.dp_shard=2", "--distributed.ep=2"], 2, True),  # one rank each
+])
+def test_expert_weights_are_kept_only_where_forwards_repeat_and_experts_are_unsharded(
+        args: list[str], world_size: int, kept: bool) -> None:
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    cfg = load_job_config(["--config", MOE_CONFIG, "--train.mixed_precision=fp8", "--float8.emulate=true",
+                           "--float8.moe_experts=rowwise", *args])
+    assert validate_job(cfg, world_size=world_size).build.float8.expert_weights_per_step is kept
