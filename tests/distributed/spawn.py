@@ -105,6 +105,22 @@ def train_and_read_metrics(args: list[str], dump: str) -> list[dict]:
     return read_metrics(Path(dump)) if os.environ["RANK"] == "0" else []
 
 
+def train_then_one_process(args: list[str], ref_args: list[str], dump: str) -> tuple[list[dict], list[dict]]:
+    """train_and_read_metrics(args) on every rank, then on rank 0 alone the 1-process run of ref_args, as a plain
+    `python scripts/train.py` runs it (world size 1 on an in-memory store). Rank 0 returns (the layout's metrics,
+    the reference's), the others ([], []).
+
+    The reference costs no second spawn: no interpreter start and torch import (~5 of a debug run's ~8 s on 2
+    cores). It runs after the layout, so every rank of the layout under test starts from a fresh interpreter."""
+    got = train_and_read_metrics(args, str(Path(dump) / "layout"))
+    if os.environ["RANK"] != "0":
+        return [], []
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # no peers: trainer.distributed makes a 1-process group
+        os.environ.pop(key)
+    os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    return got, train_and_read_metrics(ref_args, str(Path(dump) / "one_process"))
+
+
 def gradients_of_one_step(args: list[str], dump: str) -> dict:
     """The trainer's first step in this rank's layout, forward and backward only (no optimizer step): every
     parameter's full gradient by fqn, gathered from every rank (pipeline ranks hold different stages) to
