@@ -168,7 +168,7 @@ class Fp8ExpertWeights:
 
     def __init__(self, *, per_step: bool):
         self.per_step = per_step
-        self.num_quantizations = 0  # weight tensors quantized (each orientation counts one): tests, the benchmark
+        self.num_quantizations = 0  # orientations quantized (forward and dgrad count one each): for the tests
         self._cached: dict[str, tuple[Quantized, Quantized]] = {}
 
     def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[Quantized, Quantized]:
