@@ -38,9 +38,11 @@ LIBRARY_NOISE = ("Detected that context_fn is passed", "checkpointed region does
 
 
 def test_selective_ac_compile_fp8_prints_no_library_noise(tmp_path: Path) -> None:
+    # fp32 master weights: bf16 ones would compile BF16AdamW, minutes on a CPU with a cold cache (over the
+    # 300 s limit; it passed only after test_chunked_loss_fsdp.py had compiled the same graphs).
     proc = launch([*ARGS, "--train.steps=2", "--train.seq_len=32", "--distributed.dp_shard=2",
                    "--train.activation_checkpointing=selective", "--train.compile_model=true",
-                   f"--job.dump_folder={tmp_path}"], nproc=2)
+                   "--distributed.master_dtype=fp32", f"--job.dump_folder={tmp_path}"], nproc=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert [line for line in out.splitlines() if any(noise in line for noise in LIBRARY_NOISE)] == []
