@@ -80,9 +80,9 @@ def test_blockwise_expert_parallel_matches_one_process(tmp_path: Path) -> None:
     assert got[0]["aux_loss"] == pytest.approx(ref[0]["aux_loss"], rel=1e-6)
     assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-5)
     # Later steps: an expert's weight gradient is one bf16 grouped GEMM over both ranks' tokens under EP, one
-    # per microbatch in the reference (2e-3 apart after step 1, measured), so the weights part at bf16 rounding. Measured over 4 steps: loss 8e-4,
-    # aux loss 1.3e-3, grad norm 5e-3 at most. Loss and aux loss at the tensorwise EP test's tolerances
-    # (tests/distributed/test_moe_ep.py), the grad norm at 4x the measured.
+    # per microbatch in the reference (2e-3 apart after step 1, measured), so the weights part at bf16
+    # rounding. Measured over 4 steps: loss 8e-4, aux loss 1.3e-3, grad norm 5e-3 at most. Loss and aux loss
+    # at the tensorwise EP test's tolerances (tests/distributed/test_moe_ep.py), the grad norm at 4x the measured.
     assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=2e-3)
     assert column(got, "aux_loss") == pytest.approx(column(ref, "aux_loss"), rel=1e-2)
     assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=2e-2)

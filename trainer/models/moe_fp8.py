@@ -235,8 +235,8 @@ def build_row_plan(counts: torch.Tensor, index: torch.Tensor, inverse: torch.Ten
     grad_rows = dst_or_zero_row[inverse.clamp(max=n_rows)]
     pad_src = torch.zeros(rows, device=index.device, dtype=torch.int64).index_copy_(
         0, dst, torch.arange(n_rows, device=index.device))
-    return RowPlan(offs=offs, dst=dst, pad_src=pad_src, data_rows=data_rows, scale_rows=scale_rows, grad_rows=grad_rows, k=k,
-                   dropped=n_rows < inverse.shape[0])
+    return RowPlan(offs=offs, dst=dst, pad_src=pad_src, data_rows=data_rows, scale_rows=scale_rows,
+                   grad_rows=grad_rows, k=k, dropped=n_rows < inverse.shape[0])
 
 
 class _Fp8SwiGLU(torch.autograd.Function):
@@ -263,7 +263,6 @@ class _Fp8SwiGLU(torch.autograd.Function):
         # The weights themselves, not their FP8 forward copies: backward quantizes the other orientation.
         ctx.save_for_backward(*xq, h13, *hq, w1, w2, w3)
         ctx.plan, ctx.weights, ctx.emulate = plan, weights, emulate
-        ctx.param_dtypes = (w1.dtype, w2.dtype, w3.dtype)
         return y.index_select(0, plan.dst)
 
     @staticmethod
@@ -286,8 +285,7 @@ class _Fp8SwiGLU(torch.autograd.Function):
         if plan.dropped:
             dx = torch.cat([dx, dx.new_zeros(1, dx.shape[1])])  # dropped copies read this zero row
         d_src = _sum_copies(dx, plan.grad_rows, plan.k)
-        w1_dtype, w2_dtype, w3_dtype = ctx.param_dtypes
-        return d_src, dw1.to(w1_dtype), dw2.to(w2_dtype), dw3.to(w3_dtype), None, None, None
+        return d_src, dw1.to(w1.dtype), dw2.to(w2.dtype), dw3.to(w3.dtype), None, None, None
 
 
 @torch.compiler.disable
