@@ -7,6 +7,10 @@
 A precision may name an FP8 recipe, `fp8:RECIPE` (e.g. `--precisions bf16,fp8,fp8:blockwise`): that run adds
 `--float8.recipe=RECIPE` after the overrides.
 
+The runs' job.dump_folder is `--dump-folder` (default `outputs/benchmark/<config file stem>`), never the
+config's own: a Trainer starting fresh moves an earlier run's metrics.jsonl and tb/ aside, and a benchmark must not
+do that to a training run's. An override `--job.dump_folder` is refused for the same reason.
+
 Everything after `--` is a normal config override. Prints, per precision: tokens/s per
 GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
 the GPU's dense bf16 peak from trainer.metrics.PEAK_BF16_FLOPS (the same table the
@@ -254,6 +258,9 @@ def main() -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--json", help="append one JSON line per precision to this file")
     parser.add_argument("--profile-dir", help="also trace 2 steps per precision here and print the kernel summary")
+    parser.add_argument("--dump-folder", metavar="DIR",
+                        help="the runs' job.dump_folder (default outputs/benchmark/<config file stem>; never the "
+                             "config's own, whose metrics.jsonl and tb/ a fresh run would move aside)")
     parser.add_argument("--emulate-gpus", type=int, default=0,
                         help="cap each process's memory to what one of this many GPUs would have free for the same "
                              "job (its sharded weights, gradients and AdamW state shrink with more GPUs)")
@@ -265,8 +272,11 @@ def main() -> int:
     if args.emulate_gpus < 0 or args.gpu_memory_gib <= 0:
         parser.error("--emulate-gpus must be >= 0 and --gpu-memory-gib > 0")
     overrides = [o for o in overrides if o != "--"]
+    if any(o.startswith("--job.dump_folder") for o in overrides):
+        parser.error("the benchmark's folder is --dump-folder DIR, not the override --job.dump_folder")
     setup_logging(0)
-    argv = ["--config", args.config, *overrides]
+    dump_folder = args.dump_folder or str(Path("outputs") / "benchmark" / Path(args.config).stem)
+    argv = ["--config", args.config, *overrides, f"--job.dump_folder={dump_folder}"]
     try:
         for p in args.precisions.split(","):  # every precision's config, before any of them builds a model
             load_job_config([*argv, *precision_overrides(p)])

@@ -1,10 +1,78 @@
-"""Checks that hold for every test."""
+"""Checks that hold for every test, and one for the whole session: it leaves the checkout as it found it."""
 
 import logging
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import reap
+from tests.helpers import REPO, reap
+
+# What running tests may add to the checkout: Python's and pytest's caches, an editable install's metadata.
+_CACHES = ("__pycache__", ".pytest_cache")
+_checkout_before: dict[str, tuple] | None = None
+
+
+def checkout_state(repo: Path = REPO) -> dict[str, tuple] | None:
+    """{path: (git status, size, mtime)} of every tracked-and-changed, untracked and ignored file under `repo`
+    (ignored ones matter: outputs/ is git-ignored); None where `repo` is not a git checkout or git is missing."""
+    try:
+        proc = subprocess.run(["git", "-C", str(repo), "status", "--porcelain=v1", "-z", "--ignored",
+                               "--untracked-files=all", "--", "."], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    top = Path(subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True,
+                              text=True).stdout.strip())
+    state, entries = {}, iter(proc.stdout.decode(errors="surrogateescape").split("\0"))
+    for entry in entries:
+        if not entry:
+            continue
+        code, path = entry[:2], entry[3:]
+        if code[0] in "RC":  # a rename's source path follows as an entry of its own
+            next(entries, None)
+        parts = Path(path).parts
+        if any(p in _CACHES or p.endswith(".egg-info") for p in parts):
+            continue
+        try:
+            st = os.stat(top / path)
+            state[path] = (code, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            state[path] = (code, None, None)  # a tracked file deleted
+    return state
+
+
+def checkout_changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
+    return sorted([f"new: {p}" for p in after.keys() - before.keys()]
+                  + [f"gone: {p}" for p in before.keys() - after.keys()]
+                  + [f"changed: {p}" for p in before.keys() & after.keys() if before[p] != after[p]])
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _checkout_before
+    if not hasattr(session.config, "workerinput"):  # under pytest-xdist, the controller alone checks
+        _checkout_before = checkout_state()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Tests write only under tmp_path: anything new or changed in the checkout fails the session (exit 1)."""
+    if _checkout_before is None or (after := checkout_state()) is None:
+        return
+    changes = checkout_changes(_checkout_before, after)
+    if changes:
+        shown = "\n  ".join(changes[:30]) + (f"\n  ... and {len(changes) - 30} more" if len(changes) > 30 else "")
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"tests changed the checkout {REPO} (they may write only under tmp_path):\n  {shown}"
+        if reporter is not None:
+            reporter.write_line("")  # the progress line of -q has no newline yet
+            reporter.write_sep("=", "checkout changed", red=True)
+            reporter.write_line(message)
+        else:
+            print(message)
+        if session.exitstatus == pytest.ExitCode.OK or session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

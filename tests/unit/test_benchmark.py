@@ -18,12 +18,20 @@ from trainer.models import flops_per_token, model_args_for
 
 def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
     out = tmp_path / "bench.jsonl"
+    # A training run of the same config in the same directory (its job.dump_folder, relative to the cwd).
+    training = tmp_path / "outputs" / "debug"
+    (training / "tb").mkdir(parents=True)
+    (training / "metrics.jsonl").write_text('{"step": 1}\n')
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--precisions", "bf16,fp8",
          "--warmup", "1", "--steps", "2", "--json", str(out), "--",
          "--data.source=synthetic", "--train.seq_len=64", "--train.batch_size=2"],
-        capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+        capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The benchmark ran in a folder of its own and left the training run's metrics where they were.
+    assert (tmp_path / "outputs" / "benchmark" / "debug_model").is_dir()
+    assert sorted(p.name for p in training.iterdir()) == ["metrics.jsonl", "tb"]
+    assert (training / "metrics.jsonl").read_text() == '{"step": 1}\n'
     bf16, fp8 = [json.loads(line) for line in out.read_text().splitlines()]
     assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
     assert bf16["float8_converted"] == 0 and fp8["float8_converted"] == 29
@@ -78,6 +86,14 @@ def test_a_recipe_with_a_bad_override_is_a_config_error_before_any_run() -> None
                                           "float8.recipe='tensorwise' (got recipe='blockwise')")
 
 
+def test_benchmark_refuses_a_dump_folder_override() -> None:
+    # --job.dump_folder could name a training run's folder, whose metrics a fresh Trainer would move aside.
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--",
+                           "--job.dump_folder=outputs/debug"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "error: the benchmark's folder is --dump-folder DIR, not the override --job.dump_folder")
+
+
 def test_benchmark_config_error_is_one_line() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--",
                            "--train.bach_size=2"], capture_output=True, text=True, env=env(), cwd=REPO)
@@ -93,7 +109,7 @@ def test_benchmark_under_torchrun_keeps_one_process_group_for_every_precision(tm
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--precisions", "bf16,fp8,bf16",
-             "--warmup", "1", "--steps", "2", "--json", str(out), "--",
+             "--warmup", "1", "--steps", "2", "--json", str(out), "--dump-folder", str(tmp_path / "bench"), "--",
              "--data.source=synthetic", "--train.seq_len=64", "--train.batch_size=2"],
             capture_output=True, text=True, env=env(tag), cwd=REPO, timeout=600)
     finally:

@@ -316,23 +316,25 @@ def test_bad_input_is_one_line_before_training(trained, tmp_path):
         f.write(b"\x7f" * 64)
     metadata = copy("metadata") / ".metadata"
     metadata.write_bytes(b"not a pickle")
+    # Under tmp_path: a case that passes validation creates its dump folder and moves its metrics aside.
+    fresh = [*EXACT, f"--job.dump_folder={tmp_path / 'fresh'}"]
     resume = [*EXACT, "--train.steps=3", "--checkpoint.enable=true"]
     cases = {
-        "missing folder": ([*EXACT, "--checkpoint.initial_load_path=/nonexistent/ckpt"],
+        "missing folder": ([*fresh, "--checkpoint.initial_load_path=/nonexistent/ckpt"],
                            "checkpoint /nonexistent/ckpt does not exist"),
         "missing step": ([*resume, "--checkpoint.load_step=7", f"--job.dump_folder={tmp_path / 'truncated'}"],
                          "checkpoint.load_step=7: " + str(tmp_path / "truncated" / "checkpoint" / "step-7")),
-        "not a checkpoint": ([*EXACT, f"--checkpoint.initial_load_path={trained / 'step-2-hf'}"],
+        "not a checkpoint": ([*fresh, f"--checkpoint.initial_load_path={trained / 'step-2-hf'}"],
                              str(trained / "step-2-hf" / "checkpoint.json") + " is missing"),
         "truncated shard": ([*resume, f"--job.dump_folder={tmp_path / 'truncated'}"],
                             f"{truncated} is truncated or corrupted"),
         "corrupted shard": ([*resume, f"--job.dump_folder={tmp_path / 'corrupted'}"],
                             f"{corrupted} is corrupted: crc32"),
         "corrupted metadata": ([*resume, f"--job.dump_folder={tmp_path / 'metadata'}"], f"{metadata} is"),
-        "other shape": ([*EXACT, "--model.n_layers=2", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
+        "other shape": ([*fresh, "--model.n_layers=2", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
                         f"{trained / 'step-2' / 'checkpoint.json'}: model shape mismatch: the checkpoint is "
                         "llama3 debug with n_layers=4 (this run: 2)"),
-        "vocab": ([*EXACT, "--model.vocab_size=1024", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
+        "vocab": ([*fresh, "--model.vocab_size=1024", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
                   f"{trained / 'step-2' / 'checkpoint.json'}: vocab mismatch: the checkpoint has vocab_size=512, "
                   "this run has 1024"),
     }
