@@ -115,3 +115,124 @@ def test_readme_says_how_ci_installs_torch() -> None:
     """The README's claim about .ci/run is .ci/run's own torch pin."""
     pin = re.search(r'"(torch==[\d.]+)"', (REPO / ".ci" / "run").read_text()).group(1)
     assert f"`.ci/run` pins `{pin}`" in (REPO / "README.md").read_text()
+
+
+def test_the_fp8_headline_is_the_latest_sitting() -> None:
+    """README and docs/fp8.md quote one comparison (1x H100, 8B shapes x 8 layers, fp8 vs bf16): the same
+    sitting's figures, read from its table, and both link to it (they once said 1.37x and 1.31x)."""
+    sitting = "blockwise-fp8-and-the-optimizer-step-1x-h100-2026-11-24"
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    table = text[text.index("## Blockwise FP8 and the optimizer step (1x H100, 2026-11-24)"):]
+    tflops = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^\| (bf16|fp8 tensorwise) \| [\d.]+ \| [\d,]+ \| \**([\d.]+)\** \|", table, flags=re.M)}
+    fp8, bf16 = tflops["fp8 tensorwise"], tflops["bf16"]
+    quoted = f"{fp8:.0f}", f"{bf16:.0f}", f"{fp8 / bf16:.2f}x", f"benchmarks.md#{sitting}"
+    readme = (REPO / "README.md").read_text()
+    headline = readme[readme.index('- `mixed_precision = "fp8"` is the whole switch'):].split("\n- ")[0]
+    when = next(line for line in (REPO / "docs" / "fp8.md").read_text().splitlines()
+                if line.startswith("| H100 / H200 (compute capability 9.0), compiled, large GEMMs |"))
+    for where, body in (("README's first bullet", headline), ("fp8.md's 'When it helps' row", when)):
+        assert [q for q in quoted if q not in body] == [], where
+    assert sitting in anchors(REPO / "docs" / "benchmarks.md")
+
+
+def test_the_fp8_converted_table_names_the_experts_option() -> None:
+    """The table of what FP8 converts says how the routed experts are converted (float8.moe_experts)."""
+    text = (REPO / "docs" / "fp8.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| MoE routed experts"))
+    assert "float8.moe_experts" in row and "#fp8-routed-experts" in row, row
+
+
+def test_every_data_source_is_listed() -> None:
+    """docs/data.md's Sources list has every choice of data.source."""
+    import typing
+
+    from trainer.config.sections import DataSection
+
+    text = (REPO / "docs" / "data.md").read_text()
+    choices = typing.get_args(typing.get_type_hints(DataSection)["source"])
+    assert [c for c in choices if f"\n- `{c}` —" not in text] == []
+
+
+def test_help_names_every_parallel_degree() -> None:
+    """`train.py --help`'s [distributed] line (and docs/config.md's) names every degree of ParallelDims."""
+    import dataclasses
+
+    from trainer.config.sections import SECTION_HELP
+    from trainer.parallel.parallel_dims import ParallelDims
+
+    degrees = [f.name for f in dataclasses.fields(ParallelDims) if f.type in (int, "int") and f.name != "world_size"]
+    assert len(degrees) == 6 and [d for d in degrees if d not in SECTION_HELP["distributed"]] == []
+
+
+# Scripts whose `--help` is quick (no torch import) and that the docs give commands for.
+_HELP_SCRIPTS = ("prepare_data", "build_tokenizer", "convert_checkpoint", "fp8_parity", "generate", "summarize_trace")
+_SCRIPT_CMD = re.compile(r"scripts/(" + "|".join(_HELP_SCRIPTS) + r")\.py\b([^\n`|;#]*)")
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)(?![\w.-])")
+
+
+def test_every_script_flag_the_docs_use_exists() -> None:
+    """The flags in the docs' commands for these scripts are options of theirs (of the subcommand, where the
+    script has subcommands), from the scripts' own --help: a renamed flag leaves no stale command."""
+    import subprocess
+    import sys
+
+    used: dict[tuple[str, str], set[str]] = {}
+    for name, text in _all_text():
+        for script, rest in _SCRIPT_CMD.findall(text.replace("\\\n", " ")):
+            words = rest.split()
+            sub = words[0] if words and re.fullmatch(r"[a-z]+", words[0]) else ""
+            used.setdefault((script, sub), set()).update(f"{name}: --{f}" for f in _FLAG.findall(rest))
+    assert {s for s, _ in used} >= {"prepare_data", "build_tokenizer"}
+    unknown = []
+    for (script, sub), flags in used.items():
+        cmd = [sys.executable, str(REPO / "scripts" / f"{script}.py"), *([sub] if sub else []), "--help"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (cmd, out.stderr[-500:])
+        known = set(re.findall(r"--[a-z][a-z0-9-]*", out.stdout))
+        unknown += [f for f in flags if f.split(": ")[1] not in known]
+    assert not unknown, sorted(unknown)
+
+
+def _sbatch_train_args(text: str, variables: dict[str, str]) -> list[str]:
+    """The scripts/train.py arguments of the sbatch script on docs/cluster.md, with its shell variables set."""
+    import shlex
+
+    script = next(b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if "#SBATCH" in b)
+    command = next(line for line in script.replace("\\\n", " ").splitlines() if "scripts/train.py" in line)
+    command = re.sub(r"\$\{?(\w+)\}?", lambda m: variables[m.group(1)], command.split("scripts/train.py", 1)[1])
+    return shlex.split(command)
+
+
+def test_the_cluster_sbatch_validates_at_16_gpus(tmp_path: Path, on_h100) -> None:
+    """docs/cluster.md's sbatch command, as written, passes the whole validation pass at 16 ranks: its keys and
+    values, Llama 3-sized shards (ids up to 128,255, uint32) under the tokenizer check, enough data for a
+    global batch and for its validation steps. And its stop settings agree: SLURM's signal comes at least
+    torchrun's shutdown timeout before the end."""
+    import numpy as np
+
+    from trainer.config import load_job_config
+    from trainer.data import write_shard
+    from trainer.data.tokenizer import tokenizer_fingerprint
+    from trainer.validate import validate_job
+
+    text = (REPO / "docs" / "cluster.md").read_text()
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    (data / "validation").mkdir()
+    (data / "tokenizer.json").write_text('{"stand-in": "only its sha256 is checked at training time"}')
+    fingerprint = tokenizer_fingerprint(str(data / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    # One step needs 8 x 2 x 16 = 256 windows of 4,097 tokens; 4 validation steps 4 x 8 x 16 = 512.
+    for folder, windows in (("train", 256), ("validation", 512)):
+        tokens = rng.integers(0, 128_256, windows * 4096 + 1, dtype=np.uint32)
+        write_shard(data / folder / "shard_00000.bin", tokens, vocab_size=128_256, tokenizer_fingerprint=fingerprint)
+    args = _sbatch_train_args(text, {"DATA": str(data), "RUN": str(tmp_path / "run")})
+    cfg = load_job_config(args)
+    assert cfg.validation.enable and cfg.data.tokenizer == str(data / "tokenizer.json")
+    job = validate_job(cfg, world_size=16)
+    assert job.parallel_dims.dp_shard == 16 and job.validation_source is not None and job.build.float8 is not None
+
+    signal_lead = int(re.search(r"#SBATCH --signal=TERM@(\d+)", text).group(1))
+    shutdown = int(re.search(r"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)", text).group(1))
+    assert shutdown > 30 and signal_lead >= shutdown

@@ -269,7 +269,7 @@ SECTION_HELP = {
     "scheduler": "learning-rate warmup and decay",
     "data": "training data source, shards and tokenizer",
     "validation": "held-out loss and perplexity during training",
-    "distributed": "parallel degrees (dp_replicate, dp_shard, tp, ep, pp) and FSDP2 policy",
+    "distributed": "parallel degrees (dp_replicate, dp_shard, tp, ep, pp, cp) and FSDP2 policy",
     "float8": "FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')",
     "checkpoint": "DCP checkpoints, resume, export",
     "profiling": "torch.profiler window and memory snapshots",
