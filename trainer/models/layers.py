@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.seeds import param_seed
 
@@ -193,6 +194,10 @@ class Decoder(nn.Module):
         Under context parallelism the tokens are this rank's chunks, and RoPE takes their global positions.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if isinstance(h, DTensor):  # tensor parallel: the embeddings' sequence shard
+            # Unwrapped here, not by the embeddings' own output hook, so that their FSDP2 unit returns no
+            # view (trainer.parallel.tensor_parallel).
+            h = h.to_local()
         rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
         for layer in self.layers.values():
             h = layer(h, rope)
@@ -241,8 +246,6 @@ def clean_fqn(fqn: str) -> str:
 
 
 def _fill(param: torch.Tensor, fqn: str, *, seed: int, std: float | None) -> None:
-    from torch.distributed.tensor import DTensor
-
     local = param.to_local() if isinstance(param, DTensor) else param
     if std is None:
         local.fill_(1.0)

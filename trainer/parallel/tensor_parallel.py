@@ -36,7 +36,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> s
         model,
         tp_mesh,
         {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            # Hands its sequence shard on as a DTensor, which the model's forward unwraps
+            # (trainer.models.layers.Decoder.forward): to_local() returns a view of the DTensor's local
+            # tensor, and the embeddings are an FSDP2 unit of their own (trainer.parallel.fsdp), which
+            # must not return a view (FSDP2 warns, docs/debug.md).
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
             "norm": SequenceParallel(),
             "output_head.proj": ColwiseParallel(
                 input_layouts=Shard(1),
