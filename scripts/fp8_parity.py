@@ -18,6 +18,13 @@ The verdict compares the final validation losses: each variant's gap |x - bf16| 
 at most max(noise floor |bf16-seed2 - bf16| / bf16, --tolerance). Exit code 0 = all pass,
 1 = a variant further from bf16 than that (or a leg failed), 2 = bad arguments/config.
 
+`--seeds N` (N >= 2) runs bf16 and every variant at N seeds each (S .. S+N-1: legs bf16, bf16-seed2 ..
+bf16-seedN, fp8, fp8-seed2 .. fp8-seedN) and compares means: a variant's gap |mean x - mean bf16| / mean bf16
+must be at most max(noise floor, --tolerance), the noise floor now 3 standard errors of the difference of
+two N-seed means, 3 * sd(bf16 seeds) * sqrt(2 / N) / mean bf16. One pair of seeds is a single draw of
+the noise: on a small model (the CPU debug model's seeds differ by ~2%) its verdict can flip between
+machines; N = 4 makes it stable there (docs/fp8.md gives the measured odds).
+
 Writes to --out: each leg's dump folder and log (--out/LEG.log; a line says when each leg starts,
 with its log's path, and when it ends, with its exit code and seconds), parity.json (per-window
 losses, the verdicts) and parity.png (train loss as lines, validation loss as dots: bf16 blue,
@@ -26,7 +33,8 @@ bf16-seed2 grey, variants red, orange, green, purple, ...). The plot needs matpl
 A leg that already finished in --out with the same command is reused, not rerun, so `--legs a,b`
 can spread the legs over several machines or sittings; the verdict comes once every leg has
 finished. With enough GPUs for --nproc-per-leg, legs run side by side (CUDA_VISIBLE_DEVICES
-split); otherwise one after another.
+split); on a machine without a GPU, one leg per core at a time (a CPU leg trains on one thread);
+otherwise one after another.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -70,23 +79,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
                         help="an fp8 leg with its own overrides (repeatable); default: one leg 'fp8'")
     parser.add_argument("--legs", help="comma-separated legs to run now (default: all); finished legs are reused")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds per leg (default 1: bf16 at two seeds, each variant at one); N >= 2 compares "
+                             "means of N seeds against 3 standard errors")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
     if bad:
         parser.error(f"unrecognised arguments {bad}: config overrides are --section.key=value")
-    if args.tolerance < 0 or args.windows < 1 or args.nproc_per_leg < 1:
-        parser.error("--tolerance must be >= 0, --windows and --nproc-per-leg >= 1")
+    if args.tolerance < 0 or args.windows < 1 or args.nproc_per_leg < 1 or args.seeds < 1:
+        parser.error("--tolerance must be >= 0, --windows, --nproc-per-leg and --seeds >= 1")
     variants: dict[str, list[str]] = {}
     for spec in args.variant or ["fp8="]:
         name, sep, rest = spec.partition("=")
         extra = shlex.split(rest)
-        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", name) or name in (REFERENCE, NOISE, *variants):
+        if (not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", name) or name in (REFERENCE, NOISE, *variants)
+                or SEED_SUFFIX.search(name)):
             parser.error(f"--variant {spec!r}: expected NAME=OVERRIDES with a new lowercase NAME "
-                         f"(letters, digits, _ . -; not {REFERENCE} or {NOISE})")
+                         f"(letters, digits, _ . -; not {REFERENCE} or {NOISE}, not ending in -seedN)")
         if any(not o.startswith("--") or "=" not in o for o in extra):
             parser.error(f"--variant {spec!r}: overrides are space-separated --section.key=value")
         variants[name] = extra
-    legs = [REFERENCE, NOISE, *variants]
+    legs = [leg for group in (REFERENCE, *variants) for leg in group_legs(group, args.seeds)]
     if args.legs:
         chosen = args.legs.split(",")
         unknown = [leg for leg in chosen if leg not in legs]
@@ -98,19 +111,39 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str
     return args, overrides, variants
 
 
+# With --seeds N >= 2 the noise floor is this many standard errors of the difference of two N-seed means: a
+# variant as good as bf16 fails by chance with probability P(|t| > 3), about 2% with 7 degrees of freedom.
+NOISE_SIGMAS = 3
+SEED_SUFFIX = re.compile(r"-seed(\d+)$")
+
+
+def group_legs(group: str, seeds: int) -> list[str]:
+    """The legs of bf16 or of one variant: NAME (seed S) and NAME-seedK (seed S + K - 1). With one seed, bf16
+    still runs twice (bf16, bf16-seed2: the noise floor) and a variant once."""
+    count = max(seeds, 2) if group == REFERENCE else seeds
+    return [group] + [f"{group}-seed{k}" for k in range(2, count + 1)]
+
+
+def leg_group(leg: str) -> tuple[str, int]:
+    """(bf16 or the variant's name, the leg's seed offset)."""
+    m = SEED_SUFFIX.search(leg)
+    return (leg[:m.start()], int(m.group(1)) - 1) if m else (leg, 0)
+
+
 def leg_overrides(leg: str, seed: int, out: Path, variants: dict[str, list[str]]) -> list[str]:
-    precision = "bf16" if leg in (REFERENCE, NOISE) else "fp8"
+    group, offset = leg_group(leg)
+    precision = "bf16" if group == REFERENCE else "fp8"
     # An empty precision_schedule: a schedule in the config would override the leg's precision.
     return [f"--train.mixed_precision={precision}", "--train.precision_schedule=",
-            f"--train.seed={seed + 1 if leg == NOISE else seed}", "--checkpoint.enable=false",
-            "--validation.enable=true", f"--job.dump_folder={out / leg}", *variants.get(leg, [])]
+            f"--train.seed={seed + offset}", "--checkpoint.enable=false",
+            "--validation.enable=true", f"--job.dump_folder={out / leg}", *variants.get(group, [])]
 
 
 def check_legs(args: argparse.Namespace, overrides: list[str], variants: dict[str, list[str]], out: Path):
     """The reference leg's JobConfig, after loading every leg's config as it will run (its precision, seed and
     overrides): a bad leg stops the check before any leg starts."""
     cfg = load_job_config(["--config", args.config, *overrides, "--validation.enable=true"])
-    for leg in (REFERENCE, NOISE, *variants):
+    for leg in (REFERENCE, NOISE, *variants):  # each group's seeds differ only in train.seed
         load_job_config(["--config", args.config, *overrides, *leg_overrides(leg, cfg.train.seed, out, variants)])
     return cfg
 
@@ -120,8 +153,9 @@ def leg_commands(args: argparse.Namespace, overrides: list[str], variants: dict[
     train = str(REPO / "scripts" / "train.py")
     launcher = [sys.executable, train] if args.nproc_per_leg == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_leg}", train]
+    legs = [leg for group in (REFERENCE, *variants) for leg in group_legs(group, args.seeds)]
     return {leg: [*launcher, "--config", args.config, *overrides, *leg_overrides(leg, seed, out, variants)]
-            for leg in (REFERENCE, NOISE, *variants)}
+            for leg in legs}
 
 
 def _portable(cmd: list[str], out: Path) -> list[str]:
@@ -137,28 +171,29 @@ def finished(out: Path, leg: str, cmd: list[str]) -> bool:
     return marker.get("command") == _portable(cmd, out) and marker.get("finished") is True
 
 
-def gpu_slots(nproc: int) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES of each group of nproc GPUs, when there are at least two groups, else None."""
+def leg_slots(nproc: int) -> list[dict[str, str]]:
+    """The environment of each leg that may run at the same time: CUDA_VISIBLE_DEVICES of each group of nproc
+    GPUs; on a machine without a GPU one slot per nproc cores (a CPU rank trains on one thread)."""
     try:
         import torch
 
         count = torch.cuda.device_count()
     except ImportError:
         count = 0
-    if count < 2 * nproc:
-        return None
-    return [",".join(str(i * nproc + j) for j in range(nproc)) for i in range(count // nproc)]
+    if count == 0:
+        return [{}] * max(1, (os.cpu_count() or 1) // nproc)
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(str(i * nproc + j) for j in range(nproc))}
+            for i in range(max(1, count // nproc))]
 
 
 def run_legs(commands: dict[str, list[str]], out: Path, nproc: int) -> dict[str, int]:
     """Run the given legs, side by side in waves when GPUs allow, and mark each finished one."""
-    slots = gpu_slots(nproc)
+    slots = leg_slots(nproc)
     names = list(commands)
-    waves = [names[i:i + len(slots)] for i in range(0, len(names), len(slots))] if slots else [[n] for n in names]
+    waves = [names[i:i + len(slots)] for i in range(0, len(names), len(slots))]
     codes = {}
     for wave in waves:
-        running = {leg: start_leg(leg, commands[leg], out, slots[slot] if slots else None)
-                   for slot, leg in enumerate(wave)}
+        running = {leg: start_leg(leg, commands[leg], out, slots[slot]) for slot, leg in enumerate(wave)}
         while running:  # report each leg when it ends, not in start order
             for leg, (proc, log, started) in list(running.items()):
                 if proc.poll() is None:
@@ -175,17 +210,16 @@ def run_legs(commands: dict[str, list[str]], out: Path, nproc: int) -> dict[str,
     return codes
 
 
-def start_leg(leg: str, cmd: list[str], out: Path, gpus: str | None) -> tuple[subprocess.Popen, object, float]:
+def start_leg(leg: str, cmd: list[str], out: Path, slot: dict[str, str]) -> tuple[subprocess.Popen, object, float]:
     """Start one leg in a fresh folder, its output to --out/LEG.log; say so (the log is where to watch it)."""
     folder = out / leg
     if folder.exists():  # an unfinished or different earlier run of this leg (main checked the marker)
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     (folder / MARKER).write_text(json.dumps({"command": _portable(cmd, out), "finished": False}))
-    env = dict(os.environ)
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpus
+    env = {**os.environ, **slot}
     log = open(out / f"{leg}.log", "w")
+    gpus = slot.get("CUDA_VISIBLE_DEVICES")
     print(f"[{leg}] started: log {out / (leg + '.log')}" + (f" (CUDA_VISIBLE_DEVICES={gpus})" if gpus else ""),
           flush=True)
     print(f"[{leg}] {shlex.join(cmd)}", flush=True)
@@ -213,13 +247,22 @@ def window_means(curve: dict[int, float], steps: int, windows: int) -> list[tupl
     return rows
 
 
-def verdict(final: dict[str, float], tolerance: float, leg: str = "fp8") -> dict:
-    """Is `leg`'s final validation loss within max(noise floor, tolerance) of the bf16 reference?"""
-    ref = final[REFERENCE]
-    gap, noise = abs(final[leg] - ref) / ref, abs(final[NOISE] - ref) / ref
+def verdict(final: dict[str, float], tolerance: float, leg: str = "fp8", seeds: int = 1) -> dict:
+    """Is `leg`'s final validation loss within max(noise floor, tolerance) of the bf16 reference? With
+    seeds >= 2, the means of the group's seeds against 3 standard errors of a difference of two such means."""
+    if seeds == 1:
+        ref = final[REFERENCE]
+        gap, noise = abs(final[leg] - ref) / ref, abs(final[NOISE] - ref) / ref
+        extra = {}
+    else:
+        refs = [final[x] for x in group_legs(REFERENCE, seeds)]
+        ref, mean = statistics.fmean(refs), statistics.fmean(final[x] for x in group_legs(leg, seeds))
+        sd = statistics.stdev(refs)
+        gap, noise = abs(mean - ref) / ref, NOISE_SIGMAS * sd * math.sqrt(2 / seeds) / ref
+        extra = {"seeds": seeds, "mean": mean, "reference_mean": ref, "reference_sd": sd}
     allowed = max(noise, tolerance)
     return {"fp8_gap": gap, "noise_floor": noise, "tolerance": tolerance, "allowed": allowed,
-            "passed": gap <= allowed}
+            "passed": gap <= allowed, **extra}
 
 
 def main(argv: list[str]) -> int:
@@ -257,41 +300,46 @@ def main(argv: list[str]) -> int:
 
 
 def compare(args: argparse.Namespace, overrides: list[str], legs: list[str], steps: int, out: Path) -> int:
+    seeds = getattr(args, "seeds", 1)
     curves = {leg: read_curves(out / leg) for leg in legs}
-    table = {leg: window_means(curves[leg][0], steps, args.windows) for leg in legs}
     final = {leg: curves[leg][1][max(curves[leg][1])] for leg in legs}
-    variants = legs[2:]
-    results = {leg: verdict(final, args.tolerance, leg) for leg in variants}
+    groups = list(dict.fromkeys(leg_group(leg)[0] for leg in legs))
+    variants = groups[1:]
+    results = {group: verdict(final, args.tolerance, group, seeds) for group in variants}
+    if seeds > 1:  # the tables and the plot show each group's mean over its seeds
+        curves = {g: mean_curves([curves[x] for x in group_legs(g, seeds)]) for g in groups}
+    columns = list(curves)
+    table = {col: window_means(curves[col][0], steps, args.windows) for col in columns}
+    shown = columns[len(columns) - len(variants):]  # the columns compared with bf16
 
-    width = max(10, *map(len, legs))
-    head = f"{'steps':>11} | " + " | ".join(f"{leg:>{width}}" for leg in legs) + " | " + " | ".join(
-        f"{'d ' + leg:>{width + 2}}" for leg in variants)
-    print(f"\ntraining loss (mean of logged steps per window), {steps} steps; d X = (X - bf16) / bf16\n{head}")
-    for rows in zip(*(table[leg] for leg in legs)):
+    width = max(10, *map(len, columns))
+    head = f"{'steps':>11} | " + " | ".join(f"{c:>{width}}" for c in columns) + " | " + " | ".join(
+        f"{'d ' + c:>{width + 2}}" for c in shown)
+    means = f", each column the mean of {seeds} seeds" if seeds > 1 else ""
+    print(f"\ntraining loss (mean of logged steps per window), {steps} steps{means}; d X = (X - bf16) / bf16\n{head}")
+    for rows in zip(*(table[c] for c in columns)):
         values = [r[2] for r in rows]
         print(f"{f'{rows[0][0]}-{rows[0][1]}':>11} | " + " | ".join(f"{v:>{width}.4f}" for v in values) + " | "
-              + " | ".join(f"{100 * (v - values[0]) / values[0]:>+{width + 1}.2f}%" for v in values[2:]))
-    print(f"\nvalidation loss\n{head.replace('steps', ' step', 1)}")
+              + " | ".join(f"{100 * (v - values[0]) / values[0]:>+{width + 1}.2f}%" for v in values[-len(shown):]))
+    print(f"\nvalidation loss{means}\n{head.replace('steps', ' step', 1)}")
     for step in sorted(curves[REFERENCE][1]):
-        values = [curves[leg][1].get(step, math.nan) for leg in legs]
+        values = [curves[c][1].get(step, math.nan) for c in columns]
         print(f"{step:>11} | " + " | ".join(f"{v:>{width}.4f}" for v in values) + " | "
-              + " | ".join(f"{100 * (v - values[0]) / values[0]:>+{width + 1}.2f}%" for v in values[2:]))
+              + " | ".join(f"{100 * (v - values[0]) / values[0]:>+{width + 1}.2f}%" for v in values[-len(shown):]))
     print()
-    for leg, r in results.items():
-        word = "PASS" if r["passed"] else "FAIL"
-        print(f"{word}: final validation loss {leg} {final[leg]:.4f} vs bf16 {final[REFERENCE]:.4f} "
-              f"({100 * r['fp8_gap']:.2f}% apart); allowed {100 * r['allowed']:.2f}% = max(noise floor "
-              f"{100 * r['noise_floor']:.2f}% between bf16 seeds, tolerance {100 * args.tolerance:.2f}%)")
+    for group, r in results.items():
+        print(verdict_line(group, r, final, args.tolerance))
     passed = all(r["passed"] for r in results.values())
-    summary = {"config": args.config, "overrides": overrides, "steps": steps, "final_val_loss": final,
-               "variants": results, "passed": passed, "windows": table,
-               "validation": {leg: curves[leg][1] for leg in legs}}
+    summary = {"config": args.config, "overrides": overrides, "steps": steps, "seeds": seeds,
+               "final_val_loss": final, "variants": results, "passed": passed, "windows": table,
+               "validation": {c: curves[c][1] for c in columns}}
     if len(variants) == 1:  # the one-variant summary keeps its flat keys
         summary.update({k: v for k, v in results[variants[0]].items() if k != "passed"})
     (out / "parity.json").write_text(json.dumps(summary, indent=2) + "\n")
-    colors = legend(legs)
-    key = ", ".join(f"{leg} {COLOR_NAMES[c]}" for leg, c in colors.items())
-    if write_plot(out / "parity.png", curves, colors, title=f"FP8 parity: {Path(args.config).name}, {steps} steps"):
+    colors = legend(columns, variants)
+    key = ", ".join(f"{c} {COLOR_NAMES[rgb]}" for c, rgb in colors.items())
+    if write_plot(out / "parity.png", curves, colors, title=f"FP8 parity: {Path(args.config).name}, {steps} steps"
+                  + (f", means of {seeds} seeds" if seeds > 1 else "")):
         print(f"wrote {out / 'parity.json'} and {out / 'parity.png'} (train lines, validation dots; {key})")
     else:
         print(f"wrote {out / 'parity.json'}")
@@ -303,9 +351,30 @@ def compare(args: argparse.Namespace, overrides: list[str], legs: list[str], ste
     return 0 if passed else 1
 
 
-def legend(legs: list[str]) -> dict[str, tuple[int, int, int]]:
-    colors = {REFERENCE: (31, 119, 180), NOISE: (150, 150, 150)}
-    colors.update({leg: PALETTE[i % len(PALETTE)] for i, leg in enumerate(legs[2:])})
+def verdict_line(group: str, r: dict, final: dict[str, float], tolerance: float) -> str:
+    word = "PASS" if r["passed"] else "FAIL"
+    if "seeds" not in r:
+        return (f"{word}: final validation loss {group} {final[group]:.4f} vs bf16 {final[REFERENCE]:.4f} "
+                f"({100 * r['fp8_gap']:.2f}% apart); allowed {100 * r['allowed']:.2f}% = max(noise floor "
+                f"{100 * r['noise_floor']:.2f}% between bf16 seeds, tolerance {100 * tolerance:.2f}%)")
+    n = r["seeds"]
+    return (f"{word}: final validation loss {group} {r['mean']:.4f} vs bf16 {r['reference_mean']:.4f}, means of "
+            f"{n} seeds ({100 * r['fp8_gap']:.2f}% apart); allowed {100 * r['allowed']:.2f}% = max(noise floor "
+            f"{100 * r['noise_floor']:.2f}% = {NOISE_SIGMAS} standard errors of a difference of {n}-seed means "
+            f"(bf16 seeds' sd {100 * r['reference_sd'] / r['reference_mean']:.2f}%), tolerance {100 * tolerance:.2f}%)")
+
+
+def mean_curves(runs: list[tuple[dict[int, float], dict[int, float]]]) -> tuple[dict[int, float], dict[int, float]]:
+    """The step-wise mean of several runs' (train, validation) curves, over the steps all of them logged."""
+    return tuple({s: statistics.fmean(run[i][s] for run in runs) for s in sorted(set.intersection(
+        *(set(run[i]) for run in runs)))} for i in (0, 1))
+
+
+def legend(columns: list[str], variants: list[str]) -> dict[str, tuple[int, int, int]]:
+    colors = {REFERENCE: (31, 119, 180)}
+    if NOISE in columns:
+        colors[NOISE] = (150, 150, 150)
+    colors.update({v: PALETTE[i % len(PALETTE)] for i, v in enumerate(variants)})
     return colors
 
 

@@ -36,6 +36,39 @@ def test_verdict_uses_the_larger_of_noise_floor_and_tolerance():
     assert tight["allowed"] == 0.01 and tight["fp8_gap"] == pytest.approx(0.025) and not tight["passed"]
 
 
+def test_seeds_run_bf16_and_every_variant_at_each_seed(tmp_path: Path):
+    args, overrides, variants = fp8_parity.parse_args(["--config", DEBUG_CONFIG, "--seeds", "3", "--variant", "tw="])
+    assert args.legs == ["bf16", "bf16-seed2", "bf16-seed3", "tw", "tw-seed2", "tw-seed3"]
+    cmds = fp8_parity.leg_commands(args, overrides, variants, 7, tmp_path)
+    for leg, seed, precision in (("bf16-seed3", 9, "bf16"), ("tw", 7, "fp8"), ("tw-seed3", 9, "fp8")):
+        assert f"--train.seed={seed}" in cmds[leg] and f"--train.mixed_precision={precision}" in cmds[leg]
+        assert f"--job.dump_folder={tmp_path / leg}" in cmds[leg]
+    one, _, _ = fp8_parity.parse_args(["--config", DEBUG_CONFIG])  # one seed: today's three legs
+    assert one.legs == ["bf16", "bf16-seed2", "fp8"]
+
+
+def test_multi_seed_verdict_compares_means_against_three_standard_errors():
+    bf16 = [2.70, 2.80, 2.75, 2.65]
+    final = dict(zip(["bf16", "bf16-seed2", "bf16-seed3", "bf16-seed4"], bf16))
+    mean = sum(bf16) / 4
+    sd = (sum((x - mean) ** 2 for x in bf16) / 3) ** 0.5  # sample sd, written out: 0.0645
+    floor = 3 * sd * (2 / 4) ** 0.5 / mean  # 3 standard errors of a difference of two 4-seed means: 5.0%
+    near = {**final, "fp8": mean * 1.04, "fp8-seed2": mean * 1.04, "fp8-seed3": mean * 1.04, "fp8-seed4": mean * 1.04}
+    r = fp8_parity.verdict(near, tolerance=0.005, seeds=4)
+    assert r["noise_floor"] == pytest.approx(floor) and r["fp8_gap"] == pytest.approx(0.04) and r["passed"]
+    far = {**near, "fp8-seed4": mean * 1.04 + 4 * mean * (floor - 0.04) + 1e-3}  # the mean just past the floor
+    assert not fp8_parity.verdict(far, tolerance=0.005, seeds=4)["passed"]
+    # The floor never drops below the tolerance.
+    flat = {f"{g}{s}": 2.0 for g in ("bf16", "fp8") for s in ("", "-seed2")}
+    assert fp8_parity.verdict({**flat, "fp8": 2.01, "fp8-seed2": 2.01}, tolerance=0.01, seeds=2)["allowed"] == 0.01
+
+
+def test_variant_names_cannot_look_like_a_seed_leg(capsys):
+    with pytest.raises(SystemExit) as e:
+        fp8_parity.parse_args(["--config", DEBUG_CONFIG, "--variant", "fp8-seed2="])
+    assert e.value.code == 2 and "not ending in -seedN" in capsys.readouterr().err
+
+
 def test_windows_average_the_logged_steps():
     curve = {1: 6.0, 5: 4.0, 10: 3.0, 15: 2.0, 20: 1.0}
     assert fp8_parity.window_means(curve, 20, 2) == [(1, 10, pytest.approx(13 / 3)), (11, 20, 1.5)]
@@ -136,6 +169,21 @@ def test_plot_is_matplotlib_and_without_it_one_line_says_so(tmp_path: Path, caps
         assert not (tmp_path / "parity.png").exists()
 
 
+def test_compare_with_seeds_prints_and_plots_the_means(tmp_path: Path, capsys):
+    for leg, shift in (("bf16", 0.0), ("bf16-seed2", 0.02), ("fp8", 0.01), ("fp8-seed2", 0.03)):
+        (tmp_path / leg).mkdir(parents=True)
+        rows = [{"step": s, "loss": 5 - s / 10 + shift, **({"val_loss": 4 + shift} if s % 5 == 0 else {})}
+                for s in range(1, 11)]
+        (tmp_path / leg / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = fp8_parity.argparse.Namespace(config=DEBUG_CONFIG, windows=2, tolerance=0.001, seeds=2)
+    assert fp8_parity.compare(args, [], ["bf16", "bf16-seed2", "fp8", "fp8-seed2"], 10, tmp_path) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "parity.json").read_text())
+    assert summary["seeds"] == 2 and summary["mean"] == pytest.approx(4.02) and summary["reference_mean"] == 4.01
+    assert "PASS: final validation loss fp8 4.0200 vs bf16 4.0100, means of 2 seeds (0.25% apart)" in out
+    assert "each column the mean of 2 seeds" in out and "bf16 blue, fp8 red" in out
+
+
 @pytest.mark.slow
 def test_legs_split_over_two_calls_and_two_variants(tmp_path: Path):
     variants = ["--variant", "tw=", "--variant", "head=--float8.exclude_fqns=output_head.proj"]
@@ -196,3 +244,17 @@ def test_broken_fp8_fails(bf16_legs: Path, tmp_path: Path):
     summary = json.loads((out / "parity.json").read_text())
     assert not summary["passed"] and summary["fp8_gap"] > 0.2
     assert "FAIL: final validation loss fp8" in proc.stdout
+
+
+@pytest.mark.parametrize("gpus, cores, nproc, slots", [
+    (0, 2, 1, [{}, {}]),  # CPU: one single-thread leg per core
+    (0, 1, 2, [{}]),
+    (1, 16, 1, [{"CUDA_VISIBLE_DEVICES": "0"}]),  # one GPU: one leg at a time
+    (4, 16, 2, [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]),
+])
+def test_legs_run_side_by_side_per_gpu_group_or_per_core(monkeypatch, gpus, cores, nproc, slots):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(fp8_parity.os, "cpu_count", lambda: cores)
+    assert fp8_parity.leg_slots(nproc) == slots
