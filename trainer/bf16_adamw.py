@@ -31,12 +31,17 @@ of a string differs between processes).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from trainer.adamw import adamw_update, plain_tensor
+
+_local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
 
 BF16Update = Literal["stochastic", "kahan"]
 
@@ -123,9 +128,9 @@ def _update(
     if grad_scale is not None:
         g = g / grad_scale
     m_old, v_old, p32 = exp_avg.float(), exp_avg_sq.float(), p.float()
-    m = m_old.lerp(g, 1 - beta1)
-    v = v_old.lerp(g * g, 1 - beta2)
-    delta = -lr * (weight_decay * p32 + (m / bias_correction1) / (v.sqrt() / bias_correction2_sqrt + eps))
+    m, v, delta = adamw_update(p32, g, m_old, v_old, lr=lr, bias_correction1=bias_correction1,
+                               bias_correction2_sqrt=bias_correction2_sqrt, beta1=beta1, beta2=beta2, eps=eps,
+                               weight_decay=weight_decay)
     if found_inf is not None:
         # A skipped (non-finite) step leaves everything as it was: each value below is
         # then exactly representable in bf16, so rounding it returns the old tensor.
@@ -192,21 +197,6 @@ def batches(keys: list[tuple], limit: int) -> list[list[int]]:
     return [idx[j:j + limit] for idx in groups.values() for j in range(0, len(idx), limit)]
 
 
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor an optimizer updates in place: a DTensor's local shard, unwrapped from torchao's
-    fp8 all-gather weight wrapper (same storage).
-
-    Not DTensor.to_local(): that is an autograd function call, which per tensor and per step was most of
-    this optimizer's host time (the GPU waited on it). Not the wrapper: once FP8 scales are precomputed
-    it holds a scale tensor that torchao's __tensor_flatten__ tests for truth, which compiled code cannot
-    do (the compiled update failed from step 2 under fp8 + FSDP2 + bf16 master weights).
-    """
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    inner = getattr(t, "_tensor", None)  # torchao WeightWithDynamicFloat8CastTensor
-    return inner if type(t) is not torch.Tensor and isinstance(inner, torch.Tensor) else t
-
-
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected) for bf16 parameters, without losing small updates.
 
@@ -244,7 +234,7 @@ class BF16AdamW(torch.optim.Optimizer):
             strides = [1] * len(shape)
             for d in range(len(shape) - 2, -1, -1):
                 strides[d] = strides[d + 1] * shape[d + 1]
-            dev = local_shard(p).device
+            dev = _local(p).device
             self._index_meta[p] = (torch.tensor(list(offsets), dtype=torch.int64, device=dev),
                                    torch.tensor(strides, dtype=torch.int64, device=dev))
         return self._index_meta[p]
@@ -282,16 +272,16 @@ class BF16AdamW(torch.optim.Optimizer):
             lr = torch.tensor(float(group["lr"]))
             params = [p for p in group["params"] if p.grad is not None]
             steps = [int(self._state(p)["step"].item()) for p in params]  # CPU tensors: no device sync
-            local = [local_shard(p) for p in params]
+            local = [_local(p) for p in params]
             for idx in batches([(t.device, tuple(t.shape), s) for t, s in zip(local, steps)], BF16_TENSORS_PER_CALL):
                 step = steps[idx[0]]
                 states = [self.state[params[i]] for i in idx]
                 metas = [self._meta(params[i]) for i in idx]
                 # Scalars as 0-dim CPU tensors: one compiled graph per batch of shapes, not per value.
                 fn(
-                    [local[i] for i in idx], [local_shard(params[i].grad) for i in idx],
-                    [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states],
-                    [local_shard(s["kahan_comp"]) for s in states] if kahan else None,
+                    [local[i] for i in idx], [_local(params[i].grad) for i in idx],
+                    [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                    [_local(s["kahan_comp"]) for s in states] if kahan else None,
                     [m[0] for m in metas], [m[1] for m in metas],
                     [torch.tensor(step_key(self.seed, self._keys[params[i]], step), dtype=torch.int64) for i in idx],
                     lr, torch.tensor(1 - beta1**step), torch.tensor((1 - beta2**step) ** 0.5),

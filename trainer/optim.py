@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
 import torch
 from torch import nn
 
-from trainer.bf16_adamw import MAX_TENSORS_PER_CALL, BF16AdamW, batches, local_shard
+from trainer.adamw import adamw_update, plain_tensor
+from trainer.bf16_adamw import MAX_TENSORS_PER_CALL, BF16AdamW, batches
+
+_local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
 
 
 class LocalFusedAdamW(torch.optim.AdamW):
@@ -31,7 +35,7 @@ class LocalFusedAdamW(torch.optim.AdamW):
         """p's state, created at its first step as torch's fused AdamW creates it (the step a 0-dim device tensor)."""
         state = self.state[p]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -46,10 +50,10 @@ class LocalFusedAdamW(torch.optim.AdamW):
                 if p.grad is None:
                     continue
                 state = self._init_state(p)
-                local = local_shard(p)
+                local = _local(p)
                 entry = lists.setdefault((local.device, local.dtype), ([], [], [], [], []))
-                for out, t in zip(entry, (local, local_shard(p.grad), local_shard(state["exp_avg"]),
-                                          local_shard(state["exp_avg_sq"]), state["step"])):
+                for out, t in zip(entry, (local, _local(p.grad), _local(state["exp_avg"]),
+                                          _local(state["exp_avg_sq"]), state["step"])):
                     out.append(t)
             for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
                 scale = None if self.grad_scale is None else self.grad_scale.to(device)
@@ -75,10 +79,11 @@ def _adamw_many(
     for i, p in enumerate(ps):
         g = grads[i] if grad_scale is None else grads[i] / grad_scale
         step = steps[i] + 1
-        m = exp_avgs[i].lerp(g, 1 - beta1)
-        v = exp_avg_sqs[i] * beta2 + (1 - beta2) * g * g
-        denom = v.sqrt() / (1 - torch.pow(beta2, step)).sqrt() + eps
-        new = p * (1 - lr * weight_decay) - (lr / (1 - torch.pow(beta1, step))) * m / denom
+        m, v, delta = adamw_update(
+            p, g, exp_avgs[i], exp_avg_sqs[i], lr=lr, bias_correction1=1 - torch.pow(beta1, step),
+            bias_correction2_sqrt=(1 - torch.pow(beta2, step)).sqrt(), beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay)
+        new = p + delta
         if found_inf is not None:
             keep = found_inf == 0
             m, v, new = torch.where(keep, m, exp_avgs[i]), torch.where(keep, v, exp_avg_sqs[i]), torch.where(keep, new, p)
@@ -126,13 +131,13 @@ class CompiledAdamW(LocalFusedAdamW):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             self._init_state(p)
-        local = [local_shard(p) for p in params]
+        local = [_local(p) for p in params]
         lr = torch.tensor(float(group["lr"]))  # a 0-dim CPU tensor: one compiled graph for every lr
         for idx in batches([(t.device, t.dtype, tuple(t.shape)) for t in local], MAX_TENSORS_PER_CALL):
             device = local[idx[0]].device
             states = [self.state[params[i]] for i in idx]
-            fn([local[i] for i in idx], [local_shard(params[i].grad) for i in idx],
-               [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states],
+            fn([local[i] for i in idx], [_local(params[i].grad) for i in idx],
+               [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
                [s["step"] for s in states], lr,
                None if self.grad_scale is None else self.grad_scale.to(device),
                None if self.found_inf is None else self.found_inf.to(device),

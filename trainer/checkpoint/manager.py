@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter,
-    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
+    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
 from trainer.checkpoint.space import (
@@ -38,8 +38,8 @@ from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, 
     split_tensors
 from trainer.checkpoint.values import check_index_entries
 from trainer.checkpoint.verify import (
-    SafeReader, check_files, check_model_matches, data_files, read_checkpoint_json,
-    read_dcp_metadata, read_state_json, scan_checkpoints,
+    check_files, check_model_matches, data_files, read_checkpoint_json,
+    read_dcp_metadata, read_state_json, safe_load, scan_checkpoints,
 )
 from trainer.config import CheckpointSection
 from trainer.output_folder import aside_name
@@ -255,13 +255,7 @@ class CheckpointManager:
         tensors, _ = split_tensors(sd)
         # state.json's values are checked before any tensor is read.
         rest = None if model_only else read_state_json(path, info)
-        try:
-            dcp.load(tensors, storage_reader=SafeReader(str(path)), process_group=self.pg)
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            cause = root_cause(e)
-            if isinstance(cause, CheckpointError):
-                raise type(cause)(str(cause)) from None
-            raise CheckpointError(f"failed to read {what} {path}: {first_line(cause)}") from e
+        safe_load(tensors, path, what=what, process_group=self.pg)
         if model_only:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

@@ -27,18 +27,17 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter, CorruptCheckpointError,
-    collect_checksums, first_line, root_cause, write_json,
+    collect_checksums, write_json,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.values import (
     check_args_fit_files, check_entry_count, check_host_memory, check_index_entries, model_shapes, rope_table_bytes,
 )
 from trainer.checkpoint.verify import (
-    SafeReader, check_files, data_files, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
+    check_files, data_files, read_checkpoint_json, read_dcp_metadata, safe_load, scan_checkpoints,
 )
 from trainer.model_values import param_count
 from trainer.models.layers import Decoder
@@ -110,14 +109,8 @@ def load_full_model_weights(
     more, what = extra_bytes(args, weight_bytes) if extra_bytes else (0, "")
     check_host_memory(weight_bytes + more, what=f"the weights{what}", where=str(path), error=CheckpointError)
     sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()}
-    try:
-        with _single_process():
-            dcp.load({"model": sd}, storage_reader=SafeReader(str(path)), no_dist=True)
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        cause = root_cause(e)
-        if isinstance(cause, CheckpointError):
-            raise type(cause)(str(cause)) from None
-        raise CheckpointError(f"failed to read checkpoint {path}: {first_line(cause)}") from e
+    with _single_process():
+        safe_load({"model": sd}, path, no_dist=True)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return info, sd

@@ -27,31 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
+from trainer.adamw import plain_tensor
 from trainer.models.llama import ModelArgs, RopeScaling
 
 logger = logging.getLogger("trainer.checkpoint")
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
-
-
-def plain_tensor(t: torch.Tensor) -> torch.Tensor:
-    """`t` without torchao's float8 all-gather wrapper (`WeightWithDynamicFloat8CastTensor`), same storage.
-
-    Checked by duck type (a tensor subclass holding `_tensor`), so this module
-    never imports torchao.
-    """
-    if isinstance(t, DTensor):
-        local = t._local_tensor
-        inner = plain_tensor(local)
-        if inner is local:
-            return t
-        return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and isinstance(getattr(t, "_tensor", None), torch.Tensor):
-        return t._tensor
-    return t
 
 
 def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata,
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
-    CorruptCheckpointError, file_digest, first_line,
+    CorruptCheckpointError, file_digest, first_line, root_cause,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.values import check_state_values
@@ -139,6 +141,18 @@ class SafeReader(FileSystemReader):
                 raise CheckpointError(f"{Path(self.path) / METADATA}: entry {item.dest_index.fqn!r} is not a tensor; "
                                       "refusing to unpickle it")
         return super().read_data(plan, planner)
+
+
+def safe_load(state: dict[str, Any], path: Path, *, what: str = "checkpoint", **kwargs: Any) -> None:
+    """dcp.load of `state` from `path` through SafeReader; every failure one CheckpointError line ("failed to read
+    {what} {path}: ..."), a CheckpointError of our own (a refused entry) as it was raised."""
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), **kwargs)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        cause = root_cause(e)
+        if isinstance(cause, CheckpointError):
+            raise type(cause)(str(cause)) from None
+        raise CheckpointError(f"failed to read {what} {path}: {first_line(cause)}") from e
 
 
 # ---------------------------------------------------------------------------
