@@ -57,6 +57,22 @@ STOP_SIGNALS = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 PREEMPTED_MARKER = "preempted.json"
 
 
+class StoppedBeforeFirstStep(BaseException):
+    """SIGTERM or Ctrl-C before this process finished a step: raised by the signal handler, so the run stops now.
+
+    A stop otherwise waits for the current step to end and saves it; the first step may be minutes of
+    compilation away, and until it ends there is nothing the latest checkpoint (if any) does not hold. The
+    command line exits with the signal's code (143 or 130) and no traceback. A BaseException, as
+    KeyboardInterrupt is: raised wherever the signal lands, it must pass the `except Exception` of the code
+    it interrupts (logging swallowed it when the signal came while a line was being written).
+    """
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.exit_code = STOP_SIGNALS[signal.Signals[signal_name]]
+
+
 @dataclass
 class TrainState:
     """Everything besides model/optimizer/scheduler/data that a resume needs."""
@@ -117,6 +133,7 @@ class Trainer:
         self.hooks = self._build_hooks(job)
         self.state = TrainState(mixed_precision=t.mixed_precision)
         self.stop_requested = False
+        self.stepped = False  # a step of this process has finished: a stop signal now waits for the step's end
         self.checkpoint = self._build_checkpoint()
         # Resuming overwrites the fresh state of every piece above.
         self.checkpoint.resume()
@@ -168,7 +185,9 @@ class Trainer:
             self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             implementation=resolve_implementation(o.implementation, compile_model=t.compile_model,
                                                   device_type=self.device.type),
-            seed=t.seed, compile=t.compile_model,
+            # BF16AdamW's update compiles only on a GPU: on a (loaded 2-core) CPU its compile had not finished the
+            # debug model's first step in 15 minutes, where the eager update takes 0.4 s.
+            seed=t.seed, compile=t.compile_model and self.device.type == "cuda",
             bf16_update=o.bf16_update if bf16_master else None,
         )
         s = self.cfg.scheduler
@@ -276,6 +295,8 @@ class Trainer:
         name = signal.Signals(signum).name
         if signum == signal.SIGINT and self.stop_requested:
             raise KeyboardInterrupt  # the second Ctrl-C: quit now
+        if not self.stepped:
+            raise StoppedBeforeFirstStep(name)  # nothing to save yet: do not wait out step 1's compilation
         logger.warning("received %s: stopping after this step%s", name, " (Ctrl-C again to quit at once, saving "
                        "nothing)" if signum == signal.SIGINT else "", extra=EVERY_RANK)
         self.stop_requested = True
@@ -314,6 +335,9 @@ class Trainer:
         try:
             with profiling as profiler, memory as memory_recorder:
                 self._loop(profiler, memory_recorder)
+        except StoppedBeforeFirstStep as stop:
+            self._stopped_before_first_step(stop)
+            raise  # not a return: a barrier in teardown would wait for ranks still compiling or in a collective
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -337,6 +361,18 @@ class Trainer:
             logger.info("training finished at step %d", self.state.step)
         return self.state
 
+    def _stopped_before_first_step(self, stop: StoppedBeforeFirstStep) -> None:
+        """The one line and preempted.json of a stop before this process's first step ended (each rank's own)."""
+        step, saved = self.state.step, self.checkpoint.last_saved_step == self.state.step
+        self.state.preempted, self.state.stopped_by = True, stop.signal_name
+        logger.warning("stopped by %s before step %d finished: nothing to save (%s); exiting with code %d",
+                       stop.signal_name, step + 1, f"a relaunch resumes checkpoint step-{step}" if saved
+                       else "no step had finished", stop.exit_code, extra=EVERY_RANK)
+        if self.env.rank == 0:
+            (Path(self.cfg.job.dump_folder) / PREEMPTED_MARKER).write_text(json.dumps(
+                {"step": step, "of_steps": self.cfg.train.steps, "checkpoint_saved": saved,
+                 "signal": stop.signal_name}) + "\n")
+
     def _loop(self, profiler, memory_recorder) -> None:
         cfg, t = self.cfg, self.cfg.train
         first_step = self.state.step + 1
@@ -351,6 +387,7 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             result = self.train_step(self.data_loader.next_batch())
             self.state.step += 1
+            self.stepped = True
             step = self.state.step
             interval.add(local_tokens)
             profiler.step(step)

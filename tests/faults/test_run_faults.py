@@ -61,6 +61,40 @@ def test_sigterm_saves_exits_143_and_resume_has_no_duplicate_rows(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["sigterm", "ctrl-c"])
+def test_a_stop_signal_while_step_1_compiles_stops_at_once(tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    """A stop waits for the current step to end, but step 1 of a compiled CPU run is minutes of compilation and
+    nothing is saved before it ends: a signal then stops the run at once, with its exit code and one line."""
+    cmd = [sys.executable, TRAIN, *FAST, "--train.steps=3", "--train.compile_model=true",
+           f"--job.dump_folder={tmp_path}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=REPO)
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if "training steps 1-3" in line:  # the loop starts: step 1 compiles (seconds even from a warm cache)
+                proc.send_signal(sig)
+                sent = time.monotonic()
+                break
+        out.append(proc.communicate(timeout=120)[0])
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(out)
+    assert proc.returncode == code, text[-3000:]
+    assert (f"stopped by {sig.name} before step 1 finished: nothing to save (no step had finished); exiting with "
+            f"code {code}") in text
+    assert "Traceback" not in text and "| loss" not in text and "received" not in text
+    assert not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path)
+    assert json.loads((tmp_path / "preempted.json").read_text()) == {"step": 0, "of_steps": 3,
+                                                                    "checkpoint_saved": False, "signal": sig.name}
+    # Not after step 1's compilation (1-5 minutes on a shared 2-core machine); the bound is teardown under load.
+    assert took < 30, took
+
+
+@pytest.mark.slow
 def test_second_run_on_the_same_folder_fails_at_once_naming_the_first(tmp_path: Path) -> None:
     first = _start([*FAST, "--train.steps=100000"], tmp_path)
     try:

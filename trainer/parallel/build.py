@@ -108,7 +108,9 @@ def build_parallel_model(
         # The routed experts' grouped GEMMs: one switch per MoE layer.
         apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require, device=device,
                           per_step_weights=f8.expert_weights_per_step)
-        if report.enabled and not o.compile:
+        # Only on a GPU: there compile fuses the casts into the matmuls' neighbours. On a CPU fp8 is for tests
+        # (aten's _scaled_mm), and compiling it costs minutes of inductor codegen for nothing faster.
+        if report.enabled and not o.compile and device.type == "cuda":
             logger.warning(
                 "FP8 without train.compile_model=true: the eager float8 casts usually make it slower than "
                 "bf16; set --train.compile_model=true"
