@@ -45,7 +45,7 @@ def phase_config(cfg: JobConfig, phases: list[Phase], k: int, *, load_step: int)
             # After the first phase the run resumes its own checkpoints, never the seed weights.
             initial_load_path=c.initial_load_path if load_step < 0 else "",
         ),
-        # The profiler runs in the phase that holds its window (validate.check_config: it is inside one).
+        # The profiler runs in the phase that holds its window (trainer.config.checks: it is inside one).
         profiling=dataclasses.replace(p, enable=p.enable and phase.first_step <= p.start_step <= phase.last_step),
     )
 

@@ -3,7 +3,7 @@
 torch generators take a 64-bit seed (above 2**64 - 1, `manual_seed` fails with "Overflow when
 unpacking long long"); numpy's `default_rng([seed, ...])` takes any integer >= 0. The weight
 init seeds each parameter's generator with `param_seed(train.seed, fqn)`, so train.seed must
-leave room for that arithmetic: `trainer.validate.config_checks` refuses seeds outside these
+leave room for that arithmetic: `trainer.config.checks` refuses seeds outside these
 ranges, and the code below only asserts them.
 """
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, launch
+from tests.helpers import REPO, env, launch
 from trainer.config import _SECTIONS, ConfigError, JobConfig, config_markdown, field_docs, load_job_config
 from trainer.models import Llama
 from trainer.parallel.float8 import select_float8_linears
@@ -183,3 +186,28 @@ def test_cli_prints_one_line_and_exits_nonzero(args: list[str], message: str) ->
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# What `scripts/train.py` does before training: --help, a config error, a config that passes every check (a
+# precision schedule with an fp8 phase and FP8 experts, so the schedule parser and each check run).
+_CONFIG_ONLY = """
+import json, sys
+from trainer.cli import main
+from trainer.config import load_job_config
+assert main(["--help"]) == 0
+assert main(["--train.steps=0"]) == 2
+load_job_config(["--train.steps=4", "--train.precision_schedule=bf16:2,fp8", "--checkpoint.enable=true",
+                 "--model.flavor=debug_moe", "--float8.moe_experts=rowwise"])
+print(json.dumps(sorted({m.partition(".")[0] for m in sys.modules} & {"torch", "torchao", "numpy"})))
+"""
+
+
+def test_help_and_config_checks_do_not_import_torch(tmp_path: Path) -> None:
+    # --help and config errors answer in a fraction of a second because loading and checking a config imports
+    # neither torch nor numpy (seconds on a cold start): trainer.config and trainer.config.checks import only
+    # torch-free leaves; trainer.validate, which needs the model and the meshes, is imported after the config.
+    proc = subprocess.run([sys.executable, "-c", _CONFIG_ONLY], capture_output=True, text=True, env=env(),
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "config error: train.steps=0 must be >= 1" in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

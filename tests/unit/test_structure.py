@@ -86,7 +86,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle() -> None:
     graph = import_graph()
-    assert len(graph) > 30 and "trainer.config" in graph and "trainer.validate.config_checks" in graph
+    assert len(graph) > 30 and "trainer.config" in graph and "trainer.config.checks" in graph
     assert circles(graph) == []
 
 
@@ -99,12 +99,25 @@ def test_config_checks_and_schedule_syntax_are_leaves() -> None:
     # The config imports its checks, which import the precision-schedule syntax, the model-argument rules and
     # the seed ranges: none may reach back.
     graph = import_graph()
-    assert graph["trainer.validate.config_checks"] <= {"trainer.errors", "trainer.precision_phases", "trainer.seeds",
-                                                       "trainer.model_values"}
+    assert graph["trainer.config.checks"] <= {"trainer.errors", "trainer.precision_phases", "trainer.seeds",
+                                              "trainer.model_values"}
     assert graph["trainer.model_values"] <= {"trainer.errors"}
     assert graph["trainer.precision_phases"] <= {"trainer.errors"}
     assert graph["trainer.seeds"] == set()
     assert graph["trainer.hooks"] == set()
+
+
+def test_config_imports_nothing_above_it() -> None:
+    # trainer.config is the floor every layer stands on (and `--help` loads it alone, without torch): its modules
+    # import each other, the errors and the leaves its checks need, never trainer.validate nor anything above.
+    # Every import counts, at any depth (a lazy import in a function is still an arrow back up).
+    graph = import_graph()
+    config = {m for m in graph if m == "trainer.config" or m.startswith("trainer.config.")}
+    assert {"trainer.config.sections", "trainer.config.checks", "trainer.config.load"} <= config
+    leaves = {"trainer.errors", "trainer.precision_phases", "trainer.seeds", "trainer.model_values"}
+    above = {m: sorted(d for d in graph[m] if d not in config | leaves) for m in sorted(config)}
+    assert {m: deps for m, deps in above.items() if deps} == {}
+    assert not any(d.startswith("trainer.validate") for m in config for d in graph[m])
 
 
 def test_files_and_functions_stay_short() -> None:

@@ -6,10 +6,12 @@ while it is built: every user error (unknown key, wrong type, value outside its
 names the key, before any process group, data or model exists.
 
     sections.py    the section dataclasses (a docstring under every field) and JobConfig
+    checks.py      the checks on the config alone, run by JobConfig when built (imports only torch-free leaves)
     load.py        TOML + command line -> JobConfig, every bad value one line
     reference.py   `train.py --help [SECTION]` and docs/config.md (`python -m trainer.config --markdown`)
 """
 
+from trainer.config.checks import check_config
 from trainer.config.load import load_job_config, parse_overrides, read_toml
 from trainer.config.reference import config_markdown, field_docs, section_help, usage
 from trainer.config.sections import (
@@ -22,6 +24,6 @@ from trainer.errors import ConfigError
 __all__ = [
     "SECTION_HELP", "CheckpointSection", "ConfigError", "DataSection", "DistributedSection", "Float8Section",
     "JobConfig", "JobSection", "MetricsSection", "MixedPrecision", "ModelSection", "MoESection", "OptimizerSection",
-    "ProfilingSection", "SchedulerSection", "TrainSection", "ValidationSection", "config_markdown", "field_docs",
-    "load_job_config", "parse_overrides", "read_toml", "section_help", "usage",
+    "ProfilingSection", "SchedulerSection", "TrainSection", "ValidationSection", "check_config", "config_markdown",
+    "field_docs", "load_job_config", "parse_overrides", "read_toml", "section_help", "usage",
 ]

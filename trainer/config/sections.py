@@ -1,7 +1,7 @@
 """The job config's sections: one dataclass per TOML section, a docstring under every field, and JobConfig.
 
 A `JobConfig` checks itself when built (`__post_init__` runs
-`trainer.validate.config_checks.check_config`): every combination that the config alone
+`trainer.config.checks.check_config`): every combination that the config alone
 makes wrong is one `ConfigError` line naming the key. Loading (TOML, command line) is
 `trainer.config.load`; `--help` and docs/config.md come from `trainer.config.reference`.
 """
@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from trainer.config.checks import check_config
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
@@ -311,8 +313,6 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         # The config-only checks; trainer.validate.validate_job adds world size, model and data.
-        from trainer.validate.config_checks import check_config
-
         check_config(self)
 
     @property

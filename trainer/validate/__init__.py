@@ -1,6 +1,8 @@
 """One validation pass: everything knowable from the config, the world size, the model's shapes and the data.
 
-    config_checks.py   the config alone (JobConfig runs it when built, so a bad TOML or override fails while parsing)
+The config alone was checked when the JobConfig was built (trainer.config.checks, so a bad TOML
+or override fails while parsing, without importing torch); this pass adds the rest:
+
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
@@ -14,18 +16,15 @@ Lower layers assert these facts; they do not check them again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trainer.validate.config_checks import check_config
+from trainer.config import JobConfig
+from trainer.models import ModelArgs
+from trainer.parallel import BuildOptions, ParallelDims
+from trainer.parallel.pipeline import PipelineOptions
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import check_fits_device
 from trainer.validate.resolve import resolve_build, resolve_data, resolve_float8, resolve_model_args
-
-if TYPE_CHECKING:
-    from trainer.config import JobConfig
-    from trainer.models import ModelArgs
-    from trainer.parallel import BuildOptions, ParallelDims
-    from trainer.parallel.pipeline import PipelineOptions
 
 
 @dataclass(frozen=True)
@@ -60,4 +59,4 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers)
 
 
-__all__ = ["ResolvedJob", "check_config", "validate_job"]
+__all__ = ["ResolvedJob", "validate_job"]

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
 
+from trainer.config import JobConfig, MoESection
 from trainer.errors import ConfigError
-
-if TYPE_CHECKING:
-    from trainer.config import JobConfig
-    from trainer.parallel import ParallelDims
-    from trainer.parallel.pipeline import PipelineOptions
+from trainer.export import ExportError, check_exportable
+from trainer.models import ModelArgs, is_moe, pipeline_costs
+from trainer.parallel import ParallelDims
+from trainer.parallel.pipeline import (
+    SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineOptions, cost_split, default_stages_per_rank,
+    parse_split_point, split_at, stage_module_fqns,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_parallel_dims(cfg: JobConfig, *, world_size: int) -> ParallelDims:
-    from trainer.parallel import ParallelDims
-
     d = cfg.distributed
     if d.pp > 1 and world_size % d.pp:
         raise ConfigError(f"distributed.pp={d.pp} does not divide the world size {world_size}")
@@ -37,7 +37,7 @@ def resolve_parallel_dims(cfg: JobConfig, *, world_size: int) -> ParallelDims:
     )
 
 
-def check_model_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
+def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
     """What the model's shapes and family allow of the resolved degrees."""
     m = cfg.model
     if args.n_heads % pd.tp or args.n_kv_heads % pd.tp:
@@ -48,11 +48,8 @@ def check_model_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
     _check_moe_layout(cfg, args, pd)
 
 
-def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
+def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
     """MoE-only checks that need the flavor's shapes and the resolved degrees."""
-    from trainer.config import MoESection
-    from trainer.models import is_moe
-
     m = cfg.model
     if not is_moe(args):
         if pd.ep > 1:
@@ -92,8 +89,6 @@ def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
             "train.activation_checkpointing='full'"
         )
     if cfg.checkpoint.model_only:
-        from trainer.export import ExportError, check_exportable
-
         try:  # routing with no exact Hugging Face target: refused before training, not at its end
             check_exportable(args)
         except ExportError as e:
@@ -105,10 +100,8 @@ def _check_moe_layout(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
 _PP_KEYS = ("pp_split_points", "pp_layers_per_stage", "pp_stages_per_rank")
 
 
-def resolve_pipeline(cfg: JobConfig, *, pp: int, args: Any) -> PipelineOptions | None:
+def resolve_pipeline(cfg: JobConfig, *, pp: int, args: ModelArgs) -> PipelineOptions | None:
     """The stage layout and schedule of distributed.pp > 1; None for pp=1 (where the pp_* keys must be unset)."""
-    from trainer.parallel.pipeline import PipelineOptions, stage_module_fqns
-
     d, t = cfg.distributed, cfg.train
     n_layers = args.n_layers
     if pp == 1:
@@ -139,8 +132,6 @@ def resolve_pipeline(cfg: JobConfig, *, pp: int, args: Any) -> PipelineOptions |
 
 def _check_schedule(cfg: JobConfig) -> None:
     """The microbatch size and what the schedule cannot run with."""
-    from trainer.parallel.pipeline import ZERO_BUBBLE_SCHEDULES
-
     d, t = cfg.distributed, cfg.train
     schedule = d.pipeline_schedule
     if t.batch_size % d.pp_microbatch_size:
@@ -171,8 +162,6 @@ def _check_schedule(cfg: JobConfig) -> None:
 
 def _split_point_blocks(entries: list[str], *, n_layers: int) -> list[int]:
     """The first block of each later stage, from distributed.pp_split_points ([] when unset)."""
-    from trainer.parallel.pipeline import parse_split_point
-
     firsts = []
     for entry in entries:
         block = parse_split_point(entry)
@@ -187,11 +176,9 @@ def _split_point_blocks(entries: list[str], *, n_layers: int) -> list[int]:
     return firsts
 
 
-def _stage_piece_costs(cfg: JobConfig, args: Any) -> tuple[float, list[float], float]:
+def _stage_piece_costs(cfg: JobConfig, args: ModelArgs) -> tuple[float, list[float], float]:
     """(embedding, each block, final norm + head): training FLOPs per token (trainer.models.pipeline_costs), the
     edge pieces replaced by pp_embedding_weight / pp_head_weight blocks of the mean block cost when set."""
-    from trainer.models import pipeline_costs
-
     d = cfg.distributed
     embedding, blocks, head = pipeline_costs(args, cfg.train.seq_len)
     mean = sum(blocks) / len(blocks)
@@ -218,8 +205,6 @@ def _num_stages(cfg: JobConfig, *, pp: int, costs: tuple[float, list[float], flo
                 ) -> tuple[int, str]:
     """How many stages (explicit split points, a per-stage cost budget, or pp x stages per rank), and the key
     that decided it."""
-    from trainer.parallel.pipeline import default_stages_per_rank
-
     d = cfg.distributed
     embedding, blocks, head = costs
     n_layers = len(blocks)
@@ -243,8 +228,6 @@ def _num_stages(cfg: JobConfig, *, pp: int, costs: tuple[float, list[float], flo
 
 def _stages_per_rank(cfg: JobConfig, *, pp: int, num_stages: int, key: str) -> int:
     """Stages per pp rank, checked against what the schedule runs."""
-    from trainer.parallel.pipeline import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-
     d = cfg.distributed
     schedule = d.pipeline_schedule
     per_rank = num_stages // pp
@@ -270,8 +253,6 @@ def _stages_per_rank(cfg: JobConfig, *, pp: int, num_stages: int, key: str) -> i
 def _layer_counts(cfg: JobConfig, *, costs: tuple[float, list[float], float], num_stages: int,
                   firsts: list[int]) -> list[int]:
     """Blocks per stage: at the explicit split points, or the split that balances the stages' costs."""
-    from trainer.parallel.pipeline import cost_split, split_at
-
     embedding, blocks, head = costs
     if cfg.distributed.pp_split_points:
         return split_at(len(blocks), firsts)

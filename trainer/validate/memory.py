@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
+import torch
+
+from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.model_values import param_count
-
-if TYPE_CHECKING:
-    from trainer.config import JobConfig
-    from trainer.parallel import ParallelDims
+from trainer.models import ModelArgs
+from trainer.parallel import ParallelDims
+from trainer.validate.resolve import uses_bf16_master
 
 GIB = 2**30
 
@@ -45,7 +46,7 @@ class TrainStateEstimate:
         return self.num_params * self.bytes_per_param // self.num_ranks
 
 
-def estimate_train_state(args: Any, pd: ParallelDims, *, bf16_master: bool, kahan: bool) -> TrainStateEstimate:
+def estimate_train_state(args: ModelArgs, pd: ParallelDims, *, bf16_master: bool, kahan: bool) -> TrainStateEstimate:
     """The training state per rank of the model `args` describes under the degrees `pd`."""
     master = 2 if bf16_master else 4
     what = f"{'bf16' if bf16_master else 'fp32'} master weights, gradients and 2 AdamW moments"
@@ -55,10 +56,8 @@ def estimate_train_state(args: Any, pd: ParallelDims, *, bf16_master: bool, kaha
                               num_ranks=pd.fsdp_shard * pd.tp * pd.pp, what=what)
 
 
-def check_fits_device(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
+def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
     """Refuse a model whose sharded weights, gradients and optimizer state alone exceed this rank's device."""
-    from trainer.validate.resolve import uses_bf16_master
-
     memory = device_memory()
     if memory is None:
         return
@@ -87,8 +86,6 @@ def check_fits_device(cfg: JobConfig, args: Any, pd: ParallelDims) -> None:
 def device_memory() -> tuple[int, str] | None:
     """(bytes, what) of the memory this rank will train in, by init_distributed's rule: GPU LOCAL_RANK's whole
     memory when CUDA is available, else the host's RAM; None when it cannot be told."""
-    import torch
-
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():

@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from trainer.config import JobConfig
+from trainer.data.loader import build_source
 from trainer.errors import ConfigError
-
-if TYPE_CHECKING:
-    from trainer.config import JobConfig
-    from trainer.parallel import BuildOptions, Float8Options, ParallelDims
+from trainer.models import FLAVORS, ModelArgs, build_model, is_moe, model_args_for
+from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
+from trainer.parallel.float8 import select_float8_linears
+from trainer.parallel.float8_experts import fp8_grouped_supported
 
 logger = logging.getLogger(__name__)
 
-_COMPUTE_DTYPE = {"fp32": None, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
+# FSDP2's param_dtype per train.mixed_precision (None: compute in the fp32 master weights).
+_COMPUTE_DTYPE: dict[str, torch.dtype | None] = {
+    "fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16,
+}
 
 
-def resolve_model_args(cfg: JobConfig) -> Any:
+def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     """The flavor's shapes with the [model] and [moe] overrides and a RoPE table at least train.seq_len long."""
-    from trainer.models import FLAVORS, is_moe, model_args_for
-
     m, t = cfg.model, cfg.train
     if m.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
@@ -53,17 +58,11 @@ def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
     return out
 
 
-def resolve_float8(cfg: JobConfig, args: Any, pd: ParallelDims) -> tuple[Float8Options, dict[str, str]]:
+def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> tuple[Float8Options, dict[str, str]]:
     """The FP8 options of an fp8 run and every Linear's fate (fqn -> "converted" or why it is excluded).
 
     Every exclusion must match a Linear; the GPU is probed under float8.require.
     """
-    import torch
-
-    from trainer.models import build_model
-    from trainer.parallel import Float8Options
-    from trainer.parallel.float8 import select_float8_linears
-
     f8 = cfg.float8
     all_gather = f8.enable_fsdp_float8_all_gather
     if all_gather == "auto":  # rowwise and blockwise weights are all-gathered in bf16
@@ -102,10 +101,6 @@ def uses_bf16_master(cfg: JobConfig) -> bool:
 
 def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None) -> BuildOptions:
     """What build_parallel_model takes: FP8, AC, compile and the FSDP2 policy."""
-    import torch
-
-    from trainer.parallel import ACOptions, BuildOptions, FSDPOptions
-
     t, d = cfg.train, cfg.distributed
     bf16_master = uses_bf16_master(cfg)
     if bf16_master and cfg.optimizer.bf16_update == "nearest":
@@ -114,7 +109,6 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
             "LOSES every update below half a bf16 ulp (~0.2%% of the weight), so small-lr/late-training updates "
             "vanish; use optimizer.bf16_update='stochastic' or 'kahan'"
         )
-    dtype = _COMPUTE_DTYPE[t.mixed_precision]
     # Resharding frees the gathered copy between forward and backward; with one rank
     # per shard group it frees nothing but still costs a second gather in backward.
     # Under PP every microbatch runs forward and backward through each stage: resharding would
@@ -134,7 +128,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         ac=ACOptions(mode=t.activation_checkpointing, selective_every=t.selective_ac_every),
         compile=t.compile_model,
         fsdp=FSDPOptions(
-            param_dtype=getattr(torch, dtype) if dtype else None, reduce_dtype=torch.float32,
+            param_dtype=_COMPUTE_DTYPE[t.mixed_precision], reduce_dtype=torch.float32,
             master_dtype=torch.bfloat16 if bf16_master else torch.float32,
             reshard_after_forward=reshard,
         ),
@@ -146,8 +140,6 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
 
 def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]:
     """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids)."""
-    from trainer.data.loader import build_source
-
     data, t = cfg.data, cfg.train
     source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                           vocab_size=vocab_size, seq_len=t.seq_len)
@@ -165,8 +157,6 @@ def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]
 
 
 def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
-    from trainer.data.loader import build_source
-
     v, data, t = cfg.validation, cfg.data, cfg.train
     if v.path:
         source = build_source(source="shards", path=v.path, tokenizer=data.tokenizer, seed=data.seed,
@@ -184,12 +174,8 @@ def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
     return source
 
 
-def _check_fp8_experts(cfg: JobConfig, args: Any) -> None:
+def _check_fp8_experts(cfg: JobConfig, args: ModelArgs) -> None:
     """float8.moe_experts needs routed experts, shapes the FP8 grouped GEMM takes, and a device that runs it."""
-    import torch
-
-    from trainer.models import is_moe
-
     f8, key = cfg.float8, f"float8.moe_experts='{cfg.float8.moe_experts}'"
     if not is_moe(args):
         raise ConfigError(f"{key} needs an MoE flavor, but model.flavor={cfg.model.flavor!r} has no routed experts; "
@@ -206,8 +192,6 @@ def _check_fp8_experts(cfg: JobConfig, args: Any) -> None:
         raise ConfigError(f"{key} on a machine without CUDA needs float8.emulate=true: torch._scaled_grouped_mm "
                           "has no CPU kernel")
     if f8.require:
-        from trainer.parallel.float8_experts import fp8_grouped_supported
-
         ok, what = fp8_grouped_supported(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
         if not ok:
             raise ConfigError(f"{key} with float8.require=true, but {what}; use an H100/H200 or "
@@ -217,8 +201,6 @@ def _check_fp8_experts(cfg: JobConfig, args: Any) -> None:
 def _check_fp8_hardware(*, require: bool, emulate: bool, recipe: str) -> None:
     """float8.require on a GPU without FP8 tensor cores (for blockwise: without CUDA or below compute capability
     9.0) fails here, before any process group exists."""
-    import torch
-
     if emulate or not require:
         return
     if recipe == "blockwise" and not torch.cuda.is_available():

@@ -1,10 +1,13 @@
 """Checks on the config alone: values and combinations, each failure one `ConfigError` line naming the key.
 
 `JobConfig.__post_init__` runs `check_config`, so a bad TOML file or override fails while it
-is parsed, before anything is built. A leaf: it imports nothing of the trainer but the errors,
-the precision-schedule syntax, the model-argument rules (trainer.model_values) and the seed
-ranges (trainer.seeds), since the config imports it (`cfg` is a `trainer.config.JobConfig`, not
-imported here for that reason).
+is parsed, before anything is built; `trainer.validate.validate_job` adds what needs the world
+size, the model's shapes and the data. It imports nothing of the trainer but leaves: the errors,
+the precision-schedule syntax (trainer.precision_phases), the model-argument rules
+(trainer.model_values) and the seed ranges (trainer.seeds), none of which imports torch, so
+loading a config (and `--help`) stays torch-free (tests/unit/test_config.py). `cfg` is a
+`trainer.config.JobConfig`, typed `Any`: sections.py imports this module to run it, and naming
+JobConfig here, even only for type checkers, would tie the two into a circle.
 """
 
 from __future__ import annotations
