@@ -121,6 +121,55 @@ def train_then_one_process(args: list[str], ref_args: list[str], dump: str) -> t
     return got, train_and_read_metrics(ref_args, str(Path(dump) / "one_process"))
 
 
+def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
+                                      dump: str) -> tuple[list[dict], list[dict]]:
+    """train_then_one_process with every weight, activation, gradient reduction and optimizer state in float64.
+
+    A layout check that rounding cannot blur: in fp32 rounding flips some near-tied top-k choice of an MoE
+    router in one run and not the other, and the runs then drift apart (docs/moe.md). In float64 a layout
+    that computes the same sums agrees with one process to ~1e-12 over many steps.
+    Test-only patches of this spawned process, never undone (it ends with the test; the trainer has no
+    float64 mode): the model is built with float64 as the default dtype; `.float()` (routing, RMSNorm,
+    the loss, the experts' weighted sum) leaves float64 as it is; FSDP2 reduces gradients in float64; the
+    clipping norm is accumulated in float64. Pass `--optimizer.implementation=foreach`: the fused CPU
+    AdamW kernel stops on float64 weights ("expected scalar type Float but found Double"). The logged
+    loss stays an fp32 number (the step sums it in a default-dtype tensor).
+    """
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    import trainer.parallel.build
+    import trainer.train
+
+    build_model, built = trainer.train.build_model, []
+
+    def build_model_in_float64(model_args):
+        torch.set_default_dtype(torch.float64)
+        try:
+            built.append(model_args)
+            return build_model(model_args)
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+    to_float = torch.Tensor.float
+    apply_fsdp = trainer.parallel.build.apply_fsdp
+    divide_factors = _fsdp_collectives._get_gradient_divide_factors
+    foreach_norm = torch._foreach_norm
+    trainer.train.build_model = build_model_in_float64
+    torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else to_float(t, *a, **k)
+    trainer.parallel.build.apply_fsdp = lambda *a, **k: apply_fsdp(*a, **{**k, "reduce_dtype": torch.float64})
+    # FSDP2 (torch 2.13) pre-divides gradients it may overflow (any dtype but fp32/bf16), and with a
+    # one-rank shard group and a divide factor (the experts' expert_fsdp mesh here) divides again
+    # while copying: float64 cannot overflow, so it takes fp32's path.
+    _fsdp_collectives._get_gradient_divide_factors = lambda group, ar_group, dtype, *a, **k: divide_factors(
+        group, ar_group, torch.float32 if dtype == torch.float64 else dtype, *a, **k)
+    torch._foreach_norm = lambda ts, ord=2.0, dtype=None: foreach_norm(
+        ts, ord, dtype=None if ts and ts[0].dtype == torch.float64 else dtype)
+    result = train_then_one_process(args, ref_args, dump)
+    assert built, "the Trainer no longer builds its model through trainer.train.build_model: nothing ran in float64"
+    return result
+
+
 def gradients_of_one_step(args: list[str], dump: str) -> dict:
     """The trainer's first step in this rank's layout, forward and backward only (no optimizer step): every
     parameter's full gradient by fqn, gathered from every rank (pipeline ranks hold different stages) to

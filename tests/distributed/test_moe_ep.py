@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
+from tests.distributed.spawn import (gradients_of_one_step, run_distributed, train_and_read_metrics,
+                                    train_then_one_process_in_float64)
 from tests.helpers import REPO, column, launch, read_metrics, train
 
 MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
@@ -113,6 +114,31 @@ def test_fp8_ep2_x_dp_shard2_matches_fp8_single_process(tmp_path: Path) -> None:
     assert "converted 20/32 Linear layers; excluded: layers.{1..3}.moe.router.gate (MoE router)" in log
     assert "MoE routed experts stay bf16" in log
     assert "expert parallel: ep=2, 4 of 8 routed experts per rank" in log
+
+
+def test_ep2_equals_single_process_in_float64_for_50_steps(tmp_path: Path) -> None:
+    # In fp32 an ep=2 run follows the 1-process run to ~1e-5 only until rounding flips a near-tied top-k
+    # choice of some token (debug_moe at seq_len 128: first at step 11, an exact fp32 tie); each flip moves
+    # that token's output and the loads that move the expert biases, and by step 30 the runs differ by
+    # ~1e-4 in the loss and a few % in the gradient norm: rounding, not EP (docs/moe.md). In float64 the
+    # runs differ by ~1e-12, far below the smallest top-k margins (>= 5e-8), so no choice flips and the
+    # whole EP path (dispatch, expert gradients divided by dp, the balancer's global loads, the norm over
+    # the ep mesh, AdamW on sharded experts) must give the same run at every step.
+    # 2 MoE layers of 32-token sequences: every part of the path, at ~60% of debug_moe's cost.
+    args = [*ARGS, *FP32, "--train.steps=50", "--model.n_layers=3", "--train.seq_len=32",
+            "--optimizer.implementation=foreach"]
+    got, ref = run_distributed(train_then_one_process_in_float64, world_size=2, args=(
+        [*args, "--train.batch_size=2", "--distributed.ep=2"], [*args, "--train.batch_size=4"], str(tmp_path)))[0]
+    assert column(got, "step") == column(ref, "step") == list(range(1, 51))
+    # float64 sums in another order differ by ~1e-16 and grow over 50 steps of training (<= 5e-12 measured);
+    # 1e-9 is far below what one fp32 rounding anywhere in the step (>= 6e-8) or one routing flip makes.
+    # Measured: loads summed per rank instead of over the stage, expert gradients not divided by dp, or a
+    # norm not summed over the ep shards each miss by >= 2e-3 within 2 steps.
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-9, abs=0)
+    assert column(got, "aux_loss") == pytest.approx(column(ref, "aux_loss"), rel=1e-9, abs=0)
+    assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=2**-22, abs=0)  # logged as fp32: 2 ulps
+    # Ratios of token counts: every token chose the same experts in both runs, every step.
+    assert column(got, "moe/imbalance_max") == column(ref, "moe/imbalance_max")
 
 
 def _resume(checkpoint: Path, dump: Path, args: list[str], *, nproc: int) -> dict[int, float]:
