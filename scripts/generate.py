@@ -31,11 +31,16 @@ logger = logging.getLogger("trainer")
 def find_tokenizer(path: Path, override: str | None):
     """--tokenizer, else the export's tokenizer.json, else the tokenizer checkpoint.json records (checked unchanged)."""
     from trainer.checkpoint import CHECKPOINT_JSON
-    from trainer.data import build_tokenizer
+    from trainer.data import ByteTokenizer, build_tokenizer
+    from trainer.export.tokenizer import is_byte_tokenizer_json
 
     if override:
         return build_tokenizer(override)
     if (path / "tokenizer.json").is_file():
+        # A byte-tokenizer run's export holds the byte tokenizer written as a tokenizer.json: the same ids,
+        # read without the optional `tokenizers` package.
+        if is_byte_tokenizer_json(path / "tokenizer.json"):
+            return ByteTokenizer()
         return build_tokenizer(str(path / "tokenizer.json"))
     recorded = json.loads((path / CHECKPOINT_JSON).read_text()).get("tokenizer") if (
         path / CHECKPOINT_JSON).is_file() else None
@@ -47,6 +52,14 @@ def find_tokenizer(path: Path, override: str | None):
         return tok
     raise UserError(f"{path} names no tokenizer (an export made without one, or a synthetic-data run); pass "
                     "--tokenizer=PATH of the run's tokenizer.json, or --tokenizer=byte for the built-in byte tokenizer")
+
+
+def describe_sampling(args: argparse.Namespace) -> str:
+    """What decoding does: temperature 0 is argmax, where --top-k plays no part (it is not printed)."""
+    if args.temperature == 0:
+        return f"{args.max_new_tokens} tokens, greedy"
+    return f"sampling {args.max_new_tokens} tokens at temperature {args.temperature:g}" + (
+        f", top-{args.top_k}" if args.top_k else "")
 
 
 def run(args: argparse.Namespace) -> str:
@@ -63,9 +76,8 @@ def run(args: argparse.Namespace) -> str:
     if tok.vocab_size > model.args.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary {model.args.vocab_size}: "
                         "not the run's tokenizer; pass --tokenizer=PATH of the run's tokenizer.json")
-    logger.info("loaded %s (%s, %.1fM parameters) on %s; sampling %d tokens at temperature %g%s", path,
-                type(model).__name__, num_params(model) / 1e6, args.device, args.max_new_tokens, args.temperature,
-                f", top-{args.top_k}" if args.top_k else "")
+    logger.info("loaded %s (%s, %.1fM parameters) on %s; %s", path, type(model).__name__, num_params(model) / 1e6,
+                args.device, describe_sampling(args))
     prompt = [tok.eos_id, *tok.encode(args.prompt)]
     new = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    eos_id=tok.eos_id, seed=args.seed)

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
             return EXIT_USER_ERROR
         print(text)
         return 0
-    setup_logging(rank)
+    setup_logging(rank)  # first: its warning filters must be in place before anything imports torchao
     try:
         cfg = load_job_config(argv)
     except ConfigError as e:

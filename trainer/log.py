@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -142,11 +143,30 @@ class KnownWarningFilter(logging.Filter):
         return True
 
 
-def install_warning_filters(rank: int, known: tuple[KnownWarning, ...] = KNOWN_WARNINGS) -> None:
-    """Attach a KnownWarningFilter to each library logger named in `known` (again: replaces the last one).
+# torchao 0.18's quantization/quant_api.py has a docstring with an invalid escape sequence ('\.').
+# Python 3.12+ says so with a SyntaxWarning (3.10-3.11: a DeprecationWarning, hidden by default) when
+# it compiles the file, i.e. on the first import without a cached .pyc: at every start on a machine
+# whose site-packages holds no .pyc (a fresh container). It is torchao's source, nothing a user can
+# change. A compile-time warning's "module" is the file's path without .py, so the regex matches
+# torchao's folder anywhere in it (a bare 'torchao' would not match: filters match from the start).
+# Only filters installed before the import can catch it.
+_TORCHAO_SOURCE = r".*[/\\]torchao[/\\]"
 
-    Install before torchao is imported (its extension-loading messages come at import).
+
+def ignore_torchao_escape_warnings() -> None:
+    """Drop the "invalid escape sequence" warnings Python gives when it compiles torchao's sources."""
+    for category in (SyntaxWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", message="invalid escape sequence", category=category,
+                                module=_TORCHAO_SOURCE)
+
+
+def install_warning_filters(rank: int, known: tuple[KnownWarning, ...] = KNOWN_WARNINGS) -> None:
+    """Attach a KnownWarningFilter to each library logger named in `known` (again: replaces the last one),
+    and drop torchao's compile-time escape warnings.
+
+    Install before torchao is imported (its extension-loading messages and those warnings come at import).
     """
+    ignore_torchao_escape_warnings()
     by_logger: dict[str, list[KnownWarning]] = {}
     for k in known:
         by_logger.setdefault(k.logger, []).append(k)

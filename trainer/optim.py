@@ -238,14 +238,45 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, **schedule) -> torch.op
     return scheduler
 
 
-def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
-    """One line: each parameter group's tensor and element counts and its weight decay."""
+def describe_schedule(peak_lr: float, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float,
+                      wsd_decay_ratio: float) -> str:
+    """The learning rate as lr_lambda shapes it, in words: the peak (the configured optimizer.lr), then the phases.
+
+    Step numbers are the log's (1-based): step k runs lr_lambda(k - 1).
+    """
+    parts = [f"lr {peak_lr:g} peak"]
+    if warmup_steps > 0:
+        short = f" (train.steps={total_steps} ends inside it)" if warmup_steps > total_steps else ""
+        parts.append(f"warmup {warmup_steps} steps linear{short}")
+    if warmup_steps >= total_steps:
+        return ", ".join(parts)  # the run ends inside the warmup: the decay never starts
+    low = f"{peak_lr * min_lr_ratio:g}"
+    if decay_type == "constant":
+        parts.append("then constant" if warmup_steps else "constant")
+    elif decay_type == "wsd":
+        decay_start = max(warmup_steps, total_steps - max(1, int(total_steps * wsd_decay_ratio)))
+        parts.append(f"constant to step {decay_start}, then linear decay to {low} over steps "
+                     f"{decay_start + 1}-{total_steps}")
+    else:
+        parts.append(f"{decay_type} decay to {low} over steps {warmup_steps + 1}-{total_steps}")
+    return ", ".join(parts)
+
+
+def describe_param_groups(optimizer: torch.optim.Optimizer, schedule: dict) -> str:
+    """One line: each parameter group's tensor and element counts and its weight decay, then the lr schedule.
+
+    The lr is the peak (LambdaLR's `initial_lr`, the configured optimizer.lr), not the group's current
+    lr: at startup that is warmup's first step, which reads like a wrong setting.
+    """
     parts = []
     for i, group in enumerate(optimizer.param_groups):
         params = group["params"]
-        parts.append(f"{f'group {i}: ' if len(optimizer.param_groups) > 1 else ''}{len(params)} tensors, {sum(p.numel() for p in params):,} parameters, "
-                     f"weight_decay={group['weight_decay']:g}, lr={group['lr']:g}")
+        parts.append(f"{f'group {i}: ' if len(optimizer.param_groups) > 1 else ''}{len(params)} tensors, "
+                     f"{sum(p.numel() for p in params):,} parameters, weight_decay={group['weight_decay']:g}")
+    peaks = {group.get("initial_lr", group["lr"]) for group in optimizer.param_groups}
+    assert len(peaks) == 1, f"build_optimizer gives every group one lr, not {sorted(peaks)}"
     name = type(optimizer).__name__
     if isinstance(optimizer, BF16AdamW):
         name += f" (bf16 master weights, {optimizer.update} rounding)"
-    return f"{name}, {len(parts)} group{'s' if len(parts) > 1 else ''}: " + "; ".join(parts)
+    return (f"{name}, {len(parts)} group{'s' if len(parts) > 1 else ''}: " + "; ".join(parts)
+            + f"; {describe_schedule(peaks.pop(), **schedule)}")

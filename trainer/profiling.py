@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import sys
+import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -37,6 +40,46 @@ def _window_action(step: int, *, start_step: int, end_step: int) -> ProfilerActi
     return ProfilerAction.NONE
 
 
+# libkineto writes `USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start` (and
+# `profiler_stop`) to stderr at every trace start and stop (torch 2.13). They are logged above kineto's
+# ERROR level, so KINETO_LOG_LEVEL can only drop them with kineto's errors (6 drops both); instead fd 2
+# is captured around the two calls and everything but those lines written back.
+_KINETO_MARKER = re.compile(rb"^USDT:[^\n]*\] profiler_(?:start|stop)\r?\n?", re.M)
+
+
+@contextlib.contextmanager
+def _without_kineto_markers() -> Iterator[None]:
+    """Drop libkineto's profiler_start/profiler_stop lines from what is written to fd 2 inside."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                captured.seek(0)
+                rest = memoryview(_KINETO_MARKER.sub(b"", captured.read()))
+                while rest:  # anything else said meanwhile (kineto's errors) is kept, in order
+                    rest = rest[os.write(2, rest):]
+    finally:
+        os.close(saved)
+
+
+class _QuietProfile(torch.profiler.profile):
+    """torch.profiler.profile without libkineto's two marker lines on the console."""
+
+    def start_trace(self) -> None:
+        with _without_kineto_markers():
+            super().start_trace()
+
+    def stop_trace(self) -> None:
+        with _without_kineto_markers():
+            super().stop_trace()
+
+
 class _NoProfiler:
     def step(self, step: int) -> None:
         pass
@@ -55,7 +98,7 @@ class _WindowProfiler:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(
+        self.prof = _QuietProfile(
             activities=activities,
             # profile() asks for schedule(0) before any step has run, i.e. for the loop's step 1.
             schedule=lambda step: _window_action(max(step, 1), start_step=start_step, end_step=end_step),

@@ -165,13 +165,31 @@ class TraceSummary:
         return f"steps {self.steps[0]}-{self.steps[1]}" if self.steps else "the recorded steps"
 
 
-def _self_times(ops: list[dict]) -> tuple[list[float], list[bool]]:
+# On CPU, the layers around a GEMM op that are no GEMM of their own: a GEMM-named op with a GEMM
+# inside (aten::matmul -> aten::mm; aten::mm on torchao's Float8 tensor, which dispatches to
+# aten::_scaled_mm), the tensor subclass's __torch_dispatch__ (`PythonSubclass`), and an autograd
+# Function named for FP8 (torchao's `matmul_with_hp_or_float8_args` and its `...Backward`, our
+# `_Fp8SwiGLU`). Their self time (Python and dispatch around the GEMM) is filed with the GEMM inside,
+# never as a call of its own; autograd's C++ nodes (`AddmmBackward0`) stay bookkeeping.
+_SUBCLASS_DISPATCH = "PythonSubclass"
+
+
+def _is_gemm_layer_name(name: str) -> bool:
+    return name == _SUBCLASS_DISPATCH or classify(name) == "gemm" or bool(FP8_DTYPE_PATTERN.search(name))
+
+
+def _self_times(ops: list[dict]) -> tuple[list[float], list[bool], list[str | None]]:
     """Each op's time minus that of the ops nested in it on its thread, so a microsecond counts
-    once, for the op doing the work (aten::addmm, not the aten::linear around it); and which ops
-    lie inside an FP8 GEMM op. Those are folded into it (their time stays its time): on CPU,
-    aten::_scaled_mm may do its work through a nested aten::mm, which is still the FP8 GEMM."""
+    once, for the op doing the work (aten::addmm, not the aten::linear around it); which ops
+    lie inside an FP8 GEMM op; and which ops are layers around a GEMM (their category, else None).
+
+    Ops inside an FP8 GEMM op are folded into it (their time stays its time): on CPU,
+    aten::_scaled_mm may do its work through a nested aten::mm, which is still the FP8 GEMM.
+    A layer around a GEMM (`_is_gemm_layer_name`, with a GEMM op inside) is "gemm_fp8" when an
+    FP8 GEMM op is among the ops inside it, else "gemm"."""
     self_us = [e["dur"] for e in ops]
     folded = [False] * len(ops)
+    inner: list[str | None] = [None] * len(ops)  # the GEMM category found inside each op
     by_thread: dict[tuple, list[int]] = collections.defaultdict(list)
     for i, e in enumerate(ops):
         by_thread[(e["pid"], e["tid"])].append(i)
@@ -187,8 +205,13 @@ def _self_times(ops: list[dict]) -> tuple[list[float], list[bool]]:
                     folded[i] = True
                 else:
                     self_us[parent] -= ops[i]["dur"]
+            fp8 = bool(FP8_OP_PATTERN.search(ops[i]["name"]))
+            if not folded[i] and (fp8 or classify(ops[i]["name"]) == "gemm"):
+                for a in stack:  # an FP8 GEMM anywhere inside makes the layer an FP8 GEMM's
+                    inner[a] = "gemm_fp8" if fp8 or inner[a] == "gemm_fp8" else "gemm"
             stack.append(i)
-    return [max(t, 0.0) for t in self_us], folded
+    layers = [c if c and _is_gemm_layer_name(e["name"]) else None for e, c in zip(ops, inner)]
+    return [max(t, 0.0) for t in self_us], folded, layers
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -209,6 +232,7 @@ def summarize_events(events: list[dict], *, num_steps: int,
     kernels = [e for e in events if e["cat"] == "kernel"]
     cpu_ops = [e for e in events if e["cat"] == "cpu_op"]
     fp8_ids: set = set()
+    layer_of: dict[int, str] = {}  # CPU: id(op) -> the GEMM category of the GEMM it is a layer around
     # The op that launched a kernel knows its input dtypes (when shapes were recorded).
     op_types = {e["external_id"]: e.get("input_types") for e in cpu_ops if e["external_id"] is not None}
     if kernels:
@@ -219,18 +243,30 @@ def summarize_events(events: list[dict], *, num_steps: int,
         fp8_ids = {e["external_id"] for e in cpu_ops
                    if e["external_id"] is not None and FP8_OP_PATTERN.search(e["name"])}
     else:
-        self_us, folded = _self_times(cpu_ops)
+        self_us, folded, layers = _self_times(cpu_ops)
         device = "cpu"
         timed = [e for e, f in zip(cpu_ops, folded) if not f]
         times = [t for t, f in zip(self_us, folded) if not f]
+        layer_of = {id(e): c for e, c in zip(cpu_ops, layers) if c}
 
     # Keyed by (name, category): a kernel name is an FP8 GEMM for the calls _scaled_mm launched.
     totals: dict[tuple[str, str], float] = collections.defaultdict(float)
     calls: collections.Counter[tuple[str, str]] = collections.Counter()
     fp8_calls: collections.Counter[str] = collections.Counter()
     gemm_dtypes: collections.Counter[str] = collections.Counter()
+    layer_calls = 0  # calls of layers around a GEMM: their time is GEMM time, their calls are not GEMMs
     for e, t in zip(timed, times):
-        fp8 = is_fp8_gemm(e["name"]) or (bool(fp8_ids) and e["external_id"] in fp8_ids)
+        if layer := layer_of.get(id(e)):
+            totals[e["name"], layer] += t
+            calls[e["name"], layer] += 1
+            layer_calls += 1
+            continue
+        if device == "cpu":
+            # A CPU op is an FP8 GEMM by being one (aten::_scaled_mm, ...), not by a dtype in its name: an
+            # FP8-named wrapper with only a bf16 GEMM inside ran no FP8 GEMM.
+            fp8 = bool(FP8_OP_PATTERN.search(e["name"]))
+        else:
+            fp8 = is_fp8_gemm(e["name"]) or (bool(fp8_ids) and e["external_id"] in fp8_ids)
         category = "gemm_fp8" if fp8 else classify(e["name"])
         totals[e["name"], category] += t
         calls[e["name"], category] += 1
@@ -260,7 +296,7 @@ def summarize_events(events: list[dict], *, num_steps: int,
         busy_us=busy,
         category_us=category_us,
         ops=ops,
-        num_gemm_calls=sum(s.calls for s in ops if s.category in GEMM_CATEGORIES),
+        num_gemm_calls=sum(s.calls for s in ops if s.category in GEMM_CATEGORIES) - layer_calls,
         fp8_gemm_calls=sum(fp8_calls.values()),
         fp8_gemm_names=[n for n, _ in fp8_calls.most_common()],
         gemm_dtypes=dict(gemm_dtypes.most_common()),

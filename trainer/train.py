@@ -37,7 +37,7 @@ from trainer.parallel.fp8_health import Fp8HealthHook
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import resolve_phases, run_precision_schedule
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
-from trainer.run_files import describe_precision, write_run_files
+from trainer.run_files import cpu_precision_hint, describe_precision, write_run_files
 from trainer.run_lock import RunLock, check_writable
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.validate import ResolvedJob, validate_job
@@ -200,7 +200,7 @@ class Trainer:
     def _log_model(self) -> None:
         # The startup lines users check, in this order: Applied Float8 training (from
         # build_parallel_model), Optimizer groups, Model.
-        logger.info("Optimizer groups: %s", describe_param_groups(self.optimizer))
+        logger.info("Optimizer groups: %s", describe_param_groups(self.optimizer, self.scheduler.schedule))
         args = self.model_args
         logger.info(
             "Model: %s, %s parameters (%s non-embedding), dim=%d, layers=%d, heads=%d/%d kv, vocab=%d",
@@ -208,6 +208,8 @@ class Trainer:
             args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
         )
         logger.info(describe_precision(self.cfg, self.job))
+        if hint := cpu_precision_hint(self.cfg.train.mixed_precision, self.device.type):
+            logger.info(hint)
         if is_moe(args):
             logger.info(
                 "MoE: %s active parameters per token (MFU counts these); %d routed experts top-%d (%s scores%s), "

@@ -351,7 +351,8 @@ def test_bad_input_is_one_line_before_training(trained, tmp_path):
 def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
     tokens = torch.randint(0, DEBUG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     # The final export of the run: bf16 weights, one model.safetensors.
-    assert sorted(p.name for p in (trained / "step-2-hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (trained / "step-2-hf").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]  # the byte tokenizer's
     checkpoint = load_model(trained / "step-2")
     exported = load_model(trained / "step-2-hf")
     assert exported.args.ffn_dim == DEBUG.ffn_dim and exported.args.n_layers == DEBUG.n_layers

@@ -112,6 +112,17 @@ def test_every_shipped_config_is_listed() -> None:
     assert sorted(SHIPPED) == [p.name for p in CONFIGS]
 
 
+def test_no_shipped_description_names_a_precision() -> None:
+    # The console's "job: <description>" line must not say bf16 when --train.mixed_precision=fp8 overrides it;
+    # the "precision:" line of the header says the precision the run resolved.
+    import re
+
+    for path in CONFIGS:
+        description = load_job_config(["--config", str(path)]).job.description
+        assert not re.search(r"\b(fp|bf)(8|16|32)\b|float8|tensorwise|rowwise", description, re.I), (path.name,
+                                                                                                 description)
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_validates(path: Path, tmp_path: Path, on_h100) -> None:
     cfg = load_job_config(["--config", str(path)])

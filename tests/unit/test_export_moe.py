@@ -258,6 +258,47 @@ def test_export_copies_the_tokenizer_and_transformers_reads_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+# Every byte that valid UTF-8 holds: code points 0-0x7ff (1- and 2-byte forms, all continuation bytes),
+# one per 3-byte lead 0xe0-0xef (0xd000, not a surrogate) and the 4-byte leads 0xf0-0xf4; then the kinds of text.
+EVERY_UTF8_BYTE = "".join(map(chr, [*range(0x800), 0x800, *range(0x1000, 0x10000, 0x1000), 0x10000, 0x40000,
+                                    0x80000, 0xc0000, 0x10ffff]))
+BYTE_TEXTS = [EVERY_UTF8_BYTE, "The Python ", "  two  spaces\n\nnewlines\r\n\ttab ", "héllo wörld — “quoted”",
+              "日本語のテキスト", "emoji 🎉 and a family 👩‍👩‍👧", ""]
+
+
+def test_byte_tokenizer_export_gives_our_ids_in_transformers(tmp_path):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from trainer.data import ByteTokenizer
+    from trainer.export.tokenizer import is_byte_tokenizer_json
+
+    out = _export(_weights(_random_moe(BASE)), BASE, tmp_path / "hf", tokenizer=resolve_tokenizer("byte"))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    assert stat.S_IMODE((out / "tokenizer.json").stat().st_mode) == 0o644 and is_byte_tokenizer_json(
+        out / "tokenizer.json")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, len(hf_tok)) == (256, 257, 258)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
+    # id b is GPT-2's character for byte b (transformers' own table), so every byte decodes as itself.
+    assert hf_tok.convert_ids_to_tokens(list(range(256))) == [bytes_to_unicode()[b] for b in range(256)]
+    ours = ByteTokenizer()
+    for text in BYTE_TEXTS:
+        ids = hf_tok(text)["input_ids"]
+        assert ids == ours.encode(text), text[:40]
+        assert hf_tok.decode(ids) == text == ours.decode(ids), text[:40]
+    # The docs' prompt: the EOS token's text is the special id, then bytes.
+    assert hf_tok(hf_tok.eos_token + "Hi")["input_ids"] == [257, ord("H"), ord("i")]
+    # The trainer's own tokenizer.json reader (the tokenizers package) finds the same ids and BOS/EOS.
+    pytest.importorskip("tokenizers")
+    from trainer.data import build_tokenizer
+
+    theirs = build_tokenizer(str(out / "tokenizer.json"))
+    assert (theirs.vocab_size, theirs.bos_id, theirs.eos_id) == (258, 256, 257)
+    assert all(theirs.encode(text) == ours.encode(text) for text in BYTE_TEXTS)
+
+
 def _checkpoint_with_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
     from trainer.checkpoint import run_tokenizer
 
@@ -341,7 +382,8 @@ def test_trained_moe_export_and_convert_load_in_transformers(trained_moe, tmp_pa
     assert all(b.abs().sum() > 0 for b in biases.values())  # the balancer moved them
     # The run's final export: bf16 weights, fp32 expert biases (bit-equal to the checkpoint's), byte tokenizer ids.
     final = trained_moe / "step-3-hf"
-    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]  # byte tokenizer: no files
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                       "tokenizer_config.json"]  # the byte tokenizer, written out
     assert json.loads((final / "config.json").read_text())["eos_token_id"] == 257
     exported = load_model(final)
     assert all(torch.equal(exported.state_dict()[k], v) for k, v in biases.items())
@@ -364,17 +406,24 @@ def test_trained_moe_export_and_convert_load_in_transformers(trained_moe, tmp_pa
 
 
 @pytest.mark.slow
-def test_generate_script_samples_from_checkpoint_and_export(trained_moe):
+def test_generate_script_samples_from_checkpoint_and_export(trained_moe, tmp_path):
     def generate(*args):
         return subprocess.run([sys.executable, GENERATE, *args, "--prompt=The ", "--max-new-tokens=16",
                                "--temperature=0"], capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
 
     from_checkpoint = generate(str(trained_moe))  # the latest checkpoint; its run recorded the byte tokenizer
     assert from_checkpoint.returncode == 0, from_checkpoint.stderr[-2000:]
-    from_export = generate(str(trained_moe / "step-3-hf"), "--tokenizer=byte")
+    from_export = generate(str(trained_moe / "step-3-hf"))  # its tokenizer.json: the byte tokenizer's
     assert from_export.returncode == 0, from_export.stderr[-2000:]
     for proc in (from_checkpoint, from_export):  # stdout is the text alone: the prompt and 16 bytes at most
         assert proc.stdout.startswith("The ") and len(proc.stdout.encode()) > len("The \n"), proc.stdout
-    # An export without tokenizer files names no tokenizer: one line, exit 2.
-    bad = generate(str(trained_moe / "step-3-hf"))
+    # Greedy, and "--tokenizer=byte" names the same tokenizer: the same text.
+    assert generate(str(trained_moe / "step-3-hf"), "--tokenizer=byte").stdout == from_export.stdout
+    assert "greedy" in from_export.stderr and "top-" not in from_export.stderr
+    # An export without tokenizer files (--no-tokenizer) names no tokenizer: one line, exit 2.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((trained_moe / "step-3-hf" / name).read_bytes())
+    bad = generate(str(bare))
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--tokenizer=byte" in bad.stderr

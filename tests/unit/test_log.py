@@ -92,3 +92,25 @@ def test_installing_twice_keeps_one_filter(capture) -> None:
     install_warning_filters(1)
     filters = [f for f in logging.getLogger("torchao").filters if isinstance(f, KnownWarningFilter)]
     assert len(filters) == 1 and not filters[0].explain
+
+
+@pytest.mark.parametrize("folder, dropped", [("/usr/lib/python3.12/site-packages/torchao/quantization", True),
+                                             ("C:\\Python312\\Lib\\site-packages\\torchao", True),
+                                             ("/usr/lib/python3.12/site-packages/other", False),
+                                             ("/home/me/not_torchao_but_named_so", False)])
+def test_torchao_escape_warning_at_compile_is_dropped_and_no_other(folder, dropped):
+    import warnings
+
+    from trainer.log import ignore_torchao_escape_warnings
+
+    # What Python does on importing torchao 0.18's quant_api.py without a .pyc: a compile-time warning
+    # (SyntaxWarning from 3.12, DeprecationWarning before) whose filename is the source file.
+    source = 'def f():\n    """fqn regex like "layers\\.0"."""\n'
+    sep = "\\" if "\\" in folder else "/"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ignore_torchao_escape_warnings()
+        compile(source, f"{folder}{sep}quant_api.py", "exec")
+        warnings.warn("another warning of torchao's", SyntaxWarning)  # not an escape sequence: kept
+    escapes = [w for w in seen if "invalid escape sequence" in str(w.message)]
+    assert len(escapes) == (0 if dropped else 1) and len(seen) == len(escapes) + 1

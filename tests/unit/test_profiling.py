@@ -96,6 +96,19 @@ def test_window_edges(tmp_path, start_step, end_step):
     assert _step_markers(events) == list(range(start_step, end_step + 1))
 
 
+def test_kineto_start_and_stop_lines_stay_off_the_console(tmp_path, capfd):
+    _train(tmp_path)
+    assert "profiler_st" not in capfd.readouterr().err
+    # Only those two lines: anything else written to fd 2 meanwhile comes through, in order.
+    from trainer.profiling import _without_kineto_markers
+
+    with _without_kineto_markers():
+        os.write(2, b"USDT:2026-11-25 10:57:05 15145:15145 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+                    b"ERROR:2026-11-25 10:57:05 15145:15145 CuptiActivityProfiler.cpp:9] kept\n"
+                    b"USDT:2026-11-25 10:57:05 15145:15145 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    assert capfd.readouterr().err == "ERROR:2026-11-25 10:57:05 15145:15145 CuptiActivityProfiler.cpp:9] kept\n"
+
+
 def test_other_ranks_write_a_trace_but_no_summary(tmp_path):
     _train(tmp_path, rank=3)
     assert os.listdir(tmp_path) == [f"rank3_step3-5{TRACE_SUFFIX}"]
@@ -196,7 +209,12 @@ def test_torchao_float8_training_counts_as_fp8(tmp_path):
         _fp32_step(model)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     summary = summarize_events(load_trace_events(str(tmp_path / "t.json")), num_steps=1)
-    assert summary.fp8_gemm_ran and summary.fp8_gemm_names[0] == "aten::_scaled_mm"
+    assert summary.fp8_gemm_ran and summary.fp8_gemm_names == ["aten::_scaled_mm"]
+    # Each of the 2 Linear layers runs 1 FP8 GEMM forward and 2 backward: 6, torchao's wrapper not counted.
+    assert summary.fp8_gemm_calls == summary.num_gemm_calls == 6
+    assert {s.category for s in summary.ops if "float8" in s.name or s.name == "PythonSubclass"} <= {
+        "gemm_fp8", "other"}  # other: the subclass's dispatch of views (aten::t), and the casts
+    assert all(s.category == "gemm_fp8" for s in summary.ops if s.name.endswith("float8_argsBackward"))
     assert fp8_warning(summary) is None
 
 
@@ -349,6 +367,45 @@ def test_cpu_fp8_gemm_time_includes_what_scaled_mm_runs_inside():
     assert (summary.num_gemm_calls, summary.fp8_gemm_calls) == (3, 1)
     assert format_summary(summary).splitlines()[-1] == (
         "FP8 GEMMs ran: yes (1 calls, 55.6% of GEMM time: aten::_scaled_mm)")
+
+
+def test_cpu_fp8_gemm_counts_once_through_torchao_and_its_backward():
+    # The nesting of a CPU trace of torchao's Float8Linear (torchao 0.18, seen in a real trace): the autograd
+    # Function, the aten::mm on its Float8 tensor, the subclass dispatch, then the one FP8 GEMM. Its
+    # backward runs two. Start and duration in us; the comment is the op's self time.
+    nest = [  # (name, ts, dur), indented by depth
+        ("matmul_with_hp_or_float8_args", 0, 100),  # 100 - 10 - 70 = 20
+        ("  aten::abs", 5, 10),  # the cast's amax: elementwise, 10
+        ("  aten::mm", 20, 70), ("    PythonSubclass", 22, 66), ("      aten::_scaled_mm", 30, 50),  # 4, 16, 50
+        ("        aten::mm", 40, 30),  # folded into the aten::_scaled_mm around it
+        ("autograd::engine::evaluate_function: matmul_with_hp_or_float8_argsBackward", 200, 200),  # 4
+        ("  matmul_with_hp_or_float8_argsBackward", 202, 196),  # 196 - 80 - 90 = 26
+        ("    aten::mm", 210, 80), ("      PythonSubclass", 212, 76), ("        aten::_scaled_mm", 220, 60),
+        ("    aten::mm", 300, 90), ("      PythonSubclass", 302, 86), ("        aten::_scaled_mm", 310, 70),
+        ("aten::matmul", 500, 60), ("  aten::mm", 505, 50),  # a bf16 GEMM through aten::matmul: one call
+        # A compiled region is no layer around its GEMM: its self time is its own (inductor's kernels).
+        ("CompiledFunction", 600, 100), ("  aten::_scaled_mm", 610, 40),  # 60, 40
+    ]
+    summary = summarize_events([_event(n.strip(), "cpu_op", ts, dur) for n, ts, dur in nest], num_steps=1)
+    rows = {(s.name, s.category): (s.calls, s.total_us) for s in summary.ops}
+    assert rows == {
+        ("aten::_scaled_mm", "gemm_fp8"): (4, 50 + 60 + 70 + 40),
+        ("PythonSubclass", "gemm_fp8"): (3, 16 * 3),
+        ("aten::mm", "gemm_fp8"): (3, 4 * 3),
+        ("matmul_with_hp_or_float8_args", "gemm_fp8"): (1, 20),
+        ("matmul_with_hp_or_float8_argsBackward", "gemm_fp8"): (1, 26),
+        ("autograd::engine::evaluate_function: matmul_with_hp_or_float8_argsBackward", "gemm_fp8"): (1, 4),
+        ("aten::mm", "gemm"): (1, 50), ("aten::matmul", "gemm"): (1, 10),
+        ("aten::abs", "other"): (1, 10), ("CompiledFunction", "other"): (1, 60),
+    }
+    assert (summary.fp8_gemm_calls, summary.num_gemm_calls, summary.fp8_gemm_names) == (4, 5, ["aten::_scaled_mm"])
+    assert summary.category_us == {"gemm_fp8": 330, "gemm": 60, "attention": 0, "communication": 0, "other": 70}
+    # torchao's wrapper with only a bf16 GEMM inside ran no FP8 GEMM, and its GEMM is one call.
+    fallback = summarize_events([_event("matmul_with_hp_or_float8_args", "cpu_op", 0, 100),
+                                 _event("aten::mm", "cpu_op", 10, 80)], num_steps=1)
+    assert not fallback.fp8_gemm_ran and fallback.num_gemm_calls == 1
+    assert {(s.name, s.category) for s in fallback.ops} == {("matmul_with_hp_or_float8_args", "gemm"),
+                                                            ("aten::mm", "gemm")}
 
 
 def test_summary_of_a_cpu_trace_counts_self_time():

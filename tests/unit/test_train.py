@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from trainer.train import NonFiniteError, Trainer
 def test_debug_run_learns_and_writes_metrics(tmp_path: Path) -> None:
     proc = launch(["--config", DEBUG_CONFIG, "--train.steps=30", f"--job.dump_folder={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "slower than 'fp32'" not in proc.stdout + proc.stderr  # the debug config trains in fp32: no hint
     from tests.helpers import read_metrics
 
     records = read_metrics(tmp_path)
@@ -66,6 +68,32 @@ def test_lr_schedule_shapes() -> None:
     wsd = [lr_lambda(s, decay_type="wsd", **common) for s in range(21)]
     assert wsd[4:15] == [1.0] * 11 and wsd[20] == pytest.approx(0.1) and 0.1 < wsd[17] < 1.0
     assert lr_lambda(100, decay_type="constant", **common) == 1.0
+
+
+@pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd", "constant"])
+def test_optimizer_line_says_the_peak_lr_and_where_the_schedule_changes(decay_type: str) -> None:
+    from trainer.optim import build_lr_scheduler, describe_param_groups
+
+    schedule = dict(warmup_steps=100, total_steps=1000, decay_type=decay_type, min_lr_ratio=0.1, wsd_decay_ratio=0.2)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=3e-4, weight_decay=0.1)
+    line = describe_param_groups(optimizer, build_lr_scheduler(optimizer, **schedule).schedule)
+    # The group's lr is now warmup's first (3e-6): the line must say the configured peak, not that.
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-6) and "3e-06" not in line
+    assert line.startswith("AdamW, 1 group: 1 tensors, 3 parameters, weight_decay=0.1; lr 0.0003 peak, warmup 100 "
+                           "steps linear, "), line
+
+    def lr_at(step: int) -> float:  # the log's 1-based step
+        return lr_lambda(step - 1, **schedule)
+
+    assert lr_at(99) < 1.0 == lr_at(100)  # the peak is first reached at step 100
+    if decay_type == "constant":
+        assert line.endswith("then constant") and lr_at(1000) == 1.0
+        return
+    first, last = map(int, re.search(r"decay to 3e-05 over steps (\d+)-(\d+)$", line).groups())
+    assert last == 1000 and lr_at(first - 1) == 1.0 == lr_at(first) > lr_at(first + 1)  # decay starts after `first`
+    assert lr_at(1000) == pytest.approx(0.1, abs=0.9 / (1000 - first))  # one step's decay short of the floor
+    if decay_type == "wsd":
+        assert f"constant to step {first - 1}, then linear decay" in line
 
 
 def _trainer_with_nan(tmp_path: Path, on_nonfinite: str) -> Trainer:
@@ -142,6 +170,7 @@ def test_startup_lines_follow_the_fp8_page(tmp_path: Path) -> None:
     groups = lines[order[1]]
     # fp8 keeps bf16 master weights by default (distributed.master_dtype="auto"), with stochastic rounding.
     assert "BF16AdamW (bf16 master weights, stochastic rounding), 1 group: 39 tensors, 918,656 parameters" in groups
+    assert groups.endswith("; lr 0.003 peak, warmup 5 steps linear (train.steps=1 ends inside it)"), groups
     assert "Model: debug, 918,656 parameters (853,120 non-embedding)" in lines[order[2]]
 
 
@@ -163,6 +192,8 @@ def test_console_is_a_short_header_and_the_values_used_go_to_files(tmp_path: Pat
     assert "[train]" not in text and "vocab_size = 0" not in text
     # No advice to compile on a CPU: fp8 there is for tests, and compiling it costs minutes before step 1 (docs/fp8.md).
     assert "compile_model" not in text, text
+    # fp8 on CPU is several times slower than fp32: said once, in the header.
+    assert text.count("on CPU, train.mixed_precision='fp8' runs several times slower than 'fp32'") == 1
     given = tomllib.loads((tmp_path / "config.toml").read_text())
     assert given["model"]["vocab_size"] == 0 and given["distributed"]["master_dtype"] == "auto"
     used = tomllib.loads((tmp_path / "resolved.toml").read_text())

@@ -2,9 +2,9 @@
 
 A `tokenizer.json` (data.tokenizer) is copied as is, with a `tokenizer_config.json` naming
 its BOS/EOS tokens, so `AutoTokenizer.from_pretrained(export)` loads it. The built-in byte
-tokenizer has no file: the export then holds no tokenizer files, and config.json names
-its BOS/EOS ids (256, 257). Read without the `tokenizers` package (training does not
-need it either): ids come from the file's JSON, by the candidates the trainer's own
+tokenizer has no file of its own: the export gets one written here (`byte_tokenizer_json`)
+that gives the same ids. Read and written without the `tokenizers` package (training does
+not need it either): ids come from the file's JSON, by the candidates the trainer's own
 `HFTokenizer` tries.
 """
 
@@ -34,8 +34,64 @@ class ExportTokenizer:
 
     def describe(self) -> str:
         if not self.is_file:
-            return "no tokenizer files (the built-in byte tokenizer: ids 0-255 are UTF-8 bytes, 256 BOS, 257 EOS)"
+            return (f"tokenizer.json of the built-in byte tokenizer (ids 0-255 are UTF-8 bytes, {self.bos_id} "
+                    f"{self.bos_token}, {self.eos_id} {self.eos_token})")
         return f"tokenizer.json copied from {self.spec}"
+
+
+# The byte tokenizer's ids have no names; these are Llama 3's, and both are candidates the trainer's
+# HFTokenizer tries (trainer/data/tokenizer.py), so reading the export's tokenizer.json finds the same BOS/EOS.
+BYTE_BOS_TOKEN = "<|begin_of_text|>"
+BYTE_EOS_TOKEN = "<|end_of_text|>"
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The character ByteLevel (GPT-2's `bytes_to_unicode`) writes for each byte 0..255.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7f-0xa0,
+    0xad) become chr(256 + k) in byte order, so every byte is one visible character.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = (b for b in range(256) if b not in printable)
+    alphabet = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(shifted)}
+    return [alphabet[b] for b in range(256)]
+
+
+def byte_tokenizer_json() -> dict:
+    """A tokenizer.json (the `tokenizers` format) that encodes text as our ByteTokenizer does: id = UTF-8 byte.
+
+    A BPE model without merges over ByteLevel's 256 byte characters, id = byte value, after a
+    ByteLevel pre-tokenizer without regex split or prefix space: every byte is one token.
+    The ByteLevel decoder maps them back to bytes. BOS/EOS are added tokens 256/257; as with
+    any HF tokenizer, their literal text in a string encodes as the special id, where
+    ByteTokenizer.encode gives its bytes. No post-processor: nothing is added on encode, as in training.
+    """
+    from trainer.data.tokenizer import _BOS_TOKENS, _EOS_TOKENS, ByteTokenizer
+
+    assert BYTE_BOS_TOKEN in _BOS_TOKENS and BYTE_EOS_TOKEN in _EOS_TOKENS
+    special = [(ByteTokenizer.bos_id, BYTE_BOS_TOKEN), (ByteTokenizer.eos_id, BYTE_EOS_TOKEN)]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, t in special],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {c: b for b, c in enumerate(_byte_level_alphabet())}, "merges": []},
+    }
+
+
+def is_byte_tokenizer_json(path: Path) -> bool:
+    """Whether `path` is the tokenizer.json an export of a byte-tokenizer run holds (read as JSON, not run)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) == byte_tokenizer_json()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
 
 
 def resolve_tokenizer(spec: str, *, fingerprint: str | None = None, where: str = "the run") -> ExportTokenizer:
@@ -43,7 +99,7 @@ def resolve_tokenizer(spec: str, *, fingerprint: str | None = None, where: str =
     from trainer.data.tokenizer import _BOS_TOKENS, _EOS_TOKENS, ByteTokenizer, tokenizer_fingerprint
 
     if spec == "byte":
-        return ExportTokenizer("byte", ByteTokenizer.bos_id, ByteTokenizer.eos_id)
+        return ExportTokenizer("byte", ByteTokenizer.bos_id, ByteTokenizer.eos_id, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN)
     path = Path(spec)
     if not path.is_file():
         raise ExportError(f"tokenizer {path} (recorded by {where}) does not exist; pass --tokenizer=PATH of the "
@@ -68,10 +124,12 @@ def resolve_tokenizer(spec: str, *, fingerprint: str | None = None, where: str =
 
 
 def write_tokenizer_files(tok: ExportTokenizer, *, folder: Path, max_seq_len: int) -> None:
-    """tokenizer.json and tokenizer_config.json into `folder` (nothing for the byte tokenizer)."""
-    if not tok.is_file:
-        return
-    shutil.copyfile(tok.spec, folder / "tokenizer.json")
+    """tokenizer.json (the run's, or the byte tokenizer's written out) and tokenizer_config.json into `folder`."""
+    if tok.is_file:
+        shutil.copyfile(tok.spec, folder / "tokenizer.json")
+    else:
+        text = json.dumps(byte_tokenizer_json(), indent=2, ensure_ascii=False)
+        (folder / "tokenizer.json").write_text(text + "\n", encoding="utf-8")
     os.chmod(folder / "tokenizer.json", FILE_MODE)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
