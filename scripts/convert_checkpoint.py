@@ -83,13 +83,13 @@ def export(args: argparse.Namespace) -> None:
 def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
     from trainer.export import read_hf_weights
-    from trainer.models import is_moe, model_args_for
+    from trainer.models import family_of, model_args_for
     from trainer.output_folder import IMPORT, check_output
 
     check_output(args.out, kind=IMPORT)  # before reading any weights: never into a folder of checkpoints
     model_args = model_args_for(args.flavor, vocab_size=args.vocab_size, n_layers=args.n_layers)
     weights = read_hf_weights(args.hf_folder, args=model_args)
-    if is_moe(model_args):
+    if family_of(model_args).has_router:
         model_args = _routing_of_folder(model_args, Path(args.hf_folder))
     run = RunInfo(flavor=args.flavor, model_args=model_args, mixed_precision="hf-import")
     out = save_model_only(Path(args.out), weights, run=run, source=str(Path(args.hf_folder).resolve()))

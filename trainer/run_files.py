@@ -30,12 +30,12 @@ def resolved_config(cfg: JobConfig, job: ResolvedJob) -> dict[str, dict[str, Any
     """cfg's sections with every placeholder replaced by what validation resolved."""
     import torch
 
-    from trainer.models import is_moe
+    from trainer.models import family_of
 
     d = cfg.to_dict()
     args, pd, build = job.model_args, job.parallel_dims, job.build
     d["model"].update(vocab_size=args.vocab_size, n_layers=args.n_layers)
-    if is_moe(args):
+    if family_of(args).has_router:  # the routing values of [moe]
         d["moe"].update(top_k=args.top_k, aux_loss_coef=args.aux_loss_coef, bias_update_rate=args.bias_update_rate,
                         capacity_factor=args.capacity_factor)
     d["distributed"].update(

@@ -27,7 +27,7 @@ from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
 from trainer.loss import LossFn, build_loss_fn
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
-from trainer.models import build_model, flops_per_token, is_moe, num_params, param_counts
+from trainer.models import build_model, family_of, flops_per_token, num_params
 from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups, resolve_implementation
 from trainer.parallel import build_parallel_model
@@ -210,19 +210,13 @@ class Trainer:
         logger.info(describe_precision(self.cfg, self.job))
         if hint := cpu_precision_hint(self.cfg.train.mixed_precision, self.device.type):
             logger.info(hint)
-        if is_moe(args):
-            logger.info(
-                "MoE: %s active parameters per token (MFU counts these); %d routed experts top-%d (%s scores%s), "
-                "%d shared, %d dense layers; aux_loss_coef=%g, bias_update_rate=%g, capacity_factor=%g",
-                f"{param_counts(args)[1]:,}", args.n_experts, args.top_k, args.score_func,
-                ", renormalized" if args.route_norm else "", args.n_shared_experts, args.n_dense_layers,
-                args.aux_loss_coef, args.bias_update_rate, args.capacity_factor,
-            )
+        if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
+            logger.info(family_line)
 
     def _build_hooks(self, job: ResolvedJob) -> list[StepHook]:
         """The per-step hooks (trainer/hooks.py) this job needs, in the order they run."""
         cfg, t, hooks = self.cfg, self.cfg.train, []
-        if is_moe(self.model_args):
+        if family_of(self.model_args).has_router:
             # Expert loads summed over every rank of the stage (ep ranks are dp ranks too; tp ranks route
             # slices of the same sequences); on every rank, since its collectives are (a pipeline rank may
             # hold no MoE layer).

@@ -28,15 +28,19 @@ from trainer.export.folder import (
 )
 from trainer.export.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
 from trainer.export.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
-from trainer.models import is_moe
+from trainer.models import family_of
 from trainer.models.llama import ModelArgs
 
 logger = logging.getLogger("trainer.export")
 
 
+# Each model family's mapping, by the family's name (trainer.models.family.ModelFamily.name).
+_FAMILY_EXPORTS: dict[str, ModuleType] = {"llama": llama, "moe": moe}
+
+
 def family(args: ModelArgs) -> ModuleType:
     """The module that maps this model family: `trainer.export.moe` or `trainer.export.llama`."""
-    return moe if is_moe(args) else llama
+    return _FAMILY_EXPORTS[family_of(args).name]
 
 
 def _family_of_config(config: dict, *, where: str) -> ModuleType:

@@ -1,5 +1,6 @@
-"""Model families and their flavors. The family follows from `[model] flavor`:
-dense Llama 3 flavors (`trainer.models.llama`) and MoE flavors (`trainer.models.moe`)."""
+"""Model families and their flavors. The family follows from `[model] flavor`: dense Llama 3 flavors
+(`trainer.models.llama`) and MoE flavors (`trainer.models.moe`); what differs between them is the
+`ModelFamily` of `trainer.models.family`, resolved from the args by `family_of`."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ from typing import Any
 
 from torch import nn
 
-from trainer.models.llama import FLAVORS as LLAMA_FLAVORS
+from trainer.models.family import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import Llama, ModelArgs, num_params
-from trainer.models.llama import flops_per_token as dense_flops_per_token
 from trainer.models.llama import model_args_for as llama_args_for
-from trainer.models.moe import MOE_FLAVORS, MoEArgs, MoETransformer, moe_args_for, moe_flops_per_token, param_counts
+from trainer.models.moe import MOE_FLAVORS, MoEArgs, MoETransformer, moe_args_for
 
-FLAVORS: dict[str, ModelArgs] = {**LLAMA_FLAVORS, **MOE_FLAVORS}
+FLAVORS: dict[str, ModelArgs] = {name: args for family in FAMILIES.values() for name, args in family.flavors.items()}
 
 
 def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_seq_len: int = 0,
@@ -28,17 +28,23 @@ def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_s
 
 
 def is_moe(args: ModelArgs) -> bool:
-    return isinstance(args, MoEArgs)
+    """Whether the model routes tokens to experts (`family_of(args).has_router`)."""
+    return family_of(args).has_router
 
 
 def build_model(args: ModelArgs) -> nn.Module:
     """The family's model for these args (call under `torch.device("meta")` to allocate nothing)."""
-    return MoETransformer(args) if is_moe(args) else Llama(args)
+    return family_of(args).build(args)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token for MFU; MoE models count their ACTIVE parameters."""
-    return moe_flops_per_token(args, seq_len) if is_moe(args) else dense_flops_per_token(args, seq_len)
+    return family_of(args).flops_per_token(args, seq_len)
+
+
+def param_counts(args: ModelArgs) -> tuple[int, int]:
+    """(total, active) parameters: active = what one token passes through, without the embedding table."""
+    return family_of(args).param_counts(args)
 
 
 def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], float]:
@@ -49,18 +55,12 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
     attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
     attention = 12 * args.n_heads * args.head_dim * seq_len
     norms = 2 * args.dim
-    blocks = []
-    for i in range(args.n_layers):
-        if is_moe(args) and args.is_moe_layer(i):
-            ffn = 3 * args.dim * args.moe_ffn_dim * (args.n_shared_experts + args.top_k) + args.dim * args.n_experts
-        else:
-            ffn = 3 * args.dim * args.ffn_dim
-        blocks.append(6.0 * (attn + ffn + norms) + attention)
+    ffn_params = family_of(args).ffn_params
+    blocks = [6.0 * (attn + ffn_params(args, i) + norms) + attention for i in range(args.n_layers)]
     return 0.0, blocks, 6.0 * (args.dim + args.dim * args.vocab_size)
 
 
 __all__ = [
-    "FLAVORS", "Llama", "MoEArgs", "MoETransformer", "ModelArgs", "build_model", "flops_per_token",
-    "is_moe",
-    "model_args_for", "num_params", "param_counts", "pipeline_costs",
+    "FAMILIES", "FLAVORS", "Llama", "MoEArgs", "MoETransformer", "ModelArgs", "ModelFamily", "build_model",
+    "family_of", "flops_per_token", "is_moe", "model_args_for", "num_params", "param_counts", "pipeline_costs",
 ]

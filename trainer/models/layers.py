@@ -1,4 +1,5 @@
-"""Pieces every decoder family shares: shapes, RoPE, RMSNorm, attention, the dense MLP, the head, init.
+"""Pieces every decoder family shares: shapes, RoPE, RMSNorm, attention, the dense MLP, the block (attention
+and a feed-forward slot the family fills), the head, init, and the pieces of the tensor-parallel plans.
 
 `trainer.models.llama` (dense Llama 3) and `trainer.models.moe` (mixture of experts)
 build their blocks from these, so both families name modules the same way
@@ -12,12 +13,14 @@ weights load into `LlamaForCausalLM` without permuting q/k.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 from trainer.seeds import param_seed
 
@@ -144,16 +147,32 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Attention, then a feed-forward, each behind an RMSNorm and a residual: every family's block.
+
+    A family picks the feed-forward (`build_ffn`) and the attribute that holds it (`ffn_name`): fqns are a
+    contract (checkpoints, Hugging Face export, FP8 filters), so it is `mlp` here (`layers.{i}.mlp.gate_proj`)
+    and `moe` in an MoE block (`layers.{i}.moe.experts.w1`, trainer.models.moe.MoEBlock).
+    """
+
+    ffn_name = "mlp"
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        setattr(self, self.ffn_name, self.build_ffn(args))
+
+    def build_ffn(self, args: ModelArgs) -> nn.Module:
+        return MLP(args)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.mlp(self.mlp_norm(h))
+        return h + self.ffn(self.mlp_norm(h))
 
 
 class OutputHead(nn.Module):
@@ -270,3 +289,72 @@ def num_params(model: nn.Module, *, exclude_embeddings: bool = False) -> int:
     return n
 
 
+
+# ---------------------------------------------------------------------------
+# Tensor parallel: the pieces of every family's plan (trainer.parallel.tensor_parallel.apply_tp applies it)
+
+
+@dataclass
+class TPPlan:
+    """A family's tensor-parallel plan for one model: what `apply_tp` applies, module fqn -> parallel style."""
+
+    top: dict[str, ParallelStyle]
+    """The modules outside the blocks (embeddings, final norm, output head), fqns relative to the model."""
+    blocks: dict[str, dict[str, ParallelStyle]]
+    """Each block's plan by its name in `model.layers`, fqns relative to the block."""
+    sequence_modules: list[nn.Module] = field(default_factory=list)
+    """Modules that sum statistics over whole sequences (the MoE aux loss): apply_tp sets their `sequence_group`
+    to the tp group, whose ranks hold the other slices of each sequence."""
+    summary: str = ""
+    """What the family adds to apply_tp's log line."""
+
+
+def decoder_tp_plan(*, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Embeddings, final norm and head: activations between blocks are sharded on the sequence dim; with
+    loss_parallel the logits stay sharded over the vocabulary (the loss runs under `loss_parallel()`)."""
+    return {
+        # Hands its sequence shard on as a DTensor, which the model's forward unwraps
+        # (trainer.models.layers.Decoder.forward): to_local() returns a view of the DTensor's local
+        # tensor, and the embeddings are an FSDP2 unit of their own (trainer.parallel.fsdp), which
+        # must not return a view (FSDP2 warns, docs/debug.md).
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                          use_local_output=False),
+        "norm": SequenceParallel(),
+        "output_head.proj": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def block_tp_plan(ffn_name: str, ffn_plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """A block's plan: Megatron-style attention (column-parallel q/k/v, row-parallel o: one all-gather in and
+    one reduce-scatter out), sequence-parallel norms, then the feed-forward's own plan under its attribute."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        ),
+        "attention.q_proj": ColwiseParallel(),
+        "attention.k_proj": ColwiseParallel(),
+        "attention.v_proj": ColwiseParallel(),
+        "attention.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp_norm": SequenceParallel(),
+    } | prefixed(ffn_name, ffn_plan)
+
+
+def mlp_tp_plan() -> dict[str, ParallelStyle]:
+    """The SwiGLU MLP (dense blocks, MoE shared experts): gathers the sequence, column-parallel gate/up,
+    row-parallel down back to sequence shards. The key "" is the MLP itself."""
+    return {
+        "": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "gate_proj": ColwiseParallel(),
+        "up_proj": ColwiseParallel(),
+        "down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def prefixed(prefix: str, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`plan`'s fqns under the submodule `prefix` (the key "" is the submodule itself)."""
+    return {f"{prefix}.{fqn}" if fqn else prefix: style for fqn, style in plan.items()}

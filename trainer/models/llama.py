@@ -1,6 +1,6 @@
 """Llama 3 dense decoder.
 
-Module names are a contract: the FP8 filter, tensor parallel plan, checkpoint
+Module names are a contract: the FP8 filter, tensor parallel plan (`tp_plan`), checkpoint
 export and tests address modules as `tok_embeddings`,
 `layers.{i}.attention.{q,k,v,o}_proj`, `layers.{i}.mlp.{gate,up,down}_proj`,
 `layers.{i}.attention_norm`, `layers.{i}.mlp_norm`, `norm`, `output_head.proj`.
@@ -20,10 +20,14 @@ from trainer.models.layers import (  # noqa: F401  (re-exported: `from trainer.m
     OutputHead,
     RMSNorm,
     RopeScaling,
+    TPPlan,
     TransformerBlock,
     _fill,
     apply_rope,
+    block_tp_plan,
     clean_fqn,
+    decoder_tp_plan,
+    mlp_tp_plan,
     num_params,
     rope_cache,
     rope_inv_freq,
@@ -71,6 +75,13 @@ def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_s
 class Llama(Decoder):
     def __init__(self, args: ModelArgs):
         super().__init__(args, [TransformerBlock(args) for _ in range(args.n_layers)])
+
+
+def tp_plan(model: Llama, *, loss_parallel: bool) -> TPPlan:
+    """Megatron-style tensor parallel on every block (column-parallel q/k/v and gate/up, row-parallel o/down),
+    sequence-parallel norms, vocabulary-parallel head with loss_parallel."""
+    block = block_tp_plan("mlp", mlp_tp_plan())
+    return TPPlan(top=decoder_tp_plan(loss_parallel=loss_parallel), blocks={name: block for name in model.layers})
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -47,9 +47,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from trainer.model_values import param_count
-from trainer.models.layers import MLP, Attention, Decoder, ModelArgs, RMSNorm, RopeScaling, TransformerBlock
+from trainer.models.layers import (MLP, Decoder, ModelArgs, RopeScaling, TPPlan, TransformerBlock, block_tp_plan,
+                                   decoder_tp_plan, mlp_tp_plan, prefixed)
 from trainer.models.moe_fp8 import Fp8ExpertWeights, fp8_grouped_swiglu
 from trainer.models.moe_permute import (experts_to_tokens, inverse_permutation, padded_layout, select_unique_rows,
                                         tokens_to_experts)
@@ -423,17 +426,13 @@ class MoE(nn.Module):
         return rank < capacity
 
 
-class MoEBlock(nn.Module):
-    def __init__(self, args: MoEArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
-        self.moe = MoE(args)
+class MoEBlock(TransformerBlock):
+    """A block whose feed-forward is the MoE layer, at `moe` (fqns `layers.{i}.moe.*`)."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.moe(self.mlp_norm(h))
+    ffn_name = "moe"
+
+    def build_ffn(self, args: MoEArgs) -> nn.Module:
+        return MoE(args)
 
 
 class MoETransformer(Decoder):
@@ -452,13 +451,32 @@ class MoETransformer(Decoder):
                 module.aux_grad_scale.fill_(1.0)
 
 
+def tp_plan(model: MoETransformer, *, loss_parallel: bool) -> TPPlan:
+    """Dense blocks as in Llama; an MoE block's shared experts are tensor-parallel like the dense MLP, its routed
+    experts whole: each tp rank routes its own sequence slice (what sequence parallel gives it) through them, so
+    the routed path moves no bytes between tp ranks (why not Megatron's expert tensor parallel: docs/moe.md).
+    FSDP shards the experts and router over dp_shard x tp (trainer.parallel.fsdp); the aux loss sums its
+    statistics over tp (`MoE.sequence_group`: the plan's sequence_modules)."""
+    plan = TPPlan(top=decoder_tp_plan(loss_parallel=loss_parallel), blocks={})
+    dense = block_tp_plan("mlp", mlp_tp_plan())
+    for name, block in model.layers.items():
+        if not isinstance(block, MoEBlock):
+            plan.blocks[name] = dense
+            continue
+        # The routed path takes this rank's sequence slice as a plain tensor.
+        routed = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                         use_local_output=True)}
+        shared = prefixed("shared_expert", mlp_tp_plan()) if block.moe.shared_expert is not None else {}
+        plan.blocks[name] = block_tp_plan("moe", routed | shared)
+        plan.sequence_modules.append(block.moe)
+    if plan.sequence_modules:
+        plan.summary = (f"; {len(plan.sequence_modules)} MoE blocks: shared experts tensor-parallel, routed experts "
+                        "whole, each tp rank routing its sequence slice")
+    return plan
+
+
 # ---------------------------------------------------------------------------
 # Counting
-
-
-def expert_params(args: MoEArgs) -> int:
-    """Parameters of one routed expert."""
-    return 3 * args.dim * args.moe_ffn_dim
 
 
 def param_counts(args: MoEArgs) -> tuple[int, int]:
@@ -468,7 +486,7 @@ def param_counts(args: MoEArgs) -> tuple[int, int]:
     n_moe = args.n_layers - args.n_dense_layers
     total = param_count(args) - n_moe * args.n_experts  # param_count also counts the expert-bias buffers
     # Active: less the embedding table and the routed experts a token does not choose.
-    unchosen = n_moe * (args.n_experts - args.top_k) * expert_params(args)
+    unchosen = n_moe * (args.n_experts - args.top_k) * 3 * args.dim * args.moe_ffn_dim  # 3 matrices per expert
     return total, total - args.vocab_size * args.dim - unchosen
 
 

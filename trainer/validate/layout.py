@@ -12,7 +12,7 @@ import math
 from trainer.config import JobConfig, MoESection
 from trainer.errors import ConfigError
 from trainer.export import ExportError, check_exportable
-from trainer.models import ModelArgs, is_moe, pipeline_costs
+from trainer.models import ModelArgs, family_of, pipeline_costs
 from trainer.parallel import ParallelDims
 from trainer.parallel.pipeline import (
     SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineOptions, cost_split, default_stages_per_rank,
@@ -51,7 +51,7 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
 def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
     """MoE-only checks that need the flavor's shapes and the resolved degrees."""
     m = cfg.model
-    if not is_moe(args):
+    if not family_of(args).has_router:
         if pd.ep > 1:
             raise ConfigError(
                 f"distributed.ep={pd.ep} needs an MoE model, but model.flavor={m.flavor!r} is dense; "

@@ -16,7 +16,7 @@ import torch
 from trainer.config import JobConfig
 from trainer.data.loader import build_source
 from trainer.errors import ConfigError
-from trainer.models import FLAVORS, ModelArgs, build_model, is_moe, model_args_for
+from trainer.models import FLAVORS, ModelArgs, build_model, family_of, model_args_for
 from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
 from trainer.parallel.float8 import select_float8_linears
 from trainer.parallel.float8_experts import fp8_grouped_supported
@@ -34,7 +34,7 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     m, t = cfg.model, cfg.train
     if m.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
-    moe = _moe_overrides(cfg) if is_moe(FLAVORS[m.flavor]) else {}
+    moe = _moe_overrides(cfg) if family_of(FLAVORS[m.flavor]).has_router else {}
     args = model_args_for(m.flavor, vocab_size=m.vocab_size, n_layers=m.n_layers, max_seq_len=t.seq_len, **moe)
     if t.seq_len > FLAVORS[m.flavor].max_seq_len:
         # Allowed (long-context training), never silent: the position table grows past the flavor's.
@@ -177,7 +177,7 @@ def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
 def _check_fp8_experts(cfg: JobConfig, args: ModelArgs) -> None:
     """float8.moe_experts needs routed experts, shapes the FP8 grouped GEMM takes, and a device that runs it."""
     f8, key = cfg.float8, f"float8.moe_experts='{cfg.float8.moe_experts}'"
-    if not is_moe(args):
+    if not family_of(args).has_router:
         raise ConfigError(f"{key} needs an MoE flavor, but model.flavor={cfg.model.flavor!r} has no routed experts; "
                           "set float8.moe_experts='off'")
     # torch._scaled_grouped_mm: fp8 operand strides are multiples of 16 bytes (rows of dim and of moe_ffn_dim

@@ -1,0 +1,52 @@
+"""Model families (trainer/models/family.py): each family's tensor-parallel plan names modules its model has, and
+covers every Linear layer except the ones meant to stay whole; every family has its export mapping."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import trainer.export
+from trainer.models import FAMILIES, FLAVORS, build_model, family_of, model_args_for
+
+
+def _cases():
+    yield "debug", model_args_for("debug")
+    yield "debug_moe", model_args_for("debug_moe")
+    yield "debug_moe, no shared expert", replace(model_args_for("debug_moe"), n_shared_experts=0)
+
+
+@pytest.mark.parametrize("loss_parallel", [False, True])
+@pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])
+def test_tp_plan_names_existing_modules_and_covers_the_linears(name, args, loss_parallel) -> None:
+    # parallelize_module only warns on a plan key that matches no module and leaves its weights whole: a plan
+    # that lost touch with the fqns (a renamed feed-forward slot) would train unsharded, silently.
+    with torch.device("meta"):
+        model = build_model(args)
+    plan = family_of(args).tp_plan(model, loss_parallel=loss_parallel)
+    for fqn in plan.top:
+        model.get_submodule(fqn)
+    assert set(plan.blocks) == set(model.layers)
+    planned = {f"{fqn}.weight" for fqn in plan.top}
+    for block_name, block_plan in plan.blocks.items():
+        for fqn in block_plan:
+            model.layers[block_name].get_submodule(fqn)
+        planned |= {f"layers.{block_name}.{fqn}.weight" for fqn in block_plan}
+    linears = {f"{fqn}.weight" for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    # Routers stay whole under TP: each tp rank routes its own sequence slice (trainer.models.moe.tp_plan).
+    assert sorted(linears - planned) == sorted(f"layers.{i}.moe.router.gate.weight" for i in range(args.n_layers)
+                                               if getattr(args, "is_moe_layer", lambda i: False)(i))
+    # The MoE layers' aux loss sums over the tp group; nothing else asks for it.
+    moe_layers = [b.moe for b in model.layers.values() if hasattr(b, "moe")]
+    assert plan.sequence_modules == moe_layers and bool(plan.summary) == bool(moe_layers)
+
+
+def test_every_family_has_its_export_mapping_and_flavors() -> None:
+    for flavor, args in FLAVORS.items():
+        family = family_of(args)
+        assert flavor in family.flavors
+        assert trainer.export.family(args).__name__ == f"trainer.export.{family.name}"
+    assert set(FAMILIES) == {"llama", "moe"}

@@ -1,0 +1,88 @@
+"""Model families: what differs between dense Llama and MoE, in one place, resolved once from the args.
+
+    family_of(args).build(args)                  the model (under `torch.device("meta")` it allocates nothing)
+    family_of(args).flops_per_token(args, seq)   training FLOPs per token for MFU (MoE: active parameters)
+    family_of(args).param_counts(args)           (total, active) parameters
+    family_of(args).tp_plan(model, ...)          the tensor-parallel plan trainer.parallel.tensor_parallel applies
+    family_of(args).describe(args)               the family's startup line, or None
+    family_of(args).has_router                   routed experts: the [moe] section, EP, the MoE balancer hook
+
+A family's Hugging Face mapping is `trainer/export/<name>.py` (trainer.export picks it by `name`).
+Everything else (attention, norms, the dense MLP, the head, init, the block) is shared: trainer.models.layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+import trainer.models.llama as llama  # the modules, not `from trainer.models import`: the package imports this one
+import trainer.models.moe as moe
+from trainer.model_values import param_count
+from trainer.models.layers import ModelArgs, TPPlan
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    """"llama" or "moe"; also the name of its export mapping, trainer/export/<name>.py."""
+    flavors: dict[str, ModelArgs]
+    build: Callable[[ModelArgs], nn.Module]
+    flops_per_token: Callable[[ModelArgs, int], float]
+    param_counts: Callable[[ModelArgs], tuple[int, int]]
+    """(total, active): active = what one token's forward passes through, without the embedding table."""
+    ffn_params: Callable[[ModelArgs, int], int]
+    """Matmul parameters a token passes through in block i's feed-forward (the pipeline split's costs)."""
+    tp_plan: Callable[..., TPPlan]
+    """tp_plan(model, *, loss_parallel) -> TPPlan."""
+    describe: Callable[[ModelArgs], str | None]
+    """The family's own startup line (after `Model:`), or None."""
+    has_router: bool
+    """Routed experts: MoE options, expert parallelism, the balancer hook, FP8 grouped GEMMs apply."""
+
+
+def _dense_param_counts(args: ModelArgs) -> tuple[int, int]:
+    total = param_count(args)
+    return total, total - args.vocab_size * args.dim
+
+
+def _dense_ffn_params(args: ModelArgs, i: int) -> int:
+    return 3 * args.dim * args.ffn_dim
+
+
+def _moe_ffn_params(args: moe.MoEArgs, i: int) -> int:
+    if not args.is_moe_layer(i):
+        return _dense_ffn_params(args, i)
+    # The shared experts and the top_k routed experts a token passes through, and the router.
+    return 3 * args.dim * args.moe_ffn_dim * (args.n_shared_experts + args.top_k) + args.dim * args.n_experts
+
+
+def _describe_moe(args: moe.MoEArgs) -> str:
+    return (
+        "MoE: %s active parameters per token (MFU counts these); %d routed experts top-%d (%s scores%s), "
+        "%d shared, %d dense layers; aux_loss_coef=%g, bias_update_rate=%g, capacity_factor=%g" % (
+            f"{moe.param_counts(args)[1]:,}", args.n_experts, args.top_k, args.score_func,
+            ", renormalized" if args.route_norm else "", args.n_shared_experts, args.n_dense_layers,
+            args.aux_loss_coef, args.bias_update_rate, args.capacity_factor,
+        )
+    )
+
+
+LLAMA = ModelFamily(
+    name="llama", flavors=llama.FLAVORS, build=llama.Llama, flops_per_token=llama.flops_per_token,
+    param_counts=_dense_param_counts, ffn_params=_dense_ffn_params, tp_plan=llama.tp_plan,
+    describe=lambda args: None, has_router=False,
+)
+MOE = ModelFamily(
+    name="moe", flavors=moe.MOE_FLAVORS, build=moe.MoETransformer, flops_per_token=moe.moe_flops_per_token,
+    param_counts=moe.param_counts, ffn_params=_moe_ffn_params, tp_plan=moe.tp_plan,
+    describe=_describe_moe, has_router=True,
+)
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE)}
+
+
+def family_of(args: ModelArgs) -> ModelFamily:
+    """The family of these args: MoEArgs are the MoE family's, plain ModelArgs dense Llama's."""
+    return MOE if isinstance(args, moe.MoEArgs) else LLAMA
