@@ -375,6 +375,12 @@ def test_generate_script_samples_from_checkpoint_and_export(trained_moe):
     assert from_export.returncode == 0, from_export.stderr[-2000:]
     for proc in (from_checkpoint, from_export):  # stdout is the text alone: the prompt and 16 bytes at most
         assert proc.stdout.startswith("The ") and len(proc.stdout.encode()) > len("The \n"), proc.stdout
+    # Greedy decoding in bf16, the export's dtype: the checkpoint's weights rounded to bf16 are the exported ones,
+    # so both sample the same text; a weight exported under the wrong name, transposed or unrounded would not.
+    bf16 = [generate(*where, "--dtype=bfloat16") for where in ([str(trained_moe)],
+                                                               [str(trained_moe / "step-3-hf"), "--tokenizer=byte"])]
+    assert [proc.returncode for proc in bf16] == [0, 0], bf16[1].stderr[-2000:]
+    assert bf16[0].stdout == bf16[1].stdout and bf16[0].stdout.startswith("The ")
     # An export without tokenizer files names no tokenizer: one line, exit 2.
     bad = generate(str(trained_moe / "step-3-hf"))
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--tokenizer=byte" in bad.stderr
