@@ -1,4 +1,5 @@
-"""Run the real trainer in subprocesses (1 process or torchrun) and read what it wrote."""
+"""Run the real trainer in subprocesses (1 process or torchrun) and read what it wrote; the counts a flavor's
+shapes imply (parameters, Linear layers), so that tests expect what the model is, not a number copied once."""
 
 from __future__ import annotations
 
@@ -172,3 +173,33 @@ def run_cli_cases(cases: dict[str, list[str]], *, timeout: float = 300) -> dict[
                           env=env(), cwd=REPO, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+# -- what a flavor's shapes imply -------------------------------------------------------------------------------
+# Counted here from ModelArgs, independently of the model code: a flavor change moves the expected values with it,
+# a model that builds a layer too many or too few does not.
+
+
+def dense_param_counts(args) -> tuple[int, int, int]:
+    """(parameter tensors, parameters, non-embedding parameters) of a dense Llama flavor: per block the four
+    attention projections (q, o: dim x dim; k, v: dim x kv_heads x head_dim), the three MLP projections
+    (dim x ffn_dim) and two RMSNorm weights; then the final norm and the untied output head."""
+    kv = args.n_kv_heads * args.head_dim
+    block = 2 * args.dim * args.dim + 2 * args.dim * kv + 3 * args.dim * args.ffn_dim + 2 * args.dim
+    non_embedding = args.n_layers * block + args.dim + args.dim * args.vocab_size
+    tensors = 1 + args.n_layers * (4 + 3 + 2) + 2
+    return tensors, args.vocab_size * args.dim + non_embedding, non_embedding
+
+
+def fp8_linear_counts(args) -> tuple[int, int]:
+    """(Linear layers FP8 converts by default, all Linear layers) of a flavor: attention's four projections, a
+    dense MLP's three and the output head convert; an MoE block's router gate and shared-expert MLP (three
+    Linears, when the flavor has shared experts) stay in high precision; routed experts are no Linears."""
+    n_dense = getattr(args, "n_dense_layers", args.n_layers)
+    n_moe = args.n_layers - n_dense
+    shared = 3 if getattr(args, "n_shared_experts", 0) else 0
+    converted = 4 * args.n_layers + 3 * n_dense + 1
+    # torch._scaled_mm needs every GEMM dim divisible by 16: then no converted layer is left out for its shape.
+    dims = [args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, args.vocab_size]
+    assert all(d % 16 == 0 for d in dims), f"a dim of {dims} is not a multiple of 16: count the shape exclusions"
+    return converted, converted + n_moe * (1 + shared)

@@ -71,7 +71,7 @@ def dp2_run(tmp_path_factory):
             "relaunch_log": relaunch.stdout, "dump": dump, "step5": step5, "root": root}
 
 
-def test_kill_mid_save_leaves_previous_checkpoint_latest(dp2_run):
+def test_kill_mid_save_on_two_ranks_leaves_previous_checkpoint_latest(dp2_run):
     killed = dp2_run["killed"]
     assert killed["dirs"] == ["step-10.tmp", "step-5"], killed
     # Both ranks wrote shard files, but the save never completed: no .metadata, no checkpoint.json.

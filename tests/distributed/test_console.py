@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, launch, lines_before_step_1
+from tests.helpers import REPO, fp8_linear_counts, launch, lines_before_step_1
+from trainer.models import FLAVORS
 
 MOE = str(REPO / "configs" / "train" / "debug_moe.toml")
 PP = str(REPO / "configs" / "train" / "debug_pp.toml")
@@ -22,8 +23,9 @@ def _header(proc) -> list[str]:
 
 
 @pytest.mark.parametrize("layout, nproc, args, converted", [
-    ("moe-pp2-ep2", 4, ["--config", MOE, "--distributed.pp=2", "--distributed.ep=2"], (20, 32)),
-    ("pp2-interleaved", 2, ["--config", PP], (29, 29)),
+    ("moe-pp2-ep2", 4, ["--config", MOE, "--distributed.pp=2", "--distributed.ep=2"],
+     fp8_linear_counts(FLAVORS["debug_moe"])),
+    ("pp2-interleaved", 2, ["--config", PP], fp8_linear_counts(FLAVORS["debug"])),
 ])
 def test_header_is_short_from_rank_0_and_warns_once(tmp_path: Path, layout: str, nproc: int, args: list[str],
                                                    converted: tuple[int, int]) -> None:

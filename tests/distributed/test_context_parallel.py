@@ -81,7 +81,7 @@ def test_cp_layout_matches_single_process(nproc: int, args: list[str], reference
     assert_same_run(_spawned(nproc, [*FAST, *STEPS, *args], tmp_path), reference["metrics"])
 
 
-def test_every_gradient_matches_single_process(tmp_path: Path) -> None:
+def test_every_cp_gradient_matches_single_process(tmp_path: Path) -> None:
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*FAST, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
     got = run_distributed(gradients_of_one_step, world_size=2, args=([*FAST, *CP2, "--train.batch_size=4"],

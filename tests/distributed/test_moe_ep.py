@@ -191,7 +191,7 @@ def _grads(tmp_path: Path, name: str, nproc: int, args: list[str]) -> dict[str, 
     ],
     ids=["ep2", "ep2-x-dp_shard2", "hsdp2-x-ep2"],
 )
-def test_every_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
+def test_every_ep_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
     ref = _grads(tmp_path, "ref", 1, ["--train.batch_size=4"])
     got = _grads(tmp_path, "ep", nproc, args)
     assert got.keys() == ref.keys()

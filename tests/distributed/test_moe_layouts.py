@@ -90,7 +90,7 @@ def test_moe_layout_matches_single_process(nproc: int, args: list[str], referenc
     ],
     ids=["pp2-x-ep2", "pp2-interleaved-zero-bubble", "tp2"],
 )
-def test_every_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
+def test_every_moe_layout_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
     got = run_distributed(gradients_of_one_step, world_size=nproc, args=([*ARGS, *args], str(tmp_path / "got")))[0]

@@ -47,16 +47,52 @@ def test_seed_out_of_range_is_a_config_error(arg: str, key: str, limit: str) -> 
     assert _one_line(e).startswith(f"{key}={arg.split('=', 1)[1]} is outside the allowed range [0, {limit}]")
 
 
+class _Samples:
+    """A source of `n` samples that the loader may permute (only its count and permute flag are read here)."""
+
+    permute = True
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def num_samples(self, seq_len: int) -> int:
+        return self.n
+
+
 def test_largest_seeds_initialize_and_shuffle() -> None:
-    """The bounds are the real ones: the largest allowed seeds run through the init and the data order."""
+    """The bounds are the real ones: the largest allowed seeds run through the init and the data order, and the
+    seed still decides them (a seed clamped or dropped on the way would give the next-lower seed's values)."""
+    from trainer.data.loader import TokenDataLoader
+    from trainer.distributed import set_determinism
     from trainer.models import build_model, model_args_for
     from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
     cfg = _cfg(f"--train.seed={MAX_TRAIN_SEED}", f"--data.seed={MAX_DATA_SEED}")
-    model = build_model(model_args_for("debug", n_layers=1))
-    model.init_weights(seed=cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    np.random.default_rng([cfg.data.seed, 0]).permutation(4)
+    assert (cfg.train.seed, cfg.data.seed) == (MAX_TRAIN_SEED, MAX_DATA_SEED)
+
+    def init(seed: int) -> dict[str, torch.Tensor]:
+        model = build_model(model_args_for("debug", n_layers=1))
+        model.init_weights(seed=seed)
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    largest = init(cfg.train.seed)
+    assert all(torch.equal(v, w) for v, w in zip(largest.values(), init(cfg.train.seed).values()))  # reproducible
+    below = init(cfg.train.seed - 1)
+    drawn = [k for k in largest if not k.endswith("norm.weight")]  # norms start at ones
+    assert drawn and all(not torch.equal(largest[k], below[k]) for k in drawn)
+    with torch.random.fork_rng():
+        set_determinism(seed=cfg.train.seed, deterministic=False)
+        assert torch.initial_seed() == MAX_TRAIN_SEED
+
+    def order(seed: int) -> np.ndarray:
+        loader = TokenDataLoader(_Samples(64), seq_len=8, batch_size=1, grad_accum_steps=1, dp_rank=0, dp_degree=1,
+                                 seed=seed)
+        return loader.sample_indices(np.arange(128))  # two epochs
+
+    first = order(cfg.data.seed)
+    assert sorted(first[:64]) == list(range(64)) and sorted(first[64:]) == list(range(64))  # permutations
+    assert not np.array_equal(first[:64], first[64:])  # a new order each epoch
+    assert np.array_equal(first, order(cfg.data.seed)) and not np.array_equal(first, order(cfg.data.seed - 1))
     assert f"0 to {MAX_TRAIN_SEED}" in (REPO / "docs" / "config.md").read_text()  # what the reference says
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import DEBUG_CONFIG, REPO, env, new_tag, reap
+from tests.helpers import DEBUG_CONFIG, REPO, dense_param_counts, env, fp8_linear_counts, new_tag, reap
 from trainer.metrics import PEAK_BF16_FLOPS
-from trainer.models import flops_per_token, model_args_for
+from trainer.models import FLAVORS, flops_per_token, model_args_for
 
 
 def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
@@ -34,7 +34,7 @@ def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
     assert (training / "metrics.jsonl").read_text() == '{"step": 1}\n'
     bf16, fp8 = [json.loads(line) for line in out.read_text().splitlines()]
     assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
-    assert bf16["float8_converted"] == 0 and fp8["float8_converted"] == 29
+    assert bf16["float8_converted"] == 0 and fp8["float8_converted"] == fp8_linear_counts(FLAVORS["debug"])[0]
     for r in (bf16, fp8):
         assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
         per_token = flops_per_token(model_args_for("debug", max_seq_len=64), 64)
@@ -46,7 +46,7 @@ def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
     assert [line.split()[4] for line in table if "optimizer step" not in line] == ["n/a", "n/a"]
     # The optimizer step, timed alone, next to torch's fused AdamW on plain tensors of the same shapes: bf16
     # and fp8 runs keep bf16 master weights by default ("auto"), so both move 2 bytes per value.
-    numel = 918_656  # the debug model's parameters
+    numel = dense_param_counts(FLAVORS["debug"])[1]
     for r in (bf16, fp8):
         assert r["master_dtype"] == "bfloat16" and r["optimizer_ms"] > 0 and r["reference_optimizer_ms"] > 0
         for key in ("optimizer", "reference_optimizer"):
@@ -120,7 +120,7 @@ def test_benchmark_under_torchrun_keeps_one_process_group_for_every_precision(tm
     assert [r["precision"] for r in records] == ["bf16", "fp8", "bf16"]
     for r in records:
         assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
-    assert records[1]["float8_converted"] == 29
+    assert records[1]["float8_converted"] == fp8_linear_counts(FLAVORS["debug"])[0]
 
 
 def test_memory_cap_gives_back_the_state_a_larger_job_would_not_hold() -> None:

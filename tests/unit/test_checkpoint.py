@@ -192,7 +192,7 @@ def test_sigkill_at_step_12_resumes_from_step_10_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_mid_save_leaves_previous_checkpoint_latest(tmp_path):
+def test_kill_mid_save_of_one_process_leaves_previous_checkpoint_latest(tmp_path):
     args = [*EXACT, "--train.steps=10", "--checkpoint.interval=5", "--checkpoint.enable=true",
             "--checkpoint.keep_latest_k=1"]
     dump = tmp_path / "run"

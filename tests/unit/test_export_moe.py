@@ -420,6 +420,11 @@ def test_generate_script_samples_from_checkpoint_and_export(trained_moe, tmp_pat
     # Greedy, and "--tokenizer=byte" names the same tokenizer: the same text.
     assert generate(str(trained_moe / "step-3-hf"), "--tokenizer=byte").stdout == from_export.stdout
     assert "greedy" in from_export.stderr and "top-" not in from_export.stderr
+    # Greedy decoding in bf16, the export's dtype: the checkpoint's weights rounded to bf16 are the exported ones,
+    # so both sample the same text; a weight exported under the wrong name, transposed or unrounded would not.
+    bf16 = [generate(*where, "--dtype=bfloat16") for where in ([str(trained_moe)], [str(trained_moe / "step-3-hf")])]
+    assert [proc.returncode for proc in bf16] == [0, 0], bf16[1].stderr[-2000:]
+    assert bf16[0].stdout == bf16[1].stdout and bf16[0].stdout.startswith("The ")
     # An export without tokenizer files (--no-tokenizer) names no tokenizer: one line, exit 2.
     bare = tmp_path / "bare"
     bare.mkdir()

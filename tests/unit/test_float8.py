@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import DEBUG_CONFIG, REPO, column, env, launch, read_metrics, train
+from tests.helpers import DEBUG_CONFIG, REPO, column, env, fp8_linear_counts, launch, read_metrics, train
 from trainer.models import FLAVORS, Llama
 from trainer.parallel.float8 import TP_MESSAGE, apply_float8, select_float8_linears
 
@@ -105,7 +105,9 @@ def test_exclusion_line_names_exactly_what_was_excluded(caplog) -> None:
     # Excluding layers.0 must not read as "every layer's k_proj" (layers.*.attention.k_proj).
     with caplog.at_level(logging.INFO, logger="trainer"):
         fp8(debug_model(), exclude_fqns=["layers.0", "output_head.proj"])
-    assert ("converted 21/29 Linear layers; excluded: layers.0.{attention.q_proj,attention.k_proj,"
+    converted, linears = fp8_linear_counts(FLAVORS["debug"])
+    counts = f"converted {converted - 8}/{linears} Linear layers"  # less layers.0's seven and the head
+    assert (counts + "; excluded: layers.0.{attention.q_proj,attention.k_proj,"
             "attention.v_proj,attention.o_proj,mlp.gate_proj,mlp.up_proj,mlp.down_proj}, output_head.proj "
             "(float8.exclude_fqns)") in [r.getMessage() for r in caplog.records]
 
@@ -193,13 +195,14 @@ def test_fp8_all_gather_auto_is_on_only_where_fsdp_shards_tensorwise_weights(set
 
 
 def test_cli_logs_confirmation_only_for_fp8(tmp_path: Path) -> None:
+    converted, linears = fp8_linear_counts(FLAVORS["debug"])
     base = ["--config", DEBUG_CONFIG, "--train.steps=1", "--train.seq_len=32"]
     messages = _messages(launch([*base, "--train.mixed_precision=fp8", f"--job.dump_folder={tmp_path / 'a'}"]))
     assert _fp8_block(messages) == [
         "float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel",
         # One process: "auto" leaves fp8 all-gather off (one rank in the shard group gathers nothing).
         "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=False",
-        "converted 29/29 Linear layers; excluded: none",
+        f"converted {converted}/{linears} Linear layers; excluded: none",
         "float8 matmuls: CPU: real torch._scaled_mm path (aten's CPU kernel; for correctness, not speed)",
     ]
     messages = _messages(launch([*base, "--train.mixed_precision=fp8", "--float8.recipe=rowwise",
@@ -208,7 +211,7 @@ def test_cli_logs_confirmation_only_for_fp8(tmp_path: Path) -> None:
                                  f"--job.dump_folder={tmp_path / 'b'}"]))
     assert _fp8_block(messages) == [
         "Applied Float8 training: recipe=ROWWISE, fsdp_float8_all_gather=False",
-        "converted 28/29 Linear layers; excluded: output_head.proj (float8.exclude_fqns)",
+        f"converted {converted - 1}/{linears} Linear layers; excluded: output_head.proj (float8.exclude_fqns)",
         "float8 matmuls: EMULATED in high precision (float8.emulate=true)",
     ]
     messages = _messages(launch([*base, "--train.mixed_precision=bf16", f"--job.dump_folder={tmp_path / 'c'}"]))

@@ -437,12 +437,39 @@ def test_bad_moe_configs_are_one_line_naming_the_key(world_size: int, args: list
     assert "\n" not in str(e.value)
 
 
-def test_moe_flavors_may_export_at_the_end_of_training() -> None:
-    """checkpoint.model_only=true: MoE flavors export to transformers (tests/unit/test_export_moe.py)."""
+@pytest.mark.parametrize("flavor", sorted(MOE_FLAVORS))
+def test_moe_flavors_may_export_at_the_end_of_training(flavor: str) -> None:
+    """checkpoint.model_only=true: every MoE flavor has an exact transformers target (tests/unit/test_export_moe.py)."""
+    import dataclasses
+
+    from trainer.export import check_exportable
+
+    assert check_exportable(MOE_FLAVORS[flavor]) == []  # no refusal, nothing to warn about (no token dropping)
+    dropping = dataclasses.replace(MOE_FLAVORS[flavor], capacity_factor=1.25)
+    assert ["capacity_factor=1.25 (token dropping)" in note for note in check_exportable(dropping)] == [True]
+
+
+def test_model_only_asks_the_exports_check_and_its_refusal_names_the_key(monkeypatch) -> None:
+    import trainer.export
     from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+    from trainer.export import ExportError
     from trainer.validate import validate_job
 
-    validate_job(load_job_config(["--config", MOE_CONFIG, "--checkpoint.model_only=true"]), world_size=1)
+    asked = []
+    monkeypatch.setattr(trainer.export, "check_exportable", lambda args: asked.append(args) or [])
+    cfg = load_job_config(["--config", MOE_CONFIG, "--checkpoint.model_only=true"])
+    job = validate_job(cfg, world_size=1)
+    assert asked == [job.model_args] and cfg.checkpoint.model_only  # asked once, and model_only kept
+
+    def refuse(args):
+        raise ExportError("no Hugging Face target")
+
+    monkeypatch.setattr(trainer.export, "check_exportable", refuse)
+    with pytest.raises(ConfigError) as e:
+        validate_job(load_job_config(["--config", MOE_CONFIG, "--checkpoint.model_only=true"]), world_size=1)
+    assert str(e.value) == "checkpoint.model_only=true: no Hugging Face target; set checkpoint.model_only=false"
+    validate_job(load_job_config(["--config", MOE_CONFIG]), world_size=1)  # without model_only nothing is asked
 
 
 def test_moe_section_overrides_the_flavor() -> None:

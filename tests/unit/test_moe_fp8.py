@@ -164,9 +164,13 @@ def test_stale_weights_are_never_used_after_the_refresh() -> None:
     x = torch.randn(1, 8, 128)
     before = moe(x)
     with torch.no_grad():
-        moe.experts.w2.mul_(2.0)
+        moe.experts.w2.mul_(2.0)  # the optimizer step
+    assert torch.equal(moe(x), before)  # within the step the kept FP8 copies serve: the cache is real
     Fp8ExpertWeightsRefresh(moe).after_optimizer_step(1, torch.tensor(False))
-    assert not torch.allclose(moe(x), before)
+    fresh = _moe_with_fp8(per_step=True)  # nothing cached: quantizes the new weights
+    fresh.load_state_dict(moe.state_dict())
+    # The same routing and the same FP8 arithmetic on the same weights: bit-equal, and not the stale output.
+    assert torch.equal(moe(x), fresh(x)) and not torch.equal(moe(x), before)
 
 
 @pytest.mark.slow

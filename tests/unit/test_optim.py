@@ -1,11 +1,20 @@
-"""The fused AdamW over local shards equals torch's fused AdamW, skip and loss-scale protocol included."""
+"""trainer/optim.py: the fused AdamW over local shards equals torch's fused AdamW (skip and loss-scale protocol
+included), the compiled AdamW, which optimizer a config builds, the learning-rate schedule and the groups' line.
+(BF16AdamW, trainer/bf16_adamw.py: tests/unit/test_bf16_master.py.)"""
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
+from torch import nn
 
-from trainer.optim import LocalFusedAdamW
+from trainer.bf16_adamw import BF16AdamW
+from trainer.optim import (
+    CompiledAdamW, LocalFusedAdamW, build_lr_scheduler, build_optimizer, describe_param_groups, lr_lambda,
+)
 
 
 def test_local_fused_adamw_equals_torch_fused_adamw_bit_for_bit() -> None:
@@ -53,8 +62,6 @@ def _train_pair(ours_cls, ref_cls, dtype=torch.float32, **ours_kw):
 def test_compiled_adamw_function_equals_torch_fused_adamw() -> None:
     """CompiledAdamW's update, run eagerly: torch's AdamW to fp32 rounding, the skip and loss-scale protocol and the
     state (so checkpoints of either load into the other) included."""
-    from trainer.optim import CompiledAdamW
-
     a, b, ours, ref = _train_pair(CompiledAdamW, LocalFusedAdamW, compile=False)
     for p, q in zip(ours, ref):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
@@ -67,8 +74,6 @@ def test_compiled_adamw_function_equals_torch_fused_adamw() -> None:
 
 @pytest.mark.slow
 def test_compiled_adamw_compiled_equals_its_eager_function(tmp_path, monkeypatch) -> None:
-    from trainer.optim import CompiledAdamW
-
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     compiled = _train_pair(CompiledAdamW, lambda p, **kw: CompiledAdamW(p, **kw, compile=False))
     for p, q in zip(compiled[2], compiled[3]):
@@ -83,3 +88,98 @@ def test_auto_implementation_is_compiled_only_for_a_compiled_model_on_a_gpu() ->
     assert resolve_implementation("auto", compile_model=False, device_type="cuda") == "fused"
     assert resolve_implementation("auto", compile_model=True, device_type="cpu") == "fused"
     assert resolve_implementation("torch_fused", compile_model=True, device_type="cuda") == "torch_fused"
+
+
+def test_lr_schedule_shapes() -> None:
+    common = dict(warmup_steps=4, total_steps=20, min_lr_ratio=0.1, wsd_decay_ratio=0.25)
+    cos = [lr_lambda(s, decay_type="cosine", **common) for s in range(20)]
+    assert cos[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert cos[4] == 1.0 and cos[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
+    assert all(a >= b for a, b in zip(cos[4:], cos[5:]))
+    lin = [lr_lambda(s, decay_type="linear", **common) for s in range(21)]
+    assert lin[20] == pytest.approx(0.1) and lin[12] == pytest.approx(1 - 0.9 * 0.5)
+    wsd = [lr_lambda(s, decay_type="wsd", **common) for s in range(21)]
+    assert wsd[4:15] == [1.0] * 11 and wsd[20] == pytest.approx(0.1) and 0.1 < wsd[17] < 1.0
+    assert lr_lambda(100, decay_type="constant", **common) == 1.0
+
+
+def test_the_scheduler_moves_the_lr_by_lr_lambda_and_saves_its_schedule() -> None:
+    schedule = dict(warmup_steps=2, total_steps=6, decay_type="linear", min_lr_ratio=0.5, wsd_decay_ratio=0.0)
+    param = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.4)
+    scheduler = build_lr_scheduler(optimizer, **schedule)
+    lrs = []
+    for _ in range(7):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    # Warmup 0.2, 0.4; then linear from 0.4 down to 0.5 x 0.4 over the 4 steps to total_steps, held after.
+    assert lrs == pytest.approx([0.2, 0.4, 0.4, 0.35, 0.3, 0.25, 0.2])
+    assert scheduler.state_dict()["schedule"] == schedule  # a resume can say what changed
+
+
+def _two_layers() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2, bias=False))
+
+
+@pytest.mark.parametrize("implementation, bf16_update, cls, fused, foreach", [
+    ("fused", None, LocalFusedAdamW, True, None),
+    ("compiled", None, CompiledAdamW, True, None),
+    ("torch_fused", None, torch.optim.AdamW, True, False),
+    ("foreach", None, torch.optim.AdamW, False, True),
+    ("fused", "nearest", LocalFusedAdamW, True, None),  # nearest: plain AdamW on the bf16 weights
+    ("fused", "stochastic", BF16AdamW, None, None),
+    ("foreach", "kahan", BF16AdamW, None, None),
+])
+def test_build_optimizer_picks_the_implementation(implementation, bf16_update, cls, fused, foreach) -> None:
+    model = _two_layers()
+    opt = build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                          implementation=implementation, bf16_update=bf16_update)
+    assert type(opt) is cls
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (1e-3, (0.9, 0.95), 1e-8, 0.1)
+    assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
+    if fused is not None:
+        assert bool(group["fused"]) == fused
+    if foreach is not None:
+        assert bool(group["foreach"]) == foreach
+    if cls is BF16AdamW:
+        assert opt.update == bf16_update
+
+
+def test_param_groups_line_counts_tensors_and_parameters() -> None:
+    model = _two_layers()
+    opt = build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation="fused")
+    # 4x8 weight + 8 bias + 8x2 weight: 3 tensors, 56 parameters.
+    assert describe_param_groups(opt) == ("LocalFusedAdamW, 1 group: 3 tensors, 56 parameters, weight_decay=0.1, "
+                                          "lr=0.001")
+    two = torch.optim.AdamW([{"params": list(model[0].parameters())},
+                             {"params": list(model[1].parameters()), "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1)
+    assert describe_param_groups(two) == ("AdamW, 2 groups: group 0: 2 tensors, 40 parameters, weight_decay=0.1, "
+                                          "lr=0.001; group 1: 1 tensors, 16 parameters, weight_decay=0, lr=0.001")
+
+
+@pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd", "constant"])
+def test_optimizer_line_says_the_peak_lr_and_where_the_schedule_changes(decay_type: str) -> None:
+    from trainer.optim import build_lr_scheduler, describe_param_groups
+
+    schedule = dict(warmup_steps=100, total_steps=1000, decay_type=decay_type, min_lr_ratio=0.1, wsd_decay_ratio=0.2)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=3e-4, weight_decay=0.1)
+    line = describe_param_groups(optimizer, build_lr_scheduler(optimizer, **schedule).schedule)
+    # The group's lr is now warmup's first (3e-6): the line must say the configured peak, not that.
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-6) and "3e-06" not in line
+    assert line.startswith("AdamW, 1 group: 1 tensors, 3 parameters, weight_decay=0.1; lr 0.0003 peak, warmup 100 "
+                           "steps linear, "), line
+
+    def lr_at(step: int) -> float:  # the log's 1-based step
+        return lr_lambda(step - 1, **schedule)
+
+    assert lr_at(99) < 1.0 == lr_at(100)  # the peak is first reached at step 100
+    if decay_type == "constant":
+        assert line.endswith("then constant") and lr_at(1000) == 1.0
+        return
+    first, last = map(int, re.search(r"decay to 3e-05 over steps (\d+)-(\d+)$", line).groups())
+    assert last == 1000 and lr_at(first - 1) == 1.0 == lr_at(first) > lr_at(first + 1)  # decay starts after `first`
+    assert lr_at(1000) == pytest.approx(0.1, abs=0.9 / (1000 - first))  # one step's decay short of the floor
+    if decay_type == "wsd":
+        assert f"constant to step {first - 1}, then linear decay" in line

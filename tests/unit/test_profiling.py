@@ -60,7 +60,7 @@ def _step_markers(events):
 
 
 @pytest.fixture
-def test_logger(caplog):
+def profiling_logger(caplog):
     # Our own logger, which propagates to caplog whatever setup_logging did to "trainer".
     caplog.set_level(logging.INFO)
     return logging.getLogger("test_profiling")
@@ -114,15 +114,15 @@ def test_other_ranks_write_a_trace_but_no_summary(tmp_path):
     assert os.listdir(tmp_path) == [f"rank3_step3-5{TRACE_SUFFIX}"]
 
 
-def test_run_ending_inside_the_window_flushes_what_it_recorded(tmp_path, test_logger, caplog):
-    _train(tmp_path, num_steps=4, logger=test_logger)
+def test_run_ending_inside_the_window_flushes_what_it_recorded(tmp_path, profiling_logger, caplog):
+    _train(tmp_path, num_steps=4, logger=profiling_logger)
     assert sorted(os.listdir(tmp_path)) == [f"rank0_step3-4{TRACE_SUFFIX}", "summary_step3-4.txt"]
     events = load_trace_events(str(tmp_path / f"rank0_step3-4{TRACE_SUFFIX}"))
     assert _step_markers(events) == [3, 4]
     assert "trace of window 3-5 holds steps 3-4 only: the run ended after step 4" in caplog.text
 
 
-def test_run_failing_inside_the_window_flushes_the_failing_step(tmp_path, test_logger, caplog):
+def test_run_failing_inside_the_window_flushes_the_failing_step(tmp_path, profiling_logger, caplog):
     steps_run = []
 
     def body(model):
@@ -132,41 +132,48 @@ def test_run_failing_inside_the_window_flushes_the_failing_step(tmp_path, test_l
             raise RuntimeError("boom in step 5")
 
     with pytest.raises(RuntimeError, match="boom in step 5"):
-        _train(tmp_path, body=body, logger=test_logger)
+        _train(tmp_path, body=body, logger=profiling_logger)
     events = load_trace_events(str(tmp_path / f"rank0_step3-5{TRACE_SUFFIX}"))
     assert _step_markers(events) == [3, 4, 5]  # step 5 up to the failure
     assert "trace of window 3-5 holds steps 3-5; the run failed during step 5, which is incomplete" in caplog.text
 
 
-def test_run_ending_before_the_window_says_no_trace(tmp_path, test_logger, caplog):
-    _train(tmp_path, num_steps=2, logger=test_logger)
+def test_run_ending_before_the_window_says_no_trace(tmp_path, profiling_logger, caplog):
+    _train(tmp_path, num_steps=2, logger=profiling_logger)
     assert os.listdir(tmp_path) == []
     assert ("No profiler trace written for profiling window 3-5: the run ended before it finished a "
             "step of it") in caplog.text
 
 
-def test_resumed_run_is_profiled_by_train_step(tmp_path, test_logger, caplog):
+def test_resumed_run_is_profiled_by_train_step(tmp_path, profiling_logger, caplog):
     # Resumed from a checkpoint at step 4: the window is still train steps, not loop iterations.
     # Step 4 ran before the profiler could know it was not step 1, so the trace starts at 5.
-    _train(tmp_path, first_step=4, start_step=3, end_step=6, logger=test_logger)
+    _train(tmp_path, first_step=4, start_step=3, end_step=6, logger=profiling_logger)
     events = load_trace_events(str(tmp_path / f"rank0_step5-6{TRACE_SUFFIX}"))
     assert _step_markers(events) == profiler_steps(events) == [5, 6]
     assert "trace of window 3-6 holds steps 5-6 only: the run resumed at step 4" in caplog.text
 
 
-def test_run_resumed_after_the_window_says_no_trace(tmp_path, test_logger, caplog):
-    _train(tmp_path, first_step=11, num_steps=16, logger=test_logger)
+def test_run_resumed_after_the_window_says_no_trace(tmp_path, profiling_logger, caplog):
+    _train(tmp_path, first_step=11, num_steps=16, logger=profiling_logger)
     assert os.listdir(tmp_path) == []
     assert "No profiler trace written for profiling window 3-5: the run started at step 11" in caplog.text
 
 
-def test_disabled_does_nothing(tmp_path):
-    with maybe_enable_profiling(enable=False, start_step=3, end_step=5, trace_dir=str(tmp_path / "t"),
-                                rank=0, record_shapes=False, with_stack=False, profile_memory=False,
-                                expect_fp8=True) as prof:
-        for step in range(1, 8):
-            prof.step(step)
-    assert not (tmp_path / "t").exists()
+def test_disabled_does_nothing(tmp_path, monkeypatch, caplog):
+    def no_profiler(*args, **kwargs):
+        raise AssertionError("profiling.enable=false started a profiler")
+
+    monkeypatch.setattr(torch.profiler, "profile", no_profiler)
+    with caplog.at_level(logging.DEBUG):
+        with maybe_enable_profiling(enable=False, start_step=3, end_step=5, trace_dir=str(tmp_path / "t"),
+                                    rank=0, record_shapes=False, with_stack=False, profile_memory=False,
+                                    expect_fp8=True) as prof:
+            for step in range(1, 8):
+                _fp32_step(_Model())
+                prof.step(step)
+    assert os.listdir(tmp_path) == []  # no trace folder, no summary
+    assert caplog.records == []  # not "Profiling steps ...", not the FP8 verdict
 
 
 # --- the FP8 verdict ----------------------------------------------------------------------------
@@ -180,22 +187,22 @@ SCRIPT_WARNING = ("no FP8 GEMM ran in steps 3-5: its 15 GEMM calls were aten::mm
                   "See docs/fp8.md#troubleshooting")
 
 
-def test_fp8_run_says_yes_and_does_not_warn(tmp_path, test_logger, caplog):
-    _train(tmp_path, body=_fp8_step, expect_fp8=True, logger=test_logger)
+def test_fp8_run_says_yes_and_does_not_warn(tmp_path, profiling_logger, caplog):
+    _train(tmp_path, body=_fp8_step, expect_fp8=True, logger=profiling_logger)
     verdict = (tmp_path / "summary_step3-5.txt").read_text().rstrip().splitlines()[-1]
     # On CPU, _scaled_mm may run a nested aten::mm: that is FP8 GEMM time, not bf16 GEMM time.
     assert verdict == "FP8 GEMMs ran: yes (3 calls, 100.0% of GEMM time: aten::_scaled_mm)"
     assert "no FP8 GEMM" not in caplog.text
 
 
-def test_fp32_run_expecting_fp8_warns(tmp_path, test_logger, caplog):
-    _train(tmp_path, expect_fp8=True, logger=test_logger)
+def test_fp32_run_expecting_fp8_warns(tmp_path, profiling_logger, caplog):
+    _train(tmp_path, expect_fp8=True, logger=profiling_logger)
     assert WARNING in caplog.text
     assert [r.levelno for r in caplog.records if WARNING in r.getMessage()] == [logging.WARNING]
 
 
-def test_fp32_run_not_expecting_fp8_does_not_warn(tmp_path, test_logger, caplog):
-    _train(tmp_path, expect_fp8=False, logger=test_logger)
+def test_fp32_run_not_expecting_fp8_does_not_warn(tmp_path, profiling_logger, caplog):
+    _train(tmp_path, expect_fp8=False, logger=profiling_logger)
     assert "FP8 GEMMs ran: no (only bf16/fp32 GEMMs)" in caplog.text
     assert "no FP8 GEMM kernel ran" not in caplog.text
 
