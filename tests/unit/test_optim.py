@@ -150,13 +150,15 @@ def test_build_optimizer_picks_the_implementation(implementation, bf16_update, c
 def test_param_groups_line_counts_tensors_and_parameters() -> None:
     model = _two_layers()
     opt = build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation="fused")
+    schedule = dict(warmup_steps=0, total_steps=10, decay_type="constant", min_lr_ratio=0.1, wsd_decay_ratio=0.2)
     # 4x8 weight + 8 bias + 8x2 weight: 3 tensors, 56 parameters.
-    assert describe_param_groups(opt) == ("LocalFusedAdamW, 1 group: 3 tensors, 56 parameters, weight_decay=0.1, "
-                                          "lr=0.001")
+    line = describe_param_groups(opt, build_lr_scheduler(opt, **schedule).schedule)
+    assert line.startswith("LocalFusedAdamW, 1 group: 3 tensors, 56 parameters, weight_decay=0.1; lr 0.001 peak"), line
     two = torch.optim.AdamW([{"params": list(model[0].parameters())},
                              {"params": list(model[1].parameters()), "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1)
-    assert describe_param_groups(two) == ("AdamW, 2 groups: group 0: 2 tensors, 40 parameters, weight_decay=0.1, "
-                                          "lr=0.001; group 1: 1 tensors, 16 parameters, weight_decay=0, lr=0.001")
+    line = describe_param_groups(two, build_lr_scheduler(two, **schedule).schedule)
+    assert line.startswith("AdamW, 2 groups: group 0: 2 tensors, 40 parameters, weight_decay=0.1; group 1: 1 tensors, "
+                           "16 parameters, weight_decay=0; lr 0.001 peak"), line
 
 
 @pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd", "constant"])
