@@ -12,7 +12,7 @@ from tests.helpers import DEBUG_CONFIG, REPO, column, launch, lines_before_step_
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.optim import lr_lambda
-from trainer.train import NonFiniteError, Trainer
+from trainer.train import NonFiniteError, Trainer, build_trainer
 
 
 def test_debug_run_learns_and_writes_metrics(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def _trainer_with_nan(tmp_path: Path, on_nonfinite: str) -> Trainer:
     cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.steps=3", "--train.seq_len=32", "--metrics.log_freq=1",
                            f"--train.on_nonfinite={on_nonfinite}", f"--job.dump_folder={tmp_path}",
                            "--metrics.enable_tensorboard=false"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     weight = trainer.model.layers["1"].mlp.up_proj.weight
     with torch.no_grad():
         weight.to_local()[0, 0] = float("nan")
@@ -87,7 +87,7 @@ def test_a_compiled_cpu_run_updates_bf16_master_weights_eagerly(tmp_path: Path) 
     cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.steps=1", "--train.mixed_precision=fp8",
                            "--train.compile_model=true", f"--job.dump_folder={tmp_path}",
                            "--metrics.enable_tensorboard=false"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     try:
         assert isinstance(trainer.optimizer, BF16AdamW) and trainer.optimizer.compile is False
         assert isinstance(trainer.model.layers["0"], torch._dynamo.eval_frame.OptimizedModule)  # the blocks compile

@@ -30,7 +30,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> s
     values per token per layer, for the same FLOPs in skinnier GEMMs. The experts and the
     router are FSDP-sharded over dp_shard x tp instead (trainer.parallel.fsdp), which sums
     their gradients over the tp ranks' token slices; the sequence-wise aux loss reduces its
-    statistics over tp (trainer.models.moe.MoE.sequence_group).
+    statistics over tp (trainer.models.moe.MoE.set_sequence_group).
     """
     parallelize_module(
         model,
@@ -88,7 +88,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> s
         plan = moe_plan if moe.shared_expert is not None else {
             k: v for k, v in moe_plan.items() if not k.startswith("moe.shared_expert")}
         parallelize_module(block, tp_mesh, plan)
-        moe.sequence_group = tp_mesh.get_group()
+        moe.set_sequence_group(tp_mesh.get_group())
         num_moe += 1
     moe_text = (f"; {num_moe} MoE blocks: shared experts tensor-parallel, routed experts whole, each tp rank routing "
                 "its sequence slice" if num_moe else "")
