@@ -1,7 +1,8 @@
-"""Pipeline parallelism with torch.distributed.pipelining: stage layout, stage modules, schedule, step.
+"""Pipeline parallelism with torch.distributed.pipelining: the runtime (stage modules, schedule, step).
 
+The layout arithmetic (splits, which rank runs which stage, the bubble) is trainer/parallel/pipeline_layout.py.
 The model is split by fqn. Every stage module is the whole model, built on the meta
-device by the same builder as at pp=1 (`trainer.models.build_model`, any family), with
+device by the same builder as at pp=1 (`trainer.parallel.builder.build_model_part`, any family), with
 the blocks of other stages deleted and, off the edge stages, the embedding, final norm
 and output head set to None (the torchtitan way), so every parameter keeps the fqn it
 has in the full model: FP8 filters, the TP plan, checkpoints (DCP reshards by fqn) and
