@@ -46,7 +46,7 @@ from trainer.distributed import destroy_distributed
 from trainer.log import setup_logging
 from trainer.metrics import device_peak_flops
 from trainer.models import flops_per_token
-from trainer.train import Trainer
+from trainer.train import Trainer, build_trainer
 
 
 
@@ -77,10 +77,10 @@ def memory_cap_bytes(*, local_params: int, bytes_per_param: int, world: int, emu
 
 def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     """Cap this process's CUDA allocator (torch.cuda.set_per_process_memory_fraction); returns the cap in GiB."""
-    cfg, device = runner.cfg, runner.device
+    device = runner.device
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in runner.model.parameters())
     master = "bf16" if next(runner.model.parameters()).dtype == torch.bfloat16 else "fp32"
-    per_param = state_bytes_per_param(master, cfg.optimizer.bf16_update)
+    per_param = state_bytes_per_param(master, runner.job.optimizer.bf16_update)
     cap = memory_cap_bytes(local_params=local, bytes_per_param=per_param, world=runner.env.world_size,
                            emulate_gpus=emulate_gpus, gpu_bytes=int(gpu_gib * 2**30))
     total = torch.cuda.get_device_properties(device).total_memory
@@ -178,7 +178,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
     cfg = load_job_config([*argv, *precision_overrides(precision), "--train.precision_schedule=",
                            f"--train.steps={warmup + steps}", "--metrics.enable_tensorboard=false",
                            "--metrics.enable_jsonl=false"])
-    runner = Trainer(cfg)
+    runner = build_trainer(cfg)
     try:
         device, t = runner.device, cfg.train
         cap_gib = cap_memory(runner, emulate_gpus=emulate[0], gpu_gib=emulate[1]) if emulate else None

@@ -155,3 +155,13 @@ def num_tensors(args: Any) -> int:
     n_dense = min(args.n_dense_layers, args.n_layers)
     per_moe = 6 + 5 + (3 if args.n_shared_experts else 0)
     return 3 + 9 * n_dense + per_moe * (args.n_layers - n_dense)
+
+
+def num_params_for(args: Any) -> tuple[int, int]:
+    """(parameters, non-embedding parameters) of a model with these args, as `num_params(model)` counts them
+    (param_count less the MoE expert-bias buffers): what the startup log prints, without building a model."""
+    total = param_count(args)
+    n_experts = getattr(args, "n_experts", None)
+    if n_experts is not None:
+        total -= (args.n_layers - min(args.n_dense_layers, args.n_layers)) * n_experts
+    return total, total - args.vocab_size * args.dim

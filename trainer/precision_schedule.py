@@ -4,11 +4,15 @@ The syntax (["bf16:2000", "fp8:9500", "bf16"]: bf16 for steps 1-2000, fp8 for 20
 bf16 to train.steps) is parsed by `trainer.precision_phases`.
 
 Each phase is what the checkpoint-and-relaunch pattern does (docs/checkpointing.md), in one
-process: the phase's `Trainer` trains until its last step and saves a checkpoint there; the
-next phase builds a new `Trainer` with its precision (a new model, FP8-converted or not, and
-optimizer) that resumes that checkpoint. Every phase's config keeps train.steps = the whole
-run, so the LR schedule, the log's step counter and the final checkpoint/export are the
-run's, not the phase's. The process group, the run lock and metrics.jsonl are the run's too.
+process: the phase's job (a `ResolvedJob` with its precision, and its last step as the step
+to stop at and save) is run by a `Trainer` that knows nothing of phases; the next phase
+builds a new `Trainer` with its precision (a new model, FP8-converted or not, and optimizer)
+that resumes that checkpoint. Every phase's config keeps train.steps = the whole run, so the
+LR schedule, the log's step counter and the final checkpoint/export are the run's, not the
+phase's. The process group, the run lock and metrics.jsonl are the run's too.
+
+`PrecisionSchedule` holds the phases and makes each phase's job; `trainer.train.train` runs
+them one Trainer at a time (`run_schedule`), so nothing passes the Trainer class around.
 
 A relaunch of the same command (after a preemption or a kill) resumes the latest checkpoint
 and starts in the phase that holds the step after it.
@@ -20,7 +24,7 @@ import dataclasses
 import gc
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainer.precision_phases import Phase, parse_precision_schedule, phase_index  # noqa: F401  (re-exported)
 
@@ -76,71 +80,60 @@ def _latest_checkpoint_step(cfg: JobConfig) -> int:
     return max(complete, default=0)
 
 
-def run_precision_schedule(cfg: JobConfig, jobs: list[ResolvedJob], *, trainer_cls: Any) -> Any:
-    """Train the whole run phase by phase in this process; returns the last phase's TrainState.
+class PrecisionSchedule:
+    """The phases of one run and each phase's job, validated (`resolve_phases`) before the process group exists."""
 
-    trainer_cls is trainer.train.Trainer (passed in: this module sits below train.py).
-    """
-    import torch
-    import torch.distributed as dist
+    def __init__(self, cfg: JobConfig, *, world_size: int):
+        self.cfg = cfg
+        self.phases = parse_precision_schedule(cfg.train.precision_schedule, total_steps=cfg.train.steps)
+        self._jobs = resolve_phases(cfg, world_size=world_size)
 
-    from trainer.checkpoint import CheckpointError
-    from trainer.distributed import init_distributed
+    def start(self) -> int:
+        """The step the run resumes from (0: a fresh run), the same on every rank: rank 0 reads the folder and tells
+        the others, so every rank builds the same phase's model. Joins the process group to do so."""
+        import torch.distributed as dist
 
-    phases = parse_precision_schedule(cfg.train.precision_schedule, total_steps=cfg.train.steps)
-    logger.info("precision schedule: %s (train.mixed_precision=%r is not used)", ", ".join(map(str, phases)),
-                cfg.train.mixed_precision)
-    # Rank 0 reads the folder and tells the others, so every rank builds the same phase's model.
-    init_distributed(timeout_seconds=cfg.distributed.init_timeout_seconds)
-    box = [_latest_checkpoint_step(cfg) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    k, load_step = phase_index(phases, box[0]), -1
-    trainer, relaunched = None, box[0] > 0
-    # Process-wide switches a phase may flip, reset for each phase as a relaunch would: apply_float8 turns
-    # oneDNN off on CPU (for torch._scaled_mm), which would change the matmuls of a later bf16 phase.
-    mkldnn = torch.backends.mkldnn.enabled
-    try:
-        while True:
-            torch.backends.mkldnn.enabled = mkldnn
-            trainer = trainer_cls(phase_config(cfg, phases, k, load_step=load_step), jobs[k],
-                                  end_step=phases[k].last_step, run_cfg=cfg)
-            resumed = trainer.state.step  # the same on every rank: rank 0 chose the checkpoint
-            if phase_index(phases, resumed) != k:
-                # The newest checkpoint failed verification and an older one, from another phase, was loaded.
-                logger.warning("precision schedule: resumed step %d, which is in phase %s, not %s: rebuilding",
-                               resumed, phases[phase_index(phases, resumed)], phases[k])
-                trainer.close()
-                trainer, k = None, phase_index(phases, resumed)
-                _free_memory()
-                continue
-            if relaunched:
-                logger.info("precision schedule: resuming at step %d in phase %d of %d (%s)", resumed, k + 1,
-                            len(phases), phases[k])
-                relaunched = False
-            state = trainer.run()
-            if state.preempted or state.step >= cfg.train.steps:
-                return state
-            boundary = phases[k].last_step
-            assert state.step == boundary, (state.step, boundary)
-            trainer.close()  # a background save of the boundary completes here
-            saved = trainer.checkpoint.last_saved_step == boundary
-            trainer = None
-            if not saved:
-                raise CheckpointError(
-                    f"precision schedule: the checkpoint of step {boundary} failed to save (see above), so the switch "
-                    f"{phases[k].precision} -> {phases[k + 1].precision} cannot resume it; relaunch the same command "
-                    "to resume the latest checkpoint"
-                )
-            _free_memory()
-            logger.info("precision schedule: step %d: %s -> %s (rebuilding the model and resuming checkpoint "
-                        "step-%d)", boundary, phases[k].precision, phases[k + 1].precision, boundary)
-            k, load_step = k + 1, boundary
-    finally:
-        if trainer is not None:
-            trainer.close()
+        from trainer.distributed import init_distributed
+
+        logger.info("precision schedule: %s (train.mixed_precision=%r is not used)", ", ".join(map(str, self.phases)),
+                    self.cfg.train.mixed_precision)
+        init_distributed(timeout_seconds=self.cfg.distributed.init_timeout_seconds)
+        box = [_latest_checkpoint_step(self.cfg) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def phase_of(self, step: int) -> int:
+        """The phase that trains the step after `step`."""
+        return phase_index(self.phases, step)
+
+    def job(self, k: int, *, load_step: int) -> ResolvedJob:
+        """Phase k's job: its precision, stopping (and saving) at its last step; the run's config as config.toml.
+
+        load_step: -1 resumes as the run's config says; >= 0 pins the checkpoint (the previous phase's boundary).
+        """
+        from trainer.validate import with_config
+
+        return with_config(self._jobs[k], phase_config(self.cfg, self.phases, k, load_step=load_step),
+                           run_cfg=self.cfg, stop_step=self.phases[k].last_step)
+
+    def switch(self, k: int, *, saved: bool) -> int:
+        """After phase k ended at its boundary: the next phase's load step; a boundary not saved is an error."""
+        from trainer.checkpoint import CheckpointError
+
+        boundary = self.phases[k].last_step
+        if not saved:
+            raise CheckpointError(
+                f"precision schedule: the checkpoint of step {boundary} failed to save (see above), so the switch "
+                f"{self.phases[k].precision} -> {self.phases[k + 1].precision} cannot resume it; relaunch the same "
+                "command to resume the latest checkpoint"
+            )
+        free_memory()
+        logger.info("precision schedule: step %d: %s -> %s (rebuilding the model and resuming checkpoint "
+                    "step-%d)", boundary, self.phases[k].precision, self.phases[k + 1].precision, boundary)
+        return boundary
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
     """The dropped phase's model and optimizer go before the next phase allocates its own: FSDP's hooks make
     reference cycles, which only the cycle collector frees (two 8B models and optimizers would not fit)."""
     import torch

@@ -20,20 +20,22 @@ from trainer.config.sections import to_toml
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
-    from trainer.validate import ResolvedJob
+    from trainer.models import ModelArgs
+    from trainer.parallel import BuildOptions, ParallelDims
+    from trainer.parallel.pipeline_layout import PipelineOptions
 
 RESOLVED = "resolved.toml"
 FP8_LAYERS = "fp8_layers.json"
 
 
-def resolved_config(cfg: JobConfig, job: ResolvedJob) -> dict[str, dict[str, Any]]:
+def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
+                    pipeline: PipelineOptions | None) -> dict[str, dict[str, Any]]:
     """cfg's sections with every placeholder replaced by what validation resolved."""
     import torch
 
     from trainer.models import family_of
 
     d = cfg.to_dict()
-    args, pd, build = job.model_args, job.parallel_dims, job.build
     d["model"].update(vocab_size=args.vocab_size, n_layers=args.n_layers)
     if family_of(args).has_router:  # the routing values of [moe]
         d["moe"].update(top_k=args.top_k, aux_loss_coef=args.aux_loss_coef, bias_update_rate=args.bias_update_rate,
@@ -44,8 +46,8 @@ def resolved_config(cfg: JobConfig, job: ResolvedJob) -> dict[str, dict[str, Any
     )
     if build.float8 is not None:
         d["float8"]["enable_fsdp_float8_all_gather"] = build.float8.enable_fsdp_float8_all_gather
-    if job.pipeline is not None:
-        p = job.pipeline
+    if pipeline is not None:
+        p = pipeline
         d["distributed"].update(pp_stages_per_rank=p.stages_per_rank, pp_microbatch_size=p.microbatch_size)
         d["pipeline"] = {f"stage_{i}": list(fqns) for i, fqns in enumerate(p.stage_fqns)}
         d["pipeline"]["stage_costs"] = [round(c, 4) for c in p.stage_costs]
@@ -54,22 +56,25 @@ def resolved_config(cfg: JobConfig, job: ResolvedJob) -> dict[str, dict[str, Any
     return d
 
 
-def describe_precision(cfg: JobConfig, job: ResolvedJob) -> str:
-    """The startup log's one line on precision: compute, FP8, master weights, gradient reduction."""
+def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: BuildOptions,
+                       float8_layers: dict[str, str] | None) -> str:
+    """The startup log's one line on precision: compute, FP8, master weights, gradient reduction.
+
+    bf16_update: optimizer.bf16_update where the master weights are bf16 (else None)."""
     import torch
 
-    fsdp, f8 = job.build.fsdp, job.build.float8
+    fsdp, f8 = build.fsdp, build.float8
     compute = str(fsdp.param_dtype or torch.float32).removeprefix("torch.")
-    parts = [f"train.mixed_precision={cfg.train.mixed_precision!r}: {compute} compute"]
+    parts = [f"train.mixed_precision={mixed_precision!r}: {compute} compute"]
     if f8 is not None:
-        n = sum(1 for fate in (job.float8_layers or {}).values() if fate == "converted")
+        n = sum(1 for fate in (float8_layers or {}).values() if fate == "converted")
         parts[0] += f", FP8 {f8.recipe} matmuls in {n} Linear layers" + (" (EMULATED)" if f8.emulate else "")
         if f8.moe_experts != "off":
             parts[0] += f" and FP8 {f8.moe_experts} grouped GEMMs in the routed experts"
     master = "bf16 master weights" if fsdp.master_dtype == torch.bfloat16 else "fp32 master weights"
     if fsdp.master_dtype == torch.bfloat16:
         master += {"stochastic": " (stochastic rounding)", "kahan": " (Kahan-compensated updates)",
-                   "nearest": " (round-to-nearest updates)"}[cfg.optimizer.bf16_update]
+                   "nearest": " (round-to-nearest updates)"}[bf16_update]
     parts += [master, f"gradients reduced in {str(fsdp.reduce_dtype).removeprefix('torch.')}"]
     return "precision: " + "; ".join(parts)
 
@@ -88,15 +93,22 @@ def cpu_precision_hint(mixed_precision: str, device_type: str) -> str | None:
             "--train.mixed_precision=fp32 is the fast path on CPU")
 
 
-def write_run_files(folder: str | Path, *, cfg: JobConfig, run_cfg: JobConfig, job: ResolvedJob) -> list[str]:
-    """config.toml, resolved.toml and (fp8) fp8_layers.json in `folder`; returns the names written."""
-    folder = Path(folder)
-    (folder / "config.toml").write_text(run_cfg.to_toml())
+def run_file_texts(cfg: JobConfig, *, run_cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
+                   pipeline: PipelineOptions | None,
+                   float8_layers: dict[str, str] | None) -> tuple[tuple[str, str], ...]:
+    """(name, text) of config.toml (`run_cfg`, the run's config as given), resolved.toml (`cfg` resolved) and, for
+    fp8 runs, fp8_layers.json: made by the validation pass, written by the trainer (`write_run_files`)."""
     header = ("Every value this run used (config.toml is the config as given, relaunchable as is).\n"
               "[model_args] is the model's whole shape; [pipeline] the stages (pp > 1).")
-    (folder / RESOLVED).write_text(to_toml(resolved_config(cfg, job), header=header))
-    written = ["config.toml", RESOLVED]
-    if job.float8_layers:
-        (folder / FP8_LAYERS).write_text(json.dumps(job.float8_layers, indent=1) + "\n")
-        written.append(FP8_LAYERS)
-    return written
+    files = [("config.toml", run_cfg.to_toml()),
+             (RESOLVED, to_toml(resolved_config(cfg, args=args, pd=pd, build=build, pipeline=pipeline), header=header))]
+    if float8_layers:
+        files.append((FP8_LAYERS, json.dumps(float8_layers, indent=1) + "\n"))
+    return tuple(files)
+
+
+def write_run_files(folder: str | Path, files: tuple[tuple[str, str], ...]) -> list[str]:
+    """The run files (`run_file_texts`) in `folder`; returns the names written."""
+    for name, text in files:
+        (Path(folder) / name).write_text(text)
+    return [name for name, _ in files]

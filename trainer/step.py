@@ -22,7 +22,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,10 @@ from torch.distributed.tensor import DTensor
 
 from trainer.errors import UserError
 from trainer.models.moe import MoE, set_aux_loss_scale
+
+if TYPE_CHECKING:
+    from trainer.parallel.context_parallel import ContextParallel
+    from trainer.parallel.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +127,9 @@ class TrainStep:
 
     def __init__(self, *, model: nn.Module, loss_fn: Callable | None, optimizer: torch.optim.Optimizer,
                  scheduler: Any, scaler: LossScaler, max_norm: float, fused: bool, device: torch.device,
-                 pipeline: Any = None, loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 cp: Any = None):
+                 pipeline: Pipeline | None = None,
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 cp: ContextParallel | None = None):
         """cp: the model's context-parallel layout (trainer.parallel.context_parallel.ContextParallel): each
         batch is cut to this rank's chunks of every sequence before it runs."""
         self.model, self.loss_fn, self.pipeline, self.cp = model, loss_fn, pipeline, cp

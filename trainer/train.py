@@ -1,4 +1,8 @@
-"""The training loop. `scripts/train.py` parses the config and calls `train(cfg)`."""
+"""The training loop. `scripts/train.py` parses the config and calls `train(cfg)`.
+
+`train(cfg)` validates the config once (trainer.validate: a `ResolvedJob` of typed options) and runs it:
+one `Trainer(job)`, or one per phase of train.precision_schedule. The Trainer reads no config.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,12 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo, run_tokenizer
+from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
 from trainer.distributed import (
@@ -27,172 +30,117 @@ from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
 from trainer.loss import LossFn, build_loss_fn
 from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
-from trainer.models import build_model, family_of, flops_per_token, num_params
+from trainer.model_values import num_params_for
+from trainer.models import family_of, flops_per_token
 from trainer.models.moe_balancer import MoEBalancer
-from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups, resolve_implementation
-from trainer.parallel import build_parallel_model
-from trainer.parallel.float8 import Float8ScalePrecompute
+from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
+from trainer.parallel.builder import build_model_part
+from trainer.parallel.context_parallel import ContextParallel
+from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute
 from trainer.parallel.float8_experts import Fp8ExpertWeightsRefresh
 from trainer.parallel.fp8_health import Fp8HealthHook
 from trainer.parallel.pipeline import Pipeline
-from trainer.precision_schedule import resolve_phases, run_precision_schedule
+from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.run_files import cpu_precision_hint, describe_precision, write_run_files
 from trainer.run_lock import RunLock, check_writable
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
+from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
+    EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
+)
 from trainer.validate import ResolvedJob, validate_job
 
 logger = logging.getLogger(__name__)
 
 
-# Exit code of a run stopped by SIGTERM before its last step (after saving, when checkpoints are on):
-# what a shell reports for a SIGTERM death (128 + 15), so SLURM requeue scripts can tell
-# preemption (143) from completion (0) and from failure (1, 2). Ctrl-C (SIGINT) stops the same way
-# and exits 130 (128 + 2); a second Ctrl-C quits at once, saving nothing.
-EXIT_PREEMPTED = 143
-EXIT_INTERRUPTED = 130
-STOP_SIGNALS = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
-# Written to the dump folder by such a stop (and removed when the next run starts): under torchrun,
-# whose own exit code is 1 when its workers fail or it gets SIGTERM itself, this file is the signal.
-PREEMPTED_MARKER = "preempted.json"
-
-
-class StoppedBeforeFirstStep(BaseException):
-    """SIGTERM or Ctrl-C before this process finished a step: raised by the signal handler, so the run stops now.
-
-    A stop otherwise waits for the current step to end and saves it; the first step may be minutes of
-    compilation away, and until it ends there is nothing the latest checkpoint (if any) does not hold. The
-    command line exits with the signal's code (143 or 130) and no traceback. A BaseException, as
-    KeyboardInterrupt is: raised wherever the signal lands, it must pass the `except Exception` of the code
-    it interrupts (logging swallowed it when the signal came while a line was being written).
-    """
-
-    def __init__(self, signal_name: str):
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-        self.exit_code = STOP_SIGNALS[signal.Signals[signal_name]]
-
-
 @dataclass
-class TrainState:
-    """Everything besides model/optimizer/scheduler/data that a resume needs."""
+class BuiltModel:
+    """What `Trainer._build_model` makes."""
 
-    step: int = 0
-    mixed_precision: str = ""  # this run's train.mixed_precision, saved so a resume can say what changed
-    resumed_mixed_precision: str = ""  # what the loaded checkpoint was written with ("" = not resumed)
-    preempted: bool = False  # stopped by SIGTERM or Ctrl-C before the last step (not saved: a resume clears it)
-    stopped_by: str = ""  # the signal that stopped it: "SIGTERM" or "SIGINT"
-
-    @property
-    def exit_code(self) -> int:
-        return STOP_SIGNALS[signal.Signals[self.stopped_by]] if self.preempted else 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "mixed_precision": self.mixed_precision}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = int(sd["step"])
-        self.resumed_mixed_precision = str(sd.get("mixed_precision", ""))
+    model: nn.Module
+    """This rank's model; under pp its stages as one module with the full model's fqns (trainer.parallel.pipeline)."""
+    loss_fn: LossFn | None
+    """The loss on the (last stage's) hidden states; None on pipeline ranks without the last stage."""
+    float8: Float8Report | None
+    cp: ContextParallel | None
+    """This rank's chunks of every sequence under context parallelism, handed to the step."""
+    pipeline: Pipeline | None
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, job: ResolvedJob | None = None, *, end_step: int | None = None,
-                 run_cfg: JobConfig | None = None):
-        """`job` is what `validate_job` resolved (run here when not given): every user error is found
-        before the process group exists.
-
-        A phase of train.precision_schedule (trainer/precision_schedule.py) stops after `end_step`
-        with a checkpoint there; `run_cfg` is then the whole run's config, written to config.toml.
-        """
-        job = job or validate_job(cfg, world_size=world_size_from_env())
-        self.cfg, self.run_cfg, self.job = cfg, run_cfg or cfg, job
-        self.end_step = end_step or cfg.train.steps
-        t = cfg.train
+    def __init__(self, job: ResolvedJob):
+        """`job` is what `validate_job` resolved from the config (every user error is found before the process
+        group exists): the Trainer reads nothing else. It trains to `job.run.stop_step` and saves there."""
+        self.job, run = job, job.run
         self.parallel_dims, self.model_args = job.parallel_dims, job.model_args
-        self.env: DistEnv = init_distributed(timeout_seconds=cfg.distributed.init_timeout_seconds)
+        self.env: DistEnv = init_distributed(timeout_seconds=run.init_timeout_seconds)
         self.device = self.env.device
-        set_determinism(seed=t.seed, deterministic=t.deterministic)
+        assert self.device.type == run.device_type, (self.device, run.device_type)  # what validation resolved for
+        set_determinism(seed=run.seed, deterministic=run.deterministic)
         self.parallel_dims.build_meshes(self.device.type)
         self.dp_mesh = self.parallel_dims.mesh("dp")
         logger.info("parallelism: %s on %s", self.parallel_dims.summary, describe_device(self.device))
         self.data_loader = build_data_loader(
-            job.data_source, seed=cfg.data.seed, shuffle=cfg.data.shuffle, seq_len=t.seq_len,
-            batch_size=t.batch_size, grad_accum_steps=t.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
+            job.data_source, seed=run.data_seed, shuffle=run.data_shuffle, seq_len=run.seq_len,
+            batch_size=run.batch_size, grad_accum_steps=run.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
             dp_degree=self.parallel_dims.dp,
         )
-        self.model, self.float8, self.loss_fn = self._build_model(job)
-        self.optimizer, self.scheduler = self._build_optimizer(bf16_master=job.build.fsdp.master_dtype == torch.bfloat16)
+        built = self._build_model(job)
+        self.model, self.float8, self.loss_fn, self.pipeline = built.model, built.float8, built.loss_fn, built.pipeline
+        self.optimizer, self.scheduler = self._build_optimizer(job)
         self._log_model()
-        self.scaler = LossScaler(enabled=t.mixed_precision == "fp16", device=self.device)
+        self.scaler = LossScaler(enabled=run.mixed_precision == "fp16", device=self.device)
         self.step_fn = TrainStep(
             model=self.model, loss_fn=self.loss_fn, optimizer=self.optimizer, scheduler=self.scheduler,
-            scaler=self.scaler, max_norm=t.max_norm, fused=cfg.optimizer.implementation != "foreach",
-            device=self.device, pipeline=self.pipeline, loss_context=self.loss_context,
-            cp=getattr(self.model, "cp", None),
+            scaler=self.scaler, max_norm=run.max_norm, fused=job.optimizer.fused, device=self.device,
+            pipeline=built.pipeline, loss_context=self.loss_context, cp=built.cp,
         )
         self.hooks = self._build_hooks(job)
-        self.state = TrainState(mixed_precision=t.mixed_precision)
+        self.state = TrainState(mixed_precision=run.mixed_precision)
         self.stop_requested = False
         self.stepped = False  # a step of this process has finished: a stop signal now waits for the step's end
         self.checkpoint = self._build_checkpoint()
         # Resuming overwrites the fresh state of every piece above.
         self.checkpoint.resume()
         # After resume: a fresh run starts fresh metrics files, a resumed one continues them.
+        m = job.metrics
         self.metrics = MetricsLogger(
-            dump_folder=cfg.job.dump_folder, rank=self.env.rank, total_steps=t.steps,
-            flops_per_token=flops_per_token(self.model_args, t.seq_len), peak_flops=device_peak_flops(self.device),
-            device=self.device, enable_tensorboard=cfg.metrics.enable_tensorboard,
-            enable_jsonl=cfg.metrics.enable_jsonl, loss_spike_factor=cfg.metrics.loss_spike_factor,
+            dump_folder=run.dump_folder, rank=self.env.rank, total_steps=run.steps,
+            flops_per_token=flops_per_token(self.model_args, run.seq_len), peak_flops=device_peak_flops(self.device),
+            device=self.device, enable_tensorboard=m.enable_tensorboard, enable_jsonl=m.enable_jsonl,
+            loss_spike_factor=m.loss_spike_factor,
             fp8_converted_fraction=self.float8.converted_fraction if self.float8 else None,
             resumed_step=self.state.step,
         )
 
     # -- building ------------------------------------------------------------
 
-    def _build_model(self, job: ResolvedJob):
-        """(model, FP8 report, loss function); under pp the model is this rank's stages and the loss
-        function belongs to the last stage (None on other ranks)."""
-        with torch.device("meta"):
-            model = build_model(self.model_args)
-        # Counted before wrappers: FSDP/TP parameters report their global shapes anyway.
-        self._total_params = num_params(model)
-        self._non_embedding_params = num_params(model, exclude_embeddings=True)
-        t = self.cfg.train
-        # The vocabulary-parallel loss (TP) runs eagerly; otherwise the head and loss compile with the blocks.
-        compile_loss = job.build.compile and self.parallel_dims.tp == 1
+    def _build_model(self, job: ResolvedJob) -> BuiltModel:
+        """This rank's model, parallelized, materialized and initialized (trainer.parallel.builder), and its loss;
+        under pp the pipeline builds this rank's stages with the same builder."""
+        seed, build = job.run.seed, job.build
 
         def build_loss(last: nn.Module) -> LossFn:
-            return build_loss_fn(last, chunk_tokens=job.build.loss_chunk_tokens, compile=compile_loss)
+            return build_loss_fn(last, chunk_tokens=build.loss_chunk_tokens, compile=build.compile_loss)
 
-        self.pipeline = None
         if job.pipeline is not None:
-            # Stages built, parallelized and initialized one by one; `model` is this rank's stages
-            # seen as one module with the full model's fqns (for the optimizer and checkpoints).
-            self.pipeline = Pipeline(self.model_args, self.parallel_dims, options=job.pipeline, build=job.build,
-                                     device=self.device, seed=t.seed, seq_len=t.seq_len // self.parallel_dims.cp,
-                                     build_loss=build_loss)
-            return self.pipeline.model, self.pipeline.float8_report, self.pipeline.loss_fn
-        report = build_parallel_model(model, self.parallel_dims, options=job.build, device=self.device)
-        # Materialize only this rank's shards, then fill them as if the model were whole.
-        model.to_empty(device=self.device)
-        model.init_weights(seed=t.seed)
-        model.train()
-        return model, report, build_loss(model)
+            pipeline = Pipeline(self.model_args, self.parallel_dims, options=job.pipeline, build=build,
+                                device=self.device, seed=seed, seq_len=job.run.seq_len // self.parallel_dims.cp,
+                                build_loss=build_loss)
+            return BuiltModel(model=pipeline.model, loss_fn=pipeline.loss_fn, float8=pipeline.float8_report,
+                              cp=pipeline.cp, pipeline=pipeline)
+        model, result = build_model_part(self.model_args, self.parallel_dims, options=build, device=self.device,
+                                         seed=seed)
+        return BuiltModel(model=model, loss_fn=build_loss(model), float8=result.float8, cp=result.cp, pipeline=None)
 
-    def _build_optimizer(self, *, bf16_master: bool):
-        o, t = self.cfg.optimizer, self.cfg.train
+    def _build_optimizer(self, job: ResolvedJob):
+        o, s = job.optimizer, job.scheduler
         optimizer = build_optimizer(
-            self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-            implementation=resolve_implementation(o.implementation, compile_model=t.compile_model,
-                                                  device_type=self.device.type),
-            # BF16AdamW's update compiles only on a GPU: on a (loaded 2-core) CPU its compile had not finished the
-            # debug model's first step in 15 minutes, where the eager update takes 0.4 s.
-            seed=t.seed, compile=t.compile_model and self.device.type == "cuda",
-            bf16_update=o.bf16_update if bf16_master else None,
+            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+            implementation=o.implementation, seed=job.run.seed, compile=o.compile, bf16_update=o.bf16_update,
         )
-        s = self.cfg.scheduler
         scheduler = build_lr_scheduler(
-            optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps, decay_type=s.decay_type,
+            optimizer, warmup_steps=s.warmup_steps, total_steps=job.run.steps, decay_type=s.decay_type,
             min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,
         )
         return optimizer, scheduler
@@ -201,21 +149,25 @@ class Trainer:
         # The startup lines users check, in this order: Applied Float8 training (from
         # build_parallel_model), Optimizer groups, Model.
         logger.info("Optimizer groups: %s", describe_param_groups(self.optimizer, self.scheduler.schedule))
-        args = self.model_args
+        args, job = self.model_args, self.job
+        # From the shapes, not the model: under pp no rank holds the whole model (equal to num_params of the
+        # whole model on every flavor: tests/unit/test_model.py).
+        total, non_embedding = num_params_for(args)
         logger.info(
             "Model: %s, %s parameters (%s non-embedding), dim=%d, layers=%d, heads=%d/%d kv, vocab=%d",
-            self.cfg.model.flavor, f"{self._total_params:,}", f"{self._non_embedding_params:,}",
+            job.run.flavor, f"{total:,}", f"{non_embedding:,}",
             args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
         )
-        logger.info(describe_precision(self.cfg, self.job))
-        if hint := cpu_precision_hint(self.cfg.train.mixed_precision, self.device.type):
+        logger.info(describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
+                                       build=job.build, float8_layers=job.float8_layers))
+        if hint := cpu_precision_hint(job.run.mixed_precision, self.device.type):
             logger.info(hint)
         if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
             logger.info(family_line)
 
     def _build_hooks(self, job: ResolvedJob) -> list[StepHook]:
         """The per-step hooks (trainer/hooks.py) this job needs, in the order they run."""
-        cfg, t, hooks = self.cfg, self.cfg.train, []
+        run, hooks = job.run, []
         if family_of(self.model_args).has_router:
             # Expert loads summed over every rank of the stage (ep ranks are dp ranks too; tp ranks route
             # slices of the same sequences); on every rank, since its collectives are (a pipeline rank may
@@ -229,37 +181,38 @@ class Trainer:
         f8 = self.float8
         if f8 and f8.enabled and f8.fsdp_float8_all_gather:
             hooks.append(Float8ScalePrecompute(self.model))
-        if f8 and f8.enabled and cfg.metrics.fp8_stats_freq:
-            hooks.append(Fp8HealthHook(self.model, recipe=cfg.float8.recipe, every=cfg.metrics.fp8_stats_freq))
+        if f8 and f8.enabled and job.metrics.fp8_stats_freq:
+            hooks.append(Fp8HealthHook(self.model, recipe=job.build.float8.recipe, every=job.metrics.fp8_stats_freq))
         if job.validation_source is not None:
+            v = job.validation
             evaluator = Evaluator(
-                job.validation_source, model=self.model, batch_loss=self.step_fn.eval_loss, seq_len=t.seq_len,
-                batch_size=t.batch_size, steps=cfg.validation.steps, freq=cfg.validation.freq, last_step=t.steps,
+                job.validation_source, model=self.model, batch_loss=self.step_fn.eval_loss, seq_len=run.seq_len,
+                batch_size=run.batch_size, steps=v.steps, freq=v.freq, last_step=run.steps,
                 dp_rank=self.dp_mesh.get_local_rank(), dp_degree=self.parallel_dims.dp, device=self.device,
                 dp_group=self.parallel_dims.mesh("dp_cp").get_group(), loss_context=self.loss_context,
             )
             logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
-                        cfg.validation.steps, cfg.validation.freq, f"{evaluator.tokens:,}")
+                        v.steps, v.freq, f"{evaluator.tokens:,}")
             hooks.append(evaluator)
         return hooks
 
     def _build_checkpoint(self) -> CheckpointManager:
-        cfg, pd = self.cfg, self.parallel_dims
+        job, pd = self.job, self.parallel_dims
         return CheckpointManager(
-            cfg.checkpoint, dump_folder=cfg.job.dump_folder,
+            job.checkpoint,
             state=CheckpointState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                   data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler,
-                                  restart_data=cfg.checkpoint.restart_data),
-            run=RunInfo(flavor=cfg.model.flavor, model_args=self.model_args, mixed_precision=cfg.train.mixed_precision,
+                                  restart_data=job.checkpoint.restart_data),
+            run=RunInfo(flavor=job.run.flavor, model_args=self.model_args, mixed_precision=job.run.mixed_precision,
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
                                 "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},
-                        **run_tokenizer(cfg.data.source, cfg.data.tokenizer)),
+                        **job.run.tokenizer),
         )
 
     # -- one step ------------------------------------------------------------
 
     def loss_context(self):
-        if self.parallel_dims.tp > 1 and self.cfg.distributed.loss_parallel:
+        if self.parallel_dims.tp > 1 and self.job.build.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()
@@ -282,7 +235,7 @@ class Trainer:
 
     def check_finite(self) -> int:
         """Report the non-finite steps since the last check (TrainStep.check_finite). note: a host sync."""
-        return self.step_fn.check_finite(on_nonfinite=self.cfg.train.on_nonfinite,
+        return self.step_fn.check_finite(on_nonfinite=self.job.run.on_nonfinite,
                                          record=self.metrics.record_nonfinite)
 
     # -- the loop ------------------------------------------------------------
@@ -309,24 +262,23 @@ class Trainer:
         return bool(flag.item())
 
     def run(self) -> TrainState:
-        cfg = self.cfg
-        Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
+        run, c = self.job.run, self.job.checkpoint
+        Path(run.dump_folder).mkdir(parents=True, exist_ok=True)
         if self.env.rank == 0:
-            written = write_run_files(cfg.job.dump_folder, cfg=cfg, run_cfg=self.run_cfg, job=self.job)
-            logger.info("outputs: %s (%s, metrics.jsonl%s%s)", cfg.job.dump_folder, ", ".join(written),
-                        ", tb/" if cfg.metrics.enable_tensorboard else "",
-                        f", {cfg.checkpoint.folder}/ every {cfg.checkpoint.interval} steps" if cfg.checkpoint.enable
-                        else "")
-            (Path(cfg.job.dump_folder) / PREEMPTED_MARKER).unlink(missing_ok=True)  # from a preempted earlier run
+            written = write_run_files(run.dump_folder, self.job.run_files)
+            logger.info("outputs: %s (%s, metrics.jsonl%s%s)", run.dump_folder, ", ".join(written),
+                        ", tb/" if self.job.metrics.enable_tensorboard else "",
+                        f", {c.folder}/ every {c.interval} steps" if c.enable else "")
+            (Path(run.dump_folder) / PREEMPTED_MARKER).unlink(missing_ok=True)  # from a preempted earlier run
         previous = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
-        p = cfg.profiling
+        p = self.job.profiling
         profiling = maybe_enable_profiling(
-            enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=cfg.trace_dir,
+            enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=p.trace_dir,
             rank=self.env.rank, record_shapes=p.record_shapes, with_stack=p.with_stack,
-            profile_memory=p.profile_memory, expect_fp8=cfg.is_fp8 and not cfg.float8.emulate,
+            profile_memory=p.profile_memory, expect_fp8=p.expect_fp8,
         )
         memory = maybe_record_memory_history(
-            enable=p.memory_snapshot, snapshot_dir=str(Path(cfg.trace_dir) / "memory_snapshot"), rank=self.env.rank
+            enable=p.memory_snapshot, snapshot_dir=str(Path(p.trace_dir) / "memory_snapshot"), rank=self.env.rank
         )
         try:
             with profiling as profiler, memory as memory_recorder:
@@ -338,7 +290,7 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.check_finite()
-        marker = Path(cfg.job.dump_folder) / PREEMPTED_MARKER
+        marker = Path(run.dump_folder) / PREEMPTED_MARKER
         if self.state.preempted:
             self.checkpoint.wait()  # the stop's checkpoint is complete before we say so
             saved = self.checkpoint.last_saved_step == self.state.step
@@ -346,12 +298,12 @@ class Trainer:
                 "its save failed, see above" if self.checkpoint.enable else "checkpoint.enable=false") + ")"
             self.state.stopped_by = self.state.stopped_by or "SIGTERM"  # another rank's signal
             logger.warning("stopped by %s at step %d of %d; %s; exiting with code %d", self.state.stopped_by,
-                           self.state.step, cfg.train.steps, what, self.state.exit_code)
+                           self.state.step, run.steps, what, self.state.exit_code)
             if self.env.rank == 0:
                 # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
-                marker.write_text(json.dumps({"step": self.state.step, "of_steps": cfg.train.steps,
+                marker.write_text(json.dumps({"step": self.state.step, "of_steps": run.steps,
                                               "checkpoint_saved": saved, "signal": self.state.stopped_by}) + "\n")
-        elif self.end_step == cfg.train.steps:  # not a precision-schedule phase that ends before the run does
+        elif run.stop_step == run.steps:  # not a job that stops before the run's last step (a precision phase)
             # With checkpoint.on_save_error="continue", a failed last save is an error here (exit 2), not a success.
             self.checkpoint.require_saved(self.state.step)
             logger.info("training finished at step %d", self.state.step)
@@ -365,21 +317,21 @@ class Trainer:
                        stop.signal_name, step + 1, f"a relaunch resumes checkpoint step-{step}" if saved
                        else "no step had finished", stop.exit_code, extra=EVERY_RANK)
         if self.env.rank == 0:
-            (Path(self.cfg.job.dump_folder) / PREEMPTED_MARKER).write_text(json.dumps(
-                {"step": step, "of_steps": self.cfg.train.steps, "checkpoint_saved": saved,
+            (Path(self.job.run.dump_folder) / PREEMPTED_MARKER).write_text(json.dumps(
+                {"step": step, "of_steps": self.job.run.steps, "checkpoint_saved": saved,
                  "signal": stop.signal_name}) + "\n")
 
     def _loop(self, profiler, memory_recorder) -> None:
-        cfg, t = self.cfg, self.cfg.train
+        t, stop_step = self.job.run, self.job.run.stop_step
         first_step = self.state.step + 1
         interval = _Interval()
         # Tokens per device per step, each token counted once (TP and PP ranks share their dp rank's tokens).
         local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
         logger.info("training steps %d-%d, %s tokens per step; the first step includes %swarm-up", first_step,
-                    self.end_step, f"{round(local_tokens * self.env.world_size):,}",
+                    stop_step, f"{round(local_tokens * self.env.world_size):,}",
                     "compilation and " if t.compile_model else "")
         stopping = False
-        while self.state.step < self.end_step and not stopping:
+        while self.state.step < stop_step and not stopping:
             lr = self.scheduler.get_last_lr()[0]
             result = self.train_step(self.data_loader.next_batch())
             self.state.step += 1
@@ -387,17 +339,17 @@ class Trainer:
             step = self.state.step
             interval.add(local_tokens)
             profiler.step(step)
-            if step == cfg.profiling.end_step:
+            if step == self.job.profiling.end_step:
                 memory_recorder.dump(f"step{step}")
-            if (step == first_step or step % cfg.metrics.log_freq == 0 or step in (t.steps, self.end_step)
+            if (step == first_step or step % self.job.metrics.log_freq == 0 or step in (t.steps, stop_step)
                     or any(hook.log_due(step) for hook in self.hooks)):
                 self._log(step, result, lr=lr, interval=interval, first_step=first_step)
                 interval = _Interval()
             stopping = self._agree_to_stop()
             # A stop at the last step is a completed run, not a preemption.
             self.state.preempted = stopping and step < t.steps
-            # The end of a precision-schedule phase saves like a stop: the next phase resumes it.
-            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=stopping or step == self.end_step,
+            # A job that stops before the run's end (a precision-schedule phase) saves like a stop: the next resumes it.
+            self.checkpoint.maybe_save(step, final=step == t.steps, stopping=stopping or step == stop_step,
                                        before_save=self.check_finite)
 
     def _log(self, step: int, result: StepResult, *, lr: float, interval: _Interval, first_step: int) -> None:
@@ -442,8 +394,8 @@ def train(cfg: JobConfig) -> TrainState:
     """Validate, build everything, train, and always tear down (writers, process group)."""
     # The one validation pass, before the process group or any tensor exists.
     # With train.precision_schedule: one validated job per phase (the schedule overrides train.mixed_precision).
-    jobs = resolve_phases(cfg, world_size=world_size_from_env()) if cfg.train.precision_schedule else []
-    job = None if jobs else validate_job(cfg, world_size=world_size_from_env())
+    schedule = PrecisionSchedule(cfg, world_size=world_size_from_env()) if cfg.train.precision_schedule else None
+    job = None if schedule else validate_job(cfg, world_size=world_size_from_env())
     for folder, key in output_folders(cfg):
         check_writable(folder, key=key)
     # Global rank 0 owns the dump folder before any rank writes to it.
@@ -452,10 +404,10 @@ def train(cfg: JobConfig) -> TrainState:
         lock.acquire()
     trainer, ok = None, False
     try:
-        if jobs:
-            state = run_precision_schedule(cfg, jobs, trainer_cls=Trainer)
+        if schedule:
+            state = run_schedule(schedule)
         else:
-            trainer = Trainer(cfg, job)
+            trainer = Trainer(job)
             state = trainer.run()
         ok = True
         return state
@@ -467,6 +419,53 @@ def train(cfg: JobConfig) -> TrainState:
         finally:
             if lock is not None:
                 lock.release()
+
+
+def run_schedule(schedule: PrecisionSchedule) -> TrainState:
+    """Train the whole run phase by phase in this process, one Trainer per phase (each stops at its phase's last
+    step and saves there; the next resumes it); returns the last phase's TrainState.
+
+    A relaunch resumes the latest checkpoint and starts in the phase that holds the step after it.
+    """
+    resumed = schedule.start()
+    k, load_step, relaunched = schedule.phase_of(resumed), -1, resumed > 0
+    trainer = None
+    # Process-wide switches a phase may flip, reset for each phase as a relaunch would: apply_float8 turns
+    # oneDNN off on CPU (for torch._scaled_mm), which would change the matmuls of a later bf16 phase.
+    mkldnn = torch.backends.mkldnn.enabled
+    try:
+        while True:
+            torch.backends.mkldnn.enabled = mkldnn
+            trainer = Trainer(schedule.job(k, load_step=load_step))
+            resumed = trainer.state.step  # the same on every rank: rank 0 chose the checkpoint
+            if schedule.phase_of(resumed) != k:
+                # The newest checkpoint failed verification and an older one, from another phase, was loaded.
+                logger.warning("precision schedule: resumed step %d, which is in phase %s, not %s: rebuilding",
+                               resumed, schedule.phases[schedule.phase_of(resumed)], schedule.phases[k])
+                trainer.close()
+                trainer, k = None, schedule.phase_of(resumed)
+                free_memory()
+                continue
+            if relaunched:
+                logger.info("precision schedule: resuming at step %d in phase %d of %d (%s)", resumed, k + 1,
+                            len(schedule.phases), schedule.phases[k])
+                relaunched = False
+            state = trainer.run()
+            if state.preempted or state.step >= trainer.job.run.steps:
+                return state
+            assert state.step == trainer.job.run.stop_step, (state.step, trainer.job.run.stop_step)
+            trainer.close()  # a background save of the boundary completes here
+            saved = trainer.checkpoint.last_saved_step == state.step
+            trainer = None
+            k, load_step = k + 1, schedule.switch(k, saved=saved)
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+def build_trainer(cfg: JobConfig) -> Trainer:
+    """validate_job, then a Trainer of that job: for scripts and tests that start from one config."""
+    return Trainer(validate_job(cfg, world_size=world_size_from_env()))
 
 
 def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:

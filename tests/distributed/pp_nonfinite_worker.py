@@ -14,12 +14,12 @@ import torch
 
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
-from trainer.train import Trainer
+from trainer.train import build_trainer
 
 
 def main(argv: list[str]) -> None:
     cfg = load_job_config(argv)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     try:
         model = trainer.model
         if "3" in model.layers:  # only the last stage's rank holds block 3

@@ -180,9 +180,9 @@ def gradients_of_one_step(args: list[str], dump: str) -> dict:
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
     from trainer.models.layers import clean_fqn
-    from trainer.train import Trainer
+    from trainer.train import build_trainer
 
-    trainer = Trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:
         trainer.step_fn.forward_backward(trainer.data_loader.next_batch())
         grads = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
@@ -203,9 +203,9 @@ def saved_bytes_of_one_forward(args: list[str], dump: str) -> int:
 
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
-    from trainer.train import Trainer
+    from trainer.train import build_trainer
 
-    trainer = Trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

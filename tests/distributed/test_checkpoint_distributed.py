@@ -112,10 +112,10 @@ def _worker(out: str, args: list[str]) -> None:
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
     from trainer.log import setup_logging
-    from trainer.train import Trainer
+    from trainer.train import build_trainer
 
     setup_logging(int(os.environ.get("RANK", "0")))
-    trainer = Trainer(load_job_config(args))
+    trainer = build_trainer(load_job_config(args))
     try:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model = get_model_state_dict(trainer.model, options=options)

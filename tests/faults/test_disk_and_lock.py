@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from tests.helpers import REPO, TRAIN, env, hooks_env, read_metrics
 from trainer.checkpoint import CheckpointError, CheckpointManager, RunInfo, load_model, save_model_only
 from trainer.config import CheckpointSection
+from trainer.validate.options import checkpoint_options
 from trainer.models.llama import FLAVORS
 from trainer.run_lock import LOCK_NAME, RunLock, RunLockError
 
@@ -270,7 +271,8 @@ def one_process():
 
 
 def _manager(dump: Path, **section) -> CheckpointManager:
-    return CheckpointManager(CheckpointSection(enable=True, interval=1, **section), dump_folder=str(dump),
+    return CheckpointManager(checkpoint_options(CheckpointSection(enable=True, interval=1, **section),
+                                                dump_folder=str(dump)),
                              state=_State(), run=RunInfo(flavor="debug", model_args=DEBUG, mixed_precision="fp32"))
 
 

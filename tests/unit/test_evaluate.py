@@ -17,7 +17,7 @@ from trainer.data.sources import HELD_OUT_BLOCK, HELD_OUT_EVERY, _default_tokens
 from trainer.distributed import destroy_distributed
 from trainer.errors import ConfigError
 from trainer.models import Llama
-from trainer.train import Trainer
+from trainer.train import build_trainer
 from trainer.validate import validate_job
 
 VAL = ["--validation.enable=true", "--validation.steps=3", "--train.batch_size=4"]
@@ -50,7 +50,7 @@ def test_validation_loss_equals_a_plain_loop_and_does_not_disturb_training(tmp_p
             "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", *VAL, "--validation.freq=2",
             f"--job.dump_folder={tmp_path}"]
     cfg = load_job_config(args)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     try:
         trainer.run()
         weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()}

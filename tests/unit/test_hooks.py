@@ -12,7 +12,7 @@ from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.hooks import StepHook
-from trainer.train import Trainer
+from trainer.train import build_trainer
 
 
 def test_the_base_hook_does_nothing() -> None:
@@ -58,7 +58,7 @@ def test_the_loop_calls_the_protocol_in_order(tmp_path: Path) -> None:
     cfg = load_job_config(["--config", DEBUG_CONFIG, "--model.n_layers=1", "--train.steps=4", "--train.seq_len=16",
                            "--train.batch_size=2", "--metrics.log_freq=4", "--metrics.enable_tensorboard=false",
                            "--train.mixed_precision=fp32", "--data.source=synthetic", f"--job.dump_folder={tmp_path}"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     events: list[tuple] = []
     try:
         trainer.hooks[:] = [Recording("a", events, log_at=3), Recording("b", events)]

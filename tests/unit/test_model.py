@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.loss import LossFn
-from trainer.model_values import param_count
+from trainer.model_values import num_params_for, param_count
 from trainer.models import FLAVORS, Llama, build_model, flops_per_token, model_args_for, num_params
 from trainer.models.llama import ModelArgs, RopeScaling, rope_inv_freq
 
@@ -50,6 +50,17 @@ def test_param_count_matches_the_built_model(flavor: str) -> None:
         model = build_model(args)
     biases = sum(b.numel() for name, b in model.named_buffers() if name.endswith("expert_bias"))
     assert param_count(args) == num_params(model) + biases
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVORS))
+@pytest.mark.parametrize("n_layers", [0, 3])  # 0: the flavor's own depth (MoE flavors' dense layers included)
+def test_the_logged_parameter_counts_equal_the_built_models(flavor: str, n_layers: int) -> None:
+    """The startup line's counts come from the shapes (num_params_for: under pp no rank builds the whole model):
+    exactly num_params of the whole model, with and without the embedding table."""
+    args = model_args_for(flavor, n_layers=n_layers)
+    with torch.device("meta"):
+        model = build_model(args)
+    assert num_params_for(args) == (num_params(model), num_params(model, exclude_embeddings=True))
 
 
 def test_flops_per_token_counts_every_matmul() -> None:

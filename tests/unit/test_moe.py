@@ -512,9 +512,9 @@ def test_checkpoint_of_the_other_family_is_a_shape_mismatch(tmp_path) -> None:
 
 def _moe_trainer(tmp_path, *args: str):
     from trainer.config import load_job_config
-    from trainer.train import Trainer
+    from trainer.train import build_trainer
 
-    return Trainer(load_job_config(["--config", MOE_CONFIG, "--train.seq_len=32", "--train.batch_size=2",
+    return build_trainer(load_job_config(["--config", MOE_CONFIG, "--train.seq_len=32", "--train.batch_size=2",
                                     "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
                                     f"--job.dump_folder={tmp_path}", *args]))
 

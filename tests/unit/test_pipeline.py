@@ -10,9 +10,10 @@ from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import build_model, model_args_for
-from trainer.parallel.pipeline import (
-    PipelineModel, balanced_split, bubble_fraction, cost_split, split_at, split_stage_module, stage_ids,
-    stage_module_fqns,
+from trainer.parallel.builder import split_stage_module
+from trainer.parallel.pipeline import PipelineModel
+from trainer.parallel.pipeline_layout import (
+    balanced_split, bubble_fraction, cost_split, split_at, stage_ids, stage_module_fqns,
 )
 from trainer.validate import validate_job
 

@@ -222,9 +222,10 @@ def test_the_previous_phase_is_freed_before_the_next_is_built(tmp_path: Path) ->
 
     import torch.distributed as dist
 
+    import trainer.train as train_module
     from trainer.distributed import destroy_distributed
-    from trainer.precision_schedule import resolve_phases, run_precision_schedule
-    from trainer.train import Trainer
+    from trainer.precision_schedule import PrecisionSchedule
+    from trainer.train import Trainer, run_schedule
 
     cfg = load_job_config([*BASE, "--train.steps=3", "--train.precision_schedule=bf16:1,fp32:2,bf16",
                            "--scheduler.decay_type=wsd", f"--job.dump_folder={tmp_path}"])
@@ -240,7 +241,9 @@ def test_the_previous_phase_is_freed_before_the_next_is_built(tmp_path: Path) ->
             groups.append(dist.group.WORLD)
 
     try:
-        state = run_precision_schedule(cfg, resolve_phases(cfg, world_size=1), trainer_cls=Recording)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train_module, "Trainer", Recording)  # run_schedule builds each phase's Trainer
+            state = run_schedule(PrecisionSchedule(cfg, world_size=1))
     finally:
         destroy_distributed()
     gc.collect()

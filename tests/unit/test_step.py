@@ -21,7 +21,7 @@ from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.optim import LocalFusedAdamW
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep, grad_norm
-from trainer.train import Trainer
+from trainer.train import Trainer, build_trainer
 
 VOCAB, DIM = 11, 6
 # fp32 means over 20-40 tokens, summed in another order: a few eps (1.2e-7) of values of order 0.01-1.
@@ -202,7 +202,7 @@ def _trainer_with_nan(tmp_path: Path, on_nonfinite: str) -> Trainer:
     cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.steps=3", "--train.seq_len=32", "--metrics.log_freq=1",
                            f"--train.on_nonfinite={on_nonfinite}", f"--job.dump_folder={tmp_path}",
                            "--metrics.enable_tensorboard=false"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     weight = trainer.model.layers["1"].mlp.up_proj.weight
     with torch.no_grad():
         weight.to_local()[0, 0] = float("nan")

@@ -132,3 +132,45 @@ def test_files_and_functions_stay_short() -> None:
                 if length > MAX_FUNCTION_LINES:
                     long_functions.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length})")
     assert long_files == [] and long_functions == [], "split by concern: " + "; ".join(long_files + long_functions)
+
+
+# -- the Trainer reads no config ------------------------------------------------------------------------------
+
+CONFIG_NAMES = {"cfg", "run_cfg", "JobConfig", "load_job_config", "validate_job", "config"}
+
+
+def config_reads(source: str, class_name: str) -> list[str]:
+    """Where class `class_name` in `source` names a config (`cfg`, `self.cfg`, JobConfig, ...): line and name."""
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    found = []
+    for node in ast.walk(cls):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else \
+            node.arg if isinstance(node, ast.arg) else None
+        if name in CONFIG_NAMES:
+            found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_the_trainer_reads_no_config() -> None:
+    """Trainer(job) runs from the ResolvedJob's typed options: its class never names a config, and its constructor
+    takes the job alone (trainer.validate resolves every decision; train() holds the config)."""
+    import inspect
+
+    from trainer.train import Trainer
+
+    assert config_reads((REPO / "trainer" / "train.py").read_text(encoding="utf-8"), "Trainer") == []
+    assert list(inspect.signature(Trainer.__init__).parameters) == ["self", "job"]
+    # The check sees a read reintroduced in any form.
+    planted = "class Trainer:\n    def run(self):\n        return self.cfg.train.steps, JobConfig\n"
+    assert sorted(config_reads(planted, "Trainer")) == ["3: JobConfig", "3: cfg"]
+
+
+def test_below_the_trainer_nothing_takes_the_config() -> None:
+    """The step, the pipeline, the builder, the checkpoint manager and the model never import trainer.config: they
+    take narrow typed options (the validation pass resolves them)."""
+    graph = import_graph()
+    below = ["trainer.step", "trainer.parallel.pipeline", "trainer.parallel.pipeline_layout",
+             "trainer.parallel.builder", "trainer.parallel.build", "trainer.checkpoint.manager",
+             "trainer.checkpoint.options", "trainer.models.layers", "trainer.models.moe"]
+    assert {m: sorted(d for d in graph[m] if d.startswith("trainer.config")) for m in below} == {m: [] for m in below}

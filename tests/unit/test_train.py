@@ -14,7 +14,7 @@ from tests.helpers import (
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.models import FLAVORS
-from trainer.train import Trainer
+from trainer.train import build_trainer
 
 
 def test_debug_run_learns_and_writes_metrics(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_a_compiled_cpu_run_updates_bf16_master_weights_eagerly(tmp_path: Path) 
     cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.steps=1", "--train.mixed_precision=fp8",
                            "--train.compile_model=true", f"--job.dump_folder={tmp_path}",
                            "--metrics.enable_tensorboard=false"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     try:
         assert isinstance(trainer.optimizer, BF16AdamW) and trainer.optimizer.compile is False
         assert isinstance(trainer.model.layers["0"], torch._dynamo.eval_frame.OptimizedModule)  # the blocks compile

@@ -3,6 +3,7 @@
     format.py    file names, format constants, CheckpointError, checksummed writing, atomic publishing
     state.py     CheckpointState (the one Stateful a resume loads), RunInfo, tensor/JSON split
     verify.py    scan, checksums, checkpoint.json, model/key checks, reading DCP's index without running code
+    options.py   CheckpointOptions: what the manager needs of the config, resolved once by trainer.validate
     manager.py   CheckpointManager: resume (falling back past corrupt checkpoints), save (sync/async), prune, export
     space.py     a checkpoint's size, free space (a warning before a save), pruning, a full disk in one line
     offline.py   one process, no process group: load_model, load_full_model_weights, save_model_only
@@ -15,6 +16,7 @@ from trainer.checkpoint.format import (
     write_json,
 )
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.space import prune_checkpoints
 from trainer.checkpoint.offline import (
     build_model, load_full_model_weights, load_model, resolve_checkpoint, save_model_only,
@@ -28,7 +30,7 @@ from trainer.checkpoint.verify import (
 )
 
 __all__ = [
-    "CHECKPOINT_JSON", "FORMAT", "METADATA", "STATE_JSON", "CheckpointError", "CheckpointManager", "CheckpointState",
+    "CHECKPOINT_JSON", "FORMAT", "METADATA", "STATE_JSON", "CheckpointError", "CheckpointManager", "CheckpointOptions", "CheckpointState",
     "CorruptCheckpointError", "RunInfo", "SafeReader", "args_from_json", "build_model", "check_file",
     "describe_layout", "file_digest", "load_dcp_metadata", "load_full_model_weights", "load_model", "merge_tensors",
     "model_state_dict", "plain_tensor", "prune_checkpoints", "publish", "read_checkpoint_json", "read_dcp_metadata",

@@ -31,6 +31,7 @@ from trainer.checkpoint.format import (
     CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
+from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.space import (
     checkpoint_bytes, describe_disk_error, prune_checkpoints, save_error, warn_if_short,
 )
@@ -41,7 +42,6 @@ from trainer.checkpoint.verify import (
     check_files, check_model_matches, data_files, read_checkpoint_json,
     read_dcp_metadata, read_state_json, safe_load, scan_checkpoints,
 )
-from trainer.config import CheckpointSection
 from trainer.output_folder import aside_name
 
 logger = logging.getLogger("trainer.checkpoint")
@@ -65,18 +65,18 @@ class CheckpointManager:
     when no save is in flight (after `wait()`), so collectives of the two never interleave.
     """
 
-    def __init__(self, section: CheckpointSection, *, dump_folder: str, state: CheckpointState, run: RunInfo):
-        self.enable = section.enable
-        self.folder = Path(dump_folder) / section.folder
-        self.interval = section.interval
-        self.keep_latest_k = section.keep_latest_k
-        self.load_step = section.load_step
-        self.async_mode = section.async_mode
-        self.initial_load_path = section.initial_load_path
-        self.model_only = section.model_only
-        self.export_dtype = EXPORT_DTYPES[section.export_dtype]
-        self.on_save_error = section.on_save_error
-        self.allow_unverified = section.allow_unverified
+    def __init__(self, options: CheckpointOptions, *, state: CheckpointState, run: RunInfo):
+        self.enable = options.enable
+        self.folder = options.path
+        self.interval = options.interval
+        self.keep_latest_k = options.keep_latest_k
+        self.load_step = options.load_step
+        self.async_mode = options.async_mode
+        self.initial_load_path = options.initial_load_path
+        self.model_only = options.model_only
+        self.export_dtype = EXPORT_DTYPES[options.export_dtype]
+        self.on_save_error = options.on_save_error
+        self.allow_unverified = options.allow_unverified
         self.state = state
         self.run = run
         self.rank = dist.get_rank()
@@ -104,7 +104,7 @@ class CheckpointManager:
             logger.info(
                 "checkpointing: every %d steps into %s, keep_latest_k=%d, async_mode=%s%s",
                 self.interval, self.folder, self.keep_latest_k, self.async_mode,
-                f", weights-only {section.export_dtype} export at the end" if self.model_only else "",
+                f", weights-only {options.export_dtype} export at the end" if self.model_only else "",
             )
 
     # -- resume ----------------------------------------------------------------

@@ -94,7 +94,7 @@ class CheckpointState(Stateful):
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     data_loader: Any  # TokenDataLoader
-    train_state: Any  # trainer.train.TrainState
+    train_state: Any  # trainer.train_state.TrainState
     loss_scaler: Any  # trainer.train.LossScaler
     restart_data: bool = False
     """Leave the data loader at its start on load (checkpoint.restart_data)."""

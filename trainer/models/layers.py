@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +185,15 @@ class OutputHead(nn.Module):
         return self.proj(h)
 
 
+class SequenceChunks(Protocol):
+    """This rank's chunks of each sequence under context parallelism: what the model reads of
+    trainer.parallel.context_parallel.ContextParallel (a Protocol: the models sit below trainer.parallel)."""
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's `local_len` tokens."""
+        ...
+
+
 class Decoder(nn.Module):
     """Embeddings, a ModuleDict of blocks, final norm and output head; the forward and init every family shares.
 
@@ -200,9 +210,13 @@ class Decoder(nn.Module):
         self.output_head = OutputHead(args)
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
+        # This rank's chunks of each sequence under context parallelism (set_context_parallel); None: whole sequences.
+        self.cp: SequenceChunks | None = None
 
-    cp = None
-    """This rank's chunks of each sequence under context parallelism (trainer.parallel.context_parallel)."""
+    def set_context_parallel(self, cp: SequenceChunks) -> None:
+        """Under context parallelism the tokens are this rank's chunks of each sequence: RoPE takes their global
+        positions from `cp` (trainer.parallel.context_parallel.apply_cp calls this)."""
+        self.cp = cp
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last block [batch, seq, dim]: what the loss needs (`trainer.loss.LossFn`

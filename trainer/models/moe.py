@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -346,10 +347,15 @@ class MoE(nn.Module):
         self.register_buffer("aux_grad_scale", torch.ones(()), persistent=False)
         # The ranks that hold the other slices of this rank's sequences (tensor parallel: apply_tp sets the tp
         # group); the sequence-wise aux loss sums its statistics over them. None: whole sequences here.
-        self.sequence_group: Any = None
+        self.sequence_group: dist.ProcessGroup | None = None
         # Under context parallelism FSDP averages over the cp ranks a loss each of them holds whole: the
         # aux loss's gradient is injected this many times as strong (apply_cp sets cp's size).
-        self.aux_grad_multiplier = 1.0
+        self.aux_grad_multiplier: float = 1.0
+
+    def set_sequence_group(self, group: dist.ProcessGroup, *, aux_grad_multiplier: float = 1.0) -> None:
+        """The ranks holding the other slices of this rank's sequences (apply_tp: the tp group; apply_cp: the cp
+        group, with cp's size as the aux loss's gradient multiplier)."""
+        self.sequence_group, self.aux_grad_multiplier = group, aux_grad_multiplier
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim] -> output like x; the aux loss (times aux_loss_coef) is attached to it for backward."""
@@ -401,8 +407,6 @@ class MoE(nn.Module):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         score_sums, seq_len = scores.sum(dim=1), scores.shape[1]
         if self.sequence_group is not None:
-            import torch.distributed as dist
-
             from trainer.distributed import all_reduce_sum_identity_backward
 
             counts = all_reduce_sum_identity_backward(counts, self.sequence_group)  # counts carry no gradient

@@ -1,8 +1,10 @@
-from trainer.parallel.build import ACOptions, BuildOptions, Float8Options, FSDPOptions, build_parallel_model
+from trainer.parallel.build import (
+    ACOptions, BuildOptions, BuildResult, Float8Options, FSDPOptions, build_parallel_model,
+)
 from trainer.parallel.float8 import apply_float8
 from trainer.parallel.parallel_dims import ParallelDims
 
 __all__ = [
-    "ACOptions", "BuildOptions", "FSDPOptions", "Float8Options", "ParallelDims", "apply_float8",
+    "ACOptions", "BuildOptions", "BuildResult", "FSDPOptions", "Float8Options", "ParallelDims", "apply_float8",
     "build_parallel_model",
 ]

@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
-from trainer.parallel.context_parallel import apply_cp
+from trainer.parallel.context_parallel import ContextParallel, apply_cp
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import Float8Report, Recipe, apply_float8
 from trainer.parallel.float8_experts import apply_fp8_experts
@@ -72,21 +72,36 @@ class BuildOptions:
     """Tokens per chunk of the output head and loss (trainer.loss.LossFn); 0 = all at once."""
     seq_len: int = 0
     """Tokens per sequence (train.seq_len): the chunk length under context parallelism."""
+    compile_loss: bool = False
+    """Compile the final norm, output head and loss (trainer.loss.LossFn) with the blocks; not under TP, whose
+    vocabulary-parallel loss runs eagerly."""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What build_parallel_model made besides the model: the FP8 report and the context-parallel layout."""
+
+    float8: Float8Report | None
+    """None when the run is not fp8."""
+    cp: ContextParallel | None
+    """This rank's chunks of every sequence (the step cuts each batch to them); None without context parallelism."""
 
 
 def build_parallel_model(
     model: nn.Module, parallel_dims: ParallelDims, *, options: BuildOptions, device: torch.device
-) -> Float8Report | None:
+) -> BuildResult:
     """Apply CP -> TP -> EP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place.
 
-    Returns the FP8 report. The model stays on the meta device; the caller materializes it (`to_empty`)
-    and calls `init_weights`, so no rank ever holds more than its shards.
+    The model stays on the meta device; the caller materializes it (`to_empty`) and calls `init_weights`
+    (trainer.parallel.builder does both), so no rank ever holds more than its shards.
     """
     pd, o = parallel_dims, options
 
     # CP first: it changes what attention and RoPE compute, not any weight.
+    cp = None
     if pd.cp > 1:
-        logger.info(apply_cp(model, pd.mesh("cp"), seq_len=o.seq_len))
+        cp = ContextParallel.of_mesh(pd.mesh("cp"))
+        logger.info(apply_cp(model, cp, seq_len=o.seq_len))
 
     # TP next: it replaces weights by DTensors that every later stage must see.
     if pd.tp > 1:
@@ -121,7 +136,7 @@ def build_parallel_model(
 
     # Compile before FSDP so FSDP's hooks stay outside the compiled graphs.
     if o.compile:
-        logger.info(apply_compile(model))
+        logger.info(apply_compile(model, context_parallel=cp is not None))
 
     # FSDP2 last: it shards whatever the model has become (DTensors from TP, Float8Linear weights).
     if o.fsdp.master_dtype != torch.float32:
@@ -133,7 +148,7 @@ def build_parallel_model(
             expert_mesh=pd.mesh("expert_fsdp") if pd.ep > 1 or pd.tp > 1 else None, routers_with_experts=pd.tp > 1,
         )
     )
-    return report
+    return BuildResult(float8=report, cp=cp)
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

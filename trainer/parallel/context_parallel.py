@@ -18,7 +18,7 @@ heads), which is what makes the all-gather cheap next to the attention it feeds
 SDPA runs the lower-right causal mask on its flash kernels.
 
 The MoE sequence-wise aux loss sums its per-sequence statistics over the cp group (with
-gradients, `MoE.sequence_group`) and injects N times its gradient on every rank, since FSDP
+gradients, `MoE.set_sequence_group`) and injects N times its gradient on every rank, since FSDP
 averages over the cp ranks a loss each of them holds whole.
 """
 
@@ -27,20 +27,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
+
+from trainer.models.moe import MoE
 
 
 @dataclass
 class ContextParallel:
     """This rank's place in the cp group and the chunk layout; what the model reads."""
 
-    group: object
+    group: dist.ProcessGroup
     rank: int
     size: int
     _positions: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of_mesh(cls, cp_mesh: DeviceMesh) -> ContextParallel:
+        return cls(group=cp_mesh.get_group(), rank=cp_mesh.get_local_rank(), size=cp_mesh.size())
 
     def chunks(self) -> tuple[int, int]:
         """The two chunks (of 2 x size) this rank holds, in the order it holds them."""
@@ -137,20 +144,19 @@ def _all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(gather(x, 0, group))
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int) -> str:
-    """Context parallelism over cp_mesh for sequences of seq_len tokens, in place: global RoPE positions, the
-    K/V all-gather attention, and the MoE layers' aux loss over whole sequences. Before TP/EP, FP8, AC,
-    compile and FSDP2 wrap the model."""
-    cp = ContextParallel(group=cp_mesh.get_group(), rank=cp_mesh.get_local_rank(), size=cp_mesh.size())
-    model.cp = cp
+def apply_cp(model: nn.Module, cp: ContextParallel, *, seq_len: int) -> str:
+    """Context parallelism with the layout `cp` for sequences of seq_len tokens, in place: global RoPE positions,
+    the K/V all-gather attention, and the MoE layers' aux loss over whole sequences. Before TP/EP, FP8, AC,
+    compile and FSDP2 wrap the model. The step cuts each batch to this rank's chunks (trainer.step.TrainStep)."""
+    model.set_context_parallel(cp)
     num_attention = num_moe = 0
     for module in model.modules():
         if hasattr(module, "attention_core"):
             module.attention_core = CPAttention(cp, seq_len=seq_len)
             num_attention += 1
-        if hasattr(module, "sequence_group"):  # MoE layers (trainer.models.moe.MoE)
-            module.sequence_group = cp.group
-            module.aux_grad_multiplier = float(cp.size)
+        if isinstance(module, MoE):
+            # FSDP averages over the cp ranks a loss each of them holds whole: cp times the aux loss's gradient.
+            module.set_sequence_group(cp.group, aux_grad_multiplier=float(cp.size))
             num_moe += 1
     first, second = cp.chunks()
     return (f"context parallel: cp={cp.size}, this rank holds chunks {first} and {second} of {2 * cp.size} of every "

@@ -29,5 +29,5 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> s
     for name, block in model.layers.items():
         parallelize_module(block, tp_mesh, plan.blocks[name])
     for module in plan.sequence_modules:
-        module.sequence_group = tp_mesh.get_group()
+        module.set_sequence_group(tp_mesh.get_group())
     return f"tensor parallel: tp={tp}, sequence parallel norms, loss_parallel={loss_parallel}{plan.summary}"

@@ -6,6 +6,8 @@ or override fails while parsing, without importing torch); this pass adds the re
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
+    options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
+                       checkpoint): the Trainer reads no JobConfig
 
 `validate_job` runs them in that order on every rank before `init_distributed` does any
 work; each raises `ConfigError` (or `DataError` for data files) with one line naming the key,
@@ -15,27 +17,46 @@ Lower layers assert these facts; they do not check them again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from trainer.checkpoint.options import CheckpointOptions
 from trainer.config import JobConfig
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
-from trainer.parallel.pipeline import PipelineOptions
+from trainer.parallel.pipeline_layout import PipelineOptions
+from trainer.run_files import run_file_texts
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import check_fits_device
+from trainer.validate.options import (
+    MetricsOptions, OptimizerOptions, ProfilingOptions, RunOptions, SchedulerOptions, ValidationOptions,
+    resolve_options,
+)
 from trainer.validate.resolve import resolve_build, resolve_data, resolve_float8, resolve_model_args
 
 
 @dataclass(frozen=True)
 class ResolvedJob:
-    """What validation resolved, handed to the trainer so nothing is worked out twice."""
+    """What validation resolved, handed to the trainer so nothing is worked out twice: all the Trainer reads."""
 
     parallel_dims: ParallelDims
     model_args: ModelArgs
     build: BuildOptions
     data_source: Any
     """The opened, checked sample source (trainer.data.sources)."""
+    run: RunOptions
+    optimizer: OptimizerOptions
+    scheduler: SchedulerOptions
+    metrics: MetricsOptions
+    profiling: ProfilingOptions
+    checkpoint: CheckpointOptions
+    run_files: tuple[tuple[str, str], ...]
+    """(name, text) of config.toml, resolved.toml and (fp8) fp8_layers.json (trainer.run_files), written by rank 0."""
+    validation: ValidationOptions | None = None
+    """When validation.enable."""
     validation_source: Any = None
     """The held-out source when validation.enable (never overlaps data_source)."""
     pipeline: PipelineOptions | None = None
@@ -45,7 +66,8 @@ class ResolvedJob:
 
 
 def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
-    """Check everything that needs the world size, the model's shapes or the data; resolve what the build takes."""
+    """Check everything that needs the world size, the model's shapes or the data; resolve what the build and the
+    Trainer take."""
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
@@ -55,8 +77,21 @@ def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
     float8, float8_layers = resolve_float8(cfg, args, pd) if cfg.train.is_fp8 else (None, None)
     build = resolve_build(cfg, pd, float8)
     source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
+    files = run_file_texts(cfg, run_cfg=cfg, args=args, pd=pd, build=build, pipeline=pipeline,
+                           float8_layers=float8_layers)
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
-                       validation_source=validation, pipeline=pipeline, float8_layers=float8_layers)
+                       validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,
+                       **resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16))
 
 
-__all__ = ["ResolvedJob", "validate_job"]
+def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_step: int = 0) -> ResolvedJob:
+    """`job` with the options and run files of `cfg` (its checks done, its model, layout and data those `job`
+    resolved): a train.precision_schedule phase's config, whose run files name the whole run's `run_cfg` as
+    config.toml. stop_step: 0 stops at train.steps."""
+    options = resolve_options(cfg, bf16_master=job.build.fsdp.master_dtype == torch.bfloat16, stop_step=stop_step)
+    files = run_file_texts(cfg, run_cfg=run_cfg, args=job.model_args, pd=job.parallel_dims, build=job.build,
+                           pipeline=job.pipeline, float8_layers=job.float8_layers)
+    return dataclasses.replace(job, run_files=files, **options)
+
+
+__all__ = ["ResolvedJob", "validate_job", "with_config"]

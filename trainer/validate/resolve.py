@@ -135,6 +135,8 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         loss_parallel=d.loss_parallel,
         loss_chunk_tokens=t.loss_chunk_tokens,
         seq_len=t.seq_len,
+        # The vocabulary-parallel loss (TP) runs eagerly; otherwise the head and loss compile with the blocks.
+        compile_loss=t.compile_model and pd.tp == 1,
     )
 
 

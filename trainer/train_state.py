@@ -1,0 +1,60 @@
+"""What a run's stop and resume need besides the model: the step, the precision, how it stopped, exit codes.
+
+TrainState is saved in every checkpoint (trainer.checkpoint.CheckpointState); a stop by SIGTERM or Ctrl-C
+exits with the signal's code (STOP_SIGNALS), and writes PREEMPTED_MARKER for requeue scripts.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+# Exit code of a run stopped by SIGTERM before its last step (after saving, when checkpoints are on):
+# what a shell reports for a SIGTERM death (128 + 15), so SLURM requeue scripts can tell
+# preemption (143) from completion (0) and from failure (1, 2). Ctrl-C (SIGINT) stops the same way
+# and exits 130 (128 + 2); a second Ctrl-C quits at once, saving nothing.
+EXIT_PREEMPTED = 143
+EXIT_INTERRUPTED = 130
+STOP_SIGNALS = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
+# Written to the dump folder by such a stop (and removed when the next run starts): under torchrun,
+# whose own exit code is 1 when its workers fail or it gets SIGTERM itself, this file is the signal.
+PREEMPTED_MARKER = "preempted.json"
+
+
+class StoppedBeforeFirstStep(BaseException):
+    """SIGTERM or Ctrl-C before this process finished a step: raised by the signal handler, so the run stops now.
+
+    A stop otherwise waits for the current step to end and saves it; the first step may be minutes of
+    compilation away, and until it ends there is nothing the latest checkpoint (if any) does not hold. The
+    command line exits with the signal's code (143 or 130) and no traceback. A BaseException, as
+    KeyboardInterrupt is: raised wherever the signal lands, it must pass the `except Exception` of the code
+    it interrupts (logging swallowed it when the signal came while a line was being written).
+    """
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.exit_code = STOP_SIGNALS[signal.Signals[signal_name]]
+
+
+@dataclass
+class TrainState:
+    """Everything besides model/optimizer/scheduler/data that a resume needs."""
+
+    step: int = 0
+    mixed_precision: str = ""  # this run's train.mixed_precision, saved so a resume can say what changed
+    resumed_mixed_precision: str = ""  # what the loaded checkpoint was written with ("" = not resumed)
+    preempted: bool = False  # stopped by SIGTERM or Ctrl-C before the last step (not saved: a resume clears it)
+    stopped_by: str = ""  # the signal that stopped it: "SIGTERM" or "SIGINT"
+
+    @property
+    def exit_code(self) -> int:
+        return STOP_SIGNALS[signal.Signals[self.stopped_by]] if self.preempted else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "mixed_precision": self.mixed_precision}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+        self.resumed_mixed_precision = str(sd.get("mixed_precision", ""))

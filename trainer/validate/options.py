@@ -1,0 +1,160 @@
+"""The typed options the Trainer runs from, resolved once from the checked config: nothing below train() reads it.
+
+    RunOptions         steps, the step to stop at, batch shape, seeds, precision, clipping, the run's folder
+    OptimizerOptions   AdamW's values and the resolved implementation (and whether its update compiles)
+    SchedulerOptions   the LR schedule
+    MetricsOptions     log frequency and writers
+    ValidationOptions  held-out evaluation (when validation.enable)
+    ProfilingOptions   the profiler window and where traces go
+    CheckpointOptions  (trainer.checkpoint.options) what the checkpoint manager needs
+
+Each is a frozen dataclass with only what its reader uses; `resolve_options` makes them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from trainer.checkpoint.options import CheckpointOptions
+from trainer.checkpoint.state import run_tokenizer
+from trainer.config import CheckpointSection, JobConfig
+from trainer.optim import resolve_implementation
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int
+    """train.steps: the whole run's (the LR schedule, the last log line, the final checkpoint)."""
+    stop_step: int
+    """The step this Trainer stops at and saves: `steps`, or earlier (the end of a train.precision_schedule phase)."""
+    seed: int
+    deterministic: bool
+    batch_size: int
+    seq_len: int
+    grad_accum_steps: int
+    mixed_precision: str
+    compile_model: bool
+    max_norm: float
+    on_nonfinite: Literal["stop", "skip"]
+    dump_folder: str
+    init_timeout_seconds: int
+    data_seed: int
+    data_shuffle: bool
+    flavor: str
+    device_type: str
+    """"cuda" where CUDA is available, else "cpu": what init_distributed picks, known before it runs."""
+    tokenizer: dict[str, str]
+    """RunInfo's tokenizer fields (trainer.checkpoint.run_tokenizer): none for synthetic tokens."""
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    implementation: Literal["fused", "compiled", "torch_fused", "foreach"]
+    """optimizer.implementation with 'auto' resolved (trainer.optim.resolve_implementation)."""
+    compile: bool
+    """BF16AdamW's update compiles only on a GPU: on a (loaded 2-core) CPU its compile had not finished the debug
+    model's first step in 15 minutes, where the eager update takes 0.4 s."""
+    bf16_update: Literal["stochastic", "kahan", "nearest"] | None
+    """optimizer.bf16_update with bf16 master weights; None with fp32 ones."""
+
+    @property
+    def fused(self) -> bool:
+        """Clipping and the non-finite skip run inside the update (every implementation but foreach)."""
+        return self.implementation != "foreach"
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    warmup_steps: int
+    decay_type: Literal["cosine", "linear", "wsd", "constant"]
+    min_lr_ratio: float
+    wsd_decay_ratio: float
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    log_freq: int
+    enable_tensorboard: bool
+    enable_jsonl: bool
+    loss_spike_factor: float
+    fp8_stats_freq: int
+
+
+@dataclass(frozen=True)
+class ValidationOptions:
+    steps: int
+    """Batches per evaluation."""
+    freq: int
+    """Steps between evaluations."""
+
+
+@dataclass(frozen=True)
+class ProfilingOptions:
+    enable: bool
+    start_step: int
+    end_step: int
+    trace_dir: str
+    """profiling.trace_dir, or the run's job.dump_folder/profiler_traces."""
+    record_shapes: bool
+    with_stack: bool
+    profile_memory: bool
+    memory_snapshot: bool
+    expect_fp8: bool
+    """An fp8 run on real FP8 kernels (not emulated): the trace summary looks for them."""
+
+
+def device_type() -> str:
+    """The device type init_distributed (trainer.distributed) will pick."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0) -> dict[str, Any]:
+    """Every option object of a ResolvedJob but the build's, from the checked config (keyword -> object).
+
+    stop_step: 0 stops at train.steps."""
+    t, o, s, m, p = cfg.train, cfg.optimizer, cfg.scheduler, cfg.metrics, cfg.profiling
+    device = device_type()
+    run = RunOptions(
+        steps=t.steps, stop_step=stop_step or t.steps, seed=t.seed, deterministic=t.deterministic,
+        batch_size=t.batch_size, seq_len=t.seq_len, grad_accum_steps=t.grad_accum_steps,
+        mixed_precision=t.mixed_precision, compile_model=t.compile_model, max_norm=t.max_norm,
+        on_nonfinite=t.on_nonfinite, dump_folder=cfg.job.dump_folder,
+        init_timeout_seconds=cfg.distributed.init_timeout_seconds, data_seed=cfg.data.seed,
+        data_shuffle=cfg.data.shuffle, flavor=cfg.model.flavor, device_type=device,
+        tokenizer=run_tokenizer(cfg.data.source, cfg.data.tokenizer),
+    )
+    optimizer = OptimizerOptions(
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        implementation=resolve_implementation(o.implementation, compile_model=t.compile_model, device_type=device),
+        compile=t.compile_model and device == "cuda", bf16_update=o.bf16_update if bf16_master else None,
+    )
+    c, v = cfg.checkpoint, cfg.validation
+    return dict(
+        run=run, optimizer=optimizer,
+        scheduler=SchedulerOptions(warmup_steps=s.warmup_steps, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio,
+                                   wsd_decay_ratio=s.wsd_decay_ratio),
+        metrics=MetricsOptions(log_freq=m.log_freq, enable_tensorboard=m.enable_tensorboard,
+                               enable_jsonl=m.enable_jsonl, loss_spike_factor=m.loss_spike_factor,
+                               fp8_stats_freq=m.fp8_stats_freq),
+        validation=ValidationOptions(steps=v.steps, freq=v.freq) if v.enable else None,
+        profiling=ProfilingOptions(
+            enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=cfg.trace_dir,
+            record_shapes=p.record_shapes, with_stack=p.with_stack, profile_memory=p.profile_memory,
+            memory_snapshot=p.memory_snapshot, expect_fp8=cfg.is_fp8 and not cfg.float8.emulate,
+        ),
+        checkpoint=checkpoint_options(c, dump_folder=cfg.job.dump_folder),
+    )
+
+
+def checkpoint_options(section: CheckpointSection, *, dump_folder: str) -> CheckpointOptions:
+    """[checkpoint] as the manager takes it."""
+    fields = {f.name for f in dataclasses.fields(CheckpointOptions)} - {"dump_folder"}
+    return CheckpointOptions(dump_folder=dump_folder, **{name: getattr(section, name) for name in fields})
