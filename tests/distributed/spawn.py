@@ -105,20 +105,22 @@ def train_and_read_metrics(args: list[str], dump: str) -> list[dict]:
     return read_metrics(Path(dump)) if os.environ["RANK"] == "0" else []
 
 
-def train_then_one_process(args: list[str], ref_args: list[str], dump: str) -> tuple[list[dict], list[dict]]:
-    """train_and_read_metrics(args) on every rank, then on rank 0 alone the 1-process run of ref_args, as a plain
-    `python scripts/train.py` runs it (world size 1 on an in-memory store). Rank 0 returns (the layout's metrics,
-    the reference's), the others ([], []).
+def train_then_one_process(args: list[str], ref_args: list[str], dump: str, layout: str = "layout",
+                           one_process: str = "one_process") -> tuple[list[dict], list[dict]]:
+    """train_and_read_metrics(args) on every rank into dump/layout, then on rank 0 alone the 1-process run of
+    ref_args into dump/one_process, as a plain `python scripts/train.py` runs it (world size 1 on an in-memory
+    store). Rank 0 returns (the layout's metrics, the reference's), the others ([], []). The two folders may be
+    one: the 1-process run then resumes from the layout's checkpoint.
 
     The reference costs no second spawn: no interpreter start and torch import (~5 of a debug run's ~8 s on 2
     cores). It runs after the layout, so every rank of the layout under test starts from a fresh interpreter."""
-    got = train_and_read_metrics(args, str(Path(dump) / "layout"))
+    got = train_and_read_metrics(args, str(Path(dump) / layout))
     if os.environ["RANK"] != "0":
         return [], []
     for key in ("MASTER_ADDR", "MASTER_PORT"):  # no peers: trainer.distributed makes a 1-process group
         os.environ.pop(key)
     os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
-    return got, train_and_read_metrics(ref_args, str(Path(dump) / "one_process"))
+    return got, train_and_read_metrics(ref_args, str(Path(dump) / one_process))
 
 
 def train_then_one_process_in_float64(args: list[str], ref_args: list[str],

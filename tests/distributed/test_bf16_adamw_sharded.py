@@ -1,25 +1,26 @@
-"""BF16AdamW on sharded DTensors (2 gloo ranks) rounds every element exactly as one process does."""
+"""BF16AdamW on sharded DTensors (2 gloo ranks, spawned) rounds every element exactly as one process does."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+import torch
 
-from tests.helpers import REPO, env
+from tests.distributed.spawn import run_distributed
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    import torch
+KINDS = ("stochastic", "kahan")
+
+
+def one_process_and_sharded(kinds: tuple[str, ...]) -> dict[str, tuple[list, list, list]]:
+    """Per update kind, three steps of BF16AdamW from the same weights and gradients, unsharded on this rank and
+    sharded over both ranks: {kind: (start, one process, sharded)}, the full tensors (every rank returns them)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     from trainer.bf16_adamw import BF16AdamW
+    from trainer.distributed import destroy_distributed
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
-    kind = sys.argv[1]
     gen = torch.Generator().manual_seed(0)
     # Uneven shapes: FSDP-style Shard(0) of 7 rows gives ranks 4 and 3 rows.
     full = [torch.randn(7, 5, generator=gen).bfloat16(), torch.randn(9, generator=gen).bfloat16(),
@@ -27,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     grads = [[torch.randn(t.shape, generator=gen).bfloat16() for t in full] for _ in range(3)]
     placements = [[Shard(0)], [Shard(0)], [Shard(1)]]
 
-    def run(sharded):
+    def run(kind: str, sharded: bool) -> list[torch.Tensor]:
         params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, pl) if sharded else t.clone())
                   for t, pl in zip(full, placements)]
         opt = BF16AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, update=kind, seed=5)
@@ -37,26 +38,17 @@ SCRIPT = textwrap.dedent("""
             opt.step()
         return [p.detach().full_tensor() if sharded else p.detach() for p in params]
 
-    one, two = run(False), run(True)
-    for a, b, start in zip(one, two, full):
-        assert torch.equal(a, b), (a - b).abs().max()
-        assert not torch.equal(a, start)  # the steps moved the weights
-    from trainer.distributed import destroy_distributed
-    destroy_distributed()  # barrier first: a rank must not close gloo while its peer still reads
-    print("OK")
-""")
+    try:
+        return {kind: (full, run(kind, False), run(kind, True)) for kind in kinds}
+    finally:
+        destroy_distributed()  # barrier first: a rank must not close gloo while its peer still reads
 
 
-def _run(kind: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    script = tmp_path / "sharded.py"
-    script.write_text(SCRIPT)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), kind],
-        cwd=REPO, env=env(), capture_output=True, text=True, timeout=180,
-    )
-
-
-def test_sharded_rounding_equals_one_process(tmp_path: Path) -> None:
-    for kind in ("stochastic", "kahan"):
-        proc = _run(kind, tmp_path)
-        assert proc.returncode == 0 and proc.stdout.count("OK") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_sharded_rounding_equals_one_process() -> None:
+    ranks = run_distributed(one_process_and_sharded, world_size=2, args=(KINDS,))
+    for rank in ranks:  # each rank's full_tensor() of the sharded run: both shards gathered
+        assert list(rank) == list(KINDS)
+        for kind, (start, one, sharded) in rank.items():
+            for a, b, s in zip(one, sharded, start, strict=True):
+                assert torch.equal(a, b), (kind, (a.float() - b.float()).abs().max())
+                assert not torch.equal(a, s), kind  # the steps moved the weights

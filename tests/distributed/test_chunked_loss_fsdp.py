@@ -1,4 +1,5 @@
-"""train.loss_chunk_tokens under FSDP2 on 2 gloo ranks: the chunked head + loss trains as the plain one does."""
+"""train.loss_chunk_tokens under FSDP2 on 2 gloo ranks (spawned functions): the chunked head + loss trains as the plain
+one does."""
 
 from __future__ import annotations
 
@@ -6,17 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, column, train
+from tests.distributed.spawn import run_distributed, train_and_read_metrics
+from tests.helpers import FAST, column
 
 # 2 sequences of 64 tokens per rank: 128 tokens, chunks of 48, 48 and 32 (the fp32 test).
 ARGS = [*FAST, "--train.steps=3", "--train.batch_size=2", "--distributed.dp_shard=2"]
 
 
+def _two_ranks(args: list[str], dump: Path) -> list[dict]:
+    return run_distributed(train_and_read_metrics, world_size=2, args=(args, str(dump)))[0]
+
+
 def test_fsdp_chunked_loss_matches_plain(tmp_path: Path) -> None:
     # fp32: the head's weight sits in the root FSDP2 unit, gathered once for every chunk's forward and
     # recompute; the gradients reduce-scatter once, after the last chunk's backward.
-    plain = train(ARGS, tmp_path / "plain", nproc=2)
-    chunked = train([*ARGS, "--train.loss_chunk_tokens=48"], tmp_path / "chunked", nproc=2)
+    plain = _two_ranks(ARGS, tmp_path / "plain")
+    chunked = _two_ranks([*ARGS, "--train.loss_chunk_tokens=48"], tmp_path / "chunked")
     assert column(chunked, "loss") == pytest.approx(column(plain, "loss"), rel=1e-5)
     assert column(chunked, "grad_norm") == pytest.approx(column(plain, "grad_norm"), rel=1e-5)
 
@@ -31,8 +37,8 @@ def test_fsdp_fp8_compiled_chunked_loss_tracks_plain(tmp_path: Path) -> None:
     # 25-35 s of CPU compile per update (a cold run's first step: 603 s, 23 s without it), none of it the
     # chunked loss; tests/unit/test_bf16_master.py compiles BF16AdamW.
     args = [*ARGS, "--train.mixed_precision=fp8", "--train.compile_model=true", "--distributed.master_dtype=fp32"]
-    plain = train(args, tmp_path / "plain", nproc=2)
-    chunked = train([*args, "--train.loss_chunk_tokens=64"], tmp_path / "chunked", nproc=2)
+    plain = _two_ranks(args, tmp_path / "plain")
+    chunked = _two_ranks([*args, "--train.loss_chunk_tokens=64"], tmp_path / "chunked")
     assert column(chunked, "loss")[0] == pytest.approx(column(plain, "loss")[0], rel=1e-3)
     assert column(chunked, "loss") == pytest.approx(column(plain, "loss"), rel=1e-2)
     assert column(chunked, "grad_norm") == pytest.approx(column(plain, "grad_norm"), rel=3e-2)

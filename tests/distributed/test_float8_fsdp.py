@@ -1,4 +1,5 @@
-"""FSDP2 with fp8 all-gather and precomputed scales on 2 gloo ranks matches 1 rank."""
+"""FSDP2 with fp8 all-gather and precomputed scales on 2 gloo ranks (spawned functions) matches 1 rank; the CLI under
+torchrun prints none of the libraries' noise."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, column, launch, train
+from tests.distributed.spawn import run_distributed, train_and_read_metrics, train_then_one_process
+from tests.helpers import DEBUG_CONFIG, column, launch
 from trainer.log import KNOWN_WARNINGS
 
 ARGS = ["--config", DEBUG_CONFIG, "--train.steps=4", "--train.seq_len=64", "--metrics.log_freq=1",
@@ -18,16 +20,19 @@ def test_fp8_all_gather_two_ranks_match_one_rank(tmp_path: Path) -> None:
     # sees, so the per-tensor activation scales are the same; weight scales are
     # global amaxes in both (precompute_float8_dynamic_scale_for_fsdp all-reduces).
     # "auto" gathers in fp8 on 2 ranks only; the 1-rank reference casts its weights the same way.
-    one = train([*ARGS, "--train.batch_size=2", "--train.grad_accum_steps=2",
-                 "--float8.enable_fsdp_float8_all_gather=true"], tmp_path / "one")
-    two = train([*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2"], tmp_path / "two", nproc=2)
+    # The 1-rank reference runs on rank 0 after the 2-rank run (spawn.train_then_one_process).
+    two, one = run_distributed(train_then_one_process, world_size=2, args=(
+        [*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2"],
+        [*ARGS, "--train.batch_size=2", "--train.grad_accum_steps=2", "--float8.enable_fsdp_float8_all_gather=true"],
+        str(tmp_path)))[0]
     assert column(two, "loss") == pytest.approx(column(one, "loss"), rel=1e-3)
     assert column(two, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-2)
     # fp8 all-gather off: weight scales come from the amax of the bf16 copy instead of the
     # fp32 master shard (at most 2^-8 apart), so a few elements round to a neighbouring fp8
     # value: the first loss agrees to ~1e-3 and later ones drift slightly.
-    off = train([*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2",
-                 "--float8.enable_fsdp_float8_all_gather=false"], tmp_path / "off", nproc=2)
+    off = run_distributed(train_and_read_metrics, world_size=2, args=(
+        [*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2", "--float8.enable_fsdp_float8_all_gather=false"],
+        str(tmp_path / "off")))[0]
     assert column(off, "loss")[0] == pytest.approx(column(two, "loss")[0], rel=2e-3)
     assert column(off, "loss") == pytest.approx(column(two, "loss"), rel=1e-2)
 
@@ -38,6 +43,7 @@ LIBRARY_NOISE = ("Detected that context_fn is passed", "checkpointed region does
 
 
 def test_selective_ac_compile_fp8_prints_no_library_noise(tmp_path: Path) -> None:
+    # The console of a torchrun launch is what is tested (every rank's output, as a user sees it): the CLI stays.
     # fp32 master weights: bf16 ones would compile BF16AdamW, minutes on a CPU with a cold cache (over the
     # 300 s limit; it passed only after test_chunked_loss_fsdp.py had compiled the same graphs).
     proc = launch([*ARGS, "--train.steps=2", "--train.seq_len=32", "--distributed.dp_shard=2",

@@ -1,8 +1,8 @@
-"""Every parallel layout reproduces the 1-process run (gloo, 2 and 4 CPU processes).
+"""Every parallel layout reproduces the 1-process run (gloo, 2 and 4 CPU processes, spawned functions).
 
 Same seed and the same global batch: losses and gradient norms of the first steps
 must agree to fp32 rounding, whatever the split between dp ranks, tp ranks,
-microbatches and batch size.
+microbatches and batch size. One torchrun launch stays: the CLI's one-line config error.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.spawn import gradients_of_one_step, run_distributed
+from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
 from tests.helpers import FAST, column, launch, train
 
 # The held-out loss at step 5 over 8 samples (validation.steps x batch_size x dp ranks = 8 in every layout).
@@ -23,6 +23,10 @@ STEPS = ["--train.steps=5", "--validation.enable=true", "--validation.freq=5", "
 def reference(tmp_path_factory) -> list[dict]:
     """1 process, batch 4: the run every layout must reproduce."""
     return train([*FAST, *STEPS, "--train.batch_size=4"], tmp_path_factory.mktemp("ref"))
+
+
+def _spawned(nproc: int, args: list[str], dump: Path) -> list[dict]:
+    return run_distributed(train_and_read_metrics, world_size=nproc, args=(args, str(dump)))[0]
 
 
 def assert_same_run(got: list[dict], ref: list[dict]) -> None:
@@ -47,7 +51,7 @@ def assert_same_run(got: list[dict], ref: list[dict]) -> None:
     ids=["accum2", "dp_shard2", "dp_replicate2", "tp2", "dp_shard2xtp2", "hsdp2x2"],
 )
 def test_layout_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
-    assert_same_run(train([*FAST, *STEPS, *args], tmp_path, nproc=nproc), reference)
+    assert_same_run(_spawned(nproc, [*FAST, *STEPS, *args], tmp_path), reference)
 
 
 def gradients_and_view_warnings(args: list[str], dump: str) -> tuple[dict, list[str]]:
@@ -104,24 +108,25 @@ def test_tp_gradients_match_single_process_and_no_unit_returns_a_view(nproc: int
     ids=["full", "selective-op", "selective-every2"],
 )
 def test_activation_checkpointing_is_exact(args: list[str], reference, tmp_path: Path) -> None:
-    assert_same_run(train([*FAST, *STEPS, "--train.batch_size=4", *args], tmp_path), reference)
+    assert_same_run(_spawned(1, [*FAST, *STEPS, "--train.batch_size=4", *args], tmp_path), reference)
 
 
 def test_tp_with_full_ac_and_no_loss_parallel(reference, tmp_path: Path) -> None:
     args = ["--distributed.tp=2", "--train.batch_size=4", "--train.activation_checkpointing=full",
             "--distributed.loss_parallel=false"]
-    assert_same_run(train([*FAST, *STEPS, *args], tmp_path, nproc=2), reference)
+    assert_same_run(_spawned(2, [*FAST, *STEPS, *args], tmp_path), reference)
 
 
 @pytest.mark.slow
 def test_compile_matches_eager(reference, tmp_path: Path) -> None:
-    got = train([*FAST, *STEPS, "--train.batch_size=4", "--train.compile_model=true"], tmp_path)
+    got = _spawned(1, [*FAST, *STEPS, "--train.batch_size=4", "--train.compile_model=true"], tmp_path)
     # Inductor reorders fp32 reductions: close, not bitwise.
     assert column(got, "loss") == pytest.approx(column(reference, "loss"), rel=1e-4)
     assert column(got, "grad_norm") == pytest.approx(column(reference, "grad_norm"), rel=1e-3)
 
 
 def test_wrong_degree_product_is_one_line(tmp_path: Path) -> None:
+    # What torchrun and the CLI print on a config error is what is tested: a whole-CLI launch.
     proc = launch([*FAST, "--train.steps=1", "--distributed.dp_shard=4", f"--job.dump_folder={tmp_path}"], nproc=2)
     assert proc.returncode != 0
     want = "dp_replicate*dp_shard*cp*tp*pp = 1*4*1*1*1 = 4, but WORLD_SIZE=2"

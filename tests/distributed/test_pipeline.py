@@ -3,21 +3,20 @@
 Same seed, same global batch: with pp=2 every schedule, pp x dp_shard, pp x tp, FP8,
 activation checkpointing and gradient accumulation give the 1-process losses and
 global gradient norms to fp32 rounding; checkpoints reshard between pp=2 and pp=1
-in both directions; a NaN in one stage makes every rank skip the step.
+in both directions; a NaN in one stage makes every rank skip the step. Each layout runs as a
+function in spawned processes (tests/distributed/spawn.py).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import FAST, REPO, column, env, train
+from tests.distributed.spawn import run_distributed, train_and_read_metrics, train_then_one_process
+from tests.helpers import FAST, column, train
 from trainer.checkpoint import load_full_model_weights
 
 STEPS = ["--train.steps=4"]
@@ -30,6 +29,10 @@ VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=2"
 def reference(tmp_path_factory) -> list[dict]:
     """1 process, batch 4, 4 steps: the run every pipeline layout must reproduce."""
     return train([*FAST, *STEPS, *VAL, "--train.batch_size=4"], tmp_path_factory.mktemp("ref"))
+
+
+def _spawned(nproc: int, args: list[str], dump: Path) -> list[dict]:
+    return run_distributed(train_and_read_metrics, world_size=nproc, args=(args, str(dump)))[0]
 
 
 def assert_same_run(got: list[dict], ref: list[dict]) -> None:
@@ -73,13 +76,13 @@ def assert_same_run(got: list[dict], ref: list[dict]) -> None:
          "interleaved-x-dp_shard2", "1f1b-x-tp2-split", "1f1b-chunked-loss"],
 )
 def test_pipeline_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
-    assert_same_run(train([*FAST, *STEPS, *PP2, *args], tmp_path, nproc=nproc), reference)
+    assert_same_run(_spawned(nproc, [*FAST, *STEPS, *PP2, *args], tmp_path), reference)
 
 
 def test_compiled_stages_match_eager_single_process(reference, tmp_path: Path) -> None:
     # Every stage's blocks and the last stage's loss compiled; Inductor reorders fp32 reductions.
-    got = train([*FAST, *STEPS, *PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=4",
-                 "--train.compile_model=true"], tmp_path, nproc=2)
+    got = _spawned(2, [*FAST, *STEPS, *PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=4",
+                       "--train.compile_model=true"], tmp_path)
     assert column(got, "loss") == pytest.approx(column(reference, "loss"), rel=1e-4)
     assert column(got, "grad_norm") == pytest.approx(column(reference, "grad_norm"), rel=1e-3)
 
@@ -91,10 +94,12 @@ def test_fp8_pipeline_matches_fp8_single_process(tmp_path: Path) -> None:
     fp8 = [arg for arg in FAST if not arg.startswith("--train.mixed_precision")] + [
         "--train.mixed_precision=fp8", "--distributed.master_dtype=fp32"]
     # "auto" gathers in fp8 with dp_shard=2 only; the 1-rank reference casts its weights the same way.
-    one = train([*fp8, *STEPS, "--train.batch_size=1", "--train.grad_accum_steps=4",
-                 "--float8.enable_fsdp_float8_all_gather=true"], tmp_path / "one")
-    four = train([*fp8, *STEPS, *PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=2"],
-                 tmp_path / "pp", nproc=4)
+    # The reference runs on rank 0 after the 4-rank run (spawn.train_then_one_process).
+    four, one = run_distributed(train_then_one_process, world_size=4, args=(
+        [*fp8, *STEPS, *PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=2"],
+        [*fp8, *STEPS, "--train.batch_size=1", "--train.grad_accum_steps=4",
+         "--float8.enable_fsdp_float8_all_gather=true"],
+        str(tmp_path)))[0]
     # The first two steps see the same weights and scales: fp32 rounding only.
     assert column(four, "loss")[:2] == pytest.approx(column(one, "loss")[:2], rel=1e-5)
     assert column(four, "grad_norm")[:2] == pytest.approx(column(one, "grad_norm")[:2], rel=1e-4)
@@ -107,11 +112,12 @@ def test_fp8_pipeline_matches_fp8_single_process(tmp_path: Path) -> None:
 
 def test_checkpoint_reshards_between_pp2_and_pp1(reference, tmp_path: Path) -> None:
     ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--train.batch_size=4"]
-    # pp=2 saves step 2 (and exports the weights as Hugging Face safetensors); pp=1 resumes to step 4.
+    # pp=2 saves step 2 (and exports the weights as Hugging Face safetensors); pp=1 resumes to step 4, on rank 0
+    # after the pp=2 run, in the same folder (spawn.train_then_one_process).
     a = tmp_path / "a"
-    train([*FAST, "--train.steps=2", *PP2, *ckpt, "--checkpoint.model_only=true",
-           "--checkpoint.export_dtype=float32"], a, nproc=2)
-    resumed = train([*FAST, *STEPS, *ckpt], a)
+    _, resumed = run_distributed(train_then_one_process, world_size=2, args=(
+        [*FAST, "--train.steps=2", *PP2, *ckpt, "--checkpoint.model_only=true", "--checkpoint.export_dtype=float32"],
+        [*FAST, *STEPS, *ckpt], str(tmp_path), "a", "a"))[0]
     assert_same_run(resumed, reference)
     # The export gathered every stage's tensors: the same weights as the DCP checkpoint holds.
     from safetensors.torch import load_file
@@ -124,26 +130,47 @@ def test_checkpoint_reshards_between_pp2_and_pp1(reference, tmp_path: Path) -> N
     assert sorted(exported) == sorted(weights)
     for k, v in weights.items():
         assert torch.equal(exported[k], v), k
-    # Same pp, another schedule and stage layout (4 stages, 2 per rank): resumes exactly too.
+    # Same pp, another schedule and stage layout (4 stages, 2 per rank): resumes exactly too. Then, on rank 0
+    # alone, pp=1 saves step 2 for the reverse below.
     c = tmp_path / "c"
     shutil.copytree(a / "checkpoint" / "step-2", c / "checkpoint" / "step-2")
     shutil.copy(a / "metrics.jsonl", c / "metrics.jsonl")  # steps 1-2; the resume drops the rows after step 2
-    resumed = train([*FAST, *STEPS, *PP2, *ckpt, "--distributed.pipeline_schedule=Interleaved1F1B"], c, nproc=2)
+    resumed, _ = run_distributed(train_then_one_process, world_size=2, args=(
+        [*FAST, *STEPS, *PP2, *ckpt, "--distributed.pipeline_schedule=Interleaved1F1B"],
+        [*FAST, "--train.steps=2", *ckpt], str(tmp_path), "c", "b"))[0]
     assert_same_run(resumed, reference)
-    # The reverse: pp=1 saves step 2, pp=2 with the V schedule (other stage layout) resumes.
+    # The reverse: pp=1 saved step 2, pp=2 with the V schedule (other stage layout) resumes.
     b = tmp_path / "b"
-    train([*FAST, "--train.steps=2", *ckpt], b)
-    resumed = train([*FAST, *STEPS, *PP2, *ckpt, "--distributed.pipeline_schedule=ZBVZeroBubble"], b, nproc=2)
+    resumed = _spawned(2, [*FAST, *STEPS, *PP2, *ckpt, "--distributed.pipeline_schedule=ZBVZeroBubble"], b)
     assert_same_run(resumed, reference)
+
+
+def nonfinite_in_last_stage(args: list[str], dump: str) -> dict:
+    """A NaN written into block 3's weight (on the rank that holds it), then training: this rank's report of
+    whether its other weights stayed unchanged and how many non-finite steps it counted."""
+    from trainer.config import load_job_config
+    from trainer.distributed import destroy_distributed
+    from trainer.train import build_trainer
+
+    trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    try:
+        model = trainer.model
+        if "3" in model.layers:  # only the last stage's rank holds block 3
+            with torch.no_grad():
+                model.layers["3"].mlp.up_proj.weight.to_local()[0, 0] = float("nan")
+        before = {k: v.to_local().clone() for k, v in model.named_parameters() if k != "layers.3.mlp.up_proj.weight"}
+        trainer.run()
+        unchanged = all(torch.equal(v, dict(model.named_parameters())[k].to_local()) for k, v in before.items())
+        return {"unchanged": unchanged, "num_nonfinite": trainer.metrics.num_nonfinite,
+                "has_block3": "3" in model.layers}
+    finally:
+        trainer.close()
+        destroy_distributed()
 
 
 def test_nonfinite_in_one_stage_skips_the_step_on_every_rank(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).with_name("pp_nonfinite_worker.py")), *FAST, "--train.steps=2", "--train.batch_size=4",
-           *PP2, "--train.on_nonfinite=skip", f"--job.dump_folder={tmp_path}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_distributed(nonfinite_in_last_stage, world_size=2, args=(
+        [*FAST, "--train.steps=2", "--train.batch_size=4", *PP2, "--train.on_nonfinite=skip"], str(tmp_path)))
     assert [r["has_block3"] for r in ranks] == [False, True]  # the NaN is on rank 1 only
     assert all(r["unchanged"] for r in ranks)  # ... and rank 0 skipped its update too
     assert ranks[0]["num_nonfinite"] == 2  # rank 0 logs: it saw both steps as non-finite
