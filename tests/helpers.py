@@ -172,3 +172,20 @@ def run_cli_cases(cases: dict[str, list[str]], *, timeout: float = 300) -> dict[
                           env=env(), cwd=REPO, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def count_expert_weight_quantizations(monkeypatch) -> list[str]:
+    """The FP8 experts' weight quantizations, recorded by orientation ("forward", "dgrad") as they run: the two
+    quantize functions of trainer.models.moe_fp8 wrapped for the test (production code keeps no counter)."""
+    import trainer.models.moe_fp8 as moe_fp8
+
+    calls: list[str] = []
+    for which in ("forward", "dgrad"):
+        quantize = getattr(moe_fp8, f"quantize_{which}_weights")
+
+        def counted(*weights, quantize=quantize, which=which):
+            calls.append(which)
+            return quantize(*weights)
+
+        monkeypatch.setattr(moe_fp8, f"quantize_{which}_weights", counted)
+    return calls

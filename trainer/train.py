@@ -31,9 +31,7 @@ from trainer.models import build_model, flops_per_token, is_moe, num_params, par
 from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups, resolve_implementation
 from trainer.parallel import build_parallel_model
-from trainer.parallel.float8 import Float8ScalePrecompute
-from trainer.parallel.float8_experts import Fp8ExpertWeightsRefresh
-from trainer.parallel.fp8_health import Fp8HealthHook
+from trainer.parallel.float8 import Float8ScalePrecompute, Fp8ExpertWeightsRefresh, Fp8HealthHook
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import resolve_phases, run_precision_schedule
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
