@@ -203,3 +203,20 @@ def fp8_linear_counts(args) -> tuple[int, int]:
     dims = [args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim, args.vocab_size]
     assert all(d % 16 == 0 for d in dims), f"a dim of {dims} is not a multiple of 16: count the shape exclusions"
     return converted, converted + n_moe * (1 + shared)
+
+
+def count_expert_weight_quantizations(monkeypatch) -> list[str]:
+    """The FP8 experts' weight quantizations, recorded by orientation ("forward", "dgrad") as they run: the two
+    quantize functions of trainer.models.moe_fp8 wrapped for the test (production code keeps no counter)."""
+    import trainer.models.moe_fp8 as moe_fp8
+
+    calls: list[str] = []
+    for which in ("forward", "dgrad"):
+        quantize = getattr(moe_fp8, f"quantize_{which}_weights")
+
+        def counted(*weights, quantize=quantize, which=which):
+            calls.append(which)
+            return quantize(*weights)
+
+        monkeypatch.setattr(moe_fp8, f"quantize_{which}_weights", counted)
+    return calls

@@ -14,7 +14,7 @@ non-finite gradient norm, an fp16 overflow); a hook that changes state after the
 Only `on_log` may move values to the host, so a step never waits for the GPU.
 
 Implemented by: `trainer.models.moe.MoEBalancer` (expert-bias update, MoE metrics, aux
-loss), `trainer.parallel.fp8_health.Fp8HealthHook` (per-layer FP8 cast health),
+loss), `trainer.parallel.float8.Fp8HealthHook` (per-layer FP8 cast health),
 `trainer.evaluate.Evaluator` (held-out loss), `trainer.parallel.float8.Float8ScalePrecompute`
 (fused weight-scale amax for fp8 all-gather). This module imports nothing of the trainer, so
 any room can implement the protocol.

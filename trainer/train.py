@@ -36,9 +36,7 @@ from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
 from trainer.parallel.builder import build_model_part
 from trainer.parallel.context_parallel import ContextParallel
-from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute
-from trainer.parallel.float8_experts import Fp8ExpertWeightsRefresh
-from trainer.parallel.fp8_health import Fp8HealthHook
+from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute, Fp8ExpertWeightsRefresh, Fp8HealthHook
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history

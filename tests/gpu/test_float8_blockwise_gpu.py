@@ -34,7 +34,7 @@ def test_torchao_blockwise_kernels_match_the_emulation() -> None:
     to be above 1e-2 so the bound is not met by a test that quantizes nothing."""
     from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
-    from trainer.parallel.float8_blockwise import BlockwiseFloat8Linear
+    from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear
 
     torch.manual_seed(0)
     m, k, n = 4096, 2048, 1024

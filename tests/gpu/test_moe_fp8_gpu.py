@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.gpu.test_moe_gpu import forward_backward_without_host_sync
-from trainer.models.moe_fp8 import Fp8ExpertWeights, fp8_grouped_swiglu
+from tests.helpers import count_expert_weight_quantizations
+from trainer.models.moe_fp8 import Fp8ExpertWeights, Fp8GroupedSwiGLU, fp8_grouped_swiglu
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +52,7 @@ def test_scaled_grouped_mm_matches_the_emulation_forward_and_gradients(k: int) -
     assert real_grads[1][-1].abs().max() == 0  # the expert without rows
 
 
-def test_moe_layer_with_fp8_experts_makes_no_host_sync() -> None:
+def test_moe_layer_with_fp8_experts_makes_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """As tests/gpu/test_moe_gpu.py for bf16: at ep=1 without dropping, the FP8 experts keep every size on the
     device (the padded layout, the quantization, the scaled grouped GEMMs, the cached weights)."""
     from trainer.models.moe import MoE, moe_args_for
@@ -61,14 +62,14 @@ def test_moe_layer_with_fp8_experts_makes_no_host_sync() -> None:
     moe = MoE(args).cuda().bfloat16()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    moe.experts.fp8 = Fp8ExpertWeights(per_step=True)
+    moe.experts.use(kernel=Fp8GroupedSwiGLU(Fp8ExpertWeights(per_step=True), emulate=False))
     x = torch.randn(2, 4096, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     moe(x).float().square().mean().backward()  # warm-up: compiles the quantization kernels
-    moe.experts.fp8.invalidate()  # the next forward quantizes the weights again, inside the checked region
-    before = moe.experts.fp8.num_quantizations
+    moe.experts.kernel.weights.invalidate()  # the next forward quantizes the weights again, in the checked region
+    quantized = count_expert_weight_quantizations(monkeypatch)
     forward_backward_without_host_sync(moe, x)
     assert torch.isfinite(x.grad).all()
-    assert moe.experts.fp8.num_quantizations == before + 2  # the forward and the dgrad orientation
+    assert len(quantized) == 2  # the forward and the dgrad orientation
 
 
 def test_compiled_weight_quantization_matches_the_eager_one() -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from tests.helpers import DEBUG_CONFIG, REPO, column, env, fp8_linear_counts, launch, read_metrics, train
 from trainer.models import FLAVORS, Llama
-from trainer.parallel.float8 import TP_MESSAGE, apply_float8, select_float8_linears
+from trainer.parallel.float8 import apply_float8, select_float8_linears
 
 CPU = torch.device("cpu")
 DENSE_PROJ = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
@@ -150,7 +150,8 @@ def test_gpu_without_fp8_warns_loudly_or_fails(monkeypatch, caplog) -> None:
         fp8(debug_model(), device=gpu, require=True)
 
 
-def test_refuses_tensor_parallel_weights() -> None:
+def test_tensor_parallel_weights_are_an_invariant_not_a_second_refusal() -> None:
+    """FP8 + TP is refused once, by the config check (tests/unit/test_config.py); below it apply_float8 asserts."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -159,10 +160,9 @@ def test_refuses_tensor_parallel_weights() -> None:
     try:
         model = debug_model()
         parallelize_module(model, init_device_mesh("cpu", (1,)), {"layers.0.attention.q_proj": ColwiseParallel()})
-        with pytest.raises(ValueError) as e:
+        with pytest.raises(AssertionError, match=r"^layers\.0\.attention\.q_proj\.weight is a tensor-parallel DTensor: "
+                           "JobConfig refuses FP8 \\+ tensor parallelism"):
             fp8(model)
-        assert str(e.value).startswith("FP8 + Tensor Parallelism is not yet supported")
-        assert str(e.value) == TP_MESSAGE.format(what="layers.0.attention.q_proj.weight is already a tensor-parallel DTensor")
     finally:
         dist.destroy_process_group()
 

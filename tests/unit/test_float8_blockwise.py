@@ -13,7 +13,7 @@ from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, Llama, build_model, model_args_for
 from trainer.parallel.float8 import apply_float8, select_float8_linears
-from trainer.parallel.float8_blockwise import BlockwiseFloat8Linear
+from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear
 from trainer.validate import validate_job
 
 CPU = torch.device("cpu")
@@ -182,7 +182,7 @@ def test_blockwise_model_loss_close_to_bf16_and_not_equal() -> None:
 
 def test_health_stats_cover_blockwise_layers() -> None:
     from trainer.parallel.float8 import float8_weight_stats
-    from trainer.parallel.fp8_health import Fp8HealthMonitor
+    from trainer.parallel.float8.health import Fp8HealthMonitor
 
     model = Llama(FLAVORS["debug"])
     model.init_weights(seed=0)

@@ -12,7 +12,7 @@ from tests.helpers import DEBUG_CONFIG, column, train
 from trainer.loss import LossFn
 from trainer.models import FLAVORS, Llama
 from trainer.parallel.float8 import apply_float8
-from trainer.parallel.fp8_health import Fp8HealthMonitor, cast_health, layer_group
+from trainer.parallel.float8.health import Fp8HealthMonitor, cast_health, layer_group
 
 
 def _fp8_debug_model() -> Llama:

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import column, train
+from tests.helpers import column, count_expert_weight_quantizations, train
 from trainer.models.moe import MOE_FLAVORS, MoE, grouped_swiglu
-from trainer.models.moe_fp8 import Fp8ExpertWeights, build_row_plan, fp8_grouped_swiglu, quantize_rows
+from trainer.models.moe_fp8 import (Fp8ExpertWeights, Fp8GroupedSwiGLU, build_row_plan, fp8_grouped_swiglu,
+                                   quantize_rows)
 from trainer.models.moe_permute import inverse_permutation
 
 MOE_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "train" / "debug_moe.toml")
@@ -108,28 +109,31 @@ def _moe_with_fp8(*, per_step: bool) -> MoE:
     moe = MoE(dataclasses.replace(MOE_FLAVORS["debug_moe"], n_shared_experts=0))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    moe.experts.fp8, moe.experts.fp8_emulate = Fp8ExpertWeights(per_step=per_step), True
+    moe.experts.use(kernel=Fp8GroupedSwiGLU(Fp8ExpertWeights(per_step=per_step), emulate=True))
     return moe
 
 
-def test_expert_weights_are_quantized_once_per_optimizer_step_with_grad_accumulation() -> None:
-    from trainer.parallel.float8_experts import Fp8ExpertWeightsRefresh
+def test_expert_weights_are_quantized_once_per_optimizer_step_with_grad_accumulation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.parallel.float8 import Fp8ExpertWeightsRefresh
 
+    quantized = count_expert_weight_quantizations(monkeypatch)
     moe = _moe_with_fp8(per_step=True)
     hook = Fp8ExpertWeightsRefresh(moe)
-    assert hook.caches == [moe.experts.fp8]
+    assert hook.caches == [moe.experts.kernel.weights]
     x = torch.randn(3, 2, 16, 128)
     for step in (1, 2):
         for micro in x:  # three microbatches of one step
             moe(micro).square().mean().backward()
-        assert moe.experts.fp8.num_quantizations == 2 * step  # the forward and the dgrad orientation, once each
+        assert len(quantized) == 2 * step  # the forward and the dgrad orientation, once each
         with torch.no_grad():
             moe.experts.w1.add_(0.01)  # the optimizer step
         hook.after_optimizer_step(step, torch.tensor(False))
     unkept = _moe_with_fp8(per_step=False)  # one forward per step, or FSDP-sharded experts: nothing is kept
+    quantized.clear()
     for micro in x:
         unkept(micro).square().mean().backward()
-    assert unkept.experts.fp8.num_quantizations == 6
+    assert len(quantized) == 6
 
 
 def test_unkept_expert_weights_are_quantized_where_used_and_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,17 +152,18 @@ def test_unkept_expert_weights_are_quantized_where_used_and_not_held(monkeypatch
             return out
         return run
 
+    quantized = count_expert_weight_quantizations(monkeypatch)
     monkeypatch.setattr(moe_fp8, "quantize_forward_weights", recording(moe_fp8.quantize_forward_weights))
     moe = _moe_with_fp8(per_step=False)
     out = moe(torch.randn(2, 16, 128)).square().mean()
-    assert moe.experts.fp8.num_quantizations == 1
+    assert len(quantized) == 1
     assert len(made) == 2 and all(ref() is None for ref in made)  # freed with the forward's temporaries
     out.backward()
-    assert moe.experts.fp8.num_quantizations == 2  # backward quantized the dgrad orientation
+    assert len(quantized) == 2  # backward quantized the dgrad orientation
 
 
 def test_stale_weights_are_never_used_after_the_refresh() -> None:
-    from trainer.parallel.float8_experts import Fp8ExpertWeightsRefresh
+    from trainer.parallel.float8 import Fp8ExpertWeightsRefresh
 
     moe = _moe_with_fp8(per_step=True)
     x = torch.randn(1, 8, 128)
@@ -171,6 +176,39 @@ def test_stale_weights_are_never_used_after_the_refresh() -> None:
     fresh.load_state_dict(moe.state_dict())
     # The same routing and the same FP8 arithmetic on the same weights: bit-equal, and not the stale output.
     assert torch.equal(moe(x), fresh(x)) and not torch.equal(moe(x), before)
+
+
+def test_the_fp8_report_carries_the_experts_and_merges_them_over_stages(caplog: pytest.LogCaptureFixture) -> None:
+    """The build's FP8 step: the experts' conversion joins the Linears' report, whose lines gain the experts' line
+    (the one apply_fp8_experts logs) only where FP8 experts are on; over pipeline stages the layers add up."""
+    import logging
+
+    from trainer.models import build_model, model_args_for
+    from trainer.parallel.float8 import apply_float8, apply_fp8_experts, merge_reports
+
+    cpu = torch.device("cpu")
+    with torch.device("meta"):
+        model = build_model(model_args_for("debug_moe"))  # 3 MoE layers after 1 dense one
+    report = apply_float8(model, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
+                          emulate=True, require=False, device=cpu, moe_experts="rowwise")
+    dense = report.lines()
+    assert len(dense) == 2 and report.experts is None
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        report.experts = apply_fp8_experts(model, mode="rowwise", emulate=True, require=False, device=cpu,
+                                           per_step_weights=False)
+    line = ("routed experts: FP8 rowwise grouped GEMM, layers.*.moe.experts.{w1,w2,w3} x3 (forward and dgrad in "
+            "e4m3, wgrad bf16; tokens quantized once before the expert gather, weights quantized in each forward and "
+            "backward, none kept)")
+    assert report.lines() == [*dense, line]
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("trainer")]
+    assert logged == [line, "FP8 grouped GEMMs: EMULATED in high precision (float8.emulate=true)"]
+    no_moe = dataclasses.replace(report, experts=None)  # a stage without MoE layers
+    merged = merge_reports([report, no_moe, report])
+    assert merged.experts.num_layers == 6 and merged.lines()[2] == line.replace(" x3 ", " x6 ")
+    assert merge_reports([no_moe, no_moe]).lines()[2:] == []
+    with torch.device("meta"):
+        off = build_model(model_args_for("debug_moe"))
+    assert apply_fp8_experts(off, mode="off", emulate=True, require=False, device=cpu, per_step_weights=False) is None
 
 
 @pytest.mark.slow

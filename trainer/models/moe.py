@@ -10,13 +10,10 @@ feed-forward. Module names are a contract (FP8 filter, FSDP, EP, checkpoints, te
 
 The first `n_dense_layers` blocks are dense Llama blocks (`layers.{i}.mlp.*`).
 
-Routed experts run as one grouped GEMM over tokens sorted by expert
-(`torch._grouped_mm`: bf16 on CUDA; on CPU the same kernel in fp32/bf16/fp16, and a
-per-expert loop for float64, which the kernel rejects). Each expert's
-group of rows is padded to `GROUP_ALIGN` rows, which the CUDA kernel needs, and the
-same padding runs on CPU so its tests cover the code the GPU runs. Expert parallelism
-(`trainer.parallel.expert_parallel.apply_ep`) plugs a dispatcher into `GroupedExperts`
-that moves the sorted tokens to the ranks holding their experts and back.
+Routed experts (`trainer.models.moe_experts.GroupedExperts`) run as one grouped GEMM over
+tokens sorted by expert, as dispatch -> kernel -> combine: expert parallelism
+(`trainer.parallel.expert_parallel.apply_ep`) installs a dispatcher that moves the sorted tokens
+to the ranks holding their experts and back, FP8 experts (float8.moe_experts) a kernel.
 
 Load balancing, both kinds users expect:
 - an auxiliary loss (`aux_loss_coef`), computed per sequence (DeepSeek-V3's
@@ -39,14 +36,12 @@ sequence (the earliest positions), again independent of the layout.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
@@ -54,15 +49,8 @@ from torch.distributed.tensor.parallel import PrepareModuleInput
 from trainer.model_values import param_count
 from trainer.models.layers import (MLP, Decoder, ModelArgs, RopeScaling, TPPlan, TransformerBlock, block_tp_plan,
                                    decoder_tp_plan, mlp_tp_plan, prefixed)
-from trainer.models.moe_fp8 import Fp8ExpertWeights, fp8_grouped_swiglu
-from trainer.models.moe_permute import (experts_to_tokens, inverse_permutation, padded_layout, select_unique_rows,
-                                        tokens_to_experts)
-
-logger = logging.getLogger(__name__)
-
-# Rows per expert group are padded to a multiple of this: the CUDA grouped GEMM needs
-# 16-byte aligned group starts (8 rows of bf16; 16 also serves float8 rowwise kernels).
-GROUP_ALIGN = 16
+from trainer.models.moe_experts import GROUP_ALIGN, GroupedExperts, grouped_swiglu  # noqa: F401 (re-exported)
+from trainer.models.moe_permute import experts_to_tokens, inverse_permutation
 
 
 @dataclass(frozen=True)
@@ -165,127 +153,6 @@ class Router(nn.Module):
         delta = rate * torch.sign(load.mean() - load)
         delta = (delta - delta.mean()) * keep
         self.expert_bias += delta.to(self.expert_bias.dtype)
-
-
-# ---------------------------------------------------------------------------
-# Routed experts
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous.
-
-    The CPU `torch._grouped_mm` backward rejects non-contiguous gradients (e.g. the
-    stride-0 gradient of a `.sum()`: "Invalid strides/sizes"), and the CUDA kernel checks
-    the same strides; for the contiguous gradients the MoE layer produces it is a no-op.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-_warned_loop = False
-
-
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[g] for row groups ending at offs; w [G, N, K] (Linear layout, used transposed)."""
-    if x.device.type == "cpu":
-        return _cpu_grouped_mm(x, w, offs)
-    if x.dtype != torch.bfloat16:
-        # The CUDA grouped GEMM is bf16-only: fp32/fp16 runs on a GPU use a per-expert loop (said once).
-        global _warned_loop
-        if not _warned_loop:
-            logger.warning("MoE experts in %s on CUDA: torch._grouped_mm needs bf16 there, so the experts run as a "
-                           "per-expert loop of matmuls (slow); use train.mixed_precision='bf16' or 'fp8'", x.dtype)
-            _warned_loop = True
-        return _loop_mm(x, w, offs)
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
-
-
-@torch.compiler.disable
-def _cpu_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    # Eager even inside a compiled block: torch.compile's shape check for _grouped_mm accepts
-    # bf16 only, while the CPU kernel also takes fp32 and fp16 (fp32 CPU runs and tests).
-    if x.dtype == torch.float64:
-        return _loop_mm(x, w, offs)  # the CPU kernel rejects float64 (float64 reference tests)
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
-
-
-def _loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    ends = offs.tolist()  # note: a host sync; only the non-bf16 CUDA and the float64 CPU fallback
-    outs, start = [], 0
-    for g, end in enumerate(ends):
-        outs.append(x[start:end] @ w[g].transpose(0, 1))
-        start = end
-    outs.append(x.new_zeros(x.shape[0] - start, w.shape[1]))
-    return torch.cat(outs)
-
-
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                   *, align: int = GROUP_ALIGN) -> torch.Tensor:
-    """SwiGLU experts on rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) go to expert e.
-
-    x [N, dim]; counts [E] (int); w1, w3 [E, hidden, dim]; w2 [E, dim, hidden]. Each
-    expert's rows are copied into a zero-padded buffer whose groups start at multiples
-    of `align` rows; its size N + E * (align - 1) is known without a host sync.
-    """
-    dst, offs, rows = padded_layout(counts, x.shape[0], align)
-    x_pad = x.new_zeros(rows, x.shape[1]).index_copy(0, dst, x)
-    h = F.silu(_grouped_mm(x_pad, w1, offs)) * _grouped_mm(x_pad, w3, offs)
-    # Rows past offs[-1] belong to no group (the kernel leaves them unwritten); they are never read.
-    return select_unique_rows(_grouped_mm(h, w2, offs), dst)
-
-
-class GroupedExperts(nn.Module):
-    """n_experts SwiGLU MLPs as 3-D weights; `dispatcher` (set by apply_ep) sends rows to the expert's rank;
-    `fp8` (set by trainer.parallel.float8_experts.apply_fp8_experts) runs them as FP8 grouped GEMMs."""
-
-    def __init__(self, dim: int, hidden_dim: int, n_experts: int):
-        super().__init__()
-        self.n_experts = n_experts
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # gate
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))  # down
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # up
-        # An object with dispatch(x, counts) -> (x_local, local_counts, ctx) and combine(y, ctx) -> y,
-        # installed by trainer.parallel.expert_parallel.apply_ep; None = every expert is local.
-        self.dispatcher: Any = None
-        # The one switch to FP8 grouped GEMMs: the layer's FP8 weight cache (trainer.models.moe_fp8), or None.
-        self.fp8: Fp8ExpertWeights | None = None
-        self.fp8_emulate = False
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
-                k: int) -> torch.Tensor:
-        """Tokens x [T, dim]; their copies x[order[i] // k] sorted by expert, counts [n_experts] rows each
-        (`inverse` is the full sort's inverse) -> expert outputs [len(order), dim] in that order."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        if self.fp8 is not None and self.dispatcher is None:
-            # The tokens are quantized once, then gathered in FP8 (trainer/models/moe_fp8.py).
-            return self._fp8_swiglu(x, order // k, inverse, counts, w1, w2, w3, k=k)
-        rows = tokens_to_experts(x, order, inverse, k)
-        if self.dispatcher is None:
-            return grouped_swiglu(rows, counts, w1, w2, w3)
-        if self.fp8 is not None:
-            # The all-to-all moves bf16 rows; the received rows are quantized once, then regrouped in FP8.
-            received, perm, perm_inverse, local_counts, ctx = self.dispatcher.dispatch_rows(rows, counts)
-            y = self._fp8_swiglu(received, perm, perm_inverse, local_counts, w1, w2, w3, k=1)
-            return self.dispatcher.combine(y, ctx)
-        x_local, local_counts, ctx = self.dispatcher.dispatch(rows, counts)
-        return self.dispatcher.combine(grouped_swiglu(x_local, local_counts, w1, w2, w3), ctx)
-
-    def _fp8_swiglu(self, src, index, inverse, counts, w1, w2, w3, *, k: int) -> torch.Tensor:
-        return fp8_grouped_swiglu(src, index, inverse, counts, w1, w2, w3, k=k, weights=self.fp8,
-                                  emulate=self.fp8_emulate, align=GROUP_ALIGN)
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """This rank's experts: under EP the weights are DTensors sharded on dim 0 over the ep axis."""
-    from torch.distributed.tensor import DTensor
-
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 # ---------------------------------------------------------------------------

@@ -25,6 +25,9 @@ K is B transposed, as stored; the dgrad weight is quantized along N into a [E, K
 the one orientation, backward the other (`Fp8ExpertWeights`: kept per optimizer step only where a layer's
 forward runs more than once per step).
 
+`Fp8GroupedSwiGLU` is the experts' kernel (`trainer.models.moe_experts.ExpertKernel`) that runs all this;
+`trainer.parallel.float8.apply_fp8_experts` installs it.
+
 `emulate=True` (CPU, CI) runs the same quantization, then dequantizes and multiplies with the plain
 `torch._grouped_mm`: the same numerics up to the GEMMs' accumulation order.
 """
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer.models.moe_experts import GROUP_ALIGN, ExpertKernel, ExpertRows
 from trainer.models.moe_permute import padded_layout
 
 E4M3 = torch.float8_e4m3fn
@@ -168,7 +172,6 @@ class Fp8ExpertWeights:
 
     def __init__(self, *, per_step: bool):
         self.per_step = per_step
-        self.num_quantizations = 0  # orientations quantized (forward and dgrad count one each): for the tests
         self._cached: dict[str, tuple[Quantized, Quantized]] = {}
 
     def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[Quantized, Quantized]:
@@ -180,7 +183,6 @@ class Fp8ExpertWeights:
     def _get(self, which: str, quantize, w1, w2, w3) -> tuple[Quantized, Quantized]:
         if which in self._cached:
             return self._cached[which]
-        self.num_quantizations += 1
         with torch.no_grad():
             quantized = quantize(w1, w2, w3)
         if self.per_step:
@@ -300,3 +302,18 @@ def fp8_grouped_swiglu(src: torch.Tensor, index: torch.Tensor, inverse: torch.Te
     """
     plan = build_row_plan(counts, index, inverse, n_source=src.shape[0], k=k, align=align)
     return _Fp8SwiGLU.apply(src, w1, w2, w3, plan, weights, emulate)
+
+
+class Fp8GroupedSwiGLU(ExpertKernel):
+    """The FP8 rowwise experts' kernel: the rows' source quantized once, then gathered in FP8 (module docstring).
+
+    `weights`: the layer's FP8 weight cache (kept through the optimizer step or not); `emulate`: dequantize and
+    multiply in high precision (CPU, CI).
+    """
+
+    def __init__(self, weights: Fp8ExpertWeights, *, emulate: bool):
+        self.weights, self.emulate = weights, emulate
+
+    def __call__(self, rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+        return fp8_grouped_swiglu(rows.source, rows.index, rows.inverse, rows.counts, w1, w2, w3, k=rows.k,
+                                  weights=self.weights, emulate=self.emulate, align=GROUP_ALIGN)

@@ -54,25 +54,34 @@ def select_unique_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 class _TokensToExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(inverse)
         ctx.k = k
-        return x.index_select(0, order // k)
+        return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        n_assign, dim = inverse.numel(), grad.shape[1]
-        if grad.shape[0] < n_assign:  # dropped assignments (past capacity) give no gradient
-            grad = torch.cat([grad, grad.new_zeros(n_assign - grad.shape[0], dim)])
-        return grad.index_select(0, inverse).view(n_assign // ctx.k, ctx.k, dim).sum(1), None, None, None
+        n_copies, dim, k = inverse.numel(), grad.shape[1], ctx.k
+        if grad.shape[0] < n_copies:  # dropped copies (past capacity) give no gradient
+            grad = torch.cat([grad, grad.new_zeros(n_copies - grad.shape[0], dim)])
+        grad = grad.index_select(0, inverse)
+        # k = 1: a permutation's backward, one gather (a sum over one copy would only copy the rows).
+        return grad if k == 1 else grad.view(n_copies // k, k, dim).sum(1), None, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows x[index] where each row of x has k copies: copy j of row s is position inverse[s * k + j] of `index`
+    (positions past its end were dropped). Backward sums each row's k gradients by a gather and a sum over k;
+    for k = 1 (`index` a permutation, `inverse` its inverse) it is `permute_rows`."""
+    return _TokensToExperts.apply(x, index, inverse, k)
 
 
 def tokens_to_experts(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     """Rows x[order[i] // k]: token t's copy for its j-th expert is assignment t * k + j, `order` sorts the
     assignments by expert (it may stop early: dropped ones are last), `inverse` is the full sort's inverse.
     Backward sums each token's k gradients by a gather and a sum over k."""
-    return _TokensToExperts.apply(x, order, inverse, k)
+    return gather_rows(x, order // k, inverse, k)
 
 
 def experts_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,

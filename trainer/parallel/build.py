@@ -22,8 +22,7 @@ from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
 from trainer.parallel.expert_parallel import apply_ep
-from trainer.parallel.float8 import Float8Report, Recipe, apply_float8
-from trainer.parallel.float8_experts import apply_fp8_experts
+from trainer.parallel.float8 import Float8Report, Recipe, apply_float8, apply_fp8_experts
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tp
@@ -39,7 +38,7 @@ class Float8Options:
     emulate: bool
     require: bool
     moe_experts: str = "off"
-    """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8_experts)."""
+    """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8.experts)."""
     expert_weights_per_step: bool = False
     """Keep the FP8 expert weights through the optimizer step (trainer.models.moe_fp8.Fp8ExpertWeights)."""
 
@@ -120,9 +119,9 @@ def build_parallel_model(
             exclude_fqns=list(f8.exclude_fqns), emulate=f8.emulate, require=f8.require, device=device,
             moe_experts=f8.moe_experts,
         )
-        # The routed experts' grouped GEMMs: one switch per MoE layer.
-        apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require, device=device,
-                          per_step_weights=f8.expert_weights_per_step)
+        # The routed experts' grouped GEMMs: one kernel switch per MoE layer, in the same report.
+        report.experts = apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require,
+                                           device=device, per_step_weights=f8.expert_weights_per_step)
         # Only on a GPU: there compile fuses the casts into the matmuls' neighbours. On a CPU fp8 is for tests
         # (aten's _scaled_mm), and compiling it costs minutes of inductor codegen for nothing faster.
         if report.enabled and not o.compile and device.type == "cuda":

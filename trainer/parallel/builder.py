@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer.models import ModelArgs, build_model
 from trainer.parallel.build import BuildOptions, BuildResult, build_parallel_model
-from trainer.parallel.float8 import _matches
+from trainer.parallel.float8 import matches_exclusion
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline_layout import EMBEDDING, HEAD
 
@@ -59,7 +59,7 @@ def _stage_float8_excludes(part: nn.Module, exclude_fqns: tuple[str, ...]) -> tu
     """The float8.exclude_fqns entries that match a Linear of this stage (validate checked each matches one
     somewhere in the full model; an entry for another stage's layer is not an error here)."""
     linears = [fqn for fqn, m in part.named_modules() if isinstance(m, nn.Linear)]
-    return tuple(e for e in exclude_fqns if any(_matches(fqn, e) for fqn in linears))
+    return tuple(e for e in exclude_fqns if any(matches_exclusion(fqn, e) for fqn in linears))
 
 
 __all__ = ["build_model_part", "split_stage_module"]

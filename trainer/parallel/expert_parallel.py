@@ -3,7 +3,7 @@
 `apply_ep` turns each MoE layer's 3-D expert weights into DTensors sharded on dim 0
 (the expert dim) over the ep axis, so each rank holds n_experts / ep experts and
 checkpoints keep the global view (DCP reshards them to any ep). It then installs an
-`AllToAllDispatcher` in `GroupedExperts`, which the layer calls around the grouped GEMM:
+`AllToAllDispatcher` in `GroupedExperts` (`use(dispatcher=...)`), which the layer calls around its kernel:
 
     tokens sorted by global expert --all-to-all--> this rank's experts' tokens
       (sorted by local expert) --grouped GEMM--> outputs --all-to-all back--> original order
@@ -23,10 +23,11 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from trainer.models.moe_permute import inverse_permutation, permute_rows
+from trainer.models.moe_experts import ExpertDispatcher, ExpertRows
+from trainer.models.moe_permute import inverse_permutation, permute_rows, tokens_to_experts
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(ExpertDispatcher):
     """Moves expert-sorted rows to the rank that holds their expert (dispatch) and back (combine)."""
 
     def __init__(self, ep_mesh: DeviceMesh, n_experts: int):
@@ -35,16 +36,20 @@ class AllToAllDispatcher:
         assert n_experts % self.ep == 0, (n_experts, self.ep)  # trainer.validate checked it
         self.n_local = n_experts // self.ep
 
-    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """x [N, dim] sorted by global expert, counts [n_experts] -> (rows for this rank's experts sorted
-        by local expert, their counts [n_local], what combine needs)."""
-        received, perm, inverse, local_counts, ctx = self.dispatch_rows(x, counts)
-        return permute_rows(received, perm, inverse), local_counts, ctx
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                 k: int) -> tuple[ExpertRows, tuple]:
+        """Tokens x [T, dim], their copies sorted by global expert (`order`, counts [n_experts]) -> (the rows for
+        this rank's experts as received, with the gather that sorts them by local expert; what combine needs).
 
-    def dispatch_rows(self, x: torch.Tensor, counts: torch.Tensor):
-        """`dispatch` before its regrouping: (rows as received, grouped by source rank; perm, with
-        received[perm] sorted by local expert; its inverse; counts [n_local]; what combine needs).
-        FP8 experts quantize the received rows before that gather (trainer/models/moe_fp8.py)."""
+        The bf16 copies cross the all-to-all; an FP8 kernel quantizes the received rows once, before that gather
+        (trainer/models/moe_fp8.py)."""
+        rows = tokens_to_experts(x, order, inverse, k)
+        received, perm, perm_inverse, local_counts, ctx = self._exchange(rows, counts)
+        return ExpertRows(received, perm, perm_inverse, local_counts, k=1), ctx
+
+    def _exchange(self, x: torch.Tensor, counts: torch.Tensor):
+        """x [N, dim] sorted by global expert, counts [n_experts] -> (rows as received, grouped by source rank;
+        perm, with received[perm] sorted by local expert; its inverse; counts [n_local]; what combine needs)."""
         ep, n_local = self.ep, self.n_local
         # recv[src, e]: rows rank `src` sends to this rank's local expert e.
         # wait_tensor, not .wait(): torch 2.11 on CUDA may hand back a plain tensor rather than an
@@ -90,7 +95,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> str:
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
                                     stride=param.stride())
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        experts.dispatcher = AllToAllDispatcher(ep_mesh, n_experts)
+        experts.use(dispatcher=AllToAllDispatcher(ep_mesh, n_experts))
         n_layers += 1
     assert n_layers, "apply_ep on a model without MoE layers (trainer.validate refuses ep > 1 on dense flavors)"
     return (f"expert parallel: ep={ep}, {n_experts // ep} of {n_experts} routed experts per rank in "

@@ -21,7 +21,6 @@ schedule (ZBVZeroBubble), stages r and num_stages-1-r.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 from collections.abc import Callable
@@ -86,16 +85,6 @@ def _schedule_class(name: str):
     }[name]
 
 
-def _merge_float8_reports(reports: list):
-    reports = [r for r in reports if r is not None]
-    if not reports:
-        return None
-    merged = dataclasses.replace(reports[0], converted=[], excluded={}, num_linear=0)
-    for r in reports:
-        merged.converted += r.converted
-        merged.excluded.update(r.excluded)
-        merged.num_linear += r.num_linear
-    return merged
 
 
 class Pipeline:
@@ -150,16 +139,20 @@ class Pipeline:
     def _gather_float8_reports(self, reports: list):
         """Every stage's FP8 report, from every pp rank, merged: the whole model's, which rank 0 logs in one
         line and which feeds the metrics and fp8_layers.json. None when the run is not fp8."""
+        from trainer.parallel.float8 import merge_reports
+
         if all(r is None for r in reports):
             return None
         gathered: list = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(gathered, list(zip(self.stage_ids, reports)), group=self.pp_group)
         by_stage = sorted((sid, report) for part in gathered for sid, report in part)
-        merged = _merge_float8_reports([report for _, report in by_stage])
+        merged = merge_reports([report for _, report in by_stage])
         if merged is not None:
             per_stage = ", ".join(f"{len(r.converted)}/{r.num_linear}" for _, r in by_stage)
             logger.info("FP8 over all %d pipeline stages (%s converted on stages 0..%d): %s",
                         self.options.num_stages, per_stage, self.options.num_stages - 1, merged.lines()[1])
+            if merged.experts is not None:  # the first stage's line counted its own MoE layers only
+                logger.info("FP8 over all %d pipeline stages: %s", self.options.num_stages, merged.experts.line())
         return merged
 
     @property

@@ -8,7 +8,6 @@ headers (`trainer.data.loader.build_source`), enough held-out samples for valida
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -18,8 +17,7 @@ from trainer.data.loader import build_source
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of, model_args_for
 from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
-from trainer.parallel.float8 import select_float8_linears
-from trainer.parallel.float8_experts import fp8_grouped_supported
+from trainer.parallel.float8 import fp8_grouped_supported, fp8_supported, local_device, select_float8_linears
 
 logger = logging.getLogger(__name__)
 
@@ -194,35 +192,30 @@ def _check_fp8_experts(cfg: JobConfig, args: ModelArgs) -> None:
         raise ConfigError(f"{key} on a machine without CUDA needs float8.emulate=true: torch._scaled_grouped_mm "
                           "has no CPU kernel")
     if f8.require:
-        ok, what = fp8_grouped_supported(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+        ok, what = fp8_grouped_supported(local_device())
         if not ok:
             raise ConfigError(f"{key} with float8.require=true, but {what}; use an H100/H200 or "
                               "float8.moe_experts='off'")
 
 
+# What to do instead, when float8.require finds no FP8 kernels for the recipe.
+_FP8_HARDWARE_FIX = {
+    "blockwise": "use an H100/H200, or float8.recipe='tensorwise' or 'rowwise' (compute capability >= 8.9)",
+    "other": "use bf16 or a Hopper/Ada GPU",
+}
+
+
 def _check_fp8_hardware(*, require: bool, emulate: bool, recipe: str) -> None:
-    """float8.require on a GPU without FP8 tensor cores (for blockwise: without CUDA or below compute capability
-    9.0) fails here, before any process group exists."""
+    """float8.require where the one probe (`trainer.parallel.float8.fp8_supported`) finds no FP8 kernels for the
+    recipe on this process's device fails here, before any process group exists."""
     if emulate or not require:
         return
-    if recipe == "blockwise" and not torch.cuda.is_available():
-        raise ConfigError(
-            "float8.recipe='blockwise' with float8.require=true, but there is no CUDA GPU: torchao's blockwise "
-            "kernels need one (compute capability >= 9.0); set float8.emulate=true to emulate them"
-        )
-    if not torch.cuda.is_available():
+    device = local_device()
+    ok, why = fp8_supported(device, recipe)
+    if ok:
         return
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    major, minor = torch.cuda.get_device_capability(local_rank)
-    if recipe == "blockwise" and major < 9:
-        raise ConfigError(
-            f"float8.recipe='blockwise' with float8.require=true, but {torch.cuda.get_device_name(local_rank)} "
-            f"(compute capability {major}.{minor}) has no blockwise FP8 GEMM (needs >= 9.0); use "
-            "float8.recipe='tensorwise' or 'rowwise' (>= 8.9), or a Hopper GPU"
-        )
-    if (major, minor) < (8, 9):
-        raise ConfigError(
-            f"train.mixed_precision='fp8' with float8.require=true, but {torch.cuda.get_device_name(local_rank)} "
-            f"(compute capability {major}.{minor}) has no FP8 tensor cores (needs >= 8.9); "
-            "use bf16 or a Hopper/Ada GPU"
-        )
+    blockwise = recipe == "blockwise"
+    setting = "float8.recipe='blockwise'" if blockwise else "train.mixed_precision='fp8'"
+    where = "" if device.type == "cuda" else "there is no CUDA GPU: "
+    raise ConfigError(f"{setting} with float8.require=true, but {where}{why}; "
+                      f"{_FP8_HARDWARE_FIX['blockwise' if blockwise else 'other']}")

@@ -1,4 +1,7 @@
-"""FP8 health of activations and gradients: what the casts into float8 lose.
+"""FP8 health of weights, activations and gradients: what the casts into float8 lose.
+
+Weights (every log step with the stats on): amax and the e4m3 scale it implies, per converted Linear
+(`float8_weight_stats`) and per FP8 expert weight (`fp8_expert_weight_stats`).
 
 At `metrics.fp8_stats_freq` steps, every converted Linear (torchao Float8Linear, or
 BlockwiseFloat8Linear under the blockwise recipe) reports, per layer group (the same
@@ -35,6 +38,9 @@ from torch import nn
 
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
+from trainer.parallel.float8.blockwise import BLOCK
+from trainer.parallel.float8.experts import fp8_experts_modules
+from trainer.parallel.float8.linear import is_float8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -94,19 +100,15 @@ class Fp8HealthMonitor:
 
     def __init__(self, model: nn.Module, *, recipe: str):
         from trainer.models.llama import clean_fqn
-        from trainer.parallel.float8 import is_float8_linear
-        from trainer.parallel.float8_blockwise import BLOCK
-        from trainer.parallel.float8_experts import experts_modules
 
         grad_format = "e5m2" if recipe == "tensorwise" else "e4m3"
         self.modules = {clean_fqn(fqn): m for fqn, m in model.named_modules() if is_float8_linear(m)}
         # fqn -> (rowwise, tile (blockwise: 128 values per scale; 0 = whole rows or tensor), output gradient's format)
         tile = BLOCK if recipe == "blockwise" else 0
         self.formats = {fqn: (recipe != "tensorwise", tile, grad_format) for fqn in self.modules}
-        for fqn, module in experts_modules(model).items():
-            if module.fp8 is not None:
-                self.modules[fqn] = module
-                self.formats[fqn] = (True, 0, "e4m3")
+        for fqn, module in fp8_experts_modules(model).items():
+            self.modules[fqn] = module
+            self.formats[fqn] = (True, 0, "e4m3")
         self._stats: dict[tuple[str, str], list[dict[str, torch.Tensor]]] = defaultdict(list)
 
     def grad_format(self, fqn: str) -> str:
@@ -182,7 +184,7 @@ class Fp8HealthMonitor:
 
 class Fp8HealthHook(StepHook):
     """The FP8 health step hook: every `every` steps, collect cast health during the step (eagerly) and log
-    it with the weights' amax and scale (`trainer.parallel.float8.float8_weight_stats`)."""
+    it with the weights' amax and scale (`float8_weight_stats`, `fp8_expert_weight_stats`)."""
 
     def __init__(self, model: nn.Module, *, recipe: str, every: int):
         self.model, self.every = model, every
@@ -195,9 +197,51 @@ class Fp8HealthHook(StepHook):
         return step % self.every == 0
 
     def on_log(self, step: int) -> dict[str, float]:
-        from trainer.parallel.float8 import float8_weight_stats
-        from trainer.parallel.float8_experts import fp8_expert_weight_stats
-
         if not self.log_due(step):
             return {}
         return {**float8_weight_stats(self.model), **fp8_expert_weight_stats(self.model), **self.monitor.report()}
+
+
+def float8_weight_stats(model: nn.Module) -> dict[str, float]:
+    """Per converted layer: weight amax and the tensorwise e4m3 scale it implies.
+
+    For a blockwise layer that scale is its smallest 128x128 block scale (the block holding the amax).
+    A tiny amax (scale near its upper range) means small weights lose precision to
+    underflow; a growing amax shows outliers building up. For TensorBoard.
+    """
+    from torch.distributed.tensor import DTensor
+    from trainer.models.llama import clean_fqn
+
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    stats: dict[str, float] = {}
+    for fqn, mod in model.named_modules():
+        if is_float8_linear(mod):
+            weight = mod.weight.full_tensor() if isinstance(mod.weight, DTensor) else mod.weight
+            amax = weight.detach().abs().max().float().item()
+            name = clean_fqn(fqn)
+            stats[f"fp8/weight_amax/{name}"] = amax
+            stats[f"fp8/weight_scale/{name}"] = fp8_max / max(amax, 1e-12)
+    return stats
+
+
+def fp8_expert_weight_stats(model: nn.Module) -> dict[str, float]:
+    """Per FP8 expert weight: amax over the whole (global) tensor and E4M3_MAX / amax, the scale its largest row
+    gets before rounding down to a power of two (the smallest of its rowwise scales). Host syncs: log steps."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from trainer.models.moe_fp8 import E4M3_MAX
+
+    stats: dict[str, float] = {}
+    for fqn, module in fp8_experts_modules(model).items():
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(module, name)
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            amax = local.detach().abs().amax().float() if local.numel() else torch.zeros((), device=local.device)
+            if isinstance(weight, DTensor):  # EP and FSDP shards: the max over every rank holding a piece
+                for dim in range(weight.device_mesh.ndim):
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=weight.device_mesh.get_group(dim))
+            value = amax.item()
+            stats[f"fp8/weight_amax/{fqn}.{name}"] = value
+            stats[f"fp8/weight_scale/{fqn}.{name}"] = E4M3_MAX / max(value, 1e-12)
+    return stats

@@ -1,9 +1,9 @@
-"""FP8 training through torchao: which Linears convert, and proof that they did.
+"""FP8 Linears through torchao (tensorwise, rowwise) or our blockwise module: which convert, and proof that they did.
 
 FP8 is a compute dtype only: weights stay bf16/fp32 in the model and optimizer;
 torchao's Float8Linear casts inputs, weights and gradients to float8 with dynamic
 scales right before each matmul (`torch._scaled_mm`). The blockwise recipe swaps in
-`trainer.parallel.float8_blockwise.BlockwiseFloat8Linear` instead (torchao's blockwise
+`trainer.parallel.float8.blockwise.BlockwiseFloat8Linear` instead (torchao's blockwise
 autograd function, or its plain-torch emulation).
 """
 
@@ -12,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import nn
 
 from trainer.hooks import StepHook
+from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear, convert_to_blockwise
+from trainer.parallel.float8.hardware import fp8_supported, refuse_or_warn
+from trainer.parallel.float8.report import Float8Report
 
 logger = logging.getLogger(__name__)
 
@@ -40,121 +42,6 @@ _ALWAYS_EXCLUDED = [
     (re.compile(r"(^|\.)experts(\.|$)"), "MoE routed expert"),
 ]
 
-TP_MESSAGE = (
-    "FP8 + Tensor Parallelism is not yet supported: {what}. Use distributed.tp=1 with FSDP "
-    "(dp_shard) for FP8, or keep tp and set train.mixed_precision='bf16'."
-)
-
-
-@dataclass
-class Float8Report:
-    """What apply_float8 did, for logs, metrics and tests."""
-
-    recipe: str
-    fsdp_float8_all_gather: bool
-    emulate: bool
-    converted: list[str] = field(default_factory=list)
-    excluded: dict[str, str] = field(default_factory=dict)  # fqn -> reason
-    num_linear: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.converted)
-
-    @property
-    def converted_fraction(self) -> float:
-        return len(self.converted) / self.num_linear if self.num_linear else 0.0
-
-    def lines(self) -> list[str]:
-        by_reason: dict[str, list[str]] = {}
-        for fqn, reason in self.excluded.items():
-            by_reason.setdefault(reason, []).append(fqn)
-        excluded = "; ".join(f"{', '.join(group_fqns(fqns))} ({reason})" for reason, fqns in by_reason.items())
-        return [
-            f"Applied Float8 training: recipe={self.recipe.upper()}, "
-            f"fsdp_float8_all_gather={self.fsdp_float8_all_gather}",
-            f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
-        ]
-
-
-_FIRST_INDEX = re.compile(r"^(.*?)\.(\d+)(?:\.(.*))?$")
-
-
-def group_fqns(fqns: list[str]) -> list[str]:
-    """Every fqn of `fqns`, written compactly and exactly, in model order.
-
-    Fqns are split at their first numeric part (the layer index); the names under one index
-    are braced, and indices holding the same names share one entry:
-    ["layers.0.mlp.up_proj", "layers.0.mlp.down_proj", "layers.1.mlp.up_proj", "layers.1.mlp.down_proj"]
-    -> ["layers.{0,1}.{mlp.up_proj,mlp.down_proj}"]; "layers.{0..31}.moe.router" is 32 layers.
-    """
-    # (head, suffixes under one index) -> indices, in order of first appearance.
-    under: dict[tuple[str, int], list[str]] = {}
-    order: list[tuple[str, int] | str] = []
-    for fqn in fqns:
-        m = _FIRST_INDEX.match(fqn)
-        if m is None:
-            order.append(fqn)
-            continue
-        key = (m.group(1), int(m.group(2)))
-        if key not in under:
-            under[key] = []
-            order.append(key)
-        under[key].append(m.group(3) or "")
-    shared: dict[tuple[str, tuple[str, ...]], list[int]] = {}
-    for (head, index), suffixes in under.items():
-        shared.setdefault((head, tuple(suffixes)), []).append(index)
-    out: list[str] = []
-    done: set[tuple[str, tuple[str, ...]]] = set()
-    for item in order:
-        if isinstance(item, str):
-            out.append(item)
-            continue
-        key = (item[0], tuple(under[item]))
-        if key in done:
-            continue
-        done.add(key)
-        head, suffixes = key
-        names = suffixes[0] if len(suffixes) == 1 else "{" + ",".join(suffixes) + "}"
-        out.append(f"{head}.{_braced_indices(shared[key])}" + (f".{names}" if names else ""))
-    return out
-
-
-def _braced_indices(indices: list[int]) -> str:
-    """[3] -> "3", [0, 2] -> "{0,2}", [0, 1, 2, 3, 7] -> "{0..3,7}"."""
-    indices = sorted(indices)
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    parts = [f"{r[0]}..{r[-1]}" if len(r) >= 3 else ",".join(map(str, r)) for r in runs]
-    text = ",".join(parts)
-    return text if len(indices) == 1 else "{" + text + "}"
-
-
-def fp8_supported(device: torch.device, recipe: Recipe = "tensorwise") -> tuple[bool, str]:
-    """Whether real FP8 matmuls of `recipe` can run on this device, and what runs."""
-    blockwise = recipe == "blockwise"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        name = torch.cuda.get_device_name(device)
-        if (major, minor) < (8, 9):
-            return False, f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores (needs >= 8.9)"
-        if blockwise and major < 9:
-            return False, (f"{name} (compute capability {major}.{minor}) has no blockwise FP8 GEMM (torchao's "
-                           "blockwise kernels need >= 9.0)")
-        if blockwise:
-            return True, (f"{name} (compute capability {major}.{minor}): blockwise FP8 (1x128 / 128x128 scales) "
-                          "via torchao's quantization kernels and cuBLAS F.scaled_mm")
-        return True, f"{name} (compute capability {major}.{minor}): FP8 tensor cores via torch._scaled_mm"
-    if device.type == "cpu" and blockwise:
-        return False, "CPU has no blockwise FP8 kernels (torchao's are Triton + cuBLAS; float8.emulate=true emulates them)"
-    if device.type == "cpu":
-        return True, "CPU: real torch._scaled_mm path (aten's CPU kernel; for correctness, not speed)"
-    return False, f"device type {device.type!r} has no known FP8 matmul"
-
 
 def select_float8_linears(
     model: nn.Module, *, exclude_fqns: list[str], recipe: Recipe = "tensorwise"
@@ -167,7 +54,7 @@ def select_float8_linears(
     The blockwise recipe also leaves out Linears with a dim that is not a multiple of 128.
     """
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
-    unmatched = [e for e in exclude_fqns if not any(_matches(fqn, e) for fqn in linears)]
+    unmatched = [e for e in exclude_fqns if not any(matches_exclusion(fqn, e) for fqn in linears)]
     if unmatched:
         raise ValueError(
             f"float8.exclude_fqns entry {unmatched[0]!r} matches no Linear layer "
@@ -178,7 +65,7 @@ def select_float8_linears(
         always = next((reason for pattern, reason in _ALWAYS_EXCLUDED if pattern.search(fqn)), None)
         if always:
             excluded[fqn] = always
-        elif any(_matches(fqn, e) for e in exclude_fqns):
+        elif any(matches_exclusion(fqn, e) for e in exclude_fqns):
             excluded[fqn] = "float8.exclude_fqns"
         elif not _CONVERT.search(fqn):
             excluded[fqn] = "not a converted projection"
@@ -192,7 +79,8 @@ def select_float8_linears(
     return converted, excluded, len(linears)
 
 
-def _matches(fqn: str, entry: str) -> bool:
+def matches_exclusion(fqn: str, entry: str) -> bool:
+    """Whether a float8.exclude_fqns entry names this fqn (equal, or a run of its dotted components)."""
     return fqn == entry or f".{entry}." in f".{fqn}."
 
 
@@ -209,17 +97,16 @@ def apply_float8(
 ) -> Float8Report:
     """Swap the selected nn.Linear modules for torchao Float8Linear (blockwise: BlockwiseFloat8Linear), in place.
 
-    Must run after TP/EP (which it refuses: FP8 + TP is unsupported) and before
-    activation checkpointing, torch.compile and FSDP2, which wrap whatever
-    modules they find. Logs the two confirmation lines. When the GPU has no FP8
-    tensor cores it warns loudly and converts nothing (bf16 runs), or raises if
-    `require`.
+    Must run after EP and before activation checkpointing, torch.compile and FSDP2, which wrap
+    whatever modules they find; never after TP (the config check refuses FP8 + TP). Logs the two
+    confirmation lines. When the GPU has no FP8 tensor cores it warns loudly and converts nothing
+    (bf16 runs), or raises if `require`.
     """
     from torch.distributed.tensor import DTensor
 
-    for fqn, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and isinstance(mod.weight, DTensor):
-            raise ValueError(TP_MESSAGE.format(what=f"{fqn}.weight is already a tensor-parallel DTensor"))
+    tp = next((fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and isinstance(m.weight, DTensor)),
+              None)
+    assert tp is None, f"{tp}.weight is a tensor-parallel DTensor: JobConfig refuses FP8 + tensor parallelism"
 
     # The config check refuses it: blockwise weights are all-gathered in bf16.
     assert not (enable_fsdp_float8_all_gather and recipe == "blockwise"), "blockwise has no fp8 all-gather"
@@ -229,14 +116,9 @@ def apply_float8(
 
     ok, what = fp8_supported(device, recipe)
     if not ok and not emulate:
-        if require:
-            raise ValueError(f"train.mixed_precision='fp8' but {what}; float8.require=true, so stopping")
-        banner = "!" * 100
-        logger.warning(
-            "\n%s\nFP8 IS UNAVAILABLE ON THIS %s: %s.\nThis run trains in BF16 instead. "
-            "Set float8.require=true to fail instead.\n%s",
-            banner, "GPU" if device.type == "cuda" else "DEVICE", what, banner,
-        )
+        refuse_or_warn(what, require=require, setting="train.mixed_precision='fp8'",
+                       headline=f"FP8 IS UNAVAILABLE ON THIS {'GPU' if device.type == 'cuda' else 'DEVICE'}",
+                       instead="This run trains in BF16 instead.")
         return report
     _convert(model, set(converted), recipe=recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
              emulate=emulate, device=device)
@@ -249,8 +131,6 @@ def _convert(model: nn.Module, selected: set[str], *, recipe: Recipe, enable_fsd
              emulate: bool, device: torch.device) -> None:
     """Swap the selected Linears: BlockwiseFloat8Linear for blockwise, torchao's Float8Linear otherwise."""
     if recipe == "blockwise":
-        from trainer.parallel.float8_blockwise import convert_to_blockwise
-
         convert_to_blockwise(model, selected, emulate=emulate)
         return
 
@@ -278,7 +158,7 @@ def _log_conversion(model: nn.Module, report: Float8Report, what: str, *, moe_ex
     for line in report.lines():
         logger.info(line)
     n = sum(1 for fqn, _ in model.named_parameters() if clean_fqn(fqn).endswith(".moe.experts.w1"))
-    if n and moe_experts == "off":  # otherwise trainer.parallel.float8_experts says what they run
+    if n and moe_experts == "off":  # otherwise trainer.parallel.float8.experts says what they run
         logger.info("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x%d (grouped GEMM on 3-D "
                     "weights; float8.moe_experts='rowwise' runs them as FP8 grouped GEMMs)", n)
     if not report.emulate:
@@ -312,32 +192,8 @@ class Float8ScalePrecompute(StepHook):
         precompute_float8_scales(self.model)
 
 
-def float8_weight_stats(model: nn.Module) -> dict[str, float]:
-    """Per converted layer: weight amax and the tensorwise e4m3 scale it implies.
-
-    For a blockwise layer that scale is its smallest 128x128 block scale (the block holding the amax).
-    A tiny amax (scale near its upper range) means small weights lose precision to
-    underflow; a growing amax shows outliers building up. For TensorBoard.
-    """
-    from torch.distributed.tensor import DTensor
-    from trainer.models.llama import clean_fqn
-
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    stats: dict[str, float] = {}
-    for fqn, mod in model.named_modules():
-        if is_float8_linear(mod):
-            weight = mod.weight.full_tensor() if isinstance(mod.weight, DTensor) else mod.weight
-            amax = weight.detach().abs().max().float().item()
-            name = clean_fqn(fqn)
-            stats[f"fp8/weight_amax/{name}"] = amax
-            stats[f"fp8/weight_scale/{name}"] = fp8_max / max(amax, 1e-12)
-    return stats
-
-
 def is_float8_linear(module: nn.Module) -> bool:
     """Whether apply_float8 converted this module (torchao's Float8Linear or a BlockwiseFloat8Linear)."""
     from torchao.float8.float8_linear import Float8Linear
-
-    from trainer.parallel.float8_blockwise import BlockwiseFloat8Linear
 
     return isinstance(module, (Float8Linear, BlockwiseFloat8Linear))
