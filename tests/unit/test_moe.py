@@ -450,14 +450,14 @@ def test_moe_flavors_may_export_at_the_end_of_training(flavor: str) -> None:
 
 
 def test_model_only_asks_the_exports_check_and_its_refusal_names_the_key(monkeypatch) -> None:
-    import trainer.export
+    import trainer.validate.layout as layout
     from trainer.config import load_job_config
     from trainer.errors import ConfigError
     from trainer.export import ExportError
     from trainer.validate import validate_job
 
     asked = []
-    monkeypatch.setattr(trainer.export, "check_exportable", lambda args: asked.append(args) or [])
+    monkeypatch.setattr(layout, "check_exportable", lambda args: asked.append(args) or [])  # where validation looks it up
     cfg = load_job_config(["--config", MOE_CONFIG, "--checkpoint.model_only=true"])
     job = validate_job(cfg, world_size=1)
     assert asked == [job.model_args] and cfg.checkpoint.model_only  # asked once, and model_only kept
@@ -465,7 +465,7 @@ def test_model_only_asks_the_exports_check_and_its_refusal_names_the_key(monkeyp
     def refuse(args):
         raise ExportError("no Hugging Face target")
 
-    monkeypatch.setattr(trainer.export, "check_exportable", refuse)
+    monkeypatch.setattr(layout, "check_exportable", refuse)
     with pytest.raises(ConfigError) as e:
         validate_job(load_job_config(["--config", MOE_CONFIG, "--checkpoint.model_only=true"]), world_size=1)
     assert str(e.value) == "checkpoint.model_only=true: no Hugging Face target; set checkpoint.model_only=false"
