@@ -93,7 +93,7 @@ def fp8_vs_bf16(flavor: str, *, n_layers: int, batch_size: int, seq_len: int, vo
             )
             with torch.device("meta"):
                 model = Llama(args)
-            report = build_parallel_model(model, pd, options=options, device=env.device)
+            report = build_parallel_model(model, pd, options=options, device=env.device).float8
             model.to_empty(device=env.device)
             model.init_weights(seed=0)
             loss = LossFn(model.norm, model.output_head)(model(tokens[:, :-1]), tokens[:, 1:])
