@@ -49,6 +49,11 @@ GEMM_CATEGORIES = ("gemm_fp8", "gemm")
 FP8_OP_PATTERN = re.compile(r"scaled_(?:grouped_)?mm", re.I)
 FP8_DTYPE_PATTERN = re.compile(r"e4m3|e5m2|fp8|float8|f8f8|_f8|qgmma|nvjet_(?:sm\d+_)?[qr]{2}", re.I)
 
+# Inductor names a kernel after the aten ops fused into it: a pointwise (poi), reduction (red) or persistent
+# reduction (per) kernel that holds the casts around a GEMM is called `triton_poi_fused__scaled_mm_...` (seen on an
+# H100, 8B shapes fp8) but runs no GEMM; inductor's GEMM templates are `triton_tem_...`.
+_INDUCTOR_ELEMENTWISE = re.compile(r"^triton_(?:poi|red|per)_")
+
 _STEP_MARKER = re.compile(r"ProfilerStep#(\d+)$")
 _TRACE_NAME = re.compile(r"rank\d+_step(\d+)-(\d+)\.")
 
@@ -64,7 +69,7 @@ _AUTOGRAD_NODE = re.compile(r"^autograd::|Backward\d*$")
 
 def classify(name: str) -> str:
     """"gemm", "attention", "communication" or "other" for a kernel or op name."""
-    if _AUTOGRAD_NODE.search(name):
+    if _AUTOGRAD_NODE.search(name) or _INDUCTOR_ELEMENTWISE.search(name):
         return "other"
     for category, pattern in CATEGORY_PATTERNS.items():
         if pattern.search(name):
@@ -73,6 +78,8 @@ def classify(name: str) -> str:
 
 
 def is_fp8_gemm(name: str) -> bool:
+    if _INDUCTOR_ELEMENTWISE.search(name):
+        return False
     return bool(FP8_OP_PATTERN.search(name)) or (
         classify(name) == "gemm" and bool(FP8_DTYPE_PATTERN.search(name))
     )

@@ -259,6 +259,11 @@ def test_fp8_warning_names_the_recorded_dtype(tmp_path):
     ("nvjet_sm90_qrtst_64x128_128x8_2x1_v_bz_algo2_TNN", "gemm", True),
     ("cutlass3x_sm90_tensorop_gemm_e4m3_e4m3_f32_bf16_bf16_128x128x128_1x1x1_0_tnn_align16", "gemm", True),
     ("triton_tem_fused__scaled_mm_0", "gemm", True),
+    # Inductor's elementwise kernels named after the _scaled_mm whose casts they fuse: no GEMM (8B fp8 on an H100).
+    ("triton_poi_fused__fused_rms_norm__scaled_mm__to_copy_add_clamp_clone_mul_reciprocal_silu_t_view_2", "other",
+     False),
+    ("triton_red_fused__log_softmax__log_softmax_backward_data__to_copy_arange_blockwise_fp8_gemm_0", "other", False),
+    ("triton_per_fused__scaled_mm_abs_amax_0", "other", False),
     ("aten::_scaled_mm", "gemm", True),
     ("aten::_scaled_grouped_mm", "gemm", True),
     # The blockwise recipe: F.scaled_mm's op, torchao's custom op around it, and its Triton quantization
