@@ -78,11 +78,9 @@ def classify(name: str) -> str:
 
 
 def is_fp8_gemm(name: str) -> bool:
-    if _INDUCTOR_ELEMENTWISE.search(name):
-        return False
-    return bool(FP8_OP_PATTERN.search(name)) or (
-        classify(name) == "gemm" and bool(FP8_DTYPE_PATTERN.search(name))
-    )
+    # Every FP8 op name (scaled_mm) is a GEMM name too, so classify's exclusions (autograd nodes, inductor's
+    # elementwise kernels) hold for both.
+    return classify(name) == "gemm" and bool(FP8_OP_PATTERN.search(name) or FP8_DTYPE_PATTERN.search(name))
 
 
 def load_trace_events(path: str) -> list[dict]:
