@@ -2,16 +2,23 @@
 
     results = run_distributed(fn, world_size=2, args=(...))   # [fn(*args) of rank 0, of rank 1, ...]
 
-`fn` must be importable (a module-level function of a test module): each rank is a fresh
-Python started by multiprocessing's spawn, with the torchrun environment variables set
-(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so `trainer.distributed.init_distributed`
-and the `Trainer` join the group as under torchrun; `fn` may also create the group itself.
-Seconds instead of a whole CLI launch per case; a few whole-CLI torchrun runs stay as tests
-of the entry point.
+`fn` must be importable (a module-level function of a test module): each rank is a new process
+forked by multiprocessing's fork server, with the torchrun environment variables set (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so `trainer.distributed.init_distributed` and the
+`Trainer` join the group as under torchrun; `fn` may also create the group itself. Seconds
+instead of a whole CLI launch per case; a few whole-CLI torchrun runs stay as tests of the
+entry point.
 
-Every rank carries the test's TRAINER_TEST_OWNER tag, so the leak check (tests/conftest.py)
-finds and kills a rank that outlives its test; a rank that fails makes the call fail with its
-traceback.
+The fork server is one single-threaded Python per test session that has imported torch and the
+trainer once (`_PRELOAD`); every rank is a fork of it, so a rank starts in milliseconds where a
+fresh interpreter spends ~3 s of CPU importing torch (2-4 of them per test on a 2-core machine:
+minutes of CI). A fork shares nothing with earlier ranks: each test's ranks start from the
+server's state, never from another test's (patches, default dtype, compiled code).
+
+A rank's environment is the caller's at the call (set in the rank, so the programs it starts
+inherit it, TRAINER_TEST_OWNER included: the leak check in tests/conftest.py finds those);
+the ranks themselves are the call's children to kill, since a fork's /proc environ is the
+server's. A rank that fails makes the call fail with its traceback.
 """
 
 from __future__ import annotations
@@ -34,7 +41,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out: str) -> None:
+# Imported once by the fork server (what every test's ranks import anyway), so no rank imports them again.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchao.float8", "trainer.train",
+            "trainer.config", "tests.helpers"]
+_context: Any = None
+
+
+def _fork_server() -> Any:
+    """multiprocessing's forkserver context, its server started once with torch and the trainer imported. It is
+    started without the caller's TRAINER_TEST_OWNER (it lives for the whole session: the leak check after each
+    test must not kill it) and with one intra-op thread, which torch reads when the server imports it."""
+    global _context
+    if _context is None:
+        from multiprocessing import forkserver
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        saved = {k: os.environ.get(k) for k in (OWNER_VAR, "OMP_NUM_THREADS", "PYTHONPATH")}
+        os.environ.pop(OWNER_VAR, None)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + (saved["PYTHONPATH"] or "")
+        try:
+            forkserver.ensure_running()
+        finally:
+            _restore(saved)
+        _context = ctx
+    return _context
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _rank_main(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out: str,
+               environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment, as a spawned interpreter would have inherited it
+    os.environ.update(environ)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     try:
@@ -52,22 +98,21 @@ def _rank_main(fn: Callable, args: tuple, rank: int, world_size: int, port: int,
 
 def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), timeout: float = 300) -> list[Any]:
     """fn(*args) on world_size spawned processes; returns every rank's result, in rank order."""
-    # multiprocessing's resource tracker (one per test session) starts before the tag is set: it is no rank.
+    # multiprocessing's resource tracker and fork server (one each per test session) start before the tag is set:
+    # they are no ranks.
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
+    ctx = _fork_server()
     tag = new_tag()
-    saved = {k: os.environ.get(k) for k in (OWNER_VAR, "OMP_NUM_THREADS", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")}
-    # Inherited by the spawned interpreters (their environment is this process's at spawn time).
-    os.environ[OWNER_VAR] = tag
-    os.environ["OMP_NUM_THREADS"] = "1"  # 2-4 processes on a 2-core machine
-    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + (saved["PYTHONPATH"] or "")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "trainer_inductor_cache"))
+    environ = {**os.environ, OWNER_VAR: tag, "OMP_NUM_THREADS": "1",  # 2-4 processes on a 2-core machine
+               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "trainer_inductor_cache"))
+    procs: list = []
     try:
-        ctx = mp.get_context("spawn")
         port = _free_port()
         with tempfile.TemporaryDirectory() as out:
-            procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, out))
+            procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world_size, port, out, environ))
                      for r in range(world_size)]
             for p in procs:
                 p.start()
@@ -86,12 +131,11 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), timeout:
                 results.append(value)
             return results
     finally:
-        reap(tag)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        for p in procs:  # forks of the server: its environment, not the tag, so killed here by pid
+            if p.pid is not None:
+                p.kill()  # no-op on a rank that has exited
+                p.join()
+        reap(tag)  # what the ranks started (compile workers, subprocesses) carries the tag
 
 
 def train_and_read_metrics(args: list[str], dump: str) -> list[dict]:
