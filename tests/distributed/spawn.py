@@ -6,8 +6,8 @@
 Python started by multiprocessing's spawn, with the torchrun environment variables set
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so `trainer.distributed.init_distributed`
 and the `Trainer` join the group as under torchrun; `fn` may also create the group itself.
-Seconds instead of a whole CLI launch per case; a few whole-CLI torchrun runs stay as tests
-of the entry point.
+Seconds instead of a whole CLI launch per case; the few whole-CLI torchrun runs, tests of the
+entry point, are in tests/cli.
 
 Every rank carries the test's TRAINER_TEST_OWNER tag, so the leak check (tests/conftest.py)
 finds and kills a rank that outlives its test; a rank that fails makes the call fail with its
