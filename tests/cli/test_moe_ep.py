@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_moe_ep import (  # noqa: F401 (reference: a fixture)
-    ARGS, CKPT, FP32, VAL, assert_same_run, reference,
-)
+from tests.distributed.test_moe_ep import ARGS, CKPT, FP32, VAL, assert_same_run
 from tests.helpers import column, launch, read_metrics, train
 
 pytestmark = pytest.mark.slow  # every test starts 2-4 training processes (or needs a run that did)
@@ -26,14 +24,14 @@ def ep2(tmp_path_factory) -> dict:
     return {"metrics": train(args, dump, nproc=2), "dump": dump}
 
 
-def test_ep2_matches_single_process(ep2, reference) -> None:
-    assert_same_run(ep2["metrics"], reference["metrics"])
+def test_ep2_matches_single_process(ep2, moe_ep_reference) -> None:
+    assert_same_run(ep2["metrics"], moe_ep_reference["metrics"])
 
 
-def test_ep2_x_dp_shard2_matches_single_process(reference, tmp_path: Path) -> None:
+def test_ep2_x_dp_shard2_matches_single_process(moe_ep_reference, tmp_path: Path) -> None:
     # 4 ranks: experts split over ep=2 and FSDP-sharded over dp_shard/ep = 2.
     got = train([*ARGS, *FP32, *VAL, "--train.batch_size=1", "--distributed.ep=2"], tmp_path, nproc=4)
-    assert_same_run(got, reference["metrics"])
+    assert_same_run(got, moe_ep_reference["metrics"])
     log = (tmp_path / "metrics.jsonl").read_text()
     assert '"moe/layer1/imbalance"' in log and '"moe/layer3/dropped_fraction": 0.0' in log
 
@@ -50,8 +48,8 @@ def test_ep2_x_dp_shard2_matches_single_process(reference, tmp_path: Path) -> No
     ],
     ids=["op-selective-ac", "ep2-full-ac", "ep2-selective-every2", "hsdp2-x-ep2"],
 )
-def test_ep_composes_with_ac_and_hsdp(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
-    assert_same_run(train([*ARGS, *FP32, *args], tmp_path, nproc=nproc), reference["metrics"])
+def test_ep_composes_with_ac_and_hsdp(nproc: int, args: list[str], moe_ep_reference, tmp_path: Path) -> None:
+    assert_same_run(train([*ARGS, *FP32, *args], tmp_path, nproc=nproc), moe_ep_reference["metrics"])
 
 
 def test_fp8_ep2_x_dp_shard2_matches_fp8_single_process(tmp_path: Path) -> None:
@@ -90,7 +88,7 @@ def _resume(checkpoint: Path, dump: Path, args: list[str], *, nproc: int) -> dic
     return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
-def test_checkpoint_saved_at_ep2_resumes_at_ep1(ep2, reference, tmp_path: Path) -> None:
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(ep2, moe_ep_reference, tmp_path: Path) -> None:
     losses = _resume(ep2["dump"] / "checkpoint" / "step-2", tmp_path, ["--train.batch_size=4"], nproc=1)
     want = {r["step"]: r["loss"] for r in ep2["metrics"]}
     assert sorted(losses) == [3, 4]
@@ -98,10 +96,10 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(ep2, reference, tmp_path: Path) 
         assert losses[step] == pytest.approx(want[step], rel=1e-5), step
 
 
-def test_checkpoint_saved_at_ep1_resumes_at_ep2(reference, tmp_path: Path) -> None:
+def test_checkpoint_saved_at_ep1_resumes_at_ep2(moe_ep_reference, tmp_path: Path) -> None:
     args = ["--train.batch_size=2", "--distributed.ep=2"]
-    losses = _resume(reference["dump"] / "checkpoint" / "step-2", tmp_path, args, nproc=2)
-    want = {r["step"]: r["loss"] for r in reference["metrics"]}
+    losses = _resume(moe_ep_reference["dump"] / "checkpoint" / "step-2", tmp_path, args, nproc=2)
+    want = {r["step"]: r["loss"] for r in moe_ep_reference["metrics"]}
     assert sorted(losses) == [3, 4]
     for step in (3, 4):
         assert losses[step] == pytest.approx(want[step], rel=1e-5), step

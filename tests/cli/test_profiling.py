@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from tests.helpers import REPO
-from tests.unit.test_profiling import SCRIPT, fp32_trace_dir  # noqa: F401 (fp32_trace_dir: a fixture)
+from tests.unit.test_profiling import SCRIPT
 from trainer.profiling import TRACE_SUFFIX
 
 

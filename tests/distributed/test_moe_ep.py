@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed.spawn import (gradients_of_one_step, run_distributed, train_and_read_metrics,
                                     train_then_one_process_in_float64)
-from tests.helpers import REPO, column, train
+from tests.helpers import REPO, column
 
 MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
 ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.steps=4", "--metrics.log_freq=1",
@@ -38,19 +38,12 @@ def assert_same_run(got: list[dict], ref: list[dict], *, rel: float = 1e-5) -> N
         assert val == [(r["step"], pytest.approx(r["val_loss"], rel=rel)) for r in ref if "val_loss" in r]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """1 process, batch 4, fp32, checkpoints at steps 2 and 4."""
-    dump = tmp_path_factory.mktemp("ref")
-    return {"metrics": train([*ARGS, *FP32, *CKPT, *VAL, "--train.batch_size=4"], dump), "dump": dump}
-
-
-def test_compiled_moe_under_ep2_matches_eager_single_process(reference, tmp_path: Path) -> None:
+def test_compiled_moe_under_ep2_matches_eager_single_process(moe_ep_reference, tmp_path: Path) -> None:
     # MoE blocks compile with graph breaks (the EP split sizes are read on the host; the CPU grouped GEMM
     # stays eager), the loss compiles whole; Inductor reorders fp32 reductions.
     got = run_distributed(train_and_read_metrics, world_size=2, args=(
         [*ARGS, *FP32, "--train.batch_size=2", "--distributed.ep=2", "--train.compile_model=true"], str(tmp_path)))[0]
-    ref = reference["metrics"]
+    ref = moe_ep_reference["metrics"]
     assert column(got, "step") == column(ref, "step")
     assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=1e-4)
     assert column(got, "aux_loss") == pytest.approx(column(ref, "aux_loss"), rel=1e-4)

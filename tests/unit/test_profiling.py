@@ -64,13 +64,6 @@ def profiling_logger(caplog):
     return logging.getLogger("test_profiling")
 
 
-@pytest.fixture(scope="module")
-def fp32_trace_dir(tmp_path_factory):
-    trace_dir = tmp_path_factory.mktemp("fp32_trace")
-    _train(trace_dir)
-    return trace_dir
-
-
 # --- the window ---------------------------------------------------------------------------------
 
 
