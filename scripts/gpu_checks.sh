@@ -87,7 +87,7 @@ for s in $STEPS; do case $s in
     { python3 scripts/train.py $A --train.mixed_precision=bf16 --train.steps=10
       python3 scripts/train.py $A --train.mixed_precision=fp8 --train.compile_model=true --train.steps=20
       python3 scripts/train.py $A --train.mixed_precision=bf16 --checkpoint.model_only=true
-      ls /tmp/ckpt_run/checkpoint; python3 -m pytest -q tests/unit/test_checkpoint.py; } 2>&1 \
+      ls /tmp/ckpt_run/checkpoint; python3 -m pytest -q tests/unit/test_checkpoint.py tests/cli/test_checkpoint.py; } 2>&1 \
       | grep -E "resumed|Applied Float8|step +(10|20|30)/|saved|export|passed|failed|Error|error|step-" | tee "$OUT/ckpt.log" ;;
   moe16b)  # moe_16b, ep = all GPUs, batch 2 x 4096 per GPU, compile, no AC: bf16 vs fp8, then 30 steps for load imbalance
     M="--config configs/train/moe_16b_4gpu_fp8.toml"

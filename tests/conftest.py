@@ -104,3 +104,28 @@ def on_h100(monkeypatch):
     from trainer.validate import memory
 
     monkeypatch.setattr(memory, "device_memory", lambda: (79 * memory.GIB, "GPU 0 (H100 80GB, faked by the test)"))
+
+
+# -- runs that tests in several folders read (each made once per session) --------------------------------------
+
+
+@pytest.fixture(scope="session")
+def moe_ep_reference(tmp_path_factory) -> dict:
+    """The 1-process MoE run every expert-parallel layout must reproduce (tests/distributed/test_moe_ep.py and its
+    torchrun half tests/cli/test_moe_ep.py): batch 4, fp32, checkpoints at steps 2 and 4."""
+    from tests.distributed.test_moe_ep import ARGS, CKPT, FP32, VAL
+    from tests.helpers import train
+
+    dump = tmp_path_factory.mktemp("ref")
+    return {"metrics": train([*ARGS, *FP32, *CKPT, *VAL, "--train.batch_size=4"], dump), "dump": dump}
+
+
+@pytest.fixture(scope="session")
+def fp32_trace_dir(tmp_path_factory) -> Path:
+    """A profiled fp32 run's trace folder (steps 3-5), read by tests/unit/test_profiling.py and by the run of
+    scripts/summarize_trace.py in tests/cli/test_profiling.py."""
+    from tests.unit.test_profiling import _train
+
+    trace_dir = tmp_path_factory.mktemp("fp32_trace")
+    _train(trace_dir)
+    return trace_dir

@@ -1,4 +1,5 @@
-"""Every test here starts 2-4 training processes: slow, so the README's quick selection skips them (CI runs them)."""
+"""Every test here starts 2-4 training processes: slow, so the README's quick selection skips them (CI runs them).
+The whole-CLI torchrun runs live in tests/cli, each marked slow where it is defined."""
 
 import pytest
 

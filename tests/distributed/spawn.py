@@ -6,8 +6,8 @@
 forked by multiprocessing's fork server, with the torchrun environment variables set (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so `trainer.distributed.init_distributed` and the
 `Trainer` join the group as under torchrun; `fn` may also create the group itself. Seconds
-instead of a whole CLI launch per case; a few whole-CLI torchrun runs stay as tests of the
-entry point.
+instead of a whole CLI launch per case; the few whole-CLI torchrun runs, tests of the entry
+point, are in tests/cli.
 
 The fork server is one single-threaded Python per test session that has imported torch and the
 trainer once (`_PRELOAD`); every rank is a fork of it, so a rank starts in milliseconds where a

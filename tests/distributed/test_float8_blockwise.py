@@ -1,6 +1,6 @@
 """float8.recipe='blockwise' (emulated) under FSDP2 with bf16 all-gather and selective AC, under pipeline parallelism
-and under expert parallelism: 2 gloo ranks match 1 rank; and a checkpoint saved under tensorwise resumes under
-blockwise."""
+and under expert parallelism: 2 gloo ranks match 1 rank. A precision schedule into blockwise and a resume under another
+recipe, through the trainer as a command: tests/cli/test_float8_blockwise.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.spawn import run_distributed, train_and_read_metrics, train_then_one_process
-from tests.helpers import DEBUG_CONFIG, REPO, column, launch, read_metrics
+from tests.helpers import DEBUG_CONFIG, REPO, column
 
 ARGS = ["--config", DEBUG_CONFIG, "--train.steps=4", "--train.seq_len=64", "--metrics.log_freq=1",
         "--metrics.enable_tensorboard=false", "--train.mixed_precision=fp8", "--float8.recipe=blockwise",
@@ -82,40 +82,9 @@ def test_blockwise_expert_parallel_matches_one_process(tmp_path: Path) -> None:
     # Later steps: an expert's weight gradient is one bf16 grouped GEMM over both ranks' tokens under EP, one
     # per microbatch in the reference (2e-3 apart after step 1, measured), so the weights part at bf16
     # rounding. Measured over 4 steps: loss 8e-4, aux loss 1.3e-3, grad norm 5e-3 at most. Loss and aux loss
-    # at the tensorwise EP test's tolerances (tests/distributed/test_moe_ep.py), the grad norm at 4x the measured.
+    # at the tensorwise EP test's tolerances (tests/cli/test_moe_ep.py), the grad norm at 4x the measured.
     assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=2e-3)
     assert column(got, "aux_loss") == pytest.approx(column(ref, "aux_loss"), rel=1e-2)
     assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=2e-2)
     assert _fp8_layers(tmp_path / "layout") == _fp8_layers(tmp_path / "one_process")
     assert column(got, "fp8_converted_fraction") == [12 / 32] * 4
-
-
-def _run(args: list[str], dump: Path) -> str:
-    proc = launch([*args, f"--job.dump_folder={dump}"], timeout=240)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
-
-
-# Checkpoints every 2 steps, a constant LR: the same learning rate at every step whatever train.steps is.
-RUN = [*ARGS[:-2], "--train.batch_size=2", "--train.steps=5", "--train.deterministic=true", "--checkpoint.enable=true",
-       "--checkpoint.interval=2", "--scheduler.warmup_steps=2", "--scheduler.decay_type=constant"]
-
-
-def test_precision_schedule_into_blockwise_and_resume_under_another_recipe(tmp_path: Path) -> None:
-    """bf16 -> blockwise by train.precision_schedule equals the same switch by relaunch (bit for bit: emulated
-    blockwise is deterministic on CPU); the blockwise checkpoint then resumes under tensorwise."""
-    scheduled = _run([*RUN, "--train.precision_schedule=bf16:2,fp8"], tmp_path / "scheduled")
-    assert "precision schedule: step 2: bf16 -> fp8" in scheduled
-    assert "Applied Float8 training: recipe=BLOCKWISE, fsdp_float8_all_gather=False" in scheduled
-    assert "resumed bf16 checkpoint at step 2 with mixed_precision=fp8" in scheduled
-    manual = tmp_path / "manual"
-    _run([*RUN, "--train.steps=2", "--train.mixed_precision=bf16"], manual)
-    _run([*RUN, "--train.steps=4"], manual)
-    want = column(read_metrics(tmp_path / "scheduled"), "loss")
-    assert column(read_metrics(manual), "loss") == want[:4]
-    # Step 5 from the blockwise checkpoint of step 4 under tensorwise: the same weights, optimizer state and
-    # batch as the scheduled run's blockwise step 5, so the loss agrees to fp8 rounding, but not exactly.
-    log = _run([*RUN, "--float8.recipe=tensorwise"], manual)
-    assert "step-4 at step 4 (saved with mixed_precision=fp8)" in log and "Applied Float8 training: recipe=TENSORWISE" in log
-    got = column(read_metrics(manual), "loss")
-    assert got[:4] == want[:4] and got[4] != want[4] and got[4] == pytest.approx(want[4], rel=1e-2)

@@ -1,5 +1,5 @@
-"""FSDP2 with fp8 all-gather and precomputed scales on 2 gloo ranks (spawned functions) matches 1 rank; the CLI under
-torchrun prints none of the libraries' noise."""
+"""FSDP2 with fp8 all-gather and precomputed scales on 2 gloo ranks (spawned functions) matches 1 rank (the CLI under
+torchrun, which prints none of the libraries' noise: tests/cli/test_float8_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.spawn import run_distributed, train_and_read_metrics, train_then_one_process
-from tests.helpers import DEBUG_CONFIG, column, launch
-from trainer.log import KNOWN_WARNINGS
+from tests.helpers import DEBUG_CONFIG, column
 
 ARGS = ["--config", DEBUG_CONFIG, "--train.steps=4", "--train.seq_len=64", "--metrics.log_freq=1",
         "--metrics.enable_tensorboard=false", "--train.mixed_precision=fp8"]
@@ -35,26 +34,3 @@ def test_fp8_all_gather_two_ranks_match_one_rank(tmp_path: Path) -> None:
         str(tmp_path / "off")))[0]
     assert column(off, "loss")[0] == pytest.approx(column(two, "loss")[0], rel=2e-3)
     assert column(off, "loss") == pytest.approx(column(two, "loss"), rel=1e-2)
-
-
-# What torch and torchao print on every rank of such a run unless trainer.log filters it.
-LIBRARY_NOISE = ("Detected that context_fn is passed", "checkpointed region does not contain in-place ops",
-                 "KernelPreference", "No CUDA runtime is found", "Failed to load")
-
-
-def test_selective_ac_compile_fp8_prints_no_library_noise(tmp_path: Path) -> None:
-    # The console of a torchrun launch is what is tested (every rank's output, as a user sees it): the CLI stays.
-    # fp32 master weights: bf16 ones would compile BF16AdamW, minutes on a CPU with a cold cache (over the
-    # 300 s limit; it passed only after test_chunked_loss_fsdp.py had compiled the same graphs).
-    proc = launch([*ARGS, "--train.steps=2", "--train.seq_len=32", "--distributed.dp_shard=2",
-                   "--train.activation_checkpointing=selective", "--train.compile_model=true",
-                   "--distributed.master_dtype=fp32", f"--job.dump_folder={tmp_path}"], nproc=2)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert [line for line in out.splitlines() if any(noise in line for noise in LIBRARY_NOISE)] == []
-    # Explained once, by rank 0, in our words.
-    explanation = next(k.explanation for k in KNOWN_WARNINGS if k.logger == "torch._higher_order_ops.wrap")
-    assert [line for line in out.splitlines() if explanation in line] == [
-        line for line in out.splitlines() if line.startswith("[rank0 ") and explanation in line]
-    assert out.count(explanation) == 1
-    assert "step      2/2" in proc.stdout

@@ -18,7 +18,6 @@ def _norms_of_fsdp_tp_gradients() -> tuple[float, float, list[str]]:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from trainer.step import grad_norm

@@ -2,7 +2,7 @@
 
 Same seed and the same global batch: losses and gradient norms of the first steps
 must agree to fp32 rounding, whatever the split between dp ranks, tp ranks,
-microbatches and batch size. One torchrun launch stays: the CLI's one-line config error.
+microbatches and batch size. The torchrun launch of the CLI's one-line config error: tests/cli/test_parallel.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
-from tests.helpers import FAST, column, launch, train
+from tests.helpers import FAST, column, train
 
 # The held-out loss at step 5 over 8 samples (validation.steps x batch_size x dp ranks = 8 in every layout).
 STEPS = ["--train.steps=5", "--validation.enable=true", "--validation.freq=5", "--validation.steps=2"]
@@ -123,14 +123,3 @@ def test_compile_matches_eager(reference, tmp_path: Path) -> None:
     # Inductor reorders fp32 reductions: close, not bitwise.
     assert column(got, "loss") == pytest.approx(column(reference, "loss"), rel=1e-4)
     assert column(got, "grad_norm") == pytest.approx(column(reference, "grad_norm"), rel=1e-3)
-
-
-def test_wrong_degree_product_is_one_line(tmp_path: Path) -> None:
-    # What torchrun and the CLI print on a config error is what is tested: a whole-CLI launch.
-    proc = launch([*FAST, "--train.steps=1", "--distributed.dp_shard=4", f"--job.dump_folder={tmp_path}"], nproc=2)
-    assert proc.returncode != 0
-    want = "dp_replicate*dp_shard*cp*tp*pp = 1*4*1*1*1 = 4, but WORLD_SIZE=2"
-    # Found by the validation pass (before distributed init), printed once per node.
-    assert proc.stderr.count(f"config error: parallel degrees do not multiply to the world size: {want}") == 1
-    # torchrun reports the failed child with its own traceback; our ranks print none.
-    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr

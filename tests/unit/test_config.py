@@ -1,4 +1,5 @@
-"""Config loading, overrides, validation errors, shipped configs and the generated reference."""
+"""Config loading, overrides, validation errors, shipped configs and the generated reference (the command line's
+one-line errors: tests/cli/test_config.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, env, launch
+from tests.helpers import REPO, env
 from trainer.config import _SECTIONS, ConfigError, JobConfig, config_markdown, field_docs, load_job_config
 from trainer.models import Llama
 from trainer.parallel.float8 import select_float8_linears
@@ -178,25 +179,6 @@ def test_every_field_has_a_docstring() -> None:
 def test_config_reference_is_current() -> None:
     current = (REPO / "docs" / "config.md").read_text()
     assert current == config_markdown(), "docs/config.md is stale: run python -m trainer.config --markdown > docs/config.md"
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--train.mixed_precision=FP8"], "config error: train.mixed_precision='FP8' is not one of"),
-        (["--train.bach_size=2"], "config error: unknown key [train].bach_size (did you mean batch_size?)"),
-        (
-            ["--config", str(REPO / "configs/train/7b_16gpu_fp8.toml"), "--distributed.tp=2"],
-            "config error: FP8 + Tensor Parallelism is not yet supported",
-        ),
-    ],
-)
-def test_cli_prints_one_line_and_exits_nonzero(args: list[str], message: str) -> None:
-    proc = launch(args)
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 # What `scripts/train.py` does before training: --help, a config error, a config that passes every check (a

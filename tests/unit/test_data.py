@@ -1,9 +1,6 @@
 import hashlib
 import importlib.util
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -356,36 +353,6 @@ def test_vocab_error_names_the_key_and_the_tokenizer_size(tmp_path):
 
 
 # --- scripts/prepare_data.py -------------------------------------------------------------------------------------
-
-
-def _run_prepare(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
-
-
-def test_prepare_data_end_to_end(tmp_path):
-    docs = ["A whole text file.\n", "first json doc", "second — with ünïcode", "third"]
-    (tmp_path / "a.txt").write_text(docs[0])
-    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs[1:])))
-    result = _run_prepare("--input", tmp_path / "a.txt", tmp_path / "*.jsonl", "--output", tmp_path / "out",
-                          "--text-field", "body", "--shard-tokens", "20")
-    assert result.returncode == 0, result.stderr
-    tok = ByteTokenizer()
-    expected = [i for d in docs for i in tok.encode(d) + [tok.eos_id]]
-    assert f"4 documents, {len(expected)} tokens" in result.stdout
-    paths = sorted((tmp_path / "out").glob("*.bin"))
-    assert [p.name for p in paths[:2]] == ["shard_00000.bin", "shard_00001.bin"]
-    assert len(paths) == -(-len(expected) // 20) and f"wrote {len(paths)} shards" in result.stdout
-    source = ShardSource(paths, vocab_size=258, tokenizer_fingerprint=BYTE)
-    assert np.concatenate([s.tokens for s in source.shards]).tolist() == expected
-    assert np.array_equal(source.get_sample(0, 5), expected[:6])
-
-
-def test_prepare_data_bad_json_exits_2_with_one_line(tmp_path):
-    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
-    result = _run_prepare("--input", tmp_path / "bad.jsonl", "--output", tmp_path / "out")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.count("\n") == 1 and f"{tmp_path / 'bad.jsonl'}:2: invalid JSON" in result.stderr
 
 
 @pytest.mark.parametrize("content, args, expected", [

@@ -1,14 +1,13 @@
-"""FP8 health: underflow and saturation of the activation and gradient casts, per layer group."""
+"""FP8 health: underflow and saturation of the activation and gradient casts, per layer group (in a whole run:
+tests/cli/test_fp8_health.py)."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import DEBUG_CONFIG, column, train
 from trainer.loss import LossFn
 from trainer.models import FLAVORS, Llama
 from trainer.parallel.float8 import apply_float8
@@ -73,15 +72,3 @@ def test_monitor_reports_the_layer_fed_tiny_values_and_warns_once(caplog, monkey
     assert stats["fp8_health/input/mlp.gate_proj/underflow"] < 0.01
     warnings = [r.getMessage() for r in caplog.records if "fp8 health" in r.getMessage()]
     assert len(warnings) == 1 and "of layers.1.mlp.up_proj's input elements underflow to zero in e4m3" in warnings[0]
-
-
-def test_stats_steps_are_logged_and_change_no_loss(tmp_path: Path):
-    args = ["--config", DEBUG_CONFIG, "--train.steps=4", "--train.seq_len=32", "--metrics.log_freq=1",
-            "--metrics.enable_tensorboard=false", "--train.mixed_precision=fp8"]
-    with_stats = train([*args, "--metrics.fp8_stats_freq=2"], tmp_path / "stats")
-    without = train([*args, "--metrics.fp8_stats_freq=0"], tmp_path / "plain")
-    assert column(with_stats, "loss") == column(without, "loss")
-    has_health = [any(k.startswith("fp8_health/") for k in r) for r in with_stats]
-    assert has_health == [False, True, False, True]
-    assert "fp8/weight_amax/output_head.proj" in with_stats[1]
-    assert not any(k.startswith("fp8") and k != "fp8_converted_fraction" for r in without for k in r)

@@ -1,5 +1,6 @@
 """FP8 routed experts (float8.moe_experts='rowwise'), emulated on CPU: the grouped GEMMs against a per-expert loop
-written here, the quantization fused into the expert gather, the once-per-step weight cache, training, config errors."""
+written here, the quantization fused into the expert gather, the once-per-step weight cache, config errors (training:
+tests/cli/test_moe_fp8.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import column, count_expert_weight_quantizations, train
+from tests.helpers import count_expert_weight_quantizations
 from trainer.models.moe import MOE_FLAVORS, MoE, grouped_swiglu
 from trainer.models.moe_fp8 import (Fp8ExpertWeights, Fp8GroupedSwiGLU, build_row_plan, fp8_grouped_swiglu,
                                    quantize_rows)
@@ -209,20 +210,6 @@ def test_the_fp8_report_carries_the_experts_and_merges_them_over_stages(caplog: 
     with torch.device("meta"):
         off = build_model(model_args_for("debug_moe"))
     assert apply_fp8_experts(off, mode="off", emulate=True, require=False, device=cpu, per_step_weights=False) is None
-
-
-@pytest.mark.slow
-def test_debug_moe_trains_with_fp8_experts_close_to_bf16_experts(tmp_path: Path) -> None:
-    """~25 s: 12 steps each, emulated FP8 (the same casts as on a GPU) with FP8 experts and without."""
-    args = ["--config", MOE_CONFIG, "--train.steps=12", "--metrics.log_freq=4", "--metrics.enable_tensorboard=false",
-            "--train.mixed_precision=fp8", "--float8.emulate=true"]
-    bf16 = column(train([*args, "--float8.moe_experts=off"], tmp_path / "off"), "loss")
-    fp8 = column(train([*args, "--float8.moe_experts=rowwise"], tmp_path / "rowwise"), "loss")
-    assert fp8 != bf16  # the experts ran in FP8
-    # Measured: at most 2.0% apart (step 12) on this dim-128 model, whose 64-wide experts have little headroom
-    # for 3-bit mantissas; a wrong scale or a transposed weight moves the loss by far more.
-    assert fp8 == pytest.approx(bf16, rel=4e-2)
-    assert fp8[-1] < fp8[0] - 1.5  # it trains
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,6 @@ import importlib.util
 import logging
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,13 +62,6 @@ def profiling_logger(caplog):
     # Our own logger, which propagates to caplog whatever setup_logging did to "trainer".
     caplog.set_level(logging.INFO)
     return logging.getLogger("test_profiling")
-
-
-@pytest.fixture(scope="module")
-def fp32_trace_dir(tmp_path_factory):
-    trace_dir = tmp_path_factory.mktemp("fp32_trace")
-    _train(trace_dir)
-    return trace_dir
 
 
 # --- the window ---------------------------------------------------------------------------------
@@ -438,12 +429,6 @@ def test_summary_of_a_cpu_trace_counts_self_time():
 # --- scripts/summarize_trace.py -----------------------------------------------------------------
 
 
-def _script(*args):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # it must find trainer itself
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 def _load_script():
     spec = importlib.util.spec_from_file_location("summarize_trace", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -452,23 +437,6 @@ def _load_script():
 
 
 summarize_trace = _load_script()
-
-
-def test_script_prints_the_summary_of_a_trace_dir(fp32_trace_dir):
-    result = _script(fp32_trace_dir, "--top", "3")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0] == f"== {fp32_trace_dir / f'rank0_step3-5{TRACE_SUFFIX}'}"
-    assert lines[1].startswith("Kernel summary of steps 3-5 (3 steps)")
-    assert lines[-1] == "FP8 GEMMs ran: no (only bf16/fp32 GEMMs)"
-    # The offline summary is the one the run wrote.
-    assert (fp32_trace_dir / "summary_step3-5.txt").read_text().splitlines()[:3] == lines[1:4]
-
-
-def test_script_on_a_missing_dir_exits_2_with_one_line(tmp_path):
-    result = _script(tmp_path / "missing")
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == f"summarize_trace.py: no such file or folder: {tmp_path / 'missing'}\n"
 
 
 def test_script_on_a_dir_without_traces_exits_2(tmp_path, capsys):

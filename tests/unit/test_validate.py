@@ -1,4 +1,5 @@
-"""The one validation pass: every user error is found before distributed init, as one line naming the key."""
+"""The one validation pass: every user error is found before distributed init, as one line naming the key (the
+command line's answers, --help among them: tests/cli/test_validate.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import trainer.train
-from tests.helpers import DEBUG_CONFIG, launch
+from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.data import DataError, write_shard
 from trainer.data.tokenizer import ByteTokenizer
@@ -109,46 +110,6 @@ def test_data_path_implies_shards(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
     toml.write_text(f'[data]\npath = "{tmp_path}"\n')
     assert load_job_config(["--config", str(toml)]).data.source == "shards"
-
-
-@pytest.mark.parametrize(
-    "make, message",
-    [
-        (lambda p: p.write_bytes(b"[train]\nsteps = 1\n# \xff\xfe\n"), "is not UTF-8 text"),
-        (lambda p: p.mkdir(), "is not a file"),
-        (lambda p: None, "does not exist"),
-    ],
-    ids=["non-utf8", "directory", "missing"],
-)
-def test_unreadable_config_is_one_line(tmp_path: Path, make, message: str) -> None:
-    path = tmp_path / "c.toml"
-    make(path)
-    with pytest.raises(ConfigError, match=message):
-        load_job_config(["--config", str(path)])
-    proc = launch(["--config", str(path)])
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"config error: {proc.stderr.strip().removeprefix('config error: ')}"
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr + proc.stdout
-
-
-def test_help_lists_sections_and_keys() -> None:
-    for flag in ("--help", "-h"):
-        proc = launch([flag])
-        assert proc.returncode == 0, proc.stderr
-        assert "usage:" in proc.stdout and "--section.key=value" in proc.stdout and "docs/config.md" in proc.stdout
-        assert "  distributed  " in proc.stdout
-    proc = launch(["--help", "train"])
-    assert proc.returncode == 0
-    assert "--train.batch_size=8" in proc.stdout and "--train.steps=100" in proc.stdout
-    assert "--optimizer.lr" not in proc.stdout
-    bad = launch(["--help", "trian"])
-    assert bad.returncode == 2 and "unknown section [trian] (did you mean train?)" in bad.stderr
-
-
-def test_no_arguments_prints_usage_and_trains_nothing(tmp_path: Path) -> None:
-    proc = launch([])
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("usage:") and proc.stdout == ""
 
 
 def test_runtime_errors_that_are_not_user_errors_keep_their_traceback(monkeypatch, capsys) -> None:

@@ -1,6 +1,6 @@
 """The console of multi-process runs: a short header from rank 0, each warning once, the per-layer detail in files.
 
-The quick, one-process counterpart is tests/unit/test_train.py::test_console_is_a_short_header_and_the_values_used_go_to_files.
+The quick, one-process counterpart is tests/cli/test_train.py::test_console_is_a_short_header_and_the_values_used_go_to_files.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def _header(proc) -> list[str]:
     return lines_before_step_1(proc.stdout) + proc.stderr.splitlines()
 
 
+@pytest.mark.slow  # starts 2-4 processes
 @pytest.mark.parametrize("layout, nproc, args, converted", [
     ("moe-pp2-ep2", 4, ["--config", MOE, "--distributed.pp=2", "--distributed.ep=2"],
      fp8_linear_counts(FLAVORS["debug_moe"])),

@@ -19,6 +19,7 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+@pytest.mark.slow  # starts 2 processes
 @pytest.mark.parametrize("target, sig, worker_code", [
     ("one worker", signal.SIGTERM, 143),
     ("torchrun", signal.SIGINT, 130),  # Ctrl-C in the terminal: torchrun sends SIGINT to every worker

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import DEBUG_CONFIG, TRAIN, launch, read_metrics, run_until_paused
 
 # wsd with the last 20% as decay: the manual sequence (constant, constant, wsd) has the same lr at every step.
@@ -28,6 +30,7 @@ def _losses(dump: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
+@pytest.mark.slow  # starts 2 processes per launch
 def test_two_ranks_scheduled_equals_manual_and_resumes_the_fp8_phase(tmp_path: Path) -> None:
     _run(SCHEDULED, tmp_path / "scheduled")
     scheduled = _losses(tmp_path / "scheduled")

@@ -170,6 +170,6 @@ def test_reshard_on_load(dp2_run, saved_state, tmp_path, nproc, layout):
 
 
 if __name__ == "__main__":
-    # torchrun tests/distributed/test_checkpoint_distributed.py --worker OUT -- TRAINER ARGS
+    # torchrun tests/cli/test_checkpoint_distributed.py --worker OUT -- TRAINER ARGS
     assert sys.argv[1] == "--worker" and sys.argv[3] == "--", sys.argv
     _worker(sys.argv[2], sys.argv[4:])

@@ -1,0 +1,105 @@
+"""scripts/benchmark.py run as a command (1 process and torchrun): consistent numbers and one-line errors.
+Its functions, loaded in-process: tests/unit/test_benchmark.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import DEBUG_CONFIG, REPO, dense_param_counts, env, fp8_linear_counts, new_tag, reap
+from trainer.models import FLAVORS, flops_per_token, model_args_for
+
+
+def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.jsonl"
+    # A training run of the same config in the same directory (its job.dump_folder, relative to the cwd).
+    training = tmp_path / "outputs" / "debug"
+    (training / "tb").mkdir(parents=True)
+    (training / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--precisions", "bf16,fp8",
+         "--warmup", "1", "--steps", "2", "--json", str(out), "--",
+         "--data.source=synthetic", "--train.seq_len=64", "--train.batch_size=2"],
+        capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The benchmark ran in a folder of its own and left the training run's metrics where they were.
+    assert (tmp_path / "outputs" / "benchmark" / "debug_model").is_dir()
+    assert sorted(p.name for p in training.iterdir()) == ["metrics.jsonl", "tb"]
+    assert (training / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    bf16, fp8 = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
+    assert bf16["float8_converted"] == 0 and fp8["float8_converted"] == fp8_linear_counts(FLAVORS["debug"])[0]
+    for r in (bf16, fp8):
+        assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
+        per_token = flops_per_token(model_args_for("debug", max_seq_len=64), 64)
+        assert r["model_tflops_per_gpu"] == pytest.approx(r["tokens_per_s_per_gpu"] * per_token / 1e12)
+        assert r["mfu_pct"] is None  # a CPU has no entry in the peak table: no made-up MFU
+    assert fp8["speedup"] == pytest.approx(fp8["tokens_per_s_per_gpu"] / bf16["tokens_per_s_per_gpu"])
+    assert "vs bf16" in proc.stdout
+    table = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["bf16"], ["fp8"])]
+    assert [line.split()[4] for line in table if "optimizer step" not in line] == ["n/a", "n/a"]
+    # The optimizer step, timed alone, next to torch's fused AdamW on plain tensors of the same shapes: bf16
+    # and fp8 runs keep bf16 master weights by default ("auto"), so both move 2 bytes per value.
+    numel = dense_param_counts(FLAVORS["debug"])[1]
+    for r in (bf16, fp8):
+        assert r["master_dtype"] == "bfloat16" and r["optimizer_ms"] > 0 and r["reference_optimizer_ms"] > 0
+        for key in ("optimizer", "reference_optimizer"):
+            assert r[f"{key}_gbps"] == pytest.approx(numel * 2 * 8 / (r[f"{key}_ms"] / 1e3) / 1e9)
+    assert sum("optimizer step (bfloat16 master weights)" in line for line in table) == 2
+
+
+def test_a_recipe_with_a_bad_override_is_a_config_error_before_any_run() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG,
+                           "--precisions", "bf16,fp8:blockwise", "--", "--float8.enable_fsdp_float8_all_gather=true"],
+                          capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("config error: float8.enable_fsdp_float8_all_gather=true only works with "
+                                          "float8.recipe='tensorwise' (got recipe='blockwise')")
+
+
+def test_benchmark_refuses_a_dump_folder_override() -> None:
+    # --job.dump_folder could name a training run's folder, whose metrics a fresh Trainer would move aside.
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--",
+                           "--job.dump_folder=outputs/debug"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "error: the benchmark's folder is --dump-folder DIR, not the override --job.dump_folder")
+
+
+def test_benchmark_config_error_is_one_line() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--",
+                           "--train.bach_size=2"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "config error: unknown key [train].bach_size (did you mean batch_size?)"
+
+
+@pytest.mark.slow
+def test_benchmark_under_torchrun_keeps_one_process_group_for_every_precision(tmp_path: Path) -> None:
+    out = tmp_path / "bench.jsonl"
+    tag = new_tag()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--precisions", "bf16,fp8,bf16",
+             "--warmup", "1", "--steps", "2", "--json", str(out), "--dump-folder", str(tmp_path / "bench"), "--",
+             "--data.source=synthetic", "--train.seq_len=64", "--train.batch_size=2"],
+            capture_output=True, text=True, env=env(tag), cwd=REPO, timeout=600)
+    finally:
+        reap(tag)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    # Rank 0 writes one line per precision; each precision ran over both ranks (2 x 2 x 64 tokens per step).
+    assert [r["precision"] for r in records] == ["bf16", "fp8", "bf16"]
+    for r in records:
+        assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
+    assert records[1]["float8_converted"] == fp8_linear_counts(FLAVORS["debug"])[0]
+
+
+def test_emulating_gpus_without_a_gpu_is_one_line() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG,
+                           "--emulate-gpus", "16"], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --emulate-gpus caps CUDA memory: it needs a GPU")
