@@ -47,6 +47,7 @@ from trainer.train_state import (  # noqa: F401  (re-exported: the command line 
     EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
 )
 from trainer.validate import ResolvedJob, validate_job
+from trainer.validate.ranks import check_ranks_agree
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Trainer:
         self.job, run = job, job.run
         self.parallel_dims, self.model_args = job.parallel_dims, job.model_args
         self.env: DistEnv = init_distributed(timeout_seconds=run.init_timeout_seconds)
+        check_ranks_agree(job)  # before any model work: a rank with another job would train apart or hang the rest
         self.device = self.env.device
         assert self.device.type == run.device_type, (self.device, run.device_type)  # what validation resolved for
         set_determinism(seed=run.seed, deterministic=run.deterministic)

@@ -1,12 +1,14 @@
 """Sample sources: sequences of fixed-length token windows.
 
 A source has `num_samples(seq_len)` and `get_sample(index, seq_len)`, which returns seq_len + 1
-int64 tokens (inputs = [:-1], labels = [1:]). Window k of a token stream covers tokens
+int64 tokens (inputs = [:-1], labels = [1:]), and `fingerprint()`, a short string that differs where
+the tokens differ (compared across ranks at startup: trainer.validate.ranks). Window k of a token stream covers tokens
 [k * seq_len, k * seq_len + seq_len + 1): windows do not overlap as inputs, and the extra
 token is the label of the last input.
 """
 
 import functools
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +24,18 @@ def _num_windows(num_tokens: int, seq_len: int) -> int:
 
 def _window(tokens: np.ndarray, k: int, seq_len: int) -> np.ndarray:
     return np.asarray(tokens[k * seq_len: k * seq_len + seq_len + 1], dtype=np.int64)
+
+
+def _hash(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode())
+    return h.hexdigest()[:16]
+
+
+# A shard's fingerprint reads this many tokens at each end (its whole length is in the header): a shard
+# rewritten or truncated on one node changes them, and startup reads 2 x 8 KiB per shard, not terabytes.
+_FINGERPRINT_EDGE = 4096
 
 
 def _check_index(index: int, num_samples: int) -> None:
@@ -71,6 +85,12 @@ class ShardSource:
         i = int(np.searchsorted(cumulative, index, side="right"))
         local = index - (int(cumulative[i - 1]) if i else 0)
         return _window(self.shards[i].tokens, local, seq_len)
+
+    def fingerprint(self) -> str:
+        """The shards' names, token counts, tokenizer and the tokens at both ends of each."""
+        e = _FINGERPRINT_EDGE
+        return "shards:" + _hash(*((s.path.name, s.num_tokens, s.tokenizer_fingerprint, np.asarray(s.tokens[:e]),
+                                    np.asarray(s.tokens[-e:])) for s in self.shards))
 
     def __repr__(self) -> str:
         folders = sorted({str(s.path.parent) for s in self.shards})
@@ -166,6 +186,10 @@ class DefaultTextSource:
         _check_index(index, self.num_samples(seq_len))
         return _window(self.tokens, index, seq_len)
 
+    def fingerprint(self) -> str:
+        """Every token: the text comes with this machine's Python (pydoc_data, the standard library)."""
+        return f"{self.name}:{self.split}:" + _hash(self.tokens)
+
     def __repr__(self) -> str:
         return f"DefaultTextSource(pydoc topics, {self.split} split, {self.num_tokens:,} byte tokens)"
 
@@ -206,6 +230,9 @@ class SyntheticSource:
         _check_index(index, self.num_samples(seq_len))
         rng = np.random.default_rng([self.seed, index, *self._stream])
         return rng.integers(0, self.vocab_size, seq_len + 1, dtype=np.int64)
+
+    def fingerprint(self) -> str:
+        return f"synthetic:{self.split}:{self.vocab_size}:{self.seed}"
 
     def __repr__(self) -> str:
         split = "" if self.split == "train" else ", validation stream"

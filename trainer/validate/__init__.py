@@ -9,7 +9,9 @@ or override fails while parsing, without importing torch); this pass adds the re
     options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
                        checkpoint): the Trainer reads no JobConfig
 
-`validate_job` runs them in that order on every rank before `init_distributed` does any
+    ranks.py           after the process group exists (the Trainer's first act): every rank's job is rank 0's
+
+`validate_job` runs the first four in that order on every rank before `init_distributed` does any
 work; each raises `ConfigError` (or `DataError` for data files) with one line naming the key,
 and what it resolves goes to the trainer as a `ResolvedJob`, so nothing is worked out twice.
 Lower layers assert these facts; they do not check them again.
