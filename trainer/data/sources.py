@@ -2,9 +2,9 @@
 
 A source has `num_samples(seq_len)` and `get_sample(index, seq_len)`, which returns seq_len + 1
 int64 tokens (inputs = [:-1], labels = [1:]), and `fingerprint()`, a short string that differs where
-the tokens differ (compared across ranks at startup: trainer.validate.ranks). Window k of a token stream covers tokens
-[k * seq_len, k * seq_len + seq_len + 1): windows do not overlap as inputs, and the extra
-token is the label of the last input.
+the tokens differ (compared across ranks at startup: trainer.validate.ranks). Window k of a token
+stream covers tokens [k * seq_len, k * seq_len + seq_len + 1): windows do not overlap as inputs,
+and the extra token is the label of the last input.
 """
 
 import functools

@@ -40,8 +40,8 @@ _WHY = {
     "trainer.version": "every rank must run the same trainer: install the same version on every node",
     "trainer.commit": "every rank must run the same checkout: check out the same commit on every node",
     "data_contents.train": "the data differs between the ranks' machines: every node must read the same files",
-    "data_contents.validation": "the validation data differs between the ranks' machines: every node must read the "
-                           "same files",
+    "data_contents.validation": "the validation data differs between the ranks' machines: every node must read "
+                                "the same files",
 }
 
 
