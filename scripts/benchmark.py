@@ -46,6 +46,7 @@ from trainer.distributed import destroy_distributed
 from trainer.log import setup_logging
 from trainer.metrics import device_peak_flops
 from trainer.models import flops_per_token
+from trainer.parallel.compile import CompileTimes
 from trainer.train import Trainer, build_trainer
 
 
@@ -182,12 +183,13 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
     try:
         device, t = runner.device, cfg.train
         cap_gib = cap_memory(runner, emulate_gpus=emulate[0], gpu_gib=emulate[1]) if emulate else None
-        warmup_times = []
+        warmup_times, compiled_before = [], CompileTimes.now()
         for _ in range(warmup):  # compilation, autotuning, allocator warm-up
             start = time.perf_counter()
             runner.train_step(runner.data_loader.next_batch())
             sync(device)
             warmup_times.append(time.perf_counter() - start)
+        compiled = CompileTimes.now().since(compiled_before)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # Timed like training runs: steps back to back, no host sync between them.
@@ -217,6 +219,11 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "peak_memory_gib": peak,
             "float8_converted": len(runner.float8.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
+            "compile_s": compiled.seconds,
+            "torch_compile_s": compiled.torch_compile_s,
+            "compiled_graphs": compiled.graphs,
+            "autotune_s": compiled.autotune_s,
+            "optimizer_kernel_compile_s": compiled.optimizer_kernel_s,
             "memory_cap_gib": cap_gib,
         }, shapes, dtype, device
     finally:
@@ -298,12 +305,16 @@ def main() -> int:
     if args.emulate_gpus:
         print(f"memory capped per process to {results[0]['memory_cap_gib']:.1f} GiB: one of {args.emulate_gpus} "
               f"GPUs of {args.gpu_memory_gib} GiB running this job")
-    print(f"{'precision':<13} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} {'vs ' + results[0]['precision']:>8}")
+    print(f"{'precision':<13} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} "
+          f"{'vs ' + results[0]['precision']:>8} {'step 1 s':>8} {'compile s':>9}")
     for r in results:
         r["speedup"] = r["tokens_per_s_per_gpu"] / base
         r["label"], r["overrides"] = args.label, overrides
         print(f"{r['precision']:<13} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
-              f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x")
+              f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x "
+              f"{r['first_step_s']:8.1f} {r['compile_s']:9.1f}")
+    print("step 1 s: the first step, compilation included; compile s: torch.compile's graphs, inductor's autotuning "
+          "and the AdamW kernel during the warm-up (a warm TORCHINDUCTOR_CACHE_DIR and Triton cache make them shorter)")
     for r in results:
         print(f"{r['precision']:<13} optimizer step ({r['master_dtype']} master weights): {r['optimizer_ms']:.1f} ms, "
               f"{r['optimizer_gbps']:.0f} GB/s; torch AdamW(fused) on plain tensors + a norm read: "

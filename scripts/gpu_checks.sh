@@ -4,7 +4,8 @@
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
 #       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
-#   bash scripts/gpu_checks.sh optim8b    (fp8, fp32 master weights: optimizer.implementation fused vs compiled)
+#   bash scripts/gpu_checks.sh optim8b    (fp8, fp32 master weights: optimizer.implementation fused vs triton)
+#   bash scripts/gpu_checks.sh coldstart  (time to step 1 with cold and warm compile caches; COLD_LAYERS=32 for the whole 8B)
 #   bash scripts/gpu_checks.sh blockwise_tests blockwise_bench  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
@@ -39,8 +40,27 @@ for s in $STEPS; do case $s in
     CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $B --label "8B shapes, 8 layers, batch 4, seq 4096, bf16 / fp8 tensorwise / fp8 blockwise${ARGS_8B:+, $ARGS_8B}" \
       --precisions bf16,fp8:tensorwise,fp8:blockwise --warmup 6 --steps 10 --profile-dir /tmp/prof8b_blockwise $BENCH_8B 2>&1 \
       | tee "$OUT/bench8b_blockwise.log" | grep -v "^\[rank" ;;
-  optim8b)  # fp8, fp32 master weights: torch's fused AdamW kernel (optimizer.implementation=fused) vs the compiled one
-    for impl in fused compiled; do
+  coldstart)  # 8B shapes x 8 layers, batch 4 x 4096, the defaults: time from "training steps" to the end of step 1
+    # with cold inductor and Triton caches, fp8 / bf16 x bf16 (default) / fp32 master weights, then the fp8 default
+    # again on its warm caches; each line: step 1's time and its compile line, then the steps' TFLOP/s.
+    # COLD_RUNS: other "precision master_dtype" pairs; COLD_ARGS: more overrides (COLD_LAYERS=32: the whole 8B);
+    # COLD_PY: the interpreter command (a wrapper that prints dynamo's compile-time table, say).
+    CS="--config configs/train/llama3_8b.toml $SHAPE_8B --model.n_layers=${COLD_LAYERS:-8} --train.steps=${COLD_STEPS:-30}
+        --metrics.log_freq=10 --metrics.enable_tensorboard=false ${COLD_ARGS:-}"
+    IFS=, read -ra runs <<< "${COLD_RUNS:-fp8 auto,bf16 auto,fp8 fp32,bf16 fp32,fp8 auto warm}"
+    for run in "${runs[@]}"; do set -- $run; p=$1; m=$2; cache=/tmp/coldstart_${p}_$m; layers=${COLD_LAYERS:-8}
+      tag="$p master=$m ${3:-cold}, $layers layers"; log="$OUT/coldstart_${p}_${m}_${layers}l${3:+_$3}.log"
+      [ "${3:-}" = warm ] || rm -rf "$cache"
+      start=$(date +%s.%N)
+      TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton ${COLD_PY:-python3} scripts/train.py $CS \
+        --train.mixed_precision=$p --distributed.master_dtype=$m --job.dump_folder=/tmp/coldstart_run > "$log" 2>&1
+      rc=$?; end=$(date +%s.%N)
+      grep -E "step +(1|10|20|30)/|compiling|Error" "$log" | cut -c1-220 | sed "s/^/[coldstart $tag] /" | tee -a "$OUT/coldstart.log"
+      echo "[coldstart $tag] exit $rc, process wall $(python3 -c "print(round($end - $start, 1))") s" | tee -a "$OUT/coldstart.log"
+      rm -rf /tmp/coldstart_run
+    done ;;
+  optim8b)  # fp8, fp32 master weights: torch's fused AdamW kernel (optimizer.implementation=fused) vs our Triton one
+    for impl in fused triton; do
       $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8, fp32 master, optimizer $impl" --precisions fp8 --warmup 6 --steps 10 \
         ${BENCH_8B} --distributed.master_dtype=fp32 --optimizer.implementation=$impl 2>&1 | tee "$OUT/bench8b_optim_$impl.log" | grep -v "^\[rank"
     done ;;
@@ -214,4 +234,5 @@ for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -
 [ -f "$OUT/moe_fp8_tests.log" ] && tail -1 "$OUT/moe_fp8_tests.log"
 [ -f "$OUT/moe_fp8_micro.log" ] && cat "$OUT/moe_fp8_micro.log"
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
+[ -f "$OUT/coldstart.log" ] && cat "$OUT/coldstart.log"
 exit 0

@@ -2,10 +2,13 @@
 
 `adamw_update` is one step of AdamW (decoupled weight decay, bias correction) in the caller's precision; the fp32
 optimizer adds the returned delta to its weights, BF16AdamW rounds weights and moments to bf16 (trainer/bf16_adamw.py).
-`plain_tensor` is the one rule for reaching the tensor under torchao's fp8 all-gather wrapper and a DTensor.
+`plain_tensor` is the one rule for reaching the tensor under torchao's fp8 all-gather wrapper and a DTensor;
+`Layout` where a local tensor sits in its global one (BF16AdamW's random bits are keyed by the global index).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -49,3 +52,31 @@ def plain_tensor(t: torch.Tensor, *, local: bool = False) -> torch.Tensor:
     if inner is t._local_tensor:
         return t
     return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a local tensor's elements sit in its global tensor: what the rounding's random bits are keyed by."""
+
+    offsets: tuple[int, ...]
+    """The local block's offset in the global tensor, per dim."""
+    global_shape: tuple[int, ...]
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """The global tensor's contiguous strides."""
+        strides = [1] * len(self.global_shape)
+        for d in range(len(strides) - 2, -1, -1):
+            strides[d] = strides[d + 1] * self.global_shape[d + 1]
+        return tuple(strides)
+
+    @classmethod
+    def of(cls, p: torch.Tensor) -> Layout:
+        """p's layout: a DTensor's local block, or all of a plain tensor."""
+        shape = tuple(p.shape)
+        if not isinstance(p, DTensor):
+            return cls((0,) * len(shape), shape)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
+        return cls(tuple(offsets), shape)

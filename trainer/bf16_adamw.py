@@ -37,9 +37,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from trainer.adamw import adamw_update, plain_tensor
+from trainer.adamw import Layout, adamw_update, plain_tensor
 
 _local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
 
@@ -153,50 +152,6 @@ def _update(
     p.copy_(p_new.to(torch.bfloat16))  # exact: p_new is a bf16 value
 
 
-def _update_many(
-    ps: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-    comps: list[torch.Tensor] | None, offsets: list[torch.Tensor], strides: list[torch.Tensor], keys: list[torch.Tensor],
-    lr: torch.Tensor, bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor,
-    grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
-    *, beta1: float, beta2: float, eps: float, weight_decay: float,
-) -> None:
-    """`_update` of each tensor of a list: compiled, one graph (one call from Python) for the whole list."""
-    for i, p in enumerate(ps):
-        _update(p, grads[i], exp_avgs[i], exp_avg_sqs[i], None if comps is None else comps[i], offsets[i], strides[i],
-                keys[i], lr, bias_correction1, bias_correction2_sqrt, grad_scale, found_inf,
-                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-
-
-# At most this many tensors per compiled call. Tensors of one shape share a call, so a model's repeated
-# layers reuse a handful of compiled graphs; the cap bounds one graph's size and its compile time: inductor
-# fuses the updates of one call into one kernel (they share their scalar inputs), and BF16AdamW's update,
-# with its integer hashing, compiles slowly when 16 of them are fused (minutes on the GPU machine).
-MAX_TENSORS_PER_CALL = 16
-BF16_TENSORS_PER_CALL = 4
-
-_compiled_many = None
-
-
-def compiled_update_many():
-    """`_update_many` under torch.compile (built once per process).
-
-    emulate_precision_casts: an fp32 -> bf16 -> fp32 round trip must round, as in eager."""
-    global _compiled_many
-    if _compiled_many is None:
-        _compiled_many = torch.compile(_update_many, fullgraph=True, dynamic=False,
-                                       options={"emulate_precision_casts": True})
-    return _compiled_many
-
-
-def batches(keys: list[tuple], limit: int) -> list[list[int]]:
-    """Indices of `keys` grouped by equal key (first-seen order, model order within a group), each group cut
-    into runs of at most `limit`: the tensors one fused call updates together."""
-    groups: dict[tuple, list[int]] = {}
-    for i, key in enumerate(keys):
-        groups.setdefault(key, []).append(i)
-    return [idx[j:j + limit] for idx in groups.values() for j in range(0, len(idx), limit)]
-
-
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected) for bf16 parameters, without losing small updates.
 
@@ -205,53 +160,39 @@ class BF16AdamW(torch.optim.Optimizer):
     leaving weights and state unchanged) before `step()`. The step counter (state "step",
     a CPU tensor) counts calls, skipped ones included; it seeds the rounding, so it does
     not wait on the device.
+
+    triton=True: every tensor of a device and step in one launch of the Triton kernel (trainer/adamw_kernel.py;
+    the trainer's choice on a GPU); False: `_update` per tensor, eagerly (a CPU).
     """
 
     def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 update: BF16Update, seed: int, compile: bool = False, names: Sequence[str] | None = None):
+                 update: BF16Update, seed: int, triton: bool = False, names: Sequence[str] | None = None):
         """names: each parameter's fqn, in the order of `params` (the trainer passes the model's fqns without
         compile/AC wrapper names); it keys the rounding's random bits. None: the position ("0", "1", ...)."""
         assert update in ("stochastic", "kahan"), update
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.update, self.seed, self.compile = update, seed, compile
+        self.update, self.seed, self.triton = update, seed, triton
         flat = [p for group in self.param_groups for p in group["params"]]
         names = list(names) if names is not None else [str(i) for i in range(len(flat))]
         assert len(names) == len(flat), (len(names), len(flat))
         self._keys = {p: param_key(name) for p, name in zip(flat, names)}
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None
+        self._layouts: dict[torch.Tensor, Layout] = {}
         self._index_meta: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _layout(self, p: torch.Tensor) -> Layout:
+        if p not in self._layouts:
+            self._layouts[p] = Layout.of(p)
+        return self._layouts[p]
+
     def _meta(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(global offset of the local block per dim, global contiguous strides), on p's device; cached."""
+        """p's layout as the eager update takes it: (offsets, strides) int64 tensors on p's device; cached."""
         if p not in self._index_meta:
-            shape = tuple(p.shape)
-            offsets = [0] * len(shape)
-            if isinstance(p, DTensor):
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-                _, offsets = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
-            strides = [1] * len(shape)
-            for d in range(len(shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * shape[d + 1]
-            dev = _local(p).device
-            self._index_meta[p] = (torch.tensor(list(offsets), dtype=torch.int64, device=dev),
-                                   torch.tensor(strides, dtype=torch.int64, device=dev))
+            layout, dev = self._layout(p), _local(p).device
+            self._index_meta[p] = (torch.tensor(list(layout.offsets), dtype=torch.int64, device=dev),
+                                   torch.tensor(list(layout.strides), dtype=torch.int64, device=dev))
         return self._index_meta[p]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        assert closure is None, "BF16AdamW takes no closure"
-        # Compiled: the tensors of one shape (and step) go through one compiled call, up to
-        # BF16_TENSORS_PER_CALL at a time: launching one compiled call per tensor from Python left the
-        # GPU waiting on the host (docs/benchmarks.md, the optimizer step). Each distinct batch of
-        # shapes compiles once: lift dynamo's recompile limit as torchao's optimizers do.
-        if not self.compile:
-            self._step(_update_many)
-            return None
-        with torch._dynamo.utils.disable_cache_limit():
-            self._step(compiled_update_many())
-        return None
 
     def _state(self, p: torch.Tensor) -> dict:
         assert p.dtype == torch.bfloat16, f"BF16AdamW needs bf16 parameters, got {p.dtype}"
@@ -265,26 +206,44 @@ class BF16AdamW(torch.optim.Optimizer):
         state["step"] += 1
         return state
 
-    def _step(self, fn) -> None:
-        kahan = self.update == "kahan"
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "BF16AdamW takes no closure"
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr = torch.tensor(float(group["lr"]))
             params = [p for p in group["params"] if p.grad is not None]
             steps = [int(self._state(p)["step"].item()) for p in params]  # CPU tensors: no device sync
-            local = [_local(p) for p in params]
-            for idx in batches([(t.device, tuple(t.shape), s) for t, s in zip(local, steps)], BF16_TENSORS_PER_CALL):
-                step = steps[idx[0]]
-                states = [self.state[params[i]] for i in idx]
-                metas = [self._meta(params[i]) for i in idx]
-                # Scalars as 0-dim CPU tensors: one compiled graph per batch of shapes, not per value.
-                fn(
-                    [local[i] for i in idx], [_local(params[i].grad) for i in idx],
-                    [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-                    [_local(s["kahan_comp"]) for s in states] if kahan else None,
-                    [m[0] for m in metas], [m[1] for m in metas],
-                    [torch.tensor(step_key(self.seed, self._keys[params[i]], step), dtype=torch.int64) for i in idx],
+            (self._triton_step if self.triton else self._eager_step)(group, params, steps)
+        return None
+
+    def _eager_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, kahan = torch.tensor(float(group["lr"])), self.update == "kahan"
+        for p, step in zip(params, steps):
+            state, (offsets, strides) = self.state[p], self._meta(p)
+            _update(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                    _local(state["kahan_comp"]) if kahan else None, offsets, strides,
+                    torch.tensor(step_key(self.seed, self._keys[p], step), dtype=torch.int64),
                     lr, torch.tensor(1 - beta1**step), torch.tensor((1 - beta2**step) ** 0.5),
                     self.grad_scale, self.found_inf,
-                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                )
+                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _triton_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
+        from trainer import adamw_kernel
+
+        beta1, beta2 = group["betas"]
+        kahan = self.update == "kahan"
+        launches: dict[tuple, list[int]] = {}  # one launch per device, gradient dtype and step (normally one)
+        for i, p in enumerate(params):
+            launches.setdefault((_local(p).device, _local(p.grad).dtype, steps[i]), []).append(i)
+        for (device, _, step), idx in launches.items():
+            ps = [params[i] for i in idx]
+            states = [self.state[p] for p in ps]
+            adamw_kernel.adamw_step(
+                [_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
+                [_local(s["exp_avg_sq"]) for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"],
+                grad_scale=None if self.grad_scale is None else self.grad_scale.to(device),
+                found_inf=None if self.found_inf is None else self.found_inf.to(device), step=step,
+                rounding=adamw_kernel.ROUND_KAHAN if kahan else adamw_kernel.ROUND_STOCHASTIC,
+                comps=[_local(s["kahan_comp"]) for s in states] if kahan else None,
+                layouts=[self._layout(p) for p in ps], keys=[step_key(self.seed, self._keys[p], step) for p in ps])

@@ -9,8 +9,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from trainer.adamw import adamw_update, plain_tensor
-from trainer.bf16_adamw import MAX_TENSORS_PER_CALL, BF16AdamW, batches
+from trainer.adamw import plain_tensor
+from trainer.bf16_adamw import BF16AdamW
 
 _local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
 
@@ -42,115 +42,64 @@ class LocalFusedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        assert closure is None, "LocalFusedAdamW takes no closure"
+        assert closure is None, f"{type(self).__name__} takes no closure"
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             lists: dict[tuple, tuple[list, list, list, list, list]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self._init_state(p)
-                local = _local(p)
-                entry = lists.setdefault((local.device, local.dtype), ([], [], [], [], []))
-                for out, t in zip(entry, (local, _local(p.grad), _local(state["exp_avg"]),
-                                          _local(state["exp_avg_sq"]), state["step"])):
+                local, grad = _local(p), _local(p.grad)
+                entry = lists.setdefault((local.device, local.dtype, grad.dtype), ([], [], [], [], []))
+                for out, t in zip(entry, (local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                                          state["step"])):
                     out.append(t)
-            for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
+            for (device, _, _), tensors in lists.items():
                 scale = None if self.grad_scale is None else self.grad_scale.to(device)
                 inf = None if self.found_inf is None else self.found_inf.to(device)
+                steps = tensors[-1]
                 torch._foreach_add_(steps, 1)
-                torch._fused_adamw_(
-                    params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
-                    beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                    grad_scale=scale, found_inf=inf,
-                )
+                self._update(group, *tensors, grad_scale=scale, found_inf=inf)
                 if inf is not None:  # a skipped step does not count (as in torch's fused AdamW)
                     torch._foreach_sub_(steps, [inf] * len(steps))
         return None
 
-
-def _adamw_many(
-    ps: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor], lr: torch.Tensor, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
-    *, beta1: float, beta2: float, eps: float, weight_decay: float,
-) -> None:
-    """torch's AdamW update (decoupled weight decay, bias correction) of each tensor of a list, in place, with the
-    fused protocol: gradients divided by `grad_scale`; a nonzero `found_inf` leaves every tensor and step as it was."""
-    for i, p in enumerate(ps):
-        g = grads[i] if grad_scale is None else grads[i] / grad_scale
-        step = steps[i] + 1
-        m, v, delta = adamw_update(
-            p, g, exp_avgs[i], exp_avg_sqs[i], lr=lr, bias_correction1=1 - torch.pow(beta1, step),
-            bias_correction2_sqrt=(1 - torch.pow(beta2, step)).sqrt(), beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay)
-        new = p + delta
-        if found_inf is not None:
-            keep = found_inf == 0
-            m, v, new = torch.where(keep, m, exp_avgs[i]), torch.where(keep, v, exp_avg_sqs[i]), torch.where(keep, new, p)
-            step = step - (found_inf != 0).to(step.dtype)
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
-        p.copy_(new)
-        steps[i].copy_(step)
-
-
-_compiled_adamw_many = None
-
-
-class CompiledAdamW(LocalFusedAdamW):
-    """AdamW over the local shards as torch.compile'd kernels: the tensors of one shape go through one compiled
-    call (at most MAX_TENSORS_PER_CALL at a time; inductor fuses their updates into one kernel).
-
-    The same state and protocol as LocalFusedAdamW (so checkpoints of either load into the other); the same
-    arithmetic as torch's AdamW up to fp32 rounding order. An alternative to torch's fused kernel where inductor's
-    kernels move the bytes faster (docs/benchmarks.md, the optimizer step). compile=False runs the same function
-    eagerly (tests).
-    """
-
-    def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 compile: bool = True):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.compile = compile
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        assert closure is None, "CompiledAdamW takes no closure"
-        global _compiled_adamw_many
-        fn = _adamw_many
-        if self.compile:
-            if _compiled_adamw_many is None:
-                _compiled_adamw_many = torch.compile(_adamw_many, fullgraph=True, dynamic=False)
-            fn = _compiled_adamw_many
-        with torch._dynamo.utils.disable_cache_limit():
-            for group in self.param_groups:
-                self._group_step(group, fn)
-        return None
-
-    def _group_step(self, group: dict, fn) -> None:
+    def _update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> None:
+        """One device's tensors of one dtype, their steps already counting this one."""
         beta1, beta2 = group["betas"]
-        params = [p for p in group["params"] if p.grad is not None]
-        for p in params:
-            self._init_state(p)
-        local = [_local(p) for p in params]
-        lr = torch.tensor(float(group["lr"]))  # a 0-dim CPU tensor: one compiled graph for every lr
-        for idx in batches([(t.device, t.dtype, tuple(t.shape)) for t in local], MAX_TENSORS_PER_CALL):
-            device = local[idx[0]].device
-            states = [self.state[params[i]] for i in idx]
-            fn([local[i] for i in idx], [_local(params[i].grad) for i in idx],
-               [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-               [s["step"] for s in states], lr,
-               None if self.grad_scale is None else self.grad_scale.to(device),
-               None if self.found_inf is None else self.found_inf.to(device),
-               beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        torch._fused_adamw_(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+            beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            grad_scale=grad_scale, found_inf=found_inf,
+        )
 
 
-def resolve_implementation(implementation: str, *, compile_model: bool, device_type: str) -> str:
-    """optimizer.implementation='auto': the compiled AdamW where the model is compiled on a GPU (0.92x torch's fused
-    kernel's time there against 1.18x for "fused": docs/benchmarks.md, the optimizer step), torch's fused kernel over
-    the local shards otherwise (no compile where the model is not compiled; CPU compiles are slow)."""
+class TritonAdamW(LocalFusedAdamW):
+    """LocalFusedAdamW's update, state and protocol as one launch of our Triton kernel per device and dtype
+    (trainer/adamw_kernel.py): torch's AdamW up to fp32 rounding order, faster than torch's fused kernel on FSDP2's
+    shards (docs/benchmarks.md, the optimizer step) and compiled once for every shape. Checkpoints of either load
+    into the other."""
+
+    def _update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, grad_scale: torch.Tensor | None,
+                found_inf: torch.Tensor | None) -> None:
+        from trainer import adamw_kernel
+
+        beta1, beta2 = group["betas"]
+        adamw_kernel.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_scale,
+                                found_inf=found_inf, steps=steps)
+
+
+def resolve_implementation(implementation: str, *, device_type: str) -> str:
+    """optimizer.implementation='auto': our Triton kernel on a GPU (0.92x the time of torch's fused kernel on plain
+    tensors, where torch's kernel on FSDP2's shards takes 1.18x: docs/benchmarks.md, the optimizer step), torch's
+    fused kernel over the local shards on a CPU (no Triton there)."""
     if implementation != "auto":
         return implementation
-    return "compiled" if compile_model and device_type == "cuda" else "fused"
+    return "triton" if device_type == "cuda" else "fused"
 
 
 def build_optimizer(
@@ -160,28 +109,28 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    implementation: Literal["fused", "compiled", "torch_fused", "foreach"],
+    implementation: Literal["fused", "triton", "torch_fused", "foreach"],
     bf16_update: Literal["stochastic", "kahan", "nearest"] | None = None,
     seed: int = 0,
-    compile: bool = False,
+    triton: bool = False,
 ) -> torch.optim.Optimizer:
-    """AdamW: "fused" runs torch's fused kernel over the local shards (LocalFusedAdamW), "compiled" the same
-    update as compiled kernels (CompiledAdamW), "torch_fused" is
+    """AdamW: "fused" runs torch's fused kernel over the local shards (LocalFusedAdamW), "triton" the same
+    update as our Triton kernel (TritonAdamW), "torch_fused" is
     torch.optim.AdamW(fused=True) on the (DTensor) parameters, "foreach" torch's foreach AdamW; with bf16
     master weights (`bf16_update` not None) and a safe rounding, BF16AdamW.
 
     bf16_update='nearest' is torch AdamW on the bf16 weights (updates below half an ulp
-    are lost). `seed` and `compile` apply to BF16AdamW only (its rounding's random bits;
-    torch.compile its per-tensor step).
+    are lost). `seed` and `triton` apply to BF16AdamW only (its rounding's random bits;
+    its update as the Triton kernel, not eagerly).
     """
     if bf16_update in ("stochastic", "kahan"):
         from trainer.models.layers import clean_fqn
 
         named = list(model.named_parameters())
         return BF16AdamW([p for _, p in named], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         update=bf16_update, seed=seed, compile=compile, names=[clean_fqn(n) for n, _ in named])
-    if implementation == "compiled":
-        return CompiledAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                         update=bf16_update, seed=seed, triton=triton, names=[clean_fqn(n) for n, _ in named])
+    if implementation == "triton":
+        return TritonAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if implementation == "fused":
         return LocalFusedAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return torch.optim.AdamW(

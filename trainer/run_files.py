@@ -75,7 +75,9 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
     if fsdp.master_dtype == torch.bfloat16:
         master += {"stochastic": " (stochastic rounding)", "kahan": " (Kahan-compensated updates)",
                    "nearest": " (round-to-nearest updates)"}[bf16_update]
-    parts += [master, f"gradients reduced in {str(fsdp.reduce_dtype).removeprefix('torch.')}"]
+    grads = str(fsdp.reduce_dtype).removeprefix('torch.')
+    parts += [master, f"gradients reduced in {grads}" if fsdp.reduces else f"gradients in {grads} (one rank, one "
+              "microbatch: nothing to sum)"]
     return "precision: " + "; ".join(parts)
 
 

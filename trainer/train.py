@@ -35,6 +35,7 @@ from trainer.models import family_of, flops_per_token
 from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
 from trainer.parallel.builder import build_model_part
+from trainer.parallel.compile import CompileTimes
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute, Fp8ExpertWeightsRefresh, Fp8HealthHook
 from trainer.parallel.pipeline import Pipeline
@@ -137,7 +138,7 @@ class Trainer:
         o, s = job.optimizer, job.scheduler
         optimizer = build_optimizer(
             self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation, seed=job.run.seed, compile=o.compile, bf16_update=o.bf16_update,
+            implementation=o.implementation, seed=job.run.seed, triton=o.triton, bf16_update=o.bf16_update,
         )
         scheduler = build_lr_scheduler(
             optimizer, warmup_steps=s.warmup_steps, total_steps=job.run.steps, decay_type=s.decay_type,
@@ -330,7 +331,7 @@ class Trainer:
         logger.info("training steps %d-%d, %s tokens per step; the first step includes %swarm-up", first_step,
                     stop_step, f"{round(local_tokens * self.env.world_size):,}",
                     "compilation and " if t.compile_model else "")
-        stopping = False
+        stopping, compiled_before = False, CompileTimes.now()
         while self.state.step < stop_step and not stopping:
             lr = self.scheduler.get_last_lr()[0]
             result = self.train_step(self.data_loader.next_batch())
@@ -344,6 +345,10 @@ class Trainer:
             if (step == first_step or step % self.job.metrics.log_freq == 0 or step in (t.steps, stop_step)
                     or any(hook.log_due(step) for hook in self.hooks)):
                 self._log(step, result, lr=lr, interval=interval, first_step=first_step)
+                compiled = CompileTimes.now().since(compiled_before) if step == first_step else None
+                if compiled is not None and (compiled.graphs or compiled.seconds):  # what a config change costs
+                    logger.info("step %d done %.1f s after training started; %s", step,
+                                time.perf_counter() - interval.start, compiled.describe())
                 interval = _Interval()
             stopping = self._agree_to_stop()
             # A stop at the last step is a completed run, not a preemption.

@@ -20,8 +20,7 @@ LIBRARY_NOISE = ("Detected that context_fn is passed", "checkpointed region does
 @pytest.mark.slow  # starts 2 processes
 def test_selective_ac_compile_fp8_prints_no_library_noise(tmp_path: Path) -> None:
     # The console of a torchrun launch is what is tested (every rank's output, as a user sees it): the CLI stays.
-    # fp32 master weights: bf16 ones would compile BF16AdamW, minutes on a CPU with a cold cache (over the
-    # 300 s limit; it passed only after test_chunked_loss_fsdp.py had compiled the same graphs).
+    # fp32 master weights (bf16 ones: tests/cli/test_bf16_master.py).
     proc = launch([*ARGS, "--train.steps=2", "--train.seq_len=32", "--distributed.dp_shard=2",
                    "--train.activation_checkpointing=selective", "--train.compile_model=true",
                    "--distributed.master_dtype=fp32", f"--job.dump_folder={tmp_path}"], nproc=2)

@@ -32,10 +32,8 @@ def test_fsdp_fp8_compiled_chunked_loss_tracks_plain(tmp_path: Path) -> None:
     # and logit gradients, so the runs agree to fp8 rounding, not bit for bit: the first loss (same
     # weights) closely, later ones as far apart as fp8 runs drift (tests/distributed/test_float8_fsdp.py).
     # Two even chunks of 64 (one compiled chunk graph): a shorter last chunk is covered by the fp32 test
-    # above, and compiled by tests/unit/test_chunked_loss.py. fp32 master weights: with fp8's default bf16
-    # ones the optimizer is the compiled BF16AdamW, 7 graphs of 23 tensor updates for these shards at
-    # 25-35 s of CPU compile per update (a cold run's first step: 603 s, 23 s without it), none of it the
-    # chunked loss; tests/unit/test_bf16_master.py compiles BF16AdamW.
+    # above, and compiled by tests/unit/test_chunked_loss.py. fp32 master weights (bf16 ones:
+    # tests/cli/test_bf16_master.py).
     args = [*ARGS, "--train.mixed_precision=fp8", "--train.compile_model=true", "--distributed.master_dtype=fp32"]
     plain = _two_ranks(args, tmp_path / "plain")
     chunked = _two_ranks([*args, "--train.loss_chunk_tokens=64"], tmp_path / "chunked")

@@ -1,10 +1,10 @@
 """trainer/optim.py: the fused AdamW over local shards equals torch's fused AdamW (skip and loss-scale protocol
-included), the compiled AdamW, which optimizer a config builds, the learning-rate schedule and the groups' line.
-(BF16AdamW, trainer/bf16_adamw.py: tests/unit/test_bf16_master.py.)"""
+included), which optimizer a config builds, the learning-rate schedule and the groups' line.
+(BF16AdamW, trainer/bf16_adamw.py: tests/unit/test_bf16_master.py; the Triton kernel of TritonAdamW and BF16AdamW:
+tests/unit/test_adamw_kernel.py.)"""
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
@@ -13,7 +13,7 @@ from torch import nn
 
 from trainer.bf16_adamw import BF16AdamW
 from trainer.optim import (
-    CompiledAdamW, LocalFusedAdamW, build_lr_scheduler, build_optimizer, describe_param_groups, lr_lambda,
+    LocalFusedAdamW, TritonAdamW, build_lr_scheduler, build_optimizer, describe_param_groups, lr_lambda,
 )
 
 
@@ -39,83 +39,24 @@ def test_local_fused_adamw_equals_torch_fused_adamw_bit_for_bit() -> None:
     assert a.state_dict()["state"][0].keys() == b.state_dict()["state"][0].keys()
 
 
-def _train_pair(ours_cls, ref_cls, dtype=torch.float32, **ours_kw):
-    torch.manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(7, 5, dtype=dtype)), torch.nn.Parameter(torch.randn(3, dtype=dtype)),
-            torch.nn.Parameter(torch.randn(7, 5, dtype=dtype))]
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    a, b = ours_cls(ours, **kw, **ours_kw), ref_cls(ref, **kw)
-    for i in range(5):
-        for p, q in zip(ours, ref):
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-        for opt in (a, b):
-            opt.grad_scale = torch.tensor(2.0)
-            opt.found_inf = torch.tensor(1.0 if i == 2 else 0.0)  # step 3 skipped
-            opt.param_groups[0]["lr"] = 1e-2 * (i + 1)  # a new lr each step (a new value, not a new graph)
-        a.step()
-        b.step()
-    return a, b, ours, ref
-
-
-def test_compiled_adamw_function_equals_torch_fused_adamw() -> None:
-    """CompiledAdamW's update, run eagerly: torch's AdamW to fp32 rounding, the skip and loss-scale protocol and the
-    state (so checkpoints of either load into the other) included."""
-    a, b, ours, ref = _train_pair(CompiledAdamW, LocalFusedAdamW, compile=False)
-    for p, q in zip(ours, ref):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-    for p, q in zip(ours, ref):
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(a.state[p][key], b.state[q][key], rtol=1e-6, atol=1e-9)
-    assert a.state[ours[0]]["step"].item() == b.state[ref[0]]["step"].item() == 4
-    assert a.state_dict()["state"][0].keys() == b.state_dict()["state"][0].keys()
-
-
-@pytest.mark.slow
-def test_compiled_adamw_compiled_equals_its_eager_function(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    compiled = _train_pair(CompiledAdamW, lambda p, **kw: CompiledAdamW(p, **kw, compile=False))
-    for p, q in zip(compiled[2], compiled[3]):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-    assert compiled[0].state[compiled[2][0]]["step"].item() == 4
-
-
-def test_auto_implementation_is_compiled_only_for_a_compiled_model_on_a_gpu() -> None:
+def test_auto_implementation_is_the_triton_kernel_on_a_gpu_and_torchs_fused_kernel_on_a_cpu() -> None:
     from trainer.optim import resolve_implementation
 
-    assert resolve_implementation("auto", compile_model=True, device_type="cuda") == "compiled"
-    assert resolve_implementation("auto", compile_model=False, device_type="cuda") == "fused"
-    assert resolve_implementation("auto", compile_model=True, device_type="cpu") == "fused"
-    assert resolve_implementation("torch_fused", compile_model=True, device_type="cuda") == "torch_fused"
+    assert resolve_implementation("auto", device_type="cuda") == "triton"
+    assert resolve_implementation("auto", device_type="cpu") == "fused"
+    assert resolve_implementation("torch_fused", device_type="cuda") == "torch_fused"
 
 
-def test_lr_schedule_shapes() -> None:
-    common = dict(warmup_steps=4, total_steps=20, min_lr_ratio=0.1, wsd_decay_ratio=0.25)
-    cos = [lr_lambda(s, decay_type="cosine", **common) for s in range(20)]
-    assert cos[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert cos[4] == 1.0 and cos[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
-    assert all(a >= b for a, b in zip(cos[4:], cos[5:]))
-    lin = [lr_lambda(s, decay_type="linear", **common) for s in range(21)]
-    assert lin[20] == pytest.approx(0.1) and lin[12] == pytest.approx(1 - 0.9 * 0.5)
-    wsd = [lr_lambda(s, decay_type="wsd", **common) for s in range(21)]
-    assert wsd[4:15] == [1.0] * 11 and wsd[20] == pytest.approx(0.1) and 0.1 < wsd[17] < 1.0
-    assert lr_lambda(100, decay_type="constant", **common) == 1.0
+def test_triton_on_a_cpu_is_a_config_error_naming_the_key() -> None:
+    from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+    from trainer.validate.options import resolve_options
 
-
-def test_the_scheduler_moves_the_lr_by_lr_lambda_and_saves_its_schedule() -> None:
-    schedule = dict(warmup_steps=2, total_steps=6, decay_type="linear", min_lr_ratio=0.5, wsd_decay_ratio=0.0)
-    param = nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.SGD([param], lr=0.4)
-    scheduler = build_lr_scheduler(optimizer, **schedule)
-    lrs = []
-    for _ in range(7):
-        lrs.append(scheduler.get_last_lr()[0])
-        optimizer.step()
-        scheduler.step()
-    # Warmup 0.2, 0.4; then linear from 0.4 down to 0.5 x 0.4 over the 4 steps to total_steps, held after.
-    assert lrs == pytest.approx([0.2, 0.4, 0.4, 0.35, 0.3, 0.25, 0.2])
-    assert scheduler.state_dict()["schedule"] == schedule  # a resume can say what changed
+    cfg = load_job_config(["--config", "configs/train/debug_model.toml", "--optimizer.implementation=triton"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the Triton kernel runs")
+    with pytest.raises(ConfigError, match=r"^optimizer.implementation='triton' runs a GPU kernel"):
+        resolve_options(cfg, bf16_master=False)
 
 
 def _two_layers() -> nn.Module:
@@ -124,7 +65,7 @@ def _two_layers() -> nn.Module:
 
 @pytest.mark.parametrize("implementation, bf16_update, cls, fused, foreach", [
     ("fused", None, LocalFusedAdamW, True, None),
-    ("compiled", None, CompiledAdamW, True, None),
+    ("triton", None, TritonAdamW, True, None),
     ("torch_fused", None, torch.optim.AdamW, True, False),
     ("foreach", None, torch.optim.AdamW, False, True),
     ("fused", "nearest", LocalFusedAdamW, True, None),  # nearest: plain AdamW on the bf16 weights

@@ -1,4 +1,4 @@
-"""The Trainer built in-process: a compiled CPU run compiles the model, never the optimizer. The end-to-end runs of
+"""The Trainer built in-process: a compiled CPU run compiles the model; the optimizer runs eagerly there. The end-to-end runs of
 the debug config (the trainer as a command): tests/cli/test_train.py."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from trainer.train import build_trainer
 
 
 def test_a_compiled_cpu_run_updates_bf16_master_weights_eagerly(tmp_path: Path) -> None:
-    """On a CPU inductor's codegen for BF16AdamW's update had not finished the debug model's first step in 15
-    minutes (docs/fp8.md): train.compile_model compiles the model there, never the optimizer."""
+    """On a GPU BF16AdamW's update is the Triton kernel (trainer/adamw_kernel.py); a CPU has no Triton, and
+    train.compile_model compiles the model there, never the optimizer (inductor's CPU codegen of the update had not
+    finished the debug model's first step in 15 minutes)."""
     from trainer.bf16_adamw import BF16AdamW
 
     cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.steps=1", "--train.mixed_precision=fp8",
@@ -23,7 +24,7 @@ def test_a_compiled_cpu_run_updates_bf16_master_weights_eagerly(tmp_path: Path) 
                            "--metrics.enable_tensorboard=false"])
     trainer = build_trainer(cfg)
     try:
-        assert isinstance(trainer.optimizer, BF16AdamW) and trainer.optimizer.compile is False
+        assert isinstance(trainer.optimizer, BF16AdamW) and trainer.optimizer.triton is False
         assert isinstance(trainer.model.layers["0"], torch._dynamo.eval_frame.OptimizedModule)  # the blocks compile
     finally:
         trainer.close()

@@ -77,6 +77,8 @@ class TrainSection:
     """With selective AC: 0 = per-op policy that keeps matmul and attention outputs; N > 0 = full AC on every Nth block."""
     compile_model: bool = False
     """torch.compile each transformer block and the output head with its loss."""
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """The kernel of causal attention (torch's scaled_dot_product_attention). auto = on a GPU cuDNN's first, then flash, efficient and math, the first that takes the inputs (cuDNN's is 1.86x flash's at Llama 3 8B shapes on an H100, docs/benchmarks.md); on a CPU torch's choice. Another value: that kernel only (torch raises if it cannot take the inputs; cudnn and efficient need a GPU). Context parallelism keeps its own attention."""
     loss_chunk_tokens: int = 0
     """Compute the final norm, output head and cross-entropy this many tokens at a time, each chunk activation-checkpointed, so only one chunk's logits exist in forward and backward (at vocab 128256 the whole batch's fp32 logits are 8.4 GB per 16K tokens); costs one more output-head GEMM in backward. Same loss and gradients up to fp32 summation order. 0 = off (all tokens at once). Not with distributed.tp > 1 (under pp > 1 on the last stage). See docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -101,8 +103,8 @@ class OptimizerSection:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (applied to every parameter)."""
-    implementation: Literal["auto", "fused", "compiled", "torch_fused", "foreach"] = "auto"
-    """auto = compiled where train.compile_model is on and the device is a GPU, fused otherwise; fused = torch's fused AdamW kernel over every local shard at once, applying clipping and skipping non-finite steps on the device (fp32 master weights; bf16 master weights use BF16AdamW, compiled when train.compile_model is on and the device is a GPU); compiled = the same update as torch.compile'd kernels, the tensors of one shape per call (1x H100, 8B shapes, fp32 master: 0.92x the time of torch's fused kernel on plain tensors plus a norm read, against 1.18x for fused; docs/benchmarks.md); torch_fused = torch.optim.AdamW(fused=True) on the sharded parameters (the same kernel dispatched through DTensor); foreach syncs each step."""
+    implementation: Literal["auto", "fused", "triton", "torch_fused", "foreach"] = "auto"
+    """auto = triton on a GPU, fused on a CPU; triton = our AdamW kernel over every local shard of a dtype in one launch, compiled once for every shape (trainer/adamw_kernel.py; fp32 master weights; bf16 master weights use BF16AdamW, whose update is the same kernel on a GPU); fused = torch's fused AdamW kernel over every local shard at once; both apply clipping and skip non-finite steps on the device; torch_fused = torch.optim.AdamW(fused=True) on the sharded parameters (the same kernel dispatched through DTensor); foreach syncs each step. docs/benchmarks.md, the optimizer step, compares them."""
     bf16_update: Literal["stochastic", "kahan", "nearest"] = "stochastic"
     """With bf16 master weights (distributed.master_dtype, bf16 by default for bf16 and fp8 compute; ignored with fp32): how each update is rounded into the bf16 weights. stochastic = unbiased random rounding (no extra memory); kahan = round to nearest plus a bf16 compensation buffer (+2 bytes/parameter); nearest = plain AdamW, loses updates below half a bf16 ulp (~0.2% of the weight). See docs/distributed.md, Master weights."""
 

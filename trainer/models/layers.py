@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
@@ -117,6 +118,8 @@ class Attention(nn.Module):
         # (q, k, v) -> output for another layout of the sequence (context parallel sets it:
         # trainer.parallel.context_parallel); None = causal SDPA over the whole local sequence.
         self.attention_core = None
+        # SDPA's kernels in order of preference (train.attention_backend, set by the build); None = torch's choice.
+        self.sdpa_backends: list[SDPBackend] | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
@@ -128,6 +131,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.attention_core is not None:
             out = self.attention_core(q, k, v)
+        elif self.sdpa_backends is not None:
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))

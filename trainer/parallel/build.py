@@ -17,7 +17,9 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 
+from trainer.models.layers import Attention
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
@@ -54,8 +56,11 @@ class FSDPOptions:
     param_dtype: torch.dtype | None
     """Dtype weights are all-gathered and computed in; None keeps the master dtype (fp32 runs)."""
     reduce_dtype: torch.dtype
+    """Dtype gradients are reduce-scattered and accumulated in (fp32 where they are summed; else the compute dtype)."""
     master_dtype: torch.dtype
     reshard_after_forward: bool
+    reduces: bool = True
+    """Gradients are summed: over ranks (dp, cp, tp) or microbatches (accumulation, pp). False: one of each."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,8 @@ class BuildOptions:
     compile_loss: bool = False
     """Compile the final norm, output head and loss (trainer.loss.LossFn) with the blocks; not under TP, whose
     vocabulary-parallel loss runs eagerly."""
+    attention_backends: tuple[str, ...] = ()
+    """SDPA's kernels in order of preference (SDPBackend names: "CUDNN_ATTENTION", ...); () = torch's choice."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,15 @@ class BuildResult:
     """None when the run is not fp8."""
     cp: ContextParallel | None
     """This rank's chunks of every sequence (the step cuts each batch to them); None without context parallelism."""
+
+
+def apply_attention_backends(model: nn.Module, names: tuple[str, ...]) -> str:
+    """Every attention's SDPA kernels, in order of preference (train.attention_backend)."""
+    backends = [getattr(SDPBackend, name) for name in names]
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.sdpa_backends = backends
+    return f"attention: scaled_dot_product_attention with {' > '.join(n.split('_')[0].lower() for n in names)}"
 
 
 def build_parallel_model(
@@ -101,6 +117,9 @@ def build_parallel_model(
     if pd.cp > 1:
         cp = ContextParallel.of_mesh(pd.mesh("cp"))
         logger.info(apply_cp(model, cp, seq_len=o.seq_len))
+
+    elif o.attention_backends:
+        logger.info(apply_attention_backends(model, o.attention_backends))
 
     # TP next: it replaces weights by DTensors that every later stage must see.
     if pd.tp > 1:

@@ -1,6 +1,9 @@
-"""torch.compile per transformer block (the loss compiles in trainer/loss.py)."""
+"""torch.compile per transformer block (the loss compiles in trainer/loss.py), and what compiling cost."""
 
 from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,3 +24,44 @@ def apply_compile(model: nn.Module, *, context_parallel: bool) -> str:
         fullgraph = getattr(block, "moe", None) is None and not context_parallel
         model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph))
     return f"torch.compile: {len(model.layers)} blocks"
+
+
+@dataclass(frozen=True)
+class CompileTimes:
+    """What compiling has cost this process so far: torch.compile (dynamo's own totals, forward and backward
+    graphs, inductor's code generation and the Triton kernels it compiles while compiling), inductor's autotuning
+    at the kernels' first runs, and the first launch of each variant of our AdamW kernel (Triton compiling it, or
+    loading it from its cache)."""
+
+    torch_compile_s: float
+    graphs: int
+    autotune_s: float
+    """Inductor benchmarking its kernels' configurations at their first run (outside dynamo's compile total)."""
+    optimizer_kernel_s: float
+
+    @classmethod
+    def now(cls) -> CompileTimes:
+        import torch._dynamo.utils as dynamo_utils
+
+        spent = dynamo_utils.calculate_time_spent()
+        kernel = sys.modules.get("trainer.adamw_kernel")  # imported only where it runs: never on a CPU
+        return cls(torch_compile_s=spent.get("total_wall_time", 0.0),
+                   graphs=int(dynamo_utils.counters["stats"]["unique_graphs"]),
+                   autotune_s=spent.get("CachingAutotuner.benchmark_all_configs", 0.0),
+                   optimizer_kernel_s=kernel.compile_seconds if kernel is not None else 0.0)
+
+    def since(self, earlier: CompileTimes) -> CompileTimes:
+        return CompileTimes(self.torch_compile_s - earlier.torch_compile_s, self.graphs - earlier.graphs,
+                            self.autotune_s - earlier.autotune_s, self.optimizer_kernel_s - earlier.optimizer_kernel_s)
+
+    @property
+    def seconds(self) -> float:
+        return self.torch_compile_s + self.autotune_s + self.optimizer_kernel_s
+
+    def describe(self) -> str:
+        parts = [f"torch.compile {self.torch_compile_s:.1f} s, {self.graphs} graph{'s' * (self.graphs != 1)}"]
+        if self.autotune_s:
+            parts.append(f"autotuning {self.autotune_s:.1f} s")
+        if self.optimizer_kernel_s:
+            parts.append(f"AdamW kernel {self.optimizer_kernel_s:.1f} s")
+        return f"{self.seconds:.1f} s compiling ({'; '.join(parts)})"

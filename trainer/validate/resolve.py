@@ -97,6 +97,21 @@ def uses_bf16_master(cfg: JobConfig) -> bool:
     return d.master_dtype == "bf16" or (d.master_dtype == "auto" and cfg.train.mixed_precision in ("bf16", "fp8"))
 
 
+# train.attention_backend -> SDPBackend names in order of preference; "auto" on a GPU: cuDNN's kernel first (1.86x
+# flash's fwd+bwd at Llama 3 8B shapes, 1x H100: docs/benchmarks.md), then the rest in torch's order.
+_ATTENTION_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                       "math": "MATH"}
+
+
+def resolve_attention_backends(backend: str, *, cuda: bool) -> tuple[str, ...]:
+    if backend == "auto":
+        return tuple(_ATTENTION_BACKENDS.values()) if cuda else ()
+    if backend in ("cudnn", "efficient") and not cuda:
+        raise ConfigError(f"train.attention_backend={backend!r} is a GPU kernel and this machine has no GPU; use "
+                          "'auto' (torch's choice on a CPU), 'flash' or 'math'")
+    return (_ATTENTION_BACKENDS[backend],)
+
+
 def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None) -> BuildOptions:
     """What build_parallel_model takes: FP8, AC, compile and the FSDP2 policy."""
     t, d = cfg.train, cfg.distributed
@@ -114,6 +129,9 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     reshard = d.reshard_after_forward == "always" or (
         d.reshard_after_forward == "default" and pd.fsdp_shard > 1 and pd.pp == 1
     )
+    # Gradients are summed over ranks (dp, cp, tp) or over microbatches (accumulation; a pipeline's microbatches):
+    # FSDP2 sums them in reduce_dtype.
+    reduces = pd.dp * pd.cp * pd.tp > 1 or t.grad_accum_steps > 1 or pd.pp > 1
     tokens = t.batch_size * t.seq_len
     if t.loss_chunk_tokens >= tokens:
         logger.warning(
@@ -126,11 +144,16 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         ac=ACOptions(mode=t.activation_checkpointing, selective_every=t.selective_ac_every),
         compile=t.compile_model,
         fsdp=FSDPOptions(
-            param_dtype=_COMPUTE_DTYPE[t.mixed_precision], reduce_dtype=torch.float32,
+            # fp32 where gradients are summed; with nothing to sum FSDP2 would still cast them up and back down
+            # around its one-rank reduce-scatter (15 ms a step at 8B shapes x 8 layers, 1x H100: bf16 stays).
+            param_dtype=_COMPUTE_DTYPE[t.mixed_precision],
+            reduce_dtype=torch.float32 if reduces else _COMPUTE_DTYPE[t.mixed_precision] or torch.float32,
+            reduces=reduces,
             master_dtype=torch.bfloat16 if bf16_master else torch.float32,
             reshard_after_forward=reshard,
         ),
         loss_parallel=d.loss_parallel,
+        attention_backends=resolve_attention_backends(t.attention_backend, cuda=torch.cuda.is_available()),
         loss_chunk_tokens=t.loss_chunk_tokens,
         seq_len=t.seq_len,
         # The vocabulary-parallel loss (TP) runs eagerly; otherwise the head and loss compile with the blocks.
