@@ -266,8 +266,8 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def adamw_step(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     steps: list[torch.Tensor] | None = None, step: int | None = None,
     rounding: int = ROUND_NONE, comps: list[torch.Tensor] | None = None,

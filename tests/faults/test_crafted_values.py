@@ -120,7 +120,24 @@ def _index_cases(src: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
         "chunk outside": (_edit_index(_copy(src, tmp / "chunk"),
                                       lambda e: setattr(e["model.norm.weight"].chunks[0], "offsets", torch.Size([64]))),
                           meta + "has a chunk outside its size [128]"),
+        # issue 39 item 3: a gap loaded as torch.empty's memory (a norm weight of -8.9e-08, 0.0, ...), exit 0
+        "no chunks": (_edit_index(_copy(src, tmp / "nochunk"), lambda e: setattr(e["model.norm.weight"], "chunks", [])),
+                      meta + "has chunks that leave elements out (they cover 0 elements of its 128, size [128])"),
+        "overlapping chunks": (_edit_index(_copy(src, tmp / "overlap"), _overlap("model.norm.weight")),
+                               meta + "has chunks that leave elements out and overlap (they cover 128 elements of its "
+                               "128, size [128])"),
     }
+
+
+def _overlap(key: str):
+    """The entry's one chunk cut in two halves that overlap by 8 elements and leave the last 8 out."""
+    def edit(entries):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        md = entries[key]
+        md.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([64])),
+                     ChunkStorageMetadata(offsets=torch.Size([56]), sizes=torch.Size([64]))]
+    return edit
 
 
 def test_crafted_index_values_are_one_line(trained, tmp_path):
@@ -290,6 +307,10 @@ def test_crafted_values_and_symlinks_refused_on_resume(trained, tmp_path):
                 lambda e: _resize(e["optimizer.state.norm.weight.exp_avg"], [64]))
     cases["optimizer shape"] = ([*ARGS, "--train.steps=3", "--checkpoint.enable=true", f"--job.dump_folder={dump}"],
                                 "optimizer.state.norm.weight.exp_avg has shape [64] in the checkpoint but [128]")
+    dump = tmp_path / "gap"  # issue 39 item 3: resumed, the gap kept its fresh initial values
+    _edit_index(_copy(trained, dump / "checkpoint" / "step-2"), lambda e: setattr(e["model.norm.weight"], "chunks", []))
+    cases["chunk gap"] = ([*ARGS, "--train.steps=3", "--checkpoint.enable=true", f"--job.dump_folder={dump}"],
+                          "entry 'model.norm.weight' has chunks that leave elements out (they cover 0 elements")
     dump = tmp_path / "symlink"
     _link_outside(_copy(trained, dump / "checkpoint" / "step-2"), "__0_0.distcp", tmp_path / "elsewhere")
     cases["symlink"] = ([*ARGS, "--train.steps=3", "--checkpoint.enable=true", f"--job.dump_folder={dump}"],

@@ -8,20 +8,24 @@
   paths, so a crafted file cannot call anything else; then every entry must be a
   tensor stored in a `__R_I.distcp` file of the folder. DCP would `torch.load(...,
   weights_only=False)` a non-tensor entry, so a checkpoint with one is refused, and
-  `SafeReader` refuses to read one even if asked.
+  `SafeReader` refuses to read one even if asked. Every entry's chunks must tile its shape exactly: a gap would
+  load as uninitialised memory (export, load_model) or keep fresh values (resume).
 - `check_files`: size and crc32 of every data file against checkpoint.json.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import logging
+import math
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -119,7 +123,37 @@ def _entry_problem(md: TensorStorageMetadata) -> str | None:
                 chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size) or any(
                 o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, md.size)):
             return f"has a chunk outside its size {list(md.size)}"
-    return None
+    return _tiling_problem(md.chunks, tuple(md.size))
+
+
+# A tensor's chunks cut it into at most this many pieces to be checked (DCP writes one chunk per shard: a few
+# thousand at most; a crafted index could ask for a grid of billions).
+_MAX_PIECES = 1 << 24
+
+
+def _tiling_problem(chunks: list[ChunkStorageMetadata], size: tuple[int, ...]) -> str | None:
+    """What is wrong when the chunks do not cover every element of `size` exactly once (else loading would leave
+    the rest of the tensor as torch.empty's memory, or read one element from two chunks).
+
+    The chunks' boundaries cut every dim into pieces; each chunk must cover its pieces, and every piece be covered
+    once."""
+    total = math.prod(size)
+    covered = sum(math.prod(c.sizes) for c in chunks)
+    if total == 0:
+        return None if covered == 0 else f"has chunks of {covered:,} elements in a tensor of none"
+    cuts = [sorted({0, d, *(o for c in chunks for o in (c.offsets[i], c.offsets[i] + c.sizes[i]))})
+            for i, d in enumerate(size)]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_PIECES:
+        return f"has {len(chunks):,} chunks that cut it into more pieces than a DCP index of this trainer has"
+    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int64)
+    for c in chunks:
+        count[tuple(slice(bisect.bisect_left(cuts[i], o), bisect.bisect_left(cuts[i], o + n))
+                    for i, (o, n) in enumerate(zip(c.offsets, c.sizes)))] += 1
+    if (count == 1).all():
+        return None
+    what = [w for w, bad in (("leave elements out", (count == 0).any()), ("overlap", (count > 1).any())) if bad]
+    return (f"has chunks that {' and '.join(what)} (they cover {covered:,} elements of its {total:,}, size "
+            f"{list(size)})")
 
 
 class SafeReader(FileSystemReader):
