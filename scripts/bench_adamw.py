@@ -61,7 +61,8 @@ def main() -> int:
     for dtype, rounding in [(torch.bfloat16, kernel.ROUND_STOCHASTIC), (torch.bfloat16, kernel.ROUND_NONE),
                             (torch.float32, kernel.ROUND_NONE)]:
         ps = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
-        gs, ms, vs = [torch.randn_like(p) for p in ps], [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+        gs = [torch.randn_like(p) for p in ps]
+        ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
         gbytes = sum(p.numel() for p in ps) * dtype.itemsize * 7 / 1e9
         kw = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                   grad_scale=torch.tensor(1.0, device="cuda"), found_inf=torch.tensor(0.0, device="cuda"))

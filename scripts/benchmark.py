@@ -311,8 +311,8 @@ def main() -> int:
         r["speedup"] = r["tokens_per_s_per_gpu"] / base
         r["label"], r["overrides"] = args.label, overrides
         print(f"{r['precision']:<13} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
-              f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} {r['speedup']:7.2f}x "
-              f"{r['first_step_s']:8.1f} {r['compile_s']:9.1f}")
+              f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} "
+              f"{r['speedup']:7.2f}x {r['first_step_s']:8.1f} {r['compile_s']:9.1f}")
     print("step 1 s: the first step, compilation included; compile s: torch.compile's graphs, inductor's autotuning "
           "and the AdamW kernel during the warm-up (a warm TORCHINDUCTOR_CACHE_DIR and Triton cache make them shorter)")
     for r in results:
