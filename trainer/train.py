@@ -100,6 +100,7 @@ class Trainer:
         self.state = TrainState(mixed_precision=run.mixed_precision)
         self.stop_requested = False
         self.stepped = False  # a step of this process has finished: a stop signal now waits for the step's end
+        self.steps_run = self.steps_skipped = 0  # this process's steps, and those skipped as non-finite
         self.checkpoint = self._build_checkpoint()
         # Resuming overwrites the fresh state of every piece above.
         self.checkpoint.resume()
@@ -236,8 +237,10 @@ class Trainer:
 
     def check_finite(self) -> int:
         """Report the non-finite steps since the last check (TrainStep.check_finite). note: a host sync."""
-        return self.step_fn.check_finite(on_nonfinite=self.job.run.on_nonfinite,
-                                         record=self.metrics.record_nonfinite)
+        found = self.step_fn.check_finite(on_nonfinite=self.job.run.on_nonfinite,
+                                          record=self.metrics.record_nonfinite)
+        self.steps_skipped += found
+        return found
 
     # -- the loop ------------------------------------------------------------
 
@@ -291,6 +294,11 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.check_finite()
+        if self.steps_run and self.steps_skipped >= self.steps_run and not self.scaler.enabled:
+            raise NonFiniteError(  # not an exit 0: the run trained nothing (fp16 overflows are the scaler's)
+                f"every one of this run's {self.steps_run} steps had a non-finite loss or gradient and was skipped "
+                "(train.on_nonfinite='skip'): nothing was trained; lower optimizer.lr or raise "
+                "scheduler.warmup_steps, or check the data and the checkpoint it resumed (see docs/debug.md)")
         marker = Path(run.dump_folder) / PREEMPTED_MARKER
         if self.state.preempted:
             self.checkpoint.wait()  # the stop's checkpoint is complete before we say so
@@ -337,6 +345,7 @@ class Trainer:
             result = self.train_step(self.data_loader.next_batch())
             self.state.step += 1
             self.stepped = True
+            self.steps_run += 1
             step = self.state.step
             interval.add(local_tokens)
             profiler.step(step)

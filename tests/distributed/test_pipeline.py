@@ -150,6 +150,7 @@ def nonfinite_in_last_stage(args: list[str], dump: str) -> dict:
     whether its other weights stayed unchanged and how many non-finite steps it counted."""
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
+    from trainer.step import NonFiniteError
     from trainer.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
@@ -159,10 +160,14 @@ def nonfinite_in_last_stage(args: list[str], dump: str) -> dict:
             with torch.no_grad():
                 model.layers["3"].mlp.up_proj.weight.to_local()[0, 0] = float("nan")
         before = {k: v.to_local().clone() for k, v in model.named_parameters() if k != "layers.3.mlp.up_proj.weight"}
-        trainer.run()
+        try:
+            trainer.run()
+            raised = ""
+        except NonFiniteError as e:  # every step skipped: the run says it trained nothing
+            raised = str(e)
         unchanged = all(torch.equal(v, dict(model.named_parameters())[k].to_local()) for k, v in before.items())
         return {"unchanged": unchanged, "num_nonfinite": trainer.metrics.num_nonfinite,
-                "has_block3": "3" in model.layers}
+                "has_block3": "3" in model.layers, "raised": raised}
     finally:
         trainer.close()
         destroy_distributed()
@@ -174,3 +179,4 @@ def test_nonfinite_in_one_stage_skips_the_step_on_every_rank(tmp_path: Path) -> 
     assert [r["has_block3"] for r in ranks] == [False, True]  # the NaN is on rank 1 only
     assert all(r["unchanged"] for r in ranks)  # ... and rank 0 skipped its update too
     assert ranks[0]["num_nonfinite"] == 2  # rank 0 logs: it saw both steps as non-finite
+    assert all(r["raised"].startswith("every one of this run's 2 steps") for r in ranks), ranks

@@ -279,6 +279,17 @@ STATE_CASES = {
                                                                 "00000000000 must be an integer in [0, 2**63-1]"),
     "samples negative": ("dataloader", "consumed_samples", -1000, "dataloader.consumed_samples=-1000 must be an "
                                                                    "integer in [0, 2**63-1]"),
+    # issue 39 item 5: a resume state that contradicts itself (each trained on silently before)
+    "samples zero": ("dataloader", "consumed_samples", 0, "dataloader.consumed_samples=0 at step 2: the run would "
+                                                          "read its data again from the start"),
+    "schedule ahead": ("lr_scheduler", "last_epoch", 10**18, "lr_scheduler.last_epoch=1000000000000000000 but the "
+                                                             "checkpoint is at step 2"),
+    "schedule restarted": ("lr_scheduler", "last_epoch", 0, "lr_scheduler.last_epoch=0 but the checkpoint is at "
+                                                            "step 2: the learning rate would resume at another point"),
+    "scale nan": ("loss_scaler", "scale", float("nan"), "loss_scaler.scale=nan must be a finite number > 0"),
+    "scale zero": ("loss_scaler", "scale", 0.0, "loss_scaler.scale=0.0 must be a finite number > 0"),
+    "scale inf": ("loss_scaler", "scale", float("inf"), "loss_scaler.scale=inf must be a finite number > 0"),
+    "scale negative": ("loss_scaler", "scale", -8.0, "loss_scaler.scale=-8.0 must be a finite number > 0"),
 }
 
 

@@ -542,12 +542,14 @@ def test_bf16_master_weights_keep_moe_buffers_fp32(tmp_path) -> None:
 
 def test_a_skipped_step_moves_no_expert_bias(tmp_path) -> None:
     from trainer.distributed import destroy_distributed
+    from trainer.step import NonFiniteError
 
     trainer = _moe_trainer(tmp_path, "--train.steps=2", "--train.on_nonfinite=skip", "--moe.bias_update_rate=0.01")
     try:
         with torch.no_grad():  # a NaN in a dense weight: every gradient norm is non-finite, every step skipped
             trainer.model.layers["0"].mlp.up_proj.weight.to_local()[0, 0] = float("nan")
-        trainer.run()
+        with pytest.raises(NonFiniteError, match=r"^every one of this run's 2 steps"):  # trained nothing: not exit 0
+            trainer.run()
         assert trainer.metrics.num_nonfinite == 2
         assert all(torch.all(m.router.expert_bias == 0) for m in trainer.model.modules() if isinstance(m, MoE))
     finally:

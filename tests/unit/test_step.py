@@ -220,11 +220,14 @@ def test_nonfinite_stops_naming_the_step(tmp_path: Path) -> None:
 
 
 def test_nonfinite_skip_counts_and_keeps_weights(tmp_path: Path) -> None:
+    """Every step skipped: no optimizer update reached the weights, and the run says it trained nothing instead of
+    finishing as a success (issue 39 item 5: it exited 0)."""
     trainer = _trainer_with_nan(tmp_path, "skip")
     try:
         before = trainer.model.tok_embeddings.weight.to_local().clone()
-        trainer.run()
-        # Every step was skipped: no optimizer update reached the weights.
+        with pytest.raises(NonFiniteError, match=r"^every one of this run's 3 steps had a non-finite loss or gradient "
+                                                 r"and was skipped \(train.on_nonfinite='skip'\): nothing was trained"):
+            trainer.run()
         assert torch.equal(before, trainer.model.tok_embeddings.weight.to_local())
         assert trainer.metrics.num_nonfinite == 3
     finally:

@@ -7,13 +7,14 @@ A checkpoint folder may be crafted, and its checksums rewritten to match, so not
   (`check_args_fit_files`) and, for a load into this process, in the host's memory (`check_host_memory`);
 - every `.metadata` entry of the model and the optimizer has the shape of a model built on the meta
   device from those arguments, and a dtype this trainer writes (`check_index_entries`);
-- `state.json`'s step and data position are integers in range (`check_state_values`).
+- `state.json`'s step, data and schedule positions and loss scale are in range and agree (`check_state_values`).
 
 Each failure is one CheckpointError line naming the file and the field.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -153,11 +154,25 @@ def _counter(tree: Any, dotted: str, *, file: Path, low: int = 0) -> int:
 
 
 def check_state_values(state: dict[str, Any], info: dict[str, Any], *, path: Path) -> None:
-    """state.json's step and data position: integers in range, the step the one checkpoint.json records."""
+    """state.json's step, data position, schedule position and loss scale: in range and consistent with each other
+    (the step the one checkpoint.json records, a data position past 0, the scheduler at that step, a usable scale)."""
     file = path / "state.json"
     step = _counter(state, "train_state.step", file=file)
     if step != info.get("step"):
         raise CheckpointError(f"{file}: train_state.step={step} but {path / CHECKPOINT_JSON} records step "
                               f"{info.get('step')!r} ({EDITED})")
-    _counter(state, "dataloader.consumed_samples", file=file)
-    _counter(state, "lr_scheduler.last_epoch", file=file)
+    samples = _counter(state, "dataloader.consumed_samples", file=file)
+    if step > 0 and samples == 0:  # every step reads at least one sample; a restarted data position too
+        raise CheckpointError(f"{file}: dataloader.consumed_samples=0 at step {step}: the run would read its data "
+                              f"again from the start ({EDITED})")
+    position = _counter(state, "lr_scheduler.last_epoch", file=file)
+    if position != step:  # the scheduler steps once per optimizer step, skipped ones included
+        raise CheckpointError(f"{file}: lr_scheduler.last_epoch={position} but the checkpoint is at step {step}: "
+                              f"the learning rate would resume at another point of its schedule ({EDITED})")
+    scaler = state.get("loss_scaler")
+    if scaler is not None:
+        scale = scaler.get("scale") if isinstance(scaler, dict) else None
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise CheckpointError(f"{file}: loss_scaler.scale={scale!r} must be a finite number > 0 (else every fp16 "
+                                  f"step would be skipped) ({EDITED})")
+        _counter(scaler, "good_steps", file=file)
