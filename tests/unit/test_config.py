@@ -61,6 +61,9 @@ def test_defaults_toml_and_cli_precedence(tmp_path: Path) -> None:
         (["steps=3"], "unexpected argument 'steps=3'"),
         (["--train.steps"], "--train.steps needs a value"),
         (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+        # issue 39 item 6: trained the built-in defaults, without the warning that no --config was given
+        (["--config="], "--config is empty: give a TOML file"),
+        (["--config", " "], "--config is empty: give a TOML file"),
     ],
 )
 def test_bad_values_name_the_key(args: list[str], message: str) -> None:

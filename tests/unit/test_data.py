@@ -152,6 +152,22 @@ def test_bad_shard_raises_data_error_naming_the_file(tmp_path, make, expected):
         ShardSource([path], vocab_size=258, tokenizer_fingerprint=BYTE)
 
 
+def test_a_shard_path_that_is_no_file_says_what_it_is(tmp_path):
+    """A directory, a FIFO or a device matched as data (data.path=/dev/zero, a folder named x.bin) was reported
+    as "does not exist" (issue 39 item 6)."""
+    import os
+
+    folder = tmp_path / "folder.bin"
+    folder.mkdir()
+    fifo = tmp_path / "pipe.bin"
+    os.mkfifo(fifo)
+    for path, what in ((folder, "a directory"), (fifo, r"a FIFO \(named pipe\)"),
+                       (Path("/dev/zero"), "a character device")):
+        with pytest.raises(DataError, match=rf"^shard {path} is {what}, not a file; create shards with") as excinfo:
+            open_shard(path)
+        _assert_one_line_naming(excinfo, path)
+
+
 def test_write_shard_refuses_ids_outside_vocab(tmp_path):
     with pytest.raises(DataError, match="vocab_size is 258"):
         write_shard(tmp_path / "s.bin", np.array([1, 300]), vocab_size=258, tokenizer_fingerprint=BYTE)

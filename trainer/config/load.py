@@ -113,6 +113,9 @@ def parse_overrides(args: list[str]) -> tuple[str | None, list[tuple[str, str]]]
             i += 1
         i += 1
         if name in ("config", "job.config_file"):
+            if not value.strip():  # not the built-in defaults without the warning that no --config was given
+                raise ConfigError(f"--{name} is empty: give a TOML file (--{name}=configs/train/debug_model.toml), "
+                                  f"or leave --{name} out for the built-in defaults")
             config_path = value
             continue
         if "." not in name:

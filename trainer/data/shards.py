@@ -17,6 +17,7 @@ The header is fixed-size so that the tokens can be memory-mapped at a known offs
 """
 
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +86,22 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray, *, vocab_size: int,
     return path
 
 
+def _not_a_file(path: Path) -> str:
+    """What `path` is instead of a regular file, in words ('does not exist', 'is a FIFO, not a file', ...)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "does not exist"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return f"is {next((name for test, name in kinds if test(mode)), 'not a regular file')}, not a file"
+
+
 def open_shard(path: str | os.PathLike) -> ShardInfo:
     """Validate the header of the shard at `path` and memory-map its tokens."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"shard {path} does not exist; create shards with scripts/prepare_data.py")
+        raise DataError(f"shard {path} {_not_a_file(path)}; create shards with scripts/prepare_data.py")
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
     if not head.startswith(MAGIC):
