@@ -99,11 +99,17 @@ def reap(tag: str | None = None, timeout: float = 20) -> dict[int, str]:
     return alive
 
 
-def train(args: list[str], dump: Path, *, nproc: int = 1, timeout: int = 300) -> list[dict]:
-    """Run training; return the metrics.jsonl records. Fails the test with the output on error."""
+def launch_ok(args: list[str], dump: Path, *, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run training in `dump`; fails the test with the output on error."""
     proc = launch([*args, f"--job.dump_folder={dump}"], nproc=nproc, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"training failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def train(args: list[str], dump: Path, *, nproc: int = 1, timeout: int = 300) -> list[dict]:
+    """Run training; return the metrics.jsonl records. Fails the test with the output on error."""
+    launch_ok(args, dump, nproc=nproc, timeout=timeout)
     return read_metrics(dump)
 
 
@@ -115,6 +121,11 @@ def lines_before_step_1(output: str) -> list[str]:
 
 def read_metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_by_step(dump: Path) -> dict[int, float]:
+    """Each step's loss in metrics.jsonl: after a relaunch appended to it, the resumed run's."""
+    return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
 def column(records: list[dict], key: str) -> list[float]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, launch, read_metrics
+from tests.helpers import DEBUG_CONFIG, launch_ok, losses_by_step
 
 
 RUN = ["--config", DEBUG_CONFIG, "--train.seq_len=64", "--train.mixed_precision=bf16", "--train.deterministic=true",
@@ -19,13 +19,7 @@ RUN = ["--config", DEBUG_CONFIG, "--train.seq_len=64", "--train.mixed_precision=
 
 
 def _run(args: list[str], dump: Path) -> subprocess.CompletedProcess:
-    proc = launch([*args, f"--job.dump_folder={dump}"], timeout=180)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
-def _losses(dump: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+    return launch_ok(args, dump, timeout=180)
 
 
 @pytest.mark.slow
@@ -38,7 +32,7 @@ def test_small_lr_run_tracks_fp32_master_where_plain_bf16_stalls(tmp_path: Path)
                         "stochastic": ["--distributed.master_dtype=bf16", "--optimizer.bf16_update=stochastic"],
                         "kahan": ["--distributed.master_dtype=bf16", "--optimizer.bf16_update=kahan"]}.items():
         proc = _run([*args, *extra], tmp_path / name)
-        runs[name] = _losses(tmp_path / name)
+        runs[name] = losses_by_step(tmp_path / name)
         if name in ("stochastic", "kahan"):
             assert f"BF16AdamW (bf16 master weights, {name} rounding)" in proc.stdout + proc.stderr
     ref = runs["fp32"]
@@ -61,7 +55,7 @@ def test_bf16_master_resume_is_exact(kind: str, tmp_path: Path) -> None:
     _run([*args, "--train.steps=5"], tmp_path / "run")
     proc = _run([*args, "--train.steps=10"], tmp_path / "run")
     assert "at step 5" in proc.stdout + proc.stderr
-    ref, resumed = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
+    ref, resumed = losses_by_step(tmp_path / "ref"), losses_by_step(tmp_path / "run")
     assert sorted(resumed) == list(range(1, 11))
     assert [resumed[s] for s in range(6, 11)] == [ref[s] for s in range(6, 11)]
 
@@ -77,6 +71,6 @@ def test_switching_rounding_or_master_dtype_across_a_resume(tmp_path: Path) -> N
     assert "at step 2" in proc.stdout + proc.stderr
     proc = _run([*args, "--train.steps=6", "--distributed.master_dtype=fp32"], dump)
     assert "at step 4" in proc.stdout + proc.stderr
-    losses = _losses(dump)
+    losses = losses_by_step(dump)
     assert max(losses) == 6 and all(math.isfinite(v) for v in losses.values())
     assert losses[6] < losses[1] - 1.0  # still learning after both switches

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, TRAIN, env, launch, read_metrics, run_cli_cases, run_until_paused
+from tests.helpers import REPO, TRAIN, env, launch_ok, losses_by_step, read_metrics, run_cli_cases, run_until_paused
 from tests.unit.test_checkpoint import DEBUG, _hf_logits
 from trainer.checkpoint import load_full_model_weights, load_model
 
@@ -35,14 +35,7 @@ EXACT = [*ARGS, "--train.mixed_precision=fp32", "--train.deterministic=true"]
 
 
 def _run(args: list[str], dump: Path) -> subprocess.CompletedProcess:
-    proc = launch([*args, f"--job.dump_folder={dump}"], timeout=120)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
-def _losses(dump: Path) -> dict[int, float]:
-    # A relaunch appends to metrics.jsonl: the last record of a step is the resumed run's.
-    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+    return launch_ok(args, dump, timeout=120)
 
 
 def _run_until_paused(args: list[str], dump: Path, pause: str) -> str:
@@ -61,7 +54,7 @@ def test_sigkill_at_step_12_resumes_from_step_10_exactly(tmp_path):
     """The issue's done-when: 20 steps, interval 5, SIGKILL after step 12, relaunch: steps 11-20 match."""
     args = [*EXACT, "--train.steps=20", "--train.grad_accum_steps=2", "--checkpoint.interval=5"]
     _run(args, tmp_path / "ref")
-    ref = _losses(tmp_path / "ref")
+    ref = losses_by_step(tmp_path / "ref")
     dump = tmp_path / "run"
     ckpt = [*args, "--checkpoint.enable=true", "--checkpoint.keep_latest_k=2"]
     killed_log = _run_until_paused(ckpt, dump, pause="step:12")
@@ -69,7 +62,7 @@ def test_sigkill_at_step_12_resumes_from_step_10_exactly(tmp_path):
     assert _dirs(dump) == ["step-10", "step-5"]
     relaunch = _run(ckpt, dump)  # the same command, no edits
     assert f"resumed from checkpoint {dump / 'checkpoint' / 'step-10'} at step 10" in relaunch.stdout
-    resumed = _losses(dump)
+    resumed = losses_by_step(dump)
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert abs(resumed[step] - ref[step]) <= 1e-6, (step, resumed[step], ref[step])
@@ -288,7 +281,7 @@ def test_import_hf_weights_as_initial_load_path(trained, tmp_path):
     with torch.no_grad():
         logits = load_model(imported).logits(inputs)
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
-    assert abs(_losses(tmp_path / "run")[1] - expected) < 1e-5
+    assert abs(losses_by_step(tmp_path / "run")[1] - expected) < 1e-5
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import TRAIN, env, launch, read_metrics, run_until_paused  # noqa: E402
+from tests.helpers import TRAIN, env, launch, losses_by_step, run_until_paused  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 150  # seconds per launch; each takes 5-15 s, so this only ends a hang early
@@ -40,11 +40,6 @@ def _torchrun(nproc: int, script: str, args: list[str]) -> list[str]:
 
 def _run_until_paused(cmd: list[str], pause: str) -> str:
     return run_until_paused(cmd, pause, timeout=TIMEOUT)
-
-
-def _losses(dump: Path) -> dict[int, float]:
-    # A relaunch appends to metrics.jsonl: the last record of a step is the resumed run's.
-    return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +62,8 @@ def dp2_run(tmp_path_factory):
     # The relaunch also writes the final weights-only export, gathered from both ranks.
     relaunch = launch([*ckpt_args, "--checkpoint.model_only=true"], nproc=2, timeout=TIMEOUT)
     assert relaunch.returncode == 0, relaunch.stdout[-3000:] + relaunch.stderr[-3000:]
-    return {"ref": _losses(root / "ref"), "resumed": _losses(dump), "killed": killed, "killed_log": killed_log,
-            "relaunch_log": relaunch.stdout, "dump": dump, "step5": step5, "root": root}
+    return {"ref": losses_by_step(root / "ref"), "resumed": losses_by_step(dump), "killed": killed,
+            "killed_log": killed_log, "relaunch_log": relaunch.stdout, "dump": dump, "step5": step5, "root": root}
 
 
 def test_kill_mid_save_on_two_ranks_leaves_previous_checkpoint_latest(dp2_run):

@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_float8_blockwise import ARGS
-from tests.helpers import column, launch, read_metrics
+from tests.helpers import column, launch_ok, read_metrics
 
 
 def _run(args: list[str], dump: Path) -> str:
-    proc = launch([*args, f"--job.dump_folder={dump}"], timeout=240)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return launch_ok(args, dump, timeout=240).stdout
 
 
 # Checkpoints every 2 steps, a constant LR: the same learning rate at every step whatever train.steps is.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TRAIN, launch, read_metrics, run_until_paused
+from tests.helpers import TRAIN, launch, launch_ok, read_metrics, run_until_paused
 from tests.unit.test_precision_schedule import BASE, SCHEDULED
 from trainer.config import load_job_config
 
@@ -22,9 +22,7 @@ from trainer.config import load_job_config
 
 
 def _run(args: list[str], dump: Path) -> str:
-    proc = launch([*args, f"--job.dump_folder={dump}"], timeout=240)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return launch_ok(args, dump, timeout=240).stdout
 
 
 def _by_step(dump: Path, key: str) -> dict[int, float]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, TRAIN, launch, read_metrics, run_until_paused
+from tests.helpers import DEBUG_CONFIG, TRAIN, launch_ok, losses_by_step, run_until_paused
 
 # wsd with the last 20% as decay: the manual sequence (constant, constant, wsd) has the same lr at every step.
 BASE = [
@@ -21,26 +21,20 @@ SCHEDULED = [*BASE, "--train.precision_schedule=bf16:4,fp8:8,bf16", "--scheduler
 
 
 def _run(args: list[str], dump: Path) -> str:
-    proc = launch([*args, f"--job.dump_folder={dump}"], nproc=2, timeout=240)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
-
-
-def _losses(dump: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+    return launch_ok(args, dump, nproc=2, timeout=240).stdout
 
 
 @pytest.mark.slow  # starts 2 processes per launch
 def test_two_ranks_scheduled_equals_manual_and_resumes_the_fp8_phase(tmp_path: Path) -> None:
     _run(SCHEDULED, tmp_path / "scheduled")
-    scheduled = _losses(tmp_path / "scheduled")
+    scheduled = losses_by_step(tmp_path / "scheduled")
     assert sorted(scheduled) == list(range(1, 11))
 
     manual = tmp_path / "manual"
     _run([*BASE, "--train.steps=4", "--train.mixed_precision=bf16", "--scheduler.decay_type=constant"], manual)
     _run([*BASE, "--train.steps=8", "--train.mixed_precision=fp8", "--scheduler.decay_type=constant"], manual)
     _run([*BASE, "--train.steps=10", "--train.mixed_precision=bf16", "--scheduler.decay_type=wsd"], manual)
-    assert scheduled == _losses(manual)  # bit-exact, fp8 phase included (the same layout and kernels)
+    assert scheduled == losses_by_step(manual)  # bit-exact, fp8 phase included (the same layout and kernels)
 
     dump = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN, *SCHEDULED,
@@ -49,4 +43,4 @@ def test_two_ranks_scheduled_equals_manual_and_resumes_the_fp8_phase(tmp_path: P
     log = _run(SCHEDULED, dump)
     assert "precision schedule: resuming at step 6 in phase 2 of 3 (fp8 steps 5-8)" in log
     assert "precision schedule: step 8: fp8 -> bf16" in log
-    assert _losses(dump) == scheduled
+    assert losses_by_step(dump) == scheduled
