@@ -7,7 +7,8 @@ Times one step over plain tensors of the model's shapes (median of 8, between de
 stochastic rounding (BF16AdamW's update), bf16 weights rounded to nearest, and fp32 weights, for each kernel
 configuration (elements per program x warps), then torch.optim.AdamW(fused=True) over the same tensors. GB/s count
 the 7 tensor passes an AdamW step makes (read weight, gradient and two moments; write three). Also prints how many
-16-byte vector loads the compiled kernel has (none: its addresses were not known to be aligned) and its registers.
+16-byte vector loads the compiled kernel has (none where Triton cannot prove the tensors' alignment) and its
+registers per thread.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The compiled updates this replaces (torch.compile of the update, one graph per batch of tensor shapes) cost about
 80 s of a cold start on 1x H100 at 8B shapes (docs/benchmarks.md, cold start), and their number grew with the
 distinct shapes of a model. This kernel is compiled by Triton once per dtype and mode (about a second, then cached
-on disk like any Triton kernel) and takes every tensor of a launch through a table of addresses: program i updates
+on disk like any Triton kernel) and finds every tensor of a launch in a table of offsets: program i updates
 BLOCK elements of one tensor, found in a block map built once per layout. One launch per step and dtype, whatever
 the model; the update moves its bytes at 2.1 TB/s (bf16, stochastic rounding) to 2.9 TB/s (fp32) on an H100.
 

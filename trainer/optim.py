@@ -79,7 +79,7 @@ class LocalFusedAdamW(torch.optim.AdamW):
 class TritonAdamW(LocalFusedAdamW):
     """LocalFusedAdamW's update, state and protocol as one launch of our Triton kernel per device and dtype
     (trainer/adamw_kernel.py): torch's AdamW up to fp32 rounding order, faster than torch's fused kernel on FSDP2's
-    shards (docs/benchmarks.md, the optimizer step) and compiled once for every shape. Checkpoints of either load
+    shards (docs/benchmarks.md, the AdamW kernel) and compiled once for every shape. Checkpoints of either load
     into the other."""
 
     def _update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],

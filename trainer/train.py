@@ -100,7 +100,7 @@ class Trainer:
         self.state = TrainState(mixed_precision=run.mixed_precision)
         self.stop_requested = False
         self.stepped = False  # a step of this process has finished: a stop signal now waits for the step's end
-        self.steps_run = self.steps_skipped = 0  # this process's steps, and those skipped as non-finite
+        self.steps_run = 0  # this process's steps (its skipped non-finite ones: metrics.num_nonfinite)
         self.checkpoint = self._build_checkpoint()
         # Resuming overwrites the fresh state of every piece above.
         self.checkpoint.resume()
@@ -237,10 +237,8 @@ class Trainer:
 
     def check_finite(self) -> int:
         """Report the non-finite steps since the last check (TrainStep.check_finite). note: a host sync."""
-        found = self.step_fn.check_finite(on_nonfinite=self.job.run.on_nonfinite,
-                                          record=self.metrics.record_nonfinite)
-        self.steps_skipped += found
-        return found
+        return self.step_fn.check_finite(on_nonfinite=self.job.run.on_nonfinite,
+                                         record=self.metrics.record_nonfinite)
 
     # -- the loop ------------------------------------------------------------
 
@@ -294,8 +292,8 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.check_finite()
-        if self.steps_run and self.steps_skipped >= self.steps_run and not self.scaler.enabled:
-            raise NonFiniteError(  # not an exit 0: the run trained nothing (fp16 overflows are the scaler's)
+        if self.steps_run and self.metrics.num_nonfinite >= self.steps_run:  # fp16 overflows are not counted
+            raise NonFiniteError(  # not an exit 0: the run trained nothing
                 f"every one of this run's {self.steps_run} steps had a non-finite loss or gradient and was skipped "
                 "(train.on_nonfinite='skip'): nothing was trained; lower optimizer.lr or raise "
                 "scheduler.warmup_steps, or check the data and the checkpoint it resumed (see docs/debug.md)")
