@@ -2,7 +2,8 @@
 
 Errors the user can fix (`trainer.errors.UserError`: a config, data, a checkpoint, a folder,
 FP8 that cannot run) are printed as one line and exit 2, whether found by the validation pass
-or after the process group exists; anything else is a bug or an environment failure and keeps
+or after the process group exists: by the rank that found it, or once per node (local rank 0)
+when every rank raises it alike; anything else is a bug or an environment failure and keeps
 its traceback (exit 1). A stop by SIGTERM or Ctrl-C exits 143 or 130 (trainer.train.STOP_SIGNALS):
 after the current step and its checkpoint, or at once before this process's first step has ended
 (nothing to save yet); a second Ctrl-C quits at once with 130.
@@ -61,11 +62,11 @@ def main(argv: list[str]) -> int:
     try:
         state = train(cfg)
     except ConfigError as e:  # found by the validation pass (world size, model shapes, data)
-        if speaks:
+        if speaks or not e.every_rank:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except UserError as e:
-        if speaks:
+        if speaks or not e.every_rank:  # an error of this rank alone is printed where it happened
             print(f"error (rank {rank}): {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except StoppedBeforeFirstStep as e:  # its line is logged: no traceback

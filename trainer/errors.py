@@ -4,14 +4,35 @@ Every error a user can fix (a config key, a data file, a checkpoint folder, FP8
 that cannot run) derives from `UserError` and carries a one-line message saying
 what is wrong and how to fix it. Anything else is a bug or an environment failure
 and keeps its traceback: `trainer.cli` catches `UserError` and nothing broader.
+
+The command line prints a user error from the rank that raised it. An error that every rank
+raises alike, because all ranks found it from the same values (the validation pass, a decision
+broadcast by a collective), says so with `every_rank`, and only local rank 0 prints it: one
+line per node instead of one per rank.
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 
 class UserError(Exception):
     """A problem the user can fix; its message is one line that says how."""
 
+    every_rank: bool = False
+    """Every rank raises this same error (see the module's docstring)."""
+
 
 class ConfigError(UserError, ValueError):
-    """A bad value or combination in the job configuration."""
+    """A bad value or combination in the job configuration (every rank validates the same job)."""
+
+    every_rank = True
+
+
+E = TypeVar("E", bound=UserError)
+
+
+def on_every_rank(error: E) -> E:
+    """`error`, marked as raised alike on every rank (a collective's result): local rank 0 prints it."""
+    error.every_rank = True
+    return error

@@ -13,6 +13,12 @@ program, is stale. A lock without them (written by an older version) whose pid i
 is stale once it has had no heartbeat for `stale_seconds`, as is one from another host.
 A `.trainer.lock` that is not a regular file (a directory, a link) is no lock this
 trainer wrote: refused in one line, and left alone.
+
+A checkpoint folder outside the dump folder (an absolute `checkpoint.folder`, or `..`) is
+locked too (`lock_run_folders`): two runs with different dump folders would otherwise resume
+each other's checkpoints. A checkpoint folder inside another live run's folder is refused,
+and so is a live lock in this run's own checkpoint folder (another run uses it as its
+checkpoint folder).
 """
 
 from __future__ import annotations
@@ -69,8 +75,11 @@ _FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
 
 
 class RunLock:
-    def __init__(self, folder: str | Path, *, heartbeat_seconds: float = 30.0, stale_seconds: float = 300.0):
+    def __init__(self, folder: str | Path, *, key: str = "job.dump_folder", heartbeat_seconds: float = 30.0,
+                 stale_seconds: float = 300.0):
+        """`key` names the config key that chose `folder`, for the messages."""
         self.path = Path(folder) / LOCK_NAME
+        self.key = key
         self.heartbeat_seconds, self.stale_seconds = heartbeat_seconds, stale_seconds
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
                       "start_time": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -88,11 +97,8 @@ class RunLock:
                 holder = self._read_holder()
                 why = self._stale_reason(holder)
                 if why is None:
-                    raise RunLockError(
-                        f"{self.path.parent} is in use by another run (host {holder.get('host', '?')}, "
-                        f"pid {holder.get('pid', '?')}, started {holder.get('start_time', '?')}); wait for it to "
-                        "finish or use another job.dump_folder"
-                    ) from None
+                    raise RunLockError(f"{self.path.parent} is in use by another run ({_describe(holder)}); wait for "
+                                       f"it to finish or use another {self.key}") from None
                 logger.warning("reclaiming the stale lock %s (%s)", self.path, why)
                 self.path.unlink(missing_ok=True)
                 continue
@@ -112,7 +118,15 @@ class RunLock:
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _FILE_TYPES if test(mode)), "not a regular file")
             raise RunLockError(f"{self.path} is {kind}, not a lock file that a run writes: remove it if no run uses "
-                               f"{self.path.parent} (rm -r {self.path}), or use another job.dump_folder")
+                               f"{self.path.parent} (rm -r {self.path}), or use another {self.key}")
+
+    def live_holder(self) -> dict | None:
+        """Who holds this lock, if a live run does (without taking it); None if nobody or only a stale lock."""
+        if not os.path.lexists(self.path):
+            return None
+        self._check_type()
+        holder = self._read_holder()
+        return holder if self._stale_reason(holder) is None else None
 
     def _read_holder(self) -> dict:
         try:
@@ -177,3 +191,41 @@ def check_writable(folder: str | Path, *, key: str) -> None:
             f"{f' ({e.filename})' if e.filename and str(e.filename) != str(probe) else ''}; "
             f"point {key} at a writable folder"
         ) from None
+
+
+def _describe(holder: dict) -> str:
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('start_time', '?')}"
+
+
+def lock_run_folders(dump_folder: str | Path, checkpoint_folder: str | Path | None) -> list[RunLock]:
+    """Global rank 0, before any rank writes: lock the dump folder and, where it lies outside it, the checkpoint
+    folder (None: checkpointing is off). The locks taken, to release in reverse order; RunLockError when another
+    live run holds either, or the checkpoint folder is inside another live run's folder or is its checkpoint folder.
+    """
+    dump = Path(os.path.realpath(dump_folder))
+    locks = [RunLock(dump)]
+    locks[0].acquire()
+    try:
+        if checkpoint_folder is not None:
+            ckpt = Path(os.path.realpath(checkpoint_folder))
+            if ckpt != dump and dump in ckpt.parents:  # under this run's lock, unless another run checkpoints there
+                if holder := RunLock(ckpt).live_holder():
+                    raise RunLockError(f"{ckpt} is the checkpoint folder of another run ({_describe(holder)}); wait "
+                                       "for it to finish or use another job.dump_folder or checkpoint.folder")
+            elif ckpt != dump:
+                for parent in ckpt.parents:
+                    if holder := RunLock(parent).live_holder():
+                        raise RunLockError(f"checkpoint.folder {ckpt} is inside {parent}, the folder of another run "
+                                           f"({_describe(holder)}); wait for it to finish or use another "
+                                           "checkpoint.folder")
+                locks.append(RunLock(ckpt, key="checkpoint.folder"))
+                locks[-1].acquire()
+    except BaseException:
+        release_all(locks)
+        raise
+    return locks
+
+
+def release_all(locks: list[RunLock]) -> None:
+    for lock in reversed(locks):
+        lock.release()

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 class NonFiniteError(UserError, RuntimeError):
     """A NaN/inf loss or gradient norm with train.on_nonfinite='stop'."""
 
+    every_rank = True  # the gradient norm is reduced over every rank: all see the same steps as non-finite
+
 
 class LossScaler:
     """Dynamic loss scaling for fp16 (bf16/fp8 need none), kept on the device.

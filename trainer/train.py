@@ -42,7 +42,7 @@ from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.run_files import cpu_precision_hint, describe_precision, write_run_files
-from trainer.run_lock import RunLock, check_writable
+from trainer.run_lock import check_writable, lock_run_folders, release_all
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
     EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
@@ -209,6 +209,7 @@ class Trainer:
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
                                 "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},
                         **job.run.tokenizer),
+            timeout_seconds=job.run.init_timeout_seconds,
         )
 
     # -- one step ------------------------------------------------------------
@@ -408,12 +409,12 @@ def train(cfg: JobConfig) -> TrainState:
     # With train.precision_schedule: one validated job per phase (the schedule overrides train.mixed_precision).
     schedule = PrecisionSchedule(cfg, world_size=world_size_from_env()) if cfg.train.precision_schedule else None
     job = None if schedule else validate_job(cfg, world_size=world_size_from_env())
-    for folder, key in output_folders(cfg):
+    folders = {key: folder for folder, key in output_folders(cfg)}
+    for key, folder in folders.items():
         check_writable(folder, key=key)
-    # Global rank 0 owns the dump folder before any rank writes to it.
-    lock = RunLock(cfg.job.dump_folder) if int(os.environ.get("RANK", "0")) == 0 else None
-    if lock is not None:
-        lock.acquire()
+    # Global rank 0 owns the dump folder (and a checkpoint folder outside it) before any rank writes to it.
+    locks = (lock_run_folders(cfg.job.dump_folder, folders.get("checkpoint.folder"))
+             if int(os.environ.get("RANK", "0")) == 0 else [])
     trainer, ok = None, False
     try:
         if schedule:
@@ -429,8 +430,7 @@ def train(cfg: JobConfig) -> TrainState:
                 trainer.close()
             destroy_distributed(barrier=ok)
         finally:
-            if lock is not None:
-                lock.release()
+            release_all(locks)
 
 
 def run_schedule(schedule: PrecisionSchedule) -> TrainState:

@@ -15,12 +15,15 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, TRAIN, env, launch_ok, losses_by_step, read_metrics, run_cli_cases, run_until_paused
+from tests.helpers import (
+    REPO, TRAIN, env, hooks_env, launch_ok, losses_by_step, read_metrics, run_cli_cases, run_until_paused,
+)
 from tests.unit.test_checkpoint import DEBUG, _hf_logits
 from trainer.checkpoint import load_full_model_weights, load_model
 
@@ -66,7 +69,7 @@ def test_sigkill_at_step_12_resumes_from_step_10_exactly(tmp_path):
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert abs(resumed[step] - ref[step]) <= 1e-6, (step, resumed[step], ref[step])
-    assert _dirs(dump) == ["step-15", "step-20"]  # keep_latest_k=2
+    assert _dirs(dump) == ["step-10", "step-15", "step-20"]  # keep_latest_k=2, and the one it resumed from
 
 
 @pytest.mark.slow
@@ -81,7 +84,7 @@ def test_kill_mid_save_of_one_process_leaves_previous_checkpoint_latest(tmp_path
     relaunch = _run(args, dump)
     assert "ignoring incomplete checkpoint" in relaunch.stdout and "step-10.tmp" in relaunch.stdout
     assert "at step 5 " in relaunch.stdout
-    assert _dirs(dump) == ["step-10"]
+    assert _dirs(dump) == ["step-10", "step-5"]  # keep_latest_k=1, and the one it resumed from
     assert json.loads((dump / "checkpoint" / "step-10" / "checkpoint.json").read_text())["step"] == 10
 
 
@@ -108,6 +111,33 @@ def test_sigterm_and_ctrl_c_save_and_stop(tmp_path, sig, code):
     assert _dirs(dump) == [f"step-{last}"]
     assert json.loads((dump / "preempted.json").read_text()) == {
         "step": last, "of_steps": 1000, "checkpoint_saved": True, "signal": sig.name}
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_a_save_quits_with_130(tmp_path):
+    """The docs promise 130 for a second Ctrl-C; during a save DCP wrapped the KeyboardInterrupt and the run exited 2
+    with "failed to save ... KeyboardInterrupt"."""
+    dump = tmp_path / "run"
+    cmd = [sys.executable, TRAIN, *ARGS, "--train.mixed_precision=fp32", "--train.steps=4", "--checkpoint.enable=true",
+           "--checkpoint.interval=2", f"--job.dump_folder={dump}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=hooks_env(TRAINER_TEST_PAUSE="save:4"))  # inside step 4's save
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("TRAINER_TEST_PAUSE"):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(1)  # the first: stop after this step and its save
+            proc.send_signal(signal.SIGINT)
+            break
+    out.append(proc.stdout.read())
+    watchdog.cancel()
+    text = "".join(out)
+    assert proc.wait(timeout=30) == 130, text[-3000:]
+    assert "interrupted (rank 0)" in text and "failed to save" not in text, text[-3000:]
+    assert _dirs(dump) == ["step-2", "step-4.tmp"]  # quit at once: the previous checkpoint is the latest
 
 
 def test_extending_a_run_names_the_schedule_key_that_moved_its_learning_rate(tmp_path):

@@ -5,6 +5,8 @@
 - A corrupt newest checkpoint: the run falls back to the newest one that verifies and
   moves the corrupt one aside (renamed, never deleted), loudly; a pinned load_step, or
   no checkpoint verifying, is an error that moves nothing.
+- A run resumed at an earlier step (load_step) keeps the checkpoint it resumed from and the ones it
+  writes whatever keep_latest_k says, and moves the later trajectory aside at its first save.
 - A failed save (ENOSPC injected by tests/support/sitecustomize.py) is one line saying
   what and why, leaves no step-N.tmp and no touched checkpoint; on_save_error=continue
   keeps training.
@@ -121,6 +123,38 @@ def test_unverifiable_and_corrupt_checkpoints(steps_2_and_4, tmp_path):
     with pytest.raises(CorruptCheckpointError, match='has no valid "files" list'):
         load_full_model_weights(no_files / "checkpoint" / "step-4")
     assert read_checkpoint_json(no_files / "checkpoint" / "step-4", allow_unverified=True)["files"] is None
+
+
+def test_a_run_resumed_at_an_earlier_step_keeps_its_checkpoints(tmp_path):
+    """Trained to step 15 (checkpoints 5, 10, 15), relaunched at load_step=5 for 13 steps with keep_latest_k=1 and
+    interval 4: it used to remove step-5, step-8, step-10 and its own step-13, leaving only the abandoned step-15,
+    which a relaunch then resumed silently."""
+    dump, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    run = [*ARGS, f"--job.dump_folder={dump}"]
+    earlier = [*run, "--train.steps=13", "--checkpoint.interval=4", "--checkpoint.keep_latest_k=1",
+               "--checkpoint.load_step=5"]
+    results = _cli({
+        "to 15": [*run, "--train.steps=15", "--checkpoint.interval=5"],
+        "from 5": earlier,
+        "latest": [*run, "--train.steps=13", "--checkpoint.keep_latest_k=1"],
+        "from 5 again": earlier,
+    })
+    for name, r in results.items():
+        assert r["rc"] == 0, (name, r["stderr"][-2000:])
+    out = results["from 5"]["stdout"]
+    assert "loading step-5 although newer checkpoints exist (step-10, step-15): they are a later trajectory" in out
+    for step in (10, 15):
+        assert f"moved {ckpt / f'step-{step}'} aside to step-{step}.abandoned" in out
+    assert f"removed {ckpt / 'step-8'} (keep_latest_k=1)" in out and f"removed {ckpt / 'step-12'}" in out
+    assert "removed" not in out.replace(f"removed {ckpt / 'step-8'}", "").replace(f"removed {ckpt / 'step-12'}", "")
+    # What a relaunch without load_step resumes is this run's newest, not the abandoned step-15.
+    assert f"resumed from checkpoint {ckpt / 'step-13'} at step 13" in results["latest"]["stdout"]
+    # The checkpoint it resumed from is still there to resume again; its later trajectory is moved aside in turn.
+    again = results["from 5 again"]["stdout"]
+    assert f"resumed from checkpoint {ckpt / 'step-5'} at step 5" in again
+    assert f"moved {ckpt / 'step-13'} aside to step-13.abandoned" in again
+    assert _dirs(dump) == ["step-10.abandoned", "step-13", "step-13.abandoned", "step-15.abandoned", "step-5"]
+    assert json.loads((ckpt / "step-15.abandoned" / "checkpoint.json").read_text())["step"] == 15
 
 
 def _run_with_full_disk(args: list[str], dump: Path, step: int) -> subprocess.CompletedProcess:

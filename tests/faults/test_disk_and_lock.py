@@ -36,7 +36,7 @@ from trainer.checkpoint import CheckpointError, CheckpointManager, RunInfo, load
 from trainer.config import CheckpointSection
 from trainer.validate.options import checkpoint_options
 from trainer.models.llama import FLAVORS
-from trainer.run_lock import LOCK_NAME, RunLock, RunLockError
+from trainer.run_lock import LOCK_NAME, RunLock, RunLockError, lock_run_folders, release_all
 
 DEBUG = FLAVORS["debug"]
 ARGS = [
@@ -214,6 +214,43 @@ def test_a_live_holder_is_still_refused_and_a_lock_directory_is_one_line(tmp_pat
     assert str(e.value) == (f"{stale} is a directory, not a lock file that a run writes: remove it if no run uses "
                             f"{stale.parent} (rm -r {stale}), or use another job.dump_folder")
     assert (stale / "x").exists()
+
+
+def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path):
+    """Two runs with other dump folders and one checkpoint folder (absolute, or `..`) used to both start, and one
+    resumed the other's checkpoint. Each case: run A holds its locks, run B is refused in one line and leaves no
+    lock of its own behind."""
+    def refused(dump: Path, ckpt: Path) -> str:
+        with pytest.raises(RunLockError) as e:
+            lock_run_folders(dump, ckpt)
+        assert not (dump / LOCK_NAME).exists()  # B released its dump folder's lock
+        return str(e.value)
+
+    me = f"host {socket.gethostname()}, pid {os.getpid()}, started "
+    for a_dump, a_ckpt, b_dump, b_ckpt, line in [
+        # The same absolute checkpoint folder.
+        ("a", "shared", "b", "shared", f"{tmp_path / 'shared'} is in use by another run ({me}"),
+        # checkpoint.folder = "..": both in the parent of the dump folders.
+        ("x/a", "x/a/..", "x/b", "x/b/..", f"{tmp_path / 'x'} is in use by another run ({me}"),
+        # Inside another run's dump folder (its own checkpoint folder), which holds no lock of its own.
+        ("a", "a/checkpoint", "b", "a/checkpoint", f"checkpoint.folder {tmp_path / 'a' / 'checkpoint'} is inside "
+                                                   f"{tmp_path / 'a'}, the folder of another run ({me}"),
+        # The other way round: B's dump folder holds the checkpoint folder A already locked.
+        ("b", "a/checkpoint", "a", "a/checkpoint", f"{tmp_path / 'a' / 'checkpoint'} is the checkpoint folder of "
+                                                   f"another run ({me}"),
+    ]:
+        for name in (a_ckpt, b_ckpt):
+            (tmp_path / name).mkdir(parents=True, exist_ok=True)
+        locks = lock_run_folders(tmp_path / a_dump, tmp_path / a_ckpt)
+        try:
+            assert line in refused(tmp_path / b_dump, tmp_path / b_ckpt)
+        finally:
+            release_all(locks)
+        assert not list(tmp_path.rglob(LOCK_NAME))
+    # A checkpoint folder that is the dump folder, or inside it, is under the one lock.
+    locks = lock_run_folders(tmp_path / "c", tmp_path / "c" / "checkpoint")
+    release_all(locks)
+    assert [lock.path for lock in locks] == [tmp_path / "c" / LOCK_NAME]
 
 
 # -- a full disk -------------------------------------------------------------

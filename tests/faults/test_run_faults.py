@@ -106,12 +106,24 @@ def test_second_run_on_the_same_folder_fails_at_once_naming_the_first(tmp_path: 
         line = second.stderr.strip()
         assert len(line.splitlines()) == 1 and "Traceback" not in second.stderr
         assert f"is in use by another run (host {socket.gethostname()}, pid {first.pid}, started " in line
+        # Another dump folder, but checkpoints inside the first run's folder (an absolute checkpoint.folder).
+        other = tmp_path.with_name(tmp_path.name + "-other")
+        third = launch([*FAST, "--train.steps=3", f"--job.dump_folder={other}", "--checkpoint.enable=true",
+                        f"--checkpoint.folder={tmp_path / 'checkpoint'}"])
+        assert third.returncode == 2 and third.stderr.strip() == (
+            f"error (rank 0): checkpoint.folder {tmp_path / 'checkpoint'} is inside {tmp_path}, the folder of another "
+            f"run (host {socket.gethostname()}, pid {first.pid}, started {_lock_holder(tmp_path)['start_time']}); "
+            "wait for it to finish or use another checkpoint.folder"), third.stderr[-3000:]
         assert first.poll() is None  # the first run is untouched
     finally:
         first.terminate()
         out, err = first.communicate(timeout=120)
     # The first run released its lock when it stopped.
     assert not (tmp_path / LOCK_NAME).exists(), (first.returncode, err[-3000:])
+
+
+def _lock_holder(folder: Path) -> dict:
+    return json.loads((folder / LOCK_NAME).read_text())
 
 
 def test_a_stale_lock_is_reclaimed_with_a_log_line(tmp_path: Path, caplog, monkeypatch) -> None:

@@ -95,6 +95,19 @@ def test_scan_and_prune_keep_latest_k(tmp_path):
     assert (only / "step-3").is_dir()
 
 
+def test_pruning_keeps_the_checkpoint_just_written_and_the_one_resumed_from(tmp_path):
+    """Resumed step-5 of a run that had reached step-15, then saved step-8: keep_latest_k=1 removes neither step-8
+    (the newest by number is step-15) nor step-5, and never a later step (the manager moves those aside)."""
+    for name in ("step-5", "step-8", "step-15", "step-10.abandoned"):
+        _fake_checkpoint(tmp_path, name)
+    assert prune_checkpoints(tmp_path, newest=8, keep_latest_k=1, resumed=5) == []
+    _fake_checkpoint(tmp_path, "step-12")
+    assert [p.name for p in prune_checkpoints(tmp_path, newest=12, keep_latest_k=1, resumed=5)] == ["step-8"]
+    _fake_checkpoint(tmp_path, "step-13")
+    assert [p.name for p in prune_checkpoints(tmp_path, newest=13, keep_latest_k=2, resumed=-1)] == ["step-5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10.abandoned", "step-12", "step-13", "step-15"]
+
+
 def test_check_file_detects_truncation_and_corruption(tmp_path):
     f = tmp_path / "__0_0.distcp"
     f.write_bytes(bytes(range(256)) * 64)

@@ -178,16 +178,25 @@ def peak_buffer_bytes(code: str) -> int:
     return peak
 
 
-def test_compiled_chunked_loss_matches_and_never_holds_the_whole_logits(tmp_path, monkeypatch) -> None:
+@pytest.fixture
+def inductor_caches_off():
+    """Inductor's caches off for one test, through its config's own patch: monkeypatch.setattr's undo left
+    `force_disable_caches` unreadable, and every later compile in the process failed ("does not exist")."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+
+
+def test_compiled_chunked_loss_matches_and_never_holds_the_whole_logits(tmp_path, monkeypatch,
+                                                                        inductor_caches_off) -> None:
     """Compiled as the trainer compiles it (LossFn(compile=True)): same loss and gradients, and no compiled graph's
     buffers reach the whole logits. Compiling the whole chunk loop as one graph fails this: inductor then
     schedules every chunk's recomputed logits side by side in one backward (2x the fp32 logits here)."""
-    import torch._inductor.config
     from torch._inductor.utils import run_and_get_code
 
-    # Cold caches: every graph is compiled here, so run_and_get_code sees its code.
+    # Cold caches (with inductor_caches_off): every graph is compiled here, so run_and_get_code sees its code.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     # No blocks (their compile is the slow part and not under test): embeddings -> norm -> head -> loss.
     args = dataclasses.replace(DEBUG, vocab_size=8192, n_layers=0)
     model = debug_model(args)

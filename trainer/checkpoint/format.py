@@ -9,6 +9,7 @@ Layout under `{job.dump_folder}/{checkpoint.folder}/`:
         checkpoint.json       step, model shape, vocab, mixed_precision, layout, size and crc32 of every file
     step-{N}.tmp/             a save in progress, or one a crash interrupted: ignored with a warning
     step-{N}.corrupt/         a checkpoint that failed verification, moved aside by a resume (never deleted)
+    step-{N}.abandoned/       a later trajectory than the load_step a run resumed, moved aside at its first save
     step-{N}-hf/              the final weights-only export (checkpoint.model_only), Hugging Face layout
 
 Nothing in a checkpoint is a pickled Python object except DCP's `.metadata`, which is
@@ -125,7 +126,7 @@ class ChecksummedWriter(FileSystemWriter):
         root = Path(self.path)
         files = sorted({r.storage_data.relative_path for r in results})
         digests = {name: file_digest(root / name) for name in files}
-        sidecar = root / f"{plan.storage_data.prefix}checksums.json"
+        sidecar = root / f"{plan.storage_data.prefix}checksums.json"  # DCP's prefix is __{rank}_: sidecar_name
         with open(sidecar, "w") as f:
             json.dump(digests, f)
             f.flush()
@@ -133,10 +134,15 @@ class ChecksummedWriter(FileSystemWriter):
         return future
 
 
+def sidecar_name(rank: int | str) -> str:
+    """The file where rank `rank` records the size and crc32 of the files it wrote (ChecksummedWriter)."""
+    return f"__{rank}_checksums.json"
+
+
 def collect_checksums(tmp: Path) -> dict[str, dict[str, Any]]:
     """Merge (and remove) every rank's checksum sidecar; add .metadata's."""
     files: dict[str, dict[str, Any]] = {}
-    sidecars = sorted(tmp.glob("__*_checksums.json"))
+    sidecars = sorted(tmp.glob(sidecar_name("*")))
     for sidecar in sidecars:
         files.update(json.loads(sidecar.read_text()))
     files[METADATA] = file_digest(tmp / METADATA)

@@ -4,7 +4,12 @@ Every rank writes its shards into `step-{N}.tmp/`. DCP gathers all ranks' write
 results before rank 0 writes `.metadata`, so once rank 0's save returns, every rank
 has finished; only then does rank 0 add `checkpoint.json` and rename the folder.
 "Latest" is therefore always a checkpoint that every rank finished, and a process
-killed mid-save leaves the previous one as latest. A save that fails (disk full, a
+killed mid-save leaves the previous one as latest. Before publishing, rank 0 checks that
+every rank's shards and checksums are in the folder it publishes (a relative or
+node-local path can send a rank's writes elsewhere). Pruning never removes the
+checkpoint just written nor the one the run resumed from; a run pinned to an earlier
+`load_step` moves the later trajectory's checkpoints aside (`step-N.abandoned`) at its
+first save, so they are never resumed by mistake and never deleted. A save that fails (disk full, a
 folder removed) leaves no partial folder and never touches the previous checkpoints;
 space.py says how big a checkpoint is, warns before a save that will not fit, and words
 a full disk.
@@ -18,6 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +34,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter,
-    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, write_json,
+    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.space import (
-    checkpoint_bytes, describe_disk_error, prune_checkpoints, save_error, warn_if_short,
+    checkpoint_bytes, describe_disk_error, move_aside, prune_checkpoints, save_error, warn_if_short,
 )
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     split_tensors
 from trainer.checkpoint.values import check_index_entries
 from trainer.checkpoint.verify import (
-    check_files, check_model_matches, data_files, read_checkpoint_json,
-    read_dcp_metadata, read_state_json, safe_load, scan_checkpoints,
+    check_every_rank_wrote, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
 )
-from trainer.output_folder import aside_name
+from trainer.errors import on_every_rank
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -65,7 +70,10 @@ class CheckpointManager:
     when no save is in flight (after `wait()`), so collectives of the two never interleave.
     """
 
-    def __init__(self, options: CheckpointOptions, *, state: CheckpointState, run: RunInfo):
+    def __init__(self, options: CheckpointOptions, *, state: CheckpointState, run: RunInfo,
+                 timeout_seconds: int | None = None):
+        """`timeout_seconds` bounds every collective of the checkpoint group (distributed.init_timeout_seconds;
+        None: torch's default), so a rank stopped during a save fails the others instead of hanging them."""
         self.enable = options.enable
         self.folder = options.path
         self.interval = options.interval
@@ -82,13 +90,16 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.last_saved_step = -1
+        self.resumed_step = -1  # the checkpoint this run resumed from: pruning never removes it
+        self._abandoned: list[Path] = []  # rank 0: a later trajectory's checkpoints, moved aside at the first save
         self._nbytes: int | None = None  # the checkpoint's size, estimated at the first save
         self._pending: _PendingSave | None = None
         self._stager = None
         self.export_tokenizer = prepare_export(run) if self.model_only else None
         # Checkpoint traffic gets its own gloo group: an async save runs its collectives in a
         # background thread, which must never interleave with training's collectives on one group.
-        self.pg = dist.new_group(backend="gloo")
+        self.pg = dist.new_group(backend="gloo", timeout=None if timeout_seconds is None
+                                 else timedelta(seconds=timeout_seconds))
         if self.enable and self.async_mode != "disabled":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -137,7 +148,7 @@ class CheckpointManager:
         dist.broadcast_object_list(result, src=0, group=self.pg)
         kind, value = result[0]
         if kind == "error":
-            raise CheckpointError(value)
+            raise on_every_rank(CheckpointError(value))
         return value
 
     def _checkpoints_to_try(self) -> list[Path]:
@@ -153,11 +164,15 @@ class CheckpointManager:
                 available = ", ".join(f"step-{s}" for s in sorted(complete)) or "none"
                 raise CheckpointError(f"checkpoint.load_step={self.load_step}: {self.folder / f'step-{self.load_step}'}"
                                       f" is not a complete checkpoint (complete ones: {available})")
-            newer = [s for s in complete if s > self.load_step]
+            newer = sorted(s for s in complete if s > self.load_step)
             if newer:
-                logger.warning("loading step-%d although newer checkpoints exist (%s); this run's saves replace "
-                               "them as it reaches their steps", self.load_step,
-                               ", ".join(f"step-{s}" for s in sorted(newer)))
+                # A later trajectory: left as it is until this run writes a checkpoint of its own, then moved aside
+                # (a relaunch without load_step must resume this run, not the trajectory it abandoned).
+                self._abandoned = [complete[s] for s in newer]
+                logger.warning("loading step-%d although newer checkpoints exist (%s): they are a later trajectory "
+                               "this run abandons; its first save moves them aside as step-N.abandoned (kept, never "
+                               "resumed; delete them when done)", self.load_step,
+                               ", ".join(f"step-{s}" for s in newer))
             return [complete[self.load_step]]
         return [complete[s] for s in sorted(complete, reverse=True)]
 
@@ -177,9 +192,9 @@ class CheckpointManager:
             break
         else:
             more = f"; no older checkpoint verifies either ({len(corrupt) - 1} tried)" if len(corrupt) > 1 else ""
-            raise CorruptCheckpointError(corrupt[0][1] + more)
+            raise on_every_rank(CorruptCheckpointError(corrupt[0][1] + more))
         for bad, _ in corrupt:
-            aside = self._on_rank0(lambda: _move_aside(bad))
+            aside = self._on_rank0(lambda: move_aside(bad, "corrupt", why="is corrupt"))
             if self.rank == 0:
                 logger.error("moved the corrupt checkpoint %s aside to %s (kept for inspection; delete it when done)",
                              bad, aside)
@@ -189,50 +204,9 @@ class CheckpointManager:
         return path, verified
 
     def _verify(self, path: Path, *, model_only: bool, raise_corrupt: bool) -> tuple | str:
-        """(checkpoint.json, DCP metadata) once every check passed on every rank, or why it is corrupt.
-
-        Collective: each rank checks a slice of the data files and all ranks see every
-        rank's result, so all take the same branch. Incompatible or unsafe checkpoints
-        (and corrupt ones with `raise_corrupt`) raise CheckpointError on every rank.
-        """
-        result: tuple[str, str] = ("ok", "")
-        info = metadata = None
-        # Under pipeline parallelism each rank holds some stages: the checkpoint must match all ranks' keys.
-        model_sd = model_state_dict(self.state.model)
-        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, sorted(model_sd), group=self.pg)
-        all_keys = {k for keys in gathered for k in keys}
-        try:
-            info = read_checkpoint_json(path, allow_unverified=self.allow_unverified)
-            check_model_matches(info, self.run, path=path)
-            if not model_only and info.get("kind") != "training":
-                raise CheckpointError(f"{path / CHECKPOINT_JSON}: a {info.get('kind')} checkpoint has no optimizer or "
-                                      "step to resume; pass it as checkpoint.initial_load_path instead")
-            metadata = read_dcp_metadata(path, info)
-            check_index_entries(metadata, {k: tuple(v.shape) for k, v in model_sd.items()}, path=path,
-                                all_keys=all_keys)
-            names = data_files(metadata)
-            if not model_only:
-                names[STATE_JSON] = 1
-            mine = sorted(names)[self.rank::self.world_size]
-            problems = check_files(path, info, {n: names[n] for n in mine})
-            if problems:
-                result = ("corrupt", problems[0] + (f" (and {len(problems) - 1} more problems)"
-                                                    if len(problems) > 1 else ""))
-        except CorruptCheckpointError as e:
-            result = ("corrupt", str(e))
-        except CheckpointError as e:
-            result = ("error", str(e))
-        gathered: list[tuple[str, str]] = [("ok", "")] * self.world_size
-        dist.all_gather_object(gathered, result, group=self.pg)
-        for kind in ("error", "corrupt"):
-            for k, message in gathered:
-                if k == kind and (kind == "error" or raise_corrupt):
-                    raise (CheckpointError if kind == "error" else CorruptCheckpointError)(message)
-                if k == kind:
-                    return message
-        assert info is not None and metadata is not None
-        return info, metadata
+        return verify_on_every_rank(path, model=self.state.model, run=self.run, group=self.pg,
+                                    allow_unverified=self.allow_unverified, model_only=model_only,
+                                    raise_corrupt=raise_corrupt)
 
     def _load(self, path: Path, verified: tuple, *, model_only: bool) -> None:
         start = time.perf_counter()
@@ -270,7 +244,7 @@ class CheckpointManager:
             raise CheckpointError(f"{path / STATE_JSON} does not hold this trainer's state "
                                   f"({type(e).__name__}: {first_line(e)})") from None
         step = self.state.train_state.step
-        self.last_saved_step = step
+        self.last_saved_step = self.resumed_step = step
         saved_mp = self.state.train_state.resumed_mixed_precision or info.get("mixed_precision")
         if saved_mp != self.run.mixed_precision:
             logger.info("resumed %s checkpoint at step %d with mixed_precision=%s", saved_mp, step,
@@ -312,7 +286,8 @@ class CheckpointManager:
         nbytes = self._nbytes
         error = None
         if self.rank == 0:
-            warn_if_short(self.folder, step=step, nbytes=nbytes, keep_latest_k=self.keep_latest_k)
+            warn_if_short(self.folder, step=step, nbytes=nbytes, keep_latest_k=self.keep_latest_k,
+                          resumed=self.resumed_step)
             try:
                 if tmp.exists():
                     shutil.rmtree(tmp)  # left by an earlier, interrupted save of this step
@@ -332,6 +307,8 @@ class CheckpointManager:
                 dcp.save(tensors, storage_writer=writer, process_group=self.pg)
                 self._finalize(step, tmp, start)
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+                if isinstance(root_cause(e), KeyboardInterrupt):
+                    raise KeyboardInterrupt from None  # a second Ctrl-C during the save (DCP wraps it): quit now
                 error = save_error(e)
             # Nobody goes on until step-N is complete (or every rank knows it failed).
             error = self._broadcast_error(error)
@@ -359,7 +336,9 @@ class CheckpointManager:
         if self.rank == 0:
             return error
         name, message, code = box[0]
-        return OSError(code, message) if code is not None else RuntimeError(f"{name}: {message}")
+        if code is not None:
+            return OSError(code, message)
+        return CheckpointError(message) if name == CheckpointError.__name__ else RuntimeError(f"{name}: {message}")
 
     def _save_failed(self, step: int, tmp: Path, error: BaseException, nbytes: int) -> None:
         """One line saying what failed and why; the partial folder removed; stop or continue as configured."""
@@ -371,7 +350,10 @@ class CheckpointManager:
         why = f"{type(error).__name__}: {first_line(error)}"
         if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
             why = describe_disk_error(error, folder=self.folder, step=step, nbytes=nbytes,
-                                      keep_latest_k=self.keep_latest_k)
+                                      keep_latest_k=self.keep_latest_k, resumed=self.resumed_step)
+        elif isinstance(error, CheckpointError):  # a save that cannot succeed in this setup: no retry helps
+            raise on_every_rank(CheckpointError(f"checkpoint step-{step} was not published: {first_line(error)}"
+                                                f"{removed}; earlier checkpoints are untouched"))
         message = f"checkpoint step-{step} failed to save into {tmp}: {why}{removed}; earlier checkpoints are untouched"
         if self.on_save_error == "stop":
             raise CheckpointError(message + " (checkpoint.on_save_error=continue would keep training)")
@@ -391,9 +373,10 @@ class CheckpointManager:
         if box[0] == step:
             return
         latest = f"step-{box[0]}" if box[0] >= 0 else "step 0 (no checkpoint)"
-        raise CheckpointError(f"training reached its last step {step}, but checkpoint step-{step} failed to save (see "
-                              f"above), so steps after {latest} are in no checkpoint: make room in {self.folder} and "
-                              "relaunch the same command to redo them")
+        raise on_every_rank(CheckpointError(
+            f"training reached its last step {step}, but checkpoint step-{step} failed to save (see above), so steps "
+            f"after {latest} are in no checkpoint: make room in {self.folder} and relaunch the same command to redo "
+            "them"))
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
@@ -418,6 +401,7 @@ class CheckpointManager:
         """Rank 0, once every rank has written: checkpoint.json, rename to step-N, prune."""
         if self.rank != 0:
             return
+        check_every_rank_wrote(tmp, world_size=self.world_size)
         files = collect_checksums(tmp)
         files[STATE_JSON] = file_digest(tmp / STATE_JSON)
         info = {
@@ -432,14 +416,25 @@ class CheckpointManager:
             "files": files,
         }
         write_json(tmp / CHECKPOINT_JSON, info)
+        self._move_abandoned_aside()
         final = self.folder / f"step-{step}"
         publish(tmp, final)
         size = sum(f["bytes"] for f in files.values())
         logger.info("saved checkpoint %s (%.1f MiB, %.2f s)", final, size / 2**20, time.perf_counter() - start)
         self._prune(step)
 
+    def _move_abandoned_aside(self) -> None:
+        """Rank 0, at this run's first save after resuming an earlier load_step: the later trajectory's checkpoints
+        become `step-N.abandoned` (kept; scans skip them), so "latest" is this run's."""
+        for path in self._abandoned:  # a failure fails this save, which then publishes nothing
+            aside = move_aside(path, "abandoned", why=f"is a later trajectory than step-{self.resumed_step}")
+            logger.warning("moved %s aside to %s: a later trajectory than step-%d, which this run resumed (kept, never "
+                           "resumed; delete it when done)", path, aside.name, self.resumed_step)
+        self._abandoned = []
+
     def _prune(self, newest: int) -> None:
-        for path in prune_checkpoints(self.folder, newest=newest, keep_latest_k=self.keep_latest_k):
+        for path in prune_checkpoints(self.folder, newest=newest, keep_latest_k=self.keep_latest_k,
+                                      resumed=self.resumed_step):
             why = (f"an interrupted save, superseded by step-{newest}" if path.name.endswith(".tmp")
                    else f"keep_latest_k={self.keep_latest_k}")
             logger.info("removed %s (%s)", path, why)
@@ -462,12 +457,3 @@ class CheckpointManager:
                 self._stager.close()
                 self._stager = None
 
-
-def _move_aside(path: Path) -> Path:
-    """Rename a corrupt checkpoint out of the way (`step-N.corrupt`, `.corrupt-2`, ...); never delete it."""
-    aside = aside_name(path, "corrupt")
-    try:
-        path.rename(aside)
-    except OSError as e:
-        raise CheckpointError(f"{path} is corrupt and could not be moved aside to {aside}: {e}") from None
-    return aside

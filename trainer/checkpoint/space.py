@@ -11,6 +11,8 @@ Before each save rank 0 compares the checkpoint's size with the free space and w
 warns: free space on a shared filesystem changes under other jobs, and the write itself is what
 fails, cleanly). `keep_latest_k` deletes old checkpoints only after a save completes, so a failed
 save never costs one; when those deletions would make room, the warning and the error say so.
+Pruning keeps this run's trajectory: the checkpoint just written, the one the run resumed from, and
+never a later step (a run resumed with `load_step` moves a later trajectory aside first: manager.py).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.checkpoint.format import STEP_DIR, disk_error, root_cause
+from trainer.checkpoint.format import STEP_DIR, CheckpointError, disk_error, root_cause
 from trainer.checkpoint.verify import scan_checkpoints
+from trainer.output_folder import aside_name
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -89,8 +92,13 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def to_prune(folder: Path, *, newest: int, keep_latest_k: int) -> list[Path]:
-    """What prune_checkpoints removes once step-{newest} is complete (it need not exist yet)."""
+def to_prune(folder: Path, *, newest: int, keep_latest_k: int, resumed: int = -1) -> list[Path]:
+    """What prune_checkpoints removes once step-{newest} is complete (it need not exist yet).
+
+    Interrupted saves older than step-{newest}; with keep_latest_k = k > 0, the complete checkpoints
+    older than step-{newest} but its k - 1 newest. Never step-{newest}, never step-{resumed} (the
+    checkpoint this run resumed from: the last one known to load), never a later step.
+    """
     complete, incomplete = scan_checkpoints(folder)
     removed = []
     for path, _ in incomplete:
@@ -98,22 +106,31 @@ def to_prune(folder: Path, *, newest: int, keep_latest_k: int) -> list[Path]:
         if m and m.group(2) and int(m.group(1)) < newest:
             removed.append(path)
     if keep_latest_k > 0:
-        steps = sorted(set(complete) | {newest})[:-keep_latest_k]
-        removed += [complete[step] for step in steps if step in complete]
+        older = sorted(step for step in complete if step < newest)
+        removed += [complete[step] for step in older[:max(len(older) - (keep_latest_k - 1), 0)] if step != resumed]
     return removed
 
 
-def prune_checkpoints(folder: Path, *, newest: int, keep_latest_k: int) -> list[Path]:
-    """Remove interrupted saves older than step-{newest} and, with keep_latest_k > 0, all but the newest k.
+def prune_checkpoints(folder: Path, *, newest: int, keep_latest_k: int, resumed: int = -1) -> list[Path]:
+    """Remove what `to_prune` names (right after step-{newest} became complete); returns it.
 
-    Called right after step-{newest} became complete, so with k >= 1 the only
-    complete checkpoint always survives. Returns what was removed. Corrupt
-    checkpoints moved aside (`step-N.corrupt`) are never removed.
+    Corrupt checkpoints moved aside (`step-N.corrupt`) and abandoned ones (`step-N.abandoned`) are never removed.
     """
-    removed = to_prune(folder, newest=newest, keep_latest_k=keep_latest_k)
+    removed = to_prune(folder, newest=newest, keep_latest_k=keep_latest_k, resumed=resumed)
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def move_aside(path: Path, tag: str, *, why: str) -> Path:
+    """Rename a checkpoint out of the way (`step-N.{tag}`, `.{tag}-2`, ...), never deleting it; `why` completes
+    "{path} ..." in the one-line error if it cannot be moved."""
+    aside = aside_name(path, tag)
+    try:
+        path.rename(aside)
+    except OSError as e:
+        raise CheckpointError(f"{path} {why} and could not be moved aside to {aside}: {e}") from None
+    return aside
 
 
 def _folder_bytes(path: Path) -> int:
@@ -127,9 +144,9 @@ def _folder_bytes(path: Path) -> int:
     return total
 
 
-def _prune_hint(folder: Path, *, step: int, keep_latest_k: int) -> str:
+def _prune_hint(folder: Path, *, step: int, keep_latest_k: int, resumed: int) -> str:
     """'; keep_latest_k=K deletes step-2 (10.5 MiB) once this save completes: deleting it first makes room', or ''."""
-    doomed = [p for p in to_prune(folder, newest=step, keep_latest_k=keep_latest_k)
+    doomed = [p for p in to_prune(folder, newest=step, keep_latest_k=keep_latest_k, resumed=resumed)
               if not p.name.endswith(".tmp")]
     if not doomed:
         return ""
@@ -139,7 +156,8 @@ def _prune_hint(folder: Path, *, step: int, keep_latest_k: int) -> str:
             f"deleting {'it' if len(doomed) == 1 else 'them'} first would make room")
 
 
-def describe_disk_error(error: OSError, *, folder: Path, step: int, nbytes: int, keep_latest_k: int) -> str:
+def describe_disk_error(error: OSError, *, folder: Path, step: int, nbytes: int, keep_latest_k: int,
+                        resumed: int) -> str:
     """The reason part of a failed save's line, for a disk error (call after the partial folder is removed)."""
     needs = f"this checkpoint needs about {nbytes / 2**20:,.1f} MiB"
     if error.errno == errno.EFBIG:
@@ -150,10 +168,10 @@ def describe_disk_error(error: OSError, *, folder: Path, step: int, nbytes: int,
     free = free_bytes(folder)
     what = "disk quota exceeded" if error.errno == errno.EDQUOT else "no space left on device"
     return (f"{what} ({needs}; {'unknown' if free is None else f'{free / 2**20:,.1f} MiB'} free)"
-            + _prune_hint(folder, step=step, keep_latest_k=keep_latest_k))
+            + _prune_hint(folder, step=step, keep_latest_k=keep_latest_k, resumed=resumed))
 
 
-def warn_if_short(folder: Path, *, step: int, nbytes: int, keep_latest_k: int) -> None:
+def warn_if_short(folder: Path, *, step: int, nbytes: int, keep_latest_k: int, resumed: int) -> None:
     """Before a save (rank 0): warn when the filesystem has less free space than the checkpoint needs."""
     try:
         free = free_bytes(folder)
@@ -161,7 +179,7 @@ def warn_if_short(folder: Path, *, step: int, nbytes: int, keep_latest_k: int) -
             return
         fs = filesystem_type(folder)
         shared = next((s for s in SHARED_FILESYSTEMS if fs == s or fs.startswith(s + ".")), None)
-        hint = _prune_hint(folder, step=step, keep_latest_k=keep_latest_k)
+        hint = _prune_hint(folder, step=step, keep_latest_k=keep_latest_k, resumed=resumed)
     except OSError as e:  # a hint must never fail a save
         logger.debug("free space check failed: %s", e)
         return

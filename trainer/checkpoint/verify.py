@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -38,11 +39,12 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
-    CorruptCheckpointError, file_digest, first_line, root_cause,
+    CorruptCheckpointError, file_digest, first_line, root_cause, sidecar_name,
 )
-from trainer.checkpoint.state import RunInfo, args_from_json
-from trainer.checkpoint.values import check_state_values
+from trainer.checkpoint.state import RunInfo, args_from_json, model_state_dict
+from trainer.checkpoint.values import check_index_entries, check_state_values
 from trainer.confine import outside_problem
+from trainer.errors import on_every_rank
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -332,6 +334,34 @@ def data_files(metadata: Metadata) -> dict[str, int]:
     return min_bytes
 
 
+_RANK_FILE = re.compile(r"^__(\d+)_")  # DCP's file names start with the writing rank: __{rank}_{i}.distcp
+
+
+def check_every_rank_wrote(tmp: Path, *, world_size: int) -> None:
+    """Rank 0, before publishing a save in `tmp`: every rank's checksums and every file `.metadata` refers to are
+    there, else a CheckpointError. A rank missing from them wrote into another folder (a relative or node-local
+    path resolved differently on its node): publishing would make a checkpoint that never loads."""
+    listed: set[str] = set()
+    absent = set()
+    for rank in range(world_size):
+        sidecar = tmp / sidecar_name(rank)
+        if sidecar.is_file():
+            listed.update(json.loads(sidecar.read_text()))
+        else:
+            absent.add(rank)
+    unlisted = sorted(set(data_files(load_dcp_metadata(tmp / METADATA))) - listed)
+    ranks = sorted(absent | {int(m.group(1)) for name in unlisted if (m := _RANK_FILE.match(name))})
+    if not ranks and not unlisted:
+        return
+    who = (f"rank {ranks[0]} wrote its" if len(ranks) == 1 else
+           f"ranks {', '.join(map(str, ranks))} wrote their" if ranks else "a rank wrote its")
+    raise CheckpointError(
+        f"{who} shards into another folder: "
+        f"{', '.join(unlisted) or 'its checksums'} {'is' if len(unlisted) == 1 else 'are'} not in {tmp.absolute()}, where rank 0 "
+        "publishes the checkpoint (job.dump_folder or checkpoint.folder names another folder on that rank's node: a "
+        "relative path, or a node-local disk); give an absolute path on a filesystem every node shares")
+
+
 def check_files(path: Path, info: dict[str, Any], names: dict[str, int]) -> list[str]:
     """Problems (one line each) with these files of a checkpoint: {name: least size}."""
     recorded = info.get("files")
@@ -358,3 +388,52 @@ def read_state_json(path: Path, info: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"{file} is not a training state (a JSON {type(state).__name__})")
     check_state_values(state, info, path=path)
     return state
+
+
+def verify_on_every_rank(path: Path, *, model: Any, run: RunInfo, group: Any, allow_unverified: bool,
+                         model_only: bool, raise_corrupt: bool) -> tuple[dict[str, Any], Metadata] | str:
+    """(checkpoint.json, DCP metadata) once every check passed on every rank, or why it is corrupt.
+
+    Collective on `group`: each rank checks a slice of the data files and all ranks see every
+    rank's result, so all take the same branch. Incompatible or unsafe checkpoints (and corrupt
+    ones with `raise_corrupt`) raise CheckpointError on every rank.
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    result: tuple[str, str] = ("ok", "")
+    info = metadata = None
+    # Under pipeline parallelism each rank holds some stages: the checkpoint must match all ranks' keys.
+    model_sd = model_state_dict(model)
+    gathered: list[list[str]] = [[] for _ in range(world_size)]
+    dist.all_gather_object(gathered, sorted(model_sd), group=group)
+    all_keys = {k for keys in gathered for k in keys}
+    try:
+        info = read_checkpoint_json(path, allow_unverified=allow_unverified)
+        check_model_matches(info, run, path=path)
+        if not model_only and info.get("kind") != "training":
+            raise CheckpointError(f"{path / CHECKPOINT_JSON}: a {info.get('kind')} checkpoint has no optimizer or "
+                                  "step to resume; pass it as checkpoint.initial_load_path instead")
+        metadata = read_dcp_metadata(path, info)
+        check_index_entries(metadata, {k: tuple(v.shape) for k, v in model_sd.items()}, path=path,
+                            all_keys=all_keys)
+        names = data_files(metadata)
+        if not model_only:
+            names[STATE_JSON] = 1
+        mine = sorted(names)[rank::world_size]
+        problems = check_files(path, info, {n: names[n] for n in mine})
+        if problems:
+            result = ("corrupt", problems[0] + (f" (and {len(problems) - 1} more problems)"
+                                                if len(problems) > 1 else ""))
+    except CorruptCheckpointError as e:
+        result = ("corrupt", str(e))
+    except CheckpointError as e:
+        result = ("error", str(e))
+    results: list[tuple[str, str]] = [("ok", "")] * world_size
+    dist.all_gather_object(results, result, group=group)
+    for kind in ("error", "corrupt"):
+        for k, message in results:
+            if k == kind and (kind == "error" or raise_corrupt):
+                raise on_every_rank((CheckpointError if kind == "error" else CorruptCheckpointError)(message))
+            if k == kind:
+                return message
+    assert info is not None and metadata is not None
+    return info, metadata

@@ -1,0 +1,109 @@
+"""What one rank does that the others cannot see, on 2 spawned gloo ranks (issue 39): a checkpoint folder that
+resolves elsewhere on one rank, a rank stopped during a save, an error only one rank raises."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from tests.distributed.spawn import run_distributed
+from tests.helpers import FAST
+
+ARGS = [*FAST, "--train.steps=2", "--train.seq_len=32", "--checkpoint.enable=true", "--checkpoint.interval=2"]
+
+
+def _main(argv: list[str], cwd: dict[str, str], fail_on_rank1: bool = False) -> tuple[int | str, str]:
+    """trainer.cli.main in this rank's working directory (cwd[RANK]): (exit code, or the exception's name; what
+    it printed). With fail_on_rank1, rank 1 alone meets bad data right after the process group exists."""
+    import contextlib
+    import io
+
+    import trainer.train
+    from trainer.cli import main
+    from trainer.data.shards import DataError
+
+    rank = os.environ["RANK"]
+    os.chdir(cwd[rank])
+    if fail_on_rank1 and rank == "1":
+        def bad_data(*args, **kwargs):
+            raise DataError("shard data/train_01.bin holds token 70000, past the vocabulary (model.vocab_size=256)")
+
+        trainer.train.build_data_loader = bad_data
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+        try:
+            rc: int | str = main(argv)
+        except BaseException as e:  # noqa: BLE001 - a peer that is gone fails the collectives of this rank
+            rc = type(e).__name__
+    return rc, out.getvalue()
+
+
+def test_a_rank_that_writes_its_shards_elsewhere_fails_the_save_instead_of_publishing(tmp_path: Path) -> None:
+    """A relative job.dump_folder from two working directories (two nodes' home folders, say): every rank's job is
+    the same, but rank 1's shards land in its own folder. Rank 0 used to publish step-2 listing only its own shard,
+    a checkpoint that never verifies on resume."""
+    cwd = {"0": tmp_path / "node0", "1": tmp_path / "node1"}
+    for folder in cwd.values():
+        folder.mkdir()
+    (rc0, out0), (rc1, out1) = run_distributed(
+        _main, world_size=2, args=([*ARGS, "--job.dump_folder=run"], {r: str(p) for r, p in cwd.items()}),
+        timeout=180)
+    assert (rc0, rc1) == (2, 2), (out0[-3000:], out1[-3000:])
+    tmp = cwd["0"] / "run" / "checkpoint" / "step-2.tmp"
+    assert out0.splitlines()[-1] == (
+        f"error (rank 0): checkpoint step-2 was not published: rank 1 wrote its shards into another folder: "
+        f"__1_0.distcp is not in {tmp}, where rank 0 publishes the checkpoint (job.dump_folder or checkpoint.folder "
+        "names another folder on that rank's node: a relative path, or a node-local disk); give an absolute path on "
+        "a filesystem every node shares; removed the partial step-2.tmp; earlier checkpoints are untouched"), out0
+    assert "error" not in out1  # the same line, once per node: local rank 0's
+    assert sorted(p.name for p in (cwd["0"] / "run" / "checkpoint").iterdir()) == []
+
+
+def test_an_error_on_one_rank_is_printed_by_that_rank(tmp_path: Path) -> None:
+    """Bad data on rank 1 only used to show nothing but torchrun's `exitcode: 2`: only local rank 0 printed."""
+    dump = str(tmp_path / "run")
+    (rc0, out0), (rc1, out1) = run_distributed(
+        _main, world_size=2, timeout=180,
+        args=([*ARGS, f"--job.dump_folder={dump}", "--distributed.init_timeout_seconds=5"],
+              {"0": str(tmp_path), "1": str(tmp_path)}, True))
+    assert rc1 == 2 and out1.splitlines()[-1] == (
+        "error (rank 1): shard data/train_01.bin holds token 70000, past the vocabulary (model.vocab_size=256)"), out1
+    assert rc0 != 0 and "past the vocabulary" not in out0  # rank 0's own end: its peer is gone
+
+
+def _save_alone(folder: str, timeout_seconds: int) -> float:
+    """Rank 0 saves while rank 1 never joins the save: seconds until rank 0's save failed."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.checkpoint import CheckpointManager, RunInfo
+    from trainer.config import CheckpointSection
+    from trainer.models.llama import FLAVORS
+    from trainer.validate.options import checkpoint_options
+
+    dist.init_process_group("gloo")
+
+    class State:
+        def state_dict(self):
+            return {"model": {"w": torch.ones(64, 64)}, "train_state": {"step": 0}}
+
+    manager = CheckpointManager(
+        checkpoint_options(CheckpointSection(enable=True, interval=1), dump_folder=folder), state=State(),
+        run=RunInfo(flavor="debug", model_args=FLAVORS["debug"], mixed_precision="fp32"),
+        timeout_seconds=timeout_seconds)
+    if dist.get_rank() == 1:
+        time.sleep(4 * timeout_seconds)  # stopped (SIGSTOP, a hung filesystem) through rank 0's save
+        return 0.0
+    start = time.perf_counter()
+    try:
+        manager.save(1)
+    except RuntimeError:  # gloo's timeout, or DCP's report of it
+        return time.perf_counter() - start
+    raise AssertionError("the save succeeded without rank 1")
+
+
+def test_a_rank_stopped_during_a_save_fails_the_others_after_the_timeout(tmp_path: Path) -> None:
+    """The checkpoint group used torch's 30-minute default, ignoring distributed.init_timeout_seconds."""
+    waited, _ = run_distributed(_save_alone, world_size=2, args=(str(tmp_path), 3), timeout=120)
+    assert 3 <= waited < 11, waited  # the timeout, and at most one more (the error's broadcast)
