@@ -45,6 +45,10 @@ RULES: dict[str, Rule] = {
     "norm_eps": Rule("float", low=0, high=1, open_low=True),
     "rope_theta": Rule("float", low=0, high=1e30, open_low=True),
     "max_seq_len": Rule("int", high=MAX_SEQ_LEN),
+    "explicit_head_dim": Rule("int", low=0),
+    "explicit_ffn_dim": Rule("int", low=0),
+    "tie_word_embeddings": Rule("bool"),
+    "qk_norm": Rule("bool"),
     # RopeScaling
     "factor": Rule("float", low=0, high=1e6, open_low=True),
     "low_freq_factor": Rule("float", low=0, high=1e6, open_low=True),
@@ -120,8 +124,12 @@ def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str |
     def name(field: str) -> str:
         return f"{keys.get(field, field)}={v[field]}"
 
-    if {"dim", "n_heads"} <= v.keys() and (v["dim"] % v["n_heads"] or (v["dim"] // v["n_heads"]) % 2):
-        return f"{name('dim')} must be an even multiple of {name('n_heads')} (an even head_dim, for RoPE)"
+    if v.get("explicit_head_dim"):
+        if v["explicit_head_dim"] % 2:
+            return f"{name('explicit_head_dim')} must be even (RoPE rotates pairs of dimensions)"
+    elif {"dim", "n_heads"} <= v.keys() and (v["dim"] % v["n_heads"] or (v["dim"] // v["n_heads"]) % 2):
+        return (f"{name('dim')} must be an even multiple of {name('n_heads')} (an even head_dim, for RoPE), or set "
+                f"{keys.get('explicit_head_dim', 'explicit_head_dim')}")
     if {"n_heads", "n_kv_heads"} <= v.keys() and v["n_heads"] % v["n_kv_heads"]:
         return f"{name('n_heads')} must be a multiple of {name('n_kv_heads')}"
     if {"top_k", "n_experts"} <= v.keys() and v["top_k"] > v["n_experts"]:
@@ -134,10 +142,12 @@ def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str |
 def param_count(args: Any) -> int:
     """Parameters (and MoE expert biases) of a model with these (checked) ModelArgs / MoEArgs, in closed form:
     no loop over layers, so a crafted n_layers costs nothing to count."""
-    d, hd = args.dim, args.dim // args.n_heads
+    d, hd = args.dim, args.head_dim
     attention = 2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 2 * d  # q, o; k, v; two norms
+    attention += 2 * hd if args.qk_norm else 0
     dense = 3 * d * args.ffn_dim
-    total = 2 * args.vocab_size * d + d + args.n_layers * attention  # embeddings, head, final norm
+    tied = args.tie_word_embeddings  # one table for the embeddings and the head
+    total = (1 if tied else 2) * args.vocab_size * d + d + args.n_layers * attention  # + the final norm
     n_experts = getattr(args, "n_experts", None)
     if n_experts is None:
         return total + args.n_layers * dense
@@ -150,11 +160,12 @@ def param_count(args: Any) -> int:
 def num_tensors(args: Any) -> int:
     """Model tensors (state-dict entries) of a model with these args, in closed form."""
     n_experts = getattr(args, "n_experts", None)
+    norms = 2 if args.qk_norm else 0  # a tied head is still its own entry
     if n_experts is None:
-        return 3 + 9 * args.n_layers
+        return 3 + (9 + norms) * args.n_layers
     n_dense = min(args.n_dense_layers, args.n_layers)
-    per_moe = 6 + 5 + (3 if args.n_shared_experts else 0)
-    return 3 + 9 * n_dense + per_moe * (args.n_layers - n_dense)
+    per_moe = 6 + 5 + (3 if args.n_shared_experts else 0) + norms
+    return 3 + (9 + norms) * n_dense + per_moe * (args.n_layers - n_dense)
 
 
 def num_params_for(args: Any) -> tuple[int, int]:

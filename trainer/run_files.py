@@ -36,10 +36,9 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
     from trainer.models import family_of
 
     d = cfg.to_dict()
-    d["model"].update(vocab_size=args.vocab_size, n_layers=args.n_layers)
-    if family_of(args).has_router:  # the routing values of [moe]
-        d["moe"].update(top_k=args.top_k, aux_loss_coef=args.aux_loss_coef, bias_update_rate=args.bias_update_rate,
-                        capacity_factor=args.capacity_factor)
+    d["model"].update(model_section_values(args))
+    if family_of(args).has_router:  # the experts and routing values of [moe]
+        d["moe"].update({f: getattr(args, f) for f in d["moe"]})
     d["distributed"].update(
         dp_shard=pd.dp_shard, master_dtype="bf16" if build.fsdp.master_dtype == torch.bfloat16 else "fp32",
         reshard_after_forward="always" if build.fsdp.reshard_after_forward else "never",
@@ -54,6 +53,28 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
     d["model_args"] = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
     d["model_args"]["ffn_dim"] = args.ffn_dim
     return d
+
+
+def model_section_values(args: ModelArgs) -> dict[str, Any]:
+    """[model] as the run used it: every shape key set to the value in effect (a config that gives them builds this
+    model from any flavor of its family)."""
+    from trainer.models import family_of
+
+    s = args.rope_scaling
+    values = {
+        "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+        "head_dim": args.head_dim, "ffn_dim": args.ffn_dim, "ffn_dim_multiplier": args.ffn_dim_multiplier or 0.0,
+        "multiple_of": args.multiple_of, "vocab_size": args.vocab_size, "norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_scaling": "none" if s is None else "llama3",
+        "max_seq_len": args.max_seq_len, "tie_word_embeddings": args.tie_word_embeddings, "qk_norm": args.qk_norm,
+    }
+    if s is not None:
+        values |= {"rope_scaling_factor": s.factor, "rope_scaling_low_freq_factor": s.low_freq_factor,
+                   "rope_scaling_high_freq_factor": s.high_freq_factor,
+                   "rope_scaling_original_max_seq_len": s.original_max_seq_len}
+    if family_of(args).has_router:
+        del values["ffn_dim"]  # the dense blocks' width is [moe] dense_ffn_dim
+    return values
 
 
 def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: BuildOptions,

@@ -156,9 +156,11 @@ class Trainer:
         # whole model on every flavor: tests/unit/test_model.py).
         total, non_embedding = num_params_for(args)
         logger.info(
-            "Model: %s, %s parameters (%s non-embedding), dim=%d, layers=%d, heads=%d/%d kv, vocab=%d",
-            job.run.flavor, f"{total:,}", f"{non_embedding:,}",
-            args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
+            "Model: %s, %s parameters (%s non-embedding), dim=%d, layers=%d, heads=%d/%d kv x %d, ffn=%d, vocab=%d%s",
+            job.run.flavor, f"{total:,}", f"{non_embedding:,}", args.dim, args.n_layers, args.n_heads,
+            args.n_kv_heads, args.head_dim, args.ffn_dim, args.vocab_size,
+            "".join(f", {what}" for what, on in (("tied embeddings", args.tie_word_embeddings),
+                                                 ("qk_norm", args.qk_norm)) if on),
         )
         logger.info(describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
                                        build=job.build, float8_layers=job.float8_layers))

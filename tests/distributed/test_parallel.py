@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
+from tests.distributed.spawn import (
+    gradients_of_one_step, run_distributed, train_and_read_metrics, train_then_one_process,
+)
 from tests.helpers import FAST, column, train
 
 # The held-out loss at step 5 over 8 samples (validation.steps x batch_size x dp ranks = 8 in every layout).
@@ -123,3 +125,23 @@ def test_compile_matches_eager(reference, tmp_path: Path) -> None:
     # Inductor reorders fp32 reductions: close, not bitwise.
     assert column(got, "loss") == pytest.approx(column(reference, "loss"), rel=1e-4)
     assert column(got, "grad_norm") == pytest.approx(column(reference, "grad_norm"), rel=1e-3)
+
+
+# A model of its own shapes (issue 33): another head width, per-head q/k norms, an explicit MLP width, a tied head.
+OWN_SHAPES = ["--model.head_dim=48", "--model.qk_norm=true", "--model.ffn_dim=320"]
+
+
+@pytest.mark.parametrize(
+    "nproc, shapes, layout",
+    [
+        (2, OWN_SHAPES, ["--distributed.tp=2", "--train.batch_size=4"]),
+        (2, [*OWN_SHAPES, "--model.tie_word_embeddings=true"], ["--distributed.dp_shard=2", "--train.batch_size=2"]),
+    ],
+    ids=["qk_norm_tp2", "tied_dp_shard2"],
+)
+def test_own_shapes_match_single_process(nproc: int, shapes: list[str], layout: list[str], tmp_path: Path) -> None:
+    """The q/k norms under tensor parallel see each rank's heads and sum their gradients over the tp ranks; the tied
+    table is one FSDP2 parameter of the embeddings' and head's unit, its gradient the sum of both uses."""
+    got, ref = run_distributed(train_then_one_process, world_size=nproc, args=(
+        [*FAST, *STEPS, *shapes, *layout], [*FAST, *STEPS, *shapes, "--train.batch_size=4"], str(tmp_path)))[0]
+    assert_same_run(got, ref)

@@ -410,7 +410,10 @@ MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "co
 @pytest.mark.parametrize(
     "world_size, args, message",
     [
-        (1, ["--moe.top_k=9"], "moe.top_k=9 is more than the 8 routed experts of model.flavor='debug_moe'"),
+        (1, ["--moe.top_k=9"], "moe.top_k=9 must be at most moe.n_experts=8 (model.flavor='debug_moe' and the [model] "
+                               "and [moe] keys set)"),
+        (1, ["--moe.n_experts=4", "--moe.top_k=6"], "moe.top_k=6 must be at most moe.n_experts=4"),
+        (1, ["--moe.n_dense_layers=5"], "moe.n_dense_layers=5 must be at most model.n_layers=4"),
         (1, ["--moe.top_k=-1"], "moe.top_k=-1 must be >= 1, or 0 for the flavor's own"),
         (1, ["--moe.capacity_factor=-0.5"], "moe.capacity_factor=-0.5 must be >= 0 (0 = no token dropping)"),
         (1, ["--moe.aux_loss_coef=-2"], "moe.aux_loss_coef=-2.0 must be >= 0 (0 = off), or -1 for the flavor's own"),

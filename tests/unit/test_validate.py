@@ -130,7 +130,7 @@ def test_seq_len_beyond_the_flavor_is_a_logged_choice(caplog, monkeypatch) -> No
     monkeypatch.setattr(logging.getLogger("trainer"), "propagate", True)  # setup_logging may have run
     job = validate_job(_cfg("--train.seq_len=9000", "--data.source=synthetic"), world_size=1)
     assert job.model_args.max_seq_len == 9000
-    assert "train.seq_len=9000 is longer than model.flavor='debug''s max_seq_len=8192" in caplog.text
+    assert "train.seq_len=9000 is longer than the model's max_seq_len=8192 (model.flavor='debug')" in caplog.text
 
 
 def test_loss_chunk_tokens_reaches_the_build_and_one_chunk_is_a_logged_waste(caplog, monkeypatch) -> None:

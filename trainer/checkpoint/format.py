@@ -43,7 +43,8 @@ FORMAT = "trainer-dcp-2"
 OLD_FORMATS = ("trainer-dcp-1",)
 STEP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")
 # Shape-determining model args: a mismatch in any of them is an error before loading.
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "qk_norm",
+              "tie_word_embeddings",
               "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers")  # the last four: MoE only
 # Same shapes, different function: loaded, with a warning.
 FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")

@@ -201,7 +201,8 @@ class RunInfo:
         args = asdict(self.model_args)
         # The run's sequence length (the rope table's size) is recorded but is not part of the weights.
         name = "moe" if "n_experts" in args else "llama3"
-        return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim}
+        return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim,
+                "head_dim": self.model_args.head_dim}
 
     def tokenizer_json(self) -> dict[str, str] | None:
         """checkpoint.json's "tokenizer" entry: what an export made from the checkpoint later copies."""
@@ -239,7 +240,7 @@ def args_from_json(model: dict[str, Any], *, where: str = "checkpoint.json") -> 
     if model.get("name", "llama3") not in ("llama3", "moe"):
         raise CheckpointError(f"{where}: model.name={model.get('name')!r} must be 'llama3' or 'moe' ({edited})")
     cls = MoEArgs if model.get("name") == "moe" else ModelArgs
-    known = {*cls.__dataclass_fields__, "name", "flavor", "ffn_dim"}
+    known = {*cls.__dataclass_fields__, "name", "flavor", "ffn_dim", "head_dim"}
     unknown = sorted(k for k in model if k not in known)
     missing = [k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size") if k not in model]
     if unknown or missing:
@@ -254,7 +255,8 @@ def args_from_json(model: dict[str, Any], *, where: str = "checkpoint.json") -> 
     if fields.get("rope_scaling") is not None:
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     args = cls(**fields)
-    if args.ffn_dim != model.get("ffn_dim", args.ffn_dim):
-        raise CheckpointError(f"{where}: model.ffn_dim={model['ffn_dim']} but the other arguments give "
-                              f"{args.ffn_dim} ({edited})")
+    for derived in ("ffn_dim", "head_dim"):
+        if getattr(args, derived) != model.get(derived, getattr(args, derived)):
+            raise CheckpointError(f"{where}: model.{derived}={model[derived]} but the other arguments give "
+                                  f"{getattr(args, derived)} ({edited})")
     return args

@@ -44,9 +44,10 @@ def check_args_fit_files(args: Any, *, data_bytes: int, where: str, files: str, 
                          tied: bool = False) -> None:
     """The parameters `args` imply, at 2 bytes each at least, fit in the `data_bytes` the data files hold.
 
-    tied: the files hold the embeddings once for the head too (a tied Hugging Face model).
+    tied: the files hold the embeddings once for the head too (a tied Hugging Face model, whether or not `args`
+    ties them: param_count counts a tied table once).
     """
-    n = param_count(args) - (args.vocab_size * args.dim if tied else 0)
+    n = param_count(args) - (args.vocab_size * args.dim if tied and not args.tie_word_embeddings else 0)
     if n * MIN_BYTES_PER_PARAM > data_bytes:
         raise error(f"{where}: the model arguments (dim={args.dim}, n_layers={args.n_layers}, "
                     f"vocab_size={args.vocab_size}) imply {n:,} parameters, at least {_gib(n * MIN_BYTES_PER_PARAM)}, "

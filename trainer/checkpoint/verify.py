@@ -297,6 +297,10 @@ def check_model_matches(info: dict[str, Any], run: RunInfo, *, path: Path) -> No
     """Vocab and shape of the checkpoint against this run's model, from checkpoint.json alone."""
     file = path / CHECKPOINT_JSON
     saved, ours = info["model"], run.model_json()
+    if isinstance(saved.get("dim"), int) and isinstance(saved.get("n_heads"), int) and saved["n_heads"] > 0:
+        # Written before these arguments existed: what they meant then.
+        saved = {"head_dim": saved["dim"] // saved["n_heads"], "qk_norm": False, "tie_word_embeddings": False,
+                 **saved}
     if saved.get("vocab_size") != ours["vocab_size"]:
         raise CheckpointError(
             f"{file}: vocab mismatch: the checkpoint has vocab_size={saved.get('vocab_size')}, this run has "
@@ -306,7 +310,7 @@ def check_model_matches(info: dict[str, Any], run: RunInfo, *, path: Path) -> No
     if diffs:
         raise CheckpointError(
             f"{file}: model shape mismatch: the checkpoint is {saved.get('name', 'llama3')} {saved.get('flavor')} with "
-            f"{', '.join(diffs)}; use the model.flavor/n_layers it was trained with"
+            f"{', '.join(diffs)}; use the [model] shapes it was trained with (its resolved.toml has them all)"
         )
     changed = [f"{k} {saved.get(k)} -> {ours[k]}" for k in FUNCTION_KEYS if saved.get(k) != ours[k]]
     if changed:

@@ -67,10 +67,7 @@ def _check_ranges(cfg: Any) -> None:
     for key, value in at_least_one.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
-    for field in ("n_layers", "vocab_size"):  # the rules of every model argument's source (checkpoints too)
-        if problem := value_problem(field, getattr(cfg.model, field), key=f"model.{field}",
-                                    zero_keeps="the flavor's own"):
-            raise ConfigError(problem)
+    _check_model_values(cfg)
     at_least_zero = {
         "train.max_norm": (t.max_norm, " (0 disables clipping)"),
         "train.selective_ac_every": (t.selective_ac_every, ""),
@@ -91,6 +88,30 @@ def _check_ranges(cfg: Any) -> None:
             raise ConfigError(f"distributed.{key}={value} must be >= 0 (a cost in blocks), or -1 for its FLOPs")
     if d.dp_shard == 0 or d.dp_shard < -1:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
+
+
+# [model] and [moe] keys -> the model argument whose rule they follow (trainer.model_values, checkpoints' rules too).
+MODEL_KEYS = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "n_kv_heads": "n_kv_heads",
+              "head_dim": "explicit_head_dim", "ffn_dim": "explicit_ffn_dim", "ffn_dim_multiplier": "ffn_dim_multiplier",
+              "multiple_of": "multiple_of", "vocab_size": "vocab_size", "norm_eps": "norm_eps",
+              "rope_theta": "rope_theta", "rope_scaling_factor": "factor",
+              "rope_scaling_low_freq_factor": "low_freq_factor", "rope_scaling_high_freq_factor": "high_freq_factor",
+              "rope_scaling_original_max_seq_len": "original_max_seq_len", "max_seq_len": "max_seq_len"}
+MOE_KEYS = {"n_experts": "n_experts", "moe_ffn_dim": "moe_ffn_dim", "n_shared_experts": "n_shared_experts",
+            "n_dense_layers": "n_dense_layers", "dense_ffn_dim": "dense_ffn_dim"}
+
+
+def _check_model_values(cfg: Any) -> None:
+    """Every shape key by the rules of every model argument's source; 0 (-1 for the [moe] counts where 0 means
+    none) keeps the flavor's value."""
+    for section, keys in (("model", MODEL_KEYS), ("moe", MOE_KEYS)):
+        for key, field in keys.items():
+            value = getattr(getattr(cfg, section), key)
+            unset = 0 if section == "model" or key in ("n_experts", "moe_ffn_dim") else -1
+            if value == unset:
+                continue
+            if problem := value_problem(field, value, key=f"{section}.{key}"):
+                raise ConfigError(f"{problem}, or {unset} for the flavor's own")
 
 
 def _check_loss_chunking(cfg: Any) -> None:

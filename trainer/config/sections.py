@@ -29,20 +29,70 @@ class JobSection:
 
 @dataclass
 class ModelSection:
+    """The model's shapes: a flavor is a preset, and every key set here replaces its value (0, or "", keeps the flavor's). resolved.toml shows every value the run used (docs/models.md)."""
+
     flavor: str = "debug"
     """Size preset, which also picks the family: dense debug, 1b, 3b, 8b, 70b, 405b (trainer/models/llama.py); MoE debug_moe, moe_small, moe_16b (trainer/models/moe.py)."""
-    vocab_size: int = 0
-    """Vocabulary size; 0 keeps the flavor's own (128256 for the Llama 3 sizes, 512 for debug)."""
+    dim: int = 0
+    """Hidden size (the residual stream's width); 0 keeps the flavor's own."""
     n_layers: int = 0
     """Number of transformer blocks; 0 keeps the flavor's own (benchmarks use fewer)."""
+    n_heads: int = 0
+    """Attention (query) heads; 0 keeps the flavor's own."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention; n_heads must be a multiple); 0 keeps the flavor's own."""
+    head_dim: int = 0
+    """Each head's width, even (RoPE); 0 = dim / n_heads. Qwen3 sets it apart: 128 with dim=1024 and 16 heads."""
+    ffn_dim: int = 0
+    """The MLP's hidden width; 0 = Llama's rule: 8/3 x dim, times ffn_dim_multiplier, rounded up to multiple_of. An MoE flavor's dense blocks take moe.dense_ffn_dim."""
+    ffn_dim_multiplier: float = 0.0
+    """Scales Llama's 8/3 x dim (1.3 for Llama 3 8B) when ffn_dim is 0; 0 keeps the flavor's own."""
+    multiple_of: int = 0
+    """ffn_dim is rounded up to a multiple of this when derived from dim; 0 keeps the flavor's own."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 keeps the flavor's own (128256 for the Llama 3 sizes, 512 for debug)."""
+    norm_eps: float = 0.0
+    """RMSNorm epsilon; 0 keeps the flavor's own (1e-5)."""
+    rope_theta: float = 0.0
+    """RoPE base frequency; 0 keeps the flavor's own (500000 for Llama 3, 1e6 for Qwen3)."""
+    rope_scaling: Literal["", "none", "llama3"] = ""
+    """"llama3": Llama 3.1's long-context frequency scaling (the rope_scaling_* keys); "none": plain RoPE; "" keeps the flavor's own."""
+    rope_scaling_factor: float = 0.0
+    """Llama 3 RoPE scaling factor (8 for 3.1, 32 for 3.2); 0 keeps the flavor's own, or 8 where it has none."""
+    rope_scaling_low_freq_factor: float = 0.0
+    """Llama 3 RoPE scaling low_freq_factor; 0 keeps the flavor's own, or 1."""
+    rope_scaling_high_freq_factor: float = 0.0
+    """Llama 3 RoPE scaling high_freq_factor; 0 keeps the flavor's own, or 4."""
+    rope_scaling_original_max_seq_len: int = 0
+    """The context the scaled RoPE was trained at; 0 keeps the flavor's own, or 8192."""
+    max_seq_len: int = 0
+    """Positions of the RoPE table (at least train.seq_len); 0 keeps the flavor's own."""
+    tie_word_embeddings: bool = False
+    """One table for the embeddings and the output head (SmolLM2, Qwen3-0.6B, Llama 3.2 1B); no flavor ties. Not with pipeline or tensor parallel."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): steadier attention logits; no flavor has it."""
 
 
 @dataclass
 class MoESection:
-    """Routing and load balancing of MoE flavors (docs/moe.md); the flavor fixes the shapes."""
+    """Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value."""
 
+    n_experts: int = 0
+    """Routed experts per MoE block; 0 keeps the flavor's own."""
     top_k: int = 0
     """Experts each token is routed to; 0 keeps the flavor's own."""
+    moe_ffn_dim: int = 0
+    """Hidden width of each routed (and shared) expert; 0 keeps the flavor's own."""
+    n_shared_experts: int = -1
+    """Shared experts every token passes through (0 = none); -1 keeps the flavor's own."""
+    n_dense_layers: int = -1
+    """Leading blocks that are dense (an MLP of dense_ffn_dim) instead of MoE; -1 keeps the flavor's own."""
+    dense_ffn_dim: int = -1
+    """Hidden width of the dense blocks' MLP (0 = Llama's rule from dim); -1 keeps the flavor's own."""
+    score_func: Literal["", "softmax", "sigmoid"] = ""
+    """Router scores: softmax over experts (DeepSeek-MoE) or a sigmoid per expert (DeepSeek-V3); "" keeps the flavor's own."""
+    route_norm: bool = False
+    """Renormalize the chosen top_k scores to sum to 1 (no flavor does)."""
     aux_loss_coef: float = -1.0
     """Weight of the sequence-wise load-balancing loss added to the LM loss; 0 = off, -1 = the flavor's own."""
     bias_update_rate: float = -1.0

@@ -50,13 +50,23 @@ class ModelArgs:
     rope_theta: float = 500000.0
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
+    explicit_head_dim: int = 0
+    """Each attention head's width ([model] head_dim); 0 = dim // n_heads (Qwen3 sets it apart from dim)."""
+    explicit_ffn_dim: int = 0
+    """The MLP's hidden width ([model] ffn_dim); 0 = Llama's rule from dim, ffn_dim_multiplier and multiple_of."""
+    tie_word_embeddings: bool = False
+    """The output head is the embedding table (one parameter): small models, SmolLM2, Qwen3-0.6B."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): `attention.q_norm`, `attention.k_norm`."""
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
     @property
     def ffn_dim(self) -> int:
+        if self.explicit_ffn_dim:
+            return self.explicit_ffn_dim
         # Llama's rule: 2/3 of 4*dim, scaled, rounded up to multiple_of.
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
@@ -115,6 +125,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:  # per head, over head_dim: the same weights for every head (Qwen3)
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.qk_norm = args.qk_norm
         # (q, k, v) -> output for another layout of the sequence (context parallel sets it:
         # trainer.parallel.context_parallel); None = causal SDPA over the whole local sequence.
         self.attention_core = None
@@ -124,8 +138,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.q_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(bsz, seq_len, -1, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq_len, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
         rope = rope[:seq_len]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -214,6 +231,10 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output_head = OutputHead(args)
+        if args.tie_word_embeddings:
+            # One Parameter under two names: moving the model (to_empty, .to) keeps it one (set_data), FSDP2 shards
+            # it once in the unit of the embeddings, norm and head (trainer.parallel.fsdp), init draws it once.
+            self.output_head.proj.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
         # This rank's chunks of each sequence under context parallelism (set_context_parallel); None: whole sequences.
@@ -348,10 +369,15 @@ def decoder_tp_plan(*, loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def block_tp_plan(ffn_name: str, ffn_plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+def block_tp_plan(ffn_name: str, ffn_plan: dict[str, ParallelStyle], *, qk_norm: bool = False
+                  ) -> dict[str, ParallelStyle]:
     """A block's plan: Megatron-style attention (column-parallel q/k/v, row-parallel o: one all-gather in and
-    one reduce-scatter out), sequence-parallel norms, then the feed-forward's own plan under its attribute."""
-    return {
+    one reduce-scatter out), sequence-parallel norms, then the feed-forward's own plan under its attribute.
+
+    With qk_norm, the per-head norms see this rank's heads (dim 2 of [batch, seq, heads, head_dim]): their
+    weights are replicated over the tp ranks and their gradients summed over them (the heads' shares)."""
+    heads = {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_norm", "k_norm")}
+    return (heads if qk_norm else {}) | {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
             input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True

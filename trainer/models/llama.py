@@ -80,7 +80,7 @@ class Llama(Decoder):
 def tp_plan(model: Llama, *, loss_parallel: bool) -> TPPlan:
     """Megatron-style tensor parallel on every block (column-parallel q/k/v and gate/up, row-parallel o/down),
     sequence-parallel norms, vocabulary-parallel head with loss_parallel."""
-    block = block_tp_plan("mlp", mlp_tp_plan())
+    block = block_tp_plan("mlp", mlp_tp_plan(), qk_norm=model.args.qk_norm)
     return TPPlan(top=decoder_tp_plan(loss_parallel=loss_parallel), blocks={name: block for name in model.layers})
 
 

@@ -329,7 +329,7 @@ def tp_plan(model: MoETransformer, *, loss_parallel: bool) -> TPPlan:
     FSDP shards the experts and router over dp_shard x tp (trainer.parallel.fsdp); the aux loss sums its
     statistics over tp (`MoE.sequence_group`: the plan's sequence_modules)."""
     plan = TPPlan(top=decoder_tp_plan(loss_parallel=loss_parallel), blocks={})
-    dense = block_tp_plan("mlp", mlp_tp_plan())
+    dense = block_tp_plan("mlp", mlp_tp_plan(), qk_norm=model.args.qk_norm)
     for name, block in model.layers.items():
         if not isinstance(block, MoEBlock):
             plan.blocks[name] = dense
@@ -338,7 +338,7 @@ def tp_plan(model: MoETransformer, *, loss_parallel: bool) -> TPPlan:
         routed = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                          use_local_output=True)}
         shared = prefixed("shared_expert", mlp_tp_plan()) if block.moe.shared_expert is not None else {}
-        plan.blocks[name] = block_tp_plan("moe", routed | shared)
+        plan.blocks[name] = block_tp_plan("moe", routed | shared, qk_norm=model.args.qk_norm)
         plan.sequence_modules.append(block.moe)
     if plan.sequence_modules:
         plan.summary = (f"; {len(plan.sequence_modules)} MoE blocks: shared experts tensor-parallel, routed experts "

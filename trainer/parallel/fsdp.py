@@ -18,7 +18,8 @@ def apply_fsdp(
     expert_mesh: DeviceMesh | None = None,
     routers_with_experts: bool = False,
 ) -> str:
-    """Shard the embeddings, every block, then the root (final norm, output head).
+    """Shard the embeddings, every block, then the root (final norm, output head); tied embeddings and head
+    (model.tie_word_embeddings) share one unit with the final norm.
 
     The embeddings get a unit of their own, so they are freed after the first layer
     and their gradients reduce-scattered as soon as backward reaches them, instead of
@@ -39,7 +40,13 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = []
-    if getattr(model, "tok_embeddings", None) is not None:  # pipeline stages other than the first have none
+    if getattr(model, "tok_embeddings", None) is not None and model.args.tie_word_embeddings:
+        # One Parameter in the embeddings and the head: one unit holds both (FSDP2 shards a shared parameter once
+        # only within one unit), gathered like the root from the embeddings' forward to their backward.
+        fully_shard([model.tok_embeddings, model.norm, model.output_head], mesh=dp_mesh, mp_policy=mp,
+                    reshard_after_forward=False)
+        units.append("tied embeddings, norm and head")
+    elif getattr(model, "tok_embeddings", None) is not None:  # pipeline stages other than the first have none
         fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         units.append("embeddings")
     blocks = list(model.layers.values())

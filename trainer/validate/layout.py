@@ -45,6 +45,14 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
             f"distributed.tp={pd.tp} must divide the model's n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads} "
             f"(model.flavor={m.flavor!r})"
         )
+    if args.tie_word_embeddings and (pd.pp > 1 or pd.tp > 1):
+        # PP: the embeddings and the head are on different stages. TP: the embeddings' and the head's plans would
+        # each distribute the one weight.
+        key, degree = ("pp", pd.pp) if pd.pp > 1 else ("tp", pd.tp)
+        raise ConfigError(f"model.tie_word_embeddings=true with distributed.{key}={degree}: a tied table is one "
+                          f"weight, which {'pipeline' if key == 'pp' else 'tensor'} parallel would split in two; set "
+                          f"distributed.{key}=1 (tied models are small: FSDP alone shards them) or "
+                          "model.tie_word_embeddings=false")
     _check_moe_layout(cfg, args, pd)
 
 
@@ -64,10 +72,6 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                 "remove it or pick an MoE flavor"
             )
         return
-    if args.top_k > args.n_experts:
-        raise ConfigError(
-            f"moe.top_k={args.top_k} is more than the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
-        )
     if pd.ep > 1 and args.n_experts % pd.ep:
         raise ConfigError(
             f"distributed.ep={pd.ep} must divide the {args.n_experts} routed experts of model.flavor={m.flavor!r}"

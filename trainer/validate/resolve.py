@@ -8,14 +8,18 @@ headers (`trainer.data.loader.build_source`), enough held-out samples for valida
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from trainer.config import JobConfig
+from trainer.config.checks import MODEL_KEYS, MOE_KEYS
 from trainer.data.loader import build_source
 from trainer.errors import ConfigError
-from trainer.models import FLAVORS, ModelArgs, build_model, family_of, model_args_for
+from trainer.model_values import values_problem
+from trainer.models import FLAVORS, ModelArgs, build_model, family_of
+from trainer.models.llama import RopeScaling
 from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
 from trainer.parallel.float8 import fp8_grouped_supported, fp8_supported, local_device, select_float8_linears
 
@@ -28,31 +32,63 @@ _COMPUTE_DTYPE: dict[str, torch.dtype | None] = {
 
 
 def resolve_model_args(cfg: JobConfig) -> ModelArgs:
-    """The flavor's shapes with the [model] and [moe] overrides and a RoPE table at least train.seq_len long."""
+    """The flavor's shapes with every [model] and [moe] key that is set, checked as one, and a RoPE table at least
+    train.seq_len long."""
     m, t = cfg.model, cfg.train
     if m.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
-    moe = _moe_overrides(cfg) if family_of(FLAVORS[m.flavor]).has_router else {}
-    args = model_args_for(m.flavor, vocab_size=m.vocab_size, n_layers=m.n_layers, max_seq_len=t.seq_len, **moe)
-    if t.seq_len > FLAVORS[m.flavor].max_seq_len:
-        # Allowed (long-context training), never silent: the position table grows past the flavor's.
-        logger.warning(
-            "train.seq_len=%d is longer than model.flavor=%r's max_seq_len=%d: the RoPE table is extended to %d "
-            "positions", t.seq_len, m.flavor, FLAVORS[m.flavor].max_seq_len, t.seq_len,
-        )
+    flavor = FLAVORS[m.flavor]
+    moe = family_of(flavor).has_router
+    if moe and m.ffn_dim:
+        raise ConfigError(f"model.ffn_dim={m.ffn_dim} with the MoE flavor {m.flavor!r}: its dense blocks' width is "
+                          "moe.dense_ffn_dim (the experts' moe.moe_ffn_dim)")
+    fields = {MODEL_KEYS[key]: getattr(m, key) for key in _MODEL_FIELDS if getattr(m, key)}
+    fields |= {f: getattr(m, f) for f in ("tie_word_embeddings", "qk_norm") if getattr(m, f)}
+    if m.rope_scaling == "none" or (m.rope_scaling == "" and flavor.rope_scaling is None and not _scaling_keys(m)):
+        fields["rope_scaling"] = None
+    else:
+        fields["rope_scaling"] = replace(flavor.rope_scaling or RopeScaling(), **_scaling_keys(m))
+    if moe:
+        fields |= _moe_overrides(cfg)
+    args = replace(flavor, **fields)
+    # The effective values, checked as one (each key's own range was checked with the config): combinations such
+    # as dim and n_heads, and what the flavor's values make of the keys set (a derived ffn_dim, head_dim).
+    values = {f: getattr(args, f) for f in args.__dataclass_fields__ if f != "rope_scaling"} | {"ffn_dim": args.ffn_dim}
+    keys = {field: f"model.{key}" for key, field in MODEL_KEYS.items()} | {f: f"model.{f}" for f in (
+        "tie_word_embeddings", "qk_norm")} | {f: f"moe.{f}" for f in (*MOE_KEYS, "top_k", "score_func", "route_norm")}
+    if problem := values_problem(values, keys=keys):
+        raise ConfigError(f"{problem} (model.flavor={m.flavor!r} and the [model] and [moe] keys set)")
+    if t.seq_len > args.max_seq_len:
+        # Allowed (long-context training), never silent: the position table grows.
+        logger.warning("train.seq_len=%d is longer than the model's max_seq_len=%d (model.flavor=%r%s): the RoPE "
+                       "table is extended to %d positions", t.seq_len, args.max_seq_len, m.flavor,
+                       " with model.max_seq_len" if m.max_seq_len else "", t.seq_len)
+        args = replace(args, max_seq_len=t.seq_len)
     return args
+
+
+# The [model] keys that replace a ModelArgs field when set (non-zero); rope_scaling_* build the RopeScaling.
+_MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "ffn_dim_multiplier",
+                 "multiple_of", "vocab_size", "norm_eps", "rope_theta", "max_seq_len")
+
+
+def _scaling_keys(m: Any) -> dict[str, Any]:
+    """The RopeScaling fields the [model] rope_scaling_* keys set (0 keeps the flavor's, or RopeScaling's default)."""
+    return {MODEL_KEYS[key]: getattr(m, key) for key in MODEL_KEYS if key.startswith("rope_scaling_") and getattr(m, key)}
 
 
 def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
     """The [moe] keys that replace the flavor's values."""
     moe = cfg.moe
     out: dict[str, Any] = {"capacity_factor": moe.capacity_factor}
-    if moe.top_k:
-        out["top_k"] = moe.top_k
-    if moe.aux_loss_coef != -1:
-        out["aux_loss_coef"] = moe.aux_loss_coef
-    if moe.bias_update_rate != -1:
-        out["bias_update_rate"] = moe.bias_update_rate
+    for key in ("n_experts", "top_k", "moe_ffn_dim", "score_func"):
+        if getattr(moe, key):
+            out[key] = getattr(moe, key)
+    for key in ("n_shared_experts", "n_dense_layers", "dense_ffn_dim", "aux_loss_coef", "bias_update_rate"):
+        if getattr(moe, key) != -1:
+            out[key] = getattr(moe, key)
+    if moe.route_norm:
+        out["route_norm"] = True
     return out
 
 
@@ -78,6 +114,12 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> tuple[F
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
                             moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd))
     fates = {fqn: "converted" for fqn in converted} | excluded
+    by_shape = [f"{fqn} ({why.removeprefix('shape ')})" for fqn, why in excluded.items() if why.startswith("shape ")]
+    if by_shape:  # a model's own shapes can leave projections out of FP8: never silent
+        logger.warning("FP8: %d Linear layers stay %s because of their shapes (FP8 GEMMs need dimensions divisible by "
+                       "16%s): %s%s; fp8_layers.json lists every layer", len(by_shape), "bf16",
+                       ", by 128 for blockwise" if f8.recipe == "blockwise" else "", ", ".join(by_shape[:3]),
+                       f" and {len(by_shape) - 3} more" if len(by_shape) > 3 else "")
     return options, {fqn: fates[fqn] for fqn, _ in shapes.named_modules() if fqn in fates}
 
 
