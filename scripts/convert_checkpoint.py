@@ -10,11 +10,14 @@ with the run's tokenizer when checkpoint.json records one:
 
     (a checkpoint folder instead of a step-N folder means its latest complete checkpoint)
 
-Import Hugging Face weights (one of our exports, or Llama) as a model-only checkpoint for
-checkpoint.initial_load_path:
+Import Hugging Face weights (one of our exports, a Llama-family or Qwen3 model of any shape, or an
+Ernie4_5_Moe / Glm4Moe one) as a model-only checkpoint for checkpoint.initial_load_path. The shape
+comes from its config.json; the import prints the [model] keys a run needs to continue from it:
 
-    python scripts/convert_checkpoint.py import /models/Llama-3.2-1B outputs/llama1b-init --flavor 1b
-    python scripts/train.py --config ... --model.flavor=1b --checkpoint.initial_load_path=outputs/llama1b-init
+    python scripts/convert_checkpoint.py import /models/SmolLM2-135M outputs/smollm2-init
+    python scripts/train.py --config ... --model.dim=576 ... --checkpoint.initial_load_path=outputs/smollm2-init
+
+    (--flavor 1b instead checks that the folder holds that flavor's shapes)
 
 Needs safetensors (pip install -e '.[hf]'). Errors are one line, naming the file.
 """
@@ -83,19 +86,27 @@ def export(args: argparse.Namespace) -> None:
 def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
     from trainer.export import read_hf_weights
+    from trainer.export import read_hf_config
     from trainer.models import family_of, model_args_for
     from trainer.output_folder import IMPORT, check_output
+    from trainer.run_files import model_keys
 
     check_output(args.out, kind=IMPORT)  # before reading any weights: never into a folder of checkpoints
-    model_args = model_args_for(args.flavor, vocab_size=args.vocab_size, n_layers=args.n_layers)
+    if args.flavor:
+        model_args = model_args_for(args.flavor, vocab_size=args.vocab_size, n_layers=args.n_layers)
+    elif args.vocab_size or args.n_layers:
+        raise ValueError("--vocab-size and --n-layers go with --flavor: without it the shape is the folder's own")
+    else:
+        model_args = read_hf_config(args.hf_folder)
     weights = read_hf_weights(args.hf_folder, args=model_args)
-    if family_of(model_args).has_router:
+    if family_of(model_args).has_router and args.flavor:
         model_args = _routing_of_folder(model_args, Path(args.hf_folder))
-    run = RunInfo(flavor=args.flavor, model_args=model_args, mixed_precision="hf-import")
+    run = RunInfo(flavor=args.flavor or "imported", model_args=model_args, mixed_precision="hf-import")
     out = save_model_only(Path(args.out), weights, run=run, source=str(Path(args.hf_folder).resolve()))
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
-    logger.info("imported %d tensors (%s) from %s into %s; use --checkpoint.initial_load_path=%s "
-                "--model.flavor=%s", len(weights), ", ".join(dtypes), args.hf_folder, out, out, args.flavor)
+    keys = [f"--model.flavor={args.flavor}"] if args.flavor else model_keys(model_args)
+    logger.info("imported %d tensors (%s) from %s into %s; continue from it with --checkpoint.initial_load_path=%s "
+                "%s", len(weights), ", ".join(dtypes), args.hf_folder, out, out, " ".join(keys))
 
 
 def _routing_of_folder(model_args, folder: Path):
@@ -133,7 +144,7 @@ def main(argv: list[str]) -> int:
     i = sub.add_parser("import", help="Hugging Face folder -> model-only DCP checkpoint (initial_load_path)")
     i.add_argument("hf_folder")
     i.add_argument("out", help="output folder: new, empty, or an earlier import (moved aside to OUT.old)")
-    i.add_argument("--flavor", required=True, help="model.flavor the weights must match (debug, 1b, 8b, ..., debug_moe, moe_16b, ...)")
+    i.add_argument("--flavor", default="", help="model.flavor the weights must match (debug, 1b, 8b, ..., debug_moe, moe_16b, ...); default: the folder's own shape")
     i.add_argument("--vocab-size", type=int, default=0, help="model.vocab_size, if not the flavor's")
     i.add_argument("--n-layers", type=int, default=0, help="model.n_layers, if not the flavor's")
     args = parser.parse_args(argv)

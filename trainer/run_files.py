@@ -77,6 +77,22 @@ def model_section_values(args: ModelArgs) -> dict[str, Any]:
     return values
 
 
+def model_keys(args: ModelArgs) -> list[str]:
+    """The command-line keys that give a run these model arguments from any flavor of their family (an import's
+    advice): [model]'s values in effect, and [moe]'s for an MoE model."""
+    from trainer.models import family_of
+
+    values = {f"model.{k}": v for k, v in model_section_values(args).items() if not k.startswith("rope_scaling_")
+              or args.rope_scaling is not None}
+    if family_of(args).has_router:
+        values |= {f"moe.{k}": getattr(args, k) for k in ("n_experts", "top_k", "moe_ffn_dim", "n_shared_experts",
+                                                           "n_dense_layers", "dense_ffn_dim", "score_func")}
+        values["moe.route_norm"] = args.route_norm
+    flavor = "debug_moe" if family_of(args).has_router else "debug"
+    return [f"--model.flavor={flavor}"] + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                           for k, v in values.items()]
+
+
 def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: BuildOptions,
                        float8_layers: dict[str, str] | None) -> str:
     """The startup log's one line on precision: compute, FP8, master weights, gradient reduction.

@@ -193,5 +193,6 @@ def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], *, device: to
     buffers = {name for name, _ in model.named_buffers()}
     model.load_state_dict({k: v.to(device=device, dtype=torch.float32 if k in buffers else dtype)
                            for k, v in weights.items()}, strict=True, assign=True)
+    model.tie_weights()  # assign=True gave the embeddings and a tied head a tensor each
     model.rope = rope_cache(args, args.max_seq_len, device=device)
     return model.eval()

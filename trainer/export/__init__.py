@@ -2,7 +2,7 @@
 
     folder.py     the folder on disk: config.json, safetensors (sharded with an index above a size), 0644 files,
                   reading only safetensors and JSON
-    llama.py      dense Llama <-> LlamaForCausalLM, names one to one
+    llama.py      dense Llama <-> LlamaForCausalLM (Qwen3ForCausalLM with qk_norm), names one to one
     moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores)
     tokenizer.py  the run's tokenizer (tokenizer.json, BOS/EOS ids) in the export
 
@@ -45,12 +45,12 @@ def family(args: ModelArgs) -> ModuleType:
 
 def _family_of_config(config: dict, *, where: str) -> ModuleType:
     model_type = config.get("model_type", llama.MODEL_TYPE)
-    if model_type == llama.MODEL_TYPE:
+    if model_type in llama.MODEL_TYPES:
         return llama
     if model_type in moe.MODEL_TYPES.values():
         return moe
     raise ExportError(f"{where}: model_type={model_type!r} is not a layout this trainer reads "
-                      f"({', '.join(repr(t) for t in (llama.MODEL_TYPE, *moe.MODEL_TYPES.values()))})")
+                      f"({', '.join(repr(t) for t in (*llama.MODEL_TYPES, *moe.MODEL_TYPES.values()))})")
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -89,7 +89,7 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
 
 
 def read_hf_config(folder: str | os.PathLike) -> ModelArgs:
-    """ModelArgs of a Hugging Face folder's config.json (Llama, Ernie4_5_Moe or Glm4Moe)."""
+    """ModelArgs of a Hugging Face folder's config.json (Llama, Qwen3, Ernie4_5_Moe or Glm4Moe)."""
     folder = Path(folder)
     return args_from_hf_config(read_config(folder), where=str(folder / "config.json"))
 
@@ -147,6 +147,8 @@ def write_hf_export(
     fam = family(args)
     notes = fam.check_exportable(args)
     _check_shapes(shapes, args)
+    if args.tie_word_embeddings:  # one table: written once, as embed_tokens (config.json says it is tied)
+        shapes = {fqn: shape for fqn, shape in shapes.items() if fqn != "output_head.proj.weight"}
     config = hf_config(args, dtype=dtype, tokenizer=tokenizer)
     if is_writer:
         for note in notes:

@@ -1,10 +1,14 @@
-"""The dense family in Hugging Face's Llama layout (`LlamaForCausalLM`): weight names and config.json.
+"""The dense family in Hugging Face's layouts: `LlamaForCausalLM`, and `Qwen3ForCausalLM` for a model with
+per-head q/k norms (qk_norm); weight names and config.json.
 
 Our RoPE uses transformers' "rotate half" layout (see trainer/models/layers.py), so
-weights map one to one by name, with no permutation of q/k. The output head is
-never tied to the embeddings here; a tied HF model (Llama 3.2 1B/3B) is imported
-by copying `embed_tokens` into the head. The attention and dense-MLP names and the
-RoPE fields of config.json are shared with the MoE family (`trainer.export.moe`).
+weights map one to one by name, with no permutation of q/k. Any shape either class can
+hold maps: another head_dim than hidden_size / num_attention_heads, any intermediate_size,
+tied or untied embeddings (a tied folder has no lm_head.weight; importing it fills our head
+from embed_tokens, and our tied model holds them as one tensor). What neither our model nor
+the mapping has (attention or MLP biases, sliding windows, other RoPE types, other
+activations) is refused in one line naming the field. The attention and dense-MLP names and
+the RoPE fields of config.json are shared with the MoE family (`trainer.export.moe`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from trainer.model_values import values_problem
 from trainer.models.llama import ModelArgs
 
 MODEL_TYPE = "llama"
-TIED_BY_DEFAULT = False
+QWEN3 = "qwen3"
+MODEL_TYPES = (MODEL_TYPE, QWEN3)
+# tie_word_embeddings when config.json does not say: the config classes' defaults (LlamaConfig, Qwen3Config).
+TIED_BY_DEFAULT = {MODEL_TYPE: False, QWEN3: False}
 
 # max_position_embeddings of every RoPE-scaled reference config (Llama 3.1 with factor 8, 3.2 with factor 32).
 LLAMA3_SCALED_CONTEXT = 131072
@@ -31,6 +38,8 @@ _NAME_MAP = [
     ("layers.{i}.attention.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
     ("layers.{i}.attention.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
     ("layers.{i}.attention.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     ("layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
@@ -66,8 +75,13 @@ def from_hf_name(name: str) -> str:
     return _rename(name, _FROM_HF, "known Hugging Face")
 
 
+def model_type(args: ModelArgs) -> str:
+    """Qwen3's layout for a model with per-head q/k norms (Llama has none), Llama's otherwise."""
+    return QWEN3 if args.qk_norm else MODEL_TYPE
+
+
 def architecture(args: ModelArgs) -> str:
-    return "LlamaForCausalLM"
+    return {MODEL_TYPE: "LlamaForCausalLM", QWEN3: "Qwen3ForCausalLM"}[model_type(args)]
 
 
 def check_exportable(args: ModelArgs) -> list[str]:
@@ -88,6 +102,8 @@ def attention_shapes(args: ModelArgs, i: int) -> dict[str, tuple[int, ...]]:
         f"layers.{i}.attention.k_proj.weight": (kv, args.dim),
         f"layers.{i}.attention.v_proj.weight": (kv, args.dim),
         f"layers.{i}.attention.o_proj.weight": (args.dim, args.n_heads * args.head_dim),
+        **({f"layers.{i}.attention.q_norm.weight": (args.head_dim,),
+            f"layers.{i}.attention.k_norm.weight": (args.head_dim,)} if args.qk_norm else {}),
         f"layers.{i}.mlp_norm.weight": (args.dim,),
     }
 
@@ -102,7 +118,8 @@ def mlp_shapes(prefix: str, *, dim: int, hidden: int) -> dict[str, tuple[int, ..
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every weight of a Llama with these args, by our fqn, in module order."""
+    """Every weight of a Llama with these args, by our fqn, in module order (a tied head too: our state dict
+    names the one table twice; an export writes it once)."""
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
         shapes.update(attention_shapes(args, i))
@@ -144,20 +161,18 @@ def common_config(args: ModelArgs, *, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         **rope_config(args),
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
         "torch_dtype": DTYPE_NAMES[dtype],
     }
 
 
 def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict:
-    """config.json for `LlamaForCausalLM` (keys read by transformers 4.x and 5.x)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": MODEL_TYPE,
-        **common_config(args, dtype=dtype),
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
+    """config.json for `LlamaForCausalLM` or `Qwen3ForCausalLM` (keys read by transformers 4.x and 5.x)."""
+    config = {"architectures": [architecture(args)], "model_type": model_type(args),
+              **common_config(args, dtype=dtype), "attention_bias": False}
+    if args.qk_norm:
+        return config | {"use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers}
+    return config | {"mlp_bias": False}
 
 
 def rope_fields(config: dict) -> tuple[dict, float | None]:
@@ -170,7 +185,11 @@ def check_rope(config: dict, args: ModelArgs, *, where: str) -> None:
     rope, theta = rope_fields(config)
     if theta is not None and float(theta) != args.rope_theta:
         raise ExportError(f"{where}: rope_theta={theta} but the trainer model has {args.rope_theta}")
-    has_scaling = rope.get("rope_type", rope.get("type", "default")) == "llama3"
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ExportError(f"{where}: rope_type={kind!r} has no equivalent in this trainer (plain RoPE, or Llama 3's "
+                          "'llama3' scaling)")
+    has_scaling = kind == "llama3"
     if has_scaling != (args.rope_scaling is not None) or (
         has_scaling and float(rope.get("factor", 0)) != args.rope_scaling.factor
     ):
@@ -179,7 +198,8 @@ def check_rope(config: dict, args: ModelArgs, *, where: str) -> None:
 
 
 def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
-    """Raise ExportError naming the first field where an HF config.json disagrees with args."""
+    """Raise ExportError naming the first field where an HF config.json disagrees with args, or that neither our
+    model nor this mapping has."""
     expected = {
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
@@ -192,11 +212,33 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
         if config.get(key) != value:
             raise ExportError(f"{where}: {key}={config.get(key)} but the trainer model has {value} "
                               f"({describe(args)})")
-    if config.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-        raise ExportError(f"{where}: model_type={config.get('model_type')!r}, expected {MODEL_TYPE!r}")
-    if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
-        raise ExportError(f"{where}: only hidden_act='silu' without attention/mlp biases is supported")
+    if config.get("model_type", MODEL_TYPE) != model_type(args):
+        why = "per-head q/k norms (qk_norm)" if args.qk_norm else "no q/k norms"
+        raise ExportError(f"{where}: model_type={config.get('model_type')!r}, but the trainer model has {why}: "
+                          f"expected {model_type(args)!r}")
+    if config.get("head_dim", args.head_dim) != args.head_dim:
+        raise ExportError(f"{where}: head_dim={config['head_dim']} but the trainer model has {args.head_dim}")
+    tied = bool(config.get("tie_word_embeddings", tied_by_default(config)))
+    if tied != args.tie_word_embeddings:
+        raise ExportError(f"{where}: tie_word_embeddings={str(tied).lower()} but the trainer model has "
+                          f"{str(args.tie_word_embeddings).lower()}")
+    check_unsupported(config, where=where)
     check_rope(config, args, where=where)
+
+
+def check_unsupported(config: dict, *, where: str) -> None:
+    """A one-line ExportError for the first setting of a Llama or Qwen3 config.json that our dense model lacks."""
+    refused = [
+        ("hidden_act", config.get("hidden_act", "silu") != "silu", "this trainer's MLP is SwiGLU with silu"),
+        ("attention_bias", bool(config.get("attention_bias")), "this trainer's attention has no biases"),
+        ("mlp_bias", bool(config.get("mlp_bias")), "this trainer's MLP has no biases"),
+        ("use_sliding_window", bool(config.get("use_sliding_window")), "this trainer's attention is full causal"),
+        ("layer_types", any(t != "full_attention" for t in config.get("layer_types") or []),
+         "this trainer's attention is full causal in every layer"),
+    ]
+    for key, bad, why in refused:
+        if bad:
+            raise ExportError(f"{where}: {key}={config.get(key)!r} has no equivalent: {why}")
 
 
 def decoder_fields(config: dict, flavors: list[ModelArgs]) -> dict:
@@ -250,30 +292,46 @@ def check_config_values(config: dict, keys: dict[str, str], *, where: str) -> No
 
 
 def check_head_dim(config: dict, args: ModelArgs, *, where: str) -> None:
+    """For a layout whose mapping assumes head_dim = hidden_size / num_attention_heads (the MoE ones)."""
     if config.get("head_dim", args.head_dim) != args.head_dim:
         raise ExportError(f"{where}: head_dim={config['head_dim']} but hidden_size/num_attention_heads is "
-                          f"{args.head_dim}; this trainer's models have no separate head_dim")
+                          f"{args.head_dim}; this trainer's MoE layouts have no separate head_dim")
 
 
 def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
-    """ModelArgs of a Hugging Face Llama config.json (checked back against it with `check_hf_config`)."""
+    """ModelArgs of a Hugging Face Llama or Qwen3 config.json of any shape (checked back against it with
+    `check_hf_config`): a head_dim apart from hidden_size / num_attention_heads, any intermediate_size, a tied
+    head, Qwen3's q/k norms."""
     from trainer.models.llama import FLAVORS
 
-    check_config_values(config, CONFIG_KEYS, where=where)
+    kind = config.get("model_type", MODEL_TYPE)
+    head_dim_key = {"explicit_head_dim": "head_dim"} if config.get("head_dim") is not None else {}
+    check_config_values(config, {**CONFIG_KEYS, **head_dim_key}, where=where)
+    check_unsupported(config, where=where)
     try:
-        args = ModelArgs(**decoder_fields(config, list(FLAVORS.values())))
+        fields = decoder_fields(config, list(FLAVORS.values()))
+        ffn, dim = int(config["intermediate_size"]), fields["dim"]
+        if not any(f.dim == dim and f.ffn_dim == ffn for f in FLAVORS.values()):  # the width itself, no rule
+            fields.update(multiple_of=256, ffn_dim_multiplier=None, explicit_ffn_dim=ffn)
+        head_dim = int(config.get("head_dim") or dim // fields["n_heads"])
+        args = ModelArgs(**fields, explicit_head_dim=0 if head_dim * fields["n_heads"] == dim else head_dim,
+                         tie_word_embeddings=bool(config.get("tie_word_embeddings", tied_by_default(config))),
+                         qk_norm=kind == QWEN3)
     except (KeyError, TypeError, ValueError) as e:
-        raise ExportError(f"{where}: not a Llama config ({type(e).__name__}: {e})") from None
-    check_head_dim(config, args, where=where)
+        raise ExportError(f"{where}: not a {kind} config ({type(e).__name__}: {e})") from None
+    if problem := values_problem({f: getattr(args, f) for f in ("dim", "n_heads", "n_kv_heads", "explicit_head_dim")},
+                                 keys={"dim": "hidden_size", "n_heads": "num_attention_heads",
+                                       "n_kv_heads": "num_key_value_heads", "explicit_head_dim": "head_dim"}):
+        raise ExportError(f"{where}: {problem} (not a model this trainer can load)")
     check_hf_config(config, args, where=where)
     return args
 
 
 def describe(args: ModelArgs) -> str:
-    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim")
+    shape = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim")
     return ", ".join(f"{k}={getattr(args, k)}" for k in shape)
 
 
 def tied_by_default(config: dict) -> bool:
-    """tie_word_embeddings when config.json does not say (transformers' LlamaConfig default)."""
-    return TIED_BY_DEFAULT
+    """tie_word_embeddings when config.json does not say (transformers' LlamaConfig and Qwen3Config defaults)."""
+    return TIED_BY_DEFAULT.get(config.get("model_type", MODEL_TYPE), False)

@@ -70,6 +70,14 @@ def architecture(args: MoEArgs) -> str:
 
 def check_exportable(args: MoEArgs) -> list[str]:
     """Raise a one-line ExportError for routing options without an exact target; return what to warn about."""
+    for field, value, default in (("qk_norm", args.qk_norm, False), ("tie_word_embeddings", args.tie_word_embeddings,
+                                                                     False),
+                                  ("head_dim", args.head_dim, args.dim // args.n_heads)):
+        if value != default:
+            raise ExportError(f"model.{field}={str(value).lower() if isinstance(value, bool) else value} has no "
+                              f"mapping in this trainer's MoE export ({architecture(args)}): train with "
+                              f"model.{field}={str(default).lower() if isinstance(default, bool) else default} to "
+                              "export")
     if args.score_func == "sigmoid" and args.n_experts < 2:
         raise ExportError(f"score_func='sigmoid' with n_experts={args.n_experts} has no Hugging Face target: "
                           "Glm4MoeForCausalLM's router takes the best 2 scores of its expert group")

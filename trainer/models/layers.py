@@ -231,14 +231,19 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output_head = OutputHead(args)
-        if args.tie_word_embeddings:
-            # One Parameter under two names: moving the model (to_empty, .to) keeps it one (set_data), FSDP2 shards
-            # it once in the unit of the embeddings, norm and head (trainer.parallel.fsdp), init draws it once.
-            self.output_head.proj.weight = self.tok_embeddings.weight
+        self.tie_weights()
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
         # This rank's chunks of each sequence under context parallelism (set_context_parallel); None: whole sequences.
         self.cp: SequenceChunks | None = None
+
+    def tie_weights(self) -> None:
+        """With args.tie_word_embeddings, the head's weight is the embeddings' Parameter: one Parameter under two
+        names. Moving the model (to_empty, .to) keeps it one (set_data); FSDP2 shards it once, in the unit of the
+        embeddings, norm and head (trainer.parallel.fsdp); init draws it once. A load with assign=True gives each
+        name its own tensor: call this again after it."""
+        if self.args.tie_word_embeddings:
+            self.output_head.proj.weight = self.tok_embeddings.weight
 
     def set_context_parallel(self, cp: SequenceChunks) -> None:
         """Under context parallelism the tokens are this rank's chunks of each sequence: RoPE takes their global

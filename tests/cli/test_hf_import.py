@@ -1,0 +1,65 @@
+"""Continue pretraining a Hugging Face model of its own shape (issue 33): scripts/convert_checkpoint.py imports a
+SmolLM2-shaped (tied) and a Qwen3-shaped (q/k norms, its own head_dim) folder without a flavor and prints the
+[model] keys a run needs; the run starts from those weights (its step-1 loss is theirs on the first batch), trains,
+and exports the same architecture, which transformers loads with the final checkpoint's logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, env, launch_ok, losses_by_step
+from tests.unit.test_hf_models import hf_model, make_hf_folder
+from trainer.checkpoint import load_model
+
+pytestmark = pytest.mark.slow
+
+CONVERT = str(REPO / "scripts" / "convert_checkpoint.py")
+ARGS = ["--config", str(REPO / "configs" / "train" / "debug_model.toml"), "--train.seq_len=32",
+        "--train.batch_size=2", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
+        "--train.mixed_precision=fp32", "--train.deterministic=true"]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+def test_an_imported_model_of_its_own_shape_trains_and_exports_back(name: str, tmp_path: Path) -> None:
+    folder = make_hf_folder(name, tmp_path / "hf", vocab=512)  # the default data's byte tokens fit
+    imported = tmp_path / "imported"
+    proc = subprocess.run([sys.executable, CONVERT, "import", str(folder), str(imported)], capture_output=True,
+                          text=True, env=env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    keys = said.split("continue from it with ", 1)[1].split()
+    assert keys[0] == f"--checkpoint.initial_load_path={imported}", keys
+    config = json.loads((folder / "config.json").read_text())
+    assert f"--model.head_dim={config.get('head_dim') or 32}" in keys and "--model.tie_word_embeddings=true" in keys
+    assert ("--model.qk_norm=true" in keys) == (name == "qwen3")
+
+    dump = tmp_path / "run"
+    run = launch_ok([*ARGS, *keys, "--train.steps=3", "--checkpoint.enable=true", "--checkpoint.interval=3",
+                     "--checkpoint.model_only=true", "--checkpoint.export_dtype=float32"], dump, timeout=180)
+    assert f"loaded model weights from {imported}" in run.stdout
+    # Step 1's loss is the imported model's on the first batch.
+    from trainer.data import build_data_loader, build_source
+
+    source = build_source(source="default", path="", tokenizer="byte", seed=0, vocab_size=512, seq_len=32)
+    loader = build_data_loader(source, seed=0, shuffle=True, seq_len=32, batch_size=2, grad_accum_steps=1,
+                               dp_rank=0, dp_degree=1)
+    (inputs, labels), = loader.next_batch()
+    with torch.no_grad():
+        logits = load_model(imported).logits(inputs)
+        first = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+    assert abs(losses_by_step(dump)[1] - first) < 1e-5
+    # The export at the end: the source's architecture, transformers' logits equal the final checkpoint's.
+    export = dump / "checkpoint" / "step-3-hf"
+    back = json.loads((export / "config.json").read_text())
+    assert (back["architectures"], back["tie_word_embeddings"]) == (config["architectures"], True)
+    tokens = inputs[:, :16]
+    with torch.no_grad():
+        ours = load_model(dump / "checkpoint" / "step-3").logits(tokens)
+        theirs = hf_model(export)(tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
