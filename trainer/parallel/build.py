@@ -78,7 +78,7 @@ class BuildOptions:
     """Tokens per sequence (train.seq_len): the chunk length under context parallelism."""
     compile_loss: bool = False
     """Compile the final norm, output head and loss (trainer.loss.LossFn) with the blocks; not under TP, whose
-    vocabulary-parallel loss runs eagerly."""
+    vocabulary-parallel loss runs eagerly, nor with a tied head (its FSDP2 unit's hooks break the graph)."""
     attention_backends: tuple[str, ...] = ()
     """SDPA's kernels in order of preference (SDPBackend names: "CUDNN_ATTENTION", ...); () = torch's choice."""
 
@@ -176,7 +176,10 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     counts must stay fp32 (a 1e-3 bias step is lost in bf16 once |bias| >= 0.5, and counts
     above 256 are inexact there).
     """
+    cast: dict[int, nn.Parameter] = {}  # a Parameter two modules share (a tied head) stays one
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_floating_point() and param.dtype != dtype:
-                module.register_parameter(name, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                module.register_parameter(name, cast[id(param)])

@@ -53,6 +53,10 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
                           f"weight, which {'pipeline' if key == 'pp' else 'tensor'} parallel would split in two; set "
                           f"distributed.{key}=1 (tied models are small: FSDP alone shards them) or "
                           "model.tie_word_embeddings=false")
+    if args.tie_word_embeddings and cfg.train.loss_chunk_tokens:
+        raise ConfigError(f"model.tie_word_embeddings=true with train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} "
+                          "is not supported yet: each chunk's recompute in backward ran the tied head with its "
+                          "FSDP2 unit already resharded (an H100 run failed); set train.loss_chunk_tokens=0")
     _check_moe_layout(cfg, args, pd)
 
 

@@ -174,6 +174,10 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     # Gradients are summed over ranks (dp, cp, tp) or over microbatches (accumulation; a pipeline's microbatches):
     # FSDP2 sums them in reduce_dtype.
     reduces = pd.dp * pd.cp * pd.tp > 1 or t.grad_accum_steps > 1 or pd.pp > 1
+    if t.compile_model and cfg.model.tie_word_embeddings:
+        logger.info("train.compile_model with model.tie_word_embeddings: the blocks are compiled, the final norm, "
+                    "tied head and loss run eagerly (they share an FSDP2 unit with the embeddings, whose hooks "
+                    "torch.compile cannot trace inside the loss's graph)")
     tokens = t.batch_size * t.seq_len
     if t.loss_chunk_tokens >= tokens:
         logger.warning(
@@ -199,7 +203,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         loss_chunk_tokens=t.loss_chunk_tokens,
         seq_len=t.seq_len,
         # The vocabulary-parallel loss (TP) runs eagerly; otherwise the head and loss compile with the blocks.
-        compile_loss=t.compile_model and pd.tp == 1,
+        compile_loss=t.compile_model and pd.tp == 1 and not cfg.model.tie_word_embeddings,
     )
 
 
