@@ -43,7 +43,6 @@ from trainer.checkpoint.space import (
 )
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     split_tensors
-from trainer.checkpoint.values import check_index_entries
 from trainer.checkpoint.verify import (
     check_every_rank_wrote, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
 )
