@@ -128,6 +128,23 @@ def losses_by_step(dump: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
+def first_batch_loss(checkpoint: Path, *, vocab_size: int, seq_len: int = 32, batch_size: int = 2):
+    """(inputs, loss): the first batch a one-process run of the default data trains on (byte tokens, data.seed 0,
+    shuffled) and the loss on it of the model in `checkpoint`, which a run started from it logs at step 1."""
+    import torch
+
+    from trainer.checkpoint import load_model
+    from trainer.data import build_data_loader, build_source
+
+    source = build_source(source="default", path="", tokenizer="byte", seed=0, vocab_size=vocab_size, seq_len=seq_len)
+    loader = build_data_loader(source, seed=0, shuffle=True, seq_len=seq_len, batch_size=batch_size,
+                               grad_accum_steps=1, dp_rank=0, dp_degree=1)
+    (inputs, labels), = loader.next_batch()
+    with torch.no_grad():
+        logits = load_model(checkpoint).logits(inputs)
+        return inputs, torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+
+
 def column(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records]
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tests.helpers import (
-    REPO, TRAIN, env, hooks_env, launch_ok, losses_by_step, read_metrics, run_cli_cases, run_until_paused,
+    REPO, TRAIN, env, first_batch_loss, hooks_env, launch_ok, losses_by_step, read_metrics, run_cli_cases,
+    run_until_paused,
 )
 from tests.unit.test_checkpoint import DEBUG, _hf_logits
 from trainer.checkpoint import load_full_model_weights, load_model
@@ -301,16 +302,7 @@ def test_import_hf_weights_as_initial_load_path(trained, tmp_path):
     # A new run starts from the imported weights: its step-1 loss is this model's loss on the first batch.
     run = _run([*EXACT, "--train.steps=1", f"--checkpoint.initial_load_path={imported}"], tmp_path / "run")
     assert f"loaded model weights from {imported}" in run.stdout
-    from trainer.data import build_data_loader, build_source
-
-    source = build_source(source="default", path="", tokenizer="byte", seed=0, vocab_size=DEBUG.vocab_size,
-                          seq_len=32)
-    loader = build_data_loader(source, seed=0, shuffle=True, seq_len=32, batch_size=2, grad_accum_steps=1,
-                               dp_rank=0, dp_degree=1)
-    (inputs, labels), = loader.next_batch()
-    with torch.no_grad():
-        logits = load_model(imported).logits(inputs)
-        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+    _, expected = first_batch_loss(imported, vocab_size=DEBUG.vocab_size)
     assert abs(losses_by_step(tmp_path / "run")[1] - expected) < 1e-5
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, env, launch_ok, losses_by_step
+from tests.helpers import REPO, env, first_batch_loss, launch_ok, losses_by_step
 from tests.unit.test_hf_models import hf_model, make_hf_folder
 from trainer.checkpoint import load_model
 
@@ -44,15 +44,7 @@ def test_an_imported_model_of_its_own_shape_trains_and_exports_back(name: str, t
                      "--checkpoint.model_only=true", "--checkpoint.export_dtype=float32"], dump, timeout=180)
     assert f"loaded model weights from {imported}" in run.stdout
     # Step 1's loss is the imported model's on the first batch.
-    from trainer.data import build_data_loader, build_source
-
-    source = build_source(source="default", path="", tokenizer="byte", seed=0, vocab_size=512, seq_len=32)
-    loader = build_data_loader(source, seed=0, shuffle=True, seq_len=32, batch_size=2, grad_accum_steps=1,
-                               dp_rank=0, dp_degree=1)
-    (inputs, labels), = loader.next_batch()
-    with torch.no_grad():
-        logits = load_model(imported).logits(inputs)
-        first = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+    inputs, first = first_batch_loss(imported, vocab_size=512)
     assert abs(losses_by_step(dump)[1] - first) < 1e-5
     # The export at the end: the source's architecture, transformers' logits equal the final checkpoint's.
     export = dump / "checkpoint" / "step-3-hf"

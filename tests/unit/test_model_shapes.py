@@ -13,7 +13,7 @@ from trainer.checkpoint.verify import check_model_matches
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, build_model
-from trainer.run_files import model_section_values
+from trainer.run_files import model_keys
 from trainer.validate import validate_job
 
 DEBUG_AS_NUMBERS = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -60,11 +60,9 @@ def test_a_flavor_given_as_numbers_is_that_flavor(base: str, target: str, number
 def test_resolved_values_rebuild_the_model_from_any_flavor_of_its_family(flavor: str, other: str) -> None:
     """resolved.toml's [model] (and [moe]) hold every value in effect: given to another flavor, they rebuild it."""
     args = _args(f"--model.flavor={flavor}", "--model.n_layers=2", "--model.head_dim=96", "--model.qk_norm=true")
-    keys = [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in model_section_values(args).items()]
-    if flavor.startswith("moe"):
-        keys += [f"--moe.{k}={getattr(args, k)}" for k in ("n_experts", "top_k", "moe_ffn_dim", "n_shared_experts",
-                                                           "n_dense_layers", "dense_ffn_dim", "score_func",
-                                                           "aux_loss_coef", "bias_update_rate")]
+    keys = [k for k in model_keys(args) if not k.startswith("--model.flavor=")]
+    if flavor.startswith("moe"):  # the balancing keys too (model_keys leaves them to the run)
+        keys += [f"--moe.{k}={getattr(args, k)}" for k in ("aux_loss_coef", "bias_update_rate")]
     again = _args(f"--model.flavor={other}", *keys)
     assert _effective(again) == _effective(args)
     assert args.head_dim == 96 and args.qk_norm and again.n_layers == 2
