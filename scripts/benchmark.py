@@ -14,7 +14,7 @@ do that to a training run's. An override `--job.dump_folder` is refused for the 
 Everything after `--` is a normal config override. Prints, per precision: tokens/s per
 GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
 the GPU's dense bf16 peak from trainer.metrics.PEAK_BF16_FLOPS (the same table the
-training log uses; n/a on CPU or an unknown GPU), peak memory, and the speedup over
+training log uses; n/a on CPU or an unknown GPU), peak memory beside the dry run's estimate of it, and the speedup over
 the first precision. After --warmup steps (compilation happens there), --steps steps run back
 to back as in training and are timed together between two device syncs.
 
@@ -217,6 +217,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "model_tflops_per_gpu": model_flops / 1e12,
             "mfu_pct": mfu_pct(model_flops, device),
             "peak_memory_gib": peak,
+            "plan_memory_gib": runner.job.memory_plan.peak_bytes / 2**30,
             "float8_converted": len(runner.float8.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
             "compile_s": compiled.seconds,
@@ -306,13 +307,15 @@ def main() -> int:
         print(f"memory capped per process to {results[0]['memory_cap_gib']:.1f} GiB: one of {args.emulate_gpus} "
               f"GPUs of {args.gpu_memory_gib} GiB running this job")
     print(f"{'precision':<13} {'step s':>7} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU%':>6} {'peak GiB':>8} "
-          f"{'vs ' + results[0]['precision']:>8} {'step 1 s':>8} {'compile s':>9}")
+          f"{'plan GiB':>8} {'vs ' + results[0]['precision']:>8} {'step 1 s':>8} {'compile s':>9}")
     for r in results:
         r["speedup"] = r["tokens_per_s_per_gpu"] / base
         r["label"], r["overrides"] = args.label, overrides
         print(f"{r['precision']:<13} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
               f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} "
-              f"{r['speedup']:7.2f}x {r['first_step_s']:8.1f} {r['compile_s']:9.1f}")
+              f"{r['plan_memory_gib']:8.2f} {r['speedup']:7.2f}x {r['first_step_s']:8.1f} {r['compile_s']:9.1f}")
+    print("plan GiB: the dry run's estimate of the peak (trainer/validate/plan.py); peak GiB: measured, steps after "
+          "the warm-up")
     print("step 1 s: the first step, compilation included; compile s: torch.compile's graphs, inductor's autotuning "
           "and the AdamW kernel during the warm-up (a warm TORCHINDUCTOR_CACHE_DIR and Triton cache make them shorter)")
     for r in results:

@@ -12,6 +12,8 @@
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
+#   bash scripts/gpu_checks.sh memplan    (1 GPU: the dry run's memory estimate against the measured peak, other shapes)
+#   bash scripts/gpu_checks.sh memory_peak  (1 GPU: 8B-shape and moe_16b peaks and what is live at them: scripts/memory_peak.py)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -174,6 +176,20 @@ for s in $STEPS; do case $s in
         --label "7b_16gpu_fp8 as 16x H100, $label" --precisions fp8 --warmup 4 --steps 6 \
         --config configs/train/7b_16gpu_fp8.toml -- --data.source=synthetic --checkpoint.enable=false "$@" 2>&1 \
         | tee "$OUT/recipe7b_$label.log" | grep -v "^\[rank" | tail -4
+    done ;;
+  memory_peak)  # the peaks trainer/validate/plan.py was read against, with what is live at them
+    OUT=$OUT python3 scripts/memory_peak.py ${MEMORY_PEAK_CONFIGS:-} 2>&1 | tee "$OUT/memory_peak.log" | grep -E "^(RESULT|FAILED)" | cut -c1-200 ;;
+  memplan)  # the dry run's estimate (plan GiB) beside the measured peak, on shapes the plan was not read from
+    S="--data.source=synthetic --train.compile_model=true --checkpoint.enable=false"
+    for v in "1b-b8-selective --config configs/train/llama3_1b.toml -- $S --train.batch_size=8 --train.seq_len=4096 --train.activation_checkpointing=selective" \
+             "8b-4l-seq8192-b2 --config configs/train/llama3_8b.toml -- $S --model.n_layers=4 --train.batch_size=2 --train.seq_len=8192 --train.activation_checkpointing=none" \
+             "8b-8l-b2-accum2-kahan --config configs/train/llama3_8b.toml -- $S --model.n_layers=8 --train.batch_size=2 --train.seq_len=4096 --train.grad_accum_steps=2 --optimizer.bf16_update=kahan --train.activation_checkpointing=none" \
+             "8b-6l-b6-chunk8192 --config configs/train/llama3_8b.toml -- $S --model.n_layers=6 --train.batch_size=6 --train.seq_len=4096 --train.loss_chunk_tokens=8192 --train.activation_checkpointing=none" \
+             "moe16b-4l-b4-selective --config configs/train/moe_16b_4gpu_fp8.toml -- $S --model.n_layers=4 --distributed.ep=1 --float8.moe_experts=off --train.batch_size=4 --train.activation_checkpointing=selective" \
+             "moe_small-b8-full --config configs/train/moe_16b_4gpu_fp8.toml -- $S --model.flavor=moe_small --distributed.ep=1 --float8.moe_experts=off --train.batch_size=8 --train.activation_checkpointing=full"; do
+      set -- $v; label=$1; shift
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $B --label "memplan $label" --precisions bf16,fp8 --warmup 3 --steps 2 "$@" 2>&1 \
+        | tee "$OUT/memplan_$label.log" | grep -E "^(bf16|fp8) |Error|error" | grep -v "optimizer step" | sed "s/^/[$label] /" | tee -a "$OUT/memplan.log"
     done ;;
   ac)
     for v in "compile none --train.compile_model=true --train.activation_checkpointing=none" \

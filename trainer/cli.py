@@ -24,6 +24,38 @@ logger = logging.getLogger("trainer")
 EXIT_USER_ERROR = 2
 
 
+def dry_run_flags(argv: list[str]) -> tuple[list[str], dict | None]:
+    """(argv without them, dry_run's keywords or None) from --dry-run, --world-size N and --gpu-memory-gib G."""
+    rest, plan, values = [], False, {}
+    names = {"--world-size": ("world_size", int), "--gpu-memory-gib": ("gpu_gib", float)}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, value = arg.partition("=")
+        if arg == "--dry-run":
+            plan = True
+        elif name in names:
+            if not value:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                i += 1
+                value = argv[i]
+            key, kind = names[name]
+            try:
+                values[key] = kind(value)
+            except ValueError:
+                raise ConfigError(f"{name}={value!r} is not a{'n integer' if kind is int else ' number'}") from None
+            if values[key] <= 0:
+                raise ConfigError(f"{name}={value} must be positive")
+        else:
+            rest.append(arg)
+        i += 1
+    if values and not plan:
+        raise ConfigError(f"{' and '.join(sorted(n for n, (k, _) in names.items() if k in values))} only go with "
+                          "--dry-run (a real run takes its world size from torchrun and its memory from the GPU)")
+    return rest, ({"world_size": 1} | values if plan else None)
+
+
 def main(argv: list[str]) -> int:
     from trainer.log import setup_logging
 
@@ -46,11 +78,21 @@ def main(argv: list[str]) -> int:
         return 0
     setup_logging(rank)  # first: its warning filters must be in place before anything imports torchao
     try:
+        argv, plan = dry_run_flags(argv)
         cfg = load_job_config(argv)
     except ConfigError as e:
         if speaks:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    if plan is not None:
+        from trainer.dry_run import dry_run
+
+        try:
+            print(dry_run(cfg, **plan))
+        except UserError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        return 0
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         logger.warning("no --config given: training the built-in defaults (model.flavor=%r, %d steps, data.source=%r) "
                        "into %s", cfg.model.flavor, cfg.train.steps, cfg.data.source, cfg.job.dump_folder)

@@ -168,6 +168,9 @@ class Trainer:
             logger.info(hint)
         if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
             logger.info(family_line)
+        if (plan := job.memory_plan) is not None:
+            logger.info("memory plan: about %.1f GiB per rank at its peak (%s); `scripts/train.py ... --dry-run` "
+                        "prints where it goes", plan.peak_bytes / 2**30, plan.peak_at)
 
     def _build_hooks(self, job: ResolvedJob) -> list[StepHook]:
         """The per-step hooks (trainer/hooks.py) this job needs, in the order they run."""

@@ -49,6 +49,7 @@ def usage() -> str:
     width = max(map(len, _SECTIONS))
     sections = "\n".join(f"  {name:<{width}}  {SECTION_HELP[name]}" for name in _SECTIONS)
     return f"""usage: [torchrun ...] scripts/train.py --config FILE.toml [--section.key=value ...]
+       scripts/train.py --config FILE.toml [...] --dry-run [--world-size N] [--gpu-memory-gib G]
        scripts/train.py --help [SECTION]
 
 Trains the model a TOML job config describes. Every key of the TOML file can be
@@ -59,6 +60,9 @@ sections:
 {sections}
 
   --help SECTION   lists that section's keys with their defaults and meaning
+  --dry-run        validates the job for N ranks (default 1) and prints its layout, precision,
+                   parameters and per-GPU memory plan (GPUs of G GiB, default 79.2: an H100 80GB);
+                   no GPU, no process group, nothing written
   docs/config.md   the full reference; configs/train/*.toml are ready-made jobs
 
 example:

@@ -95,8 +95,13 @@ class TokenDataLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
+def shard_paths(path: str) -> list[str]:
+    """The shard files `path` names: a folder's *.bin files, or a glob's matches (sorted; empty when none)."""
+    return sorted(glob.glob(str(Path(path) / "*.bin"))) if Path(path).is_dir() else sorted(glob.glob(path))
+
+
 def _shard_paths(path: str, key: str = "data.path") -> list[str]:
-    paths = sorted(glob.glob(str(Path(path) / "*.bin"))) if Path(path).is_dir() else sorted(glob.glob(path))
+    paths = shard_paths(path)
     if not paths:
         raise DataError(f"no shard files found at {key}='{path}'; create them with "
                         "python scripts/prepare_data.py --input FILES --output DIR")

@@ -5,6 +5,7 @@ or override fails while parsing, without importing torch); this pass adds the re
 
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
+    plan.py            the per-GPU memory plan (peak estimate) the dry run prints; a warning when it exceeds the device
     resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
     options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
                        checkpoint): the Trainer reads no JobConfig
@@ -20,6 +21,7 @@ Lower layers assert these facts; they do not check them again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +34,15 @@ from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
 from trainer.run_files import run_file_texts
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
-from trainer.validate.memory import check_fits_device
+from trainer.validate.memory import Target, check_fits_device, this_machine
 from trainer.validate.options import (
     MetricsOptions, OptimizerOptions, ProfilingOptions, RunOptions, SchedulerOptions, ValidationOptions,
     resolve_options,
 )
-from trainer.validate.resolve import resolve_build, resolve_data, resolve_float8, resolve_model_args
+from trainer.validate.plan import MemoryPlan, plan_memory
+from trainer.validate.resolve import absent_shards, resolve_build, resolve_data, resolve_float8, resolve_model_args
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,25 +70,38 @@ class ResolvedJob:
     """The stage layout and schedule when distributed.pp > 1."""
     float8_layers: dict[str, str] | None = None
     """fp8 runs: every Linear's fqn -> "converted" or why it is excluded, in model order."""
+    memory_plan: MemoryPlan | None = None
+    """The per-rank memory estimate (trainer.validate.plan)."""
+    unchecked_data: tuple[str, ...] = ()
+    """A dry run: the data keys whose files are not on this machine (data_source is None then)."""
 
 
-def validate_job(cfg: JobConfig, *, world_size: int) -> ResolvedJob:
+def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = None) -> ResolvedJob:
     """Check everything that needs the world size, the model's shapes or the data; resolve what the build and the
-    Trainer take."""
+    Trainer take. target: where the job runs (None: this machine; a dry run passes the GPUs it plans for)."""
+    target = target or this_machine()
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
     # Before anything walks the blocks (pipeline costs, the FP8 meta model): 10**8 of them take minutes.
-    check_fits_device(cfg, args, pd)
+    check_fits_device(cfg, args, pd, target.memory)
     pipeline = resolve_pipeline(cfg, pp=pd.pp, args=args)
-    float8, float8_layers = resolve_float8(cfg, args, pd) if cfg.train.is_fp8 else (None, None)
-    build = resolve_build(cfg, pd, float8)
-    source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
+    float8, float8_layers = resolve_float8(cfg, args, pd, probe=target.probe) if cfg.train.is_fp8 else (None, None)
+    build = resolve_build(cfg, pd, float8, cuda=target.device_type == "cuda")
+    plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
+    if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:
+        logger.warning("memory plan: about %.1f GiB per rank at its peak (%s), more than the %.1f GiB of %s: the run "
+                       "may run out of memory; `scripts/train.py --config ... --dry-run` prints where it goes",
+                       plan.peak_bytes / 2**30, plan.peak_at, target.memory[0] / 2**30, target.memory[1])
+    unchecked = tuple(absent_shards(cfg)) if target.planning else ()
+    source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp, missing_ok=target.planning)
     files = run_file_texts(cfg, run_cfg=cfg, args=args, pd=pd, build=build, pipeline=pipeline,
                            float8_layers=float8_layers)
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,
-                       **resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16))
+                       memory_plan=plan, unchecked_data=unchecked,
+                       **resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16,
+                                         device=target.device_type))
 
 
 def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_step: int = 0) -> ResolvedJob:

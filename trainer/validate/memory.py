@@ -56,9 +56,31 @@ def estimate_train_state(args: ModelArgs, pd: ParallelDims, *, bf16_master: bool
                               num_ranks=pd.fsdp_shard * pd.tp * pd.pp, what=what)
 
 
-def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
-    """Refuse a model whose sharded weights, gradients and optimizer state alone exceed this rank's device."""
-    memory = device_memory()
+@dataclass(frozen=True)
+class Target:
+    """Where a job is validated for: this machine (a real run), or GPUs a dry run plans for."""
+
+    device_type: str
+    """"cuda" or "cpu": what init_distributed will pick."""
+    memory: tuple[int, str] | None
+    """(bytes, what) each rank trains in; None when it cannot be told."""
+    probe: bool = True
+    """Probe this machine's FP8 kernels under float8.require; a dry run assumes GPUs with FP8 tensor cores."""
+    planning: bool = False
+    """A dry run: data files absent on this machine are reported, not refused (the run checks them)."""
+
+
+def this_machine() -> Target:
+    return Target(device_type="cuda" if torch.cuda.is_available() else "cpu", memory=device_memory())
+
+
+def planned_gpus(gib: float) -> Target:
+    """The GPUs of a dry run: CUDA devices of `gib` GiB each, FP8-capable."""
+    return Target(device_type="cuda", memory=(int(gib * GIB), f"a {gib:g} GiB GPU"), probe=False, planning=True)
+
+
+def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory: tuple[int, str] | None) -> None:
+    """Refuse a model whose sharded weights, gradients and optimizer state alone exceed a rank's `memory`."""
     if memory is None:
         return
     capacity, device = memory

@@ -116,12 +116,12 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0) -> dict[str, Any]:
+def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, device: str = "") -> dict[str, Any]:
     """Every option object of a ResolvedJob but the build's, from the checked config (keyword -> object).
 
-    stop_step: 0 stops at train.steps."""
+    stop_step: 0 stops at train.steps. device: the device type the job runs on ("" = this machine's)."""
     t, o, s, m, p = cfg.train, cfg.optimizer, cfg.scheduler, cfg.metrics, cfg.profiling
-    device = device_type()
+    device = device or device_type()
     run = RunOptions(
         steps=t.steps, stop_step=stop_step or t.steps, seed=t.seed, deterministic=t.deterministic,
         batch_size=t.batch_size, seq_len=t.seq_len, grad_accum_steps=t.grad_accum_steps,

@@ -15,7 +15,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.config.checks import MODEL_KEYS, MOE_KEYS
-from trainer.data.loader import build_source
+from trainer.data.loader import build_source, shard_paths
 from trainer.errors import ConfigError
 from trainer.model_values import values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
@@ -92,10 +92,12 @@ def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
     return out
 
 
-def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> tuple[Float8Options, dict[str, str]]:
+def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: bool = True
+                   ) -> tuple[Float8Options, dict[str, str]]:
     """The FP8 options of an fp8 run and every Linear's fate (fqn -> "converted" or why it is excluded).
 
-    Every exclusion must match a Linear; the GPU is probed under float8.require.
+    Every exclusion must match a Linear; the GPU is probed under float8.require (probe=False: a dry run, which
+    plans for GPUs with FP8 tensor cores).
     """
     f8 = cfg.float8
     all_gather = f8.enable_fsdp_float8_all_gather
@@ -107,9 +109,10 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> tuple[F
         converted, excluded, _ = select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns), recipe=f8.recipe)
     except ValueError as e:  # an exclude_fqns entry that matches nothing
         raise ConfigError(str(e)) from None
-    _check_fp8_hardware(require=f8.require, emulate=f8.emulate, recipe=f8.recipe)
+    if probe:
+        _check_fp8_hardware(require=f8.require, emulate=f8.emulate, recipe=f8.recipe)
     if f8.moe_experts != "off":
-        _check_fp8_experts(cfg, args)
+        _check_fp8_experts(cfg, args, probe=probe)
     options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
                             moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd))
@@ -154,7 +157,7 @@ def resolve_attention_backends(backend: str, *, cuda: bool) -> tuple[str, ...]:
     return (_ATTENTION_BACKENDS[backend],)
 
 
-def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None) -> BuildOptions:
+def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None, *, cuda: bool) -> BuildOptions:
     """What build_parallel_model takes: FP8, AC, compile and the FSDP2 policy."""
     t, d = cfg.train, cfg.distributed
     bf16_master = uses_bf16_master(cfg)
@@ -199,7 +202,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
             reshard_after_forward=reshard,
         ),
         loss_parallel=d.loss_parallel,
-        attention_backends=resolve_attention_backends(t.attention_backend, cuda=torch.cuda.is_available()),
+        attention_backends=resolve_attention_backends(t.attention_backend, cuda=cuda),
         loss_chunk_tokens=t.loss_chunk_tokens,
         seq_len=t.seq_len,
         # The vocabulary-parallel loss (TP) runs eagerly; otherwise the head and loss compile with the blocks.
@@ -207,9 +210,13 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     )
 
 
-def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]:
-    """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids)."""
+def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int, missing_ok: bool = False) -> tuple[Any, Any]:
+    """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids).
+
+    missing_ok (a dry run): shards that are not on this machine give (None, None) instead of an error."""
     data, t = cfg.data, cfg.train
+    if missing_ok and absent_shards(cfg):
+        return None, None
     source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                           vocab_size=vocab_size, seq_len=t.seq_len)
     # A step takes batch_size x grad_accum_steps samples on each dp rank; fewer samples than one global
@@ -223,6 +230,14 @@ def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]
         )
     validation = _validation_source(cfg, vocab_size=vocab_size, dp=dp) if cfg.validation.enable else None
     return source, validation
+
+
+def absent_shards(cfg: JobConfig) -> list[str]:
+    """The config keys whose shard files are not on this machine (data.path, validation.path)."""
+    keys = [("data.path", cfg.data.path)] if cfg.data.source == "shards" else []
+    if cfg.validation.enable and cfg.validation.path:
+        keys.append(("validation.path", cfg.validation.path))
+    return [f"{key}='{path}'" for key, path in keys if not shard_paths(path)]
 
 
 def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
@@ -243,7 +258,7 @@ def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
     return source
 
 
-def _check_fp8_experts(cfg: JobConfig, args: ModelArgs) -> None:
+def _check_fp8_experts(cfg: JobConfig, args: ModelArgs, *, probe: bool = True) -> None:
     """float8.moe_experts needs routed experts, shapes the FP8 grouped GEMM takes, and a device that runs it."""
     f8, key = cfg.float8, f"float8.moe_experts='{cfg.float8.moe_experts}'"
     if not family_of(args).has_router:
@@ -255,7 +270,7 @@ def _check_fp8_experts(cfg: JobConfig, args: ModelArgs) -> None:
         if getattr(args, name) % 16:
             raise ConfigError(f"{key} needs the experts' {name} to be a multiple of 16 (FP8 grouped GEMM alignment), "
                               f"but model.flavor={cfg.model.flavor!r} has {name}={getattr(args, name)}")
-    if f8.emulate:
+    if f8.emulate or not probe:
         return
     if not torch.cuda.is_available():
         raise ConfigError(f"{key} on a machine without CUDA needs float8.emulate=true: torch._scaled_grouped_mm "

@@ -1,0 +1,163 @@
+"""The dry run's per-GPU memory plan (trainer/validate/plan.py): its parameter bookkeeping against models built on the
+meta device, its arithmetic, the warning a real run gets, and its estimates against the peaks measured on GPUs.
+What a block saves per token is checked against torch.compile's own graphs in test_memory_plan_graphs.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from trainer.config import load_job_config
+from trainer.errors import ConfigError
+from trainer.models import build_model
+from trainer.validate import validate_job
+from trainer.validate.memory import Target, planned_gpus
+from trainer.validate.plan import GIB, plan_ranks
+
+QWEN3_0_6B = ["--config", "configs/train/llama3_1b.toml", "--model.dim=1024", "--model.n_layers=28",
+              "--model.n_heads=16", "--model.n_kv_heads=8", "--model.head_dim=128", "--model.ffn_dim=3072",
+              "--model.vocab_size=151936", "--model.rope_theta=1000000", "--model.rope_scaling=none",
+              "--model.norm_eps=1e-6", "--model.tie_word_embeddings=true", "--model.qk_norm=true"]
+
+
+def plan_of(argv: list[str], *, world_size: int = 1):
+    job = validate_job(load_job_config([*argv, "--data.source=synthetic"]), world_size=world_size,
+                       target=planned_gpus(1000))
+    return job, job.memory_plan
+
+
+def row(plan, what: str) -> int:
+    return next(r.bytes for r in plan.rows if r.what == what)
+
+
+def meta_params(job) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(job.model_args).parameters())  # a tied table once
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model.flavor=debug"], ["--model.flavor=debug_moe"], ["--config", "configs/train/llama3_8b.toml"],
+    ["--config", "configs/train/moe_16b_4gpu_fp8.toml"], QWEN3_0_6B,
+], ids=["debug", "debug_moe", "8b", "moe_16b", "qwen3-0.6b-tied"])
+@pytest.mark.parametrize("world_size", [1, 16])
+def test_weights_and_optimizer_rows_count_the_models_parameters(argv: list[str], world_size: int) -> None:
+    extra = ["--distributed.ep=1"] if "moe_16b" in " ".join(argv) else []
+    job, plan = plan_of([*argv, *extra, "--distributed.master_dtype=bf16"], world_size=world_size)
+    params = meta_params(job)
+    assert plan.params_per_rank == params // world_size
+    assert row(plan, "weights (sharded)") == params // world_size * 2
+    assert row(plan, "optimizer state") == params // world_size * 4  # two bf16 moments
+
+
+def test_pipeline_ranks_split_the_parameters_and_rank_0_holds_the_most_microbatches() -> None:
+    job, _ = plan_of(["--config", "configs/train/debug_pp.toml"], world_size=2)  # Interleaved1F1B, 8 microbatches
+    ranks = plan_ranks(load_job_config(["--config", "configs/train/debug_pp.toml", "--data.source=synthetic"]),
+                       job.model_args, job.parallel_dims, job.build, job.pipeline, job.float8_layers)
+    assert sum(p.params_per_rank for p in ranks) == meta_params(job)
+    act = [row(p, "activations") for p in ranks]
+    # Interleaved warm-up at rank r: (v - 1) pp + 2 (pp - 1 - r) + 1 forwards of one stage each: 5 and 3 with pp=2,
+    # v=2; each rank's two stages hold 2 of the 4 blocks.
+    assert act[0] * 3 == act[1] * 5
+    assert all(any(r.what == "gradients" for r in p.rows) for p in ranks)  # microbatches sum into them
+
+
+def test_full_ac_keeps_each_blocks_input_and_the_peak_moves_to_the_optimizer_step() -> None:
+    job, plan = plan_of(["--config", "configs/train/llama3_8b.toml", "--model.n_layers=8",
+                         "--train.activation_checkpointing=full", "--train.batch_size=2", "--train.seq_len=4096"])
+    args = job.model_args
+    assert row(plan, "activations") == 8 * 2 * 4096 * 2 * args.dim  # blocks x tokens x the bf16 input
+    # fp32 master weights, bf16 copies, one short sequence: the 4 B gradients outweigh the 2 B copies.
+    job, plan = plan_of(["--model.flavor=debug", "--train.mixed_precision=bf16", "--distributed.master_dtype=fp32",
+                         "--train.batch_size=1", "--train.seq_len=16"])
+    params = meta_params(job)
+    assert plan.peak_at == "the optimizer step"
+    assert plan.peak_bytes == params * 16 and row(plan, "gradients") == params * 4  # weights, grads, 2 moments
+
+
+def test_a_chunked_loss_holds_one_chunk_of_logits() -> None:
+    base = ["--config", "configs/train/llama3_8b.toml", "--model.n_layers=2", "--train.batch_size=4",
+            "--train.seq_len=4096", "--train.mixed_precision=bf16", "--train.compile_model=true"]
+    job, whole = plan_of(base)
+    _, chunked = plan_of([*base, "--train.loss_chunk_tokens=4096"])
+    v, d = job.model_args.vocab_size, job.model_args.dim
+    # bf16 logits and the head's weight gradient; chunked: a quarter of the logits and a second weight gradient.
+    assert row(whole, "logits and loss") - row(chunked, "logits and loss") == 2 * v * (16384 - 4096) - 2 * v * d
+
+
+def test_a_real_run_is_warned_when_the_plan_exceeds_its_device(caplog) -> None:
+    cfg = load_job_config(["--config", "configs/train/llama3_8b.toml", "--model.n_layers=2", "--data.source=synthetic"])
+    plan = validate_job(cfg, world_size=1, target=planned_gpus(1000)).memory_plan
+    state = plan.params_per_rank * 6  # bf16 weights and moments: the refusal's lower bound
+    device = Target(device_type="cpu", memory=(state + (plan.peak_bytes - state) // 2, "a test device"))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        validate_job(cfg, world_size=1, target=device)
+    assert any("memory plan: about" in r.message and "a test device" in r.message for r in caplog.records)
+    with pytest.raises(ConfigError, match="before any activation"):
+        validate_job(cfg, world_size=1, target=Target(device_type="cpu", memory=(state // 2, "a small device")))
+
+
+# Peaks measured on 1x H100 80GB (torch.cuda.max_memory_allocated over steps after the warm-up; docs/benchmarks.md,
+# "The dry run's memory plan"): seq 4096, compile, synthetic tokens, bf16 master weights unless named. The first
+# group is what the plan was read against (scripts/memory_peak.py), the second (`gpu_checks.sh memplan`) was
+# measured after it was written.
+L8 = ["--config", "configs/train/llama3_8b.toml", "--model.n_layers=8", "--train.compile_model=true"]
+MOE8 = ["--config", "configs/train/moe_16b_4gpu_fp8.toml", "--model.n_layers=8", "--distributed.ep=1",
+        "--float8.moe_experts=off", "--train.batch_size=2"]
+MEASURED = {
+    "8b-8l-b4-bf16": ([*L8, "--train.batch_size=4", "--train.mixed_precision=bf16"], 43.11),
+    "8b-8l-b4-fp8": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8"], 40.42),
+    "8b-8l-b4-fp8-fp32-master": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8",
+                                  "--distributed.master_dtype=fp32"], 56.04),
+    "8b-8l-b4-bf16-fp32-master": ([*L8, "--train.batch_size=4", "--train.mixed_precision=bf16",
+                                   "--distributed.master_dtype=fp32"], 58.73),
+    "8b-8l-b4-bf16-selective": ([*L8, "--train.batch_size=4", "--train.mixed_precision=bf16",
+                                 "--train.activation_checkpointing=selective"], 37.61),
+    "8b-8l-b4-fp8-selective": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8",
+                                "--train.activation_checkpointing=selective"], 40.52),
+    "8b-8l-b4-bf16-full": ([*L8, "--train.batch_size=4", "--train.mixed_precision=bf16",
+                            "--train.activation_checkpointing=full"], 27.10),
+    "8b-8l-b4-fp8-full": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8",
+                           "--train.activation_checkpointing=full"], 29.91),
+    "8b-8l-b2-fp8": ([*L8, "--train.batch_size=2", "--train.mixed_precision=fp8"], 30.78),
+    "8b-4l-b4-bf16": (["--config", "configs/train/llama3_8b.toml", "--model.n_layers=4", "--train.compile_model=true",
+                       "--train.batch_size=4", "--train.mixed_precision=bf16"], 28.20),
+    "8b-8l-b2-bf16-eager": ([*L8, "--train.batch_size=2", "--train.mixed_precision=bf16",
+                             "--train.compile_model=false"], 44.14),
+    "8b-8l-b4-fp8-chunked": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8",
+                              "--train.loss_chunk_tokens=4096"], 36.24),
+    "8b-32l-b1-fp8-full": (["--config", "configs/train/llama3_8b.toml", "--train.batch_size=1",
+                            "--train.mixed_precision=fp8", "--train.activation_checkpointing=full"], 63.39),
+    "moe_16b-8l-b2-bf16": ([*MOE8, "--train.mixed_precision=bf16"], 46.28),
+    "moe_16b-8l-b2-fp8": ([*MOE8, "--train.mixed_precision=fp8"], 46.80),
+    "qwen3-0.6b-b4-bf16": ([*QWEN3_0_6B, "--train.batch_size=4", "--train.seq_len=4096",
+                            "--train.mixed_precision=bf16"], 51.86),
+    "qwen3-0.6b-b4-fp8": ([*QWEN3_0_6B, "--train.batch_size=4", "--train.seq_len=4096",
+                           "--train.mixed_precision=fp8"], 47.66),
+}
+B8 = ["--config", "configs/train/llama3_8b.toml", "--train.compile_model=true"]
+MOE = ["--config", "configs/train/moe_16b_4gpu_fp8.toml", "--distributed.ep=1", "--float8.moe_experts=off"]
+for precision, peaks in (("bf16", (44.91, 28.08, 42.93, 41.13, 26.30, 17.54)),
+                         ("fp8", (52.13, 28.14, 41.10, 36.38, 28.20, 24.88))):
+    p = f"--train.mixed_precision={precision}"
+    MEASURED |= {f"after-{name}-{precision}": ([*argv, p], peak) for (name, argv), peak in zip((
+        ("1b-b8-selective", ["--config", "configs/train/llama3_1b.toml", "--train.batch_size=8",
+                             "--train.activation_checkpointing=selective"]),
+        ("8b-4l-seq8192-b2", [*B8, "--model.n_layers=4", "--train.batch_size=2", "--train.seq_len=8192"]),
+        ("8b-8l-b2-accum2-kahan", [*B8, "--model.n_layers=8", "--train.batch_size=2", "--train.grad_accum_steps=2",
+                                   "--optimizer.bf16_update=kahan"]),
+        ("8b-6l-b6-chunk8192", [*B8, "--model.n_layers=6", "--train.batch_size=6", "--train.loss_chunk_tokens=8192"]),
+        ("moe_16b-4l-b4-selective", [*MOE, "--model.n_layers=4", "--train.batch_size=4",
+                                     "--train.activation_checkpointing=selective"]),
+        ("moe_small-b8-full", [*MOE, "--model.flavor=moe_small", "--train.batch_size=8",
+                               "--train.activation_checkpointing=full"]),
+    ), peaks)}
+
+
+@pytest.mark.parametrize("name", list(MEASURED))
+def test_the_plan_is_within_5_percent_of_the_measured_peak(name: str) -> None:
+    argv, measured = MEASURED[name]
+    defaults = {"--train.seq_len": "4096", "--train.activation_checkpointing": "none"}  # the measured runs' own
+    _, plan = plan_of([*argv, *(f"{k}={v}" for k, v in defaults.items() if not any(a.startswith(k) for a in argv))])
+    assert abs(plan.peak_bytes / GIB / measured - 1) < 0.05, (plan.peak_bytes / GIB, measured)

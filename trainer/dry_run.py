@@ -1,0 +1,61 @@
+"""`scripts/train.py --config ... --dry-run [--world-size N] [--gpu-memory-gib G]`: plan a job without running it.
+
+The whole validation pass for N ranks (trainer.validate.validate_job, as each rank of the real run does it,
+planned for CUDA GPUs with FP8 tensor cores and G GiB each), then what it resolved: the layout, the model,
+the precision, the batch, the data, and the per-GPU memory plan (trainer.validate.plan). No GPU, no process
+group, no folder is touched; data files that are not on this machine are named, not refused. A config the
+real run would refuse gives the same one-line error.
+"""
+
+from __future__ import annotations
+
+from trainer.config import JobConfig
+from trainer.model_values import num_params_for
+from trainer.models import family_of
+from trainer.run_files import describe_precision
+from trainer.validate import ResolvedJob, validate_job
+from trainer.validate.memory import planned_gpus
+
+# torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3 (79.2 GiB); an H200 has 139.8.
+DEFAULT_GPU_GIB = 79.2
+
+
+def dry_run(cfg: JobConfig, *, world_size: int, gpu_gib: float = DEFAULT_GPU_GIB) -> str:
+    """The plan of `cfg` on `world_size` GPUs of `gpu_gib` GiB; raises what the real run's validation raises."""
+    target = planned_gpus(gpu_gib)
+    job = validate_job(cfg, world_size=world_size, target=target)
+    return describe_plan(job, cfg, target_memory=target.memory)
+
+
+def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int, str] | None) -> str:
+    args, pd, run, plan = job.model_args, job.parallel_dims, job.run, job.memory_plan
+    total, non_embedding = num_params_for(args)
+    lines = [
+        f"dry run for {pd.world_size} rank{'s' if pd.world_size > 1 else ''}: nothing was started",
+        f"layout: {pd.summary}" + (f"; pipeline {job.pipeline.schedule}, {job.pipeline.num_stages} stages, "
+                                   f"{job.pipeline.num_microbatches} microbatches" if job.pipeline else ""),
+        f"model: {run.flavor}, {total:,} parameters ({non_embedding:,} non-embedding), dim={args.dim}, "
+        f"layers={args.n_layers}, heads={args.n_heads}/{args.n_kv_heads} kv x {args.head_dim}, ffn={args.ffn_dim}, "
+        f"vocab={args.vocab_size}",
+    ]
+    if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
+        lines.append(family_line)
+    lines.append(describe_precision(mixed_precision=run.mixed_precision, bf16_update=job.optimizer.bf16_update,
+                                    build=job.build, float8_layers=job.float8_layers))
+    lines.append(f"activation checkpointing: {job.build.ac.mode}; compile: {'on' if job.build.compile else 'off'}")
+    tokens = run.batch_size * run.seq_len * run.grad_accum_steps * pd.dp
+    lines.append(f"batch: {run.batch_size} sequences x {run.seq_len} tokens x {run.grad_accum_steps} accumulation "
+                 f"step{'s' if run.grad_accum_steps > 1 else ''} x {pd.dp} data-parallel rank"
+                 f"{'s' if pd.dp > 1 else ''} = {tokens:,} tokens per step, {run.steps:,} steps")
+    if job.unchecked_data:
+        lines.append(f"data: {', '.join(job.unchecked_data)} not on this machine: not checked (the run checks its "
+                     "headers, tokenizer and size)")
+    else:
+        lines.append(f"data: {job.data_source!r}" + (f"; validation {job.validation_source!r}"
+                                                     if job.validation_source is not None else ""))
+    rank = f" (pipeline rank {plan.pp_rank}, the one that holds the most)" if pd.pp > 1 else ""
+    lines.append(f"memory per GPU{rank}, estimated (docs/benchmarks.md holds it against measured peaks):")
+    lines.append(plan.table(capacity=target_memory))
+    lines.append(f"OK: {cfg.job.dump_folder} would train with this plan (`--dry-run` dropped, under torchrun with "
+                 f"{pd.world_size} process{'es' if pd.world_size > 1 else ''})")
+    return "\n".join(lines)

@@ -1,0 +1,334 @@
+"""The per-GPU memory plan: what one rank holds at its peak, in closed form from the resolved job (nothing is built).
+
+`scripts/train.py --dry-run` prints it; the validation pass warns when it exceeds the device (memory.py still
+refuses only what cannot fit, the training state alone). Bytes, per rank:
+
+    resident     master weights, AdamW's two moments (and the Kahan buffer): sharded over dp_shard x cp x tp
+                 (pp: this rank's stages); gradients exist in full only from the end of backward to the step
+    gathered     the compute-dtype copies FSDP2 all-gathers: every unit of the rank where weights stay gathered
+                 from forward to backward (one shard group, or pipeline stages), else the root (final norm, head)
+                 and the two blocks a backward step holds (the running one and the prefetched one)
+    activations  what a block saves for backward, per token, by AC mode (below), times this rank's tokens in
+                 flight (a microbatch; under pp the schedule's microbatches in flight at this rank)
+    loss         the largest transient: the logits and what the head's backward makes of them
+
+The peak is the larger of two moments: the start of backward (resident + gathered + activations + loss; under
+full AC the loss's transient is freed before a block's recompute, so the larger of the two counts; with gradient
+accumulation or a pipeline, the gradients earlier microbatches left), and the optimizer step (resident + every
+gradient).
+
+What a block saves, bytes per token (d = dim, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = n_heads,
+f = ffn_dim): read from the forward graphs torch.compile's partitioner makes for our block (the saved outputs of
+its post-grad forward graph, on a CPU; the same op graph on a GPU) and confirmed against what was live at the
+measured peaks on 1x H100 (docs/benchmarks.md, "The dry run's memory plan"):
+
+    compiled, bf16 linears          8d + 4q + 4kv + 4h + 6f + 8   inputs and outputs of the norms and their fp32
+                                                                  rstd, q/k/v, attention out and its logsumexp,
+                                                                  gate, up and their product
+    compiled, fp8 linears           4d + 4q + 4kv + 4h + 4f + 8   the normed inputs, o_proj's output and the
+                                                                  product are recomputed from what the casts need
+    selective AC (per-op policy)    4d + 4q + 4kv + 4h + 4f       the GEMM and attention outputs only
+    full AC                         2d                            the block's input; backward recomputes one block
+    eager (no compile)              12d + 4q + 4kv + 4h + 8f + 8  fp32 copies of the norms' inputs, silu's output
+    qk_norm adds (not selective)    2q + 2kv + 4(h + n_kv_heads)  the projections' outputs, the heads' rstd
+
+An MoE block adds, per routed row (top_k rows per token), 6d + 6 moe_ffn_dim compiled (the permuted and padded
+inputs, both expert GEMMs' outputs, their product, the down projection's output), and its shared experts as a
+dense MLP of n_shared_experts x moe_ffn_dim. The loss (bf16 logits: tokens x vocab x 2): compiled, the logits
+and the head's weight gradient, or with an fp8 head two fp8 copies of the logits' gradient instead; eager,
+12 bytes per logit (fp32 log-softmax output, its gradient and the cast's); chunked, one chunk's worth plus a
+second head-weight gradient.
+
+Approximate by construction: tensor parallelism divides activations by tp (the sequence-parallel norms and the
+gathered GEMM inputs are not told apart), context parallelism divides tokens by cp, expert parallelism's
+all-to-all buffers and the pipeline schedules' exact timing are estimated, allocator fragmentation is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import JobConfig
+from trainer.models import ModelArgs, family_of
+from trainer.parallel import BuildOptions, ParallelDims
+from trainer.parallel.pipeline_layout import PipelineOptions
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    what: str
+    bytes: int
+    how: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's memory at its peak (the pipeline rank that holds the most), as rows that sum to `peak_bytes`."""
+
+    rows: tuple[MemoryRow, ...]
+    peak_bytes: int
+    peak_at: str
+    """When the peak happens: "the start of backward", "a block's recompute" or "the optimizer step"."""
+    pp_rank: int
+    params_per_rank: int
+    optimizer_step_bytes: int
+    """Weights, optimizer state and every gradient: the optimizer step's memory (activations freed)."""
+
+    def table(self, *, capacity: tuple[int, str] | None = None) -> str:
+        """The rows, the peak, and against `capacity` ((bytes, what)) the headroom."""
+        width = max(len("at the optimizer step"), *(len(r.what) for r in self.rows))
+        lines = [f"  {r.what:<{width}}  {_size(r.bytes)}  {r.how}" for r in self.rows]
+        lines.append(f"  {'peak (estimate)':<{width}}  {_size(self.peak_bytes)}  at {self.peak_at}")
+        if self.optimizer_step_bytes < self.peak_bytes:
+            lines.append(f"  {'at the optimizer step':<{width}}  {_size(self.optimizer_step_bytes)}  weights, "
+                         "optimizer state and every gradient (activations freed)")
+        if capacity:
+            cap, what = capacity
+            lines.append(f"  {'':<{width}}  " + (
+                f"fits {what} with {(cap - self.peak_bytes) / GIB:.1f} GiB to spare" if self.peak_bytes <= cap else
+                f"MORE than {what} by {(self.peak_bytes - cap) / GIB:.1f} GiB: lower train.batch_size, set "
+                "train.activation_checkpointing or train.loss_chunk_tokens, or shard over more ranks"))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What one pipeline rank holds: layers by kind and the model's ends."""
+
+    dense_layers: int
+    moe_layers: int
+    embeddings: bool
+    head: bool
+    microbatches_in_flight: float
+    """Microbatches whose activations this rank holds at once (one chunk of its stages' layers each)."""
+
+
+def _dtype_bytes(dtype: torch.dtype | None, default: int) -> int:
+    return default if dtype is None else torch.empty((), dtype=dtype).element_size()
+
+
+def plan_memory(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
+                pipeline: PipelineOptions | None, float8_layers: dict[str, str] | None) -> MemoryPlan:
+    """The memory plan of the rank that holds the most (every pipeline rank is planned; one without pp)."""
+    return max(plan_ranks(cfg, args, pd, build, pipeline, float8_layers), key=lambda p: p.peak_bytes)
+
+
+def plan_ranks(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
+               pipeline: PipelineOptions | None, float8_layers: dict[str, str] | None) -> list[MemoryPlan]:
+    """The memory plan of each pipeline rank (one without pp)."""
+    fp8 = _Fp8.of(float8_layers)
+    stages = _stages(args, pd, pipeline)
+    return [_plan_rank(cfg, args, pd, build, fp8, stage, pp_rank=r) for r, stage in enumerate(stages)]
+
+
+def _stages(args: ModelArgs, pd: ParallelDims, pipeline: PipelineOptions | None) -> list[_Stage]:
+    n_dense = min(getattr(args, "n_dense_layers", args.n_layers), args.n_layers)
+    if pipeline is None:
+        return [_Stage(n_dense, args.n_layers - n_dense, True, True, 1.0)]
+    per_rank: list[list[tuple[str, ...]]] = [[] for _ in range(pd.pp)]
+    for s, fqns in enumerate(pipeline.stage_fqns):
+        loop, pos = divmod(s, pd.pp)
+        rank = pd.pp - 1 - pos if pipeline.v_style and loop % 2 else pos  # V: the second stage of rank r is 2pp-1-r
+        per_rank[rank].append(fqns)
+    stages = []
+    for rank, groups in enumerate(per_rank):
+        layers = [int(f.split(".")[1]) for fqns in groups for f in fqns if f.startswith("layers.")]
+        dense = sum(1 for i in layers if i < n_dense)
+        chunks = _chunks_in_flight(pipeline, pp=pd.pp, rank=rank)
+        stages.append(_Stage(dense, len(layers) - dense, any("tok_embeddings" in f for f in groups),
+                             any("output_head" in f for f in groups), chunks / max(1, len(groups))))
+    return stages
+
+
+def _chunks_in_flight(pipeline: PipelineOptions, *, pp: int, rank: int) -> int:
+    """(Microbatch, stage) forwards whose activations rank `rank` holds before its first backward frees one."""
+    n, v = pipeline.num_microbatches, pipeline.stages_per_rank
+    if pipeline.schedule == "GPipe":
+        return n
+    if v == 1:  # 1F1B: warm-up forwards, then one forward per backward
+        return min(n, pp - rank)
+    return min(n * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)  # interleaved and V schedules: their warm-up
+
+
+def _layer_params(args: ModelArgs) -> tuple[int, int, int, int]:
+    """(attention with both norms, a dense MLP, an MoE layer's shared experts, its routed experts and router)."""
+    d, hd = args.dim, args.head_dim
+    attention = 2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 2 * d + (2 * hd if args.qk_norm else 0)
+    if not family_of(args).has_router:
+        return attention, 3 * d * args.ffn_dim, 0, 0
+    shared = 3 * d * args.n_shared_experts * args.moe_ffn_dim
+    routed = args.n_experts * d + 3 * args.n_experts * args.moe_ffn_dim * d  # the router's gate and the experts
+    return attention, 3 * d * args.ffn_dim, shared, routed  # an MoE model's ffn_dim: its dense blocks' width
+
+
+@dataclass(frozen=True)
+class _Fp8:
+    """Which of the model's GEMMs run in FP8 (float8_layers): what the block saves depends on it."""
+
+    attention: bool = False
+    mlp: bool = False
+    head: bool = False
+
+    @classmethod
+    def of(cls, float8_layers: dict[str, str] | None) -> _Fp8:
+        converted = [fqn for fqn, fate in (float8_layers or {}).items() if fate == "converted"]
+        return cls(attention=any(".attention." in f for f in converted), mlp=any(".mlp." in f for f in converted),
+                   head=any(f.startswith("output_head.") for f in converted))
+
+
+def _block_activations(args: ModelArgs, build: BuildOptions, fp8: _Fp8, *, moe: bool) -> tuple[float, float]:
+    """(saved, recomputed) bytes per token of one block: what backward finds saved, and what a fully
+    checkpointed block makes again at its backward (0 without full AC). The table in the module's docstring."""
+    d, h = args.dim, args.n_heads
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sdpa = 4 * q + 4 * kv + 4 * h  # q, k, v, out, lse
+    # qk_norm: the q and k projections' outputs and the per-head norms' fp32 rstd (selective AC saves the former)
+    qk_norm = 2 * q + 2 * kv + 4 * (h + args.n_kv_heads) if args.qk_norm else 0
+    if moe:  # shared experts are a dense MLP (never FP8); top_k routed rows per token
+        f, rows, hidden, fp8_mlp = args.n_shared_experts * args.moe_ffn_dim, args.top_k, args.moe_ffn_dim, False
+    else:
+        f, rows, hidden, fp8_mlp = args.ffn_dim, 0, 0, fp8.mlp
+    if not build.compile:
+        full = 12 * d + 8 + sdpa + qk_norm + 8 * f + rows * (6 * d + 8 * hidden)
+    else:  # 8: the two norms' fp32 rstd
+        full = ((4 if fp8.attention else 6) * d + 8 + sdpa + qk_norm + (4 * f if fp8_mlp else 2 * d + 6 * f)
+                + rows * (6 * d + 6 * hidden))
+    if build.ac.mode == "full":
+        return 2 * d, full
+    if build.ac.mode == "selective" and not build.ac.selective_every:  # the GEMMs' and attention's outputs
+        return min(full, 4 * d + sdpa + 4 * f + rows * (2 * d + 4 * hidden)), 0
+    return full, 0
+
+
+def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp8, stage: _Stage,
+               *, pp_rank: int) -> MemoryPlan:
+    fsdp = build.fsdp
+    master = _dtype_bytes(fsdp.master_dtype, 4)
+    compute = _dtype_bytes(fsdp.param_dtype, master)
+    kahan = 2 if master == 2 and cfg.optimizer.bf16_update == "kahan" else 0
+    params = _stage_params(args, stage)
+    shards = pd.fsdp_shard * pd.tp
+    local = params // shards
+    rows = [MemoryRow("weights (sharded)", local * master, f"{_count(params)} parameters / {shards} rank"
+                                                             f"{'s' if shards > 1 else ''} x {master} B "
+                                                             f"({_name(master)} master weights)"),
+            MemoryRow("optimizer state", local * (2 * master + kahan),
+                      f"AdamW's 2 moments x {master} B" + (" + the 2 B Kahan buffer" if kahan else "")),
+            _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
+    tokens = microbatch_tokens(cfg) / pd.cp
+    activations, recompute = _activations(args, pd, build, fp8, stage, tokens=tokens)
+    rows.append(activations)
+    loss = _loss_bytes(args, pd, build, fp8, tokens=tokens, compute=compute) if stage.head else 0
+    if stage.head:
+        rows.append(MemoryRow("logits and loss", loss, _loss_how(build)))
+    if cfg.train.grad_accum_steps > 1 or pd.pp > 1:  # a later microbatch's backward adds to the sharded gradients
+        rows.append(MemoryRow("gradients", local * master, f"{master} B each, summed over the step's microbatches"))
+    if recompute > loss:
+        rows.append(MemoryRow("block recompute", recompute - loss,
+                              "one block's activations again in its backward (full AC), beyond the loss's transient"))
+    optimizer_step = local * (4 * master + kahan)
+    start_of_backward = sum(r.bytes for r in rows)
+    if optimizer_step >= start_of_backward:
+        rows = rows[:2] + [MemoryRow("gradients", local * master,
+                                     f"{master} B each, complete from the end of backward to the optimizer step")]
+        peak, at = optimizer_step, "the optimizer step"
+    else:
+        peak, at = start_of_backward, "a block's recompute" if recompute > loss else "the start of backward"
+    return MemoryPlan(rows=tuple(rows), peak_bytes=peak, peak_at=at, pp_rank=pp_rank, params_per_rank=local,
+                      optimizer_step_bytes=optimizer_step)
+
+
+def _stage_params(args: ModelArgs, stage: _Stage) -> int:
+    attention, dense, shared, routed = _layer_params(args)
+    v, d = args.vocab_size, args.dim
+    ends = (v * d if stage.embeddings else 0) + (d + v * d if stage.head else 0)
+    if args.tie_word_embeddings and stage.embeddings and stage.head:
+        ends -= v * d  # one table
+    return stage.dense_layers * (attention + dense) + stage.moe_layers * (attention + shared + routed) + ends
+
+
+def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int) -> MemoryRow:
+    """The compute-dtype weights FSDP2 has all-gathered at the start of backward: every unit where none is
+    resharded after forward, else the root (head; a tied table with it) and the two blocks a backward step holds."""
+    attention, dense, shared, routed = _layer_params(args)
+    routed_local = routed // pd.ep  # routed experts are split over ep, never gathered over it
+    dense_block, moe_block = attention + dense, attention + shared + routed_local
+    if all_units:
+        n = _stage_params(args, stage) - stage.moe_layers * (routed - routed_local)
+        how = "every unit (kept gathered from forward to backward)"
+    else:
+        largest = max(dense_block if stage.dense_layers else 0, moe_block if stage.moe_layers else 0)
+        tied = args.vocab_size * args.dim if args.tie_word_embeddings and stage.embeddings else 0
+        n = (args.vocab_size * args.dim + args.dim if stage.head else 0) + tied + 2 * largest
+        how = "the root (head) and 2 blocks"
+    return MemoryRow("gathered weights", n // pd.tp * compute, f"{_name(compute)} copies of {how}")
+
+
+def _activations(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp8, stage: _Stage, *,
+                 tokens: float) -> tuple[MemoryRow, int]:
+    """(the saved activations' row, the bytes a fully checkpointed block makes again in its backward)."""
+    saved_dense, again_dense = _block_activations(args, build, fp8, moe=False)
+    saved_moe, again_moe = _block_activations(args, build, fp8, moe=True) if stage.moe_layers else (0, 0)
+    blocks = stage.dense_layers + stage.moe_layers
+    per_token = stage.dense_layers * saved_dense + stage.moe_layers * saved_moe
+    every = build.ac.selective_every if build.ac.mode == "selective" else 0
+    if every:  # full AC on every `every`-th block, the others keep everything
+        per_token = per_token * (1 - 1 / every) + blocks / every * 2 * args.dim
+        again_dense, again_moe = saved_dense, saved_moe
+    per_token /= pd.tp
+    in_flight = stage.microbatches_in_flight
+    ac = build.ac.mode + (f" every {every}" if every else "")
+    row = MemoryRow("activations", int(per_token * tokens * in_flight),
+                    f"{per_token / max(1, blocks) / 1e3:.1f} KB per token per block x {blocks} blocks x "
+                    f"{tokens:,.0f} tokens" + (f" x {in_flight:g} microbatches in flight" if in_flight != 1 else "")
+                    + f" (AC {ac}, {'compiled' if build.compile else 'eager'})")
+    again = max(again_dense if stage.dense_layers else 0, again_moe if stage.moe_layers else 0)
+    return row, int(again * tokens / pd.tp)
+
+
+def microbatch_tokens(cfg: JobConfig) -> int:
+    """Tokens of one microbatch (a pipeline microbatch under pp, else train.batch_size sequences)."""
+    t, d = cfg.train, cfg.distributed
+    return (d.pp_microbatch_size if d.pp > 1 else t.batch_size) * t.seq_len
+
+
+def _loss_bytes(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp8, *, tokens: float,
+                compute: int) -> int:
+    """The loss's transient: bf16 logits and what the head's backward makes of them (module docstring)."""
+    v, d = args.vocab_size, args.dim
+    if build.loss_parallel and pd.tp > 1:
+        v = v // pd.tp
+    chunk = min(tokens, build.loss_chunk_tokens) if build.loss_chunk_tokens else tokens
+    head_grad = args.vocab_size * d * compute // pd.tp
+    if not build.compile_loss:
+        logits, extra = 12 * chunk * v, head_grad
+    else:
+        logits, extra = compute * chunk * v, 2 * chunk * v if fp8.head else head_grad
+    if build.loss_chunk_tokens:
+        extra += head_grad  # each chunk's head-weight gradient, added to the running one
+    return int(logits + extra + tokens * d * compute)
+
+
+def _loss_how(build: BuildOptions) -> str:
+    chunk = f"{build.loss_chunk_tokens:,}-token chunks" if build.loss_chunk_tokens else "all tokens at once"
+    return f"{'compiled' if build.compile_loss else 'eager'} head and cross-entropy, {chunk}"
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one GiB, right-aligned in 12 characters."""
+    return f"{nbytes / GIB:8.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:8.1f} MiB"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _name(nbytes: int) -> str:
+    return {1: "fp8", 2: "bf16", 4: "fp32"}.get(nbytes, f"{nbytes}-byte")
