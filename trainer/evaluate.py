@@ -17,9 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
+from trainer.data.loader import split_rows
 from trainer.hooks import StepHook
+from trainer.loss import local_loss
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,10 @@ class Evaluator(StepHook):
     def __init__(self, source, *, model: torch.nn.Module, batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  seq_len: int, batch_size: int, steps: int, freq: int, last_step: int, dp_rank: int, dp_degree: int,
                  device: torch.device, dp_group: dist.ProcessGroup | None = None,
-                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        """batch_loss(inputs, labels) -> the batch's mean loss in the training layout
-        (`trainer.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule)."""
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 eod_mask_id: int | None = None):
+        """batch_loss(inputs, labels) -> (summed loss, valid labels) of this rank's part of the batch in the training
+        layout (`trainer.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule)."""
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
         assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
         self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
@@ -41,6 +43,7 @@ class Evaluator(StepHook):
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
         self.batch_loss = batch_loss
+        self.eod_mask_id = eod_mask_id
         self.tokens = steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
 
     def log_due(self, step: int) -> bool:
@@ -56,8 +59,7 @@ class Evaluator(StepHook):
         for b in range(self.steps):
             start = (b * self.dp_degree + self.dp_rank) * self.batch_size
             rows = np.stack([self.source.get_sample(i, self.seq_len) for i in range(start, start + self.batch_size)])
-            rows = torch.from_numpy(rows)
-            yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+            yield split_rows(rows, eod_mask_id=self.eod_mask_id)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
@@ -65,17 +67,17 @@ class Evaluator(StepHook):
         was_training = model.training
         model.eval()
         try:
-            total = torch.zeros((), device=self.device, dtype=torch.float32)
+            # [summed loss, valid labels] over this rank's batches, then over every rank's: the mean per valid token.
+            total = torch.zeros(2, device=self.device, dtype=torch.float32)
             for inputs, labels in self.batches():
                 with self.loss_context():
-                    loss = self.batch_loss(inputs, labels)
-                if isinstance(loss, DTensor):  # replicated under loss parallel
-                    loss = loss.to_local()
-                total += loss.float()  # every batch has the same token count: the mean of means is the mean
-            total /= self.steps
+                    loss, valid = self.batch_loss(inputs, labels)
+                total[0] += local_loss(loss).float()
+                total[1] += valid
             if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
                 # Every data-parallel rank's batches, and every context-parallel rank's chunks of them.
-                dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_group)
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+            total = total[0] / total[1].clamp(min=1)
         finally:
             model.train(was_training)
             # With reshard_after_forward off, a forward without backward leaves the gathered weights

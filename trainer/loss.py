@@ -1,8 +1,11 @@
-"""The LM loss every layout shares: final norm -> output head -> mean cross-entropy in fp32.
+"""The LM loss every layout shares: final norm -> output head -> cross-entropy in fp32.
 
 A model (`trainer.models.layers.Decoder.forward`), and each pipeline stage, returns hidden
 states; `LossFn` applies the final norm and output head of the module that holds them and
-computes the loss over all tokens at once, or `chunk_tokens` at a time. The trainer calls the
+computes the loss over all tokens at once, or `chunk_tokens` at a time. Labels equal to
+IGNORE_INDEX (the token after an EOS under data.eod_mask_loss) count nowhere: `LossFn.sum` is the
+summed loss of the valid labels, which the step divides by the valid labels of the whole global
+batch (trainer/step.py); `LossFn(h, labels)` is their mean. The trainer calls the
 same object at pp=1 (trainer/step.py) and the pipeline schedule calls it on the last stage
 (trainer/parallel/pipeline.py), so the chunked loss and compile behave the same in every
 layout. The MoE auxiliary loss is not computed here: each MoE layer injects its gradient
@@ -21,18 +24,28 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
 
+IGNORE_INDEX = -100
+"""A label that is not trained on (F.cross_entropy's default ignore_index)."""
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: under TP's loss_parallel it is a DTensor replicated over the tp ranks."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
 
 class LossFn:
-    """`loss_fn(h, labels)`: the mean cross-entropy of `output_head(norm(h))` against labels, in fp32."""
+    """`loss_fn.sum(h, labels)`: the summed cross-entropy of `output_head(norm(h))` against the valid labels (not
+    IGNORE_INDEX), in fp32; `loss_fn(h, labels)`: their mean."""
 
     def __init__(self, norm: nn.Module, output_head: nn.Module, *, chunk_tokens: int = 0, compile: bool = False):
         self.norm, self.output_head = norm, output_head
         self.chunk_tokens = chunk_tokens
-        self.head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._head_loss
+        self.head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._head_loss_sum
         self.chunk_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._chunk_loss
         if compile and chunk_tokens:
             # One graph per chunk, the loop stays eager: compiled as one graph, inductor would schedule
@@ -42,16 +55,17 @@ class LossFn:
             self.chunk_loss = torch.compile(self._chunk_loss, fullgraph=True, dynamic=False)
         elif compile:
             # Norm, head and loss in one graph: the fp32 upcast of the logits fuses into the cross-entropy.
-            self.head_loss = torch.compile(self._head_loss, fullgraph=True)
+            self.head_loss = torch.compile(self._head_loss_sum, fullgraph=True)
 
-    def __call__(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed loss of the valid labels (a replicated DTensor under TP's loss_parallel)."""
         if self.chunk_tokens:
             return chunked_cross_entropy(self.chunk_loss, h, labels, chunk_tokens=self.chunk_tokens)
         return self.head_loss(h, labels)
 
-    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.output_head(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    def __call__(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss over the valid labels (F.cross_entropy's mean)."""
+        return local_loss(self.sum(h, labels)) / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
     def _chunk_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of tokens h [n, dim], activation-checkpointed.
@@ -63,8 +77,10 @@ class LossFn:
         return checkpoint(self._head_loss_sum, h, labels, use_reentrant=False)
 
     def _head_loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """h [..., dim], labels [...]: the summed loss of the valid labels."""
         logits = self.output_head(self.norm(h))
-        return F.cross_entropy(logits.float(), labels, reduction="sum")
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
 
 
 def build_loss_fn(model: nn.Module, *, chunk_tokens: int, compile: bool) -> LossFn:
@@ -88,12 +104,10 @@ def chunked_cross_entropy(
     *,
     chunk_tokens: int,
 ) -> torch.Tensor:
-    """F.cross_entropy's mean over the tokens of h [batch, seq, dim], chunk_tokens tokens at a time.
+    """The summed loss of the valid labels of h [batch, seq, dim], chunk_tokens tokens at a time.
 
-    chunk_loss maps tokens [n, dim] and labels [n] to their summed loss. The divisor counts
-    the labels F.cross_entropy's mean counts (all but its ignore_index, -100; our data has
-    none), so this equals the plain loss up to fp32 summation order; the last chunk may be
-    shorter.
+    chunk_loss maps tokens [n, dim] and labels [n] to their summed loss, so this equals the plain
+    summed loss up to fp32 summation order; the last chunk may be shorter.
     """
     h, labels = h.flatten(0, 1), labels.flatten()
     total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -101,4 +115,4 @@ def chunked_cross_entropy(
     # slice's backward would write a zero-padded gradient the size of all of h.
     for h_chunk, labels_chunk in zip(h.split(chunk_tokens), labels.split(chunk_tokens)):
         total = total + chunk_loss(h_chunk, labels_chunk)
-    return total / (labels != -100).sum()
+    return total

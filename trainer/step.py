@@ -2,13 +2,16 @@
 
     TrainStep(microbatches, step) -> StepResult(loss, grad_norm, found_inf)     (device tensors, no host sync)
 
-At pp=1 the step runs `loss_fn(model(inputs), labels)` per microbatch; under pipeline
-parallelism the schedule runs the stages and calls the same `loss_fn` on the last one
-(trainer/parallel/pipeline.py). Either way each microbatch's loss is multiplied by one
-factor before its backward: loss scale / (pipeline microbatches x accumulation steps), so
-the step's gradient is the gradient of the mean loss over the global batch. The MoE layers'
-auxiliary losses get the same factor, injected through autograd
-(`trainer.models.moe.attach_aux_loss`).
+At pp=1 the step runs `loss_fn.sum(model(inputs), labels)` per microbatch; under pipeline
+parallelism the schedule runs the stages and calls the same `loss_fn.sum` on the last one
+(trainer/parallel/pipeline.py). Either way each microbatch's summed loss is multiplied by one
+factor before its backward: loss scale x D / N, with N the valid labels (not IGNORE_INDEX) of the
+whole global batch (every microbatch, data-parallel rank and context-parallel chunk; one all-reduce
+of a count per step) and D the ranks whose gradients FSDP2 and HSDP average (dp x cp). So the step's
+gradient is the gradient of the mean loss over every valid token of the step, however many each
+microbatch holds (torchtitan's global valid-token count), and the reported loss is that mean. The
+MoE layers' auxiliary losses are per microbatch: loss scale / (pipeline microbatches x accumulation
+steps), injected through autograd (`trainer.models.moe.attach_aux_loss`).
 
 A non-finite gradient norm (or an fp16 overflow) skips the optimizer step on the device:
 the fused AdamW kernel takes `found_inf`, and the hooks (trainer/hooks.py) get it to mask
@@ -30,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import UserError
+from trainer.loss import IGNORE_INDEX, local_loss
 from trainer.models.moe import MoE, set_aux_loss_scale
 
 if TYPE_CHECKING:
@@ -112,7 +116,8 @@ def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup |
 @dataclass
 class StepResult:
     loss: torch.Tensor
-    """This rank's mean loss over the step's microbatches (the same on every pp and tp rank)."""
+    """This rank's summed loss x D / N (module docstring): its average over the dp x cp ranks is the step's mean loss
+    per valid token (the same on every pp and tp rank)."""
     grad_norm: torch.Tensor
     """The global gradient norm before clipping (divided by the fp16 loss scale)."""
     found_inf: torch.Tensor
@@ -127,14 +132,17 @@ class TrainStep:
     (TP's loss_parallel).
     """
 
-    def __init__(self, *, model: nn.Module, loss_fn: Callable | None, optimizer: torch.optim.Optimizer,
+    def __init__(self, *, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
                  scheduler: Any, scaler: LossScaler, max_norm: float, fused: bool, device: torch.device,
                  pipeline: Pipeline | None = None,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 cp: ContextParallel | None = None):
-        """cp: the model's context-parallel layout (trainer.parallel.context_parallel.ContextParallel): each
-        batch is cut to this rank's chunks of every sequence before it runs."""
+                 cp: ContextParallel | None = None, dp_cp_group: dist.ProcessGroup | None = None):
+        """loss_fn: trainer.loss.LossFn (None on pipeline ranks without the last stage). cp: the model's
+        context-parallel layout (trainer.parallel.context_parallel.ContextParallel): each batch is cut to this
+        rank's chunks of every sequence before it runs. dp_cp_group: the ranks that read other tokens of the
+        step (data-parallel and context-parallel), whose gradients FSDP2 averages; None: one."""
         self.model, self.loss_fn, self.pipeline, self.cp = model, loss_fn, pipeline, cp
+        self.dp_cp_group = dp_cp_group if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1 else None
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.max_norm, self.fused, self.device = max_norm, fused, device
         self.loss_context = loss_context
@@ -167,27 +175,36 @@ class TrainStep:
         if self.cp is not None:
             microbatches = [(self.cp.shard(inputs), self.cp.shard(labels)) for inputs, labels in microbatches]
         per_batch = self.pipeline.num_microbatches if self.pipeline is not None else 1
-        count = len(microbatches) * per_batch
-        # Every microbatch has the same number of tokens, so the mean of the microbatch means is the
-        # mean over the whole global batch; fp16 multiplies in its loss scale too.
-        factor = self.scaler.scale / count if self.scaler.enabled else 1.0 / count
-        set_aux_loss_scale(self.moe_layers, factor)
+        scale = self.scaler.scale if self.scaler.enabled else 1.0  # fp16's loss scale
+        set_aux_loss_scale(self.moe_layers, scale / (len(microbatches) * per_batch))
+        factor = scale * self._per_valid_token(microbatches)
         if self.pipeline is not None:
-            return self.pipeline.forward_backward(microbatches, loss_factor=factor, loss_context=self.loss_context)
-        return self._forward_backward(microbatches, factor)
+            return self.pipeline.forward_backward(microbatches, loss_factor=factor, loss_scale=scale,
+                                                  loss_context=self.loss_context)
+        return self._forward_backward(microbatches, factor) / scale
+
+    def _per_valid_token(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """D / N (module docstring) as a device tensor: N counted on the host from this rank's labels, then
+        summed over the dp x cp ranks (an asynchronous all-reduce of one number; no host sync)."""
+        valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        count = torch.tensor(float(valid), device=self.device)
+        ranks = 1
+        if self.dp_cp_group is not None:
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
+            ranks = dist.get_world_size(self.dp_cp_group)
+        return ranks / count.clamp(min=1.0)  # a step with no valid label: zero loss and gradients
 
     def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-                          factor: torch.Tensor | float) -> torch.Tensor:
-        loss_sum = torch.zeros((), device=self.device)
+                          factor: torch.Tensor) -> torch.Tensor:
+        """Each microbatch's summed loss x factor, backward; returns their sum."""
+        total = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
             with self.loss_context():
-                loss = self.loss_fn(self.model(inputs.to(self.device, non_blocking=True)),
-                                    labels.to(self.device, non_blocking=True))
-                if isinstance(loss, DTensor):  # replicated under loss parallel
-                    loss = loss.to_local()
-                (loss * factor).backward()
-            loss_sum += loss.detach()
-        return loss_sum / len(microbatches)
+                loss = local_loss(self.loss_fn.sum(self.model(inputs.to(self.device, non_blocking=True)),
+                                                   labels.to(self.device, non_blocking=True))) * factor
+                loss.backward()
+            total += loss.detach()
+        return total
 
     def _optimizer_step(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
         # Clipping factor >= 1 that the gradients are divided by.
@@ -208,14 +225,15 @@ class TrainStep:
         self.optimizer.step()
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The mean loss of one held-out batch, in the training layout (forward only)."""
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(summed loss, valid labels) of this rank's part of one held-out batch, in the training layout (forward
+        only)."""
         if self.cp is not None:
             inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
+        valid = int((labels != IGNORE_INDEX).sum())
         if self.pipeline is not None:
-            return self.pipeline.eval_loss(inputs, labels)
-        loss = self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+            return self.pipeline.eval_loss(inputs, labels), valid
+        return local_loss(self.loss_fn.sum(self.model(inputs.to(self.device)), labels.to(self.device))), valid
 
     def check_finite(self, *, on_nonfinite: str, record: Callable[[], None]) -> int:
         """Report the non-finite steps since the last check; raise NonFiniteError under on_nonfinite='stop'.

@@ -84,7 +84,7 @@ class Trainer:
         self.data_loader = build_data_loader(
             job.data_source, seed=run.data_seed, shuffle=run.data_shuffle, seq_len=run.seq_len,
             batch_size=run.batch_size, grad_accum_steps=run.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
-            dp_degree=self.parallel_dims.dp,
+            dp_degree=self.parallel_dims.dp, eod_mask_id=run.eod_mask_id,
         )
         built = self._build_model(job)
         self.model, self.float8, self.loss_fn, self.pipeline = built.model, built.float8, built.loss_fn, built.pipeline
@@ -95,6 +95,7 @@ class Trainer:
             model=self.model, loss_fn=self.loss_fn, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, max_norm=run.max_norm, fused=job.optimizer.fused, device=self.device,
             pipeline=built.pipeline, loss_context=self.loss_context, cp=built.cp,
+            dp_cp_group=self.parallel_dims.mesh("dp_cp").get_group(),
         )
         self.hooks = self._build_hooks(job)
         self.state = TrainState(mixed_precision=run.mixed_precision)
@@ -197,6 +198,7 @@ class Trainer:
                 batch_size=run.batch_size, steps=v.steps, freq=v.freq, last_step=run.steps,
                 dp_rank=self.dp_mesh.get_local_rank(), dp_degree=self.parallel_dims.dp, device=self.device,
                 dp_group=self.parallel_dims.mesh("dp_cp").get_group(), loss_context=self.loss_context,
+                eod_mask_id=run.eod_mask_id,
             )
             logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
                         v.steps, v.freq, f"{evaluator.tokens:,}")

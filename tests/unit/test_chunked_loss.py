@@ -103,7 +103,7 @@ def test_chunked_cross_entropy_against_float64_reference() -> None:
     labels = torch.randint(0, 40, (3, 50), generator=g)
     loss = chunked_cross_entropy(lambda x, y: torch.nn.functional.cross_entropy(x @ w.T, y, reduction="sum"), h, labels,
                                  chunk_tokens=16)
-    ref = torch.nn.functional.cross_entropy((h @ w.T).flatten(0, 1), labels.flatten())
+    ref = torch.nn.functional.cross_entropy((h @ w.T).flatten(0, 1), labels.flatten(), reduction="sum")
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
 
 

@@ -432,3 +432,32 @@ def test_a_switched_dtype_is_caught_before_training(tmp_path):
     _rewrite_header(path, dtype_code=2, num_tokens=2)
     with pytest.raises(DataError, match="at token offset 0, above the max_token_id=300"):
         ShardSource([path], vocab_size=512, tokenizer_fingerprint=BYTE)
+
+
+def test_eod_mask_loss_ignores_the_label_after_each_eos(tmp_path: Path) -> None:
+    """data.eod_mask_loss: the label after an EOS input is IGNORE_INDEX, every other label is the next token; the EOS
+    id comes from the tokenizer (257 for bytes; a tokenizer.json's end-of-document token, read without `tokenizers`),
+    and random tokens, which have no documents, are refused in one line."""
+    import json
+
+    from trainer.config import ConfigError, load_job_config
+    from trainer.data.loader import split_rows
+    from trainer.data.tokenizer import eos_id
+    from trainer.loss import IGNORE_INDEX
+
+    rows = np.array([[5, 257, 7, 8, 257, 9], [257, 1, 2, 3, 4, 257]])
+    inputs, labels = split_rows(rows, eod_mask_id=257)
+    assert inputs.tolist() == [[5, 257, 7, 8, 257], [257, 1, 2, 3, 4]]
+    assert labels.tolist() == [[257, IGNORE_INDEX, 8, 257, IGNORE_INDEX], [IGNORE_INDEX, 2, 3, 4, 257]]
+    assert split_rows(rows)[1].tolist() == rows[:, 1:].tolist()
+    assert eos_id("byte") == 257
+    spec = tmp_path / "tokenizer.json"
+    spec.write_text(json.dumps({"added_tokens": [{"id": 7, "content": "<|begin_of_text|>"},
+                                                 {"id": 9, "content": "<|end_of_text|>"}],
+                                "model": {"vocab": {"</s>": 3, "a": 4}}}))
+    assert eos_id(str(spec)) == 9  # <|end_of_text|> comes before </s> in the order tried
+    spec.write_text(json.dumps({"model": {"vocab": {"a": 4}}}))
+    with pytest.raises(DataError, match="has none of the end-of-document tokens"):
+        eos_id(str(spec))
+    with pytest.raises(ConfigError, match=r"^data.eod_mask_loss=true needs documents .* data.source='synthetic'"):
+        load_job_config(["--data.source=synthetic", "--data.eod_mask_loss=true"])

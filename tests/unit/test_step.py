@@ -36,7 +36,17 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean over the valid labels (F.cross_entropy's mean; -100 is ignored)."""
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class _SumLoss:
+    """What TrainStep calls (trainer.loss.LossFn's interface): `.sum` is the summed loss of the valid labels."""
+
+    def sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    __call__ = staticmethod(_loss_fn)
 
 
 def _batch(rows: int, seq: int = 5, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +58,7 @@ def _batch(rows: int, seq: int = 5, seed: int = 1) -> tuple[torch.Tensor, torch.
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_norm: float = 0.0, fused: bool = False,
           scaler: LossScaler | None = None) -> TrainStep:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return TrainStep(model=model, loss_fn=_loss_fn, optimizer=optimizer, scheduler=scheduler,
+    return TrainStep(model=model, loss_fn=_SumLoss(), optimizer=optimizer, scheduler=scheduler,
                      scaler=scaler or LossScaler(enabled=False, device=torch.device("cpu")), max_norm=max_norm,
                      fused=fused, device=torch.device("cpu"))
 
@@ -67,6 +77,27 @@ def test_accumulated_microbatches_give_the_gradient_and_loss_of_one_large_batch(
     torch.testing.assert_close(loss_split, loss_whole, **TIGHT)
     for a, b in zip(_grads(split), _grads(whole)):
         torch.testing.assert_close(a, b, **TIGHT)
+
+
+def test_microbatches_of_different_valid_token_counts_give_the_mean_over_every_valid_token() -> None:
+    """Masked labels (-100: the token after an EOS, padding) leave 8, 1, 5 and 10 valid tokens in four microbatches
+    of 10: the step's loss and gradients are those of one batch's mean over its 24 valid tokens, not the mean of the
+    four microbatch means (6.6% lower on this batch)."""
+    inputs, labels = _batch(8)
+    labels = labels.clone()
+    for row, masked in enumerate([1, 1, 5, 4, 0, 5, 0, 0]):  # rows 2i and 2i+1 form microbatch i
+        labels[row, :masked] = -100
+    whole, split = _model(), _model()
+    micro = [(inputs[i:i + 2], labels[i:i + 2]) for i in range(0, 8, 2)]
+    loss = _step(split, torch.optim.SGD(split.parameters(), lr=0.1)).forward_backward(micro)
+    reference = _loss_fn(whole(inputs), labels)
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach(), **TIGHT)
+    for a, b in zip(_grads(split), _grads(whole)):
+        torch.testing.assert_close(a, b, **TIGHT)
+    with torch.no_grad():
+        mean_of_means = torch.stack([_loss_fn(whole(x), y) for x, y in micro]).mean()
+    assert abs(mean_of_means / reference - 1) > 0.05  # what the old average gave: the test tells them apart
 
 
 def test_grad_norm_is_the_l2_norm_over_every_gradient_and_skips_parameters_without_one() -> None:

@@ -212,6 +212,9 @@ def _check_data(cfg: Any) -> None:
         if data.source == "shards" and not v.path:
             raise ConfigError("validation.enable=true with data.source='shards' needs validation.path: held-out "
                               "shards made by scripts/prepare_data.py with the same tokenizer")
+    if data.eod_mask_loss and data.source == "synthetic":
+        raise ConfigError("data.eod_mask_loss=true needs documents separated by EOS tokens, and data.source='synthetic' "
+                          "is random tokens; use another data.source or data.eod_mask_loss=false")
     if data.source == "shards" and not data.path:
         raise ConfigError("data.source='shards' needs data.path: a folder of .bin shards made by scripts/prepare_data.py")
     if data.source in ("default", "stdlib") and data.tokenizer != "byte":

@@ -183,6 +183,8 @@ class DataSection:
     """Seed of the sample order, 0 to 2**64 - 1."""
     shuffle: bool = True
     """Shuffle samples each epoch (with data.seed)."""
+    eod_mask_loss: bool = False
+    """Do not train on the token after each EOS (a document's first token, which nothing before it predicts; Megatron's --eod-mask-loss): the loss is the mean over the step's other tokens, in training and validation."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from trainer.data.shards import DataError
 from trainer.data.sources import DefaultTextSource, ShardSource, StdlibTextSource, SyntheticSource
 from trainer.data.tokenizer import tokenizer_fingerprint
+from trainer.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ SOURCES = ("default", "stdlib", "synthetic", "shards")
 
 class TokenDataLoader:
     def __init__(self, source, *, seq_len: int, batch_size: int, grad_accum_steps: int, dp_rank: int,
-                 dp_degree: int, seed: int, shuffle: bool = True):
+                 dp_degree: int, seed: int, shuffle: bool = True, eod_mask_id: int | None = None):
         # Invariants: trainer.validate checked the config values these come from.
         assert min(seq_len, batch_size, grad_accum_steps, dp_degree) >= 1
         assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
@@ -35,6 +36,7 @@ class TokenDataLoader:
         self.seq_len, self.batch_size, self.grad_accum_steps = seq_len, batch_size, grad_accum_steps
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.seed, self.shuffle = seed, shuffle
+        self.eod_mask_id = eod_mask_id
         self.num_samples = source.num_samples(seq_len)  # raises DataError when no sample fits
         self.global_batch_size = batch_size * dp_degree * grad_accum_steps
         self.consumed_samples = 0
@@ -64,8 +66,7 @@ class TokenDataLoader:
     def _microbatch(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = np.arange(start, start + self.batch_size, dtype=np.int64)
         rows = np.stack([self.source.get_sample(int(i), self.seq_len) for i in self.sample_indices(positions)])
-        rows = torch.from_numpy(rows)
-        inputs, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        inputs, labels = split_rows(rows, eod_mask_id=self.eod_mask_id)
         if self._pin_memory:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
         return inputs, labels
@@ -129,11 +130,22 @@ def build_source(*, source: str, path: str, tokenizer: str, seed: int, vocab_siz
     return data
 
 
+def split_rows(rows: np.ndarray, *, eod_mask_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples [batch, seq_len + 1] -> (inputs, labels) [batch, seq_len]; with eod_mask_id, the label after each
+    such input token (the next document's first token) is IGNORE_INDEX (data.eod_mask_loss)."""
+    rows = torch.from_numpy(rows)
+    inputs, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    if eod_mask_id is not None:
+        labels[inputs == eod_mask_id] = IGNORE_INDEX
+    return inputs, labels
+
+
 def build_data_loader(source, *, seed: int, shuffle: bool, seq_len: int, batch_size: int, grad_accum_steps: int,
-                      dp_rank: int, dp_degree: int) -> TokenDataLoader:
+                      dp_rank: int, dp_degree: int, eod_mask_id: int | None = None) -> TokenDataLoader:
     """The data-parallel loader over a source made (and checked) by build_source."""
     loader = TokenDataLoader(source, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=grad_accum_steps,
-                             dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=shuffle)
+                             dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=shuffle,
+                             eod_mask_id=eod_mask_id)
     logger.info("data: %r, %d samples of seq_len %d, global batch %d samples/step "
                 "(rank %d/%d: %d microbatches of %d), shuffle=%s",
                 source, loader.num_samples, seq_len, loader.global_batch_size, dp_rank, dp_degree,

@@ -1,6 +1,7 @@
 """Tokenizers: a dependency-free byte tokenizer and a wrapper around a HF tokenizer.json."""
 
 import hashlib
+import json
 from pathlib import Path
 
 from trainer.data.shards import DataError
@@ -73,6 +74,27 @@ def _tokenizer_path(spec: str) -> Path:
 def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     """`spec` is "byte" or a path to a HF tokenizer.json."""
     return ByteTokenizer() if spec == "byte" else HFTokenizer(_tokenizer_path(spec))
+
+
+def eos_id(spec: str) -> int:
+    """The end-of-document id of tokenizer `spec` ("byte" or a tokenizer.json), read without the `tokenizers`
+    package: the first of _EOS_TOKENS among the file's added tokens, then in its model's vocabulary."""
+    if spec == "byte":
+        return ByteTokenizer.eos_id
+    path = _tokenizer_path(spec)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        if isinstance(vocab, dict):
+            ids = {**{k: int(v) for k, v in vocab.items() if k in _EOS_TOKENS}, **ids}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise DataError(f"could not read the tokens of tokenizer {spec}: {e}") from None
+    found = next((ids[t] for t in _EOS_TOKENS if t in ids), None)
+    if found is None:
+        raise DataError(f"tokenizer {spec} has none of the end-of-document tokens {', '.join(_EOS_TOKENS)}, which "
+                        "data.eod_mask_loss needs")
+    return found
 
 
 def tokenizer_fingerprint(spec: str) -> str:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.log import info_silenced
+from trainer.loss import local_loss
 from trainer.models import ModelArgs
 from trainer.parallel.build import BuildOptions
 from trainer.parallel.builder import build_model_part
@@ -190,33 +191,34 @@ class Pipeline:
         # The schedule calls this on the last stage for every microbatch and backpropagates what it returns
         # (torch may also call it once on placeholder outputs, e.g. while inferring shapes: the step's losses
         # are the ones the schedule hands back).
-        return self.loss_fn(h, labels) * self._loss_factor
+        return local_loss(self.loss_fn.sum(h, labels)) * self._loss_factor
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                         loss_factor: torch.Tensor | float, loss_context=contextlib.nullcontext) -> torch.Tensor:
+                         loss_factor: torch.Tensor | float, loss_scale: torch.Tensor | float = 1.0,
+                         loss_context=contextlib.nullcontext) -> torch.Tensor:
         """Run the schedule over each batch of the optimizer step; gradients accumulate in the parameters.
 
-        loss_factor: what each microbatch's loss is multiplied by before its backward (loss scale /
-        every microbatch of the step). loss_context: entered around each schedule step, i.e. around
-        the loss's forward and backward (TP's loss_parallel, for logits sharded over the vocabulary).
-        Returns the step's mean loss on every pp rank (sent from the last stage by a sum over the pp
-        group, where only the last stage's ranks hold a non-zero loss).
+        loss_factor: what each microbatch's summed loss is multiplied by before its backward (loss scale x
+        the step's data-parallel ranks / its valid labels: trainer/step.py). loss_context: entered around each
+        schedule step, i.e. around the loss's forward and backward (TP's loss_parallel, for logits sharded
+        over the vocabulary). Returns the sum of the microbatches' losses x loss_factor / loss_scale on every
+        pp rank (sent from the last stage by a sum over the pp group, where only the last stage's ranks hold
+        losses).
         """
         self._loss_factor = loss_factor
         losses: list[torch.Tensor] = []
         for inputs, labels in microbatches:
             with loss_context():
                 losses += self._run_schedule(self.schedule.step, inputs, labels)
-        return self._mean_loss(losses, factor=loss_factor)
+        return self._total_loss(losses) / loss_scale
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean loss of one batch through the schedule, forward only (`schedule.eval`), on every pp rank.
-
-        The same microbatches as a training step of this batch.
+        """The summed loss of one batch's valid labels through the schedule, forward only (`schedule.eval`), on
+        every pp rank. The same microbatches as a training step of this batch.
         """
         self._loss_factor = 1.0
-        return self._mean_loss(self._run_schedule(self.schedule.eval, inputs, labels), factor=1.0)
+        return self._total_loss(self._run_schedule(self.schedule.eval, inputs, labels))
 
     def _run_schedule(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """One schedule call (`step` or `eval`) on one batch: the last stage's microbatch losses (each times
@@ -228,10 +230,10 @@ class Pipeline:
         # Replicated DTensors under loss parallel: every TP rank holds the whole loss.
         return [(x.to_local() if isinstance(x, DTensor) else x).detach() for x in losses]
 
-    def _mean_loss(self, losses: list[torch.Tensor], *, factor: torch.Tensor | float) -> torch.Tensor:
-        """The mean unscaled microbatch loss on every pp rank: sent from the last stage by a sum over the pp
+    def _total_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the microbatches' losses on every pp rank: sent from the last stage by a sum over the pp
         group, where only the last stage's ranks hold losses."""
-        total = torch.stack(losses).sum() / (factor * len(losses)) if losses else torch.zeros((), device=self.device)
+        total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
         return total
 

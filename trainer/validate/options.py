@@ -22,6 +22,7 @@ import torch
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.state import run_tokenizer
 from trainer.config import CheckpointSection, JobConfig
+from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
 from trainer.optim import resolve_implementation
 
@@ -50,6 +51,8 @@ class RunOptions:
     """"cuda" where CUDA is available, else "cpu": what init_distributed picks, known before it runs."""
     tokenizer: dict[str, str]
     """RunInfo's tokenizer fields (trainer.checkpoint.run_tokenizer): none for synthetic tokens."""
+    eod_mask_id: int | None = None
+    """data.eod_mask_loss: the EOS id whose next token is not trained on (labels after it are IGNORE_INDEX)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
         init_timeout_seconds=cfg.distributed.init_timeout_seconds, data_seed=cfg.data.seed,
         data_shuffle=cfg.data.shuffle, flavor=cfg.model.flavor, device_type=device,
         tokenizer=run_tokenizer(cfg.data.source, cfg.data.tokenizer),
+        eod_mask_id=eos_id(cfg.data.tokenizer) if cfg.data.eod_mask_loss else None,
     )
     if o.implementation == "triton" and device != "cuda":
         raise ConfigError("optimizer.implementation='triton' runs a GPU kernel and this machine has no GPU; use 'auto' "
