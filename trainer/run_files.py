@@ -146,6 +146,14 @@ def run_file_texts(cfg: JobConfig, *, run_cfg: JobConfig, args: ModelArgs, pd: P
     return tuple(files)
 
 
+def run_config(files: tuple[tuple[str, str], ...]) -> dict:
+    """The resolved config (resolved.toml of `files`, run_file_texts' result) as a dict: what a tracker records."""
+    from trainer.config.load import tomllib
+
+    text = dict(files).get("resolved.toml", "")
+    return tomllib.loads(text) if text else {}
+
+
 def write_run_files(folder: str | Path, files: tuple[tuple[str, str], ...]) -> list[str]:
     """The run files (`run_file_texts`) in `folder`; returns the names written."""
     for name, text in files:

@@ -41,7 +41,7 @@ from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute, Fp8Expe
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
-from trainer.run_files import cpu_precision_hint, describe_precision, write_run_files
+from trainer.run_files import cpu_precision_hint, describe_precision, run_config, write_run_files
 from trainer.run_lock import check_writable, lock_run_folders, release_all
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
@@ -113,7 +113,8 @@ class Trainer:
             device=self.device, enable_tensorboard=m.enable_tensorboard, enable_jsonl=m.enable_jsonl,
             loss_spike_factor=m.loss_spike_factor,
             fp8_converted_fraction=self.float8.converted_fraction if self.float8 else None,
-            resumed_step=self.state.step,
+            resumed_step=self.state.step, wandb=m.wandb,
+            run_config=run_config(job.run_files) if m.wandb else None,
         )
 
     # -- building ------------------------------------------------------------

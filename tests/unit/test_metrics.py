@@ -1,4 +1,4 @@
-"""trainer/metrics.py: throughput and MFU arithmetic, the console line, metrics.jsonl rows, the health counters,
+"""trainer/metrics/: throughput and MFU arithmetic, the console line, metrics.jsonl rows, the health counters,
 and the outputs of an earlier run set aside or truncated on resume."""
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ def check_config(cfg: Any) -> None:
     _check_float8_and_profiling(cfg)
     _check_moe_experts(cfg)
     _check_data(cfg)
+    _check_wandb(cfg)
     _check_seeds(cfg)
     _check_paths(cfg)
 
@@ -222,6 +223,19 @@ def _check_data(cfg: Any) -> None:
             f"data.source='{data.source}' is byte-tokenized but data.tokenizer='{data.tokenizer}'; "
             "set data.source='shards' (with data.path) to read shards made with that tokenizer"
         )
+
+
+def _check_wandb(cfg: Any) -> None:
+    m = cfg.metrics
+    if not m.wandb:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.wandb=true needs the wandb package: pip install 'trainer[wandb]' (or set "
+                          "metrics.wandb=false)")
+    if not m.wandb_project.strip():
+        raise ConfigError("metrics.wandb_project is empty; name a W&B project")
 
 
 def _check_seeds(cfg: Any) -> None:

@@ -311,6 +311,18 @@ class MetricsSection:
     """Append one JSON object per logged step to {job.dump_folder}/metrics.jsonl."""
     loss_spike_factor: float = 3.0
     """Flag a loss spike when loss > this x its running mean."""
+    wandb: bool = False
+    """Also log what TensorBoard gets to Weights & Biases (rank 0; the optional extra: pip install 'trainer[wandb]'). A resumed run continues the same W&B run (its id is in {job.dump_folder}/wandb_run.json); WANDB_MODE=offline writes under {job.dump_folder}/wandb without a network. A W&B failure is one warning and training goes on."""
+    wandb_project: str = "trainer"
+    """W&B project."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); "" = your default."""
+    wandb_run_name: str = ""
+    """W&B run name; "" = the name of job.dump_folder."""
+    wandb_group: str = ""
+    """W&B group (e.g. the runs of one sweep); "" = none."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags."""
     fp8_stats_freq: int = 0
     """Every this many steps (fp8 runs): FP8 health per layer group (input and gradient amax, scale, fractions that underflow or saturate) and weight amax/scale, to metrics.jsonl and TensorBoard, with a warning line for a bad layer. That step runs eagerly: on 8B shapes it costs ~3 steps and nearly twice the peak memory (docs/benchmarks.md), so it is off by default; 100 costs ~2.3%. 0 = off."""
 
@@ -329,7 +341,7 @@ SECTION_HELP = {
     "float8": "FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')",
     "checkpoint": "DCP checkpoints, resume, export",
     "profiling": "torch.profiler window and memory snapshots",
-    "metrics": "log line, metrics.jsonl, TensorBoard",
+    "metrics": "log line, metrics.jsonl, TensorBoard, W&B",
 }
 
 _SECTIONS: dict[str, type] = {

@@ -24,6 +24,7 @@ from trainer.checkpoint.state import run_tokenizer
 from trainer.config import CheckpointSection, JobConfig
 from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
+from trainer.metrics.wandb_run import WandbOptions
 from trainer.optim import resolve_implementation
 
 
@@ -89,6 +90,8 @@ class MetricsOptions:
     enable_jsonl: bool
     loss_spike_factor: float
     fp8_stats_freq: int
+    wandb: WandbOptions | None = None
+    """metrics.wandb: the W&B run's project, entity, name, group and tags."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,10 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
                                    wsd_decay_ratio=s.wsd_decay_ratio),
         metrics=MetricsOptions(log_freq=m.log_freq, enable_tensorboard=m.enable_tensorboard,
                                enable_jsonl=m.enable_jsonl, loss_spike_factor=m.loss_spike_factor,
-                               fp8_stats_freq=m.fp8_stats_freq),
+                               fp8_stats_freq=m.fp8_stats_freq,
+                               wandb=WandbOptions(project=m.wandb_project, entity=m.wandb_entity,
+                                                  run_name=m.wandb_run_name, group=m.wandb_group,
+                                                  tags=tuple(m.wandb_tags)) if m.wandb else None),
         validation=ValidationOptions(steps=v.steps, freq=v.freq) if v.enable else None,
         profiling=ProfilingOptions(
             enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=cfg.trace_dir,

@@ -1,4 +1,4 @@
-"""Throughput, MFU, memory and health metrics: console line, metrics.jsonl, TensorBoard."""
+"""Throughput, MFU, memory and health metrics: console line, metrics.jsonl, TensorBoard, W&B (wandb_run.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from trainer.metrics.wandb_run import WandbOptions, WandbRun
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +97,13 @@ class MetricsLogger:
         loss_spike_factor: float,
         fp8_converted_fraction: float | None,
         resumed_step: int = 0,
+        wandb: WandbOptions | None = None,
+        run_config: dict | None = None,
     ):
         """resumed_step=0: a fresh run; older metrics.jsonl and tb/ are moved aside, not appended to.
         resumed_step=N: the run continues from checkpoint step N; rows after N (written by the run
-        that crashed after its last checkpoint) are dropped so no step appears twice."""
+        that crashed after its last checkpoint) are dropped so no step appears twice.
+        wandb: also log to W&B (trainer/metrics/wandb_run.py), with run_config as the W&B run's config."""
         self.rank = rank
         self.total_steps = total_steps
         self.flops_per_token = flops_per_token
@@ -112,6 +117,7 @@ class MetricsLogger:
         self.start_time = self.after_first_step = time.perf_counter()
         self.jsonl = None
         self.tb = None
+        self.wandb: WandbRun | None = None
         if rank != 0:
             return
         folder = Path(dump_folder)
@@ -128,6 +134,9 @@ class MetricsLogger:
 
             # purge_step hides events past the resumed step that an earlier writer left.
             self.tb = SummaryWriter(log_dir=str(tb), purge_step=resumed_step + 1 if resumed_step else None)
+        if wandb is not None:
+            self.wandb = WandbRun.start(wandb, dump_folder=dump_folder, config=run_config or {},
+                                        resumed=resumed_step > 0)
 
     def record_nonfinite(self) -> None:
         self.num_nonfinite += 1
@@ -205,7 +214,7 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        if self.tb is not None:
+        if self.tb is not None or self.wandb is not None:
             scalars = {
                 "train/loss": s.loss,
                 "train/grad_norm": s.grad_norm,
@@ -224,14 +233,16 @@ class MetricsLogger:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
             names = {"val_loss": "val/loss", "val_ppl": "val/ppl"}
             scalars.update({names.get(k, k if "/" in k else f"train/{k}"): v for k, v in extra.items()})
-            for key, value in scalars.items():
-                self.tb.add_scalar(key, value, s.step)
+            self.add_scalars(scalars, s.step)
         return record
 
     def add_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """TensorBoard's and W&B's scalars at `step` (rank 0)."""
         if self.tb is not None:
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, step)
+        if self.wandb is not None and not self.wandb.log(scalars, step):
+            self.wandb = None  # said once; the run goes on without W&B
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -240,6 +251,9 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def set_aside(paths: list[Path]) -> None:
