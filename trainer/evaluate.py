@@ -2,8 +2,10 @@
 
 Each evaluation reads the same batches: batch b of data-parallel rank r is the held-out
 samples [(b * dp_degree + r) * batch_size, ... + batch_size), in order. The loss is the
-mean over every token of every batch on every data-parallel rank, computed with the
-model as it trains (FSDP2/TP sharding, FP8 linears, compiled), under no_grad.
+mean over every valid token of every batch on every data-parallel rank, computed with the
+model as it trains (FSDP2/TP sharding, FP8 linears, compiled), under no_grad. A data mixture
+with a held-out set per source (trainer.data.mix.HeldOutMixture) gets that mean per source
+(`val/loss/NAME`, `steps` batches each) and, as `val_loss`, their mean weighted as the mixture is.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from trainer.data.loader import split_rows
+from trainer.data.mix import HeldOutMixture, MixEntry
 from trainer.hooks import StepHook
 from trainer.loss import local_loss
 
@@ -39,12 +42,13 @@ class Evaluator(StepHook):
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
         assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
         self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
+        self.parts = list(source.entries) if isinstance(source, HeldOutMixture) else [MixEntry("", 1.0, source)]
         self.model, self.freq, self.last_step = model, freq, last_step
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
         self.batch_loss = batch_loss
         self.eod_mask_id = eod_mask_id
-        self.tokens = steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
+        self.tokens = len(self.parts) * steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
 
     def log_due(self, step: int) -> bool:
         return step % self.freq == 0 or step == self.last_step
@@ -53,31 +57,37 @@ class Evaluator(StepHook):
         if not self.log_due(step):
             return {}
         result = self.evaluate(self.model)
-        return {"val_loss": result["loss"], "val_ppl": result["ppl"]}
+        return {"val_loss": result["loss"], "val_ppl": result["ppl"],
+                **{f"val/loss/{name}": loss for name, loss in result.get("by_source", {}).items()}}
 
-    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, source=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's held-out batches of `source` (default: the only one)."""
+        source = source if source is not None else self.parts[0].source
         for b in range(self.steps):
             start = (b * self.dp_degree + self.dp_rank) * self.batch_size
-            rows = np.stack([self.source.get_sample(i, self.seq_len) for i in range(start, start + self.batch_size)])
+            rows = np.stack([source.get_sample(i, self.seq_len) for i in range(start, start + self.batch_size)])
             yield split_rows(rows, eod_mask_id=self.eod_mask_id)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        """{"loss": mean held-out token loss, "ppl": its exp}; the same on every rank."""
+        """{"loss": mean held-out token loss, "ppl": its exp, and for a mixture "by_source": {name: its loss}}; the
+        same on every rank."""
         was_training = model.training
         model.eval()
         try:
-            # [summed loss, valid labels] over this rank's batches, then over every rank's: the mean per valid token.
-            total = torch.zeros(2, device=self.device, dtype=torch.float32)
-            for inputs, labels in self.batches():
-                with self.loss_context():
-                    loss, valid = self.batch_loss(inputs, labels)
-                total[0] += local_loss(loss).float()
-                total[1] += valid
+            # Per source, [summed loss, valid labels] over this rank's batches, then over every rank's: the mean per
+            # valid token.
+            total = torch.zeros(len(self.parts), 2, device=self.device, dtype=torch.float32)
+            for i, part in enumerate(self.parts):
+                for inputs, labels in self.batches(part.source):
+                    with self.loss_context():
+                        loss, valid = self.batch_loss(inputs, labels)
+                    total[i, 0] += local_loss(loss).float()
+                    total[i, 1] += valid
             if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
                 # Every data-parallel rank's batches, and every context-parallel rank's chunks of them.
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
-            total = total[0] / total[1].clamp(min=1)
+            losses = (total[:, 0] / total[:, 1].clamp(min=1)).tolist()
         finally:
             model.train(was_training)
             # With reshard_after_forward off, a forward without backward leaves the gathered weights
@@ -85,5 +95,9 @@ class Evaluator(StepHook):
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        loss = total.item()
-        return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}
+        weights = [p.weight for p in self.parts]
+        loss = sum(w * x for w, x in zip(weights, losses)) / sum(weights)
+        result = {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}
+        if len(self.parts) > 1 or self.parts[0].name:
+            result["by_source"] = {p.name: x for p, x in zip(self.parts, losses)}
+        return result

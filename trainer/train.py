@@ -22,6 +22,7 @@ from torch import nn
 from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
 from trainer.config import JobConfig
 from trainer.data import build_data_loader
+from trainer.data.mix import MixtureTokens
 from trainer.distributed import (
     DistEnv, describe_device, destroy_distributed, init_distributed, set_determinism, world_size_from_env,
 )
@@ -192,6 +193,7 @@ class Trainer:
             hooks.append(Float8ScalePrecompute(self.model))
         if f8 and f8.enabled and job.metrics.fp8_stats_freq:
             hooks.append(Fp8HealthHook(self.model, recipe=job.build.float8.recipe, every=job.metrics.fp8_stats_freq))
+        hooks += MixtureTokens.of(self.data_loader)  # a data mixture's tokens per source
         if job.validation_source is not None:
             v = job.validation
             evaluator = Evaluator(

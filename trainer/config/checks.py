@@ -12,6 +12,7 @@ JobConfig here, even only for type checkers, would tie the two into a circle.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from trainer.errors import ConfigError
@@ -33,6 +34,7 @@ def check_config(cfg: Any) -> None:
     _check_float8_and_profiling(cfg)
     _check_moe_experts(cfg)
     _check_data(cfg)
+    _check_mix(cfg)
     _check_wandb(cfg)
     _check_seeds(cfg)
     _check_paths(cfg)
@@ -210,19 +212,63 @@ def _check_data(cfg: Any) -> None:
         for key, value in (("validation.freq", v.freq), ("validation.steps", v.steps)):
             if value < 1:
                 raise ConfigError(f"{key}={value} must be >= 1")
-        if data.source == "shards" and not v.path:
+        if data.source == "shards" and not v.path and not data.mix:  # a mixture: _check_mix
             raise ConfigError("validation.enable=true with data.source='shards' needs validation.path: held-out "
                               "shards made by scripts/prepare_data.py with the same tokenizer")
     if data.eod_mask_loss and data.source == "synthetic":
         raise ConfigError("data.eod_mask_loss=true needs documents separated by EOS tokens, and data.source='synthetic' "
                           "is random tokens; use another data.source or data.eod_mask_loss=false")
-    if data.source == "shards" and not data.path:
-        raise ConfigError("data.source='shards' needs data.path: a folder of .bin shards made by scripts/prepare_data.py")
+    if data.source == "shards" and not data.path and not data.mix:
+        raise ConfigError("data.source='shards' needs data.path (or data.mix): a folder of .bin shards made by scripts/prepare_data.py")
     if data.source in ("default", "stdlib") and data.tokenizer != "byte":
         raise ConfigError(
             f"data.source='{data.source}' is byte-tokenized but data.tokenizer='{data.tokenizer}'; "
             "set data.source='shards' (with data.path) to read shards made with that tokenizer"
         )
+
+
+def mix_names(mix: list) -> list[str]:
+    """Each [[data.mix]] source's name: its own, else its folder's (or glob's parent folder's) name."""
+    names = []
+    for entry in mix:
+        path = entry.path.rstrip("/")
+        stem = path.split("/")[-1]
+        if any(c in stem for c in "*?["):  # a glob: its folder's name
+            stem = path.rsplit("/", 2)[-2] if path.count("/") else stem
+        names.append(entry.name or stem)
+    return names
+
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def _check_mix(cfg: Any) -> None:
+    data, v = cfg.data, cfg.validation
+    if not data.mix:
+        return
+    if data.source != "shards":
+        raise ConfigError(f"data.mix holds shard sources, but data.source='{data.source}'; set data.source='shards' "
+                          "(or leave it out)")
+    if data.path:
+        raise ConfigError(f"data.mix replaces data.path; remove data.path='{data.path}' (or data.mix)")
+    for i, entry in enumerate(data.mix):
+        if not entry.path:
+            raise ConfigError(f"data.mix[{i}].path is empty: a folder of .bin shards or a glob")
+        if not (entry.weight > 0 and math.isfinite(entry.weight)):
+            raise ConfigError(f"data.mix[{i}].weight={entry.weight} must be a positive number (weights are relative)")
+    names = mix_names(data.mix)
+    for i, name in enumerate(names):
+        if not name or not set(name) <= _NAME_CHARS:
+            raise ConfigError(f"data.mix[{i}].name={name!r} must be letters, digits, '-', '_' or '.' (it names "
+                              "metrics); set data.mix[{i}].name".replace("{i}", str(i)))
+        if name in names[:i]:
+            raise ConfigError(f"data.mix[{i}] is named {name!r} like data.mix[{names.index(name)}]; give each source "
+                              "its own data.mix[].name")
+    if v.enable and not v.path:
+        missing = [i for i, entry in enumerate(data.mix) if not entry.validation_path]
+        if missing:
+            raise ConfigError(f"validation.enable=true with data.mix needs validation.path (one held-out set) or a "
+                              f"validation_path on every source; data.mix[{missing[0]}] ({names[missing[0]]!r}) has none")
 
 
 def _check_wandb(cfg: Any) -> None:

@@ -7,6 +7,7 @@ with the nearest valid name suggested for a typo.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import sys
@@ -49,6 +50,16 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} must be a list of {item_tp.__name__}")
         return [_coerce(f"{key}[{i}]", v, item_tp, from_cli=from_cli) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):  # a table of an array of tables ([[data.mix]])
+        if from_cli and isinstance(value, str):
+            value = dataclasses.asdict(tp.from_cli(value))
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a table ({', '.join(f.name for f in dataclasses.fields(tp))})")
+        types = field_types(tp)
+        for name in value:
+            if name not in types:
+                raise ConfigError(f"unknown key {key}.{name}{suggest(name, list(types))}")
+        return tp(**{name: _coerce(f"{key}.{name}", v, types[name], from_cli=False) for name, v in value.items()})
     if tp is bool:
         if from_cli and isinstance(value, str):
             lowered = value.lower()
@@ -152,7 +163,7 @@ def _imply_shards(layer: dict[str, Any]) -> None:
     data.source='shards': `--data.path=dir --data.tokenizer=tok.json` is enough on the
     command line even when the TOML file says source='default'.
     """
-    if "source" not in layer and (layer.get("path") or layer.get("tokenizer", "byte") != "byte"):
+    if "source" not in layer and (layer.get("path") or layer.get("mix") or layer.get("tokenizer", "byte") != "byte"):
         layer["source"] = "shards"
 
 

@@ -95,5 +95,8 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " \\| ".join(toml_value(a) if isinstance(a, bool) else repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return f"list[{typing.get_args(tp)[0].__name__}]"
+        item = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item):  # an array of tables
+            return f"tables ({', '.join(f.name for f in dataclasses.fields(item))})"
+        return f"list[{item.__name__}]"
     return tp.__name__

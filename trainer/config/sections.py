@@ -172,6 +172,33 @@ class SchedulerSection:
 
 
 @dataclass
+class MixSource:
+    """One source of a weighted data mixture: a [[data.mix]] table (trainer/data/mix.py)."""
+
+    path: str = ""
+    """A folder of .bin shards or a glob, as data.path."""
+    weight: float = 0.0
+    """Its share of the samples, relative to the others' (0.8 and 0.2, or 4 and 1)."""
+    name: str = ""
+    """Its name in metrics (data/tokens/NAME, val/loss/NAME): letters, digits, '-', '_', '.'; "" = the folder's name."""
+    validation_path: str = ""
+    """Its held-out shards: with validation.enable and one on every source, the held-out loss is reported per source as well as overall."""
+
+    @classmethod
+    def from_cli(cls, text: str) -> "MixSource":
+        """`[name=]path:weight`, one entry of --data.mix (entries separated by commas)."""
+        named, _, weight = text.rpartition(":")
+        name, eq, path = named.partition("=")
+        if not eq:
+            name, path = "", named
+        try:
+            value: Any = float(weight)
+        except ValueError:
+            value = weight  # reported as not a number, naming the key
+        return cls(path=path, weight=value, name=name)
+
+
+@dataclass
 class DataSection:
     source: Literal["default", "stdlib", "synthetic", "shards"] = "default"
     """default = Python's documentation text that ships with Python (byte-level, no download, 0.47M tokens); stdlib = that plus the standard library's source (~13M tokens); synthetic = random tokens; shards = files made by scripts/prepare_data.py."""
@@ -183,6 +210,8 @@ class DataSection:
     """Seed of the sample order, 0 to 2**64 - 1."""
     shuffle: bool = True
     """Shuffle samples each epoch (with data.seed)."""
+    mix: list[MixSource] = field(default_factory=list)
+    """A weighted mixture of shard sources in place of data.path: [[data.mix]] tables of path, weight, and optional name and validation_path (on the command line: --data.mix=web=data/web:0.8,code=data/code:0.2). Samples are drawn in proportion to the weights, deterministically from (data.seed, position), rank-disjoint and exactly resumable; a source its share exhausts repeats (its epochs logged); tokens per source go to the metrics (docs/data.md)."""
     eod_mask_loss: bool = False
     """Do not train on the token after each EOS (a document's first token, which nothing before it predicts; Megatron's --eod-mask-loss): the loss is the mean over the step's other tokens, in training and validation."""
 
@@ -406,13 +435,21 @@ def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
     """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling])."""
     lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
 
+    def tables(v: Any) -> bool:  # a list of tables: [[section.key]] entries
+        return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
     def table(name: str, values: dict[str, Any]) -> None:
         lines.append(f"[{name}]")
-        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict) and not tables(v))
         lines.append("")
         for k, v in values.items():
             if isinstance(v, dict):
                 table(f"{name}.{k}", v)
+            elif tables(v):
+                for entry in v:
+                    lines.append(f"[[{name}.{k}]]")
+                    lines.extend(f"{key} = {toml_value(x)}" for key, x in entry.items())
+                    lines.append("")
 
     for name, values in sections.items():
         table(name, values)

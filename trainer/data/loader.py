@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.data.mix import MixtureSource
 from trainer.data.shards import DataError
 from trainer.data.sources import DefaultTextSource, ShardSource, StdlibTextSource, SyntheticSource
 from trainer.data.tokenizer import tokenizer_fingerprint
@@ -78,12 +79,31 @@ class TokenDataLoader:
         self.consumed_samples += self.global_batch_size
         return batch
 
+    def samples_by_source(self) -> dict[str, int]:
+        """A mixture's samples drawn from each source so far, over every rank ({} for one source)."""
+        if not isinstance(self.source, MixtureSource):
+            return {}
+        return dict(zip(self.source.names, self.source.samples_drawn(self.consumed_samples)))
+
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "shuffle": self.shuffle,
-                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
-                "num_samples": self.num_samples}
+        state = {"consumed_samples": self.consumed_samples, "seed": self.seed, "shuffle": self.shuffle,
+                 "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
+                 "num_samples": self.num_samples}
+        if isinstance(self.source, MixtureSource):
+            state["mix"] = self.source.identity()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        mix = self.source.identity() if isinstance(self.source, MixtureSource) else None
+        if state.get("mix") != mix:
+            def said(m) -> str:
+                try:
+                    return ", ".join(f"{name} (weight {w}, {n:,} samples)" for name, w, n in m) if m else "one source"
+                except (TypeError, ValueError):  # not what state_dict writes
+                    return "unreadable"
+            raise DataError(f"cannot resume data loader: the checkpoint's data mixture is {said(state.get('mix'))} but "
+                            f"this run's is {said(mix)}; resume with the same data.mix, or set "
+                            "checkpoint.restart_data=true to start the data over")
         # The global batch size may change on resume: the position is counted in samples.
         # Anything that changes which sample a position maps to would silently repeat or skip data.
         for key in ("seq_len", "num_samples", "seed", "shuffle"):
@@ -146,8 +166,9 @@ def build_data_loader(source, *, seed: int, shuffle: bool, seq_len: int, batch_s
     loader = TokenDataLoader(source, seq_len=seq_len, batch_size=batch_size, grad_accum_steps=grad_accum_steps,
                              dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, shuffle=shuffle,
                              eod_mask_id=eod_mask_id)
-    logger.info("data: %r, %d samples of seq_len %d, global batch %d samples/step "
-                "(rank %d/%d: %d microbatches of %d), shuffle=%s",
-                source, loader.num_samples, seq_len, loader.global_batch_size, dp_rank, dp_degree,
-                grad_accum_steps, batch_size, shuffle and source.permute)
+    mix = isinstance(source, MixtureSource)
+    logger.info("data: %r, %s of seq_len %d, global batch %d samples/step (rank %d/%d: %d microbatches of %d), "
+                "shuffle=%s", source, "samples drawn by weight" if mix else f"{loader.num_samples} samples", seq_len,
+                loader.global_batch_size, dp_rank, dp_degree, grad_accum_steps, batch_size,
+                shuffle and (source.permute or mix))
     return loader

@@ -15,7 +15,9 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.config.checks import MODEL_KEYS, MOE_KEYS
+from trainer.config.checks import mix_names
 from trainer.data.loader import build_source, shard_paths
+from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
 from trainer.errors import ConfigError
 from trainer.model_values import values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
@@ -211,14 +213,20 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
 
 
 def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int, missing_ok: bool = False) -> tuple[Any, Any]:
-    """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids).
+    """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids). The held-out
+    source of a mixture with a validation_path per source is a HeldOutMixture.
 
     missing_ok (a dry run): shards that are not on this machine give (None, None) instead of an error."""
     data, t = cfg.data, cfg.train
     if missing_ok and absent_shards(cfg):
         return None, None
-    source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
-                          vocab_size=vocab_size, seq_len=t.seq_len)
+    if data.mix:
+        source = MixtureSource([MixEntry(name, entry.weight, _mix_source(cfg, i, entry.path, vocab_size=vocab_size))
+                                for i, (name, entry) in enumerate(zip(mix_names(data.mix), data.mix))],
+                               seq_len=t.seq_len, seed=data.seed, shuffle=data.shuffle)
+    else:
+        source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
+                              vocab_size=vocab_size, seq_len=t.seq_len)
     # A step takes batch_size x grad_accum_steps samples on each dp rank; fewer samples than one global
     # batch would repeat them within the step (and a long seq_len on a small file gives few samples).
     needed, have = t.batch_size * t.grad_accum_steps * dp, source.num_samples(t.seq_len)
@@ -232,9 +240,20 @@ def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int, missing_ok: bool =
     return source, validation
 
 
+def _mix_source(cfg: JobConfig, i: int, path: str, *, vocab_size: int, key: str = "path"):
+    """The shards of data.mix[i] (its path or validation_path), checked as data.path's are."""
+    return build_source(source="shards", path=path, tokenizer=cfg.data.tokenizer, seed=cfg.data.seed,
+                        vocab_size=vocab_size, seq_len=cfg.train.seq_len, path_key=f"data.mix[{i}].{key}")
+
+
 def absent_shards(cfg: JobConfig) -> list[str]:
-    """The config keys whose shard files are not on this machine (data.path, validation.path)."""
-    keys = [("data.path", cfg.data.path)] if cfg.data.source == "shards" else []
+    """The config keys whose shard files are not on this machine (data.path or data.mix's, validation.path)."""
+    data = cfg.data
+    keys = [("data.path", data.path)] if data.source == "shards" and not data.mix else []
+    keys += [(f"data.mix[{i}].path", e.path) for i, e in enumerate(data.mix)]
+    if cfg.validation.enable:
+        keys += [(f"data.mix[{i}].validation_path", e.validation_path) for i, e in enumerate(data.mix)
+                 if e.validation_path and not cfg.validation.path]
     if cfg.validation.enable and cfg.validation.path:
         keys.append(("validation.path", cfg.validation.path))
     return [f"{key}='{path}'" for key, path in keys if not shard_paths(path)]
@@ -242,20 +261,33 @@ def absent_shards(cfg: JobConfig) -> list[str]:
 
 def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
     v, data, t = cfg.validation, cfg.data, cfg.train
+    if data.mix and not v.path:  # one held-out set per source (config checks: every source has one)
+        entries = []
+        for i, (name, entry) in enumerate(zip(mix_names(data.mix), data.mix)):
+            held_out = _mix_source(cfg, i, entry.validation_path, vocab_size=vocab_size, key="validation_path")
+            _check_held_out(cfg, held_out, dp=dp, hint=f" or give data.mix[{i}].validation_path more held-out shards")
+            entries.append(MixEntry(name, entry.weight, held_out))
+        return HeldOutMixture(tuple(entries))
     if v.path:
         source = build_source(source="shards", path=v.path, tokenizer=data.tokenizer, seed=data.seed,
                               vocab_size=vocab_size, seq_len=t.seq_len, path_key="validation.path")
     else:
         source = build_source(source=data.source, path=data.path, tokenizer=data.tokenizer, seed=data.seed,
                               vocab_size=vocab_size, seq_len=t.seq_len, split="validation")
+    _check_held_out(cfg, source, dp=dp, hint="" if v.path else " or set validation.path to held-out shards")
+    return source
+
+
+def _check_held_out(cfg: JobConfig, source: Any, *, dp: int, hint: str) -> None:
+    """Enough held-out samples for one evaluation; hint: the end of the message, another way to get them."""
+    v, t = cfg.validation, cfg.train
     needed, have = v.steps * t.batch_size * dp, source.num_samples(t.seq_len)
     if needed > have:
         raise ConfigError(
             f"validation.steps={v.steps} x train.batch_size={t.batch_size} x {dp} data-parallel ranks needs {needed} "
             f"held-out samples of seq_len {t.seq_len}, but {source!r} has {have}; lower validation.steps"
-            + ("" if v.path else " or set validation.path to held-out shards")
+            + hint
         )
-    return source
 
 
 def _check_fp8_experts(cfg: JobConfig, args: ModelArgs, *, probe: bool = True) -> None:
