@@ -14,6 +14,8 @@
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 #   bash scripts/gpu_checks.sh memplan    (1 GPU: the dry run's memory estimate against the measured peak, other shapes)
 #   bash scripts/gpu_checks.sh memory_peak  (1 GPU: 8B-shape and moe_16b peaks and what is live at them: scripts/memory_peak.py)
+#   bash scripts/gpu_checks.sh docmask    (1 GPU: document masking's GPU test, then 8B shapes x 8 layers on the stdlib text
+#       (byte tokens, documents of the standard library's files and pydoc topics): causal vs document-masked, bf16 and fp8)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -179,6 +181,29 @@ for s in $STEPS; do case $s in
     done ;;
   memory_peak)  # the peaks trainer/validate/plan.py was read against, with what is live at them
     OUT=$OUT python3 scripts/memory_peak.py ${MEMORY_PEAK_CONFIGS:-} 2>&1 | tee "$OUT/memory_peak.log" | grep -E "^(RESULT|FAILED)" | cut -c1-200 ;;
+  docmask)
+    python3 -m pytest -q -m gpu tests/gpu/test_documents_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_documents.log" | tail -5
+    # Two corpora of byte tokens: the stdlib text (Python's files and pydoc topics: long documents) and web-like
+    # lengths (lognormal: median ~700 tokens, like a Llama-3-tokenized web corpus).
+    python3 -c "
+import numpy as np; from trainer.data.shards import write_shard; from trainer.data.sources import StdlibTextSource
+def lengths(t): ends = np.flatnonzero(t == 257); return np.diff(np.concatenate([[-1], ends]))
+rng = np.random.default_rng(0); parts = []
+while sum(len(p) for p in parts) < 2_000_000:
+    parts.append(np.append(rng.integers(0, 256, max(1, int(rng.lognormal(np.log(700), 1.0)))), 257))
+import os; os.makedirs('/tmp/docmask_web', exist_ok=True)
+t = np.concatenate(parts); write_shard('/tmp/docmask_web/a.bin', t, vocab_size=258, tokenizer_fingerprint='byte-v1')
+for name, t in (('stdlib', StdlibTextSource(vocab_size=258).tokens), ('web-like', t)):
+    n = lengths(t); print(f'{name} documents: {len(n)}, tokens per document: median {int(np.median(n))}, mean {int(n.mean())}, p90 {int(np.percentile(n, 90))}')
+" | tee "$OUT/docmask_lengths.log"
+    for data in "stdlib --data.source=stdlib" "web-like --data.source=shards --data.path=/tmp/docmask_web"; do
+      set -- $data; name=$1; shift
+      for masking in false true; do
+        CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $B --label "8B shapes, 8 layers, batch 4, seq 4096, $name text, document_masking=$masking" \
+          --precisions bf16,fp8 --warmup 6 --steps 10 --config configs/train/llama3_8b.toml -- $SHAPE_8B "$@" \
+          --data.document_masking=$masking 2>&1 | tee "$OUT/docmask_${name}_$masking.log" | grep -v "^\[rank" | grep -E "^(bf16|fp8) " | grep -v optimizer | sed "s/^/[$name masking=$masking] /"
+      done
+    done ;;
   memplan)  # the dry run's estimate (plan GiB) beside the measured peak, on shapes the plan was not read from
     S="--data.source=synthetic --train.compile_model=true --checkpoint.enable=false"
     for v in "1b-b8-selective --config configs/train/llama3_1b.toml -- $S --train.batch_size=8 --train.seq_len=4096 --train.activation_checkpointing=selective" \

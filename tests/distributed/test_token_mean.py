@@ -23,11 +23,16 @@ from trainer.data.tokenizer import ByteTokenizer
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> Path:
     """Byte tokens in documents of 2-40 tokens, each ended by EOS."""
-    rng = np.random.default_rng(1)  # a seed whose first batch splits unevenly every way below
+    return write_short_documents(tmp_path_factory.mktemp("short_documents"), seed=1)
+
+
+def write_short_documents(folder: Path, *, seed: int) -> Path:
+    """A byte-token shard in `folder` of documents of 2-40 tokens, each ended by EOS (seed 1: a first batch that
+    splits unevenly every way test_every_layout_takes_the_mean_over_the_steps_valid_tokens splits it)."""
+    rng = np.random.default_rng(seed)
     parts = []
     while sum(len(p) for p in parts) < 20_000:
         parts.append(np.append(rng.integers(0, 256, rng.integers(1, 40)), ByteTokenizer.eos_id))
-    folder = tmp_path_factory.mktemp("short_documents")
     write_shard(folder / "a.bin", np.concatenate(parts), vocab_size=ByteTokenizer.vocab_size,
                 tokenizer_fingerprint=ByteTokenizer.fingerprint)
     return folder

@@ -164,8 +164,9 @@ def test_a_mixture_trains_in_proportion_and_resumes_exactly(two_sources, tmp_pat
     uninterrupted run's losses exactly."""
     web, code = two_sources
     toml = tmp_path / "mix.toml"  # the debug model's config and the mixture
-    toml.write_text(Path(DEBUG_CONFIG).read_text() + "\n" + "".join(f'[[data.mix]]\nname = "{n}"\npath = "{p}"\nweight = {w}\nvalidation_path = "{p}_val"\n\n'
-                            for n, p, w in (("web", web, 0.8), ("code", code, 0.2))))
+    tables = [f'[[data.mix]]\nname = "{n}"\npath = "{p}"\nweight = {w}\nvalidation_path = "{p}_val"\n\n'
+              for n, p, w in (("web", web, 0.8), ("code", code, 0.2))]
+    toml.write_text(Path(DEBUG_CONFIG).read_text() + "\n" + "".join(tables))
     assert FAST[:2] == ["--config", DEBUG_CONFIG]
     args = [*FAST[2:], "--config", str(toml), "--data.source=shards", "--train.batch_size=4", "--metrics.log_freq=50",
             "--validation.enable=true", "--validation.freq=150", "--validation.steps=2",

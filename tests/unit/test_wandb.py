@@ -137,5 +137,6 @@ def test_wandb_without_the_package_is_a_config_error(monkeypatch) -> None:
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"^metrics.wandb=true needs the wandb package: pip install 'trainer\[wandb\]'"):
+    with pytest.raises(ConfigError, match=r"^metrics.wandb=true needs the wandb package: "
+                                          r"pip install 'trainer\[wandb\]'"):
         load_job_config(["--metrics.wandb=true"])

@@ -215,6 +215,16 @@ def _check_data(cfg: Any) -> None:
         if data.source == "shards" and not v.path and not data.mix:  # a mixture: _check_mix
             raise ConfigError("validation.enable=true with data.source='shards' needs validation.path: held-out "
                               "shards made by scripts/prepare_data.py with the same tokenizer")
+    if data.document_masking and data.source == "synthetic":
+        raise ConfigError("data.document_masking=true needs documents separated by EOS tokens, and "
+                          "data.source='synthetic' is random tokens; use another data.source or "
+                          "data.document_masking=false")
+    d = cfg.distributed
+    for key, degree, why in (("pp", d.pp, "a pipeline stage after the first does not see the tokens"),
+                             ("cp", d.cp, "a document split over context-parallel chunks")):
+        if data.document_masking and degree > 1:
+            raise ConfigError(f"data.document_masking=true with distributed.{key}={degree} is not supported yet "
+                              f"({why}); set distributed.{key}=1 or data.document_masking=false")
     if data.eod_mask_loss and data.source == "synthetic":
         raise ConfigError("data.eod_mask_loss=true needs documents separated by EOS tokens, and data.source='synthetic' "
                           "is random tokens; use another data.source or data.eod_mask_loss=false")

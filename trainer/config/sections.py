@@ -212,6 +212,8 @@ class DataSection:
     """Shuffle samples each epoch (with data.seed)."""
     mix: list[MixSource] = field(default_factory=list)
     """A weighted mixture of shard sources in place of data.path: [[data.mix]] tables of path, weight, and optional name and validation_path (on the command line: --data.mix=web=data/web:0.8,code=data/code:0.2). Samples are drawn in proportion to the weights, deterministically from (data.seed, position), rank-disjoint and exactly resumable; a source its share exhausts repeats (its epochs logged); tokens per source go to the metrics (docs/data.md)."""
+    document_masking: bool = False
+    """Attention never crosses an EOS inside a packed sequence and RoPE positions restart at each document (Llama 3): FlexAttention with a document block mask on a GPU (with train.compile_model), a dense mask on a CPU. Not yet with distributed.pp or cp > 1."""
     eod_mask_loss: bool = False
     """Do not train on the token after each EOS (a document's first token, which nothing before it predicts; Megatron's --eod-mask-loss): the loss is the mean over the step's other tokens, in training and validation."""
 

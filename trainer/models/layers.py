@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
+from trainer.models.documents import attention_mask, document_ids, masked_attention
 from trainer.seeds import param_seed
 
 
@@ -99,8 +100,11 @@ def rope_cache(args: ModelArgs, seq_len: int, device: torch.device | str | None 
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; rope: [seq, 2, head_dim]."""
-    cos, sin = rope[:, 0].to(x.dtype), rope[:, 1].to(x.dtype)
+    """x: [batch, heads, seq, head_dim]; rope: [seq, 2, head_dim], or [batch, seq, 2, head_dim] (each token's own
+    position: document masking)."""
+    cos, sin = rope[..., 0, :].to(x.dtype), rope[..., 1, :].to(x.dtype)
+    if rope.dim() == 4:  # per batch row: broadcast over the heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
@@ -135,7 +139,8 @@ class Attention(nn.Module):
         # SDPA's kernels in order of preference (train.attention_backend, set by the build); None = torch's choice.
         self.sdpa_backends: list[SDPBackend] | None = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """mask: None (causal over the whole sequence) or a document mask (trainer.models.documents)."""
         bsz, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_proj(x).view(bsz, seq_len, -1, self.head_dim)
@@ -144,9 +149,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
-        rope = rope[:seq_len]
+        if rope.dim() == 3:  # one table for every row; else each token's own position (document masking)
+            rope = rope[:seq_len]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.attention_core is not None:
+        if mask is not None:
+            out = masked_attention(q, k, v, mask)
+        elif self.attention_core is not None:
             out = self.attention_core(q, k, v)
         elif self.sdpa_backends is not None:
             with sdpa_kernel(self.sdpa_backends, set_priority=True):
@@ -194,8 +202,8 @@ class TransformerBlock(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self.ffn_name)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.ffn(self.mlp_norm(h))
 
 
@@ -236,6 +244,8 @@ class Decoder(nn.Module):
         self.register_buffer("rope", rope_cache(args, args.max_seq_len, device="meta"), persistent=False)
         # This rank's chunks of each sequence under context parallelism (set_context_parallel); None: whole sequences.
         self.cp: SequenceChunks | None = None
+        # data.document_masking: the EOS id that ends a document (set_document_masking); None: one causal sequence.
+        self.document_eos: int | None = None
 
     def tie_weights(self) -> None:
         """With args.tie_word_embeddings, the head's weight is the embeddings' Parameter: one Parameter under two
@@ -249,6 +259,12 @@ class Decoder(nn.Module):
         """Under context parallelism the tokens are this rank's chunks of each sequence: RoPE takes their global
         positions from `cp` (trainer.parallel.context_parallel.apply_cp calls this)."""
         self.cp = cp
+
+    def set_document_masking(self, eos_id: int) -> None:
+        """Attention within each document of the packed token rows, RoPE positions restarting at each
+        (trainer.models.documents); the whole model on one rank (not under pp or cp: validation refuses them)."""
+        assert self.tok_embeddings is not None and self.cp is None
+        self.document_eos = eos_id
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last block [batch, seq, dim]: what the loss needs (`trainer.loss.LossFn`
@@ -264,6 +280,12 @@ class Decoder(nn.Module):
             # view (trainer.parallel.tensor_parallel).
             h = h.to_local()
         rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
+        if self.document_eos is not None:
+            docs, positions = document_ids(tokens, self.document_eos)
+            rope, mask = self.rope[positions], attention_mask(docs)
+            for layer in self.layers.values():
+                h = layer(h, rope, mask)
+            return h
         for layer in self.layers.values():
             h = layer(h, rope)
         return h
@@ -384,8 +406,9 @@ def block_tp_plan(ffn_name: str, ffn_plan: dict[str, ParallelStyle], *, qk_norm:
     heads = {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_norm", "k_norm")}
     return (heads if qk_norm else {}) | {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        "attention": PrepareModuleInput(  # (x, rope, document mask): only x is sequence-sharded
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
         ),
         "attention.q_proj": ColwiseParallel(),
         "attention.k_proj": ColwiseParallel(),

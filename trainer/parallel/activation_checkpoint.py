@@ -22,6 +22,8 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
+if hasattr(torch.ops.higher_order, "flex_attention"):  # document masking's attention on a GPU
+    _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
 if hasattr(torch.ops.aten, "_scaled_mm_v2"):  # F.scaled_mm's op (torch >= 2.10): the blockwise recipe's GEMMs
     _SAVE_OPS.add(torch.ops.aten._scaled_mm_v2.default)
 

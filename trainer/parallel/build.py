@@ -76,6 +76,8 @@ class BuildOptions:
     """Tokens per chunk of the output head and loss (trainer.loss.LossFn); 0 = all at once."""
     seq_len: int = 0
     """Tokens per sequence (train.seq_len): the chunk length under context parallelism."""
+    document_eos: int | None = None
+    """data.document_masking: the EOS id that ends each document of a packed row (trainer.models.documents)."""
     compile_loss: bool = False
     """Compile the final norm, output head and loss (trainer.loss.LossFn) with the blocks; not under TP, whose
     vocabulary-parallel loss runs eagerly, nor with a tied head (its FSDP2 unit's hooks break the graph)."""

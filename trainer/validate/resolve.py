@@ -17,6 +17,7 @@ from trainer.config import JobConfig
 from trainer.config.checks import MODEL_KEYS, MOE_KEYS
 from trainer.config.checks import mix_names
 from trainer.data.loader import build_source, shard_paths
+from trainer.data.tokenizer import eos_id
 from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
 from trainer.errors import ConfigError
 from trainer.model_values import values_problem
@@ -183,6 +184,9 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         logger.info("train.compile_model with model.tie_word_embeddings: the blocks are compiled, the final norm, "
                     "tied head and loss run eagerly (they share an FSDP2 unit with the embeddings, whose hooks "
                     "torch.compile cannot trace inside the loss's graph)")
+    if cfg.data.document_masking and cuda and not t.compile_model:
+        logger.warning("data.document_masking without train.compile_model: FlexAttention runs compiled on its own "
+                       "while the blocks run eagerly; set train.compile_model=true for the fused blocks")
     tokens = t.batch_size * t.seq_len
     if t.loss_chunk_tokens >= tokens:
         logger.warning(
@@ -209,6 +213,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         seq_len=t.seq_len,
         # The vocabulary-parallel loss (TP) runs eagerly; otherwise the head and loss compile with the blocks.
         compile_loss=t.compile_model and pd.tp == 1 and not cfg.model.tie_word_embeddings,
+        document_eos=eos_id(cfg.data.tokenizer) if cfg.data.document_masking else None,
     )
 
 
