@@ -49,6 +49,6 @@ def test_header_is_short_from_rank_0_and_warns_once(tmp_path: Path, layout: str,
     done, total = converted
     assert "FP8 over all " in text and f"converted {done}/{total} Linear layers" in text
     assert text.count("pipeline split") == 1 and "FP8 on pipeline stage" not in text
-    fates = json.loads((tmp_path / "fp8_layers.json").read_text())  # the per-layer detail, for every stage
+    fates = json.loads((tmp_path / "fp8_layers.json").read_text())["layers"]  # the per-layer detail, every stage
     assert len(fates) == total and sum(fate == "converted" for fate in fates.values()) == done
     assert "fp8_layers.json" in text

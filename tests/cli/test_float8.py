@@ -36,7 +36,8 @@ def test_cli_logs_confirmation_only_for_fp8(tmp_path: Path) -> None:
     assert _fp8_block(messages) == [
         "float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel",
         # One process: "auto" leaves fp8 all-gather off (one rank in the shard group gathers nothing).
-        "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=False",
+        "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=False, "
+        "format=hybrid (e4m3 weights and activations, e5m2 gradients)",
         f"converted {converted}/{linears} Linear layers; excluded: none",
         "float8 matmuls: CPU: real torch._scaled_mm path (aten's CPU kernel; for correctness, not speed)",
     ]
@@ -45,7 +46,7 @@ def test_cli_logs_confirmation_only_for_fp8(tmp_path: Path) -> None:
                                  "--float8.exclude_fqns=output_head.proj",
                                  f"--job.dump_folder={tmp_path / 'b'}"]))
     assert _fp8_block(messages) == [
-        "Applied Float8 training: recipe=ROWWISE, fsdp_float8_all_gather=False",
+        "Applied Float8 training: recipe=ROWWISE, fsdp_float8_all_gather=False, format=e4m3 everywhere",
         f"converted {converted - 1}/{linears} Linear layers; excluded: output_head.proj (float8.exclude_fqns)",
         "float8 matmuls: EMULATED in high precision (float8.emulate=true)",
     ]

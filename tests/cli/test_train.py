@@ -134,7 +134,9 @@ def test_console_is_a_short_header_and_the_values_used_go_to_files(tmp_path: Pat
     assert used["moe"]["top_k"] == 2 and used["moe"]["aux_loss_coef"] == 0.01
     assert used["distributed"]["dp_shard"] == 1 and used["distributed"]["master_dtype"] == "bf16"
     assert used["model_args"]["dim"] == 128 and used["model_args"]["n_experts"] == 8
-    fates = json.loads((tmp_path / "fp8_layers.json").read_text())
+    fp8 = json.loads((tmp_path / "fp8_layers.json").read_text())
+    assert (fp8["recipe"], fp8["format"]) == ("tensorwise", "hybrid")
+    fates = fp8["layers"]
     assert fates["layers.0.attention.q_proj"] == "converted" and fates["layers.1.moe.router.gate"] == "MoE router"
     assert sum(fate == "converted" for fate in fates.values()) == converted and len(fates) == linears
     # The step line on a CPU leaves out model TFLOP/s and MFU (no peak to compare with).

@@ -60,7 +60,8 @@ def test_dense_model_converts_every_projection_and_the_head(caplog) -> None:
     converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == expected
     messages = [r.getMessage() for r in caplog.records]
-    assert "Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=True" in messages
+    assert ("Applied Float8 training: recipe=TENSORWISE, fsdp_float8_all_gather=True, "
+            "format=hybrid (e4m3 weights and activations, e5m2 gradients)") in messages
     assert f"converted {len(expected)}/{len(expected)} Linear layers; excluded: none" in messages
     assert report.converted_fraction == 1.0
 
@@ -188,3 +189,55 @@ def test_fp8_model_close_to_bf16_through_our_build_on_cpu() -> None:
     assert fp8["loss"] != bf16["loss"] and fp8["loss"] == pytest.approx(bf16["loss"], rel=1e-2)
     fp8_err, emulated_err = grad_rel_err(fp8["grads"], bf16["grads"]), grad_rel_err(emulated["grads"], bf16["grads"])
     assert 0 < fp8_err < 0.5 and fp8_err < 1.25 * emulated_err, (fp8_err, emulated_err)
+
+
+@pytest.mark.parametrize("fp8_format, gradient_dtype", [("hybrid", torch.float8_e5m2), ("e4m3", torch.float8_e4m3fn)])
+def test_float8_format_picks_the_gradients_fp8_type(fp8_format: str, gradient_dtype: torch.dtype, caplog) -> None:
+    """float8.format (tensorwise): every torch._scaled_mm of the forward takes e4m3 operands; in backward the
+    gradient operand is e5m2 under 'hybrid' (torchao's default) and e4m3 under 'e4m3'. Read from the float8
+    tensors the GEMMs were given, not from the config."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScaledMatmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: list[set[torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # torchao's float8 tensors reach the mode as aten.mm of two Float8TrainingTensors (their fp8 `_data`),
+            # which their own dispatch then runs as torch._scaled_mm.
+            if func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default) and hasattr(args[0], "_data"):
+                self.dtypes.append({args[0]._data.dtype, args[1]._data.dtype})
+            return func(*args, **(kwargs or {}))
+
+    model = debug_model().to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        fp8(model, fp8_format=fp8_format)
+    words = "hybrid (e4m3 weights and activations, e5m2 gradients)" if fp8_format == "hybrid" else "e4m3 everywhere"
+    assert any(f"format={words}" in r.message for r in caplog.records)
+    tokens = torch.randint(0, 512, (2, 33))
+    forward, backward = ScaledMatmuls(), ScaledMatmuls()
+    with forward:
+        loss = torch.nn.functional.cross_entropy(model.logits(tokens[:, :-1]).flatten(0, 1).float(),
+                                                 tokens[:, 1:].flatten())
+    with backward:
+        loss.backward()
+    assert forward.dtypes and all(d == {torch.float8_e4m3fn} for d in forward.dtypes)
+    assert backward.dtypes and all(gradient_dtype in d for d in backward.dtypes)  # every backward GEMM takes a grad
+    if fp8_format == "e4m3":
+        assert all(d == {torch.float8_e4m3fn} for d in backward.dtypes)
+
+
+def test_float8_format_resolves_per_recipe() -> None:
+    from trainer.config import ConfigError, load_job_config
+    from trainer.validate import validate_job
+
+    def resolved(*argv: str) -> str:
+        job = validate_job(load_job_config(["--config", DEBUG_CONFIG, "--train.mixed_precision=fp8", *argv]),
+                           world_size=1)
+        return job.build.float8.format
+
+    assert resolved() == "hybrid" and resolved("--float8.format=e4m3") == "e4m3"
+    assert resolved("--float8.recipe=rowwise", "--float8.emulate=true") == "e4m3"
+    with pytest.raises(ConfigError, match=r"^float8.format='hybrid' \(e5m2 gradients\) is the tensorwise recipe's"):
+        load_job_config(["--train.mixed_precision=fp8", "--float8.recipe=rowwise", "--float8.format=hybrid"])

@@ -98,7 +98,7 @@ def test_blockwise_keeps_dims_not_multiples_of_128_in_bf16_and_says_so(caplog) -
     assert type(model.layers["0"].attention.q_proj) is BlockwiseFloat8Linear
     assert type(model.layers["0"].attention.k_proj) is torch.nn.Linear
     text = [r.getMessage() for r in caplog.records]
-    assert "Applied Float8 training: recipe=BLOCKWISE, fsdp_float8_all_gather=False" in text
+    assert "Applied Float8 training: recipe=BLOCKWISE, fsdp_float8_all_gather=False, format=e4m3 everywhere" in text
     assert ("converted 21/29 Linear layers; excluded: layers.{0..3}.{attention.k_proj,attention.v_proj} "
             "(shape 128x64: dims not multiples of 128 (blockwise))") in text
     assert any(m.startswith("float8 matmuls: EMULATED in plain torch (blockwise") for m in text)

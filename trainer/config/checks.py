@@ -170,6 +170,9 @@ def _check_checkpoint_and_master(cfg: Any) -> None:
 
 def _check_float8_and_profiling(cfg: Any) -> None:
     f8 = cfg.float8
+    if f8.format == "hybrid" and f8.recipe != "tensorwise":
+        raise ConfigError(f"float8.format='hybrid' (e5m2 gradients) is the tensorwise recipe's; float8.recipe="
+                          f"'{f8.recipe}' casts every operand to e4m3: set float8.format='auto' (or 'e4m3')")
     if f8.enable_fsdp_float8_all_gather is True and f8.recipe != "tensorwise":
         raise ConfigError(
             f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "

@@ -274,6 +274,8 @@ class Float8Section:
     """torchao float8 scaling recipe: tensorwise (one scale per tensor), rowwise / rowwise_with_gw_hp (one per row), or blockwise (DeepSeek-V3 style: one scale per 1x128 tile of activations and gradients and per 128x128 block of weights, all e4m3; torchao's blockwise Linear on cuBLAS, compute capability >= 9.0; Linears with a dim not a multiple of 128 stay bf16; weights all-gathered in bf16). docs/fp8.md#recipes."""
     enable_fsdp_float8_all_gather: Literal["auto", True, False] = "auto"
     """All-gather weights in float8 under FSDP2 (tensorwise only; true with another recipe is a config error): halves all-gather bytes. auto = on for tensorwise when FSDP shards over more than one rank (distributed.dp_shard > 1), off otherwise (one rank gathers nothing, and the eager cast before the gather is slower than the cast fused into the compiled blocks: +2.4% on 1x H100, docs/benchmarks.md)."""
+    format: Literal["auto", "hybrid", "e4m3"] = "auto"
+    """FP8 formats (Transformer Engine's fp8_format): hybrid = e4m3 for weights and activations, e5m2 for gradients (more range, less precision); e4m3 = e4m3 everywhere. The tensorwise recipe takes either; rowwise and blockwise are e4m3 everywhere. auto = hybrid for tensorwise, e4m3 otherwise."""
     emulate: bool = False
     """Emulate float8 matmuls in high precision (for machines without FP8 kernels; tests). Blockwise: a plain-torch quantize-dequantize with torchao's tiles and scales, then fp32 matmuls."""
     exclude_fqns: list[str] = field(default_factory=list)

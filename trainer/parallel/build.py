@@ -43,6 +43,8 @@ class Float8Options:
     """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8.experts)."""
     expert_weights_per_step: bool = False
     """Keep the FP8 expert weights through the optimizer step (trainer.models.moe_fp8.Fp8ExpertWeights)."""
+    format: str = "hybrid"
+    """float8.format resolved: "hybrid" (e4m3 forward, e5m2 gradients; tensorwise only) or "e4m3" (everywhere)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def build_parallel_model(
         report = apply_float8(
             model, recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
             exclude_fqns=list(f8.exclude_fqns), emulate=f8.emulate, require=f8.require, device=device,
-            moe_experts=f8.moe_experts,
+            moe_experts=f8.moe_experts, fp8_format=f8.format,
         )
         # The routed experts' grouped GEMMs: one kernel switch per MoE layer, in the same report.
         report.experts = apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require,

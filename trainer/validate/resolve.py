@@ -116,7 +116,8 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
         _check_fp8_hardware(require=f8.require, emulate=f8.emulate, recipe=f8.recipe)
     if f8.moe_experts != "off":
         _check_fp8_experts(cfg, args, probe=probe)
-    options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
+    fp8_format = "hybrid" if f8.recipe == "tensorwise" and f8.format in ("auto", "hybrid") else "e4m3"
+    options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather, format=fp8_format,
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
                             moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd))
     fates = {fqn: "converted" for fqn in converted} | excluded

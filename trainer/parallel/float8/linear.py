@@ -94,6 +94,7 @@ def apply_float8(
     require: bool,
     device: torch.device,
     moe_experts: str = "off",
+    fp8_format: str | None = None,
 ) -> Float8Report:
     """Swap the selected nn.Linear modules for torchao Float8Linear (blockwise: BlockwiseFloat8Linear), in place.
 
@@ -110,7 +111,11 @@ def apply_float8(
 
     # The config check refuses it: blockwise weights are all-gathered in bf16.
     assert not (enable_fsdp_float8_all_gather and recipe == "blockwise"), "blockwise has no fp8 all-gather"
-    report = Float8Report(recipe=recipe, fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate)
+    if fp8_format is None:  # float8.format='auto'
+        fp8_format = "hybrid" if recipe == "tensorwise" else "e4m3"
+    assert fp8_format == "e4m3" or recipe == "tensorwise", (recipe, fp8_format)  # the config check refuses it
+    report = Float8Report(recipe=recipe, fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate,
+                          format=fp8_format)
     converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=exclude_fqns, recipe=recipe)
     report.excluded, report.num_linear = excluded, num_linear
 
@@ -121,24 +126,27 @@ def apply_float8(
                        instead="This run trains in BF16 instead.")
         return report
     _convert(model, set(converted), recipe=recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
-             emulate=emulate, device=device)
+             emulate=emulate, device=device, fp8_format=fp8_format)
     report.converted = converted
     _log_conversion(model, report, what, moe_experts=moe_experts)
     return report
 
 
 def _convert(model: nn.Module, selected: set[str], *, recipe: Recipe, enable_fsdp_float8_all_gather: bool,
-             emulate: bool, device: torch.device) -> None:
-    """Swap the selected Linears: BlockwiseFloat8Linear for blockwise, torchao's Float8Linear otherwise."""
+             emulate: bool, device: torch.device, fp8_format: str = "hybrid") -> None:
+    """Swap the selected Linears: BlockwiseFloat8Linear for blockwise, torchao's Float8Linear otherwise.
+    fp8_format "e4m3" casts the tensorwise recipe's gradients to e4m3 too (torchao's default is e5m2)."""
     if recipe == "blockwise":
         convert_to_blockwise(model, selected, emulate=emulate)
         return
 
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import e4m3_dtype
 
     if recipe == "tensorwise":
+        grads = {"cast_config_grad_output": CastConfig(target_dtype=e4m3_dtype)} if fp8_format == "e4m3" else {}
         config = Float8LinearConfig(
-            enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate
+            enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate, **grads
         )
     else:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)

@@ -35,6 +35,8 @@ class Float8Report:
     num_linear: int = 0
     experts: ExpertsConversion | None = None
     """Set where the routed experts run FP8 grouped GEMMs; None: they stay bf16 (or the model has none)."""
+    format: str = "hybrid"
+    """float8.format resolved: "hybrid" or "e4m3"."""
 
     @property
     def enabled(self) -> bool:
@@ -52,10 +54,15 @@ class Float8Report:
         excluded = "; ".join(f"{', '.join(group_fqns(fqns))} ({reason})" for reason, fqns in by_reason.items())
         lines = [
             f"Applied Float8 training: recipe={self.recipe.upper()}, "
-            f"fsdp_float8_all_gather={self.fsdp_float8_all_gather}",
+            f"fsdp_float8_all_gather={self.fsdp_float8_all_gather}, format={describe_format(self.format)}",
             f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
         ]
         return lines + ([self.experts.line()] if self.experts else [])
+
+
+def describe_format(fp8_format: str) -> str:
+    """float8.format in words: what is cast to which FP8 type."""
+    return {"hybrid": "hybrid (e4m3 weights and activations, e5m2 gradients)", "e4m3": "e4m3 everywhere"}[fp8_format]
 
 
 def merge_reports(reports: list[Float8Report | None]) -> Float8Report | None:
