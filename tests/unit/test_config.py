@@ -38,7 +38,7 @@ def test_defaults_toml_and_cli_precedence(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--train.mixed_precision=FP8"], "train.mixed_precision='FP8' is not one of 'fp32', 'fp16', 'bf16', 'fp8'"),
+        (["--train.mixed_precision=FP8"], "train.mixed_precision='FP8' is not one of 'auto', 'fp32', 'fp16', 'bf16', 'fp8'"),
         (["--train.mixed_precision=float8"], "train.mixed_precision='float8' is not one of"),
         (["--train.bach_size=2"], "unknown key [train].bach_size (did you mean batch_size?)"),
         (["--trian.steps=2"], "unknown section [trian] (did you mean train?)"),

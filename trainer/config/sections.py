@@ -111,8 +111,8 @@ class TrainSection:
     """Tokens per sequence."""
     grad_accum_steps: int = 1
     """Microbatches accumulated before each optimizer step."""
-    mixed_precision: MixedPrecision = "bf16"
-    """Compute dtype. fp8 = bf16 compute with torchao float8 linears. The master weights follow distributed.master_dtype (bf16 for bf16 and fp8 by default)."""
+    mixed_precision: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "bf16"
+    """Compute dtype. fp8 = bf16 compute with torchao float8 linears. auto (Axolotl's bf16: auto) = what this machine runs best: fp8 on GPUs with FP8 tensor cores (compute capability >= 8.9; bf16 under tensor parallelism), bf16 on >= 8.0, fp16 below, fp32 on a CPU, said in one startup line. The master weights follow distributed.master_dtype (bf16 for bf16 and fp8 by default)."""
     precision_schedule: list[str] = field(default_factory=list)
     """Change precision inside the run: "precision:last_step" entries, the last one without a step, e.g. ["bf16:2000", "fp8:9500", "bf16"] = bf16 for steps 1-2000, fp8 for 2001-9500, bf16 to train.steps. Overrides mixed_precision; needs checkpoint.enable (each switch saves a checkpoint, rebuilds the model and resumes it in the same process). Empty = off (see docs/fp8.md)."""
     max_norm: float = 1.0

@@ -3,6 +3,7 @@
 The config alone was checked when the JobConfig was built (trainer.config.checks, so a bad TOML
 or override fails while parsing, without importing torch); this pass adds the rest:
 
+    precision.py       train.mixed_precision='auto' resolved for the target's GPUs (first: everything after sees it)
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     plan.py            the per-GPU memory plan (peak estimate) the dry run prints; a warning when it exceeds the device
@@ -40,6 +41,7 @@ from trainer.validate.options import (
     resolve_options,
 )
 from trainer.validate.plan import MemoryPlan, plan_memory
+from trainer.validate.precision import resolve_auto_precision
 from trainer.validate.resolve import absent_shards, resolve_build, resolve_data, resolve_float8, resolve_model_args
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     """Check everything that needs the world size, the model's shapes or the data; resolve what the build and the
     Trainer take. target: where the job runs (None: this machine; a dry run passes the GPUs it plans for)."""
     target = target or this_machine()
+    given, cfg = cfg, resolve_auto_precision(cfg, target)  # train.mixed_precision='auto': this target's choice
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
@@ -95,7 +98,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
                        plan.peak_bytes / 2**30, plan.peak_at, target.memory[0] / 2**30, target.memory[1])
     unchecked = tuple(absent_shards(cfg)) if target.planning else ()
     source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp, missing_ok=target.planning)
-    files = run_file_texts(cfg, run_cfg=cfg, args=args, pd=pd, build=build, pipeline=pipeline,
+    files = run_file_texts(cfg, run_cfg=given, args=args, pd=pd, build=build, pipeline=pipeline,
                            float8_layers=float8_layers)
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,

@@ -68,10 +68,18 @@ class Target:
     """Probe this machine's FP8 kernels under float8.require; a dry run assumes GPUs with FP8 tensor cores."""
     planning: bool = False
     """A dry run: data files absent on this machine are reported, not refused (the run checks them)."""
+    capability: tuple[int, int] | None = None
+    """This rank's GPU's compute capability (train.mixed_precision='auto'); None: a dry run's planned GPUs."""
+    name: str = ""
+    """The GPU, for messages."""
 
 
 def this_machine() -> Target:
-    return Target(device_type="cuda" if torch.cuda.is_available() else "cpu", memory=device_memory())
+    if not torch.cuda.is_available():
+        return Target(device_type="cpu", memory=device_memory())
+    index = min(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count() - 1)
+    return Target(device_type="cuda", memory=device_memory(), capability=torch.cuda.get_device_capability(index),
+                  name=f"GPU {index} ({torch.cuda.get_device_name(index)})")
 
 
 def planned_gpus(gib: float) -> Target:
