@@ -60,9 +60,8 @@ class Evaluator(StepHook):
         return {"val_loss": result["loss"], "val_ppl": result["ppl"],
                 **{f"val/loss/{name}": loss for name, loss in result.get("by_source", {}).items()}}
 
-    def batches(self, source=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's held-out batches of `source` (default: the only one)."""
-        source = source if source is not None else self.parts[0].source
+    def batches(self, source) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's held-out batches of `source` (one of self.parts')."""
         for b in range(self.steps):
             start = (b * self.dp_degree + self.dp_rank) * self.batch_size
             rows = np.stack([source.get_sample(i, self.seq_len) for i in range(start, start + self.batch_size)])

@@ -139,22 +139,32 @@ def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str |
     return None
 
 
-def param_count(args: Any) -> int:
-    """Parameters (and MoE expert biases) of a model with these (checked) ModelArgs / MoEArgs, in closed form:
-    no loop over layers, so a crafted n_layers costs nothing to count."""
+def layer_param_counts(args: Any) -> tuple[int, int, int, int]:
+    """Parameters of one block's parts: (attention with both norms, a dense MLP, an MoE layer's shared experts,
+    its router gate and routed experts); the last two are 0 for a dense model. An MoE model's ffn_dim is its dense
+    blocks' width. The MoE expert-bias buffers are not parameters: param_count adds them."""
     d, hd = args.dim, args.head_dim
     attention = 2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 2 * d  # q, o; k, v; two norms
     attention += 2 * hd if args.qk_norm else 0
-    dense = 3 * d * args.ffn_dim
+    n_experts = getattr(args, "n_experts", None)
+    if n_experts is None:
+        return attention, 3 * d * args.ffn_dim, 0, 0
+    h = args.moe_ffn_dim
+    return attention, 3 * d * args.ffn_dim, 3 * d * args.n_shared_experts * h, n_experts * d + 3 * n_experts * h * d
+
+
+def param_count(args: Any) -> int:
+    """Parameters (and MoE expert biases) of a model with these (checked) ModelArgs / MoEArgs, in closed form:
+    no loop over layers, so a crafted n_layers costs nothing to count."""
+    attention, dense, shared, routed = layer_param_counts(args)
+    d = args.dim
     tied = args.tie_word_embeddings  # one table for the embeddings and the head
     total = (1 if tied else 2) * args.vocab_size * d + d + args.n_layers * attention  # + the final norm
     n_experts = getattr(args, "n_experts", None)
     if n_experts is None:
         return total + args.n_layers * dense
     n_dense = min(args.n_dense_layers, args.n_layers)
-    h = args.moe_ffn_dim
-    moe = n_experts * d + n_experts + 3 * n_experts * h * d + 3 * d * args.n_shared_experts * h
-    return total + n_dense * dense + (args.n_layers - n_dense) * moe
+    return total + n_dense * dense + (args.n_layers - n_dense) * (shared + routed + n_experts)
 
 
 def num_tensors(args: Any) -> int:

@@ -218,28 +218,34 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
 
 
 def gradients_of_one_step(args: list[str], dump: str) -> dict:
-    """The trainer's first step in this rank's layout, forward and backward only (no optimizer step): every
-    parameter's full gradient by fqn, gathered from every rank (pipeline ranks hold different stages) to
-    rank 0, which returns them ({} on the other ranks)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
+    """The trainer's first step in this rank's layout, forward and backward only (no optimizer step): its
+    gradients, gathered to rank 0 (gathered_gradients)."""
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
-    from trainer.models.layers import clean_fqn
     from trainer.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:
         trainer.step_fn.forward_backward(trainer.data_loader.next_batch())
-        grads = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                 for n, p in trainer.model.named_parameters()}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, grads)
-        return {k: v for part in gathered for k, v in part.items()} if dist.get_rank() == 0 else {}
+        return gathered_gradients(trainer.model)
     finally:
         trainer.close()
         destroy_distributed()
+
+
+def gathered_gradients(model) -> dict:
+    """Every parameter's full gradient by fqn, gathered from every rank (pipeline ranks hold different stages) to
+    rank 0, which returns them ({} on the other ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from trainer.models.layers import clean_fqn
+
+    grads = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+             for n, p in model.named_parameters()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grads)
+    return {k: v for part in gathered for k, v in part.items()} if dist.get_rank() == 0 else {}
 
 
 def saved_bytes_of_one_forward(args: list[str], dump: str) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.distributed.spawn import run_distributed
+from tests.distributed.spawn import gathered_gradients, run_distributed
 from tests.helpers import FAST
 from trainer.data.shards import write_shard
 from trainer.data.tokenizer import ByteTokenizer
@@ -43,12 +43,10 @@ def gradients_and_loss(args: list[str], dump: str) -> tuple[dict, float, list[li
     log line reports it (averaged over the dp x cp ranks), and the valid labels of each of this rank's sequences
     in each quarter of the sequence (the chunks of cp=2)."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
     from trainer.loss import IGNORE_INDEX
-    from trainer.models.layers import clean_fqn
     from trainer.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
@@ -58,12 +56,7 @@ def gradients_and_loss(args: list[str], dump: str) -> tuple[dict, float, list[li
                  for row in labels]
         loss = trainer.step_fn.forward_backward(batch)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=trainer.parallel_dims.mesh("dp_cp").get_group())
-        grads = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                 for n, p in trainer.model.named_parameters()}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, grads)
-        merged = {k: v for part in gathered for k, v in part.items()} if dist.get_rank() == 0 else {}
-        return merged, loss.item(), valid
+        return gathered_gradients(trainer.model), loss.item(), valid
     finally:
         trainer.close()
         destroy_distributed()

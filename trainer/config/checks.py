@@ -218,21 +218,19 @@ def _check_data(cfg: Any) -> None:
         if data.source == "shards" and not v.path and not data.mix:  # a mixture: _check_mix
             raise ConfigError("validation.enable=true with data.source='shards' needs validation.path: held-out "
                               "shards made by scripts/prepare_data.py with the same tokenizer")
-    if data.document_masking and data.source == "synthetic":
-        raise ConfigError("data.document_masking=true needs documents separated by EOS tokens, and "
-                          "data.source='synthetic' is random tokens; use another data.source or "
-                          "data.document_masking=false")
+    for key in ("document_masking", "eod_mask_loss"):
+        if getattr(data, key) and data.source == "synthetic":
+            raise ConfigError(f"data.{key}=true needs documents separated by EOS tokens, and data.source='synthetic' "
+                              f"is random tokens; use another data.source or data.{key}=false")
     d = cfg.distributed
     for key, degree, why in (("pp", d.pp, "a pipeline stage after the first does not see the tokens"),
                              ("cp", d.cp, "a document split over context-parallel chunks")):
         if data.document_masking and degree > 1:
             raise ConfigError(f"data.document_masking=true with distributed.{key}={degree} is not supported yet "
                               f"({why}); set distributed.{key}=1 or data.document_masking=false")
-    if data.eod_mask_loss and data.source == "synthetic":
-        raise ConfigError("data.eod_mask_loss=true needs documents separated by EOS tokens, and data.source='synthetic' "
-                          "is random tokens; use another data.source or data.eod_mask_loss=false")
     if data.source == "shards" and not data.path and not data.mix:
-        raise ConfigError("data.source='shards' needs data.path (or data.mix): a folder of .bin shards made by scripts/prepare_data.py")
+        raise ConfigError("data.source='shards' needs data.path (or data.mix): a folder of .bin shards made by "
+                          "scripts/prepare_data.py")
     if data.source in ("default", "stdlib") and data.tokenizer != "byte":
         raise ConfigError(
             f"data.source='{data.source}' is byte-tokenized but data.tokenizer='{data.tokenizer}'; "
@@ -273,7 +271,7 @@ def _check_mix(cfg: Any) -> None:
     for i, name in enumerate(names):
         if not name or not set(name) <= _NAME_CHARS:
             raise ConfigError(f"data.mix[{i}].name={name!r} must be letters, digits, '-', '_' or '.' (it names "
-                              "metrics); set data.mix[{i}].name".replace("{i}", str(i)))
+                              f"metrics); set data.mix[{i}].name")
         if name in names[:i]:
             raise ConfigError(f"data.mix[{i}] is named {name!r} like data.mix[{names.index(name)}]; give each source "
                               "its own data.mix[].name")

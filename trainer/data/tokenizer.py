@@ -76,20 +76,25 @@ def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer() if spec == "byte" else HFTokenizer(_tokenizer_path(spec))
 
 
+def token_ids(path: str | Path) -> dict[str, int]:
+    """A tokenizer.json's token ids by text, read as JSON (no `tokenizers` package, nothing run): its model's
+    vocabulary (BPE, WordPiece and WordLevel map text to id; Unigram lists [piece, score]), then its added
+    tokens, which win."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        vocab = (data.get("model") or {}).get("vocab")
+        ids = {piece[0]: i for i, piece in enumerate(vocab)} if isinstance(vocab, list) else {}
+        ids |= {k: int(v) for k, v in vocab.items()} if isinstance(vocab, dict) else {}
+        return ids | {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+        raise DataError(f"tokenizer {path} is not a tokenizer.json ({type(e).__name__}: {e})") from None
+
+
 def eos_id(spec: str) -> int:
-    """The end-of-document id of tokenizer `spec` ("byte" or a tokenizer.json), read without the `tokenizers`
-    package: the first of _EOS_TOKENS among the file's added tokens, then in its model's vocabulary."""
+    """The end-of-document id of tokenizer `spec` ("byte" or a tokenizer.json): the first of _EOS_TOKENS it has."""
     if spec == "byte":
         return ByteTokenizer.eos_id
-    path = _tokenizer_path(spec)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
-        vocab = (data.get("model") or {}).get("vocab") or {}
-        if isinstance(vocab, dict):
-            ids = {**{k: int(v) for k, v in vocab.items() if k in _EOS_TOKENS}, **ids}
-    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise DataError(f"could not read the tokens of tokenizer {spec}: {e}") from None
+    ids = token_ids(_tokenizer_path(spec))
     found = next((ids[t] for t in _EOS_TOKENS if t in ids), None)
     if found is None:
         raise DataError(f"tokenizer {spec} has none of the end-of-document tokens {', '.join(_EOS_TOKENS)}, which "

@@ -96,7 +96,8 @@ def is_byte_tokenizer_json(path: Path) -> bool:
 
 def resolve_tokenizer(spec: str, *, fingerprint: str | None = None, where: str = "the run") -> ExportTokenizer:
     """The tokenizer `spec` names ('byte' or a tokenizer.json), checked against the run's `fingerprint` if given."""
-    from trainer.data.tokenizer import _BOS_TOKENS, _EOS_TOKENS, ByteTokenizer, tokenizer_fingerprint
+    from trainer.data.shards import DataError
+    from trainer.data.tokenizer import _BOS_TOKENS, _EOS_TOKENS, ByteTokenizer, token_ids, tokenizer_fingerprint
 
     if spec == "byte":
         return ExportTokenizer("byte", ByteTokenizer.bos_id, ByteTokenizer.eos_id, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN)
@@ -109,15 +110,9 @@ def resolve_tokenizer(spec: str, *, fingerprint: str | None = None, where: str =
                           f", the run's {fingerprint}); pass --tokenizer=PATH of the run's tokenizer.json, or "
                           "--no-tokenizer")
     try:
-        data = json.loads(path.read_text())
-        ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
-        vocab = (data.get("model") or {}).get("vocab")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ExportError(f"tokenizer {path} is not a tokenizer.json ({type(e).__name__}: {e})") from None
-    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel; Unigram's is a list of [piece, score]
-        ids = {**vocab, **ids}
-    elif isinstance(vocab, list):
-        ids = {**{piece[0]: i for i, piece in enumerate(vocab)}, **ids}
+        ids = token_ids(path)
+    except DataError as e:
+        raise ExportError(str(e)) from None
     bos = next((t for t in _BOS_TOKENS if t in ids), None)
     eos = next((t for t in _EOS_TOKENS if t in ids), None)
     return ExportTokenizer(str(path.resolve()), ids.get(bos), ids.get(eos), bos, eos)

@@ -280,14 +280,12 @@ class Decoder(nn.Module):
             # view (trainer.parallel.tensor_parallel).
             h = h.to_local()
         rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
+        mask = ()  # the blocks' document mask, when there is one
         if self.document_eos is not None:
             docs, positions = document_ids(tokens, self.document_eos)
-            rope, mask = self.rope[positions], attention_mask(docs)
-            for layer in self.layers.values():
-                h = layer(h, rope, mask)
-            return h
+            rope, mask = self.rope[positions], (attention_mask(docs),)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, *mask)
         return h
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -96,8 +96,9 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
         logger.warning("memory plan: about %.1f GiB per rank at its peak (%s), more than the %.1f GiB of %s: the run "
                        "may run out of memory; `scripts/train.py --config ... --dry-run` prints where it goes",
                        plan.peak_bytes / 2**30, plan.peak_at, target.memory[0] / 2**30, target.memory[1])
+    # A dry run names the shards that are not on this machine instead of refusing them (the run checks them).
     unchecked = tuple(absent_shards(cfg)) if target.planning else ()
-    source, validation = resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp, missing_ok=target.planning)
+    source, validation = (None, None) if unchecked else resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
     files = run_file_texts(cfg, run_cfg=given, args=args, pd=pd, build=build, pipeline=pipeline,
                            float8_layers=float8_layers)
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import JobConfig
-from trainer.models import ModelArgs, family_of
+from trainer.model_values import layer_param_counts
+from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
 
@@ -108,7 +109,7 @@ class _Stage:
 
 
 def _dtype_bytes(dtype: torch.dtype | None, default: int) -> int:
-    return default if dtype is None else torch.empty((), dtype=dtype).element_size()
+    return default if dtype is None else dtype.itemsize
 
 
 def plan_memory(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
@@ -152,17 +153,6 @@ def _chunks_in_flight(pipeline: PipelineOptions, *, pp: int, rank: int) -> int:
     if v == 1:  # 1F1B: warm-up forwards, then one forward per backward
         return min(n, pp - rank)
     return min(n * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)  # interleaved and V schedules: their warm-up
-
-
-def _layer_params(args: ModelArgs) -> tuple[int, int, int, int]:
-    """(attention with both norms, a dense MLP, an MoE layer's shared experts, its routed experts and router)."""
-    d, hd = args.dim, args.head_dim
-    attention = 2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 2 * d + (2 * hd if args.qk_norm else 0)
-    if not family_of(args).has_router:
-        return attention, 3 * d * args.ffn_dim, 0, 0
-    shared = 3 * d * args.n_shared_experts * args.moe_ffn_dim
-    routed = args.n_experts * d + 3 * args.n_experts * args.moe_ffn_dim * d  # the router's gate and the experts
-    return attention, 3 * d * args.ffn_dim, shared, routed  # an MoE model's ffn_dim: its dense blocks' width
 
 
 @dataclass(frozen=True)
@@ -243,7 +233,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
 
 
 def _stage_params(args: ModelArgs, stage: _Stage) -> int:
-    attention, dense, shared, routed = _layer_params(args)
+    attention, dense, shared, routed = layer_param_counts(args)
     v, d = args.vocab_size, args.dim
     ends = (v * d if stage.embeddings else 0) + (d + v * d if stage.head else 0)
     if args.tie_word_embeddings and stage.embeddings and stage.head:
@@ -254,7 +244,7 @@ def _stage_params(args: ModelArgs, stage: _Stage) -> int:
 def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int) -> MemoryRow:
     """The compute-dtype weights FSDP2 has all-gathered at the start of backward: every unit where none is
     resharded after forward, else the root (head; a tied table with it) and the two blocks a backward step holds."""
-    attention, dense, shared, routed = _layer_params(args)
+    attention, dense, shared, routed = layer_param_counts(args)
     routed_local = routed // pd.ep  # routed experts are split over ep, never gathered over it
     dense_block, moe_block = attention + dense, attention + shared + routed_local
     if all_units:

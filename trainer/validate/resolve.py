@@ -24,7 +24,9 @@ from trainer.model_values import values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
 from trainer.models.llama import RopeScaling
 from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
-from trainer.parallel.float8 import fp8_grouped_supported, fp8_supported, local_device, select_float8_linears
+from trainer.parallel.float8 import (
+    fp8_grouped_supported, fp8_supported, local_device, resolve_format, select_float8_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +118,8 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
         _check_fp8_hardware(require=f8.require, emulate=f8.emulate, recipe=f8.recipe)
     if f8.moe_experts != "off":
         _check_fp8_experts(cfg, args, probe=probe)
-    fp8_format = "hybrid" if f8.recipe == "tensorwise" and f8.format in ("auto", "hybrid") else "e4m3"
-    options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather, format=fp8_format,
+    options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
+                            format=resolve_format(f8.recipe, f8.format),
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
                             moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd))
     fates = {fqn: "converted" for fqn in converted} | excluded
@@ -218,14 +220,10 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     )
 
 
-def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int, missing_ok: bool = False) -> tuple[Any, Any]:
+def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]:
     """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids). The held-out
-    source of a mixture with a validation_path per source is a HeldOutMixture.
-
-    missing_ok (a dry run): shards that are not on this machine give (None, None) instead of an error."""
+    source of a mixture with a validation_path per source is a HeldOutMixture."""
     data, t = cfg.data, cfg.train
-    if missing_ok and absent_shards(cfg):
-        return None, None
     if data.mix:
         source = MixtureSource([MixEntry(name, entry.weight, _mix_source(cfg, i, entry.path, vocab_size=vocab_size))
                                 for i, (name, entry) in enumerate(zip(mix_names(data.mix), data.mix))],
@@ -254,14 +252,13 @@ def _mix_source(cfg: JobConfig, i: int, path: str, *, vocab_size: int, key: str 
 
 def absent_shards(cfg: JobConfig) -> list[str]:
     """The config keys whose shard files are not on this machine (data.path or data.mix's, validation.path)."""
-    data = cfg.data
+    data, v = cfg.data, cfg.validation
     keys = [("data.path", data.path)] if data.source == "shards" and not data.mix else []
     keys += [(f"data.mix[{i}].path", e.path) for i, e in enumerate(data.mix)]
-    if cfg.validation.enable:
-        keys += [(f"data.mix[{i}].validation_path", e.validation_path) for i, e in enumerate(data.mix)
-                 if e.validation_path and not cfg.validation.path]
-    if cfg.validation.enable and cfg.validation.path:
-        keys.append(("validation.path", cfg.validation.path))
+    if v.enable and v.path:
+        keys.append(("validation.path", v.path))
+    elif v.enable:  # a mixture's held-out set per source (the config checks: each has one)
+        keys += [(f"data.mix[{i}].validation_path", e.validation_path) for i, e in enumerate(data.mix)]
     return [f"{key}='{path}'" for key, path in keys if not shard_paths(path)]
 
 

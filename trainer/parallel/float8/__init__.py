@@ -18,11 +18,11 @@ from trainer.parallel.float8.health import (Fp8HealthHook, Fp8HealthMonitor, flo
                                             fp8_expert_weight_stats)
 from trainer.parallel.float8.linear import (Float8ScalePrecompute, Recipe, apply_float8, is_float8_linear,
                                             matches_exclusion, select_float8_linears)
-from trainer.parallel.float8.report import ExpertsConversion, Float8Report, group_fqns, merge_reports
+from trainer.parallel.float8.report import ExpertsConversion, Float8Report, group_fqns, merge_reports, resolve_format
 
 __all__ = [
     "BlockwiseFloat8Linear", "ExpertsConversion", "Float8Report", "Float8ScalePrecompute", "Fp8ExpertWeightsRefresh",
     "Fp8HealthHook", "Fp8HealthMonitor", "Recipe", "apply_float8", "apply_fp8_experts", "experts_modules",
     "float8_weight_stats", "fp8_expert_weight_stats", "fp8_grouped_supported", "fp8_supported", "group_fqns",
-    "is_float8_linear", "local_device", "matches_exclusion", "merge_reports", "select_float8_linears",
+    "is_float8_linear", "local_device", "matches_exclusion", "merge_reports", "resolve_format", "select_float8_linears",
 ]

@@ -20,7 +20,7 @@ from torch import nn
 from trainer.hooks import StepHook
 from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear, convert_to_blockwise
 from trainer.parallel.float8.hardware import fp8_supported, refuse_or_warn
-from trainer.parallel.float8.report import Float8Report
+from trainer.parallel.float8.report import Float8Report, resolve_format
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,7 @@ def apply_float8(
 
     # The config check refuses it: blockwise weights are all-gathered in bf16.
     assert not (enable_fsdp_float8_all_gather and recipe == "blockwise"), "blockwise has no fp8 all-gather"
-    if fp8_format is None:  # float8.format='auto'
-        fp8_format = "hybrid" if recipe == "tensorwise" else "e4m3"
+    fp8_format = fp8_format or resolve_format(recipe)  # None: float8.format='auto'
     assert fp8_format == "e4m3" or recipe == "tensorwise", (recipe, fp8_format)  # the config check refuses it
     report = Float8Report(recipe=recipe, fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate,
                           format=fp8_format)

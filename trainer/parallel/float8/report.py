@@ -60,6 +60,12 @@ class Float8Report:
         return lines + ([self.experts.line()] if self.experts else [])
 
 
+def resolve_format(recipe: str, requested: str = "auto") -> str:
+    """float8.format resolved for `recipe`: "hybrid" (e5m2 gradients) where tensorwise keeps its default or asks
+    for it, else "e4m3" (rowwise and blockwise cast every operand to e4m3; the config check refuses "hybrid")."""
+    return "hybrid" if recipe == "tensorwise" and requested in ("auto", "hybrid") else "e4m3"
+
+
 def describe_format(fp8_format: str) -> str:
     """float8.format in words: what is cast to which FP8 type."""
     return {"hybrid": "hybrid (e4m3 weights and activations, e5m2 gradients)", "e4m3": "e4m3 everywhere"}[fp8_format]
