@@ -4,6 +4,7 @@ tests/unit/test_validate.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ from trainer.errors import ConfigError
     "make, message",
     [
         (lambda p: p.write_bytes(b"[train]\nsteps = 1\n# \xff\xfe\n"), "is not UTF-8 text"),
-        (lambda p: p.mkdir(), "is not a file"),
+        (lambda p: p.mkdir(), "is not a regular file"),
+        (lambda p: os.mkfifo(p), "is not a regular file"),  # a FIFO would hang the read (issue 36, item 3)
         (lambda p: None, "does not exist"),
     ],
-    ids=["non-utf8", "directory", "missing"],
+    ids=["non-utf8", "directory", "fifo", "missing"],
 )
 def test_unreadable_config_is_one_line(tmp_path: Path, make, message: str) -> None:
     path = tmp_path / "c.toml"
