@@ -65,16 +65,16 @@ class TensorwiseCast:
 
 
 def _to_float8(t: torch.Tensor, role: GemmInputRole, row: int, dtype: torch.dtype, cast: TensorwiseCast,
-               buffers: tuple[torch.Tensor, torch.Tensor] | None, mm_config: LinearMMConfig, *,
-               record: bool) -> Float8TrainingTensor:
+               buffers: tuple[torch.Tensor, torch.Tensor] | None, mm_config: LinearMMConfig,
+               amaxes: list[torch.Tensor] | None = None) -> Float8TrainingTensor:
     """`t` cast to `dtype` with one scale: the delayed one (buffers' `scale[row]`), or torchao's dynamic one
-    (`amax_to_scale(max |t|)`, exactly what torchao's tensorwise cast computes); records the amax if `record`."""
-    if cast.delayed and (record or not cast.use_history):
+    (`amax_to_scale(max |t|)`, exactly what torchao's tensorwise cast computes). With `amaxes` (delayed scaling),
+    max |t| is appended to it for the caller to record."""
+    if amaxes is not None or not cast.use_history:
         amax = tensor_to_amax(t)
-        if record:
-            record_amax(buffers[0], amax.float(), row)
-    scale = buffers[1][row] if cast.use_history else amax_to_scale(
-        amax if cast.delayed else tensor_to_amax(t), dtype)
+        if amaxes is not None:
+            amaxes.append(amax.float())
+    scale = buffers[1][row] if cast.use_history else amax_to_scale(amax, dtype)
     return hp_tensor_and_scale_to_float8(t, scale, dtype, mm_config, role)
 
 
@@ -90,10 +90,15 @@ class TensorwiseFp8Matmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight_t: torch.Tensor, amax: torch.Tensor | None, scale: torch.Tensor | None,
                 mm_config: LinearMMConfig, cast: TensorwiseCast) -> torch.Tensor:
         buffers = (amax, scale) if cast.delayed else None
+        amaxes = [] if cast.delayed else None
         x2d = x.reshape(-1, x.shape[-1])
-        x_fp8 = _to_float8(x2d, GemmInputRole.INPUT, INPUT, E4M3, cast, buffers, mm_config, record=True)
-        weight_fp8 = weight_t if tensor_already_casted_to_fp8(weight_t) else _to_float8(
-            weight_t, GemmInputRole.WEIGHT, WEIGHT, E4M3, cast, buffers, mm_config, record=True)
+        x_fp8 = _to_float8(x2d, GemmInputRole.INPUT, INPUT, E4M3, cast, buffers, mm_config, amaxes)
+        if tensor_already_casted_to_fp8(weight_t):
+            weight_fp8 = weight_t
+            if amaxes is not None:
+                amaxes.append(torch.zeros_like(amaxes[0]))  # cast before the all-gather: no amax of ours
+        else:
+            weight_fp8 = _to_float8(weight_t, GemmInputRole.WEIGHT, WEIGHT, E4M3, cast, buffers, mm_config, amaxes)
         out = torch.mm(x_fp8, weight_fp8)
         # The buffers ride on ctx, not in save_for_backward: the next microbatch's forward writes `amax` before
         # this backward runs, which autograd's version check would refuse.
@@ -103,23 +108,31 @@ class TensorwiseFp8Matmul(torch.autograd.Function):
             ctx.save_for_backward(x_fp8._data, x_fp8._scale, weight_t)
         else:
             ctx.save_for_backward(x2d, weight_t)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        if amaxes is None:
+            return out, None
+        amaxes = torch.stack(amaxes)
+        ctx.mark_non_differentiable(amaxes)
+        return out, amaxes
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor, _: torch.Tensor | None):
         cast, buffers, mm_config = ctx.cast, ctx.buffers, ctx.mm_config
         *x_saved, weight_t = ctx.saved_tensors
         grad2d = grad.reshape(-1, grad.shape[-1])
+        amaxes = [] if cast.delayed else None
         grad_fp8 = _to_float8(grad2d, GemmInputRole.GRAD_OUTPUT, GRAD, cast.grad_dtype, cast, buffers, mm_config,
-                              record=True)
+                              amaxes)
+        if amaxes:
+            record_amax(buffers[0], amaxes[0], GRAD)
         weight_fp8 = weight_t if tensor_already_casted_to_fp8(weight_t) else _to_float8(
-            weight_t, GemmInputRole.WEIGHT, WEIGHT, E4M3, cast, buffers, mm_config, record=False)
+            weight_t, GemmInputRole.WEIGHT, WEIGHT, E4M3, cast, buffers, mm_config)
         grad_x = torch.mm(grad_fp8, weight_fp8.t()).reshape(*ctx.x_shape[:-1], weight_t.shape[0])
         if cast.save_fp8_input:
             data, x_scale = x_saved
             x_fp8 = Float8TrainingTensor(data, x_scale, ctx.x_dtype, mm_config, GemmInputRole.INPUT)
         else:
-            x_fp8 = _to_float8(x_saved[0], GemmInputRole.INPUT, INPUT, E4M3, cast, buffers, mm_config, record=False)
+            x_fp8 = _to_float8(x_saved[0], GemmInputRole.INPUT, INPUT, E4M3, cast, buffers, mm_config)
         grad_weight = torch.mm(grad_fp8.t(), x_fp8)
         return grad_x, grad_weight.t(), None, None, None, None
 
@@ -152,7 +165,9 @@ class Float8TensorwiseLinear(Float8Linear):
         if torch.is_autocast_enabled():  # as torchao's Float8Linear.forward: the output in autocast's dtype
             x = x.to(torch.get_autocast_gpu_dtype())
         buffers = (self.amax, self.scale) if self.cast.delayed else (None, None)
-        out = TensorwiseFp8Matmul.apply(x, self.weight.t(), *buffers, self.linear_mm_config, self.cast)
+        out, amaxes = TensorwiseFp8Matmul.apply(x, self.weight.t(), *buffers, self.linear_mm_config, self.cast)
+        if amaxes is not None:  # this step's input and weight amaxes so far (a buffer update, as BatchNorm's)
+            self.amax[:GRAD] = torch.maximum(self.amax[:GRAD], amaxes)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
