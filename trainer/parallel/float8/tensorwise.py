@@ -18,8 +18,11 @@ step). Until that hook has run once (a run's first step: no history yet) the cas
 as dynamic scaling does. A weight that FSDP2 all-gathered in float8 arrives already cast with the scale torchao
 precomputed after the optimizer step (its current amax): that cast is kept, see docs/fp8.md#delayed-scaling.
 
-The amax of a gradient is only known in backward, so it is recorded there: `record_amax` is a custom op that
-mutates the buffer, which torch.compile keeps as one in-place write in the compiled backward graph.
+The input's and weight's amaxes leave the autograd function as a (non-differentiable) output and are written into
+the buffer by the module, a plain buffer update as BatchNorm's running stats. The gradient's is only known in
+backward, so it is written there by `record_amax`, a custom op that mutates the buffer, which torch.compile keeps
+as an in-place write in the compiled backward graph. (The same custom op in the forward made inductor return NaN
+input gradients for the attention block on a CPU, torch 2.13, where aot_eager was exact: hence the two ways.)
 """
 
 from __future__ import annotations
