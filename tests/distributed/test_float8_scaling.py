@@ -98,3 +98,14 @@ def test_histories_saved_on_two_ranks_resume_on_one(tmp_path: Path) -> None:
     # Steps 4-5 on 1 process continue the 2 ranks' histories: as the uninterrupted 2-rank run, to the layouts'
     # rounding (test_fp8_all_gather_two_ranks_match_one_rank).
     assert column(resumed, "loss")[3:] == pytest.approx(column(whole, "loss")[3:], rel=5e-3)
+
+
+def test_pipeline_stages_keep_their_own_histories(tmp_path: Path) -> None:
+    # pp=2, 4 microbatches of 1 sequence: each stage records the amaxes of its own layers over the 4 microbatches
+    # (its amax group is this stage's dp x cp ranks: here itself) as the 1-process run does over the same
+    # microbatches one after another.
+    got, ref = run_distributed(train_then_one_process, world_size=2, args=(
+        [*ARGS, "--train.steps=4", "--distributed.pp=2", "--train.batch_size=4"],
+        [*ARGS, "--train.steps=4", "--train.batch_size=1", "--train.grad_accum_steps=4"], str(tmp_path)))[0]
+    assert column(got, "loss") == pytest.approx(column(ref, "loss"), rel=1e-6)
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-5)
