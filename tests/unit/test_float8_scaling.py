@@ -118,6 +118,10 @@ def test_delayed_scales_come_from_an_independent_history_of_earlier_steps(algo: 
         layer.weight.grad = None
         hook.after_optimizer_step(step, torch.tensor(False))
         assert hook.history[0, :, 0].tolist() == pytest.approx(amax, rel=1e-6)
+    # An evaluation (no_grad) between steps records nothing: the next step's scales do not depend on it.
+    with torch.no_grad():
+        model(torch.full((8, 32), 1e4))
+    assert not layer.amax.any()
     # A skipped step (non-finite) records nothing.
     before = hook.history.clone()
     forward_backward(model, torch.full((8, 32), 1e4), torch.randn(8, 16))

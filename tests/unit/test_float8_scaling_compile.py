@@ -40,6 +40,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().mean() / b.float().abs().mean()).item()
 
 
+@pytest.mark.slow  # ~25 s of inductor codegen on a CPU (70 s cold on a loaded 2-core machine)
 def test_compiled_is_torchaos_compiled_then_tracks_eager_and_compiles_twice_only() -> None:
     """Compiled with full AC, over 4 steps of 2 microbatches: step 1 (dynamic, its amaxes recorded) is torchao's
     compiled Float8Linear bit for bit; later steps (delayed) track the eager run as closely as torchao's compiled

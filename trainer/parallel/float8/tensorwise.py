@@ -169,7 +169,11 @@ class Float8TensorwiseLinear(Float8Linear):
             x = x.to(torch.get_autocast_gpu_dtype())
         buffers = (self.amax, self.scale) if self.cast.delayed else (None, None)
         out, amaxes = TensorwiseFp8Matmul.apply(x, self.weight.t(), *buffers, self.linear_mm_config, self.cast)
-        if amaxes is not None:  # this step's input and weight amaxes so far (a buffer update, as BatchNorm's)
+        # This step's input and weight amaxes so far (a buffer update, as BatchNorm's running stats). Not under
+        # no_grad: an evaluation between steps must not move the next step's scales (nor a resume's, which
+        # finds the buffer zeroed), and training forwards, activation-checkpoint recomputes included, run
+        # with grad enabled.
+        if amaxes is not None and torch.is_grad_enabled():
             self.amax[:GRAD] = torch.maximum(self.amax[:GRAD], amaxes)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
