@@ -95,7 +95,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str
         if (not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", name) or name in (REFERENCE, NOISE, *variants)
                 or SEED_SUFFIX.search(name)):
             parser.error(f"--variant {spec!r}: expected NAME=OVERRIDES with a new lowercase NAME "
-                         f"(letters, digits, _ . -; not {REFERENCE} or {NOISE}, not ending in -seedN)")
+                         f"(letters, digits, _ . -; not {REFERENCE} or {NOISE}, not ending in -seedN for N >= 2)")
         if any(not o.startswith("--") or "=" not in o for o in extra):
             parser.error(f"--variant {spec!r}: overrides are space-separated --section.key=value")
         variants[name] = extra
@@ -114,7 +114,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str
 # With --seeds N >= 2 the noise floor is this many standard errors of the difference of two N-seed means: a
 # variant as good as bf16 fails by chance with probability P(|t| > 3), about 2% with 7 degrees of freedom.
 NOISE_SIGMAS = 3
-SEED_SUFFIX = re.compile(r"-seed(\d+)$")
+# The legs --seeds adds: NAME-seed2, NAME-seed3, ... (never -seed1, which a variant may be named: the recorded
+# 1B legs fp8-bf16-master-seed1 and bf16-master-seed1 set train.seed=1 themselves).
+SEED_SUFFIX = re.compile(r"-seed([2-9]|[1-9][0-9]+)$")
 
 
 def group_legs(group: str, seeds: int) -> list[str]:

@@ -184,6 +184,7 @@ for s in $STEPS; do case $s in
       --variant "bf16-master-nearest=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=nearest" \
       --variant "fp8-bf16-master-seed1=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
       --variant "bf16-master-seed1=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
+      --variant "fp8-e4m3=--float8.format=e4m3" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
     for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   recipe7b)  # 4+ GPUs: configs/train/7b_16gpu_fp8.toml as a 16x H100 job would run it (memory capped per process to

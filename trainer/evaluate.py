@@ -3,7 +3,8 @@
 Each evaluation reads the same batches: batch b of data-parallel rank r is the held-out
 samples [(b * dp_degree + r) * batch_size, ... + batch_size), in order. The loss is the
 mean over every valid token of every batch on every data-parallel rank, computed with the
-model as it trains (FSDP2/TP sharding, FP8 linears, compiled), under no_grad. A data mixture
+model as it trains (FSDP2/TP sharding, FP8 linears, compiled), under no_grad; with
+`validation.mixed_precision = "bf16"` an fp8 run's matmuls run in bf16 for it. A data mixture
 with a held-out set per source (trainer.data.mix.HeldOutMixture) gets that mean per source
 (`val/loss/NAME`, `steps` batches each) and, as `val_loss`, their mean weighted as the mixture is.
 """
@@ -24,6 +25,7 @@ from trainer.data.loader import split_rows
 from trainer.data.mix import HeldOutMixture, MixEntry
 from trainer.hooks import StepHook
 from trainer.loss import local_loss
+from trainer.parallel.float8.evaluation import bf16_matmuls as matmuls_in_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +38,11 @@ class Evaluator(StepHook):
                  seq_len: int, batch_size: int, steps: int, freq: int, last_step: int, dp_rank: int, dp_degree: int,
                  device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 eod_mask_id: int | None = None):
+                 eod_mask_id: int | None = None, bf16_matmuls: bool = False):
         """batch_loss(inputs, labels) -> (summed loss, valid labels) of this rank's part of the batch in the training
-        layout (`trainer.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule)."""
+        layout (`trainer.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule).
+        bf16_matmuls: validation.mixed_precision='bf16': an fp8 model's matmuls run in bf16 while it evaluates
+        (`trainer.parallel.float8.evaluation.bf16_matmuls`; a model with nothing in fp8 is unchanged)."""
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
         assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
         self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
@@ -47,7 +51,7 @@ class Evaluator(StepHook):
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
         self.batch_loss = batch_loss
-        self.eod_mask_id = eod_mask_id
+        self.eod_mask_id, self.bf16_matmuls = eod_mask_id, bf16_matmuls
         self.tokens = len(self.parts) * steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
 
     def log_due(self, step: int) -> bool:
@@ -77,12 +81,13 @@ class Evaluator(StepHook):
             # Per source, [summed loss, valid labels] over this rank's batches, then over every rank's: the mean per
             # valid token.
             total = torch.zeros(len(self.parts), 2, device=self.device, dtype=torch.float32)
-            for i, part in enumerate(self.parts):
-                for inputs, labels in self.batches(part.source):
-                    with self.loss_context():
-                        loss, valid = self.batch_loss(inputs, labels)
-                    total[i, 0] += local_loss(loss).float()
-                    total[i, 1] += valid
+            with matmuls_in_bf16(model) if self.bf16_matmuls else contextlib.nullcontext():
+                for i, part in enumerate(self.parts):
+                    for inputs, labels in self.batches(part.source):
+                        with self.loss_context():
+                            loss, valid = self.batch_loss(inputs, labels)
+                        total[i, 0] += local_loss(loss).float()
+                        total[i, 1] += valid
             if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
                 # Every data-parallel rank's batches, and every context-parallel rank's chunks of them.
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)

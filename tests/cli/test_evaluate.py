@@ -64,3 +64,35 @@ def test_resume_gives_the_same_validation_loss(tmp_path: Path):
     resumed = train([*args, "--checkpoint.load_step=2"], tmp_path / "resumed")
     assert [r.get("val_loss") for r in resumed] == [r.get("val_loss") for r in full]
     assert full[-1]["val_loss"] is not None and full[1]["val_loss"] is not None
+
+
+def test_fp8_run_evaluated_in_bf16_equals_a_bf16_loop_and_trains_the_same(tmp_path: Path):
+    """validation.mixed_precision='bf16': the held-out loss of an fp8 run is the bf16 model's on the same weights."""
+    args = ["--config", DEBUG_CONFIG, "--train.steps=2", "--train.seq_len=64", "--train.mixed_precision=fp8",
+            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", *VAL, "--validation.freq=2",
+            "--validation.mixed_precision=bf16", f"--job.dump_folder={tmp_path}"]
+    trainer = build_trainer(load_job_config(args))
+    try:
+        trainer.run()
+        weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()}
+    finally:
+        trainer.close()
+        destroy_distributed()
+    records = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    model = Llama(trainer.model_args)
+    model.init_weights(seed=1)
+    model.load_state_dict(weights)  # the bf16 master weights
+    model.to(torch.bfloat16)
+    source = _source("validation")
+    losses = []
+    with torch.no_grad():
+        for b in range(3):
+            rows = torch.from_numpy(np.stack([source.get_sample(i, 64) for i in range(4 * b, 4 * b + 4)]))
+            logits = model.logits(rows[:, :-1]).float()
+            losses.append(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item())
+    # The same bf16 ops as the loop's; only the fp32 sums of the loss over tokens run in another order.
+    assert records[-1]["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    # The default evaluates in fp8: another loss on the same weights, and the training is the same either way.
+    fp8_eval = train([a for a in args if "validation.mixed_precision" not in a][:-1], tmp_path / "fp8_eval")
+    assert column(fp8_eval, "loss") == [r["loss"] for r in records]
+    assert fp8_eval[-1]["val_loss"] != records[-1]["val_loss"]

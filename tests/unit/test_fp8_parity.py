@@ -177,3 +177,22 @@ def test_legs_run_side_by_side_per_gpu_group_or_per_core(monkeypatch, gpus, core
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(fp8_parity.os, "cpu_count", lambda: cores)
     assert fp8_parity.leg_slots(nproc) == slots
+
+
+def test_the_gpu_checks_parity_step_parses(tmp_path: Path):
+    """scripts/gpu_checks.sh's parity1b step: every --variant it passes is one fp8_parity accepts (a rule for names
+    once refused the recorded -seed1 legs there, on the GPU, after the lease had started)."""
+    import re
+
+    from tests.helpers import REPO
+
+    script = (REPO / "scripts" / "gpu_checks.sh").read_text()
+    step = script[script.index("  parity1b)"):]
+    step = step[:step.index(";;")]
+    variants = [f"--variant={quoted or bare}" for quoted, bare in re.findall(r'--variant (?:"([^"]*)"|(\S+))', step)]
+    assert len(variants) >= 10
+    args, _, parsed = fp8_parity.parse_args(["--config", DEBUG_CONFIG, *variants])
+    assert {"fp8-bf16-master-seed1", "bf16-master-seed1", "tensorwise"} <= set(parsed)
+    fp8_parity.check_legs(args, [], parsed, tmp_path)  # every leg's overrides load as a config
+    seed1 = fp8_parity.leg_commands(args, [], parsed, 0, Path("/tmp/x"))["fp8-bf16-master-seed1"]
+    assert seed1[-1] == "--train.seed=1" and "--train.seed=0" in seed1  # its own seed comes last and wins

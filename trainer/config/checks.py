@@ -186,12 +186,31 @@ def _check_float8_and_profiling(cfg: Any) -> None:
             f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "
             f"(got recipe='{f8.recipe}'); set --float8.enable_fsdp_float8_all_gather=auto (or false)"
         )
+    _check_validation_precision(cfg)
     p = cfg.profiling
     if p.enable and not 1 <= p.start_step <= p.end_step:
         raise ConfigError(
             f"profiling.start_step={p.start_step}, profiling.end_step={p.end_step}: the window must satisfy "
             "1 <= start_step <= end_step"
         )
+
+
+def _check_validation_precision(cfg: Any) -> None:
+    """validation.mixed_precision='bf16' evaluates fp8 matmuls in bf16: it needs bf16 weights on the rank (no fp8
+    all-gather) and has nothing to do for an explicit fp32 or fp16 run ('auto' warns once it resolves)."""
+    if cfg.validation.mixed_precision != "bf16":
+        return
+    train = cfg.train
+    precisions = [e.partition(":")[0].strip() for e in train.precision_schedule] or [train.mixed_precision]
+    wide = [p for p in precisions if p in ("fp32", "fp16")]
+    if wide:
+        key = "train.precision_schedule" if train.precision_schedule else "train.mixed_precision"
+        raise ConfigError(f"validation.mixed_precision='bf16' evaluates an fp8 run's matmuls in bf16; {key} trains in "
+                          f"{wide[0]}, which it would not evaluate in bf16: set validation.mixed_precision='training'")
+    if cfg.float8.enable_fsdp_float8_all_gather is True and any(p in ("fp8", "auto") for p in precisions):
+        raise ConfigError("validation.mixed_precision='bf16' needs the bf16 weights, and "
+                          "float8.enable_fsdp_float8_all_gather=true gathers float8 ones: set "
+                          "float8.enable_fsdp_float8_all_gather='auto' (off with bf16 evaluation) or false")
 
 
 MOE_EXPERTS_MODES = ("off", "rowwise")

@@ -228,6 +228,8 @@ class ValidationSection:
     """Batches per evaluation (of train.batch_size per data-parallel rank); the same batches every time."""
     path: str = ""
     """Held-out shards (folder or glob, same tokenizer as data.tokenizer). Empty = the held-out split of data.source: every 10th block of 4,096 tokens of the default/stdlib text, never trained on; a different seed for synthetic; required for shards."""
+    mixed_precision: Literal["training", "bf16"] = "training"
+    """Precision of the evaluation: training = as the model trains; bf16 = an fp8 run's matmuls in bf16 (Axolotl's `bf16: full` evaluation): FP8 Linears run as bf16 Linears and FP8 routed experts as bf16 grouped GEMMs while evaluating, the same weights. Needs bf16 or fp8 training (with bf16 it changes nothing); turns float8.enable_fsdp_float8_all_gather='auto' off (gathered float8 weights have no bf16 copy to evaluate with). docs/fp8.md#evaluating-in-bf16."""
 
 
 @dataclass

@@ -100,6 +100,8 @@ class ValidationOptions:
     """Batches per evaluation."""
     freq: int
     """Steps between evaluations."""
+    bf16_matmuls: bool = False
+    """validation.mixed_precision='bf16': an fp8 model's matmuls run in bf16 while it evaluates."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
                                wandb=WandbOptions(project=m.wandb_project, entity=m.wandb_entity,
                                                   run_name=m.wandb_run_name, group=m.wandb_group,
                                                   tags=tuple(m.wandb_tags)) if m.wandb else None),
-        validation=ValidationOptions(steps=v.steps, freq=v.freq) if v.enable else None,
+        validation=(ValidationOptions(steps=v.steps, freq=v.freq, bf16_matmuls=v.mixed_precision == "bf16")
+                    if v.enable else None),
         profiling=ProfilingOptions(
             enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=cfg.trace_dir,
             record_shapes=p.record_shapes, with_stack=p.with_stack, profile_memory=p.profile_memory,

@@ -27,6 +27,9 @@ def resolve_auto_precision(cfg: JobConfig, target: Target) -> JobConfig:
         return cfg
     precision, why = choose_precision(cfg, target)
     logger.info("train.mixed_precision='auto': %s (%s)", precision, why)
+    if cfg.validation.enable and cfg.validation.mixed_precision == "bf16" and precision in ("fp32", "fp16"):
+        logger.warning("validation.mixed_precision='bf16' evaluates an fp8 run's matmuls in bf16; this %s run "
+                       "evaluates in %s", precision, precision)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mixed_precision=precision))
 
 

@@ -108,6 +108,10 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
     all_gather = f8.enable_fsdp_float8_all_gather
     if all_gather == "auto":  # rowwise and blockwise weights are all-gathered in bf16
         all_gather = f8.recipe == "tensorwise" and pd.fsdp_shard > 1
+        if all_gather and cfg.validation.enable and cfg.validation.mixed_precision == "bf16":
+            all_gather = False
+            logger.info("float8.enable_fsdp_float8_all_gather='auto': off, as validation.mixed_precision='bf16' "
+                        "evaluates with the bf16 weights (gathered float8 weights have no bf16 copy)")
     with torch.device("meta"):
         shapes = build_model(args)
     try:

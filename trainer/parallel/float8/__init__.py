@@ -8,6 +8,7 @@
     delayed.py    delayed scaling's step hook: one all-reduce of the amaxes, the histories, the next scales
     hooks.py      the FP8 step hooks a run needs
     report.py     Float8Report: what converted (Linears and experts), logged at build and merged over stages
+    evaluation.py validation.mixed_precision='bf16': an fp8 model's matmuls in bf16 while it evaluates
     health.py     the FP8 stats: weights' amax and scale, activations' and gradients' underflow and saturation
 
 The build calls `apply_float8`, then `apply_fp8_experts`, whose result joins the report
@@ -15,6 +16,7 @@ The build calls `apply_float8`, then `apply_fp8_experts`, whose result joins the
 """
 
 from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear
+from trainer.parallel.float8.evaluation import bf16_matmuls
 from trainer.parallel.float8.experts import Fp8ExpertWeightsRefresh, apply_fp8_experts, experts_modules
 from trainer.parallel.float8.hardware import fp8_grouped_supported, fp8_supported, local_device
 from trainer.parallel.float8.health import (Fp8HealthHook, Fp8HealthMonitor, float8_weight_stats,
@@ -28,7 +30,7 @@ from trainer.parallel.float8.report import (DelayedScalingSettings, ExpertsConve
 __all__ = [
     "BlockwiseFloat8Linear", "DelayedScalingSettings", "ExpertsConversion", "Float8Report", "Float8ScalePrecompute",
     "Fp8ExpertWeightsRefresh", "Fp8HealthHook", "Fp8HealthMonitor", "Recipe", "apply_float8", "apply_fp8_experts",
-    "experts_modules", "float8_step_hooks",
+    "bf16_matmuls", "experts_modules", "float8_step_hooks",
     "float8_weight_stats", "fp8_expert_weight_stats", "fp8_grouped_supported", "fp8_supported", "group_fqns",
     "is_float8_linear", "local_device", "matches_exclusion", "merge_reports", "resolve_format", "select_float8_linears",
 ]
