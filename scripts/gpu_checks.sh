@@ -10,7 +10,8 @@
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
 #   bash scripts/gpu_checks.sh fp8knobs_tests fp8knobs  (1 GPU: our tensorwise FP8 linear's GPU tests, then 8B shapes x 8 layers,
 #       batch 4, compiled, no AC: torchao tensorwise dynamic, our linear dynamic, float8.scaling=delayed, float8.save_fp8_activations,
-#       and eager torchao vs save_fp8_activations; PARITY_LEGS=bf16,bf16-seed2,tensorwise,fp8-delayed ... parity1b for the parity leg)
+#       and eager torchao vs save_fp8_activations; FP8KNOBS="torchao-dynamic delayed" runs only those (each variant is one process
+#       with its own compile, ~1-1.5 min); PARITY_LEGS=bf16,bf16-seed2,tensorwise,fp8-delayed ... parity1b for the parity leg)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
@@ -58,6 +59,7 @@ for s in $STEPS; do case $s in
              "eager-torchao -- --train.compile_model=false" \
              "eager-save-fp8 -- --train.compile_model=false --float8.save_fp8_activations=true"; do
       set -- $v; name=$1; shift; flags=(); extra=()
+      case " ${FP8KNOBS:-$name} " in *" $name "*) ;; *) continue ;; esac  # FP8KNOBS="a b": only those variants
       while [ $# -gt 0 ] && [ "$1" != "--" ]; do flags+=("$1"); shift; done; [ $# -gt 0 ] && shift; extra=("$@")
       $B --label "fp8knobs $name: 8B shapes, 8 layers, batch 4, seq 4096" --precisions fp8 --warmup 6 --steps 10 "${flags[@]}" \
         $BENCH_8B "${extra[@]}" 2>&1 | tee "$OUT/bench8b_fp8knobs_$name.log" | grep -v "^\[rank"
