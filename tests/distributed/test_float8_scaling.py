@@ -43,13 +43,15 @@ def histories_of_two_steps(args: list[str], dump: str, reduce: bool) -> list:
         destroy_distributed()
 
 
-def test_the_amax_all_reduce_makes_the_ranks_agree(tmp_path: Path) -> None:
-    args = [*ARGS, "--train.steps=2", "--train.batch_size=2", "--distributed.dp_shard=2"]
+@pytest.mark.parametrize("layout", [["--distributed.dp_shard=2"], ["--distributed.dp_replicate=2"]],
+                         ids=["fsdp", "hsdp"])
+def test_the_amax_all_reduce_makes_the_ranks_agree(tmp_path: Path, layout: list[str]) -> None:
+    args = [*ARGS, "--train.steps=2", "--train.batch_size=2", *layout]
     reduced = run_distributed(histories_of_two_steps, world_size=2, args=(args, str(tmp_path / "a"), True))[0]
     apart = run_distributed(histories_of_two_steps, world_size=2, args=(args, str(tmp_path / "b"), False))[0]
     assert reduced[0][:, [0, 2], :2].gt(0).all() and reduced[0].equal(reduced[1])
-    # Each rank saw other tokens: without the reduce the input and gradient amaxes differ (the weights'
-    # rows stay 0: FSDP2 all-gathers them cast, with torchao's scale).
+    # Each rank saw other tokens: without the reduce the input and gradient amaxes differ (the weights' rows
+    # agree: 0 where FSDP2 all-gathers them cast with torchao's scale, the same weights' amaxes under HSDP).
     assert not apart[0].equal(apart[1]) and apart[0][:, 1].equal(apart[1][:, 1])
 
 
