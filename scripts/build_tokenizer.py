@@ -49,7 +49,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import DataError  # noqa: E402
-from trainer.data.inputs import expand_inputs, read_documents  # noqa: E402
+from trainer.confine import special_file_problem  # noqa: E402
+from trainer.data.inputs import MAX_DOCUMENT_BYTES, expand_inputs, read_documents  # noqa: E402
 
 EOS = "<|endoftext|>"
 
@@ -77,6 +78,10 @@ def held_out(digest: bytes) -> bool:
     return int.from_bytes(digest[:8], "big") % 10 == 9
 
 
+# More entries than any tokenizer in use; far larger values make the tokenizers library abort the process.
+MAX_VOCAB_SIZE = 2**21
+
+
 def source_documents(folders: list[str], split: str) -> list[str]:
     """Every distinct .py file under `folders` whose content hash puts it in `split` (9 mod 10 = validation)."""
     docs, seen = [], set()
@@ -84,6 +89,8 @@ def source_documents(folders: list[str], split: str) -> list[str]:
         if not folder.is_dir():
             raise DataError(f"--add-source {folder} is not a folder")
         for path in sorted(folder.rglob("*.py")):
+            if problem := special_file_problem(path, max_bytes=MAX_DOCUMENT_BYTES, what="source file"):
+                raise DataError(f"--add-source: {problem}")
             raw = path.read_bytes()
             digest = hashlib.sha1(raw).digest()
             if digest in seen or not raw.strip():
@@ -154,6 +161,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--validation-split goes with --input (--corpus always writes its splits)")
     if args.vocab_size < 300:
         parser.error("--vocab-size must be at least 300 (256 bytes, the EOS token and some merges)")
+    if args.vocab_size > MAX_VOCAB_SIZE:
+        parser.error(f"--vocab-size must be at most {MAX_VOCAB_SIZE:,} (the largest tokenizers in use have about "
+                     "256,000 entries)")
     return args
 
 

@@ -45,20 +45,30 @@ def parse_size(text: str) -> int:
 
 
 def export_tokenizer(args: argparse.Namespace, info: dict, source: Path):
-    """The tokenizer to copy: --tokenizer, else the one checkpoint.json records (checked unchanged), else none."""
+    """The tokenizer to copy: --tokenizer, else the checkpoint's own copy of the run's (checked unchanged), else
+    none."""
+    from trainer.checkpoint.tokenizer import recorded_tokenizer
     from trainer.export import resolve_tokenizer
 
     if args.no_tokenizer:
         return None
     if args.tokenizer:
         return resolve_tokenizer(args.tokenizer, where="--tokenizer")
-    recorded = info.get("tokenizer")
+    recorded = recorded_tokenizer(source, info)
     if not recorded:
         logger.info("%s records no tokenizer (a synthetic-data run, or an older checkpoint): none copied; "
                     "--tokenizer=PATH adds one", source / "checkpoint.json")
         return None
-    return resolve_tokenizer(recorded["spec"], fingerprint=recorded.get("fingerprint") or None,
-                             where=f"{source / 'checkpoint.json'}")
+    spec, fingerprint = recorded
+    return resolve_tokenizer(spec, fingerprint=fingerprint, where=f"{source / 'checkpoint.json'}")
+
+
+def warn_nonfinite(weights: dict, *, where: str) -> None:
+    """Export and import carry what they are given (a diverged run can be worth inspecting), and say so."""
+    from trainer.checkpoint.values import nonfinite_problem
+
+    if problem := nonfinite_problem(weights, where=where):
+        logger.warning("%s; loading it for generation or a run is refused", problem)
 
 
 def export(args: argparse.Namespace) -> None:
@@ -74,6 +84,7 @@ def export(args: argparse.Namespace) -> None:
     info, weights = load_full_model_weights(source, allow_unverified=args.allow_unverified)
     model_args = args_from_json(info["model"], where=str(source / "checkpoint.json"))
     tokenizer = export_tokenizer(args, info, source)
+    warn_nonfinite(weights, where=str(source))
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     logger.info("exporting %s (step %s, %s %s, saved with mixed_precision=%s) as %s", source, info.get("step"),
                 info["model"].get("name", "llama3"), info["model"].get("flavor"), info.get("mixed_precision"),
@@ -87,11 +98,13 @@ def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
     from trainer.export import read_hf_weights
     from trainer.export import read_hf_config
+    from trainer.export.tokenizer import folder_tokenizer
     from trainer.models import family_of, model_args_for
     from trainer.output_folder import IMPORT, check_output
     from trainer.run_files import model_keys
 
     check_output(args.out, kind=IMPORT)  # before reading any weights: never into a folder of checkpoints
+    tokenizer = folder_tokenizer(Path(args.hf_folder))  # copied into the checkpoint, as a run's is
     if args.flavor:
         model_args = model_args_for(args.flavor, vocab_size=args.vocab_size, n_layers=args.n_layers)
     elif args.vocab_size or args.n_layers:
@@ -99,14 +112,16 @@ def import_hf(args: argparse.Namespace) -> None:
     else:
         model_args = read_hf_config(args.hf_folder)
     weights = read_hf_weights(args.hf_folder, args=model_args)
+    warn_nonfinite(weights, where=str(args.hf_folder))
     if family_of(model_args).has_router and args.flavor:
         model_args = _routing_of_folder(model_args, Path(args.hf_folder))
-    run = RunInfo(flavor=args.flavor or "imported", model_args=model_args, mixed_precision="hf-import")
+    run = RunInfo(flavor=args.flavor or "imported", model_args=model_args, mixed_precision="hf-import", **tokenizer)
     out = save_model_only(Path(args.out), weights, run=run, source=str(Path(args.hf_folder).resolve()))
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
     keys = [f"--model.flavor={args.flavor}"] if args.flavor else model_keys(model_args)
-    logger.info("imported %d tensors (%s) from %s into %s; continue from it with --checkpoint.initial_load_path=%s "
-                "%s", len(weights), ", ".join(dtypes), args.hf_folder, out, out, " ".join(keys))
+    logger.info("imported %d tensors (%s)%s from %s into %s; continue from it with --checkpoint.initial_load_path=%s "
+                "%s", len(weights), ", ".join(dtypes), " and tokenizer.json" if tokenizer.get("tokenizer") not in
+                (None, "byte") else "", args.hf_folder, out, out, " ".join(keys))
 
 
 def _routing_of_folder(model_args, folder: Path):

@@ -6,17 +6,17 @@
 
 PATH is a step-N checkpoint folder, a checkpoint folder (its latest complete checkpoint) or an
 export folder (step-N-hf, or what convert_checkpoint.py export wrote), dense or MoE. The
-tokenizer is --tokenizer, else the export's tokenizer.json, else the one the checkpoint's run
-recorded. The prompt follows the end-of-document token, as every document did in training.
---temperature 0 is greedy. Errors are one line (exit 2). To sample from an export with
+tokenizer is --tokenizer, else the export's tokenizer.json, else the checkpoint's copy of its run's
+(read only from inside the folder). The prompt follows the end-of-document token, as every
+document did in training. --temperature 0 is greedy. Errors are one line (exit 2). To sample from an export with
 transformers instead, see docs/checkpointing.md#generating-text.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -29,27 +29,36 @@ logger = logging.getLogger("trainer")
 
 
 def find_tokenizer(path: Path, override: str | None):
-    """--tokenizer, else the export's tokenizer.json, else the tokenizer checkpoint.json records (checked unchanged)."""
-    from trainer.checkpoint import CHECKPOINT_JSON
+    """--tokenizer, else a checkpoint's own copy of its run's tokenizer (checked unchanged), else an export's
+    tokenizer.json; read only from inside the folder (trainer/checkpoint/tokenizer.py)."""
+    from trainer.checkpoint import CHECKPOINT_JSON, read_checkpoint_json
+    from trainer.checkpoint.tokenizer import recorded_tokenizer
+    from trainer.confine import outside_problem, special_file_problem
     from trainer.data import ByteTokenizer, build_tokenizer
+    from trainer.data.tokenizer import MAX_TOKENIZER_BYTES
     from trainer.export.tokenizer import is_byte_tokenizer_json
 
     if override:
         return build_tokenizer(override)
-    if (path / "tokenizer.json").is_file():
+    file = path / "tokenizer.json"
+    if os.path.lexists(path / CHECKPOINT_JSON):  # a DCP checkpoint
+        recorded = recorded_tokenizer(path, read_checkpoint_json(path))
+        if recorded:
+            spec, fingerprint = recorded
+            tok = build_tokenizer(spec)
+            if fingerprint and tok.fingerprint != fingerprint:
+                raise UserError(f"tokenizer {spec} has changed since the run ({tok.fingerprint}, the run's "
+                                f"{fingerprint}); pass --tokenizer=PATH of the run's tokenizer.json")
+            return tok
+    elif os.path.lexists(file):  # an export
+        if problem := outside_problem(file, folder=path) or special_file_problem(
+                file, max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer.json"):
+            raise UserError(problem)
         # A byte-tokenizer run's export holds the byte tokenizer written as a tokenizer.json: the same ids,
         # read without the optional `tokenizers` package.
-        if is_byte_tokenizer_json(path / "tokenizer.json"):
+        if is_byte_tokenizer_json(file):
             return ByteTokenizer()
-        return build_tokenizer(str(path / "tokenizer.json"))
-    recorded = json.loads((path / CHECKPOINT_JSON).read_text()).get("tokenizer") if (
-        path / CHECKPOINT_JSON).is_file() else None
-    if recorded:
-        tok = build_tokenizer(recorded["spec"])
-        if recorded.get("fingerprint") and tok.fingerprint != recorded["fingerprint"]:
-            raise UserError(f"tokenizer {recorded['spec']} has changed since the run ({tok.fingerprint}, the run's "
-                            f"{recorded['fingerprint']}); pass --tokenizer=PATH of the run's tokenizer.json")
-        return tok
+        return build_tokenizer(str(file))
     raise UserError(f"{path} names no tokenizer (an export made without one, or a synthetic-data run); pass "
                     "--tokenizer=PATH of the run's tokenizer.json, or --tokenizer=byte for the built-in byte tokenizer")
 

@@ -16,6 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import DataError, build_tokenizer, write_shard  # noqa: E402
+from trainer.data.shards import MAX_SHARD_VOCAB  # noqa: E402
 from trainer.data.inputs import expand_inputs, read_documents  # noqa: E402
 
 
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="vocab size recorded in the shards (default: the tokenizer's); every id must be below it")
     args = parser.parse_args(argv)
+    if args.vocab_size is not None and not 1 <= args.vocab_size <= MAX_SHARD_VOCAB:
+        parser.error(f"--vocab-size must be in [1, {MAX_SHARD_VOCAB:,}]: shards store token ids as uint16 or uint32")
     try:
         summary = prepare(inputs=args.input, output=args.output, tokenizer=args.tokenizer,
                           text_field=args.text_field, shard_tokens=args.shard_tokens, vocab_size=args.vocab_size)

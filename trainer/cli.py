@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import sys
+from pathlib import Path
 
 from trainer.config import ConfigError, load_job_config, section_help, usage
 from trainer.errors import UserError
@@ -54,6 +55,22 @@ def dry_run_flags(argv: list[str]) -> tuple[list[str], dict | None]:
         raise ConfigError(f"{' and '.join(sorted(n for n, (k, _) in names.items() if k in values))} only go with "
                           "--dry-run (a real run takes its world size from torchrun and its memory from the GPU)")
     return rest, ({"world_size": 1} | values if plan else None)
+
+
+def _quiet_disk_errors_in_threads() -> None:
+    """A full disk in a writer's thread (TensorBoard's) prints nothing there: the main thread's next write raises
+    it again, and main() says it in one line. Other thread errors keep their traceback."""
+    import threading
+
+    from trainer.checkpoint.format import disk_error
+
+    default = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is None or disk_error(args.exc_value) is None:
+            default(args)
+
+    threading.excepthook = hook
 
 
 def main(argv: list[str]) -> int:
@@ -101,6 +118,7 @@ def main(argv: list[str]) -> int:
 
     from trainer.train import StoppedBeforeFirstStep, train
 
+    _quiet_disk_errors_in_threads()
     try:
         state = train(cfg)
     except ConfigError as e:  # found by the validation pass (world size, model shapes, data)
@@ -120,4 +138,13 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"interrupted (rank {rank})", file=sys.stderr)
         return 130
+    except Exception as e:  # a full disk outside a save (a save's own is a CheckpointError line)
+        from trainer.checkpoint.format import disk_error
+        from trainer.checkpoint.space import disk_full_line
+
+        if (error := disk_error(e)) is None:
+            raise
+        folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder if cfg.checkpoint.enable else None
+        print(f"error (rank {rank}): {disk_full_line(error, checkpoint_folder=folder)}", file=sys.stderr)
+        return EXIT_USER_ERROR
     return state.exit_code

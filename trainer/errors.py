@@ -22,6 +22,18 @@ class UserError(Exception):
     every_rank: bool = False
     """Every rank raises this same error (see the module's docstring)."""
 
+    def __str__(self) -> str:
+        # Messages quote the bad value, which can be megabytes (a value nested thousands deep, a garbage line):
+        # the line keeps its start, which names the key, and its end, which says what to do.
+        text = super().__str__()
+        if len(text) <= MAX_MESSAGE_CHARS:
+            return text
+        head, tail = MAX_MESSAGE_CHARS * 2 // 3, MAX_MESSAGE_CHARS // 3
+        return f"{text[:head]} ... [{len(text) - head - tail:,} characters not shown] ... {text[-tail:]}"
+
+
+MAX_MESSAGE_CHARS = 1500
+
 
 class ConfigError(UserError, ValueError):
     """A bad value or combination in the job configuration (every rank validates the same job)."""

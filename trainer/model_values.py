@@ -23,10 +23,11 @@ MAX_SEQ_LEN = 2**24
 
 @dataclass(frozen=True)
 class Rule:
-    kind: str  # "int", "float", "bool" or "choice"
+    kind: str  # "int", "float", "bool", "choice"; for the checkpoint files' tables also "str", "list", "dict"
     low: float = 1
     """The least value (inclusive); for floats with `open_low`, exclusive."""
     high: float = MAX_INT
+    """The largest value; for "str" and "list" the most characters or items (the work a file can cause)."""
     open_low: bool = False
     optional: bool = False
     """None is allowed (ffn_dim_multiplier, rope_scaling)."""
@@ -75,8 +76,22 @@ def value_problem(field: str, value: Any, *, key: str | None = None, zero_keeps:
     `key` names it in the message (default: the field); `zero_keeps`: 0 is allowed and means that
     (the TOML overrides, where 0 keeps the flavor's own).
     """
-    rule, key = RULES[field], key or field
+    return rule_problem(RULES[field], value, key=key or field, zero_keeps=zero_keeps)
+
+
+def rule_problem(rule: Rule, value: Any, *, key: str, zero_keeps: str = "") -> str | None:
+    """What is wrong with `value` for `rule` ("key=value must be ..."), or None: a value of a model argument, or one
+    field of a checkpoint's JSON files (trainer/checkpoint/values.py walks those with their own tables)."""
     if value is None and rule.optional:
+        return None
+    if rule.kind in ("str", "list", "dict"):
+        kind = {"str": str, "list": list, "dict": dict}[rule.kind]
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        if not isinstance(value, kind):
+            what = {"str": "a string", "list": "a list", "dict": "an object"}[rule.kind]
+            return f"{key}={shown} must be {what}" + (" (or null)" if rule.optional else "")
+        if rule.kind != "dict" and len(value) > rule.high:
+            return f"{key} has {len(value):,} {'characters' if rule.kind == 'str' else 'items'}, more than {rule.high:,g}"
         return None
     if rule.kind == "bool":
         return None if isinstance(value, bool) else f"{key}={value!r} must be true or false"

@@ -202,3 +202,24 @@ def test_cli_refuses_a_huge_model_in_one_line_within_seconds(tmp_path: Path) -> 
     assert len(lines) == 1 and lines[0].startswith("config error: model.n_layers=100000000"), proc.stderr
     assert not (tmp_path / "run").exists()
 
+
+
+# -- quietly accepted (issue 36, item 7) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_exclude_fqns_matching_no_linear_is_refused_on_every_precision(precision: str) -> None:
+    """docs/fp8.md calls an entry that matches no Linear an error; it was one only on fp8 runs."""
+    with pytest.raises(ConfigError) as e:
+        validate_job(_cfg(f"--train.mixed_precision={precision}", "--float8.exclude_fqns=layers.0.mlp.gate"),
+                     world_size=1)
+    assert _one_line(e).startswith("float8.exclude_fqns entry 'layers.0.mlp.gate' matches no Linear layer")
+    validate_job(_cfg(f"--train.mixed_precision={precision}", "--float8.exclude_fqns=layers.0.mlp"), world_size=1)
+
+
+def test_profiling_window_after_the_last_step_is_refused() -> None:
+    with pytest.raises(ConfigError) as e:
+        _cfg("--profiling.enable=true", "--train.steps=2")  # the default window is steps 3-5
+    assert _one_line(e).startswith("profiling.start_step=3 is after the run's last step (train.steps=2)")
+    _cfg("--profiling.enable=true", "--train.steps=4")  # a window the run reaches, even cut short, is kept
+    _cfg("--train.steps=2")  # profiling off: its window is not looked at

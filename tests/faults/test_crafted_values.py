@@ -428,3 +428,88 @@ def test_convert_checkpoint_refuses_crafted_folders_in_one_line(trained, hf_expo
         assert r["rc"] == 2 and len(lines) == 1, (name, r["stderr"][-2000:])
         assert lines[0].startswith(f"error: {folder}") and message in lines[0], (name, lines[0])
     assert not (tmp_path / "out").exists()
+
+
+# -- issue 36, item 2: every field that is read, by one rule table; bounded work ----------------------------------
+
+
+def _edit_storage(folder: Path, edit) -> Path:
+    """`edit(storage items)` on the index's storage entries (offset, length of each tensor's bytes)."""
+    md = pickle.loads((folder / ".metadata").read_bytes())  # our own file: trusted
+    edit(list(md.storage_data.values()))
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    _rewrite_checksums(folder)
+    return folder
+
+
+def test_crafted_state_and_checkpoint_fields_are_one_line(trained, tmp_path):
+    state_cases = {
+        "scheduler optimizer": (("lr_scheduler", "optimizer", 5), "lr_scheduler.optimizer is not a field this trainer "
+                                                                  "writes"),
+        "base_lrs strings": (("lr_scheduler", "base_lrs", ["x"]), "lr_scheduler.base_lrs[0]='x' must be a number"),
+        "step_count string": (("lr_scheduler", "_step_count", "3"), "lr_scheduler._step_count='3' must be an integer"),
+        "schedule key": (("lr_scheduler", "schedule", {"warmup_steps": 5, "evil": 1}),
+                         "lr_scheduler.schedule.evil is not a field this trainer writes"),
+    }
+    for name, ((section, key, value), message) in state_cases.items():
+        folder = _edit_json(_copy(trained, tmp_path / name.replace(" ", "_")), "state.json",
+                            lambda s: s[section].__setitem__(key, value))
+        with pytest.raises(CheckpointError) as e:
+            read_state_json(folder, read_checkpoint_json(folder))
+        assert str(e.value).startswith(f"{folder / 'state.json'}: {message}"), (name, str(e.value))
+    folder = _edit_json(_copy(trained, tmp_path / "betas"), "state.json",
+                        lambda s: s["optimizer"]["param_groups"][0].__setitem__("betas", [0.9, "x"]))
+    with pytest.raises(CheckpointError, match=r"optimizer.param_groups\[0\].betas\[1\]='x' must be a number"):
+        read_state_json(folder, read_checkpoint_json(folder))
+    for name, value, message in [("layout string", "dp_shard=2", "layout='dp_shard=2' must be an object"),
+                                 ("layout float", {"dp_shard": 2.5}, "layout.dp_shard=2.5 must be an integer")]:
+        folder = _edit_json(_copy(trained, tmp_path / name.replace(" ", "_")), "checkpoint.json",
+                            lambda i: i.__setitem__("layout", value))
+        with pytest.raises(CheckpointError) as e:
+            read_checkpoint_json(folder)
+        assert str(e.value).startswith(f"{folder / 'checkpoint.json'}: {message}"), (name, str(e.value))
+    # generate.py on a truncated checkpoint.json: the line resume and export give.
+    truncated = _copy(trained, tmp_path / "truncated")
+    (truncated / "checkpoint.json").write_text((truncated / "checkpoint.json").read_text()[:50])
+    from tests.faults.test_tokenizer_confinement import one_line_error, run_scripts
+
+    one_line_error(run_scripts({"g": ("generate", [str(truncated), "--max-new-tokens=2"])})["g"],
+                   "checkpoint.json is corrupted (not valid JSON")
+
+
+def test_crafted_storage_extents_and_chunk_counts_are_one_line(trained, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from trainer.checkpoint import verify
+
+    cases = {
+        "offset string": (lambda items: setattr(items[0], "offset", "0"), "has offset '0', not an integer >= 0"),
+        "offset missing": (lambda items: setattr(items[0], "offset", None), "has offset None, not an integer >= 0"),
+        "length float": (lambda items: setattr(items[0], "length", 12.5), "has length 12.5, not an integer >= 1"),
+        "length negative": (lambda items: setattr(items[0], "length", -4), "has length -4, not an integer >= 1"),
+        "length zero": (lambda items: setattr(items[0], "length", 0), "has length 0, not an integer >= 1"),
+    }
+    folders = {name: (_edit_storage(_copy(trained, tmp_path / name.replace(" ", "_")), edit), message)
+               for name, (edit, message) in cases.items()}
+
+    monkeypatch.setattr(verify, "MAX_CHUNKS", 10_000)  # the bound's logic, at a size a test can write
+
+    def many_chunks(entries):  # 10,001 chunks in all: one entry's 1-element chunks, over and over
+        md = entries["model.norm.weight"]
+        md.chunks = [ChunkStorageMetadata(offsets=torch.Size([i % 128]), sizes=torch.Size([1])) for i in range(10_001)]
+
+    def few_chunks_many_pieces(entries):  # 64 1x1 chunks on the diagonal cut a 128 x 128 weight into 65 x 65 pieces
+        md = entries["model.layers.0.attention.q_proj.weight"]
+        md.chunks = [ChunkStorageMetadata(offsets=torch.Size([2 * i, 2 * i]), sizes=torch.Size([1, 1]))
+                     for i in range(64)]
+
+    folders["many chunks"] = (_edit_index(_copy(trained, tmp_path / "many"), many_chunks),
+                              "chunks, more than the 10,000 a DCP index of this trainer holds")
+    folders["many pieces"] = (_edit_index(_copy(trained, tmp_path / "pieces"), few_chunks_many_pieces),
+                              "chunks that cut it into more pieces than a DCP index of this trainer has")
+    for name, (folder, message) in folders.items():
+        start = time.perf_counter()
+        with pytest.raises(CheckpointError) as e:
+            load_full_model_weights(folder)
+        assert message in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
+        assert time.perf_counter() - start < 60, name

@@ -13,8 +13,12 @@ and before the save completes).
 TRAINER_TEST_SAVE_ERROR=step[:rank] is a full disk instead: in the save of `step`, the
 rank's write fails with ENOSPC after leaving a partial file behind.
 
+TRAINER_TEST_WRITE_ERROR=NAME:N is a disk that fills outside a save: the N-th write (counted from 1 over the
+process) to a file named NAME (metrics.jsonl, resolved.toml, a TensorBoard events file's prefix
+"events.out.tfevents") fails with ENOSPC.
+
 Production code has no hook: this file patches CheckpointManager and ChecksummedWriter
-right after trainer.checkpoint.manager is imported.
+right after trainer.checkpoint.manager is imported, and `open` for TRAINER_TEST_WRITE_ERROR.
 """
 
 from __future__ import annotations
@@ -94,3 +98,51 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if os.environ.get("TRAINER_TEST_PAUSE") or os.environ.get("TRAINER_TEST_SAVE_ERROR"):
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _FillingFile:
+    """A file whose writes count towards TRAINER_TEST_WRITE_ERROR's N; the N-th raises ENOSPC."""
+
+    writes = 0
+
+    def __init__(self, f, path: str, fail_at: int):
+        self._f, self._path, self._fail_at = f, path, fail_at
+
+    def write(self, data):
+        _FillingFile.writes += 1
+        if _FillingFile.writes >= self._fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._path)
+        return self._f.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def __iter__(self):
+        return iter(self._f)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _patch_open(spec: str) -> None:
+    import builtins
+    import io
+
+    name, _, count = spec.rpartition(":")
+    real = io.open
+
+    def filling_open(file, mode="r", *args, **kwargs):
+        f = real(file, mode, *args, **kwargs)
+        if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wa") and os.path.basename(
+                os.fsdecode(file)).startswith(name):  # TensorBoard's writer passes bytes
+            return _FillingFile(f, os.fsdecode(file), int(count))
+        return f
+
+    builtins.open = io.open = filling_open
+
+
+if os.environ.get("TRAINER_TEST_WRITE_ERROR"):
+    _patch_open(os.environ["TRAINER_TEST_WRITE_ERROR"])

@@ -308,20 +308,25 @@ def _checkpoint_with_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
     return ckpt, path
 
 
-def test_checkpoint_records_the_tokenizer_and_an_export_checks_it(tmp_path):
+def test_checkpoint_holds_the_tokenizer_and_an_export_checks_it(tmp_path):
+    from trainer.checkpoint.tokenizer import recorded_tokenizer
     from trainer.data import tokenizer_fingerprint
 
     ckpt, path = _checkpoint_with_tokenizer(tmp_path)
-    recorded = json.loads((ckpt / "checkpoint.json").read_text())["tokenizer"]
-    assert recorded == {"spec": str(path.resolve()), "fingerprint": tokenizer_fingerprint(str(path))}
-    assert resolve_tokenizer(recorded["spec"], fingerprint=recorded["fingerprint"]).eos_id == 0
-    path.write_text(path.read_text().replace("experts", "expert"))
-    with pytest.raises(ExportError, match=f"tokenizer {path.resolve()} has changed since the run"):
-        resolve_tokenizer(recorded["spec"], fingerprint=recorded["fingerprint"])
-    path.unlink()
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    assert info["tokenizer"] == {"spec": "tokenizer.json", "fingerprint": tokenizer_fingerprint(str(path))}
+    assert (ckpt / "tokenizer.json").read_bytes() == path.read_bytes() and "tokenizer.json" in info["files"]
+    path.unlink()  # the checkpoint's own copy is what an export reads
+    spec, fingerprint = recorded_tokenizer(ckpt, info)
+    assert spec == str(ckpt / "tokenizer.json") and resolve_tokenizer(spec, fingerprint=fingerprint).eos_id == 0
+    copy = ckpt / "tokenizer.json"
+    copy.write_text(copy.read_text().replace("experts", "expert"))
+    with pytest.raises(ExportError, match=f"tokenizer {copy} has changed since the run"):
+        resolve_tokenizer(spec, fingerprint=fingerprint)
+    copy.unlink()
     with pytest.raises(ExportError, match="does not exist; pass --tokenizer=PATH of the run's tokenizer.json, or "
                                           "--no-tokenizer"):
-        resolve_tokenizer(recorded["spec"])
+        resolve_tokenizer(spec)
 
 
 def test_generate_greedy_matches_transformers_generate(tmp_path):

@@ -37,6 +37,7 @@ from trainer.output_folder import fsync_dir
 
 CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer.json, copied into each checkpoint (tokenizer.py)
 METADATA = ".metadata"
 # 2: non-tensor state moved from pickled DCP entries into state.json.
 FORMAT = "trainer-dcp-2"

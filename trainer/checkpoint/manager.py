@@ -43,6 +43,8 @@ from trainer.checkpoint.space import (
 )
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     reconcile_float8_scaling, split_tensors
+from trainer.checkpoint.tokenizer import remember_tokenizer, write_tokenizer
+from trainer.checkpoint.values import nonfinite_counts, nonfinite_line
 from trainer.checkpoint.verify import (
     check_every_rank_wrote, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
 )
@@ -95,6 +97,8 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._stager = None
         self.export_tokenizer = prepare_export(run) if self.model_only else None
+        if self.rank == 0 and options.enable:  # every save copies the tokenizer.json the run started with
+            remember_tokenizer(run.tokenizer, run.tokenizer_fingerprint)
         # Checkpoint traffic gets its own gloo group: an async save runs its collectives in a
         # background thread, which must never interleave with training's collectives on one group.
         self.pg = dist.new_group(backend="gloo", timeout=None if timeout_seconds is None
@@ -207,6 +211,22 @@ class CheckpointManager:
                                     allow_unverified=self.allow_unverified, model_only=model_only,
                                     raise_corrupt=raise_corrupt)
 
+    def _check_finite(self, weights: dict[str, Any], path: Path, *, hint: str) -> None:
+        """Refuse weights holding NaN or Inf on every rank (each checks its shards): a run from them only skips steps
+        or trains NaN. One collective of the ranks' lists of non-finite tensors."""
+        local = nonfinite_counts({fqn: t.to_local() if hasattr(t, "to_local") else t for fqn, t in weights.items()})
+        every: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(every, sorted(local), group=self.pg)
+        names = sorted({fqn for rank_names in every for fqn in rank_names})
+        if not names:
+            return
+        # The error path only: the counts of the tensors the line names, from their whole (a collective for a DTensor).
+        named = {fqn: weights[fqn].full_tensor() if hasattr(weights[fqn], "full_tensor") else weights[fqn]
+                 for fqn in names[:3]}
+        counts = nonfinite_counts(named) | {fqn: (0, 0) for fqn in names[3:]}
+        line = nonfinite_line(counts, {fqn: t.numel() for fqn, t in weights.items()}, where=str(path))
+        raise on_every_rank(CheckpointError(f"{line}; {hint}"))
+
     def _load(self, path: Path, verified: tuple, *, model_only: bool) -> None:
         start = time.perf_counter()
         what = "checkpoint.initial_load_path" if model_only else "checkpoint"
@@ -231,6 +251,8 @@ class CheckpointManager:
         # state.json's values are checked before any tensor is read.
         rest = None if model_only else read_state_json(path, info)
         safe_load(tensors, path, what=what, process_group=self.pg)
+        self._check_finite(tensors["model"], path, hint="start from other weights" if model_only else
+                           "resume an earlier checkpoint with checkpoint.load_step=N")
         if model_only:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -405,6 +427,7 @@ class CheckpointManager:
         check_every_rank_wrote(tmp, world_size=self.world_size)
         files = collect_checksums(tmp)
         files[STATE_JSON] = file_digest(tmp / STATE_JSON)
+        files.update(write_tokenizer(self.run.tokenizer, self.run.tokenizer_fingerprint, tmp))
         info = {
             "format": FORMAT,
             "kind": "training",

@@ -33,8 +33,10 @@ from trainer.checkpoint.format import (
     collect_checksums, write_json,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json
+from trainer.checkpoint.tokenizer import write_tokenizer
 from trainer.checkpoint.values import (
-    check_args_fit_files, check_entry_count, check_host_memory, check_index_entries, model_shapes, rope_table_bytes,
+    check_args_fit_files, check_entry_count, check_host_memory, check_index_entries, model_shapes, nonfinite_problem,
+    rope_table_bytes,
 )
 from trainer.checkpoint.verify import (
     check_files, data_files, read_checkpoint_json, read_dcp_metadata, safe_load, scan_checkpoints,
@@ -66,11 +68,11 @@ def save_model_only(
     tmp = prepare_output(path, kind=IMPORT)
     with _single_process():
         dcp.save({"model": weights}, storage_writer=ChecksummedWriter(tmp, step=step), no_dist=True)
+    files = collect_checksums(tmp) | write_tokenizer(run.tokenizer, run.tokenizer_fingerprint, tmp)
     write_json(tmp / CHECKPOINT_JSON, {
         "format": FORMAT, "kind": "model_only", "step": step, "model": run.model_json(),
         "mixed_precision": run.mixed_precision, "layout": run.layout, "tokenizer": run.tokenizer_json(),
-        "source": source,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": collect_checksums(tmp),
+        "source": source, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
     })
     publish_output(tmp, path, kind=IMPORT)
     return path
@@ -152,11 +154,13 @@ def load_model(
         cast = param_count(args) * dtype.itemsize
         return cast + rope_table_bytes(args, seq_len), f", a {dtype} copy and the RoPE table of {seq_len:,} positions"
 
-    if (path / "config.json").is_file() and not (path / CHECKPOINT_JSON).exists():
+    if (path / "config.json").exists() and not (path / CHECKPOINT_JSON).exists():
         args, weights = _read_hf_folder(path, extra_bytes=extra_bytes)
     else:
         info, weights = load_full_model_weights(path, extra_bytes=extra_bytes)
         args = args_from_json(info["model"], where=str(path / CHECKPOINT_JSON))
+    if problem := nonfinite_problem(weights, where=str(path)):  # a model that can only produce NaN
+        raise CheckpointError(problem)
     if max_seq_len:
         args = replace(args, max_seq_len=max_seq_len)
     return build_model(args, weights, device=device, dtype=dtype)

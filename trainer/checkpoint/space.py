@@ -187,3 +187,25 @@ def warn_if_short(folder: Path, *, step: int, nbytes: int, keep_latest_k: int, r
                    step, nbytes / 2**20, folder, free / 2**20, hint,
                    f" (a {shared} filesystem: other machines change its free space, so this is only a hint)"
                    if shared else "")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
+
+
+def disk_full_line(error: OSError, *, checkpoint_folder: Path | None) -> str:
+    """The one line of a run stopped by a full disk outside a save (run files, metrics.jsonl, TensorBoard, W&B):
+    what, where, and the checkpoint the relaunch resumes (saves never write over it: untouched)."""
+    where = f" writing {error.filename}" if error.filename else ""
+    if error.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        what = "file too large" + where + (f" (ulimit -f allows {_size(limit)} per file)"
+                                           if limit != resource.RLIM_INFINITY else "") + ": raise the limit"
+    else:
+        free = free_bytes(Path(error.filename)) if error.filename else None
+        what = ("disk quota exceeded" if error.errno == errno.EDQUOT else "no space left on device") + where + (
+            f" ({_size(free)} free)" if free is not None else "") + ": make room"
+    complete = scan_checkpoints(checkpoint_folder)[0] if checkpoint_folder is not None else {}
+    resume = (f"the run resumes from {complete[max(complete)]}, untouched" if complete
+              else "the run has no checkpoint yet and starts over")
+    return f"{what} and relaunch the same command; {resume}"

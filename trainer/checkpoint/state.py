@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.adamw import plain_tensor
+from trainer.checkpoint.format import TOKENIZER_FILE
 from trainer.models.llama import ModelArgs, RopeScaling
 
 logger = logging.getLogger("trainer.checkpoint")
@@ -218,7 +219,8 @@ class RunInfo:
     mixed_precision: str
     layout: dict[str, int] = field(default_factory=dict)  # dp_replicate, dp_shard, tp, world_size
     tokenizer: str = ""
-    """The run's tokenizer ('byte' or a tokenizer.json's absolute path), copied into exports; '' = none recorded."""
+    """The run's tokenizer ('byte' or a tokenizer.json's absolute path), copied into each checkpoint
+    (trainer/checkpoint/tokenizer.py) and from there into exports; '' = none recorded."""
     tokenizer_fingerprint: str = ""
 
     def model_json(self) -> dict[str, Any]:
@@ -230,7 +232,10 @@ class RunInfo:
 
     def tokenizer_json(self) -> dict[str, str] | None:
         """checkpoint.json's "tokenizer" entry: what an export made from the checkpoint later copies."""
-        return {"spec": self.tokenizer, "fingerprint": self.tokenizer_fingerprint} if self.tokenizer else None
+        if not self.tokenizer:
+            return None
+        spec = "byte" if self.tokenizer == "byte" else TOKENIZER_FILE  # the checkpoint's own copy
+        return {"spec": spec, "fingerprint": self.tokenizer_fingerprint}
 
 
 def run_tokenizer(source: str, spec: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from trainer.checkpoint.format import CHECKPOINT_JSON, CheckpointError
-from trainer.model_values import num_tensors, param_count
+from trainer.model_values import Rule, num_tensors, param_count, rule_problem
 
 # The dtypes this trainer writes model weights, expert biases and optimizer moments in (the master dtype).
 INDEX_DTYPES = (torch.float32, torch.bfloat16)
@@ -154,6 +155,94 @@ def _counter(tree: Any, dotted: str, *, file: Path, low: int = 0) -> int:
     return value
 
 
+# Every field of checkpoint.json and state.json that reaches code, by dotted path ("[]": each item of a list, ".*":
+# each value of an object), in the rules of the model arguments' table (trainer/model_values.py). Lengths are
+# bounded (the work a file can cause); the files themselves are bounded in size before they are parsed.
+_COUNT, _FLAG, _LR = Rule("int", low=0, high=2**63 - 1), Rule("bool"), Rule("float", low=0, high=1e6)
+_MAYBE_FLAG, _NAME = Rule("bool", optional=True), Rule("str", high=1000)
+CHECKPOINT_FIELDS: dict[str, Rule] = {
+    "kind": Rule("choice", choices=("training", "model_only")),
+    "mixed_precision": Rule("str", high=64, optional=True),
+    "layout": Rule("dict", optional=True),
+    "layout.*": Rule("int", low=1, high=2**31),
+    "source": Rule("str", high=4096, optional=True),
+    "saved_at": Rule("str", high=64, optional=True),
+}
+STATE_FIELDS: dict[str, Rule] = {
+    "optimizer": Rule("dict"),
+    "optimizer.param_groups": Rule("list", high=10_000),
+    "optimizer.param_groups[]": Rule("dict"),
+    **{f"optimizer.param_groups[].{k}": _LR for k in ("lr", "initial_lr", "weight_decay")},
+    "optimizer.param_groups[].eps": Rule("float", low=0, high=1),
+    "optimizer.param_groups[].betas": Rule("list", high=2),
+    "optimizer.param_groups[].betas[]": Rule("float", low=0, high=1),
+    "optimizer.param_groups[].params": Rule("list", high=10**7),
+    "optimizer.param_groups[].params[]": _NAME,
+    **{f"optimizer.param_groups[].{k}": _FLAG for k in ("amsgrad", "maximize", "capturable", "differentiable",
+                                                         "decoupled_weight_decay")},
+    **{f"optimizer.param_groups[].{k}": _MAYBE_FLAG for k in ("foreach", "fused")},
+    # LambdaLR.load_state_dict copies every key into the scheduler (an "optimizer" key replaced its optimizer):
+    # strict, below.
+    "lr_scheduler": Rule("dict"),
+    "lr_scheduler.base_lrs": Rule("list", high=10_000),
+    "lr_scheduler.base_lrs[]": _LR,
+    "lr_scheduler._last_lr": Rule("list", high=10_000),
+    "lr_scheduler._last_lr[]": _LR,
+    "lr_scheduler.last_epoch": _COUNT,
+    "lr_scheduler._step_count": _COUNT,
+    **{f"lr_scheduler.{k}": _FLAG for k in ("_is_initial", "_get_lr_called_within_step", "verbose")},
+    "lr_scheduler.lr_lambdas": Rule("list", high=10_000),
+    "lr_scheduler.lr_lambdas[]": Rule("dict", optional=True),
+    "lr_scheduler.schedule": Rule("dict", optional=True),
+    "lr_scheduler.schedule.warmup_steps": _COUNT,
+    "lr_scheduler.schedule.total_steps": _COUNT,
+    "lr_scheduler.schedule.decay_type": Rule("str", high=64),
+    "lr_scheduler.schedule.min_lr_ratio": Rule("float", low=0, high=1),
+    "lr_scheduler.schedule.wsd_decay_ratio": Rule("float", low=0, high=1),
+    "dataloader": Rule("dict"),
+    **{f"dataloader.{k}": _COUNT for k in ("consumed_samples", "seed", "seq_len", "global_batch_size", "num_samples")},
+    "dataloader.shuffle": _FLAG,
+    "train_state": Rule("dict"),
+    "train_state.step": _COUNT,
+    "train_state.mixed_precision": Rule("str", high=64, optional=True),
+    "loss_scaler": Rule("dict", optional=True),
+    "loss_scaler.good_steps": _COUNT,
+}
+STRICT_STATE = ("lr_scheduler", "lr_scheduler.schedule")
+
+
+def check_fields(tree: dict[str, Any], rules: dict[str, Rule], *, file: Path, strict: tuple[str, ...] = ()) -> None:
+    """Each field of `tree` that has a rule obeys it, and the objects named in `strict` hold no other field; one
+    CheckpointError line naming the file and the field otherwise. Only paths that lead to a rule are walked."""
+    prefixes = {p for path in rules for p in _prefixes(path)}
+
+    def walk(node: Any, pattern: str, shown: str) -> None:
+        rule = rules.get(pattern) or rules.get(pattern.rpartition(".")[0] + ".*")
+        if rule is not None and (problem := rule_problem(rule, node, key=shown)):
+            raise CheckpointError(f"{file}: {problem} ({EDITED})")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                child = f"{pattern}.{key}" if pattern else str(key)
+                if pattern in strict and child not in rules:
+                    raise CheckpointError(f"{file}: {shown}.{str(key)[:80]} is not a field this trainer writes "
+                                          f"({EDITED})")
+                if child in prefixes or f"{pattern}.*" in rules:
+                    walk(value, child, f"{shown}.{key}" if shown else str(key))
+        elif isinstance(node, list) and f"{pattern}[]" in prefixes:
+            for i, item in enumerate(node):
+                walk(item, f"{pattern}[]", f"{shown}[{i}]")
+
+    walk(tree, "", "")
+
+
+def _prefixes(path: str) -> list[str]:
+    """"a.b[].c" -> ["a", "a.b", "a.b[]", "a.b[].c"]: the patterns walked on the way to a rule."""
+    out = []
+    for m in re.finditer(r"\.|\[\]", path):
+        out += [path[:m.start()]] if m.group() == "." else [path[:m.start()], path[:m.end()]]
+    return [*dict.fromkeys([*out, path])]
+
+
 def check_state_values(state: dict[str, Any], info: dict[str, Any], *, path: Path) -> None:
     """state.json's step, data position, schedule position and loss scale: in range and consistent with each other
     (the step the one checkpoint.json records, a data position past 0, the scheduler at that step, a usable scale)."""
@@ -177,3 +266,25 @@ def check_state_values(state: dict[str, Any], info: dict[str, Any], *, path: Pat
             raise CheckpointError(f"{file}: loss_scaler.scale={scale!r} must be a finite number > 0 (else every fp16 "
                                   f"step would be skipped) ({EDITED})")
         _counter(scaler, "good_steps", file=file)
+    check_fields(state, STATE_FIELDS, file=file, strict=STRICT_STATE)  # every other field that is read
+
+
+def nonfinite_counts(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """{name: (NaN elements, Inf elements)} of the tensors (plain or a rank's shards) that hold any."""
+    return {name: (int(torch.isnan(t).sum()), int(torch.isinf(t).sum())) for name, t in weights.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())}
+
+
+def nonfinite_line(counts: dict[str, tuple[int, int]], numels: dict[str, int], *, where: str) -> str | None:
+    """None without non-finite counts, else one line naming the tensors that hold NaN or Inf, and how many."""
+    if not counts:
+        return None
+    bad = [f"{name} ({nan:,} NaN, {inf:,} Inf of {numels[name]:,})" for name, (nan, inf) in sorted(counts.items())]
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return (f"{where}: the weights are not finite: {len(bad)} of {len(numels)} tensors hold NaN or Inf: "
+            f"{', '.join(bad[:3])}{more} (a run that diverged, or a damaged file)")
+
+
+def nonfinite_problem(weights: dict[str, torch.Tensor], *, where: str) -> str | None:
+    """None when every weight is finite, else `nonfinite_line`."""
+    return nonfinite_line(nonfinite_counts(weights), {k: t.numel() for k, t in weights.items()}, where=where)

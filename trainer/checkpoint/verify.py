@@ -42,8 +42,8 @@ from trainer.checkpoint.format import (
     CorruptCheckpointError, file_digest, first_line, root_cause, sidecar_name,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json, model_state_dict
-from trainer.checkpoint.values import check_index_entries, check_state_values
-from trainer.confine import outside_problem
+from trainer.checkpoint.values import CHECKPOINT_FIELDS, check_fields, check_index_entries, check_state_values
+from trainer.confine import outside_problem, special_file_problem
 from trainer.errors import on_every_rank
 
 logger = logging.getLogger("trainer.checkpoint")
@@ -76,8 +76,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("it has a persistent id, which a DCP index never contains")
 
 
+# checkpoint.json and state.json are kilobytes (a file list of 10,000 shards is about 1 MB); DCP's index grows with
+# its chunks, about 36 bytes each (Llama 3 8B over 256 ranks: 300K chunks, 10 MiB; 405B over 2,048 ranks: 6.7M, 240
+# MiB). Files far beyond are not ours: reading them whole could exhaust memory, and unpickling an index takes about
+# 9 s per million chunks on a 2-core host.
+MAX_JSON_BYTES = 64 * 2**20
+MAX_METADATA_BYTES = 256 * 2**20
+
+
 def load_dcp_metadata(file: Path) -> Metadata:
     """DCP's index of a checkpoint, read without running code, checked to hold only tensors in .distcp files."""
+    if problem := special_file_problem(file, max_bytes=MAX_METADATA_BYTES, what="DCP index"):
+        raise CheckpointError(problem)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
     except FileNotFoundError:
@@ -88,6 +98,11 @@ def load_dcp_metadata(file: Path) -> Metadata:
         metadata.storage_data, dict
     ):
         raise CheckpointError(f"{file} is not a DCP index (it holds a {type(metadata).__name__})")
+    chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if isinstance(
+        getattr(md, "chunks", None), list))
+    if chunks > MAX_CHUNKS:  # each is checked below and planned by DCP: bounded work
+        raise CheckpointError(f"{file} holds {chunks:,} chunks, more than the {MAX_CHUNKS:,} a DCP index of this "
+                              "trainer holds (an edited or foreign file)")
     for key, md in metadata.state_dict_metadata.items():
         if type(md) is not TensorStorageMetadata:
             raise CheckpointError(
@@ -105,6 +120,11 @@ def load_dcp_metadata(file: Path) -> Metadata:
         if item.transform_descriptors:
             raise CheckpointError(f"{file}: {name} is stored with transforms {item.transform_descriptors}, which "
                                   "this trainer never writes")
+        for what, low in (("offset", 0), ("length", 1)):  # where its bytes are (a read past the end fails cleanly)
+            value = getattr(item, what, None)
+            if type(value) is not int or not low <= value < 2**63:
+                raise CheckpointError(f"{file}: a storage entry of {name} has {what} {value!r}, not an integer >= "
+                                      f"{low} (an edited or foreign file)")
     return metadata
 
 
@@ -129,8 +149,13 @@ def _entry_problem(md: TensorStorageMetadata) -> str | None:
 
 
 # A tensor's chunks cut it into at most this many pieces to be checked (DCP writes one chunk per shard: a few
-# thousand at most; a crafted index could ask for a grid of billions).
+# thousand at most; a crafted index could ask for a grid of billions). DCP's chunks of one tensor form a grid, so
+# its pieces are its chunks; a few chunks that cut it into many more pieces are not DCP's.
 _MAX_PIECES = 1 << 24
+_PIECES_PER_CHUNK = 64
+# Chunks in a whole index: one per tensor and rank that holds a shard of it (a 405B model's ~3,300 entries with
+# model and optimizer state, over 2,048 shard ranks, is 6.7M).
+MAX_CHUNKS = 1 << 23
 
 
 def _tiling_problem(chunks: list[ChunkStorageMetadata], size: tuple[int, ...]) -> str | None:
@@ -145,12 +170,19 @@ def _tiling_problem(chunks: list[ChunkStorageMetadata], size: tuple[int, ...]) -
         return None if covered == 0 else f"has chunks of {covered:,} elements in a tensor of none"
     cuts = [sorted({0, d, *(o for c in chunks for o in (c.offsets[i], c.offsets[i] + c.sizes[i]))})
             for i, d in enumerate(size)]
-    if math.prod(len(c) - 1 for c in cuts) > _MAX_PIECES:
+    pieces = math.prod(len(c) - 1 for c in cuts)
+    if pieces > min(_MAX_PIECES, _PIECES_PER_CHUNK * max(len(chunks), 1)):
         return f"has {len(chunks):,} chunks that cut it into more pieces than a DCP index of this trainer has"
     count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int64)
+    touched = 0
     for c in chunks:
-        count[tuple(slice(bisect.bisect_left(cuts[i], o), bisect.bisect_left(cuts[i], o + n))
-                    for i, (o, n) in enumerate(zip(c.offsets, c.sizes)))] += 1
+        region = tuple(slice(bisect.bisect_left(cuts[i], o), bisect.bisect_left(cuts[i], o + n))
+                       for i, (o, n) in enumerate(zip(c.offsets, c.sizes)))
+        touched += math.prod(s.stop - s.start for s in region)
+        if touched > pieces:  # more pieces covered than there are: two chunks overlap (and the work stays bounded)
+            return (f"has chunks that overlap (they cover {covered:,} elements of its {total:,}, size "
+                    f"{list(size)})")
+        count[region] += 1
     if (count == 1).all():
         return None
     what = [w for w, bad in (("leave elements out", (count == 0).any()), ("overlap", (count > 1).any())) if bad]
@@ -221,6 +253,8 @@ def check_file(path: Path, expected: dict[str, Any] | None, *, min_bytes: int = 
     its folder (a symlink: unsafe, not corrupt)."""
     if problem := outside_problem(path):
         raise CheckpointError(problem)
+    if problem := special_file_problem(path):  # a FIFO would hang the checksum's read
+        return problem
     if not path.is_file():
         return f"{path} is missing"
     size = path.stat().st_size
@@ -245,7 +279,7 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a folder")
     file = path / CHECKPOINT_JSON
-    if problem := outside_problem(file):
+    if problem := outside_problem(file) or special_file_problem(file, max_bytes=MAX_JSON_BYTES, what=CHECKPOINT_JSON):
         raise CheckpointError(problem)
     try:
         info = json.loads(file.read_text())
@@ -261,6 +295,8 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file} nests its values too deeply to be a checkpoint description") from None
     if not isinstance(info, dict):
         raise CheckpointError(f"{file} is not a checkpoint description (a JSON {type(info).__name__})")
     if info.get("format") in OLD_FORMATS:
@@ -277,6 +313,7 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
         raise CheckpointError(f"{file}: step={step!r} must be an integer in [0, 2**63-1] (not as this trainer "
                               "writes it: an edited or foreign file)")
     args_from_json(info["model"], where=str(file))  # every model argument by type and range
+    check_fields(info, CHECKPOINT_FIELDS, file=file)  # the other fields a load reads
     files = info.get("files")
     if not (isinstance(files, dict) and files and all(
         isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), str)
@@ -384,10 +421,14 @@ def read_state_json(path: Path, info: dict[str, Any]) -> dict[str, Any]:
     problems = check_files(path, info, {STATE_JSON: 1})
     if problems:
         raise CorruptCheckpointError(problems[0])
+    if problem := special_file_problem(file, max_bytes=MAX_JSON_BYTES, what=STATE_JSON):
+        raise CheckpointError(problem)
     try:
         state = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file} nests its values too deeply to be a training state") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{file} is not a training state (a JSON {type(state).__name__})")
     check_state_values(state, info, path=path)

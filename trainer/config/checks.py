@@ -70,6 +70,9 @@ def _check_ranges(cfg: Any) -> None:
     for key, value in at_least_one.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    if d.init_timeout_seconds > MAX_TIMEOUT_SECONDS:  # a timedelta (and the collectives' int64 ms) has a limit
+        raise ConfigError(f"distributed.init_timeout_seconds={d.init_timeout_seconds} must be at most "
+                          f"{MAX_TIMEOUT_SECONDS:,} (a year)")
     _check_model_values(cfg)
     at_least_zero = {
         "train.max_norm": (t.max_norm, " (0 disables clipping)"),
@@ -193,6 +196,10 @@ def _check_float8_and_profiling(cfg: Any) -> None:
             f"profiling.start_step={p.start_step}, profiling.end_step={p.end_step}: the window must satisfy "
             "1 <= start_step <= end_step"
         )
+    if p.enable and p.start_step > cfg.train.steps:
+        raise ConfigError(f"profiling.start_step={p.start_step} is after the run's last step (train.steps="
+                          f"{cfg.train.steps}): the window would record nothing; set profiling.start_step and "
+                          f"end_step within 1-{cfg.train.steps}, or profiling.enable=false")
 
 
 def _check_validation_precision(cfg: Any) -> None:
@@ -213,6 +220,7 @@ def _check_validation_precision(cfg: Any) -> None:
                           "float8.enable_fsdp_float8_all_gather='auto' (off with bf16 evaluation) or false")
 
 
+MAX_TIMEOUT_SECONDS = 365 * 24 * 3600
 MOE_EXPERTS_MODES = ("off", "rowwise")
 # Why float8.moe_experts='blockwise' is refused, in one line.
 BLOCKWISE_EXPERTS_REASON = (

@@ -141,7 +141,11 @@ def read_toml(config_path: str) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {config_path} does not exist")
     if not path.is_file():
-        raise ConfigError(f"config file {config_path} is not a file (a directory?); pass a .toml file with --config")
+        raise ConfigError(f"config file {config_path} is not a regular file (a directory, a FIFO, a device?); pass a "
+                          ".toml file with --config")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {config_path} is {path.stat().st_size / 2**20:,.0f} MiB, more than the "
+                          f"{MAX_CONFIG_BYTES / 2**20:,.0f} MiB a config may be; pass a .toml file with --config")
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as e:
@@ -154,6 +158,8 @@ def read_toml(config_path: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{config_path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{config_path} nests its values too deeply to be a config") from None
 
 
 def _imply_shards(layer: dict[str, Any]) -> None:
@@ -167,8 +173,20 @@ def _imply_shards(layer: dict[str, Any]) -> None:
         layer["source"] = "shards"
 
 
+# A config is kilobytes; reading a far larger file whole is not worth its memory.
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def load_job_config(args: list[str] | None = None, *, toml_path: str | None = None) -> JobConfig:
     """Build a JobConfig from defaults < TOML (--config) < --section.key overrides."""
+    try:
+        return _load_job_config(args, toml_path=toml_path)
+    except RecursionError:  # a value nested thousands deep, in the file or on the command line
+        raise ConfigError("a config value nests too deeply (thousands of levels of arrays or tables); no key takes "
+                          "one") from None
+
+
+def _load_job_config(args: list[str] | None, *, toml_path: str | None) -> JobConfig:
     config_path, overrides = parse_overrides(list(args or []))
     config_path = config_path or toml_path
     raw: dict[str, dict[str, Any]] = {}

@@ -49,6 +49,10 @@ class ShardInfo:
     """Read-only memory map of the token ids (uint16 or uint32)."""
 
 
+# Token ids are stored as uint16 or uint32: a vocabulary of more ids has no shard format.
+MAX_SHARD_VOCAB = 2**32
+
+
 def _encode_header(*, dtype_code: int, num_tokens: int, vocab_size: int, max_token_id: int,
                    tokenizer_fingerprint: str, version: int = FORMAT_VERSION) -> bytes:
     packed = _HEADER.pack(MAGIC, version, dtype_code, num_tokens, vocab_size, max_token_id,
@@ -67,6 +71,9 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray, *, vocab_size: int,
     if not tokenizer_fingerprint.isascii() or len(tokenizer_fingerprint) > _FINGERPRINT_BYTES:
         raise DataError(f"cannot write shard {path}: tokenizer fingerprint {tokenizer_fingerprint!r} "
                         f"must be ascii and at most {_FINGERPRINT_BYTES} characters")
+    if not 1 <= vocab_size <= MAX_SHARD_VOCAB:
+        raise DataError(f"cannot write shard {path}: vocab_size {vocab_size} is outside [1, {MAX_SHARD_VOCAB}] (token "
+                        "ids are stored as uint16 or uint32)")
     min_id, max_id = int(tokens.min()), int(tokens.max())
     if min_id < 0 or max_id >= vocab_size:
         raise DataError(f"cannot write shard {path}: token ids span [{min_id}, {max_id}] "

@@ -4,6 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from trainer.confine import special_file_problem
 from trainer.data.shards import DataError
 
 # Tried in order; the first one the vocabulary has is the end-of-document token.
@@ -27,8 +28,13 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def bytes_fingerprint(data: bytes) -> str:
+    """The fingerprint of a tokenizer.json with these bytes (what shard headers and checkpoints record)."""
+    return "hf-sha256:" + hashlib.sha256(data).hexdigest()[:16]
+
+
 def _file_fingerprint(path: Path) -> str:
-    return "hf-sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return bytes_fingerprint(path.read_bytes())
 
 
 class HFTokenizer:
@@ -64,8 +70,15 @@ class HFTokenizer:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+# More than any tokenizer.json in use (Gemma 3's, among the largest, is 33 MB): reading a bigger "tokenizer" whole
+# (it is parsed as JSON) could exhaust the host's memory.
+MAX_TOKENIZER_BYTES = 256 * 2**20
+
+
 def _tokenizer_path(spec: str) -> Path:
     path = Path(spec)
+    if problem := special_file_problem(path, max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer.json"):
+        raise DataError(problem)
     if not path.is_file():
         raise DataError(f"tokenizer file {spec} not found; set data.tokenizer to 'byte' or the path of a tokenizer.json")
     return path
@@ -80,6 +93,8 @@ def token_ids(path: str | Path) -> dict[str, int]:
     """A tokenizer.json's token ids by text, read as JSON (no `tokenizers` package, nothing run): its model's
     vocabulary (BPE, WordPiece and WordLevel map text to id; Unigram lists [piece, score]), then its added
     tokens, which win."""
+    if problem := special_file_problem(Path(path), max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer.json"):
+        raise DataError(problem)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         vocab = (data.get("model") or {}).get("vocab")

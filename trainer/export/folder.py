@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.confine import outside_problem
+from trainer.confine import outside_problem, special_file_problem
 from trainer.errors import UserError
 from trainer.output_folder import EXPORT, prepare_output, publish_output
 
@@ -159,21 +159,28 @@ def read_config(folder: Path) -> dict:
     """config.json of a Hugging Face folder, as a dict; a one-line ExportError if it is not one."""
     if not folder.is_dir():
         raise ExportError(f"{folder} does not exist or is not a folder")
-    config_path = _confined(folder / "config.json")
+    config_path = _confined(folder / "config.json", max_bytes=MAX_JSON_BYTES, what="config.json")
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise ExportError(f"{config_path} is missing: not a Hugging Face model folder") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{config_path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ExportError(f"{config_path} nests its values too deeply to be a model config") from None
     if not isinstance(config, dict):
         raise ExportError(f"{config_path} is not a model config (a JSON {type(config).__name__})")
     return config
 
 
-def _confined(path: Path) -> Path:
-    """`path`, a file of a Hugging Face folder, unless it resolves outside the folder (ExportError)."""
-    if problem := outside_problem(path):
+# A model's config.json or safetensors index is kilobytes to a few MB; more is not one.
+MAX_JSON_BYTES = 64 * 2**20
+
+
+def _confined(path: Path, *, max_bytes: int | None = None, what: str = "file") -> Path:
+    """`path`, a file of a Hugging Face folder, unless it resolves outside the folder or is no regular file of at
+    most `max_bytes` (a FIFO would hang the read): ExportError."""
+    if problem := outside_problem(path) or special_file_problem(path, max_bytes=max_bytes, what=what):
         raise ExportError(problem)
     return path
 
@@ -186,7 +193,7 @@ def safetensors_bytes(folder: Path) -> tuple[int, str]:
     names = _safetensors_files(folder)
     total = 0
     for name in names:
-        path = _confined(folder / name)
+        path = _confined(folder / name, what="safetensors file")
         try:
             with safe_open(str(path), framework="pt"):  # reads the header only
                 pass
@@ -198,11 +205,11 @@ def safetensors_bytes(folder: Path) -> tuple[int, str]:
 
 def _safetensors_files(folder: Path) -> list[str]:
     # Only safetensors are read: pytorch_model.bin and *.pt files are pickles, and unpickling runs code.
-    index_path = _confined(folder / "model.safetensors.index.json")
+    index_path = _confined(folder / "model.safetensors.index.json", max_bytes=MAX_JSON_BYTES, what="safetensors index")
     if index_path.exists():
         try:
             files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise ExportError(f"{index_path} is not a safetensors index ({type(e).__name__}: {e})") from None
         for name in files:
             if not (isinstance(name, str) and re.fullmatch(r"[\w.-]+\.safetensors", name)):
@@ -226,7 +233,7 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
     tensors: dict[str, torch.Tensor] = {}
     for name in _safetensors_files(folder):
-        path = _confined(folder / name)
+        path = _confined(folder / name, what="safetensors file")
         try:
             loaded = load_file(str(path))
         except (SafetensorError, OSError) as e:

@@ -249,8 +249,11 @@ class MetricsLogger:
             self.jsonl.close()
             self.jsonl = None
         if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+            tb, self.tb = self.tb, None
+            try:
+                tb.flush()  # raises what its writer thread met (a full disk); close() alone would drop it
+            finally:
+                tb.close()
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

@@ -35,14 +35,15 @@ from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
 from trainer.run_files import run_file_texts
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
-from trainer.validate.memory import Target, check_fits_device, this_machine
+from trainer.validate.memory import Target, check_fits_device, check_step_fits_device, this_machine
 from trainer.validate.options import (
     MetricsOptions, OptimizerOptions, ProfilingOptions, RunOptions, SchedulerOptions, ValidationOptions,
     resolve_options,
 )
 from trainer.validate.plan import MemoryPlan, plan_memory
 from trainer.validate.precision import resolve_auto_precision
-from trainer.validate.resolve import absent_shards, resolve_build, resolve_data, resolve_float8, resolve_model_args
+from trainer.validate.resolve import (absent_shards, check_float8_exclusions, resolve_build, resolve_data, resolve_float8,
+                                      resolve_model_args)
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,11 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     check_model_layout(cfg, args, pd)
     # Before anything walks the blocks (pipeline costs, the FP8 meta model): 10**8 of them take minutes.
     check_fits_device(cfg, args, pd, target.memory)
+    check_step_fits_device(cfg, args, pd, target.memory)
     pipeline = resolve_pipeline(cfg, pp=pd.pp, args=args)
     float8, float8_layers = resolve_float8(cfg, args, pd, probe=target.probe) if cfg.train.is_fp8 else (None, None)
+    if not cfg.train.is_fp8:
+        check_float8_exclusions(cfg, args)
     build = resolve_build(cfg, pd, float8, cuda=target.device_type == "cuda")
     plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
     if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:

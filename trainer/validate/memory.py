@@ -126,3 +126,40 @@ def device_memory() -> tuple[int, str] | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory (a CPU run)"
     except (ValueError, OSError, AttributeError):  # not a POSIX host
         return None
+
+
+def check_step_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory: tuple[int, str] | None) -> None:
+    """Refuse a microbatch that cannot fit beside the training state, by a lower bound: the RoPE table, the
+    microbatch's token ids, its logits (or one loss chunk of them) and each block's input, which backward needs in
+    every activation-checkpointing mode. (The dry run's plan, trainer/validate/plan.py, estimates the rest.)"""
+    from trainer.checkpoint.values import rope_table_bytes
+
+    if memory is None:
+        return
+    capacity, device = memory
+    t = cfg.train
+    rows = cfg.distributed.pp_microbatch_size if pd.pp > 1 else t.batch_size
+    tokens = rows * t.seq_len // pd.cp
+    compute = 4 if t.mixed_precision == "fp32" and not t.precision_schedule else 2  # a schedule's phases may be bf16
+    logit_tokens = min(tokens, t.loss_chunk_tokens) if t.loss_chunk_tokens else tokens
+    parts = {
+        "the RoPE table": rope_table_bytes(args, max(args.max_seq_len, t.seq_len)),
+        "token ids": 16 * tokens,  # inputs and labels, int64
+        "logits": logit_tokens * args.vocab_size * compute // pd.tp,
+        "block inputs": -(-args.n_layers // pd.pp) * tokens * args.dim * compute // pd.tp,
+    }
+    bf16_master = uses_bf16_master(cfg)
+    est = estimate_train_state(args, pd, bf16_master=bf16_master,
+                               kahan=bf16_master and cfg.optimizer.bf16_update == "kahan")
+    # At the start of backward the gradients are not there yet: the weights and AdamW's moments are.
+    state = est.bytes_per_rank - est.num_params * (2 if bf16_master else 4) // est.num_ranks
+    step = sum(parts.values())
+    if state + step <= capacity:
+        return
+    biggest = max(parts, key=parts.get)
+    raise ConfigError(
+        f"train.batch_size={rows if pd.pp == 1 else t.batch_size} x train.seq_len={t.seq_len}: a microbatch of "
+        f"{tokens:,} tokens per rank needs at least {step / GIB:,.1f} GiB ({biggest}: {parts[biggest] / GIB:,.1f} GiB) "
+        f"besides {state / GIB:,.1f} GiB of training state, more than the {capacity / GIB:,.1f} GiB of {device}; "
+        "lower train.batch_size (train.grad_accum_steps keeps the batch) or train.seq_len"
+    )

@@ -138,6 +138,19 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
     return options, {fqn: fates[fqn] for fqn, _ in shapes.named_modules() if fqn in fates}
 
 
+def check_float8_exclusions(cfg: JobConfig, args: ModelArgs) -> None:
+    """float8.exclude_fqns on a run that is not fp8: each entry must still name a Linear (docs/fp8.md calls a
+    typo an error; caught here before a switch to fp8 or a precision schedule's fp8 phase trips on it)."""
+    if not cfg.float8.exclude_fqns:
+        return
+    with torch.device("meta"):
+        shapes = build_model(args)
+    try:
+        select_float8_linears(shapes, exclude_fqns=list(cfg.float8.exclude_fqns))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _keep_expert_weights(cfg: JobConfig, pd: ParallelDims) -> bool:
     """Whether the FP8 expert weights are kept through the optimizer step (moe_fp8.Fp8ExpertWeights): where a
     layer's forward runs more than once per step and FSDP2 does not shard the experts (apply_fsdp shards them
