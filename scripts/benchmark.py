@@ -272,6 +272,10 @@ def main() -> int:
     parser.add_argument("--emulate-gpus", type=int, default=0,
                         help="cap each process's memory to what one of this many GPUs would have free for the same "
                              "job (its sharded weights, gradients and AdamW state shrink with more GPUs)")
+    parser.add_argument("--own-fp8-linear", action="store_true",
+                        help="fp8 tensorwise through our Float8TensorwiseLinear (trainer/parallel/float8/tensorwise.py) "
+                             "even with dynamic scaling and bf16 saved inputs: times it against torchao's Float8Linear, "
+                             "whose numbers it computes")
     parser.add_argument("--gpu-memory-gib", type=float, default=79.6,
                         help="memory of each emulated GPU (default 79.6 GiB: an H100 80GB)")
     args, overrides = parser.parse_known_args()
@@ -283,6 +287,10 @@ def main() -> int:
     if any(o.startswith("--job.dump_folder") for o in overrides):
         parser.error("the benchmark's folder is --dump-folder DIR, not the override --job.dump_folder")
     setup_logging(0)
+    if args.own_fp8_linear:
+        import trainer.parallel.float8.linear as fp8_linear
+
+        fp8_linear.OWN_TENSORWISE_LINEAR = True
     dump_folder = args.dump_folder or str(Path("outputs") / "benchmark" / Path(args.config).stem)
     argv = ["--config", args.config, *overrides, f"--job.dump_folder={dump_folder}"]
     try:

@@ -8,6 +8,10 @@
 #   bash scripts/gpu_checks.sh coldstart  (time to step 1 with cold and warm compile caches; COLD_LAYERS=32 for the whole 8B)
 #   bash scripts/gpu_checks.sh blockwise_tests blockwise_bench  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
+#   bash scripts/gpu_checks.sh fp8knobs_tests fp8knobs  (1 GPU: our tensorwise FP8 linear's GPU tests, then 8B shapes x 8 layers,
+#       batch 4, compiled, no AC: torchao tensorwise dynamic, our linear dynamic, float8.scaling=delayed, float8.save_fp8_activations,
+#       and eager torchao vs save_fp8_activations; FP8KNOBS="torchao-dynamic delayed" runs only those (each variant is one process
+#       with its own compile, ~1-1.5 min); PARITY_LEGS=bf16,bf16-seed2,tensorwise,fp8-delayed ... parity1b for the parity leg)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
@@ -44,6 +48,22 @@ for s in $STEPS; do case $s in
     CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $B --label "8B shapes, 8 layers, batch 4, seq 4096, bf16 / fp8 tensorwise / fp8 blockwise${ARGS_8B:+, $ARGS_8B}" \
       --precisions bf16,fp8:tensorwise,fp8:blockwise --warmup 6 --steps 10 --profile-dir /tmp/prof8b_blockwise $BENCH_8B 2>&1 \
       | tee "$OUT/bench8b_blockwise.log" | grep -v "^\[rank" ;;
+  fp8knobs_tests)  # our Float8TensorwiseLinear on cuBLAS: torchao's numbers, delayed scales, compiled, no host sync
+    python3 -m pytest -q -m gpu tests/gpu/test_float8_scaling_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_fp8knobs.log" | tail -20 ;;
+  fp8knobs)  # docs/fp8.md "The FP8 options": 1x H100, 8B shapes x 8 layers, batch 4 x 4096, compiled, no AC, one process
+    # each (its own compile); tokens/s and peak GiB in each log's table. Then eager (the only place save_fp8_activations
+    # can change what is saved: tests/unit/test_float8_scaling_compile.py), torchao vs fp8 inputs saved.
+    export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+    for v in "torchao-dynamic" "ours-dynamic --own-fp8-linear" "delayed -- --float8.scaling=delayed" \
+             "save-fp8 -- --float8.save_fp8_activations=true" "delayed-save-fp8 -- --float8.scaling=delayed --float8.save_fp8_activations=true" \
+             "eager-torchao -- --train.compile_model=false" \
+             "eager-save-fp8 -- --train.compile_model=false --float8.save_fp8_activations=true"; do
+      set -- $v; name=$1; shift; flags=(); extra=()
+      case " ${FP8KNOBS:-$name} " in *" $name "*) ;; *) continue ;; esac  # FP8KNOBS="a b": only those variants
+      while [ $# -gt 0 ] && [ "$1" != "--" ]; do flags+=("$1"); shift; done; [ $# -gt 0 ] && shift; extra=("$@")
+      $B --label "fp8knobs $name: 8B shapes, 8 layers, batch 4, seq 4096" --precisions fp8 --warmup 6 --steps 10 "${flags[@]}" \
+        $BENCH_8B "${extra[@]}" 2>&1 | tee "$OUT/bench8b_fp8knobs_$name.log" | grep -v "^\[rank"
+    done ;;
   coldstart)  # 8B shapes x 8 layers, batch 4 x 4096, the defaults: time from "training steps" to the end of step 1
     # with cold inductor and Triton caches, fp8 / bf16 x bf16 (default) / fp32 master weights, then the fp8 default
     # again on its warm caches; each line: step 1's time and its compile line, then the steps' TFLOP/s.
@@ -160,6 +180,7 @@ for s in $STEPS; do case $s in
       --variant "rowwise_gw_hp=--float8.recipe=rowwise_with_gw_hp --float8.enable_fsdp_float8_all_gather=false" \
       --variant "tensorwise-head-bf16=--float8.exclude_fqns=output_head.proj" \
       --variant "fp8-blockwise=--float8.recipe=blockwise --float8.enable_fsdp_float8_all_gather=false" \
+      --variant "fp8-delayed=--float8.scaling=delayed" \
       --variant "fp8-bf16-master=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
       --variant "bf16-master=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic" \
       --variant "bf16-master-nearest=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=nearest" \
@@ -265,6 +286,7 @@ for name, t in (('stdlib', StdlibTextSource(vocab_size=258).tokens), ('web-like'
 esac; done
 echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
 grep -h "passed\|failed\|real vs" "$OUT/gpu_tests_blockwise.log" 2>/dev/null
+grep -h "passed\|failed" "$OUT/gpu_tests_fp8knobs.log" 2>/dev/null | tail -1
 for f in "$OUT"/bench*.log; do [ -f "$f" ] && grep -A4 "^precision\|: --" "$f" | grep -v "^\[rank"; done
 for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -1 "$f")"; done
 [ -f "$OUT/bench8b_ce.log" ] && grep "^\[bench8b_ce\]" "$OUT/bench8b_ce.log"

@@ -99,12 +99,16 @@ class KnownWarning:
 KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
     # Logged by every rank as dynamo traces a block checkpointed with our selective-AC policy
     # (torch/_higher_order_ops/wrap.py). The policy is ours and the blocks' forward holds no in-place
-    # op (trainer/models/llama.py; only init_weights writes in place), so the advice is followed.
+    # op (trainer/models/llama.py; only init_weights writes in place), so the advice is followed. The one
+    # exception, float8.scaling='delayed''s amax buffer update (trainer/parallel/float8/tensorwise.py), is a
+    # max of values a recompute computes again: written twice, it holds the same value
+    # (tests/unit/test_float8_scaling_compile.py).
     KnownWarning(
         "torch._higher_order_ops.wrap",
         r"Detected that context_fn is passed to torch\.utils\.checkpoint under torch\.compile",
         "selective activation checkpointing under torch.compile: the checkpointed blocks must hold no "
-        "in-place op; ours hold none, so torch's reminder about it is not shown (trainer/log.py)",
+        "in-place op; ours hold none (delayed FP8 scaling's amax buffer keeps a max, which a recompute "
+        "leaves as it was), so torch's reminder about it is not shown (trainer/log.py)",
     ),
     # torchao registers its KernelPreference enum with the old pytree API; torch deprecates that
     # call. Nothing for a user to change: it goes away with a newer torchao.

@@ -5,7 +5,8 @@
                       routing, dp_shard, master weights, FP8 all-gather, resharding, pipeline stages) and
                       the model's whole shape ([model_args])
     fp8_layers.json   fp8 runs: the recipe, the FP8 format, and every Linear layer, converted or the reason it was
-                      excluded ({"recipe", "format", "layers": {fqn: fate}})
+                      excluded ({"recipe", "format", "layers": {fqn: fate}}); with float8.scaling='delayed' also
+                      "scaling", "amax_history_len", "amax_compute_algo", "margin"; "save_fp8_activations" when on
 
 The startup log names these files instead of printing them.
 """
@@ -107,7 +108,8 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
     if f8 is not None:
         n = sum(1 for fate in (float8_layers or {}).values() if fate == "converted")
         parts[0] += (f", FP8 {f8.recipe} matmuls in {n} Linear layers ({'EMULATED, ' if f8.emulate else ''}"
-                     f"{f8.format}: {'e5m2 gradients' if f8.format == 'hybrid' else 'e4m3 everywhere'})")
+                     f"{f8.format}: {'e5m2 gradients' if f8.format == 'hybrid' else 'e4m3 everywhere'}"
+                     f"{', delayed scaling' if f8.delayed else ''}{', fp8 inputs saved' * f8.save_fp8_activations})")
         if f8.moe_experts != "off":
             parts[0] += f" and FP8 {f8.moe_experts} grouped GEMMs in the routed experts"
     master = "bf16 master weights" if fsdp.master_dtype == torch.bfloat16 else "fp32 master weights"
@@ -145,7 +147,9 @@ def run_file_texts(cfg: JobConfig, *, run_cfg: JobConfig, args: ModelArgs, pd: P
              (RESOLVED, to_toml(resolved_config(cfg, args=args, pd=pd, build=build, pipeline=pipeline), header=header))]
     if float8_layers:
         f8 = build.float8
-        fp8 = {"recipe": f8.recipe, "format": f8.format, "layers": float8_layers} if f8 else {"layers": float8_layers}
+        fp8 = {"recipe": f8.recipe, "format": f8.format, **(f8.delayed.as_json() if f8.delayed else {}),
+               **({"save_fp8_activations": True} if f8.save_fp8_activations else {}),
+               "layers": float8_layers} if f8 else {"layers": float8_layers}
         files.append((FP8_LAYERS, json.dumps(fp8, indent=1) + "\n"))
     return tuple(files)
 

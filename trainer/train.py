@@ -38,7 +38,7 @@ from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_gr
 from trainer.parallel.builder import build_model_part
 from trainer.parallel.compile import CompileTimes
 from trainer.parallel.context_parallel import ContextParallel
-from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute, Fp8ExpertWeightsRefresh, Fp8HealthHook
+from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
@@ -185,14 +185,9 @@ class Trainer:
             hooks.append(MoEBalancer(self.model, bias_update_rate=self.model_args.bias_update_rate,
                                      stage_group=self.parallel_dims.mesh("stage").get_group(),
                                      pp_group=self.pipeline.pp_group if self.pipeline else None))
-        refresh = Fp8ExpertWeightsRefresh(self.model)
-        if any(cache.per_step for cache in refresh.caches):  # FP8 experts' weights: quantized once per step
-            hooks.append(refresh)
-        f8 = self.float8
-        if f8 and f8.enabled and f8.fsdp_float8_all_gather:
-            hooks.append(Float8ScalePrecompute(self.model))
-        if f8 and f8.enabled and job.metrics.fp8_stats_freq:
-            hooks.append(Fp8HealthHook(self.model, recipe=job.build.float8.recipe, every=job.metrics.fp8_stats_freq))
+        # Delayed scaling's amaxes: reduced over the ranks that compute the same layers (dp x cp of this stage).
+        hooks += float8_step_hooks(self.model, self.float8, stats_freq=job.metrics.fp8_stats_freq,
+                                   amax_group=self.parallel_dims.mesh("dp_cp").get_group())
         hooks += MixtureTokens.of(self.data_loader)  # a data mixture's tokens per source
         if job.validation_source is not None:
             v = job.validation
@@ -214,7 +209,8 @@ class Trainer:
             job.checkpoint,
             state=CheckpointState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                   data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler,
-                                  restart_data=job.checkpoint.restart_data),
+                                  restart_data=job.checkpoint.restart_data, float8_scaling=next(
+                                      (h for h in self.hooks if hasattr(h, "checkpoint_key")), None)),
             run=RunInfo(flavor=job.run.flavor, model_args=self.model_args, mixed_precision=job.run.mixed_precision,
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
                                 "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},

@@ -42,7 +42,7 @@ from trainer.checkpoint.space import (
     checkpoint_bytes, describe_disk_error, move_aside, prune_checkpoints, save_error, warn_if_short,
 )
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
-    split_tensors
+    reconcile_float8_scaling, split_tensors
 from trainer.checkpoint.tokenizer import remember_tokenizer, write_tokenizer
 from trainer.checkpoint.values import nonfinite_counts, nonfinite_line
 from trainer.checkpoint.verify import (
@@ -245,6 +245,8 @@ class CheckpointManager:
             if fresh:
                 logger.info("checkpoint has no Kahan compensation buffers (optimizer.bf16_update was not 'kahan'): "
                             "starting them at zero")
+            if note := reconcile_float8_scaling(sd, metadata.state_dict_metadata):
+                logger.info("float8.scaling: %s", note)
         tensors, _ = split_tensors(sd)
         # state.json's values are checked before any tensor is read.
         rest = None if model_only else read_state_json(path, info)

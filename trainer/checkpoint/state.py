@@ -99,6 +99,9 @@ class CheckpointState(Stateful):
     loss_scaler: Any  # trainer.train.LossScaler
     restart_data: bool = False
     """Leave the data loader at its start on load (checkpoint.restart_data)."""
+    float8_scaling: Any = None
+    """float8.scaling='delayed': the amax histories and scales (trainer.parallel.float8.delayed.DelayedScaling), saved
+    as `float8_scaling.{fqn}.{amax_history,scale}`; None in other runs, which neither save nor read them."""
 
     def state_dict(self) -> dict[str, Any]:
         optimizer = get_optimizer_state_dict(self.model, self.optimizer)
@@ -118,7 +121,7 @@ class CheckpointState(Stateful):
             "train_state": self.train_state.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict(),
             "rng": rng,
-        }
+        } | ({"float8_scaling": self.float8_scaling.state_dict()} if self.float8_scaling is not None else {})
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # The model tensors were loaded in place by DCP; set_* also checks every key is there.
@@ -135,6 +138,8 @@ class CheckpointState(Stateful):
         self.train_state.load_state_dict(sd["train_state"])
         if self.loss_scaler.enabled and sd["train_state"].get("mixed_precision") == "fp16":
             self.loss_scaler.load_state_dict(sd["loss_scaler"])  # otherwise the scaler keeps its initial scale
+        if "float8_scaling" in sd:  # absent: a checkpoint without histories (reconcile_float8_scaling said so)
+            self.float8_scaling.load_state_dict(sd["float8_scaling"])
         torch.set_rng_state(sd["rng"]["cpu"])
         if "cuda" in sd["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(sd["rng"]["cuda"])
@@ -172,6 +177,25 @@ class CheckpointState(Stateful):
             logger.warning("learning rate at step %d is %.3e from this run's schedule (the checkpoint's run had "
                            "%.3e): %s", s.last_epoch, lrs[0], saved_lr[0],
                            _schedule_changes(saved_schedule, schedule, saved.get("base_lrs"), config_base_lrs))
+
+
+def reconcile_float8_scaling(sd: dict[str, Any], saved: dict[str, Any]) -> str | None:
+    """Make `sd` (this run's state, to be loaded) ask only for the FP8 amax histories the checkpoint holds (`saved`:
+    DCP's metadata by key); returns the one line to log when the two runs' float8.scaling differ, else None."""
+    prefix = "float8_scaling."
+    saved_keys = {k: md for k, md in saved.items() if k.startswith(prefix)}
+    if "float8_scaling" not in sd:
+        return (f"the checkpoint's FP8 amax histories ({len(saved_keys) // 2} Linear layers) are not used: this run "
+                "has float8.scaling='dynamic' (or no fp8); a later delayed run from its checkpoints starts them "
+                "afresh") if saved_keys else None
+    wanted = {f"{prefix}{fqn}.{name}": t for fqn, entry in sd["float8_scaling"].items() for name, t in entry.items()}
+    if all(k in saved_keys and tuple(saved_keys[k].size) == tuple(t.shape) for k, t in wanted.items()):
+        return None
+    del sd["float8_scaling"]
+    why = ("has none (saved with float8.scaling='dynamic' or without fp8)" if not saved_keys else
+           "has them for other layers or another float8.amax_history_len")
+    return (f"the checkpoint {why}: float8.scaling='delayed' starts its amax histories afresh, the first resumed "
+            "step scaled by each tensor's own amax")
 
 
 def _schedule_changes(saved: dict | None, now: dict | None, saved_lrs: list | None, lrs: list) -> str:

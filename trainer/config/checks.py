@@ -176,6 +176,14 @@ def _check_float8_and_profiling(cfg: Any) -> None:
     if f8.format == "hybrid" and f8.recipe != "tensorwise":
         raise ConfigError(f"float8.format='hybrid' (e5m2 gradients) is the tensorwise recipe's; float8.recipe="
                           f"'{f8.recipe}' casts every operand to e4m3: set float8.format='auto' (or 'e4m3')")
+    for key, on in (("scaling='delayed'", f8.scaling == "delayed"), ("save_fp8_activations=true", f8.save_fp8_activations)):
+        if on and f8.recipe != "tensorwise":
+            raise ConfigError(f"float8.{key} is the tensorwise recipe's (one scale per tensor); float8.recipe="
+                              f"'{f8.recipe}' scales per row or tile: set float8.recipe='tensorwise'")
+    if f8.amax_history_len < 1:
+        raise ConfigError(f"float8.amax_history_len={f8.amax_history_len} must be >= 1")
+    if f8.margin < 0:
+        raise ConfigError(f"float8.margin={f8.margin} must be >= 0 (scale = fp8_max / amax / 2^margin)")
     if f8.enable_fsdp_float8_all_gather is True and f8.recipe != "tensorwise":
         raise ConfigError(
             f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "

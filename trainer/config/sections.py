@@ -284,6 +284,16 @@ class Float8Section:
     """Extra module names (or fqn substrings) to keep in bf16; an entry matching no Linear is an error."""
     require: bool = False
     """Fail instead of running bf16 when this CUDA GPU has no FP8 tensor cores (compute capability < 8.9), or no FP8 grouped GEMM for float8.moe_experts (sm90 only)."""
+    scaling: Literal["dynamic", "delayed"] = "dynamic"
+    """How the tensorwise recipe scales each cast: dynamic = by the tensor's own amax (torchao's); delayed = Transformer Engine's delayed scaling, by the amax history of earlier steps (float8.amax_history_len, float8.amax_compute_algo, float8.margin), the step's amaxes all-reduced over the data- and context-parallel ranks once per optimizer step; the first step (no history yet) scales dynamically; weights all-gathered in fp8 keep their current amax. Tensorwise only. docs/fp8.md#delayed-scaling."""
+    amax_history_len: int = 1024
+    """float8.scaling='delayed': how many steps of amaxes each Linear keeps per operand (input, weight, gradient); Transformer Engine / NeMo's default 1024."""
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """float8.scaling='delayed': the amax a scale is computed from: the history's max, or its newest value."""
+    margin: int = 0
+    """float8.scaling='delayed': scale = fp8_max / amax / 2^margin (>= 0; headroom for amaxes that grow between steps)."""
+    save_fp8_activations: bool = False
+    """Tensorwise only: keep each converted Linear's float8 input (1 byte per element and a scale) for the weight gradient instead of its bf16 input (2 bytes): the same values the forward multiplied, so identical math (Transformer Engine's behaviour). Off until measured; under torch.compile the partitioner already chooses what the blocks save (docs/fp8.md#fp8-activations-saved-for-backward)."""
     moe_experts: str = "off"
     """MoE routed experts: "off" keeps their grouped GEMMs bf16; "rowwise" runs them as FP8 grouped GEMMs (torch._scaled_grouped_mm, rowwise e4m3 scales; forward and dgrad FP8, wgrad bf16; docs/fp8.md). Needs an MoE flavor, H100/H200 (or float8.emulate=true), dim and moe_ffn_dim multiples of 16."""
 

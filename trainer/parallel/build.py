@@ -24,7 +24,7 @@ from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
 from trainer.parallel.expert_parallel import apply_ep
-from trainer.parallel.float8 import Float8Report, Recipe, apply_float8, apply_fp8_experts
+from trainer.parallel.float8 import DelayedScalingSettings, Float8Report, Recipe, apply_float8, apply_fp8_experts
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tp
@@ -45,6 +45,10 @@ class Float8Options:
     """Keep the FP8 expert weights through the optimizer step (trainer.models.moe_fp8.Fp8ExpertWeights)."""
     format: str = "hybrid"
     """float8.format resolved: "hybrid" (e4m3 forward, e5m2 gradients; tensorwise only) or "e4m3" (everywhere)."""
+    delayed: DelayedScalingSettings | None = None
+    """float8.scaling='delayed' with its settings (tensorwise only); None: dynamic scaling."""
+    save_fp8_activations: bool = False
+    """float8.save_fp8_activations (tensorwise only)."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,8 @@ def build_parallel_model(
         report = apply_float8(
             model, recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
             exclude_fqns=list(f8.exclude_fqns), emulate=f8.emulate, require=f8.require, device=device,
-            moe_experts=f8.moe_experts, fp8_format=f8.format,
+            moe_experts=f8.moe_experts, fp8_format=f8.format, delayed=f8.delayed,
+            save_fp8_activations=f8.save_fp8_activations,
         )
         # The routed experts' grouped GEMMs: one kernel switch per MoE layer, in the same report.
         report.experts = apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require,

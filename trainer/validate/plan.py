@@ -27,6 +27,8 @@ measured peaks on 1x H100 (docs/benchmarks.md, "The dry run's memory plan"):
                                                                   gate, up and their product
     compiled, fp8 linears           4d + 4q + 4kv + 4h + 4f + 8   the normed inputs, o_proj's output and the
                                                                   product are recomputed from what the casts need
+    ... with float8.scaling=delayed  + 3d                         q, k and v cast their shared input with three
+                                                                  scales: the three fp8 casts are kept
     selective AC (per-op policy)    4d + 4q + 4kv + 4h + 4f       the GEMM and attention outputs only
     full AC                         2d                            the block's input; backward recomputes one block
     eager (no compile)              12d + 4q + 4kv + 4h + 8f + 8  fp32 copies of the norms' inputs, silu's output
@@ -187,6 +189,8 @@ def _block_activations(args: ModelArgs, build: BuildOptions, fp8: _Fp8, *, moe: 
     else:  # 8: the two norms' fp32 rstd
         full = ((4 if fp8.attention else 6) * d + 8 + sdpa + qk_norm + (4 * f if fp8_mlp else 2 * d + 6 * f)
                 + rows * (6 * d + 6 * hidden))
+        if fp8.attention and build.float8 is not None and build.float8.delayed is not None:
+            full += 3 * d  # tests/unit/test_float8_scaling_compile.py
     if build.ac.mode == "full":
         return 2 * d, full
     if build.ac.mode == "selective" and not build.ac.selective_every:  # the GEMMs' and attention's outputs

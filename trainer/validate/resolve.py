@@ -25,7 +25,7 @@ from trainer.models import FLAVORS, ModelArgs, build_model, family_of
 from trainer.models.llama import RopeScaling
 from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
 from trainer.parallel.float8 import (
-    fp8_grouped_supported, fp8_supported, local_device, resolve_format, select_float8_linears,
+    DelayedScalingSettings, fp8_grouped_supported, fp8_supported, local_device, resolve_format, select_float8_linears,
 )
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,9 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
     options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
                             format=resolve_format(f8.recipe, f8.format),
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
-                            moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd))
+                            moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd),
+                            delayed=DelayedScalingSettings(f8.amax_history_len, f8.amax_compute_algo, f8.margin)
+                            if f8.scaling == "delayed" else None, save_fp8_activations=f8.save_fp8_activations)
     fates = {fqn: "converted" for fqn in converted} | excluded
     by_shape = [f"{fqn} ({why.removeprefix('shape ')})" for fqn, why in excluded.items() if why.startswith("shape ")]
     if by_shape:  # a model's own shapes can leave projections out of FP8: never silent

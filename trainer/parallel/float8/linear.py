@@ -20,11 +20,15 @@ from torch import nn
 from trainer.hooks import StepHook
 from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear, convert_to_blockwise
 from trainer.parallel.float8.hardware import fp8_supported, refuse_or_warn
-from trainer.parallel.float8.report import Float8Report, resolve_format
+from trainer.parallel.float8.report import DelayedScalingSettings, Float8Report, resolve_format
 
 logger = logging.getLogger(__name__)
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+
+# For scripts/benchmark.py --own-fp8-linear only: run our Float8TensorwiseLinear even with dynamic scaling and bf16
+# saved inputs, to time it against torchao's Float8Linear (the same numerics). Not a config key.
+OWN_TENSORWISE_LINEAR = False
 
 # Blockwise scales cover 1x128 tiles and 128x128 blocks: both GEMM dims of a converted Linear must be multiples.
 BLOCKWISE_EXCLUDED = "dims not multiples of 128 (blockwise)"
@@ -95,12 +99,15 @@ def apply_float8(
     device: torch.device,
     moe_experts: str = "off",
     fp8_format: str | None = None,
+    delayed: DelayedScalingSettings | None = None,
+    save_fp8_activations: bool = False,
 ) -> Float8Report:
     """Swap the selected nn.Linear modules for torchao Float8Linear (blockwise: BlockwiseFloat8Linear), in place.
 
     Must run after EP and before activation checkpointing, torch.compile and FSDP2, which wrap
     whatever modules they find; never after TP (the config check refuses FP8 + TP). Logs the two
-    confirmation lines. When the GPU has no FP8 tensor cores it warns loudly and converts nothing
+    confirmation lines. Tensorwise with `delayed` (float8.scaling='delayed') or `save_fp8_activations` runs our
+    Float8TensorwiseLinear (trainer.parallel.float8.tensorwise) instead of torchao's. When the GPU has no FP8 tensor cores it warns loudly and converts nothing
     (bf16 runs), or raises if `require`.
     """
     from torch.distributed.tensor import DTensor
@@ -113,8 +120,9 @@ def apply_float8(
     assert not (enable_fsdp_float8_all_gather and recipe == "blockwise"), "blockwise has no fp8 all-gather"
     fp8_format = fp8_format or resolve_format(recipe)  # None: float8.format='auto'
     assert fp8_format == "e4m3" or recipe == "tensorwise", (recipe, fp8_format)  # the config check refuses it
+    assert recipe == "tensorwise" or (delayed is None and not save_fp8_activations), recipe  # the config check
     report = Float8Report(recipe=recipe, fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate,
-                          format=fp8_format)
+                          format=fp8_format, delayed=delayed, save_fp8_activations=save_fp8_activations)
     converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=exclude_fqns, recipe=recipe)
     report.excluded, report.num_linear = excluded, num_linear
 
@@ -126,6 +134,10 @@ def apply_float8(
         return report
     _convert(model, set(converted), recipe=recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
              emulate=emulate, device=device, fp8_format=fp8_format)
+    if recipe == "tensorwise" and (delayed is not None or save_fp8_activations or OWN_TENSORWISE_LINEAR):
+        from trainer.parallel.float8.tensorwise import convert_to_tensorwise  # imports torchao
+
+        convert_to_tensorwise(model, delayed=delayed is not None, save_fp8_input=save_fp8_activations)
     report.converted = converted
     _log_conversion(model, report, what, moe_experts=moe_experts)
     return report

@@ -23,6 +23,22 @@ class ExpertsConversion:
                 f"quantized {weights})")
 
 
+@dataclass(frozen=True)
+class DelayedScalingSettings:
+    """float8.scaling='delayed' (tensorwise): Transformer Engine's DelayedScaling knobs."""
+
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+    def describe(self) -> str:
+        return (f"delayed (amax_history_len={self.amax_history_len}, amax_compute_algo={self.amax_compute_algo}, "
+                f"margin={self.margin})")
+
+    def as_json(self) -> dict:
+        return {"scaling": "delayed", **dataclasses.asdict(self)}
+
+
 @dataclass
 class Float8Report:
     """What apply_float8 (and, for MoE models, apply_fp8_experts) did, for logs, metrics and tests."""
@@ -37,6 +53,10 @@ class Float8Report:
     """Set where the routed experts run FP8 grouped GEMMs; None: they stay bf16 (or the model has none)."""
     format: str = "hybrid"
     """float8.format resolved: "hybrid" or "e4m3"."""
+    delayed: DelayedScalingSettings | None = None
+    """float8.scaling='delayed' and its settings; None: dynamic scales (each tensor's own amax)."""
+    save_fp8_activations: bool = False
+    """float8.save_fp8_activations: the Linears keep their float8 inputs for backward instead of the bf16 ones."""
 
     @property
     def enabled(self) -> bool:
@@ -54,7 +74,8 @@ class Float8Report:
         excluded = "; ".join(f"{', '.join(group_fqns(fqns))} ({reason})" for reason, fqns in by_reason.items())
         lines = [
             f"Applied Float8 training: recipe={self.recipe.upper()}, "
-            f"fsdp_float8_all_gather={self.fsdp_float8_all_gather}, format={describe_format(self.format)}",
+            f"fsdp_float8_all_gather={self.fsdp_float8_all_gather}, format={describe_format(self.format)}"
+            + describe_scaling(self.delayed, self.save_fp8_activations, all_gather=self.fsdp_float8_all_gather),
             f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
         ]
         return lines + ([self.experts.line()] if self.experts else [])
@@ -69,6 +90,18 @@ def resolve_format(recipe: str, requested: str = "auto") -> str:
 def describe_format(fp8_format: str) -> str:
     """float8.format in words: what is cast to which FP8 type."""
     return {"hybrid": "hybrid (e4m3 weights and activations, e5m2 gradients)", "e4m3": "e4m3 everywhere"}[fp8_format]
+
+
+def describe_scaling(delayed: DelayedScalingSettings | None, save_fp8_activations: bool, *, all_gather: bool) -> str:
+    """What the startup line adds for float8.scaling='delayed' and float8.save_fp8_activations ('' for neither)."""
+    text = ""
+    if delayed is not None:
+        text += f", scaling={delayed.describe()}"
+        if all_gather:  # the weight arrives cast by FSDP2 with the scale precomputed after the optimizer step
+            text += " for inputs and gradients; weights cast with their current amax before the fp8 all-gather"
+    if save_fp8_activations:
+        text += ", fp8 inputs saved for backward"
+    return text
 
 
 def merge_reports(reports: list[Float8Report | None]) -> Float8Report | None:
