@@ -28,7 +28,8 @@ from trainer.bf16_adamw import (
     BF16AdamW, _local, global_index, random_bits16, round_to_nearest_bf16, step_key, stochastic_round_to_bf16,
 )
 from trainer.optim_states import (
-    DTYPES, QBLOCK, SCALE_KEY, StateDtypes, dequantize_blocks, fp8_blocks, quantize_blocks, scale_shape,
+    DTYPES, SCALE_KEY, StateDtypes, convert_moment, dequantize_blocks, dtype_name, fp8_blocks, quantize_blocks,
+    scale_shape,
 )
 
 logger = logging.getLogger("trainer.optim")
@@ -195,45 +196,20 @@ class LowPrecisionAdamW(BF16AdamW):
                         ", ".join(f"{what} ({n} tensor{'s' if n > 1 else ''})" for what, n in sorted(changed.items())))
 
     def _convert(self, p: torch.Tensor, state: dict) -> list[str]:
-        """Bring p's loaded state to this optimizer's dtypes (fp8 <-> others: through fp32, round to nearest)."""
+        """Bring p's loaded state to this optimizer's dtypes (trainer.optim_states.convert_moment); what changed."""
         done = []
         scale = state.pop(SCALE_KEY, None)
         m = state["exp_avg"]
-        want = self.exp_avg_dtype(p)
-        if m.dtype != want or (scale is None) == self.uses_fp8(p):
-            saved = "fp8" if scale is not None else str(m.dtype).removeprefix("torch.")
-            m32 = self._dequantized(p, m, scale) if scale is not None else m.float()
-            state["exp_avg"] = self._zeros(p, want)
+        if m.dtype != self.exp_avg_dtype(p) or (scale is None) == self.uses_fp8(p):
+            state["exp_avg"] = self._zeros(p, self.exp_avg_dtype(p))
             if self.uses_fp8(p):
-                q, s = quantize_blocks(_local(m32)) if _local(m32).numel() else (_local(m32).to(want), None)
-                _local(state["exp_avg"]).copy_(q)
                 state[SCALE_KEY] = self._new_scale(p)
-                if s is not None:
-                    _local(state[SCALE_KEY]).copy_(s)
-            else:
-                _local(state["exp_avg"]).copy_(_local(m32))
-            done.append(f"exp_avg {saved} -> {'fp8' if self.uses_fp8(p) else str(want).removeprefix('torch.')}")
+            convert_moment(state["exp_avg"], state.get(SCALE_KEY), m, scale)
+            done.append(f"exp_avg {dtype_name(m, scale)} -> {dtype_name(state['exp_avg'])}")
         elif scale is not None:
             state[SCALE_KEY] = scale
-        v_want = DTYPES[self.dtypes.exp_avg_sq]
-        if state["exp_avg_sq"].dtype != v_want:
-            done.append(f"exp_avg_sq {str(state['exp_avg_sq'].dtype).removeprefix('torch.')} -> "
-                        f"{str(v_want).removeprefix('torch.')}")
-            state["exp_avg_sq"] = state["exp_avg_sq"].to(v_want)
+        v = state["exp_avg_sq"]
+        if v.dtype != DTYPES[self.dtypes.exp_avg_sq]:
+            state["exp_avg_sq"] = v.to(DTYPES[self.dtypes.exp_avg_sq])
+            done.append(f"exp_avg_sq {dtype_name(v)} -> {self.dtypes.exp_avg_sq}")
         return done
-
-    def _dequantized(self, p: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """An fp8 exp_avg loaded from a checkpoint in fp32, p's shape and sharding. `scale` is either sharded as p
-        or (staged by the checkpoint loader) the whole global tensor of scales on every rank."""
-        local_q = _local(q)
-        local_s = _local(scale)
-        if local_s.shape[-1] * QBLOCK == local_q.shape[-1] and local_s.shape[:-1] == local_q.shape[:-1]:
-            values = dequantize_blocks(local_q, local_s)
-        else:
-            layout = self._layout(p)
-            rows = tuple(slice(o, o + n) for o, n in zip(layout.offsets[:-1], local_q.shape[:-1]))
-            values = dequantize_blocks(local_q, local_s[rows], col_offset=layout.offsets[-1])
-        if isinstance(q, DTensor):
-            return DTensor.from_local(values, q.device_mesh, q.placements, run_check=False, shape=q.shape,
-                                      stride=q.stride())
-        return values

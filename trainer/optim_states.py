@@ -140,3 +140,41 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, *, col_offset: int 
         return (q.float().reshape(*q.shape[:-1], -1, QBLOCK) * scales.unsqueeze(-1)).reshape(q.shape)
     block = (torch.arange(cols, device=q.device) + col_offset) // QBLOCK
     return q.float() * scales.float()[..., block]
+
+
+def _dequantized_local(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of this rank's shard of an fp8 exp_avg `q` (a DTensor or plain tensor). `scale` is sharded
+    as q (whole blocks), or the whole global tensor of scales on every rank (a checkpoint's, staged on load)."""
+    from trainer.adamw import Layout, plain_tensor
+
+    local_q, local_s = plain_tensor(q, local=True), plain_tensor(scale, local=True)
+    if local_s.shape[-1] * QBLOCK == local_q.shape[-1] and local_s.shape[:-1] == local_q.shape[:-1]:
+        return dequantize_blocks(local_q, local_s)
+    offsets = Layout.of(q).offsets
+    rows = tuple(slice(o, o + n) for o, n in zip(offsets[:-1], local_q.shape[:-1]))
+    return dequantize_blocks(local_q, local_s[rows].to(local_q.device), col_offset=offsets[-1])
+
+
+def convert_moment(target: torch.Tensor, target_scale: torch.Tensor | None, saved: torch.Tensor,
+                   saved_scale: torch.Tensor | None) -> None:
+    """Write a moment saved in another dtype (`saved`, an fp8 one with `saved_scale`) into this run's `target`
+    (fp8 with `target_scale`), shard by shard: both sharded alike. Through fp32; into fp8 or bf16 to nearest (a
+    one-off: the stochastic rounding of the updates then takes over)."""
+    from trainer.adamw import plain_tensor
+
+    local_t = plain_tensor(target, local=True)
+    values = (_dequantized_local(saved, saved_scale) if saved_scale is not None
+              else plain_tensor(saved, local=True).float())
+    if target_scale is None:
+        local_t.copy_(values)
+    elif local_t.numel():
+        q, s = quantize_blocks(values)
+        local_t.copy_(q)
+        plain_tensor(target_scale, local=True).copy_(s)
+
+
+def dtype_name(t: torch.Tensor, scale: torch.Tensor | None = None) -> str:
+    """'fp8' for an fp8 moment with its scales, else 'fp32' / 'bf16' / the torch name."""
+    if scale is not None or t.dtype == E4M3:
+        return "fp8"
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(t.dtype, str(t.dtype).removeprefix("torch."))

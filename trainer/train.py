@@ -141,10 +141,8 @@ class Trainer:
     def _build_optimizer(self, job: ResolvedJob):
         o, s = job.optimizer, job.scheduler
         optimizer = build_optimizer(
-            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation, seed=job.run.seed, triton=o.triton, bf16_update=o.bf16_update,
-            dtypes=o.state_dtypes,
-        )
+            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, dtypes=o.state_dtypes,
+            implementation=o.implementation, seed=job.run.seed, triton=o.triton, bf16_update=o.bf16_update)
         scheduler = build_lr_scheduler(
             optimizer, warmup_steps=s.warmup_steps, total_steps=job.run.steps, decay_type=s.decay_type,
             min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,
@@ -153,7 +151,7 @@ class Trainer:
 
     def _log_model(self) -> None:
         # The startup lines users check, in this order: Applied Float8 training (from
-        # build_parallel_model), Optimizer groups, Model.
+        # build_parallel_model), Optimizer groups and state, Model.
         logger.info("Optimizer groups: %s", describe_param_groups(self.optimizer, self.scheduler.schedule))
         logger.info("Optimizer state: %s", describe_optimizer_state(self.optimizer))
         args, job = self.model_args, self.job

@@ -212,8 +212,8 @@ def test_a_checkpoint_of_other_dtypes_is_converted_in_one_line(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="trainer.optim"):
         opt.load_state_dict(opt8.state_dict())
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "exp_avg fp8 -> bfloat16 (2 tensors)" in lines[0], lines
-    assert "exp_avg_sq float32 -> bfloat16 (4 tensors)" in lines[0]
+    assert len(lines) == 1 and "exp_avg fp8 -> bf16 (2 tensors)" in lines[0], lines
+    assert "exp_avg_sq fp32 -> bf16 (4 tensors)" in lines[0]
     for p, q in zip(fp8, plain):
         assert SCALE_KEY not in opt.state[q] and opt.state[q]["exp_avg"].dtype == torch.bfloat16
         assert torch.equal(opt.state[q]["exp_avg"].double(), _exp_avg(opt8, p))
