@@ -262,3 +262,25 @@ def test_auto_keeps_the_master_dtype() -> None:
     assert validate_job(_cfg("--train.mixed_precision=bf16"), world_size=1).optimizer.state_dtypes is None
     job = validate_job(_cfg("--train.mixed_precision=bf16", "--optimizer.exp_avg_dtype=fp8"), world_size=1)
     assert job.optimizer.state_dtypes == StateDtypes("bf16", "fp8", "bf16")
+
+
+@pytest.mark.parametrize("args, moments", [
+    ([], 2 + 2), (["--optimizer.exp_avg_dtype=fp8"], 1 + 4 / 128 + 2),
+    (["--distributed.master_dtype=fp32", "--optimizer.exp_avg_dtype=fp8", "--optimizer.exp_avg_sq_dtype=bf16"],
+     1 + 4 / 128 + 2),
+    (["--optimizer.exp_avg_dtype=fp32", "--optimizer.exp_avg_sq_dtype=fp32"], 4 + 4),
+])
+def test_the_memory_plan_and_the_fit_check_count_the_state_dtypes(args: list[str], moments: float) -> None:
+    """The dry run's optimizer-state row and the validation pass's fit estimate use the moments' dtypes."""
+    from tests.unit.test_memory_plan import plan_of, row
+    from trainer.validate.memory import estimate_train_state
+
+    cfg = ["--config", "configs/train/llama3_8b.toml", "--model.n_layers=2", *args]
+    job, plan = plan_of(cfg)
+    master = job.build.fsdp.master_dtype.itemsize
+    local = row(plan, "weights (sharded)") / master
+    assert abs(row(plan, "optimizer state") / (local * moments) - 1) < 1e-6
+    opt = load_job_config(cfg).optimizer
+    est = estimate_train_state(job.model_args, job.parallel_dims, bf16_master=master == 2, kahan=False,
+                               exp_avg=opt.exp_avg_dtype, exp_avg_sq=opt.exp_avg_sq_dtype)
+    assert est.bytes_per_param == 2 * master + moments  # weights and gradients in the master dtype, the moments
