@@ -62,13 +62,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def state_bytes_per_param(master_dtype: str, bf16_update: str) -> int:
-    """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (+ Kahan buffer)."""
-    size = 4 if master_dtype == "fp32" else 2
-    return 4 * size + (size if master_dtype == "bf16" and bf16_update == "kahan" else 0)
+def state_bytes_per_param(master_dtype: str, bf16_update: str, exp_avg: str = "auto", exp_avg_sq: str = "auto") -> float:
+    """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (in
+    optimizer.exp_avg_dtype / exp_avg_sq_dtype; + Kahan buffer)."""
+    from trainer.optim_states import StateDtypes
+
+    sizes = StateDtypes.resolve(bf16_master=master_dtype == "bf16", exp_avg=exp_avg, exp_avg_sq=exp_avg_sq
+                                ).bytes_per_param(kahan=master_dtype == "bf16" and bf16_update == "kahan")
+    return sum(sizes.values()) + sizes["master"]
 
 
-def memory_cap_bytes(*, local_params: int, bytes_per_param: int, world: int, emulate_gpus: int, gpu_bytes: int) -> int:
+def memory_cap_bytes(*, local_params: int, bytes_per_param: float, world: int, emulate_gpus: int, gpu_bytes: int) -> int:
     """What one rank of this job may use to behave like one rank of the same job on `emulate_gpus` GPUs of
     `gpu_bytes` each: the sharded state shrinks by world / emulate_gpus there, everything else is the same.
     """
@@ -81,7 +85,10 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     device = runner.device
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in runner.model.parameters())
     master = "bf16" if next(runner.model.parameters()).dtype == torch.bfloat16 else "fp32"
-    per_param = state_bytes_per_param(master, runner.job.optimizer.bf16_update)
+    o = runner.job.optimizer
+    dtypes = o.state_dtypes
+    per_param = state_bytes_per_param(master, o.bf16_update or "stochastic", *((dtypes.exp_avg, dtypes.exp_avg_sq)
+                                                                             if dtypes else ()))
     cap = memory_cap_bytes(local_params=local, bytes_per_param=per_param, world=runner.env.world_size,
                            emulate_gpus=emulate_gpus, gpu_bytes=int(gpu_gib * 2**30))
     total = torch.cuda.get_device_properties(device).total_memory

@@ -5,6 +5,8 @@
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
 #       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
 #   bash scripts/gpu_checks.sh optim8b    (fp8, fp32 master weights: optimizer.implementation fused vs triton)
+#   bash scripts/gpu_checks.sh optstates  (1 GPU: low-precision optimizer states: GPU tests, 8B shapes x 8 layers per state dtype;
+#       PARITY_LEGS=fp8-exp-avg-fp8,fp8-exp-avg-sq-bf16 ... parity1b for their parity legs)
 #   bash scripts/gpu_checks.sh coldstart  (time to step 1 with cold and warm compile caches; COLD_LAYERS=32 for the whole 8B)
 #   bash scripts/gpu_checks.sh blockwise_tests blockwise_bench  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
@@ -67,6 +69,22 @@ for s in $STEPS; do case $s in
     for impl in fused triton; do
       $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8, fp32 master, optimizer $impl" --precisions fp8 --warmup 6 --steps 10 \
         ${BENCH_8B} --distributed.master_dtype=fp32 --optimizer.implementation=$impl 2>&1 | tee "$OUT/bench8b_optim_$impl.log" | grep -v "^\[rank"
+    done ;;
+  optstates)  # low-precision optimizer states (docs/fp8.md): their GPU tests, then fp8 at 8B shapes x 8 layers, batch 4:
+    # bf16 master weights with the bf16 (auto) vs fp8 first moment, fp32 master weights with fp32 (auto) vs bf16 moments
+    # vs an fp8 first moment; peak memory and step time (the startup line of each says which update runs).
+    python3 -m pytest -q -m gpu tests/gpu/test_optim_states_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_optim_states.log" | tail -5
+    for v in "bf16m-auto" "bf16m-fp8 --optimizer.exp_avg_dtype=fp8" \
+             "fp32m-auto --distributed.master_dtype=fp32" \
+             "fp32m-bf16 --distributed.master_dtype=fp32 --optimizer.exp_avg_dtype=bf16 --optimizer.exp_avg_sq_dtype=bf16" \
+             "fp32m-fp8 --distributed.master_dtype=fp32 --optimizer.exp_avg_dtype=fp8 --optimizer.exp_avg_sq_dtype=bf16"; do
+      set -- $v; label=$1; shift
+      $B --label "8B shapes, 8 layers, batch 4, seq 4096, optimizer states $label" --precisions fp8 --warmup 6 --steps 10 \
+        ${BENCH_8B} "$@" 2>&1 | tee "$OUT/bench8b_optstates_$label.log" | grep -v "^\[rank"
+      python3 scripts/train.py --config configs/train/llama3_8b.toml $SHAPE_8B --train.steps=2 --train.mixed_precision=fp8 \
+        --metrics.log_freq=1 --metrics.enable_tensorboard=false --job.dump_folder=/tmp/optstates_$label "$@" 2>&1 \
+        | grep -E "Optimizer state|step +2/" | cut -c1-400 | sed "s/^/[optstates $label] /" | tee -a "$OUT/optstates.log"
+      rm -rf /tmp/optstates_$label
     done ;;
   bench8b_ag)  # fp8 with bf16 all-gather, explicitly (the "auto" default also turns it off with one rank)
     $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench8b_ag.log" | grep -v "^\[rank" ;;
@@ -166,6 +184,8 @@ for s in $STEPS; do case $s in
       --variant "fp8-bf16-master-seed1=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
       --variant "bf16-master-seed1=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
       --variant "fp8-e4m3=--float8.format=e4m3" \
+      --variant "fp8-exp-avg-fp8=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --optimizer.exp_avg_dtype=fp8" \
+      --variant "fp8-exp-avg-sq-bf16=--optimizer.exp_avg_dtype=bf16 --optimizer.exp_avg_sq_dtype=bf16" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
     for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   recipe7b)  # 4+ GPUs: configs/train/7b_16gpu_fp8.toml as a 16x H100 job would run it (memory capped per process to

@@ -1,0 +1,47 @@
+"""LowPrecisionAdamW (trainer/lowp_adamw.py) on CUDA tensors: the update of tests/unit/test_optim_states.py on the
+GPU rounds as on the CPU. The same random bits pick the same neighbour unless the fp32 values differ in their last
+bits (CUDA's lerp and FMA contractions against the CPU's), which moves a rounding by at most one ulp of the state's
+dtype, rarely."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_optim_states import COMBOS, SHAPES, _exp_avg, _optimizer
+from trainer.optim_states import StateDtypes
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _run(combo: tuple[str, str, str], device: str, steps: int = 4) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float32 if combo[0] == "fp32" else torch.bfloat16
+    params = [torch.nn.Parameter((1 + torch.rand(s, generator=gen)).to(dtype).to(device)) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen).to(dtype).to(device) for s in SHAPES] for _ in range(steps)]
+    opt = _optimizer(params, StateDtypes(*combo))
+    for i, step in enumerate(grads):
+        for p, g in zip(params, step):
+            p.grad = g
+        opt.grad_scale = torch.tensor(2.0, device=device)
+        opt.found_inf = torch.tensor(1.0 if i == 1 else 0.0, device=device)
+        opt.step()
+    return [[p.detach().double().cpu(), _exp_avg(opt, p).cpu(), opt.state[p]["exp_avg_sq"].double().cpu()]
+            for p in params]
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_the_gpu_update_rounds_as_the_cpu_one(combo: tuple[str, str, str]) -> None:
+    differing = total = 0
+    for cpu, gpu in zip(_run(combo, "cpu"), _run(combo, "cuda")):
+        for a, b in zip(cpu, gpu):
+            # One ulp of the coarsest state (e4m3: 2^-3 of the value's power of two; the block scale may differ
+            # by one power of two where the amax sits on a boundary) plus fp32 noise.
+            ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(1e-30)))) * 2.0**-2
+            assert bool(((a - b).abs() <= ulp + 1e-6).all()), combo
+            differing += int((a != b).sum())
+            total += a.numel()
+    assert differing <= total * 2e-2, (differing, total)
