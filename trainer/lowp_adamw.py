@@ -7,8 +7,9 @@ the host step counter counts it), and the same hash-keyed random bits, so every 
 stochastically by a function of (seed, step, fqn, the element's global index): identical in every layout that
 does not cut an fp8 block, and on resume. fp32 values are stored as computed.
 
-The update runs eagerly (per tensor, in chunks of rows so that its fp32 temporaries stay small): on a GPU that is
-slower than the Triton kernel the other optimizers use, and the startup line says so.
+On a GPU the update is the Triton kernel of the other optimizers (trainer/adamw_kernel.py, which reads and writes
+each state in its own dtype and quantizes an fp8 block per row of a program); on a CPU it runs eagerly, per tensor
+in chunks of rows so that its fp32 temporaries stay small. The two draw the same random bits.
 
 Checkpoints hold the state as it is (an fp8 exp_avg as e4m3 plus `exp_avg_scale`); `load_state_dict` keeps the
 dtypes it is given (torch's would cast every state tensor to the parameter's dtype) and converts a state saved
@@ -89,17 +90,17 @@ class LowPrecisionAdamW(BF16AdamW):
     """AdamW whose moments have dtypes of their own (see the module docstring).
 
     dtypes: the resolved StateDtypes; update: 'stochastic' or 'kahan' for bf16 master weights (as BF16AdamW),
-    ignored for fp32 ones. triton is accepted for BF16AdamW's signature: the update is eager (said at startup).
+    ignored for fp32 ones. triton: the update as one Triton kernel launch per first-moment dtype (a GPU), else
+    eagerly (a CPU).
     """
 
     def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  dtypes: StateDtypes, update: str = "stochastic", seed: int = 0, triton: bool = False,
                  names=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, update=update, seed=seed,
-                         triton=False, names=names)
+                         triton=triton, names=names)
         self.dtypes = dtypes
         self.master = DTYPES[dtypes.master]
-        self.kernel_requested = triton
         self._fp8: dict[torch.Tensor, bool] = {}
 
     def uses_fp8(self, p: torch.Tensor) -> bool:
@@ -142,7 +143,30 @@ class LowPrecisionAdamW(BF16AdamW):
         return state
 
     def _triton_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
-        self._eager_step(group, params, steps)
+        """The Triton kernel (trainer/adamw_kernel.py): one launch per device, gradient dtype, step and first-moment
+        dtype (fp8 blocks and the bf16 first moments of the other tensors: two)."""
+        from trainer import adamw_kernel
+
+        beta1, beta2 = group["betas"]
+        kahan = self.master == torch.bfloat16 and self.update == "kahan"
+        launches: dict[tuple, list[torch.Tensor]] = {}
+        for p, step in zip(params, steps):
+            if _local(p).numel():
+                key = (_local(p).device, _local(p.grad).dtype, step, self.state[p]["exp_avg"].dtype)
+                launches.setdefault(key, []).append(p)
+        for (device, _, step, m_dtype), ps in launches.items():
+            states = [self.state[p] for p in ps]
+            fp8 = SCALE_KEY in states[0]
+            adamw_kernel.adamw_step(
+                [_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
+                [_local(s["exp_avg_sq"]) for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"],
+                grad_scale=None if self.grad_scale is None else self.grad_scale.to(device),
+                found_inf=None if self.found_inf is None else self.found_inf.to(device), step=step,
+                rounding=adamw_kernel.ROUND_KAHAN if kahan else adamw_kernel.ROUND_STOCHASTIC,
+                comps=[_local(s["kahan_comp"]) for s in states] if kahan else None,
+                layouts=[self._layout(p) for p in ps], keys=[step_key(self.seed, self._keys[p], step) for p in ps],
+                scales=[_local(s[SCALE_KEY]) for s in states] if fp8 else None)
 
     def _eager_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
         beta1, beta2 = group["betas"]

@@ -244,10 +244,6 @@ def describe_param_groups(optimizer: torch.optim.Optimizer, schedule: dict) -> s
 
 def _update_path(optimizer: torch.optim.Optimizer) -> str:
     """Which code runs the update, in words."""
-    if isinstance(optimizer, LowPrecisionAdamW):
-        if optimizer.kernel_requested:  # a GPU: say loudly that this is not the kernel
-            return "eager torch per tensor (SLOWER than the Triton kernel, which has no path for these state dtypes)"
-        return "eager torch per tensor"
     if isinstance(optimizer, (TritonAdamW, BF16AdamW)) and getattr(optimizer, "triton", True):
         return "the Triton kernel"
     if isinstance(optimizer, LocalFusedAdamW):

@@ -1,5 +1,5 @@
-"""LowPrecisionAdamW (trainer/lowp_adamw.py) on CUDA tensors: the update of tests/unit/test_optim_states.py on the
-GPU rounds as on the CPU. The same random bits pick the same neighbour unless the fp32 values differ in their last
+"""LowPrecisionAdamW (trainer/lowp_adamw.py) on CUDA tensors: its eager update (tests/unit/test_optim_states.py) on
+the GPU rounds as on the CPU, and its Triton kernel as the eager update. The same random bits pick the same neighbour unless the fp32 values differ in their last
 bits (CUDA's lerp and FMA contractions against the CPU's), which moves a rounding by at most one ulp of the state's
 dtype, rarely."""
 
@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from tests.unit.test_optim_states import COMBOS, SHAPES, _exp_avg, _optimizer
+from tests.unit.test_optim_states_kernel import COMBOS as KERNEL_COMBOS
+from tests.unit.test_optim_states_kernel import check_same_bits, check_within_an_ulp, runs
 from trainer.optim_states import StateDtypes
 
 pytestmark = [
@@ -45,3 +47,19 @@ def test_the_gpu_update_rounds_as_the_cpu_one(combo: tuple[str, str, str]) -> No
             differing += int((a != b).sum())
             total += a.numel()
     assert differing <= total * 2e-2, (differing, total)
+
+
+@pytest.mark.parametrize("combo", KERNEL_COMBOS)
+def test_the_kernel_rounds_as_the_eager_update_on_the_gpu(combo: tuple[str, str, str]) -> None:
+    """LowPrecisionAdamW's Triton kernel compiled for the GPU: the interpreter's comparisons
+    (tests/unit/test_optim_states_kernel.py) on CUDA tensors."""
+    check_same_bits(*runs(combo, beta1=0.5, device="cuda"))
+    check_within_an_ulp(*runs(combo, device="cuda"))
+
+
+def test_the_kernel_is_what_runs_on_a_gpu() -> None:
+    from trainer.optim import describe_optimizer_state
+
+    p = torch.nn.Parameter(torch.randn(256, 256, device="cuda"))
+    opt = _optimizer([p], StateDtypes("fp32", "fp8", "bf16"), triton=True)
+    assert "update: the Triton kernel" in describe_optimizer_state(opt)
