@@ -63,3 +63,21 @@ def test_resume_is_bit_exact_and_a_reshard_converts_the_dtype(tmp_path: Path) ->
     # 1 process reads other samples than 2 ranks (as any layout change): compare the two 1-process resumes.
     assert bf16[3] == fp8[3]  # the same weights and data before the first update
     assert abs(bf16[4] - fp8[4]) < 1e-3 * fp8[4], (bf16[4], fp8[4])
+
+
+def test_pipeline_and_expert_parallel_runs_match_one_process(tmp_path: Path) -> None:
+    """pp = 2 (each stage holds whole tensors) and MoE with ep = 2 (each rank whole experts): every fp8 block is the
+    one process's, so the losses are the 1-process run's up to the order of fp32 sums (they differ by an fp32 ulp of
+    the loss, 5e-7, on this CPU)."""
+    from tests.distributed.spawn import train_then_one_process
+
+    base = [*ARGS, "--train.steps=3", "--checkpoint.enable=false"]
+    moe = ["--model.flavor=debug_moe", "--train.batch_size=8"]
+    for layout, extra, one in (  # 2 data-parallel ranks read half the batch each: the same samples as one process
+            ("pp", ["--distributed.pp=2"], []),
+            ("ep", [*moe, "--distributed.ep=2", "--distributed.dp_shard=2", "--train.batch_size=4"], moe)):
+        got, ref = run_distributed(train_then_one_process, world_size=2, timeout=120,
+                                   args=([*base, *extra], [*base, *one], str(tmp_path / layout)))[0]
+        assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3]
+        for a, b in zip(got, ref):
+            assert abs(a["loss"] - b["loss"]) < 1e-5 * b["loss"], (layout, a["step"], a["loss"], b["loss"])
