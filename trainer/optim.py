@@ -273,7 +273,9 @@ def describe_optimizer_state(optimizer: torch.optim.Optimizer) -> str:
         exp_avg = (f"fp8 e4m3 (1x128 blocks of the global tensor, power-of-two fp32 scales, stochastic rounding) "
                    f"in {len(fp8)}/{len(params)} tensors, bf16 in {len(params) - len(fp8)} (1-D, last dim not a "
                    f"multiple of 128, or a shard cutting a block)")
-    rounding = lambda d: " (stochastic rounding)" if d == "bf16" else ""  # noqa: E731
+    stochastic = isinstance(optimizer, BF16AdamW)  # LowPrecisionAdamW too; torch's AdamW rounds to nearest
+    rounding = lambda d: ("" if d != "bf16" else " (stochastic rounding)" if stochastic  # noqa: E731
+                          else " (round to nearest)")
     bytes_ = " + ".join(f"{k} {v:.3g}" for k, v in sizes.items()) + f" = {sum(sizes.values()):.3g} B/param"
     return (f"master {dtypes.master}{' (Kahan)' if kahan else ''}; exp_avg {exp_avg}{rounding(dtypes.exp_avg)}; "
             f"exp_avg_sq {dtypes.exp_avg_sq}{rounding(dtypes.exp_avg_sq)}; {bytes_}; update: {_update_path(optimizer)}")

@@ -284,3 +284,27 @@ def test_the_memory_plan_and_the_fit_check_count_the_state_dtypes(args: list[str
     est = estimate_train_state(job.model_args, job.parallel_dims, bf16_master=master == 2, kahan=False,
                                exp_avg=opt.exp_avg_dtype, exp_avg_sq=opt.exp_avg_sq_dtype)
     assert est.bytes_per_param == 2 * master + moments  # weights and gradients in the master dtype, the moments
+
+
+def test_the_startup_line_says_dtypes_bytes_and_update_for_every_optimizer() -> None:
+    from trainer.bf16_adamw import BF16AdamW
+    from trainer.optim import LocalFusedAdamW, describe_optimizer_state
+
+    kw = dict(lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1)
+    lines = {
+        "bf16": describe_optimizer_state(BF16AdamW(_params("bf16"), update="kahan", seed=0, **kw)),
+        "fp32": describe_optimizer_state(LocalFusedAdamW(_params("fp32"), **kw)),
+        "nearest": describe_optimizer_state(LocalFusedAdamW(_params("bf16"), **kw)),
+        "fp8": describe_optimizer_state(_optimizer(_params("fp32"), StateDtypes("fp32", "fp8", "bf16"))),
+    }
+    assert lines["bf16"] == ("master bf16 (Kahan); exp_avg bf16 (stochastic rounding); exp_avg_sq bf16 (stochastic "
+                             "rounding); master 2 + exp_avg 2 + exp_avg_sq 2 + kahan 2 = 8 B/param; update: eager torch "
+                             "per tensor")
+    assert lines["fp32"].endswith("master 4 + exp_avg 4 + exp_avg_sq 4 = 12 B/param; update: torch's fused kernel "
+                                  "over the local shards")
+    assert "exp_avg bf16 (round to nearest)" in lines["nearest"]
+    # SHAPES: 1536 + 768 fp8 elements (1 + 4/128 bytes each), 9 + 400 bf16 ones (2 bytes)
+    fp8 = (2304 * (1 + 4 / 128) + 409 * 2) / 2713
+    assert "in 2/4 tensors, bf16 in 2 (1-D" in lines["fp8"]
+    assert f"master 4 + exp_avg {fp8:.3g} + exp_avg_sq 2" in lines["fp8"]
+    assert lines["fp8"].endswith("update: eager torch per tensor")
