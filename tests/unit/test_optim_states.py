@@ -308,3 +308,37 @@ def test_the_startup_line_says_dtypes_bytes_and_update_for_every_optimizer() -> 
     assert "in 2/4 tensors, bf16 in 2 (1-D" in lines["fp8"]
     assert f"master 4 + exp_avg {fp8:.3g} + exp_avg_sq 2" in lines["fp8"]
     assert lines["fp8"].endswith("update: eager torch per tensor")
+
+
+def _index(entries: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata,
+    )
+
+    return Metadata(state_dict_metadata={
+        key: TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape),
+                                   [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))])
+        for key, (shape, dtype) in entries.items()})
+
+
+@pytest.mark.parametrize("entry, message", [
+    (("optimizer.state.w.exp_avg_scale", (4, 3), torch.float32), "has shape [4, 3] in the checkpoint but [4, 2]"),
+    (("optimizer.state.w.exp_avg_sq", (4, 256), torch.float8_e4m3fn), "is stored as torch.float8_e4m3fn"),
+    (("optimizer.state.n.exp_avg_scale", (4, 1), torch.float32), "which has no whole 1x128 blocks"),
+])
+def test_the_index_check_knows_the_fp8_first_moment(tmp_path, entry, message) -> None:
+    """A checkpoint's fp8 exp_avg (e4m3) and its block scales (the tensor's shape over 128) pass the index check;
+    scales of another shape, an fp8 entry of another name, scales of a 1-D tensor are one-line errors."""
+    from trainer.checkpoint.format import CheckpointError
+    from trainer.checkpoint.values import check_index_entries
+
+    shapes = {"w": (4, 256), "n": (4,)}
+    good = {"model.w": ((4, 256), torch.float32), "model.n": ((4,), torch.float32),
+            "optimizer.state.w.exp_avg": ((4, 256), torch.float8_e4m3fn),
+            "optimizer.state.w.exp_avg_scale": ((4, 2), torch.float32),
+            "optimizer.state.n.exp_avg": ((4,), torch.bfloat16), "optimizer.state.w.step": ((), torch.float32)}
+    check_index_entries(_index(good), shapes, path=tmp_path)
+    key, shape, dtype = entry
+    with pytest.raises(CheckpointError) as e:
+        check_index_entries(_index({**good, key: (shape, dtype)}), shapes, path=tmp_path)
+    assert message in str(e.value) and key in str(e.value) and "\n" not in str(e.value)
