@@ -99,10 +99,12 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     return cap / 2**30
 
 
-def adamw_bytes(numel: int, dtype: torch.dtype) -> int:
+def adamw_bytes(numel: int, dtype: torch.dtype, moment_bytes: float | None = None) -> int:
     """Bytes one AdamW step over `numel` elements of `dtype` must move, and one more read of the gradients (the
-    norm): read weight, gradient and two moments, write weight and moments."""
-    return numel * dtype.itemsize * (4 + 3 + 1)
+    norm): read weight, gradient and two moments, write weight and moments. moment_bytes: the two moments' bytes per
+    element together where they are not in `dtype` (optimizer.exp_avg_dtype / exp_avg_sq_dtype)."""
+    moments = 2 * dtype.itemsize if moment_bytes is None else moment_bytes
+    return int(numel * (dtype.itemsize * 4 + 2 * moments))
 
 
 def time_optimizer(runner: Trainer, *, repeats: int = 10) -> tuple[float, list[tuple[int, ...]], torch.dtype]:
@@ -172,8 +174,8 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
                                                   profile_dir=profile_dir, emulate=emulate)
     numel = sum(int(torch.Size(s).numel()) for s in shapes)
     result["reference_optimizer_ms"] = 1e3 * reference_optimizer(shapes, dtype, device)
-    for key in ("optimizer", "reference_optimizer"):
-        result[f"{key}_gbps"] = adamw_bytes(numel, dtype) / (result[f"{key}_ms"] / 1e3) / 1e9
+    for key, moments in (("optimizer", result["moment_bytes"]), ("reference_optimizer", None)):
+        result[f"{key}_gbps"] = adamw_bytes(numel, dtype, moments) / (result[f"{key}_ms"] / 1e3) / 1e9
     result["master_dtype"] = str(dtype).removeprefix("torch.")
     gc.collect()
     if torch.cuda.is_available():
@@ -233,6 +235,8 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "autotune_s": compiled.autotune_s,
             "optimizer_kernel_compile_s": compiled.optimizer_kernel_s,
             "memory_cap_gib": cap_gib,
+            "moment_bytes": (None if runner.job.optimizer.state_dtypes is None else sum(
+                v for k, v in runner.job.optimizer.state_dtypes.bytes_per_param().items() if k != "master")),
         }, shapes, dtype, device
     finally:
         # The process group stays for the next precision, as between precision-schedule phases:
