@@ -58,8 +58,8 @@ def estimate_train_state(args: ModelArgs, pd: ParallelDims, *, bf16_master: bool
     if dtypes.in_master_dtype:
         what = f"{dtypes.master} master weights, gradients and 2 AdamW moments"
     else:
-        what = (f"{dtypes.master} master weights and gradients, an {dtypes.exp_avg} exp_avg and an "
-                f"{dtypes.exp_avg_sq} exp_avg_sq")
+        what = (f"{dtypes.master} master weights and gradients, exp_avg in {dtypes.exp_avg}, exp_avg_sq in "
+                f"{dtypes.exp_avg_sq}")
     if kahan:
         what += ", a bf16 Kahan buffer"
     return TrainStateEstimate(num_params=param_count(args), bytes_per_param=sum(sizes.values()) + sizes["master"],
@@ -118,7 +118,7 @@ def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory:
         fixes.append("set distributed.master_dtype='bf16' (half the bytes)")
     raise ConfigError(
         f"{key}: about {est.num_params / 1e9:,.1f}B parameters, {est.bytes_per_rank / GIB:,.1f} GiB of weights, "
-        f"gradients and optimizer state per rank after sharding ({layout}; {est.bytes_per_param:g} bytes per "
+        f"gradients and optimizer state per rank after sharding ({layout}; {est.bytes_per_param:.4g} bytes per "
         f"parameter: {est.what}), more than the {capacity / GIB:,.1f} GiB of {device}, before any activation; "
         + ", or ".join(fixes)
     )
