@@ -62,13 +62,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def state_bytes_per_param(master_dtype: str, bf16_update: str) -> int:
-    """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (+ Kahan buffer)."""
-    size = 4 if master_dtype == "fp32" else 2
-    return 4 * size + (size if master_dtype == "bf16" and bf16_update == "kahan" else 0)
+def state_bytes_per_param(master_dtype: str, bf16_update: str, exp_avg: str = "auto", exp_avg_sq: str = "auto") -> float:
+    """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (in
+    optimizer.exp_avg_dtype / exp_avg_sq_dtype; + Kahan buffer)."""
+    from trainer.optim_states import StateDtypes
+
+    sizes = StateDtypes.resolve(bf16_master=master_dtype == "bf16", exp_avg=exp_avg, exp_avg_sq=exp_avg_sq
+                                ).bytes_per_param(kahan=master_dtype == "bf16" and bf16_update == "kahan")
+    return sum(sizes.values()) + sizes["master"]
 
 
-def memory_cap_bytes(*, local_params: int, bytes_per_param: int, world: int, emulate_gpus: int, gpu_bytes: int) -> int:
+def memory_cap_bytes(*, local_params: int, bytes_per_param: float, world: int, emulate_gpus: int, gpu_bytes: int) -> int:
     """What one rank of this job may use to behave like one rank of the same job on `emulate_gpus` GPUs of
     `gpu_bytes` each: the sharded state shrinks by world / emulate_gpus there, everything else is the same.
     """
@@ -81,7 +85,10 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     device = runner.device
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in runner.model.parameters())
     master = "bf16" if next(runner.model.parameters()).dtype == torch.bfloat16 else "fp32"
-    per_param = state_bytes_per_param(master, runner.job.optimizer.bf16_update)
+    o = runner.job.optimizer
+    dtypes = o.state_dtypes
+    per_param = state_bytes_per_param(master, o.bf16_update or "stochastic", *((dtypes.exp_avg, dtypes.exp_avg_sq)
+                                                                             if dtypes else ()))
     cap = memory_cap_bytes(local_params=local, bytes_per_param=per_param, world=runner.env.world_size,
                            emulate_gpus=emulate_gpus, gpu_bytes=int(gpu_gib * 2**30))
     total = torch.cuda.get_device_properties(device).total_memory
@@ -92,10 +99,12 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     return cap / 2**30
 
 
-def adamw_bytes(numel: int, dtype: torch.dtype) -> int:
+def adamw_bytes(numel: int, dtype: torch.dtype, moment_bytes: float | None = None) -> int:
     """Bytes one AdamW step over `numel` elements of `dtype` must move, and one more read of the gradients (the
-    norm): read weight, gradient and two moments, write weight and moments."""
-    return numel * dtype.itemsize * (4 + 3 + 1)
+    norm): read weight, gradient and two moments, write weight and moments. moment_bytes: the two moments' bytes per
+    element together where they are not in `dtype` (optimizer.exp_avg_dtype / exp_avg_sq_dtype)."""
+    moments = 2 * dtype.itemsize if moment_bytes is None else moment_bytes
+    return int(numel * (dtype.itemsize * 4 + 2 * moments))
 
 
 def time_optimizer(runner: Trainer, *, repeats: int = 10) -> tuple[float, list[tuple[int, ...]], torch.dtype]:
@@ -165,8 +174,8 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
                                                   profile_dir=profile_dir, emulate=emulate)
     numel = sum(int(torch.Size(s).numel()) for s in shapes)
     result["reference_optimizer_ms"] = 1e3 * reference_optimizer(shapes, dtype, device)
-    for key in ("optimizer", "reference_optimizer"):
-        result[f"{key}_gbps"] = adamw_bytes(numel, dtype) / (result[f"{key}_ms"] / 1e3) / 1e9
+    for key, moments in (("optimizer", result["moment_bytes"]), ("reference_optimizer", None)):
+        result[f"{key}_gbps"] = adamw_bytes(numel, dtype, moments) / (result[f"{key}_ms"] / 1e3) / 1e9
     result["master_dtype"] = str(dtype).removeprefix("torch.")
     gc.collect()
     if torch.cuda.is_available():
@@ -226,6 +235,8 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "autotune_s": compiled.autotune_s,
             "optimizer_kernel_compile_s": compiled.optimizer_kernel_s,
             "memory_cap_gib": cap_gib,
+            "moment_bytes": (None if runner.job.optimizer.state_dtypes is None else sum(
+                v for k, v in runner.job.optimizer.state_dtypes.bytes_per_param().items() if k != "master")),
         }, shapes, dtype, device
     finally:
         # The process group stays for the next precision, as between precision-schedule phases:

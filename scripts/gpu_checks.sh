@@ -5,6 +5,9 @@
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
 #       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
 #   bash scripts/gpu_checks.sh optim8b    (fp8, fp32 master weights: optimizer.implementation fused vs triton)
+#   bash scripts/gpu_checks.sh optstates_tests optstates  (1 GPU: low-precision optimizer states: GPU tests, then 8B shapes x
+#       8 layers per state dtype, OPTSTATES_RUNS=bf16m-auto,bf16m-fp8 to pick; PARITY_LEGS=fp8-exp-avg-fp8,fp8-exp-avg-sq-bf16
+#       ... parity1b for their parity legs)
 #   bash scripts/gpu_checks.sh coldstart  (time to step 1 with cold and warm compile caches; COLD_LAYERS=32 for the whole 8B)
 #   bash scripts/gpu_checks.sh blockwise_tests blockwise_bench  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
@@ -88,6 +91,25 @@ for s in $STEPS; do case $s in
       $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8, fp32 master, optimizer $impl" --precisions fp8 --warmup 6 --steps 10 \
         ${BENCH_8B} --distributed.master_dtype=fp32 --optimizer.implementation=$impl 2>&1 | tee "$OUT/bench8b_optim_$impl.log" | grep -v "^\[rank"
     done ;;
+  optstates_tests)  # low-precision optimizer states: their GPU tests and the AdamW kernel's (which now runs them too)
+    python3 -m pytest -q -m gpu tests/gpu/test_optim_states_gpu.py tests/gpu/test_adamw_kernel_gpu.py -s 2>&1 \
+      | tee "$OUT/gpu_tests_optim_states.log" | tail -5 ;;
+  optstates)  # low-precision optimizer states (docs/fp8.md): fp8 at 8B shapes x 8 layers, batch 4, peak memory and step
+    # time of bf16 master weights with the bf16 (auto) vs fp8 first moment, fp32 master weights with fp32 (auto) vs
+    # bf16 moments vs an fp8 first moment, and each run's "Optimizer state" startup line (dtypes, B/param, which
+    # update runs). OPTSTATES_RUNS picks runs (comma-separated labels) to spread them over calls.
+    for v in "bf16m-auto" "bf16m-fp8 --optimizer.exp_avg_dtype=fp8" \
+             "fp32m-auto --distributed.master_dtype=fp32" \
+             "fp32m-bf16 --distributed.master_dtype=fp32 --optimizer.exp_avg_dtype=bf16 --optimizer.exp_avg_sq_dtype=bf16" \
+             "fp32m-fp8 --distributed.master_dtype=fp32 --optimizer.exp_avg_dtype=fp8 --optimizer.exp_avg_sq_dtype=bf16"; do
+      set -- $v; label=$1; shift
+      case ",${OPTSTATES_RUNS:-$label}," in *",$label,"*) ;; *) continue ;; esac
+      log="$OUT/bench8b_optstates_$label.log"
+      $B --label "8B shapes, 8 layers, batch 4, seq 4096, optimizer states $label" --precisions fp8 --warmup 6 --steps 10 \
+        ${BENCH_8B} "$@" > "$log" 2>&1
+      grep -m1 "Optimizer state" "$log" | cut -c1-400 | sed "s/^/[optstates $label] /"
+      grep -v "^\[rank" "$log" | tail -6
+    done 2>&1 | tee -a "$OUT/optstates.log" ;;
   bench8b_ag)  # fp8 with bf16 all-gather, explicitly (the "auto" default also turns it off with one rank)
     $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8 all-gather off" --precisions fp8 --warmup 6 --steps 10 ${BENCH_8B} --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/bench8b_ag.log" | grep -v "^\[rank" ;;
   bench8b_bf16m)  # fp8, bf16 master weights and moments, each bf16_update (all-gather off as in bench8b_ag)
@@ -187,6 +209,8 @@ for s in $STEPS; do case $s in
       --variant "fp8-bf16-master-seed1=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
       --variant "bf16-master-seed1=--train.mixed_precision=bf16 --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --train.seed=1" \
       --variant "fp8-e4m3=--float8.format=e4m3" \
+      --variant "fp8-exp-avg-fp8=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --optimizer.exp_avg_dtype=fp8" \
+      --variant "fp8-exp-avg-sq-bf16=--optimizer.exp_avg_dtype=bf16 --optimizer.exp_avg_sq_dtype=bf16" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
     for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   recipe7b)  # 4+ GPUs: configs/train/7b_16gpu_fp8.toml as a 16x H100 job would run it (memory capped per process to

@@ -7,6 +7,11 @@ on disk like any Triton kernel) and finds every tensor of a launch in a table of
 BLOCK elements of one tensor, found in a block map built once per layout. One launch per step and dtype, whatever
 the model; the update moves its bytes at 2.1 TB/s (bf16, stochastic rounding) to 2.9 TB/s (fp32) on an H100.
 
+Each state is read and written in its own dtype (LowPrecisionAdamW, trainer/lowp_adamw.py: fp32 or bf16 weights,
+an fp32, bf16 or fp8 first moment, an fp32 or bf16 second moment); an fp8 first moment's program holds its 1024
+elements as 8 rows of one 1 x 128 block each, takes each row's amax for its power-of-two scale and writes the e4m3
+bytes by integer arithmetic (trainer/optim_states.py).
+
 The arithmetic is the eager code's: `trainer.adamw.adamw_update` (torch's AdamW: decoupled weight decay, bias
 correction, the lerp moments), and for bf16 master weights `trainer.bf16_adamw`'s roundings with the same random
 bits (murmur3 finalizers of the element's index in the global tensor and the host's per-step key), so a run rounds
@@ -29,14 +34,16 @@ import triton.language as tl
 from trainer.adamw import Layout
 
 # Columns of the per-tensor table (int64). Where the tensors are (in elements from the launch's first tensor of
-# their dtype: the kernel's base pointers), then the local tensor as up to 3 dims
+# their kind: the kernel's base pointers; weights and Kahan buffers share one), then the local tensor as up to 3 dims
 # (n0 x n1 x n2, leading dims of 1 added) with each dim's offset in the global tensor and the global tensor's
 # contiguous strides, the global index of the first local element where the local tensor is one contiguous run
-# of the global one (sharded on its first dim only), and the rounding's random keys.
+# of the global one (sharded on its first dim only), the rounding's random keys, and where an fp8 exp_avg's block
+# scales are (from the launch's first scale tensor).
 _P, _G, _M, _V, _C, _STEP = (tl.constexpr(i) for i in range(6))
 _NUMEL, _N1, _N2, _O0, _O1, _O2, _S0, _S1, _S2, _BASE, _CONTIG = (tl.constexpr(i) for i in range(6, 17))
-_K0, _K1, _K2, _KHI = (tl.constexpr(i) for i in range(17, 21))
-COLUMNS = 21
+_K0, _K1, _K2, _KHI, _S = (tl.constexpr(i) for i in range(17, 22))
+COLUMNS = 22
+QB: tl.constexpr = tl.constexpr(128)  # an fp8 exp_avg's block: 1 x 128 elements (trainer.optim_states.QBLOCK)
 
 ROUND_NONE, ROUND_STOCHASTIC, ROUND_KAHAN = 0, 1, 2
 # Elements per program and warps: 8 elements (one 16-byte bf16 vector) per thread. Larger blocks ran out of
@@ -86,6 +93,60 @@ def _to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _maximum(a, b):
+    """The combine of a max reduction (not tl.max: a library @triton.jit, built before a test turns the
+    interpreter on)."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _block_scale(amax):
+    """trainer.optim_states.block_scales: 2^k with amax / 2^k in (224, 448], k >= -126."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    over = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return (tl.maximum(biased - 8 + over, 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stochastic_e4m3(y, bits16):
+    """trainer.optim_states.stochastic_round_to_e4m3 (fp32 in, an e4m3 value as fp32 out)."""
+    y_bits = y.to(tl.int32, bitcast=True)
+    a = (y_bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    biased = (y_bits >> 23) & 0xFF
+    ulp = ((tl.maximum(biased, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    x = tl.div_rn(a, ulp)  # exact: a power of two
+    whole = tl.floor(x)
+    up = ((x - whole) * 65536.0 > bits16.to(tl.float32)).to(tl.float32)
+    q = (whole + up) * ulp
+    return (q.to(tl.int32, bitcast=True) | (y_bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bytes(q):
+    """An fp32 value that e4m3 represents exactly, as its e4m3 byte (by integer arithmetic: no fp8 type in the
+    kernel, so Triton's CPU interpreter runs it too)."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    biased = (bits >> 23) & 0xFF
+    normal = sign | ((biased - 120) << 3) | ((bits >> 20) & 7)  # e4m3's exponent bias is 7: 127 - 7 = 120
+    small = sign | (tl.abs(q) * 512.0).to(tl.int32)  # subnormals: multiples of 2^-9
+    return tl.where(biased >= 121, normal, small).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_value(byte):
+    """An e4m3 byte's value in fp32 (not NaN: the update never writes one)."""
+    b = byte.to(tl.int32)
+    sign = (b & 0x80) << 24
+    e = (b >> 3) & 15
+    mant = b & 7
+    normal = (sign | ((e + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+    small = (sign | (mant.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    return tl.where(e > 0, normal, small)
+
+
+@triton.jit
 def _load(ptrs, mask, MASKED: tl.constexpr):
     if MASKED:
         return tl.load(ptrs, mask=mask).to(tl.float32)
@@ -101,6 +162,29 @@ def _store(ptrs, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _load_fp8(m_ptr, s_ptr, local, mask, MASKED: tl.constexpr):
+    """An fp8 exp_avg's fp32 values: its e4m3 bytes times their block's scale."""
+    if MASKED:
+        byte = tl.load(m_ptr + local, mask=mask, other=0)
+        scale = tl.load(s_ptr + local // QB, mask=mask, other=1.0)
+    else:
+        byte = tl.load(m_ptr + local)
+        scale = tl.load(s_ptr + local // QB)
+    return _e4m3_value(byte) * scale
+
+
+@triton.jit
+def _store_fp8(m_ptr, s_ptr, m, bits16, start, local, numel, mask, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """fp32 `m` ((BLOCK_SIZE / 128) x 128: a block per row) as e4m3 bytes and a scale per row, from the row's amax
+    (trainer.optim_states.quantize_blocks; rows past numel are whole rows: numel is a multiple of 128)."""
+    scale = _block_scale(tl.reduce(tl.abs(tl.where(mask, m, 0.0)), 1, _maximum))
+    q = _stochastic_e4m3(tl.div_rn(m, scale[:, None]), bits16)
+    _store(m_ptr + local, _e4m3_bytes(q), mask, MASKED)
+    block = start // QB + tl.arange(0, BLOCK_SIZE // QB)  # each row's block in the tensor's scales
+    tl.store(s_ptr + block, scale, mask=block * QB < numel)
+
+
+@triton.jit
 def _tensor(base, row, column, ALIGN: tl.constexpr):
     """The tensor at `column` of the table: `base` plus its offset in elements, a multiple of ALIGN (16 bytes
     where the launch's tensors are all so aligned: the loads and stores are then 16-byte vectors)."""
@@ -109,19 +193,25 @@ def _tensor(base, row, column, ALIGN: tl.constexpr):
 
 @triton.jit
 def _update_block(
-    row, local, numel, p_base, g_base, step_base, grad_scale_ptr,
+    row, start, local, numel, p_base, g_base, m_base, v_base, s_base, step_base, grad_scale_ptr,
     lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2,
-    P_DTYPE: tl.constexpr, ROUND: tl.constexpr, DEVICE_STEP: tl.constexpr, HAS_SCALE: tl.constexpr,
-    P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, MASKED: tl.constexpr,
+    P_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, M_FP8: tl.constexpr, ROUND: tl.constexpr,
+    DEVICE_STEP: tl.constexpr, HAS_SCALE: tl.constexpr, P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
+    M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    """AdamW on the elements `local` of one tensor (MASKED: those below numel; else all of them)."""
+    """AdamW on the elements `local` of one tensor (MASKED: those below numel; else all of them). M_FP8: `local` is
+    (BLOCK_SIZE / 128) x 128, one row per block of the fp8 exp_avg (its bytes at m_base, its scales at s_base)."""
     mask = local < numel
     p_ptr = _tensor(p_base, row, _P, P_ALIGN)
-    m_ptr = _tensor(p_base, row, _M, P_ALIGN)
-    v_ptr = _tensor(p_base, row, _V, P_ALIGN)
+    m_ptr = _tensor(m_base, row, _M, M_ALIGN)
+    v_ptr = _tensor(v_base, row, _V, V_ALIGN)
     p = _load(p_ptr + local, mask, MASKED)
     g = _load(_tensor(g_base, row, _G, G_ALIGN) + local, mask, MASKED)
-    m_old = _load(m_ptr + local, mask, MASKED)
+    s_ptr = s_base + tl.load(row + _S)  # M_FP8 only (else a dummy, never read)
+    if M_FP8:
+        m_old = _load_fp8(m_ptr, s_ptr, local, mask, MASKED)
+    else:
+        m_old = _load(m_ptr + local, mask, MASKED)
     v_old = _load(v_ptr + local, mask, MASKED)
     if HAS_SCALE:
         g = g * (1.0 / tl.load(grad_scale_ptr))
@@ -141,8 +231,8 @@ def _update_block(
     denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
     delta = -(lr * weight_decay) * p - step_size * tl.div_rn(m, denom)
     if ROUND == 0:
-        _store(m_ptr + local, _to(m, P_DTYPE), mask, MASKED)
-        _store(v_ptr + local, _to(v, P_DTYPE), mask, MASKED)
+        _store(m_ptr + local, _to(m, M_DTYPE), mask, MASKED)
+        _store(v_ptr + local, _to(v, V_DTYPE), mask, MASKED)
         _store(p_ptr + local, _to(p + delta, P_DTYPE), mask, MASKED)
     else:
         # The element's index in the global tensor: its random bits are the same in every layout.
@@ -158,9 +248,21 @@ def _update_block(
                      + (i2 + tl.load(row + _O2)) * tl.load(row + _S2))
         lo = (index & 0xFFFFFFFF).to(tl.uint32)
         key_hi = tl.load(row + _KHI).to(tl.uint32)
-        _store(m_ptr + local, _stochastic_round(m, _bits16(lo, tl.load(row + _K1).to(tl.uint32), key_hi)), mask, MASKED)
-        _store(v_ptr + local, _stochastic_round(v, _bits16(lo, tl.load(row + _K2).to(tl.uint32), key_hi)), mask, MASKED)
-        if ROUND == 1:
+        m_bits = _bits16(lo, tl.load(row + _K1).to(tl.uint32), key_hi)
+        if M_FP8:
+            _store_fp8(m_ptr, s_ptr, m, m_bits, start, local, numel, mask, MASKED, BLOCK_SIZE)
+        elif M_DTYPE == tl.bfloat16:
+            _store(m_ptr + local, _stochastic_round(m, m_bits), mask, MASKED)
+        else:
+            _store(m_ptr + local, m, mask, MASKED)
+        if V_DTYPE == tl.bfloat16:
+            _store(v_ptr + local, _stochastic_round(v, _bits16(lo, tl.load(row + _K2).to(tl.uint32), key_hi)), mask,
+                   MASKED)
+        else:
+            _store(v_ptr + local, v, mask, MASKED)
+        if P_DTYPE == tl.float32:  # fp32 master weights (LowPrecisionAdamW): no rounding to choose
+            _store(p_ptr + local, p + delta, mask, MASKED)
+        elif ROUND == 1:
             new = _stochastic_round(p + delta, _bits16(lo, tl.load(row + _K0).to(tl.uint32), key_hi))
             _store(p_ptr + local, new, mask, MASKED)
         else:  # Kahan: round to nearest, keep what rounding dropped (trainer.bf16_adamw._update)
@@ -173,10 +275,11 @@ def _update_block(
 
 @triton.jit
 def _adamw_kernel(
-    table, block_tensor, block_index, p_base, g_base, step_base, grad_scale_ptr, found_inf_ptr,
-    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2,
-    P_DTYPE: tl.constexpr, ROUND: tl.constexpr, DEVICE_STEP: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_INF: tl.constexpr, P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, NCOLS: tl.constexpr,
+    table, block_tensor, block_index, p_base, g_base, m_base, v_base, s_base, step_base, grad_scale_ptr,
+    found_inf_ptr, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1,
+    log2_beta2, P_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, M_FP8: tl.constexpr,
+    ROUND: tl.constexpr, DEVICE_STEP: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, NCOLS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     """Program i: block block_index[i] of tensor block_tensor[i], a row of `table`. A full block runs unmasked
@@ -184,18 +287,23 @@ def _adamw_kernel(
     pid = tl.program_id(0)
     row = table + tl.load(block_tensor + pid).to(tl.int64) * NCOLS
     start = tl.load(block_index + pid).to(tl.int64) * BLOCK_SIZE
-    local = start + tl.arange(0, BLOCK_SIZE)
+    if M_FP8:  # one row per 1 x 128 block of the fp8 exp_avg
+        local = start + tl.arange(0, BLOCK_SIZE // QB)[:, None] * QB + tl.arange(0, QB)[None, :]
+    else:
+        local = start + tl.arange(0, BLOCK_SIZE)
     numel = tl.load(row + _NUMEL)
     if HAS_INF:  # a non-finite step changes nothing (the fused protocol): no element is live
         numel = tl.where(tl.load(found_inf_ptr) == 0, numel, 0)
     if start + BLOCK_SIZE <= numel:
-        _update_block(row, local, numel, p_base, g_base, step_base, grad_scale_ptr, lr, beta1, beta2, eps,
-                      weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2, P_DTYPE, ROUND,
-                      DEVICE_STEP, HAS_SCALE, P_ALIGN, G_ALIGN, MASKED=False)
+        _update_block(row, start, local, numel, p_base, g_base, m_base, v_base, s_base, step_base, grad_scale_ptr, lr,
+                      beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2,
+                      P_DTYPE, M_DTYPE, V_DTYPE, M_FP8, ROUND, DEVICE_STEP, HAS_SCALE, P_ALIGN, G_ALIGN, M_ALIGN,
+                      V_ALIGN, MASKED=False, BLOCK_SIZE=BLOCK_SIZE)
     else:
-        _update_block(row, local, numel, p_base, g_base, step_base, grad_scale_ptr, lr, beta1, beta2, eps,
-                      weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2, P_DTYPE, ROUND,
-                      DEVICE_STEP, HAS_SCALE, P_ALIGN, G_ALIGN, MASKED=True)
+        _update_block(row, start, local, numel, p_base, g_base, m_base, v_base, s_base, step_base, grad_scale_ptr, lr,
+                      beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2,
+                      P_DTYPE, M_DTYPE, V_DTYPE, M_FP8, ROUND, DEVICE_STEP, HAS_SCALE, P_ALIGN, G_ALIGN, M_ALIGN,
+                      V_ALIGN, MASKED=True, BLOCK_SIZE=BLOCK_SIZE)
 
 
 def _log2(beta: float) -> float:
@@ -271,35 +379,48 @@ def adamw_step(
     grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
     steps: list[torch.Tensor] | None = None, step: int | None = None,
     rounding: int = ROUND_NONE, comps: list[torch.Tensor] | None = None,
-    layouts: list[Layout] | None = None, keys: list[int] | None = None,
+    layouts: list[Layout] | None = None, keys: list[int] | None = None, scales: list[torch.Tensor] | None = None,
 ) -> None:
-    """One AdamW step of every tensor (plain, contiguous, one device; params, moments and compensations of one
-    dtype, gradients of one dtype) in one launch.
+    """One AdamW step of every tensor (plain, contiguous, one device; params and compensations of one dtype,
+    gradients of one, exp_avgs of one, exp_avg_sqs of one) in one launch.
 
     Either `steps` (each parameter's fp32 step tensor on the device, already counting this step: the fused
-    protocol) or `step` (the host's step, for all). rounding=ROUND_STOCHASTIC / ROUND_KAHAN: bf16 tensors,
-    `layouts` and `keys` (trainer.bf16_adamw.step_key of each parameter at this step) given; Kahan also `comps`.
+    protocol) or `step` (the host's step, for all). rounding=ROUND_STOCHASTIC / ROUND_KAHAN: `layouts` and `keys`
+    (trainer.bf16_adamw.step_key of each parameter at this step) given, bf16 moments and weights rounded
+    stochastically (Kahan: the weights to nearest, with `comps`), fp32 ones stored as computed. `scales`: the
+    exp_avgs are float8 e4m3 with these fp32 block scales (trainer/optim_states.py; rounding given, every last
+    dim a multiple of 128).
     """
     global compile_seconds
     if not params:
         return
     device, p_dtype, g_dtype = params[0].device, params[0].dtype, grads[0].dtype
+    m_dtype, v_dtype = exp_avgs[0].dtype, exp_avg_sqs[0].dtype
+    fp8 = scales is not None
     assert (steps is None) != (step is None), "either device steps or the host step"
     assert (rounding != ROUND_NONE) == (layouts is not None and keys is not None)
     assert (rounding == ROUND_KAHAN) == (comps is not None)
+    assert (rounding != ROUND_NONE or (m_dtype == v_dtype == p_dtype)) and (not fp8 or rounding != ROUND_NONE)
     tensors = [params, grads, exp_avgs, exp_avg_sqs] + ([comps] if comps is not None else [])
     for i, p in enumerate(params):
-        for t, dtype in zip([ts[i] for ts in tensors], (p_dtype, g_dtype, p_dtype, p_dtype, p_dtype)):
+        for t, dtype in zip([ts[i] for ts in tensors], (p_dtype, g_dtype, m_dtype, v_dtype, p_dtype)):
             assert t.device == device and t.dtype == dtype and t.is_contiguous() and t.numel() == p.numel(), (
                 f"tensor {i}: {t.device} {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}, expected "
                 f"{device} {dtype} {tuple(p.shape)}")
-    p_base, g_base = params[0], grads[0]
-    p_offsets = [_offsets(ts, p_base) for ts in (params, exp_avgs, exp_avg_sqs, comps or [p_base] * len(params))]
+        if fp8:
+            assert p.shape[-1] % QB.value == 0 and scales[i].is_contiguous() and scales[i].dtype == torch.float32 \
+                and scales[i].numel() * QB.value == p.numel(), (i, tuple(p.shape), tuple(scales[i].shape))
+    if fp8:
+        exp_avgs = [m.view(torch.uint8) for m in exp_avgs]  # the kernel reads and writes e4m3 as bytes
+    p_base, g_base, m_base, v_base = params[0], grads[0], exp_avgs[0], exp_avg_sqs[0]
+    p_offsets = [_offsets(ts, p_base) for ts in (params, comps or [p_base] * len(params))]
+    m_offsets, v_offsets = _offsets(exp_avgs, m_base), _offsets(exp_avg_sqs, v_base)
+    s_offsets = _offsets(scales, scales[0]) if fp8 else [0] * len(params)
     g_offsets = _offsets(grads, g_base)
     step_offsets = _offsets(steps, steps[0]) if steps is not None else [0] * len(params)
     rows = []
     for i, p in enumerate(params):
-        row = [p_offsets[0][i], g_offsets[i], p_offsets[1][i], p_offsets[2][i], p_offsets[3][i], step_offsets[i],
+        row = [p_offsets[0][i], g_offsets[i], m_offsets[i], v_offsets[i], p_offsets[1][i], step_offsets[i],
                p.numel()]
         if layouts is None:
             row += [1, 1] + [0] * 8 + [0, 0, 0, 0]
@@ -307,25 +428,26 @@ def adamw_step(
             key = keys[i]  # random_bits16's key per stream (0: weights, 1: exp_avg, 2: exp_avg_sq), and its high half
             row += _layout_columns(layouts[i], tuple(p.shape))
             row += [(key + stream * 0x632BE5AB) & 0xFFFFFFFF for stream in range(3)] + [key >> 32]
+        row.append(s_offsets[i])
         assert len(row) == COLUMNS, row
         rows.append(row)
     block_tensor, block_index = _block_map(tuple(p.numel() for p in params), device)
     host_step = step if step is not None else 1
-    p_align = _alignment([t for ts in tensors[:1] + tensors[2:] for t in ts])
-    g_align = _alignment(grads)
-    variant = (device, p_dtype, g_dtype, rounding, steps is not None, grad_scale is not None, found_inf is not None,
-               p_align, g_align)
+    aligns = [_alignment(ts) for ts in (params + (comps or []), grads, exp_avgs, exp_avg_sqs)]
+    variant = (device, p_dtype, g_dtype, m_dtype, v_dtype, rounding, steps is not None, grad_scale is not None,
+               found_inf is not None, *aligns)
     first = variant not in _launched
     start = time.perf_counter()
     _adamw_kernel[(len(block_tensor),)](
-        _device_table(rows, device), block_tensor, block_index, p_base, g_base,
-        steps[0] if steps is not None else block_tensor,
+        _device_table(rows, device), block_tensor, block_index, p_base, g_base, m_base, v_base,
+        scales[0] if fp8 else block_tensor, steps[0] if steps is not None else block_tensor,
         grad_scale if grad_scale is not None else block_tensor, found_inf if found_inf is not None else block_tensor,
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         1.0 - beta1 ** host_step, (1.0 - beta2 ** host_step) ** 0.5, _log2(beta1), _log2(beta2),
-        P_DTYPE=_TL_DTYPES[p_dtype], ROUND=rounding, DEVICE_STEP=steps is not None, HAS_SCALE=grad_scale is not None,
-        HAS_INF=found_inf is not None, P_ALIGN=p_align, G_ALIGN=g_align, NCOLS=COLUMNS, BLOCK_SIZE=BLOCK,
-        num_warps=NUM_WARPS,
+        P_DTYPE=_TL_DTYPES[p_dtype], M_DTYPE=tl.uint8 if fp8 else _TL_DTYPES[m_dtype], V_DTYPE=_TL_DTYPES[v_dtype],
+        M_FP8=fp8, ROUND=rounding, DEVICE_STEP=steps is not None, HAS_SCALE=grad_scale is not None,
+        HAS_INF=found_inf is not None, P_ALIGN=aligns[0], G_ALIGN=aligns[1], M_ALIGN=aligns[2], V_ALIGN=aligns[3],
+        NCOLS=COLUMNS, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
     )
     if first:  # the first launch of a variant compiles it (or loads it from Triton's cache): host time
         _launched.add(variant)

@@ -11,6 +11,8 @@ from torch import nn
 
 from trainer.adamw import plain_tensor
 from trainer.bf16_adamw import BF16AdamW
+from trainer.lowp_adamw import LowPrecisionAdamW
+from trainer.optim_states import StateDtypes
 
 _local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
 
@@ -113,6 +115,7 @@ def build_optimizer(
     bf16_update: Literal["stochastic", "kahan", "nearest"] | None = None,
     seed: int = 0,
     triton: bool = False,
+    dtypes: StateDtypes | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW: "fused" runs torch's fused kernel over the local shards (LocalFusedAdamW), "triton" the same
     update as our Triton kernel (TritonAdamW), "torch_fused" is
@@ -121,11 +124,17 @@ def build_optimizer(
 
     bf16_update='nearest' is torch AdamW on the bf16 weights (updates below half an ulp
     are lost). `seed` and `triton` apply to BF16AdamW only (its rounding's random bits;
-    its update as the Triton kernel, not eagerly).
+    its update as the Triton kernel, not eagerly). `dtypes` with a moment outside the master
+    dtype (optimizer.exp_avg_dtype / exp_avg_sq_dtype): LowPrecisionAdamW, whatever the implementation.
     """
-    if bf16_update in ("stochastic", "kahan"):
-        from trainer.models.layers import clean_fqn
+    from trainer.models.layers import clean_fqn
 
+    if dtypes is not None and not dtypes.in_master_dtype:
+        named = list(model.named_parameters())
+        return LowPrecisionAdamW([p for _, p in named], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 dtypes=dtypes, update=bf16_update or "stochastic", seed=seed, triton=triton,
+                                 names=[clean_fqn(n) for n, _ in named])
+    if bf16_update in ("stochastic", "kahan"):
         named = list(model.named_parameters())
         return BF16AdamW([p for _, p in named], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          update=bf16_update, seed=seed, triton=triton, names=[clean_fqn(n) for n, _ in named])
@@ -225,7 +234,48 @@ def describe_param_groups(optimizer: torch.optim.Optimizer, schedule: dict) -> s
     peaks = {group.get("initial_lr", group["lr"]) for group in optimizer.param_groups}
     assert len(peaks) == 1, f"build_optimizer gives every group one lr, not {sorted(peaks)}"
     name = type(optimizer).__name__
-    if isinstance(optimizer, BF16AdamW):
+    if isinstance(optimizer, LowPrecisionAdamW):
+        name += f" ({optimizer.dtypes.master} master weights, moments in dtypes of their own)"
+    elif isinstance(optimizer, BF16AdamW):
         name += f" (bf16 master weights, {optimizer.update} rounding)"
     return (f"{name}, {len(parts)} group{'s' if len(parts) > 1 else ''}: " + "; ".join(parts)
             + f"; {describe_schedule(peaks.pop(), **schedule)}")
+
+
+def _update_path(optimizer: torch.optim.Optimizer) -> str:
+    """Which code runs the update, in words."""
+    if isinstance(optimizer, (TritonAdamW, BF16AdamW)) and getattr(optimizer, "triton", True):
+        return "the Triton kernel"
+    if isinstance(optimizer, LocalFusedAdamW):
+        return "torch's fused kernel over the local shards"
+    if isinstance(optimizer, BF16AdamW):
+        return "eager torch per tensor"
+    return "torch.optim.AdamW (" + ("fused" if optimizer.defaults.get("fused") else "foreach") + ")"
+
+
+def describe_optimizer_state(optimizer: torch.optim.Optimizer) -> str:
+    """One startup line: each state's dtype, the optimizer state's bytes per parameter (master weights included),
+    and which update runs. Under exp_avg_dtype='fp8' it counts the tensors whose first moment stays bf16."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    numel = sum(p.numel() for p in params) or 1
+    if isinstance(optimizer, LowPrecisionAdamW):
+        dtypes = optimizer.dtypes
+        kahan = dtypes.master == "bf16" and optimizer.update == "kahan"
+    else:
+        master = "bf16" if params and params[0].dtype == torch.bfloat16 else "fp32"
+        dtypes, kahan = StateDtypes(master, master, master), getattr(optimizer, "update", None) == "kahan"
+    sizes = dtypes.bytes_per_param(kahan=kahan)
+    exp_avg = dtypes.exp_avg
+    if dtypes.exp_avg == "fp8":
+        fp8 = [p for p in params if optimizer.uses_fp8(p)]
+        sizes["exp_avg"] = (sum(p.numel() for p in fp8) * sizes["exp_avg"]
+                            + sum(p.numel() for p in params if not optimizer.uses_fp8(p)) * 2.0) / numel
+        exp_avg = (f"fp8 e4m3 (1x128 blocks of the global tensor, power-of-two fp32 scales, stochastic rounding) "
+                   f"in {len(fp8)}/{len(params)} tensors, bf16 in {len(params) - len(fp8)} (1-D, last dim not a "
+                   f"multiple of 128, or a shard cutting a block)")
+    stochastic = isinstance(optimizer, BF16AdamW)  # LowPrecisionAdamW too; torch's AdamW rounds to nearest
+    rounding = lambda d: ("" if d != "bf16" else " (stochastic rounding)" if stochastic  # noqa: E731
+                          else " (round to nearest)")
+    bytes_ = " + ".join(f"{k} {v:.3g}" for k, v in sizes.items()) + f" = {sum(sizes.values()):.3g} B/param"
+    return (f"master {dtypes.master}{' (Kahan)' if kahan else ''}; exp_avg {exp_avg}{rounding(dtypes.exp_avg)}; "
+            f"exp_avg_sq {dtypes.exp_avg_sq}{rounding(dtypes.exp_avg_sq)}; {bytes_}; update: {_update_path(optimizer)}")

@@ -34,7 +34,7 @@ from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
 from trainer.model_values import num_params_for
 from trainer.models import family_of, flops_per_token
 from trainer.models.moe_balancer import MoEBalancer
-from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups
+from trainer.optim import build_lr_scheduler, build_optimizer, describe_optimizer_state, describe_param_groups
 from trainer.parallel.builder import build_model_part
 from trainer.parallel.compile import CompileTimes
 from trainer.parallel.context_parallel import ContextParallel
@@ -141,9 +141,8 @@ class Trainer:
     def _build_optimizer(self, job: ResolvedJob):
         o, s = job.optimizer, job.scheduler
         optimizer = build_optimizer(
-            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-            implementation=o.implementation, seed=job.run.seed, triton=o.triton, bf16_update=o.bf16_update,
-        )
+            self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, dtypes=o.state_dtypes,
+            implementation=o.implementation, seed=job.run.seed, triton=o.triton, bf16_update=o.bf16_update)
         scheduler = build_lr_scheduler(
             optimizer, warmup_steps=s.warmup_steps, total_steps=job.run.steps, decay_type=s.decay_type,
             min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,
@@ -152,8 +151,9 @@ class Trainer:
 
     def _log_model(self) -> None:
         # The startup lines users check, in this order: Applied Float8 training (from
-        # build_parallel_model), Optimizer groups, Model.
+        # build_parallel_model), Optimizer groups and state, Model.
         logger.info("Optimizer groups: %s", describe_param_groups(self.optimizer, self.scheduler.schedule))
+        logger.info("Optimizer state: %s", describe_optimizer_state(self.optimizer))
         args, job = self.model_args, self.job
         # From the shapes, not the model: under pp no rank holds the whole model (equal to num_params of the
         # whole model on every flavor: tests/unit/test_model.py).

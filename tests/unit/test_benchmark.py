@@ -40,6 +40,7 @@ def test_memory_cap_gives_back_the_state_a_larger_job_would_not_hold() -> None:
     assert benchmark.state_bytes_per_param("fp32", "stochastic") == 16  # fp32 weight, grad, exp_avg, exp_avg_sq
     assert benchmark.state_bytes_per_param("bf16", "stochastic") == 8
     assert benchmark.state_bytes_per_param("bf16", "kahan") == 10
+    assert benchmark.state_bytes_per_param("bf16", "stochastic", "fp8", "auto") == 2 + 2 + 1 + 4 / 128 + 2
     # Llama 3 8B (8.03B parameters) on 4 GPUs, emulating 16 H100s: each rank holds 2.0B parameters' state (32 GB)
     # where a 16-GPU rank holds 8 GB, so the cap is 80 GB + 24 GB.
     cap = benchmark.memory_cap_bytes(local_params=2_007_500_000, bytes_per_param=16, world=4, emulate_gpus=16,

@@ -37,6 +37,8 @@ from trainer.checkpoint.format import (
     CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
+from trainer.checkpoint.moments import convert as convert_moments
+from trainer.checkpoint.moments import stage as stage_moments
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.space import (
     checkpoint_bytes, describe_disk_error, move_aside, prune_checkpoints, save_error, warn_if_short,
@@ -235,14 +237,12 @@ class CheckpointManager:
         sd = {"model": model_state_dict(self.state.model)} if model_only else self.state.state_dict()
         if not model_only and "rng.cuda" not in metadata.state_dict_metadata:
             sd["rng"].pop("cuda", None)  # saved on a machine without CUDA
+        staged: dict = {}
         if not model_only:
-            # Switched to optimizer.bf16_update='kahan' from a checkpoint without its compensation
-            # buffers: they start at zero (BF16AdamW recreates them at the next step).
-            fresh = [s for fqn, s in sd["optimizer"]["state"].items() if "kahan_comp" in s
-                     and f"optimizer.state.{fqn}.kahan_comp" not in metadata.state_dict_metadata]
-            for s in fresh:
-                del s["kahan_comp"]
-            if fresh:
+            # Moments saved in other dtypes load into staging tensors of those dtypes (checkpoint/moments.py);
+            # Kahan buffers a checkpoint lacks (optimizer.bf16_update was not 'kahan') start at zero.
+            staged, fresh_kahan = stage_moments(sd["optimizer"]["state"], metadata.state_dict_metadata)
+            if fresh_kahan:
                 logger.info("checkpoint has no Kahan compensation buffers (optimizer.bf16_update was not 'kahan'): "
                             "starting them at zero")
             if note := reconcile_float8_scaling(sd, metadata.state_dict_metadata):
@@ -253,6 +253,9 @@ class CheckpointManager:
         safe_load(tensors, path, what=what, process_group=self.pg)
         self._check_finite(tensors["model"], path, hint="start from other weights" if model_only else
                            "resume an earlier checkpoint with checkpoint.load_step=N")
+        if converted := staged and convert_moments(tensors["optimizer"]["state"], staged):
+            logger.info("converted the checkpoint's AdamW moments to this run's dtypes (optimizer.exp_avg_dtype, "
+                        "exp_avg_sq_dtype, distributed.master_dtype): %s", converted)
         if model_only:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

@@ -25,8 +25,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from trainer.checkpoint.format import CHECKPOINT_JSON, CheckpointError
 from trainer.model_values import Rule, num_tensors, param_count, rule_problem
+from trainer.optim_states import E4M3, QBLOCK, SCALE_KEY, scale_shape
 
-# The dtypes this trainer writes model weights, expert biases and optimizer moments in (the master dtype).
+# The dtypes this trainer writes model weights, expert biases and optimizer moments in (the master dtype, or
+# optimizer.exp_avg_dtype / exp_avg_sq_dtype; an fp8 exp_avg is e4m3, allowed for that key alone).
 INDEX_DTYPES = (torch.float32, torch.bfloat16)
 # The smallest of them: a checkpoint's data files hold at least 2 bytes per parameter.
 MIN_BYTES_PER_PARAM = 2
@@ -124,12 +126,17 @@ def check_index_entries(metadata: Metadata, shapes: dict[str, tuple[int, ...]], 
             want = () if name == "step" or fqn not in shapes else shapes[fqn]
             if fqn not in shapes:
                 continue  # another pipeline stage's parameter: that rank checks it
+            if name == SCALE_KEY:  # an fp8 exp_avg's block scales (trainer/optim_states.py)
+                if len(want) < 2 or want[-1] % QBLOCK:
+                    raise CheckpointError(f"{file}: {key} holds block scales of a tensor of shape {list(want)}, "
+                                          f"which has no whole 1x{QBLOCK} blocks ({EDITED})")
+                want = scale_shape(want)
         else:
             continue  # rng, loss scaler: loaded into this process's own tensors, whose shapes DCP compares
         if want is not None and tuple(md.size) != tuple(want):
             raise CheckpointError(f"{file}: {key} has shape {list(md.size)} in the checkpoint but "
                                   f"{list(want)} in this model ({EDITED}, or another model's)")
-        if md.properties.dtype not in INDEX_DTYPES:
+        if md.properties.dtype not in INDEX_DTYPES and not (key.endswith(".exp_avg") and md.properties.dtype == E4M3):
             raise CheckpointError(f"{file}: {key} is stored as {md.properties.dtype}, not one of "
                                   f"{', '.join(map(str, INDEX_DTYPES))} ({EDITED})")
 

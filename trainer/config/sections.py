@@ -157,6 +157,10 @@ class OptimizerSection:
     """auto = triton on a GPU, fused on a CPU; triton = our AdamW kernel over every local shard of a dtype in one launch, compiled once for every shape (trainer/adamw_kernel.py; fp32 master weights; bf16 master weights use BF16AdamW, whose update is the same kernel on a GPU); fused = torch's fused AdamW kernel over every local shard at once; both apply clipping and skip non-finite steps on the device; torch_fused = torch.optim.AdamW(fused=True) on the sharded parameters (the same kernel dispatched through DTensor); foreach syncs each step. docs/benchmarks.md, the optimizer step, compares them."""
     bf16_update: Literal["stochastic", "kahan", "nearest"] = "stochastic"
     """With bf16 master weights (distributed.master_dtype, bf16 by default for bf16 and fp8 compute; ignored with fp32): how each update is rounded into the bf16 weights. stochastic = unbiased random rounding (no extra memory); kahan = round to nearest plus a bf16 compensation buffer (+2 bytes/parameter); nearest = plain AdamW, loses updates below half a bf16 ulp (~0.2% of the weight). See docs/distributed.md, Master weights."""
+    exp_avg_dtype: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
+    """Dtype of AdamW's first moment (MS-AMP O2, Megatron's precision-aware optimizer). auto = the master dtype (distributed.master_dtype); bf16 = stochastically rounded; fp8 = float8 e4m3 with one power-of-two fp32 scale per 1x128 block of the global tensor, stochastically rounded (1.03 bytes/parameter; tensors of one dim, with a last dim that is not a multiple of 128 or a shard cutting a block keep bf16, counted in the startup line). Any choice but auto runs LowPrecisionAdamW (on a GPU the Triton kernel of the other optimizers, said at startup). A checkpoint saved with another dtype is converted on resume, in one log line. docs/fp8.md#low-precision-optimizer-states."""
+    exp_avg_sq_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Dtype of AdamW's second moment: auto = the master dtype; bf16 = stochastically rounded (round to nearest could never shrink it at beta2 = 0.999). docs/fp8.md#low-precision-optimizer-states."""
 
 
 @dataclass

@@ -4,8 +4,10 @@ Every parameter is sharded over its pipeline stage's FSDP x TP ranks (dp_shard x
 experts are split over ep and FSDP-sharded over the rest of that group, so ep moves experts
 between ranks without changing how much each holds), and each pp rank holds about 1/pp of the
 model. What stays resident for the whole run, per parameter: the master weight, its gradient
-(FSDP2 reduce-scatters into the master dtype) and AdamW's two moments, all in
-distributed.master_dtype, plus a bf16 compensation buffer under optimizer.bf16_update='kahan'.
+(FSDP2 reduce-scatters into the master dtype) and AdamW's two moments, in
+distributed.master_dtype or optimizer.exp_avg_dtype / exp_avg_sq_dtype (an fp8 exp_avg counted at 1 + 4/128 bytes
+for every parameter, though 1-D tensors keep bf16: still a lower bound), plus a bf16 compensation buffer under
+optimizer.bf16_update='kahan'.
 
 That is a lower bound: no activations, no gathered compute-dtype weights, no padding or
 allocator slack, replicated norms counted as sharded and the average pipeline stage rather than
@@ -24,6 +26,7 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.model_values import param_count
 from trainer.models import ModelArgs
+from trainer.optim_states import StateDtypes
 from trainer.parallel import ParallelDims
 from trainer.validate.resolve import uses_bf16_master
 
@@ -35,7 +38,7 @@ class TrainStateEstimate:
     """Parameters and the bytes of training state each rank holds for them (a lower bound)."""
 
     num_params: int
-    bytes_per_param: int
+    bytes_per_param: float
     num_ranks: int
     """Ranks one parameter's state is spread over: dp_shard x cp x tp x pp."""
     what: str
@@ -43,16 +46,23 @@ class TrainStateEstimate:
 
     @property
     def bytes_per_rank(self) -> int:
-        return self.num_params * self.bytes_per_param // self.num_ranks
+        return int(self.num_params * self.bytes_per_param) // self.num_ranks
 
 
-def estimate_train_state(args: ModelArgs, pd: ParallelDims, *, bf16_master: bool, kahan: bool) -> TrainStateEstimate:
-    """The training state per rank of the model `args` describes under the degrees `pd`."""
-    master = 2 if bf16_master else 4
-    what = f"{'bf16' if bf16_master else 'fp32'} master weights, gradients and 2 AdamW moments"
+def estimate_train_state(args: ModelArgs, pd: ParallelDims, *, bf16_master: bool, kahan: bool,
+                         exp_avg: str = "auto", exp_avg_sq: str = "auto") -> TrainStateEstimate:
+    """The training state per rank of the model `args` describes under the degrees `pd` (exp_avg, exp_avg_sq:
+    optimizer.exp_avg_dtype / exp_avg_sq_dtype)."""
+    dtypes = StateDtypes.resolve(bf16_master=bf16_master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    sizes = dtypes.bytes_per_param(kahan=kahan)
+    if dtypes.in_master_dtype:
+        what = f"{dtypes.master} master weights, gradients and 2 AdamW moments"
+    else:
+        what = (f"{dtypes.master} master weights and gradients, exp_avg in {dtypes.exp_avg}, exp_avg_sq in "
+                f"{dtypes.exp_avg_sq}")
     if kahan:
         what += ", a bf16 Kahan buffer"
-    return TrainStateEstimate(num_params=param_count(args), bytes_per_param=4 * master + (2 if kahan else 0),
+    return TrainStateEstimate(num_params=param_count(args), bytes_per_param=sum(sizes.values()) + sizes["master"],
                               num_ranks=pd.fsdp_shard * pd.tp * pd.pp, what=what)
 
 
@@ -93,8 +103,9 @@ def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory:
         return
     capacity, device = memory
     bf16_master = uses_bf16_master(cfg)
-    est = estimate_train_state(args, pd, bf16_master=bf16_master,
-                               kahan=bf16_master and cfg.optimizer.bf16_update == "kahan")
+    o = cfg.optimizer
+    est = estimate_train_state(args, pd, bf16_master=bf16_master, kahan=bf16_master and o.bf16_update == "kahan",
+                               exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
     if est.bytes_per_rank <= capacity:
         return
     m = cfg.model
@@ -107,7 +118,7 @@ def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory:
         fixes.append("set distributed.master_dtype='bf16' (half the bytes)")
     raise ConfigError(
         f"{key}: about {est.num_params / 1e9:,.1f}B parameters, {est.bytes_per_rank / GIB:,.1f} GiB of weights, "
-        f"gradients and optimizer state per rank after sharding ({layout}; {est.bytes_per_param} bytes per "
+        f"gradients and optimizer state per rank after sharding ({layout}; {est.bytes_per_param:.4g} bytes per "
         f"parameter: {est.what}), more than the {capacity / GIB:,.1f} GiB of {device}, before any activation; "
         + ", or ".join(fixes)
     )
@@ -148,9 +159,9 @@ def check_step_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, me
         "logits": logit_tokens * args.vocab_size * compute // pd.tp,
         "block inputs": -(-args.n_layers // pd.pp) * tokens * args.dim * compute // pd.tp,
     }
-    bf16_master = uses_bf16_master(cfg)
-    est = estimate_train_state(args, pd, bf16_master=bf16_master,
-                               kahan=bf16_master and cfg.optimizer.bf16_update == "kahan")
+    bf16_master, o = uses_bf16_master(cfg), cfg.optimizer
+    est = estimate_train_state(args, pd, bf16_master=bf16_master, kahan=bf16_master and o.bf16_update == "kahan",
+                               exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
     # At the start of backward the gradients are not there yet: the weights and AdamW's moments are.
     state = est.bytes_per_rank - est.num_params * (2 if bf16_master else 4) // est.num_ranks
     step = sum(parts.values())

@@ -26,6 +26,7 @@ from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
 from trainer.metrics.wandb_run import WandbOptions
 from trainer.optim import resolve_implementation
+from trainer.optim_states import StateDtypes
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class OptimizerOptions:
     """BF16AdamW's update as the Triton kernel (on a GPU), not eagerly (a CPU: no Triton there)."""
     bf16_update: Literal["stochastic", "kahan", "nearest"] | None
     """optimizer.bf16_update with bf16 master weights; None with fp32 ones."""
+    state_dtypes: StateDtypes | None = None
+    """The master weights' and moments' dtypes (optimizer.exp_avg_dtype / exp_avg_sq_dtype resolved); None: the
+    moments in the master dtype (the optimizers above)."""
 
     @property
     def fused(self) -> bool:
@@ -147,6 +151,7 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
         implementation=resolve_implementation(o.implementation, device_type=device),
         triton=device == "cuda", bf16_update=o.bf16_update if bf16_master else None,
+        state_dtypes=resolve_state_dtypes(o, bf16_master=bf16_master),
     )
     c, v = cfg.checkpoint, cfg.validation
     return dict(
@@ -168,6 +173,24 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
         ),
         checkpoint=checkpoint_options(c, dump_folder=cfg.job.dump_folder),
     )
+
+
+def resolve_state_dtypes(o: Any, *, bf16_master: bool) -> StateDtypes | None:
+    """optimizer.exp_avg_dtype / exp_avg_sq_dtype resolved against the master dtype; None when both moments are in
+    the master dtype. Refuses, naming the key, what LowPrecisionAdamW cannot run."""
+    dtypes = StateDtypes.resolve(bf16_master=bf16_master, exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
+    if dtypes.in_master_dtype:
+        return None
+    key, value = next((k, v) for k, v in (("exp_avg_dtype", dtypes.exp_avg), ("exp_avg_sq_dtype", dtypes.exp_avg_sq))
+                      if v != dtypes.master)
+    if o.implementation in ("torch_fused", "foreach"):
+        raise ConfigError(f"optimizer.{key}='{value}' with {dtypes.master} master weights needs our AdamW "
+                          f"(LowPrecisionAdamW); optimizer.implementation='{o.implementation}' is torch's, which keeps "
+                          "the moments in the weights' dtype: use optimizer.implementation='auto'")
+    if bf16_master and o.bf16_update == "nearest":
+        raise ConfigError(f"optimizer.{key}='{value}' rounds bf16 master weights stochastically or with Kahan "
+                          "compensation; optimizer.bf16_update='nearest' has no such path: use 'stochastic' or 'kahan'")
+    return dtypes
 
 
 def checkpoint_options(section: CheckpointSection, *, dump_folder: str) -> CheckpointOptions:

@@ -56,6 +56,7 @@ from trainer.config import JobConfig
 from trainer.model_values import layer_param_counts
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
+from trainer.optim_states import StateDtypes
 from trainer.parallel.pipeline_layout import PipelineOptions
 
 GIB = 2**30
@@ -198,20 +199,30 @@ def _block_activations(args: ModelArgs, build: BuildOptions, fp8: _Fp8, *, moe: 
     return full, 0
 
 
+def _moment_bytes(cfg: JobConfig, *, bf16_master: bool) -> dict[str, float]:
+    """AdamW's two moments' bytes per parameter: optimizer.exp_avg_dtype / exp_avg_sq_dtype (an fp8 exp_avg with
+    its block scales, 1 + 4/128, counted for every parameter: 1-D tensors keep bf16, a rounding error here)."""
+    sizes = StateDtypes.resolve(bf16_master=bf16_master, exp_avg=cfg.optimizer.exp_avg_dtype,
+                                exp_avg_sq=cfg.optimizer.exp_avg_sq_dtype).bytes_per_param()
+    return {k: v for k, v in sizes.items() if k != "master"}
+
+
 def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp8, stage: _Stage,
                *, pp_rank: int) -> MemoryPlan:
     fsdp = build.fsdp
     master = _dtype_bytes(fsdp.master_dtype, 4)
     compute = _dtype_bytes(fsdp.param_dtype, master)
     kahan = 2 if master == 2 and cfg.optimizer.bf16_update == "kahan" else 0
+    moments = _moment_bytes(cfg, bf16_master=master == 2)
     params = _stage_params(args, stage)
     shards = pd.fsdp_shard * pd.tp
     local = params // shards
     rows = [MemoryRow("weights (sharded)", local * master, f"{_count(params)} parameters / {shards} rank"
                                                              f"{'s' if shards > 1 else ''} x {master} B "
                                                              f"({_name(master)} master weights)"),
-            MemoryRow("optimizer state", local * (2 * master + kahan),
-                      f"AdamW's 2 moments x {master} B" + (" + the 2 B Kahan buffer" if kahan else "")),
+            MemoryRow("optimizer state", int(local * (sum(moments.values()) + kahan)),
+                      " + ".join(f"{k} {v:.3g} B" for k, v in moments.items()) + " per parameter"
+                      + (" + the 2 B Kahan buffer" if kahan else "")),
             _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
     tokens = microbatch_tokens(cfg) / pd.cp
     activations, recompute = _activations(args, pd, build, fp8, stage, tokens=tokens)
@@ -224,7 +235,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
     if recompute > loss:
         rows.append(MemoryRow("block recompute", recompute - loss,
                               "one block's activations again in its backward (full AC), beyond the loss's transient"))
-    optimizer_step = local * (4 * master + kahan)
+    optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan))
     start_of_backward = sum(r.bytes for r in rows)
     if optimizer_step >= start_of_backward:
         rows = rows[:2] + [MemoryRow("gradients", local * master,
