@@ -4,6 +4,7 @@ errors: tests/unit/test_evaluate.py."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -23,36 +24,44 @@ from trainer.train import build_trainer
 VAL = ["--validation.enable=true", "--validation.steps=3", "--train.batch_size=4"]
 
 
-def test_validation_loss_equals_a_plain_loop_and_does_not_disturb_training(tmp_path: Path):
-    args = ["--config", DEBUG_CONFIG, "--train.steps=4", "--train.seq_len=64", "--train.mixed_precision=fp32",
-            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", *VAL, "--validation.freq=2",
-            f"--job.dump_folder={tmp_path}"]
-    cfg = load_job_config(args)
-    trainer = build_trainer(cfg)
+def run_in_process(args: list[str], dump: Path) -> tuple[list[dict], dict]:
+    """(metrics.jsonl's records, the final weights gathered whole) of a run trained in this process."""
+    trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:
         trainer.run()
         weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()}
     finally:
         trainer.close()
         destroy_distributed()
-    records = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
-    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
-    # An independent loop: the unsharded model, the held-out samples 0..11 in order, logits then cross-entropy.
     model = Llama(trainer.model_args)
     model.init_weights(seed=1)  # builds the RoPE table; every weight is then overwritten
     model.load_state_dict(weights)
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()], model
+
+
+def held_out_loss(model: Llama) -> float:
+    """An independent loop: the unsharded model, the held-out samples 0..11 in order, logits then cross-entropy
+    (in fp32; the logits in the model's dtype)."""
     source = _source("validation")
     losses = []
     with torch.no_grad():
         for b in range(3):
             rows = torch.from_numpy(np.stack([source.get_sample(i, 64) for i in range(4 * b, 4 * b + 4)]))
-            logits = model.logits(rows[:, :-1])
+            logits = model.logits(rows[:, :-1]).float()
             losses.append(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item())
-    expected = sum(losses) / len(losses)
+    return sum(losses) / len(losses)
+
+
+def test_validation_loss_equals_a_plain_loop_and_does_not_disturb_training(tmp_path: Path):
+    args = ["--config", DEBUG_CONFIG, "--train.steps=4", "--train.seq_len=64", "--train.mixed_precision=fp32",
+            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", *VAL, "--validation.freq=2"]
+    records, model = run_in_process(args, tmp_path)
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    expected = held_out_loss(model)
     assert records[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(expected), rel=1e-5)
     # Evaluating changed nothing about training: the same run without validation has the same losses.
-    plain = train([a for a in args[:-1] if not a.startswith("--validation")], tmp_path / "plain")
+    plain = train([a for a in args if not a.startswith("--validation")], tmp_path / "plain")
     assert column(plain, "loss") == [r["loss"] for r in records]
 
 
@@ -69,30 +78,12 @@ def test_resume_gives_the_same_validation_loss(tmp_path: Path):
 def test_fp8_run_evaluated_in_bf16_equals_a_bf16_loop_and_trains_the_same(tmp_path: Path):
     """validation.mixed_precision='bf16': the held-out loss of an fp8 run is the bf16 model's on the same weights."""
     args = ["--config", DEBUG_CONFIG, "--train.steps=2", "--train.seq_len=64", "--train.mixed_precision=fp8",
-            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", *VAL, "--validation.freq=2",
-            "--validation.mixed_precision=bf16", f"--job.dump_folder={tmp_path}"]
-    trainer = build_trainer(load_job_config(args))
-    try:
-        trainer.run()
-        weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()}
-    finally:
-        trainer.close()
-        destroy_distributed()
-    records = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
-    model = Llama(trainer.model_args)
-    model.init_weights(seed=1)
-    model.load_state_dict(weights)  # the bf16 master weights
-    model.to(torch.bfloat16)
-    source = _source("validation")
-    losses = []
-    with torch.no_grad():
-        for b in range(3):
-            rows = torch.from_numpy(np.stack([source.get_sample(i, 64) for i in range(4 * b, 4 * b + 4)]))
-            logits = model.logits(rows[:, :-1]).float()
-            losses.append(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item())
-    # The same bf16 ops as the loop's; only the fp32 sums of the loss over tokens run in another order.
-    assert records[-1]["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", *VAL, "--validation.freq=2"]
+    records, model = run_in_process([*args, "--validation.mixed_precision=bf16"], tmp_path)
+    # The same bf16 ops as the loop's (on the bf16 master weights); only the fp32 sums of the loss over tokens run in
+    # another order.
+    assert records[-1]["val_loss"] == pytest.approx(held_out_loss(model.to(torch.bfloat16)), rel=1e-5)
     # The default evaluates in fp8: another loss on the same weights, and the training is the same either way.
-    fp8_eval = train([a for a in args if "validation.mixed_precision" not in a][:-1], tmp_path / "fp8_eval")
+    fp8_eval = train(args, tmp_path / "fp8_eval")
     assert column(fp8_eval, "loss") == [r["loss"] for r in records]
     assert fp8_eval[-1]["val_loss"] != records[-1]["val_loss"]

@@ -37,10 +37,16 @@ def test_convert_export_copies_the_recorded_tokenizer(tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == path.read_bytes()
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf")).eos_token == "<|endoftext|>"
     assert export("bare", "--no-tokenizer").returncode == 0 and not (tmp_path / "bare" / "tokenizer.json").exists()
+    # The checkpoint holds its own copy: editing the original afterwards changes no export.
+    original = path.read_bytes()
     path.write_text(path.read_text().replace("experts", "expert"))
+    assert export("later").returncode == 0 and (tmp_path / "later" / "tokenizer.json").read_bytes() == original
+    # Editing the checkpoint's copy is a corrupt checkpoint: one line, nothing exported.
+    copy = ckpt / "tokenizer.json"
+    copy.write_text(copy.read_text().replace("experts", "expert"))
     bad = export("changed")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr[-2000:]
-    assert "has changed since " + str(ckpt / "checkpoint.json") in bad.stderr and not (tmp_path / "changed").exists()
+    assert f"{copy} is truncated or corrupted" in bad.stderr and not (tmp_path / "changed").exists()
 
 
 # -- the run: checkpoint.model_only, convert_checkpoint.py, generate.py ------------------------------------------

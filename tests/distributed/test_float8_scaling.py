@@ -43,8 +43,9 @@ def histories_of_two_steps(args: list[str], dump: str, reduce: bool) -> list:
         destroy_distributed()
 
 
-@pytest.mark.parametrize("layout", [["--distributed.dp_shard=2"], ["--distributed.dp_replicate=2"]],
-                         ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("layout", [["--distributed.dp_shard=2"], ["--distributed.dp_replicate=2"],
+                                    ["--model.flavor=debug_moe", "--distributed.dp_shard=2", "--distributed.ep=2"]],
+                         ids=["fsdp", "hsdp", "moe-ep"])
 def test_the_amax_all_reduce_makes_the_ranks_agree(tmp_path: Path, layout: list[str]) -> None:
     args = [*ARGS, "--train.steps=2", "--train.batch_size=2", *layout]
     reduced = run_distributed(histories_of_two_steps, world_size=2, args=(args, str(tmp_path / "a"), True))[0]
