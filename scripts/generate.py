@@ -33,9 +33,8 @@ def find_tokenizer(path: Path, override: str | None):
     tokenizer.json; read only from inside the folder (trainer/checkpoint/tokenizer.py)."""
     from trainer.checkpoint import CHECKPOINT_JSON, read_checkpoint_json
     from trainer.checkpoint.tokenizer import recorded_tokenizer
-    from trainer.confine import outside_problem, special_file_problem
     from trainer.data import ByteTokenizer, build_tokenizer
-    from trainer.data.tokenizer import MAX_TOKENIZER_BYTES
+    from trainer.data.tokenizer import folder_tokenizer_problem
     from trainer.export.tokenizer import is_byte_tokenizer_json
 
     if override:
@@ -51,8 +50,7 @@ def find_tokenizer(path: Path, override: str | None):
                                 f"{fingerprint}); pass --tokenizer=PATH of the run's tokenizer.json")
             return tok
     elif os.path.lexists(file):  # an export
-        if problem := outside_problem(file, folder=path) or special_file_problem(
-                file, max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer.json"):
+        if problem := folder_tokenizer_problem(file, path):
             raise UserError(problem)
         # A byte-tokenizer run's export holds the byte tokenizer written as a tokenizer.json: the same ids,
         # read without the optional `tokenizers` package.

@@ -228,22 +228,27 @@ class BF16AdamW(torch.optim.Optimizer):
                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 
     def _triton_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
+        launches: dict[tuple, list[torch.Tensor]] = {}  # one launch per device, gradient dtype and step (normally one)
+        for p, step in zip(params, steps):
+            launches.setdefault((_local(p).device, _local(p.grad).dtype, step), []).append(p)
+        for (device, _, step), ps in launches.items():
+            self._launch(group, ps, device=device, step=step, kahan=self.update == "kahan")
+
+    def _launch(self, group: dict, ps: list[torch.Tensor], *, device: torch.device, step: int, kahan: bool,
+                scale_key: str | None = None) -> None:
+        """One launch of the Triton kernel (trainer/adamw_kernel.py) over these parameters, all on `device` at
+        `step`; `scale_key`: the state entry of an fp8 first moment's block scales (LowPrecisionAdamW)."""
         from trainer import adamw_kernel
 
         beta1, beta2 = group["betas"]
-        kahan = self.update == "kahan"
-        launches: dict[tuple, list[int]] = {}  # one launch per device, gradient dtype and step (normally one)
-        for i, p in enumerate(params):
-            launches.setdefault((_local(p).device, _local(p.grad).dtype, steps[i]), []).append(i)
-        for (device, _, step), idx in launches.items():
-            ps = [params[i] for i in idx]
-            states = [self.state[p] for p in ps]
-            adamw_kernel.adamw_step(
-                [_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"],
-                grad_scale=None if self.grad_scale is None else self.grad_scale.to(device),
-                found_inf=None if self.found_inf is None else self.found_inf.to(device), step=step,
-                rounding=adamw_kernel.ROUND_KAHAN if kahan else adamw_kernel.ROUND_STOCHASTIC,
-                comps=[_local(s["kahan_comp"]) for s in states] if kahan else None,
-                layouts=[self._layout(p) for p in ps], keys=[step_key(self.seed, self._keys[p], step) for p in ps])
+        states = [self.state[p] for p in ps]
+        adamw_kernel.adamw_step(
+            [_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
+            [_local(s["exp_avg_sq"]) for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"],
+            grad_scale=None if self.grad_scale is None else self.grad_scale.to(device),
+            found_inf=None if self.found_inf is None else self.found_inf.to(device), step=step,
+            rounding=adamw_kernel.ROUND_KAHAN if kahan else adamw_kernel.ROUND_STOCHASTIC,
+            comps=[_local(s["kahan_comp"]) for s in states] if kahan else None,
+            layouts=[self._layout(p) for p in ps], keys=[step_key(self.seed, self._keys[p], step) for p in ps],
+            scales=[_local(s[scale_key]) for s in states] if scale_key else None)

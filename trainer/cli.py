@@ -65,11 +65,14 @@ def _quiet_disk_errors_in_threads() -> None:
     from trainer.checkpoint.format import disk_error
 
     default = threading.excepthook
+    if getattr(default, "quiets_disk_errors", False):  # main() ran before in this process
+        return
 
     def hook(args: threading.ExceptHookArgs) -> None:
         if args.exc_value is None or disk_error(args.exc_value) is None:
             default(args)
 
+    hook.quiets_disk_errors = True  # type: ignore[attr-defined]
     threading.excepthook = hook
 
 

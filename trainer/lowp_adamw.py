@@ -145,28 +145,15 @@ class LowPrecisionAdamW(BF16AdamW):
     def _triton_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
         """The Triton kernel (trainer/adamw_kernel.py): one launch per device, gradient dtype, step and first-moment
         dtype (fp8 blocks and the bf16 first moments of the other tensors: two)."""
-        from trainer import adamw_kernel
-
-        beta1, beta2 = group["betas"]
         kahan = self.master == torch.bfloat16 and self.update == "kahan"
         launches: dict[tuple, list[torch.Tensor]] = {}
         for p, step in zip(params, steps):
             if _local(p).numel():
                 key = (_local(p).device, _local(p.grad).dtype, step, self.state[p]["exp_avg"].dtype)
                 launches.setdefault(key, []).append(p)
-        for (device, _, step, m_dtype), ps in launches.items():
-            states = [self.state[p] for p in ps]
-            fp8 = SCALE_KEY in states[0]
-            adamw_kernel.adamw_step(
-                [_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"],
-                grad_scale=None if self.grad_scale is None else self.grad_scale.to(device),
-                found_inf=None if self.found_inf is None else self.found_inf.to(device), step=step,
-                rounding=adamw_kernel.ROUND_KAHAN if kahan else adamw_kernel.ROUND_STOCHASTIC,
-                comps=[_local(s["kahan_comp"]) for s in states] if kahan else None,
-                layouts=[self._layout(p) for p in ps], keys=[step_key(self.seed, self._keys[p], step) for p in ps],
-                scales=[_local(s[SCALE_KEY]) for s in states] if fp8 else None)
+        for (device, _, step, _), ps in launches.items():
+            self._launch(group, ps, device=device, step=step, kahan=kahan,
+                         scale_key=SCALE_KEY if SCALE_KEY in self.state[ps[0]] else None)
 
     def _eager_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
         beta1, beta2 = group["betas"]

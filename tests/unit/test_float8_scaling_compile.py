@@ -13,16 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import DEBUG_CONFIG
-from tests.unit.test_float8_scaling import converted
-
-
-@pytest.fixture(autouse=True)
-def aten_scaled_mm():
-    """torch._scaled_mm through aten's CPU kernel, as apply_float8 sets it on a CPU."""
-    before = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    yield
-    torch.backends.mkldnn.enabled = before
+from tests.unit.test_float8_scaling import aten_scaled_mm, converted  # noqa: F401  (autouse: aten's CPU _scaled_mm)
 
 
 class Block(nn.Module):

@@ -4,14 +4,13 @@ dtype. tests/gpu/test_optim_states_gpu.py runs the same comparisons on a GPU."""
 
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton has no wheel for this platform (the `test` extra installs it on Linux)")
 
+from tests.unit.test_adamw_kernel import interpreted_kernel  # noqa: E402, F401  (autouse: Triton's interpreter)
 from trainer.adamw import Layout  # noqa: E402
 from trainer.lowp_adamw import LowPrecisionAdamW  # noqa: E402
 from trainer.optim_states import SCALE_KEY, StateDtypes, dequantize_blocks  # noqa: E402
@@ -22,22 +21,6 @@ SHAPES = [(12, 256), (3,), (2, 3, 384), (9, 130), (5, 128)]
 LAYOUTS = [Layout((12, 0), (48, 256)), Layout((0,), (3,)), Layout((1, 3, 0), (4, 6, 384)),
            Layout((0, 130), (9, 260)), Layout((0, 0), (5, 128))]
 COMBOS = [("fp32", "fp8", "bf16"), ("bf16", "fp8", "bf16"), ("fp32", "bf16", "bf16"), ("bf16", "fp32", "fp32")]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreted_kernel():
-    """trainer.adamw_kernel built for Triton's interpreter, then as it was (tests/unit/test_adamw_kernel.py)."""
-    import trainer.adamw_kernel as kernel
-
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    importlib.reload(kernel)
-    yield kernel
-    if before is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = before
-    importlib.reload(kernel)
 
 
 def _values(opt: LowPrecisionAdamW, p: torch.Tensor) -> list[tuple[torch.Tensor, torch.dtype]]:

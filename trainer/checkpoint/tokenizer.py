@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.format import CHECKPOINT_JSON, TOKENIZER_FILE, CheckpointError, file_digest
-from trainer.confine import outside_problem, special_file_problem
 
 
 def write_tokenizer(spec: str, fingerprint: str, folder: Path) -> dict[str, dict[str, Any]]:
@@ -54,7 +53,7 @@ def recorded_tokenizer(folder: Path, info: dict[str, Any]) -> tuple[str, str | N
     copy (inside the folder, a regular file of bounded size, listed and checksummed); None if it records none.
     Anything else is a CheckpointError line."""
     from trainer.checkpoint.verify import check_files
-    from trainer.data.tokenizer import MAX_TOKENIZER_BYTES
+    from trainer.data.tokenizer import folder_tokenizer_problem
 
     where, entry = folder / CHECKPOINT_JSON, info.get("tokenizer")
     if entry is None:
@@ -73,9 +72,7 @@ def recorded_tokenizer(folder: Path, info: dict[str, Any]) -> tuple[str, str | N
             "(an edited file, or one written before checkpoints held their tokenizer): refusing to read a file a "
             f"checkpoint points at; pass --tokenizer=PATH to name the tokenizer yourself, or --no-tokenizer")
     path = folder / TOKENIZER_FILE
-    problem = (outside_problem(path, folder=folder)
-               or special_file_problem(path, max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer.json"))
-    if problem:
+    if problem := folder_tokenizer_problem(path, folder):
         raise CheckpointError(problem)
     if not path.is_file():
         raise CheckpointError(f"{where} records a {TOKENIZER_FILE} that {folder} does not hold; pass "

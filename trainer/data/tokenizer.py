@@ -4,7 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from trainer.confine import special_file_problem
+from trainer.confine import outside_problem, special_file_problem
 from trainer.data.shards import DataError
 
 # Tried in order; the first one the vocabulary has is the end-of-document token.
@@ -73,6 +73,13 @@ class HFTokenizer:
 # More than any tokenizer.json in use (Gemma 3's, among the largest, is 33 MB): reading a bigger "tokenizer" whole
 # (it is parsed as JSON) could exhaust the host's memory.
 MAX_TOKENIZER_BYTES = 256 * 2**20
+
+
+def folder_tokenizer_problem(path: Path, folder: Path) -> str | None:
+    """Why a tokenizer.json of a checkpoint or model folder is not read (it resolves outside the folder, it is no
+    regular file, it is too large), or None."""
+    return outside_problem(path, folder=folder) or special_file_problem(path, max_bytes=MAX_TOKENIZER_BYTES,
+                                                                        what="tokenizer.json")
 
 
 def _tokenizer_path(spec: str) -> Path:

@@ -140,15 +140,12 @@ def write_tokenizer_files(tok: ExportTokenizer, *, folder: Path, max_seq_len: in
 def folder_tokenizer(folder: Path) -> dict[str, str]:
     """RunInfo's tokenizer fields for a Hugging Face folder's tokenizer.json ({} without one), which an import
     copies into its checkpoint: read only from inside the folder, a regular file of bounded size."""
-    from trainer.confine import outside_problem, special_file_problem
-    from trainer.data.tokenizer import MAX_TOKENIZER_BYTES, ByteTokenizer, tokenizer_fingerprint
+    from trainer.data.tokenizer import ByteTokenizer, folder_tokenizer_problem, tokenizer_fingerprint
 
     file = folder / "tokenizer.json"
     if not os.path.lexists(file):
         return {}
-    problem = outside_problem(file, folder=folder) or special_file_problem(
-        file, max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer.json")
-    if problem:
+    if problem := folder_tokenizer_problem(file, folder):
         raise ExportError(problem)
     if is_byte_tokenizer_json(file):  # an export of a byte-tokenizer run
         return {"tokenizer": "byte", "tokenizer_fingerprint": ByteTokenizer.fingerprint}

@@ -97,15 +97,20 @@ def planned_gpus(gib: float) -> Target:
     return Target(device_type="cuda", memory=(int(gib * GIB), f"a {gib:g} GiB GPU"), probe=False, planning=True)
 
 
+def job_train_state(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> TrainStateEstimate:
+    """`estimate_train_state` for this job's master dtype, bf16 update and moment dtypes."""
+    bf16_master, o = uses_bf16_master(cfg), cfg.optimizer
+    return estimate_train_state(args, pd, bf16_master=bf16_master, kahan=bf16_master and o.bf16_update == "kahan",
+                                exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
+
+
 def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory: tuple[int, str] | None) -> None:
     """Refuse a model whose sharded weights, gradients and optimizer state alone exceed a rank's `memory`."""
     if memory is None:
         return
     capacity, device = memory
     bf16_master = uses_bf16_master(cfg)
-    o = cfg.optimizer
-    est = estimate_train_state(args, pd, bf16_master=bf16_master, kahan=bf16_master and o.bf16_update == "kahan",
-                               exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
+    est = job_train_state(cfg, args, pd)
     if est.bytes_per_rank <= capacity:
         return
     m = cfg.model
@@ -159,9 +164,7 @@ def check_step_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, me
         "logits": logit_tokens * args.vocab_size * compute // pd.tp,
         "block inputs": -(-args.n_layers // pd.pp) * tokens * args.dim * compute // pd.tp,
     }
-    bf16_master, o = uses_bf16_master(cfg), cfg.optimizer
-    est = estimate_train_state(args, pd, bf16_master=bf16_master, kahan=bf16_master and o.bf16_update == "kahan",
-                               exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
+    bf16_master, est = uses_bf16_master(cfg), job_train_state(cfg, args, pd)
     # At the start of backward the gradients are not there yet: the weights and AdamW's moments are.
     state = est.bytes_per_rank - est.num_params * (2 if bf16_master else 4) // est.num_ranks
     step = sum(parts.values())
