@@ -4,6 +4,10 @@
         --warmup 5 --steps 15 -- --model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 \
         --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true
 
+With `--dry-run [--world-size N] [--gpu-memory-gib G]` (train.py's flags) nothing runs: each precision's job is
+validated for N ranks and its memory plan printed, as `scripts/train.py --dry-run` does (with --emulate-gpus E: for
+the E GPUs emulated). scripts/gpu_checks.sh's GPU_CHECKS_DRY_RUN checks its multi-GPU steps this way.
+
 A precision may name an FP8 recipe, `fp8:RECIPE` (e.g. `--precisions bf16,fp8,fp8:blockwise`): that run adds
 `--float8.recipe=RECIPE` after the overrides.
 
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from trainer.cli import dry_run_flags
 from trainer.config import ConfigError, load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.log import setup_logging
@@ -220,6 +225,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         return {
             "precision": precision,
+            "world_size": world,
             "optimizer_ms": 1e3 * optimizer_s,
             "step_s": step_s,
             "tokens_per_s_per_gpu": tps,
@@ -264,6 +270,23 @@ def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     print(format_summary(summarize_events(load_trace_events(str(path)), num_steps=num_steps), top=25))
 
 
+def dry_run_precisions(argv: list[str], args: argparse.Namespace, plan: dict) -> int:
+    """--dry-run: each precision's job validated for its ranks (the emulated GPUs with --emulate-gpus) and planned."""
+    from trainer.dry_run import dry_run
+    from trainer.errors import UserError
+
+    if args.emulate_gpus:
+        plan = plan | {"world_size": args.emulate_gpus, "gpu_gib": args.gpu_memory_gib}
+    for p in args.precisions.split(","):
+        print(f"== {args.label or args.config}, {p}:")
+        try:
+            print(dry_run(load_job_config([*argv, *precision_overrides(p)]), **plan))
+        except UserError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
@@ -290,7 +313,11 @@ def main() -> int:
     parser.add_argument("--gpu-memory-gib", type=float, default=79.6,
                         help="memory of each emulated GPU (default 79.6 GiB: an H100 80GB)")
     args, overrides = parser.parse_known_args()
-    if args.emulate_gpus and not torch.cuda.is_available():
+    try:
+        overrides, plan = dry_run_flags(overrides)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.emulate_gpus and not torch.cuda.is_available() and plan is None:
         parser.error("--emulate-gpus caps CUDA memory: it needs a GPU")
     if args.emulate_gpus < 0 or args.gpu_memory_gib <= 0:
         parser.error("--emulate-gpus must be >= 0 and --gpu-memory-gib > 0")
@@ -310,6 +337,8 @@ def main() -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if plan is not None:
+        return dry_run_precisions(argv, args, plan)
     ok = False
     try:
         emulate = (args.emulate_gpus, args.gpu_memory_gib) if args.emulate_gpus else None

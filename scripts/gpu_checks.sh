@@ -23,24 +23,56 @@
 #   bash scripts/gpu_checks.sh memory_peak  (1 GPU: 8B-shape and moe_16b peaks and what is live at them: scripts/memory_peak.py)
 #   bash scripts/gpu_checks.sh docmask    (1 GPU: document masking's GPU test, then 8B shapes x 8 layers on the stdlib text
 #       (byte tokens, documents of the standard library's files and pydoc topics): causal vs document-masked, bf16 and fp8)
+# The multi-GPU tables (docs/benchmarks.md "Multi-GPU"; each table is one step, run in one sitting on every GPU of the
+# machine, $NGPU; a 2-, 4- or 8-GPU H200 kind):
+#   bash scripts/gpu_checks.sh full8b     (1: the whole Llama 3 8B, FSDP2 over all GPUs, batch 4 x 4096 per GPU, compile,
+#       no AC: bf16 and fp8 model TFLOP/s per GPU; then PEER_WHEELS=DIR bash scripts/gpu_checks.sh peer8b: torchtitan
+#       0.2.2's same job in the same sitting)
+#   bash scripts/gpu_checks.sh scaling    (2: that job on 1, 2, 4, 8 GPUs up to $NGPU: tokens/s per GPU and the efficiency
+#       against one GPU, fp8 with its all-gather in fp8 and in bf16; SCALING_GPUS="1 4" picks the counts)
+#   bash scripts/gpu_checks.sh ckpt_stall (3: the whole 8B on all GPUs, async pinned-memory checkpoints every 30 steps:
+#       how long each save blocks training, the first save and the rest; STALL_ARGS: more overrides, STALL_STEPS and
+#       STALL_INTERVAL the run's length and checkpoint.interval, STALL_DIR its folder)
+#   bash scripts/gpu_checks.sh pp         (4: 4 GPUs: dp_shard=4 against pp=2 x dp_shard=2, 1F1B and Interleaved1F1B)
+#   bash scripts/gpu_checks.sh moe16b recipe7b   (5: moe_16b with ep = every GPU; the 16-GPU fp8 recipe under its cap)
+#   bash scripts/gpu_checks.sh cp         (6: 8B shapes at 32K and 128K tokens with distributed.cp = every GPU: tokens/s
+#       and peak memory, and the losses against cp=1 on one GPU where that fits; CP_SEQS="32768" picks lengths)
+#   GPU_CHECKS_DRY_RUN=8 bash scripts/gpu_checks.sh full8b scaling ...   (no GPU needed: every launch of those steps is
+#       validated by its --dry-run for the ranks it would start, $GPU_CHECKS_DRY_RUN standing for $NGPU, on GPUs of
+#       GPU_GIB GiB (default 139.8: an H200); each prints its memory plan; nothing is trained)
 # Writes logs and JSON under ${OUT:-/tmp/gpu_out}; prints a short table last.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-if ! python3 -c "import torchao" 2>/dev/null; then
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1
+DRY=${GPU_CHECKS_DRY_RUN:-}
+if [ -z "$DRY" ] && ! python3 -c "import torchao" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 STEPS=${@:-tests bench8b bench1b accuracy ac}
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ -n "$DRY" ]; then NGPU=$DRY GIB=${GPU_GIB:-139.8}; echo "dry run: $NGPU GPUs of $GIB GiB planned, nothing runs" > "$OUT/env.txt"
+else
+read -r NGPU GIB < <(python3 -c "import torch; n = torch.cuda.device_count(); print(n, torch.cuda.get_device_properties(0).total_memory / 2**30 if n else 0)")
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, torchao, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'torchao', torchao.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
+fi
+shown() {  # shown PATTERN: the log lines a step prints (grep -E); a dry run's plans whole
+  if [ -n "$DRY" ]; then cat; else grep -E "$1"; fi
+}
+launch() {  # launch N SCRIPT ARGS...: SCRIPT on GPUs 0..N-1 (torchrun for N > 1); GPU_CHECKS_DRY_RUN: its dry run instead
+  local n=$1; shift
+  if [ -n "$DRY" ]; then python3 "$@" --dry-run --world-size "$n" --gpu-memory-gib "$GIB"
+  elif [ "$n" = 1 ]; then CUDA_VISIBLE_DEVICES=0 python3 "$@"
+  else CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) torchrun --standalone --nproc_per_node="$n" "$@"; fi
+}
 B="python3 scripts/benchmark.py --json $OUT/bench.jsonl"
 SHAPE_8B="--model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false ${ARGS_8B:-}"
 BENCH_8B="--config configs/train/llama3_8b.toml -- $SHAPE_8B"
+FULL_8B="--config configs/train/llama3_8b.toml -- --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
 BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
@@ -157,13 +189,13 @@ for s in $STEPS; do case $s in
       | grep -E "resumed|Applied Float8|step +(10|20|30)/|saved|export|passed|failed|Error|error|step-" | tee "$OUT/ckpt.log" ;;
   moe16b)  # moe_16b, ep = all GPUs, batch 2 x 4096 per GPU, compile, no AC: bf16 vs fp8, then 30 steps for load imbalance
     M="--config configs/train/moe_16b_4gpu_fp8.toml"
-    torchrun --standalone --nproc_per_node=$NGPU scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b, ep=$NGPU, batch 2, seq 4096" \
+    launch $NGPU scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b, ep=$NGPU, batch 2, seq 4096" \
       --warmup 6 --steps 10 $M -- --distributed.ep=$NGPU --data.source=synthetic ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe16b.log" | grep -v "^\[rank"
     rm -rf /tmp/moe_run
-    torchrun --standalone --nproc_per_node=$NGPU scripts/train.py $M --distributed.ep=$NGPU --data.source=synthetic ${MOE_ARGS:-} \
+    launch $NGPU scripts/train.py $M --distributed.ep=$NGPU --data.source=synthetic ${MOE_ARGS:-} \
       --train.steps=30 --metrics.log_freq=10 --job.dump_folder=/tmp/moe_run 2>&1 \
-      | grep -E "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
-    cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
+      | shown "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
+    [ -n "$DRY" ] || cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
   moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8
     # layers on one GPU (ep=1, batch 2 x 4096, compile, no AC): bf16, fp8 with the experts off, fp8 with rowwise: tokens/s, peak memory
     python3 -m pytest -q -m gpu tests/gpu/test_moe_fp8_gpu.py -s 2>&1 | tee "$OUT/moe_fp8_tests.log" | tail -20
@@ -220,7 +252,7 @@ for s in $STEPS; do case $s in
              "ac-none-b2-accum8 --train.activation_checkpointing=none --train.batch_size=2 --train.grad_accum_steps=8" \
              "ac-selective-b8-chunked --train.activation_checkpointing=selective --train.loss_chunk_tokens=4096"; do
       set -- $v; label=$1; shift
-      torchrun --standalone --nproc_per_node=$NGPU scripts/benchmark.py --json $OUT/bench.jsonl --emulate-gpus 16 \
+      launch $NGPU scripts/benchmark.py --json $OUT/bench.jsonl --emulate-gpus 16 \
         --label "7b_16gpu_fp8 as 16x H100, $label" --precisions fp8 --warmup 4 --steps 6 \
         --config configs/train/7b_16gpu_fp8.toml -- --data.source=synthetic --checkpoint.enable=false "$@" 2>&1 \
         | tee "$OUT/recipe7b_$label.log" | grep -v "^\[rank" | tail -4
@@ -300,12 +332,92 @@ for name, t in (('stdlib', StdlibTextSource(vocab_size=258).tokens), ('web-like'
              "pp2x2-Interleaved1F1B --distributed.pp=2 --distributed.pipeline_schedule=Interleaved1F1B --train.batch_size=8 --distributed.pp_microbatch_size=2"; do
       set -- $v; label=$1; shift
       for p in bf16 fp8; do
-        torchrun --standalone --nproc_per_node=4 scripts/train.py --config configs/train/llama3_8b.toml \
+        launch 4 scripts/train.py --config configs/train/llama3_8b.toml \
           --data.source=synthetic --train.steps=30 --train.seq_len=4096 --train.mixed_precision=$p \
           --checkpoint.enable=false --metrics.log_freq=10 --job.dump_folder=/tmp/pp_run "$@" 2>&1 \
-          | grep -E "step +30/|pipeline:|Error" | sed "s/^/[$label $p] /" | tee -a "$OUT/pp.log"
+          | shown "step +30/|pipeline:|Error" | sed "s/^/[$label $p] /" | tee -a "$OUT/pp.log"
         rm -rf /tmp/pp_run
       done
+    done ;;
+  full8b)  # table 1: the whole Llama 3 8B, FSDP2 over every GPU (dp_shard = all), batch 4 x 4096 per GPU, compile, no AC
+    launch $NGPU scripts/benchmark.py --json $OUT/bench.jsonl --label "Llama 3 8B, FSDP2 over $NGPU GPUs, batch 4 x 4096 per GPU" \
+      --precisions bf16,fp8 --warmup 6 --steps 10 $FULL_8B 2>&1 | tee "$OUT/full8b.log" | grep -v "^\[rank" ;;
+  peer8b)  # table 1's peer in the same sitting: torchtitan 0.2.2's Llama 3 8B, the same job (FSDP2 over every GPU, batch
+    # 4 x 4096 per GPU, compile, no AC), bf16 and fp8 tensorwise with its recommended fp8 all-gather and precomputed scales.
+    # PEER_WHEELS=DIR: torchtitan-0.2.2 and what the image lacks (torchdata, datasets, tyro, docstring-parser, typeguard,
+    # dill, multiprocess); its tokenizer is a byte-level tokenizer.json written here, its data Python's own files as
+    # c4_test-style JSON lines (the model's vocab stays 128,256). tok/s and TFLOP/s from its log line, steps 20-30.
+    if [ -n "$DRY" ] || [ -z "${PEER_WHEELS:-}" ]; then echo "[peer8b] skipped: ${DRY:+a dry run}${DRY:-no PEER_WHEELS}"; continue; fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer "$PEER_WHEELS"/*.whl || continue
+    python3 - <<'PY'
+import glob, json, os, sysconfig
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+os.makedirs("/tmp/peer_assets", exist_ok=True); os.makedirs("/tmp/peer_c4", exist_ok=True)
+byte_vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"]); tok.save("/tmp/peer_assets/tokenizer.json")
+json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, open("/tmp/peer_assets/tokenizer_config.json", "w"))
+with open("/tmp/peer_c4/c4.json", "w") as f:
+    for path in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/**/*.py", recursive=True)):
+        f.write(json.dumps({"text": open(path, errors="replace").read()}) + "\n")
+        if f.tell() > 50_000_000:  # 50 MB: more than 30 steps read
+            break
+PY
+    for p in bf16 fp8; do
+      conv=(); [ $p = fp8 ] && conv=(--model.converters quantize.linear.float8 --quantize.linear.float8.enable_fsdp_float8_all_gather
+                                   --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
+      rm -rf /tmp/peer_run
+      PYTHONPATH=/tmp/peer:$PYTHONPATH launch $NGPU -m torchtitan.train --model.name llama3 --model.flavor 8B \
+        --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
+        --training.local_batch_size 4 --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
+        --compile.enable --activation_checkpoint.mode none --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" 2>&1 \
+        | tee "$OUT/peer8b_$p.log" | grep -E "step: +(10|20|30) |Error|error" | sed "s/^/[peer8b torchtitan $p] /" | cut -c1-250 | tee -a "$OUT/peer8b.log"
+    done ;;
+  scaling)  # table 2: the full8b job on 1, 2, 4, 8 GPUs (up to $NGPU): bf16, fp8; beyond one GPU fp8 again with a bf16 all-gather
+    for n in ${SCALING_GPUS:-1 2 4 8}; do
+      [ "$n" -le "$NGPU" ] || continue
+      launch $n scripts/benchmark.py --json $OUT/scaling.jsonl --label "scaling: Llama 3 8B, $n GPUs, batch 4 x 4096 per GPU" \
+        --precisions bf16,fp8 --warmup 6 --steps 10 $FULL_8B 2>&1 | tee "$OUT/scaling_$n.log" | grep -v "^\[rank"
+      [ "$n" -gt 1 ] && launch $n scripts/benchmark.py --json $OUT/scaling.jsonl --precisions fp8 --warmup 6 --steps 10 \
+        --label "scaling: Llama 3 8B, $n GPUs, batch 4 x 4096 per GPU, fp8 all-gather off" $FULL_8B \
+        --float8.enable_fsdp_float8_all_gather=false 2>&1 | tee "$OUT/scaling_${n}_ag_off.log" | grep -v "^\[rank"
+    done
+    [ -n "$DRY" ] || python3 scripts/multigpu_tables.py scaling "$OUT/scaling.jsonl" | tee "$OUT/scaling_table.md" ;;
+  ckpt_stall)  # table 3: the whole 8B on every GPU, async pinned-memory checkpoints every 30 steps (time to write the last one
+    # in the background) and at the last step: how long each save blocks training (the wait for the previous save, the
+    # state dict, then staging: the copy of this rank's shards to pinned host memory, the GPU idle); the folder keeps one
+    # checkpoint besides the new one. STALL_DIR=/dev/shm/stall_run where the disk is slow or small (a 1-GPU proxy:
+    # STALL_ARGS="--model.n_layers=8" STALL_STEPS=150 STALL_INTERVAL=50, docs/benchmarks.md)
+    S=${STALL_DIR:-/tmp/stall_run}; rm -rf "$S"
+    launch $NGPU scripts/train.py --config configs/train/llama3_8b.toml --train.batch_size=4 --train.seq_len=4096 \
+      --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --train.steps=${STALL_STEPS:-100} \
+      --checkpoint.enable=true --checkpoint.interval=${STALL_INTERVAL:-30} --checkpoint.keep_latest_k=1 --checkpoint.async_mode=async_with_pinned_mem \
+      --metrics.log_freq=10 --metrics.enable_tensorboard=false --job.dump_folder="$S" ${STALL_ARGS:-} 2>&1 \
+      | tee "$OUT/ckpt_stall.log" | shown "step +[0-9]+/|checkpoint|Error|error" | grep -v "^\[rank[1-9]" | cut -c1-220
+    [ -n "$DRY" ] || python3 scripts/multigpu_tables.py stall "$OUT/ckpt_stall.log" | tee "$OUT/ckpt_stall_table.md"
+    rm -rf "$S" ;;
+  cp)  # table 6: 8B at 32K and 128K tokens per sequence, distributed.cp = every GPU (configs/train/llama3_8b_128k_cp8.toml:
+    # full AC, chunked loss, batch 1), 20 steps of synthetic tokens: tokens/s and peak memory from the log line; then
+    # cp=1 on one GPU where its dry run says it fits, and the two runs' losses step by step
+    for seq in ${CP_SEQS:-32768 131072}; do
+      C="--config configs/train/llama3_8b_128k_cp8.toml --train.seq_len=$seq --data.source=synthetic --train.steps=${CP_STEPS:-20}
+         --checkpoint.enable=false --checkpoint.restart_data=false --scheduler.warmup_steps=5 --metrics.log_freq=1
+         --metrics.enable_tensorboard=false ${CP_ARGS:-}"
+      ns=$NGPU; [ "$NGPU" = 1 ] || ns="$NGPU 1"  # on one GPU: the cp=1 leg only
+      for n in $ns; do
+        plan=$(python3 scripts/train.py $C --distributed.cp=$n --dry-run --world-size $n --gpu-memory-gib "$GIB" 2>&1)
+        if [ "$n" = 1 ] && [[ "$plan" != *"fits "* ]]; then
+          echo "[cp seq=$seq cp=1] skipped: one GPU does not hold it (its dry run)" | tee -a "$OUT/cp.log"; continue
+        fi
+        rm -rf /tmp/cp_run_$n
+        launch $n scripts/train.py $C --distributed.cp=$n --job.dump_folder=/tmp/cp_run_$n 2>&1 | tee "$OUT/cp_${seq}_cp$n.log" \
+          | shown "step +[0-9]+/|memory plan|step 1 done|Error|error" | grep -v "^\[rank[1-9]" | cut -c1-220 | sed "s/^/[cp seq=$seq cp=$n] /" | tee -a "$OUT/cp.log"
+      done
+      if [ -z "$DRY" ] && [ "$NGPU" != 1 ] && [ -f /tmp/cp_run_1/metrics.jsonl ] && [ -f /tmp/cp_run_$NGPU/metrics.jsonl ]; then
+        echo "[cp seq=$seq] losses, cp=1 vs cp=$NGPU: $(python3 scripts/multigpu_tables.py losses /tmp/cp_run_1 /tmp/cp_run_$NGPU)" | tee -a "$OUT/cp.log"
+      fi
+      for n in $ns; do [ -f /tmp/cp_run_$n/metrics.jsonl ] && cp /tmp/cp_run_$n/metrics.jsonl "$OUT/cp_${seq}_cp$n.jsonl"; rm -rf /tmp/cp_run_$n; done
     done ;;
 esac; done
 echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
@@ -323,4 +435,5 @@ for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -
 [ -f "$OUT/moe_fp8_micro.log" ] && cat "$OUT/moe_fp8_micro.log"
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 [ -f "$OUT/coldstart.log" ] && cat "$OUT/coldstart.log"
+for f in peer8b.log scaling_table.md ckpt_stall_table.md cp.log; do [ -f "$OUT/$f" ] && cat "$OUT/$f"; done
 exit 0

@@ -103,3 +103,33 @@ def test_emulating_gpus_without_a_gpu_is_one_line() -> None:
                            "--emulate-gpus", "16"], capture_output=True, text=True, env=env(), cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         "error: --emulate-gpus caps CUDA memory: it needs a GPU")
+
+
+FULL_8B = ["--config", str(REPO / "configs" / "train" / "llama3_8b.toml")]
+FULL_8B_OVERRIDES = ["--train.batch_size=4", "--train.seq_len=4096", "--data.source=synthetic",
+                     "--train.activation_checkpointing=none"]
+
+
+def test_dry_run_plans_each_precision_as_train_py_does() -> None:
+    """--dry-run runs nothing: each precision's job is validated for --world-size ranks and gets train.py --dry-run's
+    plan (all but the last line, which names the benchmark's own folder); with --emulate-gpus, for the emulated job."""
+    plan = ["--dry-run", "--world-size", "4", "--gpu-memory-gib", "139.8"]
+    bench = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), *FULL_8B, "--precisions", "bf16,fp8",
+                            "--label", "full 8B", "--", *FULL_8B_OVERRIDES, *plan],
+                           capture_output=True, text=True, env=env(), cwd=REPO)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    sections = bench.stdout.split("== full 8B, ")
+    assert [s.split(":")[0] for s in sections[1:]] == ["bf16", "fp8"]
+    train = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), *FULL_8B, *FULL_8B_OVERRIDES,
+                            "--train.mixed_precision=fp8", *plan], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert train.returncode == 0, train.stderr[-2000:]
+    expected = train.stdout.strip().splitlines()
+    assert expected[0] == "dry run for 4 ranks: nothing was started"
+    assert sections[2].strip().splitlines()[1:-1] == expected[:-1]
+    assert sections[2].strip().splitlines()[-1].startswith("OK: outputs/benchmark/llama3_8b would train")
+    emulated = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--emulate-gpus", "16",
+                               "--config", str(REPO / "configs" / "train" / "7b_16gpu_fp8.toml"), "--precisions", "fp8",
+                               "--", "--data.source=synthetic", "--dry-run", "--world-size", "2"],
+                              capture_output=True, text=True, env=env(), cwd=REPO)
+    assert emulated.returncode == 0, emulated.stderr[-2000:]
+    assert "dry run for 16 ranks" in emulated.stdout and "fits a 79.6 GiB GPU" in emulated.stdout

@@ -4,6 +4,8 @@ override stop at start, both with exit 2, rank 0 printing the one line that name
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,12 +31,21 @@ def _main(rank1_extra: list[str], dump: str) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+@pytest.fixture
+def short_tmp():
+    """A folder whose paths stay under the line's 80 characters per value (pytest's tmp_path is longer under
+    pytest-xdist, and the line elides a longer value in the middle)."""
+    folder = Path(tempfile.mkdtemp(prefix="ranks-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.parametrize("key, value", [("optimizer.lr", 1e-2), ("train.seq_len", 32), ("train.steps", 3),
                                         ("job.dump_folder", "elsewhere")])
-def test_a_rank_with_another_job_stops_every_rank_in_one_line(key: str, value, tmp_path: Path) -> None:
-    dump = str(tmp_path / "run")
+def test_a_rank_with_another_job_stops_every_rank_in_one_line(key: str, value, short_tmp: Path) -> None:
+    dump = str(short_tmp / "run")
     if key == "job.dump_folder":
-        value = str(tmp_path / value)
+        value = str(short_tmp / value)
     # The collective timeout of a start (distributed.init_timeout_seconds) is far longer: a hang fails here first.
     (rc0, out0), (rc1, out1) = run_distributed(_main, world_size=2, args=([f"--{key}={value}"], dump), timeout=120)
     assert (rc0, rc1) == (2, 2), (out0[-2000:], out1[-2000:])

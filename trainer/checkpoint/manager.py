@@ -43,6 +43,7 @@ from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.space import (
     checkpoint_bytes, describe_disk_error, move_aside, prune_checkpoints, save_error, warn_if_short,
 )
+from trainer.checkpoint.staging import RunStager
 from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
     reconcile_float8_scaling, split_tensors
 from trainer.checkpoint.tokenizer import remember_tokenizer, write_tokenizer
@@ -97,6 +98,7 @@ class CheckpointManager:
         self._abandoned: list[Path] = []  # rank 0: a later trajectory's checkpoints, moved aside at the first save
         self._nbytes: int | None = None  # the checkpoint's size, estimated at the first save
         self._pending: _PendingSave | None = None
+        self._prestaged = False
         self._stager = None
         self.export_tokenizer = prepare_export(run) if self.model_only else None
         if self.rank == 0 and options.enable:  # every save copies the tokenizer.json the run started with
@@ -106,16 +108,12 @@ class CheckpointManager:
         self.pg = dist.new_group(backend="gloo", timeout=None if timeout_seconds is None
                                  else timedelta(seconds=timeout_seconds))
         if self.enable and self.async_mode != "disabled":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             pinned = self.async_mode == "async_with_pinned_mem"
             if pinned and not torch.cuda.is_available():
                 logger.warning("checkpoint.async_mode='async_with_pinned_mem' without CUDA: there is no pinned "
                                "memory, so checkpoints are staged in ordinary host memory (same as 'async')")
                 pinned = False
-            # One stager for the run: its host buffers are reused by every save.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+            self._stager = RunStager(pinned=pinned)  # one for the run: its host buffers are reused by every save
         if self.enable:
             logger.info(
                 "checkpointing: every %d steps into %s, keep_latest_k=%d, async_mode=%s%s",
@@ -293,6 +291,11 @@ class CheckpointManager:
         """
         self._poll()
         saving = self.enable and step != self.last_saved_step and (step % self.interval == 0 or final or stopping)
+        if self._stager is not None and not self._prestaged and not saving:
+            # After the first step every state tensor exists (the moments too): their host buffers are allocated
+            # in the background now, not by the first save.
+            self._prestaged = True
+            self._stager.prestage(split_tensors(self.state.state_dict())[0])
         if before_save is not None and (saving or (final and self.model_only)):
             before_save()
         if saving:
@@ -345,12 +348,18 @@ class CheckpointManager:
             logger.info("checkpoint step-%d: blocked training %.2f s (synchronous save; checkpoint.async_mode "
                         "writes in the background)", step, time.perf_counter() - blocked_since)
             return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        staging_since = time.perf_counter()
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg, async_stager=self._stager)
         self._pending = _PendingSave(step=step, tmp=tmp, future=future, start=start, nbytes=nbytes,
                                      previous=previous)
         now = time.perf_counter()
-        logger.info("checkpoint step-%d: blocked training %.2f s (previous save %.2f s, staging %.2f s); "
-                    "writing in the background", step, now - blocked_since, start - blocked_since, now - start)
+        # preparing: the state dict, the folder and the GPU finishing the steps queued before (busy, not stalled);
+        # staging: the copy of this rank's shards to host memory, while the GPU has nothing to do.
+        logger.info("checkpoint step-%d: blocked training %.2f s (previous save %.2f s, preparing %.2f s, staging "
+                    "%.2f s); writing in the background", step, now - blocked_since, start - blocked_since,
+                    staging_since - start, now - staging_since)
 
     def _broadcast_error(self, error: BaseException | None) -> BaseException | None:
         """Rank 0's error, or None, on every rank (collective on pg), so all ranks take the same branch."""
