@@ -96,6 +96,10 @@ def _dense(layers: int, batch: int, precision: str, ac: str = "none", *more: str
 _MOE = ["--config", "configs/train/moe_16b_4gpu_fp8.toml", "--model.n_layers=8", "--distributed.ep=1",
         "--float8.moe_experts=off", "--train.batch_size=2"]
 
+# Long sequences (configs/train/llama3_8b_128k_cp8.toml on one GPU: full AC, 4,096-token loss chunks, batch 1).
+_LONG = ["--config", "configs/train/llama3_8b_128k_cp8.toml", "--model.n_layers=8", "--distributed.cp=1",
+         "--checkpoint.restart_data=false"]
+
 # name -> (overrides, record what is live at the peak)
 CONFIGS = {
     "bf16_8L_b4": (_dense(8, 4, "bf16"), True),
@@ -112,6 +116,9 @@ CONFIGS = {
     "moe16b_8L_b2_bf16": ([*_MOE, "--train.mixed_precision=bf16"], True),
     "moe16b_8L_b2_fp8": ([*_MOE, "--train.mixed_precision=fp8"], False),
     "fp8_32L_b1_full": (_dense(0, 1, "fp8", "full"), False),
+    "bf16_8L_s32k_full": ([*_LONG, "--train.seq_len=32768"], True),
+    "bf16_8L_s64k_full": ([*_LONG, "--train.seq_len=65536"], False),
+    "bf16_8L_s128k_full": ([*_LONG, "--train.seq_len=131072"], True),
 }
 
 

@@ -12,8 +12,9 @@ refuses only what cannot fit, the training state alone). Bytes, per rank:
                  flight (a microbatch; under pp the schedule's microbatches in flight at this rank)
     loss         the largest transient: the logits and what the head's backward makes of them
 
-The peak is the larger of two moments: the start of backward (resident + gathered + activations + loss; under
-full AC the loss's transient is freed before a block's recompute, so the larger of the two counts; with gradient
+The peak is the larger of two moments: the start of backward (resident + gathered + activations + the larger of
+the loss's transient and a block's backward: its MLP's three gradients, 6f bytes per token, and under full AC its
+activations again, the loss's transient being freed by then; with gradient
 accumulation or a pipeline, the gradients earlier microbatches left), and the optimizer step (resident + every
 gradient).
 
@@ -76,7 +77,7 @@ class MemoryPlan:
     rows: tuple[MemoryRow, ...]
     peak_bytes: int
     peak_at: str
-    """When the peak happens: "the start of backward", "a block's recompute" or "the optimizer step"."""
+    """When the peak happens: "the start of backward", "a block's backward" or "the optimizer step"."""
     pp_rank: int
     params_per_rank: int
     optimizer_step_bytes: int
@@ -174,8 +175,8 @@ class _Fp8:
 
 
 def _block_activations(args: ModelArgs, build: BuildOptions, fp8: _Fp8, *, moe: bool) -> tuple[float, float]:
-    """(saved, recomputed) bytes per token of one block: what backward finds saved, and what a fully
-    checkpointed block makes again at its backward (0 without full AC). The table in the module's docstring."""
+    """(saved, backward) bytes per token of one block: what backward finds saved, and what the block's backward
+    adds to it (a fully checkpointed block's activations again, and its MLP's gradients). The module's docstring."""
     d, h = args.dim, args.n_heads
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     sdpa = 4 * q + 4 * kv + 4 * h  # q, k, v, out, lse
@@ -192,11 +193,14 @@ def _block_activations(args: ModelArgs, build: BuildOptions, fp8: _Fp8, *, moe: 
                 + rows * (6 * d + 6 * hidden))
         if fp8.attention and build.float8 is not None and build.float8.delayed is not None:
             full += 3 * d  # tests/unit/test_float8_scaling_compile.py
+    # A block's backward allocates its MLP's three gradients (of the gate, up and their product: compute dtype) on
+    # top of what it finds saved; only the loss's transient hid them until long sequences (1x H200, 32K-128K).
+    grads = 6 * f + rows * 6 * hidden
     if build.ac.mode == "full":
-        return 2 * d, full
+        return 2 * d, full + grads
     if build.ac.mode == "selective" and not build.ac.selective_every:  # the GEMMs' and attention's outputs
-        return min(full, 4 * d + sdpa + 4 * f + rows * (2 * d + 4 * hidden)), 0
-    return full, 0
+        return min(full, 4 * d + sdpa + 4 * f + rows * (2 * d + 4 * hidden)), grads
+    return full, grads
 
 
 def _moment_bytes(cfg: JobConfig, *, bf16_master: bool) -> dict[str, float]:
@@ -232,9 +236,11 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
         rows.append(MemoryRow("logits and loss", loss, _loss_how(build)))
     if cfg.train.grad_accum_steps > 1 or pd.pp > 1:  # a later microbatch's backward adds to the sharded gradients
         rows.append(MemoryRow("gradients", local * master, f"{master} B each, summed over the step's microbatches"))
+    full_ac = build.ac.mode == "full" or bool(build.ac.mode == "selective" and build.ac.selective_every)
     if recompute > loss:
-        rows.append(MemoryRow("block recompute", recompute - loss,
-                              "one block's activations again in its backward (full AC), beyond the loss's transient"))
+        rows.append(MemoryRow("block backward", recompute - loss,
+                              ("one block's activations again and " if full_ac else "")
+                              + "its MLP's gradients in its backward, beyond the loss's transient"))
     optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan))
     start_of_backward = sum(r.bytes for r in rows)
     if optimizer_step >= start_of_backward:
@@ -242,7 +248,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
                                      f"{master} B each, complete from the end of backward to the optimizer step")]
         peak, at = optimizer_step, "the optimizer step"
     else:
-        peak, at = start_of_backward, "a block's recompute" if recompute > loss else "the start of backward"
+        peak, at = start_of_backward, "a block's backward" if recompute > loss else "the start of backward"
     return MemoryPlan(rows=tuple(rows), peak_bytes=peak, peak_at=at, pp_rank=pp_rank, params_per_rank=local,
                       optimizer_step_bytes=optimizer_step)
 
@@ -275,7 +281,8 @@ def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bo
 
 def _activations(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp8, stage: _Stage, *,
                  tokens: float) -> tuple[MemoryRow, int]:
-    """(the saved activations' row, the bytes a fully checkpointed block makes again in its backward)."""
+    """(the saved activations' row, the bytes a block's backward adds: a checkpointed block's activations again,
+    its MLP's gradients)."""
     saved_dense, again_dense = _block_activations(args, build, fp8, moe=False)
     saved_moe, again_moe = _block_activations(args, build, fp8, moe=True) if stage.moe_layers else (0, 0)
     blocks = stage.dense_layers + stage.moe_layers
@@ -283,7 +290,7 @@ def _activations(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _F
     every = build.ac.selective_every if build.ac.mode == "selective" else 0
     if every:  # full AC on every `every`-th block, the others keep everything
         per_token = per_token * (1 - 1 / every) + blocks / every * 2 * args.dim
-        again_dense, again_moe = saved_dense, saved_moe
+        again_dense, again_moe = saved_dense + again_dense, saved_moe + again_moe
     per_token /= pd.tp
     in_flight = stage.microbatches_in_flight
     ac = build.ac.mode + (f" every {every}" if every else "")
