@@ -344,9 +344,10 @@ for name, t in (('stdlib', StdlibTextSource(vocab_size=258).tokens), ('web-like'
       --precisions bf16,fp8 --warmup 6 --steps 10 $FULL_8B 2>&1 | tee "$OUT/full8b.log" | grep -v "^\[rank" ;;
   peer8b)  # table 1's peer in the same sitting: torchtitan 0.2.2's Llama 3 8B, the same job (FSDP2 over every GPU, batch
     # 4 x 4096 per GPU, compile, no AC), bf16 and fp8 tensorwise with its recommended fp8 all-gather and precomputed scales.
-    # PEER_WHEELS=DIR: torchtitan-0.2.2 and what the image lacks (torchdata, datasets, tyro, docstring-parser, typeguard,
-    # dill, multiprocess); its tokenizer is a byte-level tokenizer.json written here, its data Python's own files as
+    # PEER_WHEELS=DIR: torchtitan-0.2.2 and what the image lacks (checked with torchdata 0.11.0, datasets 3.6.0, tyro 1.0.17,
+    # docstring-parser 0.18.0, typeguard 4.6.1, dill 0.3.8, multiprocess 0.70.16; 1.5 MB); its tokenizer is a byte-level tokenizer.json written here, its data Python's own files as
     # c4_test-style JSON lines (the model's vocab stays 128,256). tok/s and TFLOP/s from its log line, steps 20-30.
+    # PEER_FLAVOR=debugmodel checks the step on one GPU (torchtitan's whole 8B at batch 4 does not fit one).
     if [ -n "$DRY" ] || [ -z "${PEER_WHEELS:-}" ]; then echo "[peer8b] skipped: ${DRY:+a dry run}${DRY:-no PEER_WHEELS}"; continue; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer "$PEER_WHEELS"/*.whl || continue
     python3 - <<'PY'
@@ -368,11 +369,12 @@ PY
       conv=(); [ $p = fp8 ] && conv=(--model.converters quantize.linear.float8 --quantize.linear.float8.enable_fsdp_float8_all_gather
                                    --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
       rm -rf /tmp/peer_run
-      PYTHONPATH=/tmp/peer:$PYTHONPATH launch $NGPU -m torchtitan.train --model.name llama3 --model.flavor 8B \
+      PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU -m torchtitan.train \
+        --model.name llama3 --model.flavor ${PEER_FLAVOR:-8B} \
         --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
         --training.local_batch_size 4 --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
         --compile.enable --activation_checkpoint.mode none --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" 2>&1 \
-        | tee "$OUT/peer8b_$p.log" | grep -E "step: +(10|20|30) |Error|error" | sed "s/^/[peer8b torchtitan $p] /" | cut -c1-250 | tee -a "$OUT/peer8b.log"
+        | tee "$OUT/peer8b_$p.log" | grep -E "step: +(10|20|30) |Traceback|rror:" | grep -v lspci | sed "s/^/[peer8b torchtitan $p] /" | cut -c1-250 | tee -a "$OUT/peer8b.log"
     done ;;
   scaling)  # table 2: the full8b job on 1, 2, 4, 8 GPUs (up to $NGPU): bf16, fp8; beyond one GPU fp8 again with a bf16 all-gather
     for n in ${SCALING_GPUS:-1 2 4 8}; do
