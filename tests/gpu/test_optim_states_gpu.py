@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.test_adamw_kernel import step_through
 from tests.unit.test_optim_states import COMBOS, SHAPES, _optimizer
 from tests.unit.test_optim_states_kernel import COMBOS as KERNEL_COMBOS
 from tests.unit.test_optim_states_kernel import _values, check_same_bits, check_within_an_ulp, runs
@@ -26,12 +27,7 @@ def _run(combo: tuple[str, str, str], device: str, steps: int = 4) -> list[list[
     params = [torch.nn.Parameter((1 + torch.rand(s, generator=gen)).to(dtype).to(device)) for s in SHAPES]
     grads = [[torch.randn(s, generator=gen).to(dtype).to(device) for s in SHAPES] for _ in range(steps)]
     opt = _optimizer(params, StateDtypes(*combo))
-    for i, step in enumerate(grads):
-        for p, g in zip(params, step):
-            p.grad = g
-        opt.grad_scale = torch.tensor(2.0, device=device)
-        opt.found_inf = torch.tensor(1.0 if i == 1 else 0.0, device=device)
-        opt.step()
+    step_through(opt, params, grads, device=device)
     return [[(v.cpu(), d) for v, d in _values(opt, p)] for p in params]
 
 

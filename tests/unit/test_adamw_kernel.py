@@ -95,6 +95,18 @@ def test_a_skipped_step_changes_nothing() -> None:
         assert torch.equal(old, new)
 
 
+def step_through(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]], *,
+                 device: str) -> None:
+    """One optimizer step per list of gradients, with the trainer's loss scale of 2 and the second step skipped
+    (found_inf): the steps the kernel tests compare the eager update and the kernel over."""
+    for i, step_grads in enumerate(grads):
+        for p, g in zip(params, step_grads):
+            p.grad = g
+        opt.grad_scale = torch.tensor(2.0, device=device)
+        opt.found_inf = torch.tensor(1.0 if i == 1 else 0.0, device=device)
+        opt.step()
+
+
 def bf16_runs(kind: str, layouts_from_shards: bool, *, beta1: float = 0.9, steps: int = 3, device: str = "cpu"):
     """The same bf16 training with BF16AdamW eager and with the kernel: each run's weights and state tensors.
     layouts_from_shards: the tensors are blocks of larger global tensors (offsets along one or two dims), as FSDP
@@ -115,12 +127,7 @@ def bf16_runs(kind: str, layouts_from_shards: bool, *, beta1: float = 0.9, steps
             global_layouts = [Layout((70, 0), (280, 130)), Layout((0,), (3,)), Layout((2, 9, 0), (4, 18, 300)),
                               Layout((0, 130), (70, 260))]
             opt._layouts.update(zip(params, global_layouts))
-        for i, step_grads in enumerate(grads):
-            for p, g in zip(params, step_grads):
-                p.grad = g
-            opt.grad_scale = torch.tensor(2.0, device=device)
-            opt.found_inf = torch.tensor(1.0 if i == 1 else 0.0, device=device)
-            opt.step()
+        step_through(opt, params, grads, device=device)
         out.append([[p.detach(), *(v for k, v in opt.state[p].items() if k != "step")] for p in params])
     return out
 

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton", reason="Triton has no wheel for this platform (the `test` extra installs it on Linux)")
 
 from tests.unit.test_adamw_kernel import interpreted_kernel  # noqa: E402, F401  (autouse: Triton's interpreter)
+from tests.unit.test_adamw_kernel import step_through  # noqa: E402
 from trainer.adamw import Layout  # noqa: E402
 from trainer.lowp_adamw import LowPrecisionAdamW  # noqa: E402
 from trainer.optim_states import SCALE_KEY, StateDtypes, dequantize_blocks  # noqa: E402
@@ -45,12 +46,7 @@ def runs(combo, *, beta1: float = 0.9, update: str = "stochastic", device: str =
                                 dtypes=StateDtypes(*combo), update=update, seed=3, triton=triton,
                                 names=[f"layers.{i}.w" for i in range(len(params))])
         opt._layouts.update(zip(params, LAYOUTS))
-        for i, step_grads in enumerate(grads):
-            for p, g in zip(params, step_grads):
-                p.grad = g
-            opt.grad_scale = torch.tensor(2.0, device=device)
-            opt.found_inf = torch.tensor(1.0 if i == 1 else 0.0, device=device)
-            opt.step()
+        step_through(opt, params, grads, device=device)
         out.append(([_values(opt, p) for p in params], [dict(opt.state[p]) for p in params]))
     return out
 
