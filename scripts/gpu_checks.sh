@@ -408,8 +408,8 @@ PY
          --metrics.enable_tensorboard=false ${CP_ARGS:-}"
       ns=$NGPU; [ "$NGPU" = 1 ] || ns="$NGPU 1"  # on one GPU: the cp=1 leg only
       for n in $ns; do
-        plan=$(python3 scripts/train.py $C --distributed.cp=$n --dry-run --world-size $n --gpu-memory-gib "$GIB" 2>&1)
-        if [ "$n" = 1 ] && [[ "$plan" != *"fits "* ]]; then
+        if [ "$n" = 1 ] && [[ "$(python3 scripts/train.py $C --distributed.cp=1 --dry-run --gpu-memory-gib "$GIB" 2>&1)" \
+                              != *"fits "* ]]; then
           echo "[cp seq=$seq cp=1] skipped: one GPU does not hold it (its dry run)" | tee -a "$OUT/cp.log"; continue
         fi
         rm -rf /tmp/cp_run_$n
