@@ -139,9 +139,10 @@ def profile_optimizer(runner: Trainer, trace_dir: Path) -> None:
         with torch.profiler.record_function("ProfilerStep#1"):
             runner.step_fn.optimizer_step(runner.state.step + 1)
             sync(runner.device)
-    path = trace_dir / "optimizer_trace.json.gz"
+    path = trace_dir / _trace_name("optimizer_trace", runner)
     prof.export_chrome_trace(str(path))
-    print(format_summary(summarize_events(load_trace_events(str(path)), num_steps=1), top=12))
+    print(_rank_header(runner) + format_summary(summarize_events(load_trace_events(str(path)), num_steps=1), top=12),
+          flush=True)
 
 
 def reference_optimizer(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, *,
@@ -260,14 +261,25 @@ def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     from trainer.trace_summary import format_summary, load_trace_events, summarize_events
 
     trace_dir.mkdir(parents=True, exist_ok=True)
-    path = trace_dir / "trace.json.gz"
+    path = trace_dir / _trace_name("trace", runner)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(num_steps):
             runner.train_step(runner.data_loader.next_batch())
         sync(runner.device)
     prof.export_chrome_trace(str(path))
-    print(format_summary(summarize_events(load_trace_events(str(path)), num_steps=num_steps), top=25))
+    print(_rank_header(runner) + format_summary(summarize_events(load_trace_events(str(path)), num_steps=num_steps),
+                                                top=25), flush=True)
+
+
+def _trace_name(stem: str, runner: Trainer) -> str:
+    """trace.json.gz with one process; trace_rank1.json.gz (each rank its own) under torchrun."""
+    return f"{stem}.json.gz" if runner.env.world_size == 1 else f"{stem}_rank{runner.env.rank}.json.gz"
+
+
+def _rank_header(runner: Trainer) -> str:
+    """Under torchrun every rank prints its summary (their steps differ in what they wait for): say whose."""
+    return "" if runner.env.world_size == 1 else f"[summary of rank {runner.env.rank}]\n"
 
 
 def dry_run_precisions(argv: list[str], args: argparse.Namespace, plan: dict) -> int:

@@ -74,6 +74,8 @@ SHAPE_8B="--model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.so
 BENCH_8B="--config configs/train/llama3_8b.toml -- $SHAPE_8B"
 FULL_8B="--config configs/train/llama3_8b.toml -- --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
 BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
+FAILED=()  # steps whose command failed: the script's exit status is 1 when any did
+failed() { FAILED+=("$1"); echo "[gpu_checks] step $1 FAILED (exit $2)"; }
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
   bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096${ARGS_8B:+, $ARGS_8B}" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
@@ -211,7 +213,7 @@ for s in $STEPS; do case $s in
   parity_moe)  # FP8 experts' accuracy: moe_small (1 GPU), bf16 x2 seeds vs fp8 with the experts bf16 and with FP8 experts
     # PARITY_LEGS picks legs; legs finished in an earlier call and copied to docs/benchmark_data/parity_moe are reused.
     [ -d docs/benchmark_data/parity_moe ] && cp -r docs/benchmark_data/parity_moe "$OUT/"
-    python3 scripts/fp8_parity.py --config configs/train/debug_moe.toml --out "$OUT/parity_moe" --tolerance 0.01 \
+    python3 scripts/fp8_parity.py --config configs/train/debug_moe.toml --out "$OUT/parity_moe" --seeds 1 --tolerance 0.01 \
       --model.flavor=moe_small --train.steps=${PARITY_MOE_STEPS:-500} --train.batch_size=8 --train.seq_len=2048 \
       --train.compile_model=true --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --data.source=stdlib \
       --validation.freq=100 --validation.steps=8 --metrics.log_freq=10 --metrics.enable_tensorboard=false \
@@ -224,7 +226,7 @@ for s in $STEPS; do case $s in
     # last and wins). PARITY_LEGS picks legs (comma-separated) so the legs can be spread over calls; the verdict is
     # computed where all legs are. fp32 master weights unless the leg says otherwise (the recorded legs ran so; the
     # default became bf16 for bf16 and fp8 compute after them).
-    python3 scripts/fp8_parity.py --config configs/train/llama3_1b.toml --out "$OUT/parity1b" --tolerance 0.005 \
+    python3 scripts/fp8_parity.py --config configs/train/llama3_1b.toml --out "$OUT/parity1b" --seeds 1 --tolerance 0.005 \
       --model.vocab_size=32768 --train.steps=1000 --train.batch_size=4 --train.seq_len=4096 --scheduler.warmup_steps=100 \
       --data.source=shards --data.path=data/py_bpe/train --data.tokenizer=data/py_bpe/tokenizer.json \
       --validation.path=data/py_bpe/validation --validation.freq=100 --validation.steps=16 \
@@ -365,16 +367,44 @@ with open("/tmp/peer_c4/c4.json", "w") as f:
         if f.tell() > 50_000_000:  # 50 MB: more than 30 steps read
             break
 PY
+    # PEER_LAYERS=N: its 8B shapes with N layers (a flavor "8B_NL" added before torchtitan's main runs), our 8-layer table
+    flavor=${PEER_FLAVOR:-8B}; entry=(-m torchtitan.train)
+    if [ -n "${PEER_LAYERS:-}" ]; then
+      flavor=8B_${PEER_LAYERS}L; entry=(/tmp/peer_main.py)
+      printf '%s\n' "import dataclasses" "from torchtitan.models.llama3 import llama3_args" \
+        "llama3_args['$flavor'] = dataclasses.replace(llama3_args['8B'], n_layers=${PEER_LAYERS})" \
+        "from torchtitan.train import Trainer, main" "main(Trainer)" > /tmp/peer_main.py
+    fi
     for p in bf16 fp8; do
       conv=(); [ $p = fp8 ] && conv=(--model.converters quantize.linear.float8 --quantize.linear.float8.enable_fsdp_float8_all_gather
                                    --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
       rm -rf /tmp/peer_run
-      PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU -m torchtitan.train \
-        --model.name llama3 --model.flavor ${PEER_FLAVOR:-8B} \
+      PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
+        --model.name llama3 --model.flavor $flavor \
         --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
         --training.local_batch_size 4 --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
         --compile.enable --activation_checkpoint.mode none --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" 2>&1 \
         | tee "$OUT/peer8b_$p.log" | grep -E "step: +(10|20|30) |Traceback|rror:" | grep -v lspci | sed "s/^/[peer8b torchtitan $p] /" | cut -c1-250 | tee -a "$OUT/peer8b.log"
+    done ;;
+  scaling_profile)  # where dp_shard=2 loses against one GPU: 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC,
+    # bf16 and fp8 on one GPU then dp_shard=2, each with 2 steps traced per rank and the kernel summary (communication and
+    # how much of it is exposed); PROFILE_ARGS: more overrides for both, PROFILE_PRECISIONS (default bf16,fp8),
+    # PROFILE_GPUS (default "1 2"); the fp8 traces are copied to $OUT
+    for n in ${PROFILE_GPUS:-1 2}; do
+      launch $n scripts/benchmark.py --json $OUT/profile.jsonl --label "profile: 8B shapes x 8 layers, $n GPUs${PROFILE_ARGS:+, $PROFILE_ARGS}" \
+        --precisions ${PROFILE_PRECISIONS:-bf16,fp8} --warmup 6 --steps 10 --profile-dir /tmp/prof_$n $BENCH_8B ${PROFILE_ARGS:-} 2>&1 \
+        | tee "$OUT/profile_$n.log" | grep -v "^\[rank"
+      for f in /tmp/prof_$n/fp8/trace*.json.gz; do [ -f "$f" ] && cp "$f" "$OUT/prof${n}_$(basename $f)"; done
+    done ;;
+  scaling_variants)  # one sitting of 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC, under several settings:
+    # SCALING_VARIANTS="GPUS PRECISIONS LABEL [OVERRIDES...];..." (e.g. "1 bf16,fp8 one-gpu;2 fp8 never
+    # --distributed.reshard_after_forward=never"), each a benchmark.py process; the table at the end (tokens/s per GPU)
+    IFS=';' read -ra variants <<< "${SCALING_VARIANTS:-1 bf16,fp8 one-gpu;2 bf16,fp8 defaults}"
+    for v in "${variants[@]}"; do
+      set -- $v; n=$1; precisions=$2; label=$3; shift 3
+      launch $n scripts/benchmark.py --json $OUT/variants.jsonl --label "$label" --precisions $precisions --warmup 6 \
+        --steps ${VARIANT_STEPS:-10} $BENCH_8B "$@" > "$OUT/variant_$label.log" 2>&1 || failed "scaling_variants $label" $?
+      grep -A3 "^precision" "$OUT/variant_$label.log" | grep -v "^precision" | sed "s/^/[$n GPU $label] /"
     done ;;
   scaling)  # table 2: the full8b job on 1, 2, 4, 8 GPUs (up to $NGPU): bf16, fp8; beyond one GPU fp8 again with a bf16 all-gather
     for n in ${SCALING_GPUS:-1 2 4 8}; do
@@ -421,7 +451,8 @@ PY
       fi
       for n in $ns; do [ -f /tmp/cp_run_$n/metrics.jsonl ] && cp /tmp/cp_run_$n/metrics.jsonl "$OUT/cp_${seq}_cp$n.jsonl"; rm -rf /tmp/cp_run_$n; done
     done ;;
-esac; done
+  *) echo "[gpu_checks] unknown step $s"; false ;;
+esac; rc=$?; [ $rc -eq 0 ] || failed "$s" $rc; done
 echo "== summary =="; cat "$OUT/env.txt"; grep -h "passed\|failed" "$OUT/gpu_tests.log" 2>/dev/null | tail -1
 grep -h "passed\|failed\|real vs" "$OUT/gpu_tests_blockwise.log" 2>/dev/null
 grep -h "passed\|failed" "$OUT/gpu_tests_fp8knobs.log" 2>/dev/null | tail -1
@@ -438,4 +469,5 @@ for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 [ -f "$OUT/coldstart.log" ] && cat "$OUT/coldstart.log"
 for f in peer8b.log scaling_table.md ckpt_stall_table.md cp.log; do [ -f "$OUT/$f" ] && cat "$OUT/$f"; done
+if [ ${#FAILED[@]} -gt 0 ]; then echo "== FAILED steps: ${FAILED[*]} =="; exit 1; fi
 exit 0

@@ -151,6 +151,11 @@ class TraceSummary:
     gemm_dtypes: dict[str, int]
     """Calls of the non-FP8 GEMMs by input dtype ("fp32", "bf16", ...); empty when the trace has no
     input types (recorded only with record_shapes)."""
+    comm_us: float = 0.0
+    """Time during which at least one communication kernel ran (GPU traces; 0 on CPU)."""
+    exposed_comm_us: float = 0.0
+    """Of comm_us, the time no other kernel ran beside it: communication the step waits for, not hidden behind
+    compute. comm_us - exposed_comm_us is hidden, but the kernels beside it share the SMs with it."""
 
     @property
     def fp8_gemm_ran(self) -> bool:
@@ -220,12 +225,30 @@ def _self_times(ops: list[dict]) -> tuple[list[float], list[bool], list[str | No
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
-    busy, end = 0.0, float("-inf")
+    return sum(stop - start for start, stop in _merged(intervals))
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals as disjoint ones, in order."""
+    merged: list[tuple[float, float]] = []
     for start, stop in sorted(intervals):
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-    return busy
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        elif stop > start:
+            merged.append((start, stop))
+    return merged
+
+
+def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The time two unions of intervals (each disjoint and in order, as _merged returns them) share."""
+    shared, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
 
 
 def summarize_events(events: list[dict], *, num_steps: int,
@@ -292,6 +315,12 @@ def summarize_events(events: list[dict], *, num_steps: int,
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in timed + markers]
     # Nested CPU ops lie inside their parents, so the union over all of them is the top-level time.
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed])
+    comm, compute = [], []
+    if device == "cuda":
+        for e in timed:
+            (comm if classify(e["name"]) == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
+    comm, compute = _merged(comm), _merged(compute)
+    comm_us = sum(stop - start for start, stop in comm)
     return TraceSummary(
         device=device,
         num_steps=num_steps,
@@ -305,6 +334,8 @@ def summarize_events(events: list[dict], *, num_steps: int,
         fp8_gemm_calls=sum(fp8_calls.values()),
         fp8_gemm_names=[n for n, _ in fp8_calls.most_common()],
         gemm_dtypes=dict(gemm_dtypes.most_common()),
+        comm_us=comm_us,
+        exposed_comm_us=comm_us - _overlap_us(comm, compute),
     )
 
 
@@ -357,6 +388,9 @@ def format_summary(summary: TraceSummary, *, top: int = 15) -> str:
         "  " + " | ".join(f"{CATEGORY_LABELS[c]} {t / total:.1%}" for c, t in summary.category_us.items()),
         f"  GEMM time {summary.gemm_us / n / 1e3:.2f} ms/step ({summary.gemm_us / total:.1%} of device time), "
         f"{summary.category_us['gemm_fp8'] / (summary.gemm_us or 1.0):.1%} of it in FP8 GEMMs",
+        *([f"  communication {summary.comm_us / n / 1e3:.2f} ms/step, of it exposed (no other kernel running) "
+           f"{summary.exposed_comm_us / n / 1e3:.2f} ms/step ({summary.exposed_comm_us / summary.wall_us:.1%} of wall)"]
+          if summary.comm_us and summary.wall_us else []),
         f"  {'ms/step':>9} {'calls/step':>10} {'share':>6}  {'category':<17}  name",
     ]
     for s in summary.ops[:top]:

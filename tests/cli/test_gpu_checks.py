@@ -25,3 +25,13 @@ def test_dry_run_plans_the_multi_gpu_steps_for_their_ranks(tmp_path: Path) -> No
     assert "error" not in proc.stderr.lower() and "error" not in out.lower()
     assert (tmp_path / "env.txt").read_text().startswith("dry run: 4 GPUs of 139.8 GiB planned")
     assert not os.path.exists("/tmp/stall_run/checkpoint")
+
+
+def test_a_failing_step_makes_the_script_exit_1_and_names_it(tmp_path: Path) -> None:
+    e = env() | {"GPU_CHECKS_DRY_RUN": "2", "OUT": str(tmp_path), "PROFILE_ARGS": "--train.bach_size=3"}
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", "scaling_profile", "no_such_step"], capture_output=True,
+                          text=True, env=e, cwd=REPO, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "config error: unknown key [train].bach_size (did you mean batch_size?)" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "== FAILED steps: scaling_profile no_such_step =="

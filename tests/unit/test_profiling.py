@@ -313,7 +313,25 @@ def test_summary_of_a_gpu_trace():
     assert "GEMM fp8 33.3% | GEMM bf16/other 20.0% | attention 26.7% | communication 13.3%" in text
     assert "  GEMM time 0.08 ms/step (53.3% of device time), 62.5% of it in FP8 GEMMs" in text.splitlines()
     assert text.splitlines()[-1] == "FP8 GEMMs ran: yes (1 calls, 62.5% of GEMM time: some_future_kernel)"
-    assert len(text.splitlines()) == 5 + 2 + 1
+    assert (summary.comm_us, summary.exposed_comm_us) == (20, 0)  # the all-gather ran beside attention
+    assert "  communication 0.02 ms/step, of it exposed (no other kernel running) 0.00 ms/step (0.0% of wall)" in text
+    assert len(text.splitlines()) == 6 + 2 + 1
+
+
+def test_exposed_communication_is_the_time_no_other_kernel_runs_beside_it():
+    events = [
+        _event("ProfilerStep#1", "user_annotation", 0, 400),
+        _event("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_NNT", "kernel", 0, 100, tid=7),
+        _event("nvjet_sm90_tst_128x64_64x8_1x2_h_bz_NNT", "kernel", 150, 100, tid=7),
+        # 80-180: hidden 80-100 and 150-180, exposed 100-150; two overlapping comm kernels count once.
+        _event("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "kernel", 80, 100, tid=9),
+        _event("ncclDevKernel_AllGather_RING_LL", "kernel", 90, 40, tid=10),
+        _event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 300, 20, tid=9),  # wholly exposed
+    ]
+    summary = summarize_events(events, num_steps=2)
+    assert (summary.comm_us, summary.exposed_comm_us) == (120, 70)
+    assert ("  communication 0.06 ms/step, of it exposed (no other kernel running) 0.04 ms/step (17.5% of wall)"
+            in format_summary(summary))
 
 
 def test_gemm_time_splits_into_fp8_and_bf16_on_h100_kernel_names():
