@@ -42,6 +42,8 @@ def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int,
         lines.append(family_line)
     lines.append(describe_precision(mixed_precision=run.mixed_precision, bf16_update=job.optimizer.bf16_update,
                                     build=job.build, float8_layers=job.float8_layers))
+    if job.fsdp_choices:
+        lines.append(job.fsdp_choices)
     lines.append(f"activation checkpointing: {job.build.ac.mode}; compile: {'on' if job.build.compile else 'off'}")
     tokens = run.batch_size * run.seq_len * run.grad_accum_steps * pd.dp
     lines.append(f"batch: {run.batch_size} sequences x {run.seq_len} tokens x {run.grad_accum_steps} accumulation "

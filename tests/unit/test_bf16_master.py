@@ -212,14 +212,19 @@ def test_nearest_warns_that_small_updates_are_lost(caplog) -> None:
 @pytest.mark.parametrize("args, world, reduce_dtype, line", [
     ([], 1, torch.bfloat16, "gradients in bfloat16 (one rank, one microbatch: nothing to sum)"),
     (["--distributed.master_dtype=fp32"], 1, torch.bfloat16, "gradients in bfloat16 (one rank, one microbatch"),
-    (["--distributed.dp_shard=2"], 2, torch.float32, "gradients reduced in float32"),
-    (["--train.grad_accum_steps=2"], 1, torch.float32, "gradients reduced in float32"),
+    (["--distributed.dp_shard=2"], 2, torch.bfloat16, "gradients reduced in bfloat16"),
+    (["--distributed.dp_shard=4"], 4, torch.float32, "gradients reduced in float32"),
+    (["--train.grad_accum_steps=2"], 1, torch.bfloat16, "gradients reduced in bfloat16"),
+    (["--train.grad_accum_steps=2", "--distributed.master_dtype=fp32"], 1, torch.float32,
+     "gradients reduced in float32"),
     (["--train.mixed_precision=fp32"], 1, torch.float32, "gradients in float32 (one rank, one microbatch"),
 ])
-def test_gradients_reduce_in_fp32_wherever_they_are_summed(args, world, reduce_dtype, line) -> None:
-    """Over ranks or over microbatches (FSDP2 accumulates them in reduce_dtype) gradients sum in fp32. With nothing
-    to sum FSDP2 would cast the bf16 gradients to fp32 and back around a one-rank reduce-scatter (15 ms a step at 8B
-    shapes on 1x H100) for the same values: they stay in the compute dtype there."""
+def test_gradients_reduce_in_fp32_wherever_bf16_would_round_otherwise(args, world, reduce_dtype, line) -> None:
+    """FSDP2 rounds each reduced gradient to the master dtype and accumulates microbatches there: with bf16 master
+    weights a sum over 1 or 2 ranks rounds once in bf16 as in fp32 (tests/distributed/test_reduce_dtype.py), so it
+    runs in bf16; over more ranks, or into fp32 master weights, fp32. With nothing to sum FSDP2 would cast the bf16
+    gradients to fp32 and back around a one-rank reduce-scatter (15 ms a step at 8B shapes on 1x H100) for the same
+    values: they stay in the compute dtype there."""
     from trainer.run_files import describe_precision
 
     job = validate_job(_cfg("--train.mixed_precision=bf16", *args), world_size=world)

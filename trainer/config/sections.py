@@ -266,6 +266,8 @@ class DistributedSection:
     """With pp > 1, automatic split: the final norm and output head's cost in blocks (of the mean block cost); -1 = its FLOPs, 6 x dim x vocab per token (about 2 blocks at Llama 3 8B shapes)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
+    reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Dtype FSDP2 reduce-scatters (sums) gradients in and accumulates them in across microbatches. auto = fp32 wherever gradients are summed (over ranks or microbatches), else the compute dtype (one rank, one microbatch: nothing is summed); bf16 = half the reduce-scatter bytes (docs/distributed.md#gradient-reduction)."""
     master_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Dtype of the sharded master weights and AdamW moments. auto = bf16 for bf16 and fp8 compute (6 bytes/parameter less; each update rounded by optimizer.bf16_update, stochastic by default: within the seed noise of fp32 master weights on two seeds of the 1B parity run, docs/distributed.md#master-weights), fp32 for fp32 and fp16 compute; fp32 = the opt-in for every precision."""
     loss_parallel: bool = True

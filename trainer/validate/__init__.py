@@ -42,10 +42,15 @@ from trainer.validate.options import (
 )
 from trainer.validate.plan import MemoryPlan, plan_memory
 from trainer.validate.precision import resolve_auto_precision
-from trainer.validate.resolve import (absent_shards, check_float8_exclusions, resolve_build, resolve_data, resolve_float8,
-                                      resolve_model_args)
+from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices, resolve_build, resolve_data, resolve_float8,
+                                      resolve_fsdp, resolve_model_args)
 
 logger = logging.getLogger(__name__)
+
+
+GATHERED_FITS = 0.95
+"""reshard_after_forward='default' keeps the weights gathered when the plan with them is at most this share of the
+device."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class ResolvedJob:
     """The per-rank memory estimate (trainer.validate.plan)."""
     unchecked_data: tuple[str, ...] = ()
     """A dry run: the data keys whose files are not on this machine (data_source is None then)."""
+    fsdp_choices: str = ""
+    """The startup line on FSDP2's automatic choices ("" where none applies)."""
 
 
 def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = None) -> ResolvedJob:
@@ -91,11 +98,20 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     check_fits_device(cfg, args, pd, target.memory)
     check_step_fits_device(cfg, args, pd, target.memory)
     pipeline = resolve_pipeline(cfg, pp=pd.pp, args=args)
-    float8, float8_layers = resolve_float8(cfg, args, pd, probe=target.probe) if cfg.train.is_fp8 else (None, None)
+    float8, float8_layers = (resolve_float8(cfg, args, pd, probe=target.probe, ranks_per_node=target.ranks_per_node)
+                             if cfg.train.is_fp8 else (None, None))
     if not cfg.train.is_fp8:
         check_float8_exclusions(cfg, args)
-    build = resolve_build(cfg, pd, float8, cuda=target.device_type == "cuda")
+    build = resolve_build(cfg, pd, float8, cuda=target.device_type == "cuda", ranks_per_node=target.ranks_per_node)
     plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
+    if (cfg.distributed.reshard_after_forward == "default" and pd.fsdp_shard > 1 and not build.fsdp.reshard_after_forward
+            and target.memory and plan.peak_bytes > GATHERED_FITS * target.memory[0]):
+        # The default keeps gathered weights where they fit (with the plan's error to spare: docs/benchmarks.md holds
+        # it within 3.3% of measured peaks); where they do not it reshards (ZeRO-3).
+        build = dataclasses.replace(build, fsdp=resolve_fsdp(cfg, pd, bf16_master=build.fsdp.master_dtype == torch.bfloat16,
+                                                             ranks_per_node=target.ranks_per_node,
+                                                             keep_gathered_fits=False))
+        plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
     if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:
         logger.warning("memory plan: about %.1f GiB per rank at its peak (%s), more than the %.1f GiB of %s: the run "
                        "may run out of memory; `scripts/train.py --config ... --dry-run` prints where it goes",
@@ -108,6 +124,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,
                        memory_plan=plan, unchecked_data=unchecked,
+                       fsdp_choices=describe_fsdp_choices(cfg, pd, build, ranks_per_node=target.ranks_per_node),
                        **resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16,
                                          device=target.device_type))
 

@@ -82,18 +82,22 @@ class Target:
     """This rank's GPU's compute capability (train.mixed_precision='auto'); None: a dry run's planned GPUs."""
     name: str = ""
     """The GPU, for messages."""
+    ranks_per_node: int = 8
+    """Ranks on one machine (torchrun's LOCAL_WORLD_SIZE): FSDP's automatic choices depend on whether a shard group
+    crosses machines (trainer.validate.resolve.resolve_fsdp). A dry run plans for 8-GPU machines."""
 
 
 def this_machine() -> Target:
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if not torch.cuda.is_available():
-        return Target(device_type="cpu", memory=device_memory())
+        return Target(device_type="cpu", memory=device_memory(), ranks_per_node=ranks_per_node)
     index = min(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count() - 1)
     return Target(device_type="cuda", memory=device_memory(), capability=torch.cuda.get_device_capability(index),
-                  name=f"GPU {index} ({torch.cuda.get_device_name(index)})")
+                  name=f"GPU {index} ({torch.cuda.get_device_name(index)})", ranks_per_node=ranks_per_node)
 
 
 def planned_gpus(gib: float) -> Target:
-    """The GPUs of a dry run: CUDA devices of `gib` GiB each, FP8-capable."""
+    """The GPUs of a dry run: CUDA devices of `gib` GiB each, FP8-capable, 8 to a machine."""
     return Target(device_type="cuda", memory=(int(gib * GIB), f"a {gib:g} GiB GPU"), probe=False, planning=True)
 
 

@@ -97,7 +97,13 @@ def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
     return out
 
 
-def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: bool = True
+def shard_group_on_one_node(pd: ParallelDims, ranks_per_node: int) -> bool:
+    """Do the ranks FSDP shards a weight over (dp_shard x cp, tp ranks between them) lie on one machine? torchrun
+    numbers a machine's ranks consecutively, and the world mesh puts cp and tp inside dp_shard."""
+    return pd.fsdp_shard * pd.tp <= ranks_per_node
+
+
+def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: bool = True, ranks_per_node: int = 8
                    ) -> tuple[Float8Options, dict[str, str]]:
     """The FP8 options of an fp8 run and every Linear's fate (fqn -> "converted" or why it is excluded).
 
@@ -107,7 +113,11 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
     f8 = cfg.float8
     all_gather = f8.enable_fsdp_float8_all_gather
     if all_gather == "auto":  # rowwise and blockwise weights are all-gathered in bf16
-        all_gather = f8.recipe == "tensorwise" and pd.fsdp_shard > 1
+        # Only where the shard group crosses machines: there the gather's bytes cost (fp8 halves them); within one,
+        # NVLink moves bf16 weights behind the compute, and the eager cast before each gather costs the host time
+        # the first blocks wait for (docs/distributed.md#fsdp2s-automatic-choices).
+        all_gather = (f8.recipe == "tensorwise" and pd.fsdp_shard > 1
+                      and not shard_group_on_one_node(pd, ranks_per_node))
         if all_gather and cfg.validation.enable and cfg.validation.mixed_precision == "bf16":
             all_gather = False
             logger.info("float8.enable_fsdp_float8_all_gather='auto': off, as validation.mixed_precision='bf16' "
@@ -182,8 +192,78 @@ def resolve_attention_backends(backend: str, *, cuda: bool) -> tuple[str, ...]:
     return (_ATTENTION_BACKENDS[backend],)
 
 
-def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None, *, cuda: bool) -> BuildOptions:
-    """What build_parallel_model takes: FP8, AC, compile and the FSDP2 policy."""
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_fsdp(cfg: JobConfig, pd: ParallelDims, *, bf16_master: bool, ranks_per_node: int,
+                 keep_gathered_fits: bool = True) -> FSDPOptions:
+    """FSDP2's policy, its automatic choices made (docs/distributed.md#fsdp2s-automatic-choices).
+
+    keep_gathered_fits: False when the memory plan with every block's weights kept gathered exceeds the device
+    (trainer.validate.validate_job tries it first): reshard_after_forward='default' then reshards.
+    """
+    t, d = cfg.train, cfg.distributed
+    # Gradients are summed over ranks (dp, cp, tp) or over microbatches (accumulation; a pipeline's microbatches):
+    # FSDP2 sums them in reduce_dtype.
+    reduces = pd.dp * pd.cp * pd.tp > 1 or t.grad_accum_steps > 1 or pd.pp > 1
+    # Resharding frees the gathered copy between forward and backward for a second all-gather in backward: twice the
+    # gather bytes, casts and SM time (dp_shard=2, 2x H200: 3% of the step), for memory. With one rank per shard
+    # group it frees nothing; under PP every microbatch would gather again. So the default keeps the weights
+    # (ZeRO-2) wherever they fit, and reshards (ZeRO-3) where they do not.
+    if d.reshard_after_forward == "default":
+        reshard = pd.fsdp_shard > 1 and pd.pp == 1 and not keep_gathered_fits
+    else:
+        reshard = d.reshard_after_forward == "always"
+    compute = _COMPUTE_DTYPE[t.mixed_precision]
+    summed_ranks = pd.dp * pd.cp  # ranks whose gradients FSDP2 sums (HSDP's replicas included)
+    if d.reduce_dtype != "auto":
+        reduce_dtype = _REDUCE_DTYPES[d.reduce_dtype]
+    elif not reduces:
+        # Nothing to sum: FSDP2 would still cast up and back down around its one-rank reduce-scatter (15 ms a step
+        # at 8B shapes x 8 layers, 1x H100), so the compute dtype stays.
+        reduce_dtype = compute or torch.float32
+    elif bf16_master and summed_ranks <= 2:
+        # FSDP2 rounds the reduced gradient to the master dtype and accumulates microbatches in it: with bf16 master
+        # weights the sum of two ranks' bf16 gradients, halved, is rounded once either way, so bf16 equals fp32 bit
+        # for bit (tests/distributed/test_reduce_dtype.py) at half the bytes and no casts. More ranks: fp32, whose
+        # single rounding bf16's partial sums would not match, until a parity run measures them.
+        reduce_dtype = torch.bfloat16
+    else:
+        reduce_dtype = torch.float32
+    return FSDPOptions(param_dtype=compute, reduce_dtype=reduce_dtype, reduces=reduces,
+                       master_dtype=torch.bfloat16 if bf16_master else torch.float32, reshard_after_forward=reshard)
+
+
+def describe_fsdp_choices(cfg: JobConfig, pd: ParallelDims, build: BuildOptions, *, ranks_per_node: int) -> str:
+    """One startup line: what FSDP2's automatic choices picked and why ("" with one rank per shard group, where
+    none of them applies). docs/distributed.md#fsdp2s-automatic-choices has the measurements behind the rules."""
+    d, fsdp = cfg.distributed, build.fsdp
+    if pd.fsdp_shard == 1 and pd.dp_replicate == 1:
+        return ""
+    one_node = shard_group_on_one_node(pd, ranks_per_node)
+    where = (f"the shard group of {pd.fsdp_shard} ranks is on one machine" if one_node
+             else f"the shard group of {pd.fsdp_shard} ranks spans machines of {ranks_per_node} ranks")
+    parts = []
+    if d.reshard_after_forward == "default" and pd.pp == 1 and pd.fsdp_shard > 1:
+        parts.append("weights kept gathered from forward to backward (ZeRO-2; they fit)" if not fsdp.reshard_after_forward
+                     else "weights resharded after forward (ZeRO-3; kept gathered they would not fit the GPU)")
+    if build.float8 is not None and cfg.float8.enable_fsdp_float8_all_gather == "auto" and cfg.float8.recipe == "tensorwise":
+        parts.append("float8 weights all-gathered in fp8" if build.float8.enable_fsdp_float8_all_gather
+                     else "float8 weights all-gathered in bf16, cast after the gather")
+    summed = pd.dp * pd.cp
+    if d.reduce_dtype == "auto" and fsdp.reduces:
+        dtype = str(fsdp.reduce_dtype).removeprefix("torch.")
+        why = {"bfloat16": f"bf16 master weights summed over {summed} rank{'s' * (summed > 1)}: equal to fp32, half "
+                           "the bytes",
+               "float32": "bf16 would round the sums of more than 2 ranks differently" if fsdp.master_dtype ==
+               torch.bfloat16 else "fp32 master weights"}.get(dtype, "")
+        parts.append(f"gradients reduced in {dtype}" + (f" ({why})" if why else ""))
+    return f"FSDP2 automatic choices ({where}): {'; '.join(parts)}" if parts else ""
+
+
+def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None, *, cuda: bool,
+                  ranks_per_node: int = 8, keep_gathered_fits: bool = True) -> BuildOptions:
+    """What build_parallel_model takes: FP8, AC, compile and the FSDP2 policy (resolve_fsdp)."""
     t, d = cfg.train, cfg.distributed
     bf16_master = uses_bf16_master(cfg)
     if bf16_master and cfg.optimizer.bf16_update == "nearest":
@@ -192,15 +272,6 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
             "LOSES every update below half a bf16 ulp (~0.2%% of the weight), so small-lr/late-training updates "
             "vanish; use optimizer.bf16_update='stochastic' or 'kahan'"
         )
-    # Resharding frees the gathered copy between forward and backward; with one rank
-    # per shard group it frees nothing but still costs a second gather in backward.
-    # Under PP every microbatch runs forward and backward through each stage: resharding would
-    # all-gather the weights again for each of them, so the default keeps them (ZeRO-2 style).
-    reshard = d.reshard_after_forward == "always" or (
-        d.reshard_after_forward == "default" and pd.fsdp_shard > 1 and pd.pp == 1
-    )
-    # Gradients are summed over ranks (dp, cp, tp) or over microbatches (accumulation; a pipeline's microbatches):
-    # FSDP2 sums them in reduce_dtype.
     reduces = pd.dp * pd.cp * pd.tp > 1 or t.grad_accum_steps > 1 or pd.pp > 1
     if t.compile_model and cfg.model.tie_word_embeddings:
         logger.info("train.compile_model with model.tie_word_embeddings: the blocks are compiled, the final norm, "
@@ -220,15 +291,8 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         float8=float8,
         ac=ACOptions(mode=t.activation_checkpointing, selective_every=t.selective_ac_every),
         compile=t.compile_model,
-        fsdp=FSDPOptions(
-            # fp32 where gradients are summed; with nothing to sum FSDP2 would still cast them up and back down
-            # around its one-rank reduce-scatter (15 ms a step at 8B shapes x 8 layers, 1x H100: bf16 stays).
-            param_dtype=_COMPUTE_DTYPE[t.mixed_precision],
-            reduce_dtype=torch.float32 if reduces else _COMPUTE_DTYPE[t.mixed_precision] or torch.float32,
-            reduces=reduces,
-            master_dtype=torch.bfloat16 if bf16_master else torch.float32,
-            reshard_after_forward=reshard,
-        ),
+        fsdp=resolve_fsdp(cfg, pd, bf16_master=bf16_master, ranks_per_node=ranks_per_node,
+                          keep_gathered_fits=keep_gathered_fits),
         loss_parallel=d.loss_parallel,
         attention_backends=resolve_attention_backends(t.attention_backend, cuda=cuda),
         loss_chunk_tokens=t.loss_chunk_tokens,

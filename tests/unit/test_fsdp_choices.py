@@ -1,0 +1,66 @@
+"""FSDP2's automatic choices (trainer.validate.resolve.resolve_fsdp, docs/distributed.md#fsdp2s-automatic-choices):
+the weights stay gathered from forward to backward where they fit, float8 weights are gathered in bf16 within one
+machine and in fp8 across machines, and bf16 master weights summed over two ranks reduce in bf16 (fp32 otherwise);
+each said in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import load_job_config
+from trainer.validate import validate_job
+from trainer.validate.memory import planned_gpus
+from tests.helpers import REPO
+
+LLAMA_8B = str(REPO / "configs" / "train" / "llama3_8b.toml")
+EIGHT_LAYERS = ["--model.n_layers=8", "--train.batch_size=4", "--train.seq_len=4096", "--data.source=synthetic",
+                "--train.activation_checkpointing=none", "--train.compile_model=true"]
+
+
+def _job(world: int, *args: str, gib: float = 139.8, precision: str = "fp8"):
+    cfg = load_job_config(["--config", LLAMA_8B, f"--train.mixed_precision={precision}", *args])
+    return validate_job(cfg, world_size=world, target=planned_gpus(gib))
+
+
+def test_two_ranks_on_one_machine_keep_weights_gather_in_bf16_and_reduce_in_bf16():
+    job = _job(2, *EIGHT_LAYERS)
+    assert not job.build.fsdp.reshard_after_forward and job.build.fsdp.reduce_dtype == torch.bfloat16
+    assert not job.build.float8.enable_fsdp_float8_all_gather
+    assert job.fsdp_choices == (
+        "FSDP2 automatic choices (the shard group of 2 ranks is on one machine): weights kept gathered from forward "
+        "to backward (ZeRO-2; they fit); float8 weights all-gathered in bf16, cast after the gather; gradients reduced "
+        "in bfloat16 (bf16 master weights summed over 2 ranks: equal to fp32, half the bytes)")
+
+
+def test_across_machines_it_gathers_fp8_and_reduces_in_fp32():
+    job = _job(16, *EIGHT_LAYERS)
+    assert not job.build.fsdp.reshard_after_forward and job.build.fsdp.reduce_dtype == torch.float32
+    assert job.build.float8.enable_fsdp_float8_all_gather
+    assert job.fsdp_choices.startswith("FSDP2 automatic choices (the shard group of 16 ranks spans machines of 8 "
+                                       "ranks): weights kept gathered from forward to backward (ZeRO-2; they fit); "
+                                       "float8 weights all-gathered in fp8; gradients reduced in float32")
+
+
+def test_weights_that_would_not_fit_gathered_are_resharded_and_the_plan_follows():
+    fits, tight = _job(2, gib=139.8), _job(2, gib=79.2)  # the whole 8B: kept gathered, its plan is ~15 GiB larger
+    assert not fits.build.fsdp.reshard_after_forward and tight.build.fsdp.reshard_after_forward
+    assert tight.memory_plan.peak_bytes < fits.memory_plan.peak_bytes and fits.memory_plan.peak_bytes > 0.95 * 79.2 * 2**30
+    assert "weights resharded after forward (ZeRO-3; kept gathered they would not fit the GPU)" in tight.fsdp_choices
+
+
+@pytest.mark.parametrize("world, args", [
+    (2, ["--distributed.master_dtype=fp32"]),  # fp32 master weights keep fp32 gradients
+    (4, ["--distributed.dp_replicate=2", "--distributed.dp_shard=2"]),  # 4 ranks summed (HSDP)
+    (4, []),
+])
+def test_gradients_reduce_in_fp32_where_bf16_would_round_differently(world, args):
+    assert _job(world, *EIGHT_LAYERS, *args).build.fsdp.reduce_dtype == torch.float32
+
+
+def test_keys_set_by_hand_are_kept_and_not_reported_as_choices():
+    job = _job(2, *EIGHT_LAYERS, "--distributed.reshard_after_forward=always", "--distributed.reduce_dtype=fp32",
+               "--float8.enable_fsdp_float8_all_gather=true")
+    assert job.build.fsdp.reshard_after_forward and job.build.fsdp.reduce_dtype == torch.float32
+    assert job.build.float8.enable_fsdp_float8_all_gather and job.fsdp_choices == ""
+    assert _job(1, *EIGHT_LAYERS).fsdp_choices == ""  # one rank: nothing is sharded
