@@ -14,16 +14,23 @@ Legs (each a normal `scripts/train.py` run with validation on, checkpointing off
 runs with train.mixed_precision = "fp8" and then its own space-separated overrides (which may
 set bf16 again, e.g. to compare an optimizer setting instead of a precision).
 
-The verdict compares the final validation losses: each variant's gap |x - bf16| / bf16 must be
-at most max(noise floor |bf16-seed2 - bf16| / bf16, --tolerance). Exit code 0 = all pass,
-1 = a variant further from bf16 than that (or a leg failed), 2 = bad arguments/config.
-
-`--seeds N` (N >= 2) runs bf16 and every variant at N seeds each (S .. S+N-1: legs bf16, bf16-seed2 ..
-bf16-seedN, fp8, fp8-seed2 .. fp8-seedN) and compares means: a variant's gap |mean x - mean bf16| / mean bf16
-must be at most max(noise floor, --tolerance), the noise floor now 3 standard errors of the difference of
-two N-seed means, 3 * sd(bf16 seeds) * sqrt(2 / N) / mean bf16. One pair of seeds is a single draw of
-the noise: on a small model (the CPU debug model's seeds differ by ~2%) its verdict can flip between
-machines; N = 4 makes it stable there (docs/fp8.md gives the measured odds).
+The verdict compares the final validation losses, paired by seed: `--seeds N` runs bf16 and every variant at
+N seeds (S .. S+N-1: legs bf16, bf16-seed2 .. bf16-seedN, fp8, fp8-seed2 .. fp8-seedN; a leg and its bf16 twin
+share the init and the data order), and each pair gives one relative gap (x - bf16) / bf16. Their mean, with a
+95% interval (t distribution, N - 1 degrees of freedom), is held against a margin: max(--tolerance, sqrt(2) x
+the seeds' spread), where the spread is the sample sd of the final losses over seeds (bf16's and the variant's,
+pooled), so sqrt(2) x spread is the root-mean-square gap between two bf16 seeds: FP8 passes when it moves the
+loss less than changing the seed does.
+  PASS          the whole interval lies inside +-margin
+  FAIL          the whole interval lies outside it: a difference beyond the margin, measured, not a draw
+  INCONCLUSIVE  the interval reaches across the margin; the line says about how many seeds would decide it
+The default `--seeds auto` is 8 seeds for a model under 100M parameters (the CPU debug model: its seeds' final
+losses differ by ~1.2%, its paired gaps by ~0.7%; 8 seeds gave PASS in 9 of 9 seed offsets on 16 measured seeds,
+docs/fp8.md) and 4 from there on (legs that take GPU hours; INCONCLUSIVE then names how many more would decide).
+Fewer seeds widen the interval: the verdict leans to INCONCLUSIVE, never to FAIL. `--seeds 1` (one bf16 pair and
+one leg per variant) is a single draw of the noise: PASS when the gap is at most max(|bf16-seed2 - bf16| / bf16,
+--tolerance), else INCONCLUSIVE. Exit code 0 = every variant PASS, 1 = a variant FAIL (or a leg failed),
+2 = bad arguments/config, 3 = INCONCLUSIVE (and no FAIL).
 
 Writes to --out: each leg's dump folder and log (--out/LEG.log; a line says when each leg starts,
 with its log's path, and when it ends, with its exit code and seconds), parity.json (per-window
@@ -79,15 +86,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
                         help="an fp8 leg with its own overrides (repeatable); default: one leg 'fp8'")
     parser.add_argument("--legs", help="comma-separated legs to run now (default: all); finished legs are reused")
-    parser.add_argument("--seeds", type=int, default=1,
-                        help="seeds per leg (default 1: bf16 at two seeds, each variant at one); N >= 2 compares "
-                             "means of N seeds against 3 standard errors")
+    parser.add_argument("--seeds", type=_seeds, default="auto",
+                        help="seeds per leg (default auto: 8 for a model under 100M parameters, else 4); the verdict "
+                             "pairs each variant's seeds with bf16's (module docstring); 1 = one draw")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
     if bad:
         parser.error(f"unrecognised arguments {bad}: config overrides are --section.key=value")
-    if args.tolerance < 0 or args.windows < 1 or args.nproc_per_leg < 1 or args.seeds < 1:
-        parser.error("--tolerance must be >= 0, --windows, --nproc-per-leg and --seeds >= 1")
+    if args.tolerance < 0 or args.windows < 1 or args.nproc_per_leg < 1:
+        parser.error("--tolerance must be >= 0, --windows and --nproc-per-leg >= 1")
     variants: dict[str, list[str]] = {}
     for spec in args.variant or ["fp8="]:
         name, sep, rest = spec.partition("=")
@@ -99,21 +106,55 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], dict[str
         if any(not o.startswith("--") or "=" not in o for o in extra):
             parser.error(f"--variant {spec!r}: overrides are space-separated --section.key=value")
         variants[name] = extra
-    legs = [leg for group in (REFERENCE, *variants) for leg in group_legs(group, args.seeds)]
-    if args.legs:
-        chosen = args.legs.split(",")
-        unknown = [leg for leg in chosen if leg not in legs]
-        if unknown:
-            parser.error(f"--legs: unknown leg(s) {', '.join(unknown)}; the legs are {', '.join(legs)}")
-        args.legs = chosen
-    else:
-        args.legs = legs
+    args.legs = args.legs.split(",") if args.legs else None
+    if args.seeds != "auto":  # with auto, main checks --legs once the config says how many seeds
+        try:
+            args.legs = chosen_legs(args.legs, variants, args.seeds)
+        except ValueError as e:
+            parser.error(str(e))
     return args, overrides, variants
 
 
-# With --seeds N >= 2 the noise floor is this many standard errors of the difference of two N-seed means: a
-# variant as good as bf16 fails by chance with probability P(|t| > 3), about 2% with 7 degrees of freedom.
-NOISE_SIGMAS = 3
+def _seeds(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a whole number >= 1")
+    return int(text)
+
+
+def chosen_legs(chosen: list[str] | None, variants: dict[str, list[str]], seeds: int) -> list[str]:
+    """The legs --legs picks (all of them without it); ValueError naming a leg this run does not have."""
+    legs = [leg for group in (REFERENCE, *variants) for leg in group_legs(group, seeds)]
+    unknown = [leg for leg in chosen or [] if leg not in legs]
+    if unknown:
+        raise ValueError(f"--legs: unknown leg(s) {', '.join(unknown)}; the legs are {', '.join(legs)}")
+    return chosen or legs
+
+
+# --seeds auto: a model this small trains on a CPU in seconds, so 8 seeds (a verdict that does not flip between
+# machines and seed offsets on the debug model, docs/fp8.md); larger ones take GPU hours a leg: 4.
+AUTO_SEEDS_SMALL, AUTO_SEEDS, SMALL_MODEL_PARAMS = 8, 4, 100_000_000
+
+
+def resolve_seeds(seeds: int | str, cfg) -> int:
+    """--seeds: a number stays; auto by the model's size (its parameters, from the validated config)."""
+    if seeds != "auto":
+        return seeds
+    from trainer.model_values import param_count
+    from trainer.validate.resolve import resolve_model_args
+
+    return AUTO_SEEDS_SMALL if param_count(resolve_model_args(cfg)) < SMALL_MODEL_PARAMS else AUTO_SEEDS
+
+
+# The 97.5% quantile of Student's t by degrees of freedom (a 95% two-sided interval of the mean paired gap); past
+# the table, the largest entry below (a slightly wider interval: never a verdict the data do not support).
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+
+
+def t_975(df: int) -> float:
+    return T_975[max(k for k in T_975 if k <= df)]
 # The legs --seeds adds: NAME-seed2, NAME-seed3, ... (never -seed1, which a variant may be named: the recorded
 # 1B legs fp8-bf16-master-seed1 and bf16-master-seed1 set train.seed=1 themselves).
 SEED_SUFFIX = re.compile(r"-seed([2-9]|[1-9][0-9]+)$")
@@ -249,22 +290,43 @@ def window_means(curve: dict[int, float], steps: int, windows: int) -> list[tupl
     return rows
 
 
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
+
+
 def verdict(final: dict[str, float], tolerance: float, leg: str = "fp8", seeds: int = 1) -> dict:
-    """Is `leg`'s final validation loss within max(noise floor, tolerance) of the bf16 reference? With
-    seeds >= 2, the means of the group's seeds against 3 standard errors of a difference of two such means."""
-    if seeds == 1:
+    """Does `leg` (a variant's group) track bf16? PASS, FAIL or INCONCLUSIVE by the module docstring's rule."""
+    if seeds == 1:  # one draw: no estimate of the noise, so never FAIL
         ref = final[REFERENCE]
         gap, noise = abs(final[leg] - ref) / ref, abs(final[NOISE] - ref) / ref
-        extra = {}
-    else:
-        refs = [final[x] for x in group_legs(REFERENCE, seeds)]
-        ref, mean = statistics.fmean(refs), statistics.fmean(final[x] for x in group_legs(leg, seeds))
-        sd = statistics.stdev(refs)
-        gap, noise = abs(mean - ref) / ref, NOISE_SIGMAS * sd * math.sqrt(2 / seeds) / ref
-        extra = {"seeds": seeds, "mean": mean, "reference_mean": ref, "reference_sd": sd}
-    allowed = max(noise, tolerance)
-    return {"fp8_gap": gap, "noise_floor": noise, "tolerance": tolerance, "allowed": allowed,
-            "passed": gap <= allowed, **extra}
+        allowed = max(noise, tolerance)
+        return {"verdict": PASS if gap <= allowed else INCONCLUSIVE, "passed": gap <= allowed, "fp8_gap": gap,
+                "noise_floor": noise, "tolerance": tolerance, "allowed": allowed}
+    refs = [final[x] for x in group_legs(REFERENCE, seeds)]
+    values = [final[x] for x in group_legs(leg, seeds)]
+    gaps = [(x - r) / r for r, x in zip(refs, values)]
+    ref = statistics.fmean(refs)
+    mean_gap, sd_gap = statistics.fmean(gaps), statistics.stdev(gaps)
+    half = t_975(seeds - 1) * sd_gap / math.sqrt(seeds)
+    # The seeds' spread, bf16's and the variant's pooled (each about its own mean), relative to bf16's mean.
+    spread = math.sqrt((statistics.variance(refs) + statistics.variance(values)) / 2) / ref
+    margin = max(tolerance, math.sqrt(2) * spread)
+    low, high = mean_gap - half, mean_gap + half
+    outcome = PASS if max(-low, high) <= margin else FAIL if low > margin or high < -margin else INCONCLUSIVE
+    return {"verdict": outcome, "passed": outcome == PASS, "seeds": seeds, "mean": statistics.fmean(values),
+            "reference_mean": ref, "gaps": gaps, "fp8_gap": mean_gap, "interval": [low, high], "spread": spread,
+            "noise_floor": math.sqrt(2) * spread, "tolerance": tolerance, "allowed": margin,
+            "seeds_to_decide": None if outcome != INCONCLUSIVE else seeds_to_decide(mean_gap, sd_gap, margin, seeds)}
+
+
+def seeds_to_decide(mean_gap: float, sd_gap: float, margin: float, seeds: int) -> int | None:
+    """About how many seeds would shrink the interval enough for a PASS or FAIL, if the paired gaps keep their mean
+    and spread; None past 1,000 (a gap at the margin itself: no number of seeds decides it)."""
+    room = abs(margin - abs(mean_gap))
+    for n in range(seeds + 1, 1001):
+        if t_975(n - 1) * sd_gap / math.sqrt(n) < room:
+            return n
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -274,6 +336,12 @@ def main(argv: list[str]) -> int:
         cfg = check_legs(args, overrides, variants, out)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    args.seeds = resolve_seeds(args.seeds, cfg)
+    try:
+        args.legs = chosen_legs(args.legs, variants, args.seeds)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     commands = leg_commands(args, overrides, variants, cfg.train.seed, out)
@@ -329,14 +397,17 @@ def compare(args: argparse.Namespace, overrides: list[str], legs: list[str], ste
         print(f"{step:>11} | " + " | ".join(f"{v:>{width}.4f}" for v in values) + " | "
               + " | ".join(f"{100 * (v - values[0]) / values[0]:>+{width + 1}.2f}%" for v in values[-len(shown):]))
     print()
+    if seeds > 1:
+        print(paired_table(final, variants, seeds, results))
     for group, r in results.items():
         print(verdict_line(group, r, final, args.tolerance))
-    passed = all(r["passed"] for r in results.values())
+    outcomes = {r["verdict"] for r in results.values()}
+    overall = FAIL if FAIL in outcomes else INCONCLUSIVE if INCONCLUSIVE in outcomes else PASS
     summary = {"config": args.config, "overrides": overrides, "steps": steps, "seeds": seeds,
-               "final_val_loss": final, "variants": results, "passed": passed, "windows": table,
-               "validation": {c: curves[c][1] for c in columns}}
+               "final_val_loss": final, "variants": results, "verdict": overall, "passed": overall == PASS,
+               "windows": table, "validation": {c: curves[c][1] for c in columns}}
     if len(variants) == 1:  # the one-variant summary keeps its flat keys
-        summary.update({k: v for k, v in results[variants[0]].items() if k != "passed"})
+        summary.update({k: v for k, v in results[variants[0]].items() if k not in ("passed", "verdict")})
     (out / "parity.json").write_text(json.dumps(summary, indent=2) + "\n")
     colors = legend(columns, variants)
     key = ", ".join(f"{c} {COLOR_NAMES[rgb]}" for c, rgb in colors.items())
@@ -350,20 +421,44 @@ def compare(args: argparse.Namespace, overrides: list[str], legs: list[str], ste
         (out / "parity.png").unlink(missing_ok=True)
         print("plot skipped: matplotlib is not installed (pip install -e '.[plot]' to get parity.png)"
               + ("; removed the earlier run's parity.png" if stale else ""))
-    return 0 if passed else 1
+    return EXIT_CODES[overall]
+
+
+def paired_table(final: dict[str, float], variants: list[str], seeds: int, results: dict[str, dict]) -> str:
+    """Each seed's final validation losses and each variant's gap to its bf16 twin: what the verdict is made of."""
+    ref_legs = group_legs(REFERENCE, seeds)
+    lines = [f"final validation loss by seed (a leg and its bf16 twin share the init and the data order); "
+             f"gap = (x - bf16) / bf16\n{'seed':>5} | {'bf16':>8} | "
+             + " | ".join(f"{v:>10} {'gap':>7}" for v in variants)]
+    for k in range(seeds):
+        lines.append(f"{k + 1:>5} | {final[ref_legs[k]]:>8.4f} | " + " | ".join(
+            f"{final[group_legs(v, seeds)[k]]:>10.4f} {100 * results[v]['gaps'][k]:>+6.2f}%" for v in variants))
+    return "\n".join(lines) + "\n"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.2f}%"
 
 
 def verdict_line(group: str, r: dict, final: dict[str, float], tolerance: float) -> str:
-    word = "PASS" if r["passed"] else "FAIL"
+    word = r["verdict"]
     if "seeds" not in r:
-        return (f"{word}: final validation loss {group} {final[group]:.4f} vs bf16 {final[REFERENCE]:.4f} "
+        line = (f"{word}: final validation loss {group} {final[group]:.4f} vs bf16 {final[REFERENCE]:.4f} "
                 f"({100 * r['fp8_gap']:.2f}% apart); allowed {100 * r['allowed']:.2f}% = max(noise floor "
-                f"{100 * r['noise_floor']:.2f}% between bf16 seeds, tolerance {100 * tolerance:.2f}%)")
-    n = r["seeds"]
-    return (f"{word}: final validation loss {group} {r['mean']:.4f} vs bf16 {r['reference_mean']:.4f}, means of "
-            f"{n} seeds ({100 * r['fp8_gap']:.2f}% apart); allowed {100 * r['allowed']:.2f}% = max(noise floor "
-            f"{100 * r['noise_floor']:.2f}% = {NOISE_SIGMAS} standard errors of a difference of {n}-seed means "
-            f"(bf16 seeds' sd {100 * r['reference_sd'] / r['reference_mean']:.2f}%), tolerance {100 * tolerance:.2f}%)")
+                f"{100 * r['noise_floor']:.2f}% between bf16 seeds, tolerance {100 * tolerance:.2f}%); one seed is a "
+                "single draw of the noise")
+        return line + ("" if r["passed"] else f": --seeds {AUTO_SEEDS} or more decides (finished legs are reused)")
+    n, (low, high), margin = r["seeds"], r["interval"], r["allowed"]
+    where = {PASS: "inside", FAIL: "wholly outside", INCONCLUSIVE: "reaches past"}[word]
+    line = (f"{word}: final validation loss {group} {r['mean']:.4f} vs bf16 {r['reference_mean']:.4f}, means of {n} "
+            f"seeds; paired by seed, the gap is {_pct(r['fp8_gap'])}, 95% interval [{_pct(low)}, {_pct(high)}] "
+            f"{where} the margin +-{100 * margin:.2f}% = max(tolerance {100 * tolerance:.2f}%, sqrt(2) x the seeds' "
+            f"spread {100 * r['spread']:.2f}%: the typical gap between two bf16 seeds)")
+    if word == INCONCLUSIVE:
+        more = r["seeds_to_decide"]
+        line += (f"; about {more} seeds would decide it (--seeds {more}; finished legs are reused)" if more else
+                 "; the gap sits at the margin, so no number of seeds decides it: a --tolerance sets the margin")
+    return line
 
 
 def mean_curves(runs: list[tuple[dict[int, float], dict[int, float]]]) -> tuple[dict[int, float], dict[int, float]]:

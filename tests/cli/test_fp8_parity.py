@@ -1,6 +1,6 @@
-"""scripts/fp8_parity.py run as a command: the verdict passes real FP8 and fails FP8 that was made wrong on purpose,
-legs split over calls are reused, and a bad override is a config error. Its functions in-process:
-tests/unit/test_fp8_parity.py."""
+"""scripts/fp8_parity.py run as a command: the README's default command passes real FP8 at two seed offsets and
+fails FP8 made wrong on purpose, legs split over calls are reused, and a bad override is a config error. Its
+functions in-process: tests/unit/test_fp8_parity.py."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from tests.helpers import DEBUG_CONFIG, REPO, env, read_metrics
 
 
 SCRIPT = REPO / "scripts" / "fp8_parity.py"
-SHORT = ["--train.steps=30", "--train.seq_len=64", "--tolerance=0.05"]
-# The split/reuse mechanics need legs that finish, not legs that learn: 5 steps each.
-MECHANICS = ["--train.steps=5", "--train.seq_len=64", "--tolerance=0.05"]
+# The split/reuse mechanics need legs that finish, not legs that learn: 5 steps each, one seed.
+MECHANICS = ["--seeds", "1", "--train.steps=5", "--train.seq_len=64", "--tolerance=0.05"]
 
 
 def _parity(out: Path, *args: str, break_fp8: bool = False) -> subprocess.CompletedProcess:
@@ -57,30 +56,19 @@ def test_legs_split_over_two_calls_and_two_variants(tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def bf16_legs(tmp_path_factory) -> Path:
-    """The two bf16 legs of a SHORT run, run once: a test copies them into its --out, where the script reuses
-    them (a finished leg's command names no --out folder) and runs the fp8 leg itself."""
-    out = tmp_path_factory.mktemp("bf16_legs")
-    proc = _parity(out, *SHORT, "--legs", "bf16,bf16-seed2")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
-def _with_bf16_legs(bf16_legs: Path, tmp_path: Path) -> Path:
-    """A fresh --out holding the finished bf16 legs."""
-    out = tmp_path / "out"
-    shutil.copytree(bf16_legs, out)
-    return out
+def default_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The README's command as it stands (the debug config, --seeds auto: 8 seeds of bf16 and of fp8), run once."""
+    out = tmp_path_factory.mktemp("parity_default")
+    return out, _parity(out)
 
 
 @pytest.mark.slow
-def test_real_fp8_passes_and_writes_table_json_and_plot(bf16_legs: Path, tmp_path: Path):
-    out = _with_bf16_legs(bf16_legs, tmp_path)
-    proc = _parity(out, *SHORT)
+def test_the_default_command_passes_and_writes_table_json_and_plot(default_run):
+    out, proc = default_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "parity.json").read_text())
-    assert summary["passed"] and "PASS: final validation loss fp8" in proc.stdout
-    for leg in ("bf16", "bf16-seed2", "fp8"):  # the verdict reads each leg's own final validation loss
+    assert summary["seeds"] == 8 and summary["verdict"] == "PASS" and "PASS: final validation loss fp8" in proc.stdout
+    for leg in ("bf16", "bf16-seed8", "fp8", "fp8-seed8"):  # the verdict reads each leg's own final validation loss
         assert summary["final_val_loss"][leg] == read_metrics(out / leg)[-1]["val_loss"]
     assert "Applied Float8 training" in (out / "fp8.log").read_text()
     assert "Applied Float8 training" not in (out / "bf16.log").read_text()
@@ -89,10 +77,23 @@ def test_real_fp8_passes_and_writes_table_json_and_plot(bf16_legs: Path, tmp_pat
 
 
 @pytest.mark.slow
-def test_broken_fp8_fails(bf16_legs: Path, tmp_path: Path):
-    out = _with_bf16_legs(bf16_legs, tmp_path)
-    proc = _parity(out, *SHORT, break_fp8=True)
+def test_the_default_command_passes_at_another_seed_offset(tmp_path: Path):
+    proc = _parity(tmp_path, "--train.seed=8")  # seeds 8-15: none of the other run's
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "parity.json").read_text())
+    assert summary["verdict"] == "PASS" and "--train.seed=15" in (tmp_path / "fp8-seed8.log").read_text()
+
+
+@pytest.mark.slow
+def test_broken_fp8_fails(default_run, tmp_path: Path):
+    """FP8 scales 16x too large (tests/support/broken_fp8): a measured regression, FAIL (exit 1), at 4 seeds; the
+    bf16 legs are the default run's, reused (their commands are the same)."""
+    out = tmp_path / "out"
+    for leg in ["bf16", "bf16-seed2", "bf16-seed3", "bf16-seed4"]:
+        shutil.copytree(default_run[0] / leg, out / leg)
+    proc = _parity(out, "--seeds", "4", break_fp8=True)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[bf16-seed4] reused" in proc.stdout
     summary = json.loads((out / "parity.json").read_text())
-    assert not summary["passed"] and summary["fp8_gap"] > 0.2
-    assert "FAIL: final validation loss fp8" in proc.stdout
+    assert summary["verdict"] == "FAIL" and summary["interval"][0] > summary["allowed"] and summary["fp8_gap"] > 0.1
+    assert "FAIL: final validation loss fp8" in proc.stdout and "wholly outside the margin" in proc.stdout

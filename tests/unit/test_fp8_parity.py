@@ -16,11 +16,66 @@ sys.path.insert(0, str(REPO / "scripts"))
 import fp8_parity  # noqa: E402
 
 
-def test_verdict_uses_the_larger_of_noise_floor_and_tolerance():
+def test_one_seed_is_a_draw_that_passes_or_is_inconclusive_never_fails():
     loose = fp8_parity.verdict({"bf16": 2.0, "bf16-seed2": 2.06, "fp8": 2.05}, tolerance=0.01)
-    assert loose["noise_floor"] == pytest.approx(0.03) and loose["allowed"] == pytest.approx(0.03) and loose["passed"]
-    tight = fp8_parity.verdict({"bf16": 2.0, "bf16-seed2": 2.001, "fp8": 2.05}, tolerance=0.01)
-    assert tight["allowed"] == 0.01 and tight["fp8_gap"] == pytest.approx(0.025) and not tight["passed"]
+    assert loose["noise_floor"] == pytest.approx(0.03) and loose["allowed"] == pytest.approx(0.03)
+    assert loose["verdict"] == "PASS" and loose["passed"]
+    tight = fp8_parity.verdict({"bf16": 2.0, "bf16-seed2": 2.001, "fp8": 2.5}, tolerance=0.01)
+    assert tight["allowed"] == 0.01 and tight["fp8_gap"] == pytest.approx(0.25)
+    assert tight["verdict"] == "INCONCLUSIVE" and not tight["passed"]  # 25% off, but one draw measures no noise
+    line = fp8_parity.verdict_line("fp8", tight, {"bf16": 2.0, "fp8": 2.5}, 0.01)
+    assert line.startswith("INCONCLUSIVE: final validation loss fp8 2.5000 vs bf16 2.0000")
+    assert "one seed is a single draw of the noise: --seeds 4 or more decides" in line
+
+
+def _seeded(bf16: list[float], fp8: list[float]) -> dict[str, float]:
+    return {leg: x for group, values in (("bf16", bf16), ("fp8", fp8))
+            for leg, x in zip(fp8_parity.group_legs(group, len(values)), values)}
+
+
+def test_paired_verdict_holds_the_interval_of_the_mean_gap_against_the_seed_spread():
+    bf16 = [2.70, 2.80, 2.75, 2.65]
+    gaps = [0.010, -0.004, 0.006, 0.000]  # fp8 of each seed against its bf16 twin
+    r = fp8_parity.verdict(_seeded(bf16, [b * (1 + g) for b, g in zip(bf16, gaps)]), tolerance=0.005, seeds=4)
+    # Written out: the mean paired gap and its 95% interval (t with 3 degrees of freedom: 3.182).
+    mean = sum(gaps) / 4
+    sd = (sum((g - mean) ** 2 for g in gaps) / 3) ** 0.5
+    half = 3.182 * sd / 4 ** 0.5
+    assert r["fp8_gap"] == pytest.approx(mean) and r["interval"] == pytest.approx([mean - half, mean + half])
+    # The margin: sqrt(2) x the seeds' spread (bf16's and fp8's sample variances pooled, over bf16's mean).
+    ref = sum(bf16) / 4
+    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
+    spread = ((var(bf16) + var([b * (1 + g) for b, g in zip(bf16, gaps)])) / 2) ** 0.5 / ref
+    assert r["spread"] == pytest.approx(spread) and r["allowed"] == pytest.approx(2 ** 0.5 * spread)
+    assert r["verdict"] == "PASS" and r["seeds_to_decide"] is None  # [-0.9%, +1.5%] inside +-3.4%
+
+
+@pytest.mark.parametrize("shift, outcome", [(0.0, "PASS"), (0.013, "INCONCLUSIVE"), (0.20, "FAIL")])
+def test_paired_verdict_fails_only_a_gap_measured_beyond_the_margin(shift: float, outcome: str):
+    bf16 = [2.70, 2.72, 2.74, 2.76, 2.71, 2.73, 2.75, 2.77]  # spread 0.9%: margin 1.3% (tolerance 0.5%)
+    noise = [0.004, -0.003, 0.002, -0.005, 0.006, -0.002, 0.001, -0.004]
+    r = fp8_parity.verdict(_seeded(bf16, [b * (1 + shift + e) for b, e in zip(bf16, noise)]), tolerance=0.005,
+                           seeds=8)
+    assert r["verdict"] == outcome and r["passed"] == (outcome == "PASS")
+    low, high = r["interval"]
+    assert {"PASS": high <= r["allowed"], "FAIL": low > r["allowed"],
+            "INCONCLUSIVE": low <= r["allowed"] < high}[outcome]
+    line = fp8_parity.verdict_line("fp8", r, {}, 0.005)
+    assert line.startswith(f"{outcome}: final validation loss fp8")
+    if outcome == "INCONCLUSIVE":  # and how many seeds would shrink the interval to either side of the margin
+        more = r["seeds_to_decide"]
+        assert more > 8 and fp8_parity.t_975(more - 1) * (high - low) / 2 / fp8_parity.t_975(7) * (8 / more) ** 0.5 \
+            < abs(r["allowed"] - r["fp8_gap"])
+        assert f"about {more} seeds would decide it (--seeds {more}; finished legs are reused)" in line
+
+
+def test_auto_seeds_follow_the_models_size():
+    debug, _, _ = fp8_parity.parse_args(["--config", DEBUG_CONFIG])
+    assert debug.seeds == "auto" and debug.legs is None  # known once the config is loaded
+    cfg = fp8_parity.load_job_config(["--config", DEBUG_CONFIG])
+    assert fp8_parity.resolve_seeds("auto", cfg) == 8 and fp8_parity.resolve_seeds(3, cfg) == 3
+    big = fp8_parity.load_job_config(["--config", str(REPO / "configs" / "train" / "llama3_1b.toml")])
+    assert fp8_parity.resolve_seeds("auto", big) == 4
 
 
 def test_seeds_run_bf16_and_every_variant_at_each_seed(tmp_path: Path):
@@ -30,24 +85,8 @@ def test_seeds_run_bf16_and_every_variant_at_each_seed(tmp_path: Path):
     for leg, seed, precision in (("bf16-seed3", 9, "bf16"), ("tw", 7, "fp8"), ("tw-seed3", 9, "fp8")):
         assert f"--train.seed={seed}" in cmds[leg] and f"--train.mixed_precision={precision}" in cmds[leg]
         assert f"--job.dump_folder={tmp_path / leg}" in cmds[leg]
-    one, _, _ = fp8_parity.parse_args(["--config", DEBUG_CONFIG])  # one seed: today's three legs
+    one, _, _ = fp8_parity.parse_args(["--config", DEBUG_CONFIG, "--seeds", "1"])  # one seed: one draw, three legs
     assert one.legs == ["bf16", "bf16-seed2", "fp8"]
-
-
-def test_multi_seed_verdict_compares_means_against_three_standard_errors():
-    bf16 = [2.70, 2.80, 2.75, 2.65]
-    final = dict(zip(["bf16", "bf16-seed2", "bf16-seed3", "bf16-seed4"], bf16))
-    mean = sum(bf16) / 4
-    sd = (sum((x - mean) ** 2 for x in bf16) / 3) ** 0.5  # sample sd, written out: 0.0645
-    floor = 3 * sd * (2 / 4) ** 0.5 / mean  # 3 standard errors of a difference of two 4-seed means: 5.0%
-    near = {**final, "fp8": mean * 1.04, "fp8-seed2": mean * 1.04, "fp8-seed3": mean * 1.04, "fp8-seed4": mean * 1.04}
-    r = fp8_parity.verdict(near, tolerance=0.005, seeds=4)
-    assert r["noise_floor"] == pytest.approx(floor) and r["fp8_gap"] == pytest.approx(0.04) and r["passed"]
-    far = {**near, "fp8-seed4": mean * 1.04 + 4 * mean * (floor - 0.04) + 1e-3}  # the mean just past the floor
-    assert not fp8_parity.verdict(far, tolerance=0.005, seeds=4)["passed"]
-    # The floor never drops below the tolerance.
-    flat = {f"{g}{s}": 2.0 for g in ("bf16", "fp8") for s in ("", "-seed2")}
-    assert fp8_parity.verdict({**flat, "fp8": 2.01, "fp8-seed2": 2.01}, tolerance=0.01, seeds=2)["allowed"] == 0.01
 
 
 def test_variant_names_cannot_look_like_a_seed_leg(capsys):
@@ -80,7 +119,8 @@ def test_each_leg_is_checked_as_it_will_run(tmp_path: Path):
     (["--variant", "bf16="], "not bf16 or bf16-seed2"),
     (["--variant", "a=", "--variant", "a=--train.seed=3"], "with a new lowercase NAME"),
     (["--variant", "a=train.seed=3"], "overrides are space-separated --section.key=value"),
-    (["--legs", "bf16,fp9"], "unknown leg(s) fp9; the legs are bf16, bf16-seed2, fp8"),
+    (["--seeds", "1", "--legs", "bf16,fp9"], "unknown leg(s) fp9; the legs are bf16, bf16-seed2, fp8"),
+    (["--seeds", "0"], "'0' is not 'auto' or a whole number >= 1"),
 ])
 def test_bad_variant_or_leg_is_one_line(argv: list[str], message: str, capsys):
     with pytest.raises(SystemExit) as e:
@@ -90,7 +130,7 @@ def test_bad_variant_or_leg_is_one_line(argv: list[str], message: str, capsys):
 
 def test_variants_become_fp8_legs_with_their_overrides_last(tmp_path: Path):
     args, overrides, variants = fp8_parity.parse_args(
-        ["--config", DEBUG_CONFIG, "--train.steps=5", "--variant", "tw=", "--variant",
+        ["--config", DEBUG_CONFIG, "--seeds", "1", "--train.steps=5", "--variant", "tw=", "--variant",
          "master=--train.mixed_precision=bf16 --distributed.master_dtype=bf16"])
     assert args.legs == ["bf16", "bf16-seed2", "tw", "master"] and overrides == ["--train.steps=5"]
     cmds = fp8_parity.leg_commands(args, overrides, variants, 7, tmp_path)
@@ -161,8 +201,21 @@ def test_compare_with_seeds_prints_and_plots_the_means(tmp_path: Path, capsys):
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "parity.json").read_text())
     assert summary["seeds"] == 2 and summary["mean"] == pytest.approx(4.02) and summary["reference_mean"] == 4.01
-    assert "PASS: final validation loss fp8 4.0200 vs bf16 4.0100, means of 2 seeds (0.25% apart)" in out
+    assert summary["verdict"] == "PASS" and summary["gaps"] == pytest.approx([0.0025, 0.0025 / 1.005], rel=1e-3)
+    assert "PASS: final validation loss fp8 4.0200 vs bf16 4.0100, means of 2 seeds; paired by seed" in out
+    assert "    1 |   4.0000 |     4.0100  +0.25%" in out  # the paired table: seed, bf16, fp8 and its gap
     assert "each column the mean of 2 seeds" in out and "bf16 blue, fp8 red" in out
+
+
+def test_an_inconclusive_verdict_exits_3_and_a_failing_one_1(tmp_path: Path, capsys):
+    for gaps, code in (([0.0, 0.03], 3), ([0.20, 0.21], 1)):
+        for leg, value in (("bf16", 4.0), ("bf16-seed2", 4.02), ("fp8", 4.0 * (1 + gaps[0])),
+                           ("fp8-seed2", 4.02 * (1 + gaps[1]))):
+            (tmp_path / leg).mkdir(parents=True, exist_ok=True)
+            (tmp_path / leg / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": value, "val_loss": value}))
+        args = fp8_parity.argparse.Namespace(config=DEBUG_CONFIG, windows=1, tolerance=0.005, seeds=2)
+        assert fp8_parity.compare(args, [], ["bf16", "bf16-seed2", "fp8", "fp8-seed2"], 1, tmp_path) == code
+        assert json.loads((tmp_path / "parity.json").read_text())["verdict"] == {3: "INCONCLUSIVE", 1: "FAIL"}[code]
 
 
 @pytest.mark.parametrize("gpus, cores, nproc, slots", [
@@ -190,8 +243,8 @@ def test_the_gpu_checks_parity_step_parses(tmp_path: Path):
     step = script[script.index("  parity1b)"):]
     step = step[:step.index(";;")]
     variants = [f"--variant={quoted or bare}" for quoted, bare in re.findall(r'--variant (?:"([^"]*)"|(\S+))', step)]
-    assert len(variants) >= 10
-    args, _, parsed = fp8_parity.parse_args(["--config", DEBUG_CONFIG, *variants])
+    assert len(variants) >= 10 and "--seeds 1 " in step  # the recorded legs: one seed each
+    args, _, parsed = fp8_parity.parse_args(["--config", DEBUG_CONFIG, "--seeds", "1", *variants])
     assert {"fp8-bf16-master-seed1", "bf16-master-seed1", "tensorwise"} <= set(parsed)
     fp8_parity.check_legs(args, [], parsed, tmp_path)  # every leg's overrides load as a config
     seed1 = fp8_parity.leg_commands(args, [], parsed, 0, Path("/tmp/x"))["fp8-bf16-master-seed1"]
