@@ -4,7 +4,7 @@ Errors the user can fix (`trainer.errors.UserError`: a config, data, a checkpoin
 FP8 that cannot run) are printed as one line and exit 2, whether found by the validation pass
 or after the process group exists: by the rank that found it, or once per node (local rank 0)
 when every rank raises it alike; anything else is a bug or an environment failure and keeps
-its traceback (exit 1). A stop by SIGTERM or Ctrl-C exits 143 or 130 (trainer.train.STOP_SIGNALS):
+its traceback (exit 1). A dry run whose plan does not fit the GPU exits 3 (trainer.dry_run). A stop by SIGTERM or Ctrl-C exits 143 or 130 (trainer.train.STOP_SIGNALS):
 after the current step and its checkpoint, or at once before this process's first step has ended
 (nothing to save yet); a second Ctrl-C quits at once with 130.
 """
@@ -105,14 +105,15 @@ def main(argv: list[str]) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     if plan is not None:
-        from trainer.dry_run import dry_run
+        from trainer.dry_run import EXIT_DOES_NOT_FIT, dry_run
 
         try:
-            print(dry_run(cfg, **plan))
+            text, fits = dry_run(cfg, **plan)
         except UserError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
-        return 0
+        print(text)
+        return 0 if fits else EXIT_DOES_NOT_FIT
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         logger.warning("no --config given: training the built-in defaults (model.flavor=%r, %d steps, data.source=%r) "
                        "into %s", cfg.model.flavor, cfg.train.steps, cfg.data.source, cfg.job.dump_folder)

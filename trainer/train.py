@@ -50,6 +50,7 @@ from trainer.train_state import (  # noqa: F401  (re-exported: the command line 
 )
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.ranks import check_ranks_agree
+from trainer.validate.plan import human_size
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +173,8 @@ class Trainer:
         if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
             logger.info(family_line)
         if (plan := job.memory_plan) is not None:
-            logger.info("memory plan: about %.1f GiB per rank at its peak (%s); `scripts/train.py ... --dry-run` "
-                        "prints where it goes", plan.peak_bytes / 2**30, plan.peak_at)
+            logger.info("memory plan: about %s per rank at its peak (%s); `scripts/train.py ... --dry-run` "
+                        "prints where it goes", human_size(plan.peak_bytes), plan.peak_at)
 
     def _build_hooks(self, job: ResolvedJob) -> list[StepHook]:
         """The per-step hooks (trainer/hooks.py) this job needs, in the order they run."""

@@ -123,6 +123,9 @@ def test_console_is_a_short_header_and_the_values_used_go_to_files(tmp_path: Pat
                  "MoE: ", f"outputs: {tmp_path} (config.toml, resolved.toml, fp8_layers.json, metrics.jsonl)"):
         assert what in text, what
     assert "[train]" not in text and "vocab_size = 0" not in text
+    # The memory plan of a small model is in MiB, not "about 0.0 GiB".
+    plan = next(line for line in header if "memory plan: about " in line)
+    assert plan.split("memory plan: about ")[1].split()[1] == "MiB", plan
     # No advice to compile on a CPU: fp8 there is for tests, and compiling it costs minutes before step 1 (docs/fp8.md).
     assert "compile_model" not in text, text
     # fp8 on CPU is several times slower than fp32: said once, in the header.

@@ -40,7 +40,7 @@ from trainer.validate.options import (
     MetricsOptions, OptimizerOptions, ProfilingOptions, RunOptions, SchedulerOptions, ValidationOptions,
     resolve_options,
 )
-from trainer.validate.plan import MemoryPlan, plan_memory
+from trainer.validate.plan import MemoryPlan, human_size, plan_memory
 from trainer.validate.precision import resolve_auto_precision
 from trainer.validate.resolve import (absent_shards, check_float8_exclusions, resolve_build, resolve_data, resolve_float8,
                                       resolve_model_args)
@@ -97,9 +97,9 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     build = resolve_build(cfg, pd, float8, cuda=target.device_type == "cuda")
     plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
     if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:
-        logger.warning("memory plan: about %.1f GiB per rank at its peak (%s), more than the %.1f GiB of %s: the run "
+        logger.warning("memory plan: about %s per rank at its peak (%s), more than the %s of %s: the run "
                        "may run out of memory; `scripts/train.py --config ... --dry-run` prints where it goes",
-                       plan.peak_bytes / 2**30, plan.peak_at, target.memory[0] / 2**30, target.memory[1])
+                       human_size(plan.peak_bytes), plan.peak_at, human_size(target.memory[0]), target.memory[1])
     # A dry run names the shards that are not on this machine instead of refusing them (the run checks them).
     unchecked = tuple(absent_shards(cfg)) if target.planning else ()
     source, validation = (None, None) if unchecked else resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
