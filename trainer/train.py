@@ -168,7 +168,8 @@ class Trainer:
         )
         logger.info(describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
                                        build=job.build, float8_layers=job.float8_layers))
-        if hint := cpu_precision_hint(job.run.mixed_precision, self.device.type):
+        if hint := cpu_precision_hint(job.run.mixed_precision, self.device.type,
+                                      fp8_unavailable=bool(job.build.float8 and job.build.float8.unavailable)):
             logger.info(hint)
         if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
             logger.info(family_line)
