@@ -46,6 +46,8 @@ def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int,
         f"layers={args.n_layers}, heads={args.n_heads}/{args.n_kv_heads} kv x {args.head_dim}, ffn={args.ffn_dim}, "
         f"vocab={args.vocab_size}",
     ]
+    if job.model_source:  # the shape is checkpoint.initial_load_path's
+        lines.append(job.model_source)
     if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
         lines.append(family_line)
     lines.append(describe_precision(mixed_precision=run.mixed_precision, bf16_update=job.optimizer.bf16_update,

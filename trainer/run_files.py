@@ -81,8 +81,8 @@ def model_section_values(args: ModelArgs) -> dict[str, Any]:
 
 
 def model_keys(args: ModelArgs) -> list[str]:
-    """The command-line keys that give a run these model arguments from any flavor of their family (an import's
-    advice): [model]'s values in effect, and [moe]'s for an MoE model."""
+    """The command-line keys that give a run these model arguments from any flavor of their family: [model]'s values
+    in effect, and [moe]'s for an MoE model (resolved.toml's, as flags)."""
     from trainer.models import family_of
 
     values = {f"model.{k}": v for k, v in model_section_values(args).items() if not k.startswith("rope_scaling_")

@@ -166,6 +166,8 @@ class Trainer:
             "".join(f", {what}" for what, on in (("tied embeddings", args.tie_word_embeddings),
                                                  ("qk_norm", args.qk_norm)) if on),
         )
+        if job.model_source:  # the shape is checkpoint.initial_load_path's
+            logger.info(job.model_source)
         logger.info(describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
                                        build=job.build, float8_layers=job.float8_layers))
         if hint := cpu_precision_hint(job.run.mixed_precision, self.device.type,

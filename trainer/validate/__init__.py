@@ -4,6 +4,7 @@ The config alone was checked when the JobConfig was built (trainer.config.checks
 or override fails while parsing, without importing torch); this pass adds the rest:
 
     precision.py       train.mixed_precision='auto' resolved for the target's GPUs (first: everything after sees it)
+    initial.py         checkpoint.initial_load_path's checkpoint.json gives the model's shape ([model], [moe])
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     plan.py            the per-GPU memory plan (peak estimate) the dry run prints; a warning when it exceeds the device
@@ -13,7 +14,7 @@ or override fails while parsing, without importing torch); this pass adds the re
 
     ranks.py           after the process group exists (the Trainer's first act): every rank's job is rank 0's
 
-`validate_job` runs the first four in that order on every rank before `init_distributed` does any
+`validate_job` runs the first five in that order on every rank before `init_distributed` does any
 work; each raises `ConfigError` (or `DataError` for data files) with one line naming the key,
 and what it resolves goes to the trainer as a `ResolvedJob`, so nothing is worked out twice.
 Lower layers assert these facts; they do not check them again.
@@ -34,6 +35,7 @@ from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
 from trainer.run_files import run_file_texts
+from trainer.validate.initial import checkpoint_shape
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import Target, check_fits_device, check_step_fits_device, this_machine
 from trainer.validate.options import (
@@ -77,6 +79,8 @@ class ResolvedJob:
     """The per-rank memory estimate (trainer.validate.plan)."""
     unchecked_data: tuple[str, ...] = ()
     """A dry run: the data keys whose files are not on this machine (data_source is None then)."""
+    model_source: str | None = None
+    """The startup line saying the model's shape is checkpoint.initial_load_path's (trainer.validate.initial)."""
 
 
 def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = None) -> ResolvedJob:
@@ -84,6 +88,9 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     Trainer take. target: where the job runs (None: this machine; a dry run passes the GPUs it plans for)."""
     target = target or this_machine()
     given, cfg = cfg, resolve_auto_precision(cfg, target)  # train.mixed_precision='auto': this target's choice
+    # checkpoint.initial_load_path's model gives the shape: the config's [model] and [moe] become the checkpoint's.
+    if shape := checkpoint_shape(cfg, planning=target.planning):
+        cfg = shape.cfg
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
@@ -105,11 +112,13 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     source, validation = (None, None) if unchecked else resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
     files = run_file_texts(cfg, run_cfg=given, args=args, pd=pd, build=build, pipeline=pipeline,
                            float8_layers=float8_layers)
+    options = resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16, device=target.device_type)
+    if shape:  # the flavor the checkpoint records ("imported", or its run's), for the log and the next checkpoints
+        options["run"] = dataclasses.replace(options["run"], flavor=shape.flavor)
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,
-                       memory_plan=plan, unchecked_data=unchecked,
-                       **resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16,
-                                         device=target.device_type))
+                       memory_plan=plan, unchecked_data=unchecked, model_source=shape.line if shape else None,
+                       **options)
 
 
 def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_step: int = 0) -> ResolvedJob:
@@ -117,6 +126,7 @@ def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_st
     resolved): a train.precision_schedule phase's config, whose run files name the whole run's `run_cfg` as
     config.toml. stop_step: 0 stops at train.steps."""
     options = resolve_options(cfg, bf16_master=job.build.fsdp.master_dtype == torch.bfloat16, stop_step=stop_step)
+    options["run"] = dataclasses.replace(options["run"], flavor=job.run.flavor)  # a checkpoint's, where it gave one
     files = run_file_texts(cfg, run_cfg=run_cfg, args=job.model_args, pd=job.parallel_dims, build=job.build,
                            pipeline=job.pipeline, float8_layers=job.float8_layers)
     return dataclasses.replace(job, run_files=files, **options)
