@@ -48,7 +48,7 @@ def parse_size(text: str) -> int:
 def export_tokenizer(args: argparse.Namespace, info: dict, source: Path):
     """The tokenizer to copy: --tokenizer, else the checkpoint's own copy of the run's (checked unchanged), else
     none."""
-    from trainer.checkpoint.tokenizer import recorded_tokenizer
+    from trainer.checkpoint.tokenizer import recorded_tokenizer, why_no_tokenizer
     from trainer.export import resolve_tokenizer
 
     if args.no_tokenizer:
@@ -57,8 +57,8 @@ def export_tokenizer(args: argparse.Namespace, info: dict, source: Path):
         return resolve_tokenizer(args.tokenizer, where="--tokenizer")
     recorded = recorded_tokenizer(source, info)
     if not recorded:
-        logger.info("%s records no tokenizer (a synthetic-data run, or an older checkpoint): none copied; "
-                    "--tokenizer=PATH adds one", source / "checkpoint.json")
+        logger.info("%s records no tokenizer (%s): the export has none; --tokenizer=PATH (a tokenizer.json, or "
+                    "'byte') adds one", source / "checkpoint.json", why_no_tokenizer(info))
         return None
     spec, fingerprint = recorded
     return resolve_tokenizer(spec, fingerprint=fingerprint, where=f"{source / 'checkpoint.json'}")
