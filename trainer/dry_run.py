@@ -15,7 +15,7 @@ from __future__ import annotations
 from trainer.config import JobConfig
 from trainer.model_values import num_params_for
 from trainer.models import family_of
-from trainer.run_files import describe_precision
+from trainer.run_files import describe_documents, describe_precision
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.memory import planned_gpus
 from trainer.validate.plan import LOWER_THE_PEAK, human_size
@@ -63,6 +63,8 @@ def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int,
     else:
         lines.append(f"data: {job.data_source!r}" + (f"; validation {job.validation_source!r}"
                                                      if job.validation_source is not None else ""))
+    if documents := describe_documents(document_eos=job.build.document_eos, eod_mask_id=run.eod_mask_id):
+        lines.append(documents)
     rank = f" (pipeline rank {plan.pp_rank}, the one that holds the most)" if pd.pp > 1 else ""
     lines.append(f"memory per GPU{rank}, estimated (docs/benchmarks.md holds it against measured peaks):")
     lines.append(plan.table(capacity=target_memory))

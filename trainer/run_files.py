@@ -126,6 +126,19 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
     return "precision: " + "; ".join(parts)
 
 
+def describe_documents(*, document_eos: int | None, eod_mask_id: int | None) -> str | None:
+    """The startup log's line on how packed documents are treated, when data.document_masking or data.eod_mask_loss
+    is on (None when both are off: attention crosses documents and every token is trained on, the default)."""
+    parts = []
+    if document_eos is not None:
+        parts.append(f"attention stays inside each document of a packed row and RoPE positions restart at each "
+                     f"(data.document_masking; a document ends at EOS id {document_eos})")
+    if eod_mask_id is not None:
+        parts.append(f"the token after each EOS (id {eod_mask_id}) is not trained on, in training and validation "
+                     "(data.eod_mask_loss)")
+    return "documents: " + "; ".join(parts) if parts else None
+
+
 def cpu_precision_hint(mixed_precision: str, device_type: str, *, fp8_unavailable: bool = False) -> str | None:
     """One line for a CPU run in a reduced precision, which is much slower there than fp32 (None otherwise).
 

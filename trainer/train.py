@@ -42,7 +42,7 @@ from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
-from trainer.run_files import cpu_precision_hint, describe_precision, run_config, write_run_files
+from trainer.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
 from trainer.run_lock import check_writable, lock_run_folders, release_all
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
@@ -88,6 +88,8 @@ class Trainer:
             batch_size=run.batch_size, grad_accum_steps=run.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
             dp_degree=self.parallel_dims.dp, eod_mask_id=run.eod_mask_id,
         )
+        if documents := describe_documents(document_eos=job.build.document_eos, eod_mask_id=run.eod_mask_id):
+            logger.info(documents)  # beside the data line: what the run does with a packed row's documents
         built = self._build_model(job)
         self.model, self.float8, self.loss_fn, self.pipeline = built.model, built.float8, built.loss_fn, built.pipeline
         self.optimizer, self.scheduler = self._build_optimizer(job)
