@@ -11,14 +11,15 @@ after the current step and its checkpoint, or at once before this process's firs
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from trainer.config import ConfigError, load_job_config, section_help, usage
 from trainer.errors import UserError
+from trainer.train_state import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 logger = logging.getLogger("trainer")
 
@@ -74,6 +75,25 @@ def _quiet_disk_errors_in_threads() -> None:
 
     hook.quiets_disk_errors = True  # type: ignore[attr-defined]
     threading.excepthook = hook
+
+
+def exit_process(code: int) -> NoReturn:
+    """End scripts/train.py's process with `code`. A run stopped by a signal (143, 130) has saved, closed its writers
+    and left the process group when main() returns: its process runs the atexit handlers (log handlers, the compile
+    workers' shutdown, W&B) and then ends with os._exit, without the interpreter's own teardown. That teardown scans
+    what an interrupted compile left behind for cycles (16-47 s from the signal to the exit on a loaded 2-core
+    machine after a stop during fp8 + compile's step 1) and, where Triton's objects are still alive then, prints
+    nanobind's report of them (~40 `nanobind: leaked ...` lines after a SIGTERM during a compiled step; Triton
+    silences the same report in its own compile workers, triton/_compile_warmup_pool.py). Any other code exits
+    normally."""
+    if code not in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()  # logging.shutdown among them: every line is written before the process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str]) -> int:
@@ -133,11 +153,7 @@ def main(argv: list[str]) -> int:
         if speaks or not e.every_rank:  # an error of this rank alone is printed where it happened
             print(f"error (rank {rank}): {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except StoppedBeforeFirstStep as e:  # its line is logged: no traceback
-        # What an interrupted compile left behind is garbage the interpreter's exit scans for cycles: 16-47 s from
-        # the signal to the exit on a loaded 2-core machine after a stop during fp8 + compile's step 1, 2.7 s with
-        # it frozen (never scanned).
-        gc.freeze()
+    except StoppedBeforeFirstStep as e:  # its line is logged: no traceback; exit_process ends the process at once
         return e.exit_code
     except KeyboardInterrupt:
         print(f"interrupted (rank {rank})", file=sys.stderr)
