@@ -300,3 +300,40 @@ def test_quoted_not_one_of_errors_are_what_the_config_says() -> None:
             if str(e) != quote.strip():
                 stale.append(f"{name}: {quote!r} != {str(e)!r}")
     assert not stale, stale
+
+
+def test_the_1b_rows_say_what_the_flavor_is() -> None:
+    """The `1b` flavor has Llama 3.2 1B's layers with an untied head: the README's row gives its parameters and the
+    published tied model's, from the shapes (the docs once said "Llama 3.2 1B shapes" of a 1.50B model)."""
+    import dataclasses
+
+    from trainer.model_values import num_params_for
+    from trainer.models import FLAVORS
+
+    untied, _ = num_params_for(FLAVORS["1b"])
+    tied, _ = num_params_for(dataclasses.replace(FLAVORS["1b"], tie_word_embeddings=True))
+    row = next(line for line in (REPO / "README.md").read_text().splitlines()
+               if line.startswith("| `configs/train/llama3_1b.toml` |"))
+    assert not FLAVORS["1b"].tie_word_embeddings
+    assert f"{untied / 1e9:.2f}B parameters" in row and f"{tied / 1e9:.2f}B" in row, row
+    assert "--model.tie_word_embeddings=true" in row
+
+
+def test_what_the_docs_commands_write_in_the_checkout_is_git_ignored() -> None:
+    """A relative `--output` of the docs' data commands, and the folders their shell lines make, are git-ignored:
+    run from the checkout as written, they leave `git status` clean (docs/data.md's mixture once wrote data/)."""
+    import subprocess
+
+    written = set()
+    for _, text in _all_text():
+        text = text.replace("\\\n", " ")
+        written |= set(re.findall(r"scripts/(?:prepare_data|build_tokenizer)\.py [^\n`]*?--output[ =]([\w./-]+)", text))
+        written |= set(re.findall(r"mkdir -p ([\w./-]+)", text))
+        written |= set(re.findall(r"> (data/[\w./-]+)", text))
+    written = {w for w in written if not w.startswith(("/", "$", "~"))}
+    assert {"data/shards", "data/mix/docs", "data/raw/code"} <= written, written
+    proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", *sorted(written)],
+                          capture_output=True, text=True)
+    if proc.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert sorted(written - set(proc.stdout.split())) == []
