@@ -47,6 +47,7 @@ from trainer.run_lock import check_writable, lock_run_folders, release_all
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
     EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
+    note_torchrun_exit,
 )
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.ranks import check_ranks_agree
@@ -323,7 +324,7 @@ class Trainer:
                 # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
                 marker.write_text(json.dumps({"step": self.state.step, "of_steps": run.steps,
                                               "checkpoint_saved": saved, "signal": self.state.stopped_by}) + "\n")
-                _note_torchrun_exit(marker)
+                note_torchrun_exit(marker)
         elif run.stop_step == run.steps:  # not a job that stops before the run's last step (a precision phase)
             # With checkpoint.on_save_error="continue", a failed last save is an error here (exit 2), not a success.
             self.checkpoint.require_saved(self.state.step)
@@ -341,7 +342,7 @@ class Trainer:
             marker = Path(self.job.run.dump_folder) / PREEMPTED_MARKER
             marker.write_text(json.dumps({"step": step, "of_steps": self.job.run.steps, "checkpoint_saved": saved,
                                           "signal": stop.signal_name}) + "\n")
-            _note_torchrun_exit(marker)
+            note_torchrun_exit(marker)
 
     def _loop(self, profiler, memory_recorder) -> None:
         t, stop_step = self.job.run, self.job.run.stop_step
@@ -402,14 +403,6 @@ class Trainer:
             self.checkpoint.close()  # a background save completes (or fails loudly) before exit
         finally:
             self.metrics.close()
-
-
-def _note_torchrun_exit(marker: Path) -> None:
-    """Under torchrun, what its own lines after a stop mean: they follow ours, and read like a failure."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
-        logger.warning("under torchrun: its exit status is 1 whatever its workers return, and a signal sent to "
-                       "torchrun itself ends in torch's SignalException traceback; %s is this stop's record "
-                       "(docs/cluster.md#9-a-stopped-jobs-log)", marker)
 
 
 @dataclass
