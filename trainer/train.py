@@ -43,7 +43,7 @@ from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
-from trainer.run_lock import check_writable, lock_run_folders, release_all
+from trainer.run_lock import check_writable, lock_run_folders, output_folders, release_all
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
     EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
@@ -493,13 +493,3 @@ def run_schedule(schedule: PrecisionSchedule) -> TrainState:
 def build_trainer(cfg: JobConfig) -> Trainer:
     """validate_job, then a Trainer of that job: for scripts and tests that start from one config."""
     return Trainer(validate_job(cfg, world_size=world_size_from_env()))
-
-
-def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:
-    """Every folder the run will write to, with the config key that names it."""
-    folders = [(cfg.job.dump_folder, "job.dump_folder")]
-    if cfg.checkpoint.enable:
-        folders.append((str(Path(cfg.job.dump_folder) / cfg.checkpoint.folder), "checkpoint.folder"))
-    if cfg.profiling.enable:
-        folders.append((cfg.trace_dir, "profiling.trace_dir"))
-    return folders
