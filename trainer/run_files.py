@@ -38,9 +38,14 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
 
     from trainer.models import family_of
 
+    from trainer.models import FLAVORS
+
     d = cfg.to_dict()
     d["model"].update(model_section_values(args))
-    if family_of(args).has_router:  # the experts and routing values of [moe]
+    family = family_of(args)
+    if family is not family_of(FLAVORS[cfg.model.flavor]):  # the shape of checkpoint.initial_load_path's model
+        d["model"]["flavor"] = next(iter(family.flavors))  # a flavor of its family, whose values all replace
+    if family.has_router:  # the experts and routing values of [moe]
         d["moe"].update({f: getattr(args, f) for f in d["moe"]})
     d["distributed"].update(
         dp_shard=pd.dp_shard, master_dtype="bf16" if build.fsdp.master_dtype == torch.bfloat16 else "fp32",

@@ -17,6 +17,7 @@ from trainer.config import load_job_config
 from trainer.dry_run import dry_run
 from trainer.errors import ConfigError
 from trainer.export import read_hf_config, read_hf_weights
+from trainer.models import FLAVORS
 from trainer.validate import validate_job
 
 pytest.importorskip("transformers")
@@ -104,3 +105,34 @@ def test_what_is_not_a_checkpoint_is_one_line_before_anything_starts(imported, t
     (tmp_path / "run" / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")  # complete, as far as a listing says
     job = _job(missing, f"--job.dump_folder={tmp_path / 'run'}", "--checkpoint.enable=true")
     assert job.model_source is None
+
+
+def test_an_moe_checkpoint_gives_a_dense_config_its_family_too(tmp_path: Path) -> None:
+    """The whole shape includes the family: an MoE checkpoint under debug_model.toml (a dense flavor, no [moe] key)
+    builds the checkpoint's MoE model, routing included; resolved.toml names a flavor of that family, in a
+    precision phase's job as well."""
+    import dataclasses
+
+    from trainer.models import build_model
+    from trainer.models.moe import MoEArgs
+    from trainer.validate import with_config
+
+    moe = dataclasses.replace(FLAVORS["debug_moe"], top_k=3, route_norm=True)
+    model = build_model(moe)
+    model.init_weights(seed=0)
+    out = save_model_only(tmp_path / "moe", {k: v.detach() for k, v in model.state_dict().items()},
+                          run=RunInfo(flavor="imported", model_args=moe, mixed_precision="hf-import"), source="")
+    cfg = load_job_config(["--config", DEBUG_CONFIG, f"--checkpoint.initial_load_path={out}",
+                           "--moe.aux_loss_coef=0.02"])
+    job = validate_job(cfg, world_size=1)
+    assert isinstance(job.model_args, MoEArgs)
+    # The config's balancing is kept; head_dim comes as a value (32, what dim / n_heads gives).
+    assert job.model_args == dataclasses.replace(moe, aux_loss_coef=0.02, explicit_head_dim=moe.head_dim)
+    assert job.model_source.endswith("flavor 'imported'; resolved.toml has every value); model.flavor='debug' is "
+                                     "not used; the config's moe.aux_loss_coef=0.02 replaces the checkpoint's")
+    phase = with_config(job, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mixed_precision="bf16")),
+                        run_cfg=cfg)
+    for resolved in (job, phase):
+        used = tomllib.loads(dict(resolved.run_files)["resolved.toml"])
+        assert used["model"]["flavor"] == "debug_moe" and used["moe"]["top_k"] == 3 and used["moe"]["route_norm"]
+        assert resolved.run.flavor == "imported"
