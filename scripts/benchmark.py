@@ -6,7 +6,8 @@
 
 With `--dry-run [--world-size N] [--gpu-memory-gib G]` (train.py's flags) nothing runs: each precision's job is
 validated for N ranks and its memory plan printed, as `scripts/train.py --dry-run` does (with --emulate-gpus E: for
-the E GPUs emulated). scripts/gpu_checks.sh's GPU_CHECKS_DRY_RUN checks its multi-GPU steps this way.
+the E GPUs emulated), exit 3 when a plan does not fit its GPU. scripts/gpu_checks.sh's GPU_CHECKS_DRY_RUN checks its
+multi-GPU steps this way.
 
 A precision may name an FP8 recipe, `fp8:RECIPE` (e.g. `--precisions bf16,fp8,fp8:blockwise`): that run adds
 `--float8.recipe=RECIPE` after the overrides.
@@ -284,19 +285,22 @@ def _rank_header(runner: Trainer) -> str:
 
 def dry_run_precisions(argv: list[str], args: argparse.Namespace, plan: dict) -> int:
     """--dry-run: each precision's job validated for its ranks (the emulated GPUs with --emulate-gpus) and planned."""
-    from trainer.dry_run import dry_run
+    from trainer.dry_run import EXIT_DOES_NOT_FIT, dry_run
     from trainer.errors import UserError
 
     if args.emulate_gpus:
         plan = plan | {"world_size": args.emulate_gpus, "gpu_gib": args.gpu_memory_gib}
+    all_fit = True
     for p in args.precisions.split(","):
         print(f"== {args.label or args.config}, {p}:")
         try:
-            print(dry_run(load_job_config([*argv, *precision_overrides(p)]), **plan))
+            text, fits = dry_run(load_job_config([*argv, *precision_overrides(p)]), **plan)
         except UserError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
-    return 0
+        print(text)
+        all_fit &= fits
+    return 0 if all_fit else EXIT_DOES_NOT_FIT
 
 
 def _pct(value: float | None) -> str:

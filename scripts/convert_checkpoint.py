@@ -12,10 +12,11 @@ with the run's tokenizer when checkpoint.json records one:
 
 Import Hugging Face weights (one of our exports, a Llama-family or Qwen3 model of any shape, or an
 Ernie4_5_Moe / Glm4Moe one) as a model-only checkpoint for checkpoint.initial_load_path. The shape
-comes from its config.json; the import prints the [model] keys a run needs to continue from it:
+comes from its config.json and is recorded in the checkpoint, so a run started from it takes the shape
+(and vocabulary) from there, with a config that sets no [model] keys:
 
     python scripts/convert_checkpoint.py import /models/SmolLM2-135M outputs/smollm2-init
-    python scripts/train.py --config ... --model.dim=576 ... --checkpoint.initial_load_path=outputs/smollm2-init
+    python scripts/train.py --config ... --checkpoint.initial_load_path=outputs/smollm2-init
 
     (--flavor 1b instead checks that the folder holds that flavor's shapes)
 
@@ -47,7 +48,7 @@ def parse_size(text: str) -> int:
 def export_tokenizer(args: argparse.Namespace, info: dict, source: Path):
     """The tokenizer to copy: --tokenizer, else the checkpoint's own copy of the run's (checked unchanged), else
     none."""
-    from trainer.checkpoint.tokenizer import recorded_tokenizer
+    from trainer.checkpoint.tokenizer import recorded_tokenizer, why_no_tokenizer
     from trainer.export import resolve_tokenizer
 
     if args.no_tokenizer:
@@ -56,8 +57,8 @@ def export_tokenizer(args: argparse.Namespace, info: dict, source: Path):
         return resolve_tokenizer(args.tokenizer, where="--tokenizer")
     recorded = recorded_tokenizer(source, info)
     if not recorded:
-        logger.info("%s records no tokenizer (a synthetic-data run, or an older checkpoint): none copied; "
-                    "--tokenizer=PATH adds one", source / "checkpoint.json")
+        logger.info("%s records no tokenizer (%s): the export has none; --tokenizer=PATH (a tokenizer.json, or "
+                    "'byte') adds one", source / "checkpoint.json", why_no_tokenizer(info))
         return None
     spec, fingerprint = recorded
     return resolve_tokenizer(spec, fingerprint=fingerprint, where=f"{source / 'checkpoint.json'}")
@@ -101,7 +102,6 @@ def import_hf(args: argparse.Namespace) -> None:
     from trainer.export.tokenizer import folder_tokenizer
     from trainer.models import family_of, model_args_for
     from trainer.output_folder import IMPORT, check_output
-    from trainer.run_files import model_keys
 
     check_output(args.out, kind=IMPORT)  # before reading any weights: never into a folder of checkpoints
     tokenizer = folder_tokenizer(Path(args.hf_folder))  # copied into the checkpoint, as a run's is
@@ -118,10 +118,10 @@ def import_hf(args: argparse.Namespace) -> None:
     run = RunInfo(flavor=args.flavor or "imported", model_args=model_args, mixed_precision="hf-import", **tokenizer)
     out = save_model_only(Path(args.out), weights, run=run, source=str(Path(args.hf_folder).resolve()))
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
-    keys = [f"--model.flavor={args.flavor}"] if args.flavor else model_keys(model_args)
     logger.info("imported %d tensors (%s)%s from %s into %s; continue from it with --checkpoint.initial_load_path=%s "
-                "%s", len(weights), ", ".join(dtypes), " and tokenizer.json" if tokenizer.get("tokenizer") not in
-                (None, "byte") else "", args.hf_folder, out, out, " ".join(keys))
+                "(the run takes the model's shape and vocabulary from it: its config needs no [model] keys)",
+                len(weights), ", ".join(dtypes), " and tokenizer.json" if tokenizer.get("tokenizer") not in
+                (None, "byte") else "", args.hf_folder, out, out)
 
 
 def _routing_of_folder(model_args, folder: Path):
@@ -135,8 +135,8 @@ def _routing_of_folder(model_args, folder: Path):
     routed = with_routing_of(model_args, json.loads((folder / "config.json").read_text()), where=where)
     if (routed.top_k, routed.route_norm) != (model_args.top_k, model_args.route_norm):
         logger.info("%s routes top-%d (route_norm=%s), the flavor top-%d (route_norm=%s): recorded as the folder's; "
-                    "a run started from it routes by its own [moe] settings (--moe.top_k=%d to keep them)", where,
-                    routed.top_k, routed.route_norm, model_args.top_k, model_args.route_norm, routed.top_k)
+                    "a run started from it routes so too, unless its config sets moe.top_k or moe.route_norm", where,
+                    routed.top_k, routed.route_norm, model_args.top_k, model_args.route_norm)
     return routed
 
 

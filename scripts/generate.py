@@ -32,7 +32,7 @@ def find_tokenizer(path: Path, override: str | None):
     """--tokenizer, else a checkpoint's own copy of its run's tokenizer (checked unchanged), else an export's
     tokenizer.json; read only from inside the folder (trainer/checkpoint/tokenizer.py)."""
     from trainer.checkpoint import CHECKPOINT_JSON, read_checkpoint_json
-    from trainer.checkpoint.tokenizer import recorded_tokenizer
+    from trainer.checkpoint.tokenizer import recorded_tokenizer, why_no_tokenizer
     from trainer.data import ByteTokenizer, build_tokenizer
     from trainer.data.tokenizer import folder_tokenizer_problem
     from trainer.export.tokenizer import is_byte_tokenizer_json
@@ -40,8 +40,10 @@ def find_tokenizer(path: Path, override: str | None):
     if override:
         return build_tokenizer(override)
     file = path / "tokenizer.json"
+    why = "an export made without one"
     if os.path.lexists(path / CHECKPOINT_JSON):  # a DCP checkpoint
-        recorded = recorded_tokenizer(path, read_checkpoint_json(path))
+        info = read_checkpoint_json(path)
+        recorded, why = recorded_tokenizer(path, info), why_no_tokenizer(info)
         if recorded:
             spec, fingerprint = recorded
             tok = build_tokenizer(spec)
@@ -57,8 +59,28 @@ def find_tokenizer(path: Path, override: str | None):
         if is_byte_tokenizer_json(file):
             return ByteTokenizer()
         return build_tokenizer(str(file))
-    raise UserError(f"{path} names no tokenizer (an export made without one, or a synthetic-data run); pass "
-                    "--tokenizer=PATH of the run's tokenizer.json, or --tokenizer=byte for the built-in byte tokenizer")
+    raise UserError(f"{path} names no tokenizer ({why}); pass --tokenizer=PATH of the model's tokenizer.json, or "
+                    "--tokenizer=byte for the built-in byte tokenizer")
+
+
+def check_device(text: str):
+    """--device as a torch.device this machine has: a one-line UserError for a name torch does not know, or a GPU
+    that is not here, before anything is read."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UserError(f"--device={text!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA GPU visible"
+        raise UserError(f"--device={text} but this machine has no CUDA GPU ({build}); use --device=cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device={text} but this machine has {torch.cuda.device_count()} CUDA GPU(s) "
+                        f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device={text}: generation runs on cpu or cuda[:N]")
+    return device
 
 
 def describe_sampling(args: argparse.Namespace) -> str:
@@ -76,10 +98,14 @@ def run(args: argparse.Namespace) -> str:
     from trainer.generate import generate
     from trainer.models import num_params
 
+    device = check_device(args.device)
+    if not os.path.lexists(args.path):  # before the tokenizer is looked for in it
+        raise UserError(f"{args.path} does not exist: give a step-N checkpoint folder, a checkpoint folder or an "
+                        "export folder")
     path = resolve_checkpoint(Path(args.path))
     tok = find_tokenizer(path, args.tokenizer)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = load_model(path, device=args.device, dtype=dtype)
+    model = load_model(path, device=device, dtype=dtype)
     if tok.vocab_size > model.args.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary {model.args.vocab_size}: "
                         "not the run's tokenizer; pass --tokenizer=PATH of the run's tokenizer.json")
@@ -104,7 +130,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the export's or the run's)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:

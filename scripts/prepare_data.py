@@ -59,11 +59,12 @@ def prepare(*, inputs: list[str], output: str, tokenizer: str, text_field: str, 
         raise DataError(f"--shard-tokens {shard_tokens} must be >= 1")
     paths = expand_inputs(inputs)
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
     # Training loads every *.bin in the directory, so old shards would silently mix with new ones.
     if stale := sorted(out.glob("*.bin")):
         raise DataError(f"--output {out} already holds {len(stale)} .bin files (e.g. {stale[0].name}); "
                         "use an empty directory or delete them")
+    created = [folder for folder in (out, *out.parents) if not folder.exists()]  # what a failure takes back
+    out.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out, shard_tokens=shard_tokens, vocab_size=vocab_size, fingerprint=tok.fingerprint)
     num_documents = num_empty = num_tokens = 0
     try:
@@ -80,9 +81,15 @@ def prepare(*, inputs: list[str], output: str, tokenizer: str, text_field: str, 
             raise DataError(f"the {len(paths)} input files hold no non-empty documents")
         writer.close()
     except BaseException:
-        # A partial dataset would load without complaint at training time; leave none behind.
+        # A partial dataset would load without complaint at training time; leave none behind, nor the folders
+        # this run made for it (an empty --output left after an error reads as a dataset that came out empty).
         for written in writer.paths:
             written.unlink(missing_ok=True)
+        for folder in created:  # innermost first; only if empty (another process may have written there since)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     return (f"wrote {len(writer.paths)} shards to {out}: {num_documents:,} documents, {num_tokens:,} tokens "
             f"from {len(paths)} files (skipped {num_empty} empty documents); tokenizer {tok.fingerprint}, "

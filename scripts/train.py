@@ -11,7 +11,7 @@ from pathlib import Path
 # The checkout this script is in comes first, even when another copy of trainer is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.cli import main
+from trainer.cli import exit_process, main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -4,21 +4,22 @@ Errors the user can fix (`trainer.errors.UserError`: a config, data, a checkpoin
 FP8 that cannot run) are printed as one line and exit 2, whether found by the validation pass
 or after the process group exists: by the rank that found it, or once per node (local rank 0)
 when every rank raises it alike; anything else is a bug or an environment failure and keeps
-its traceback (exit 1). A stop by SIGTERM or Ctrl-C exits 143 or 130 (trainer.train.STOP_SIGNALS):
+its traceback (exit 1). A dry run whose plan does not fit the GPU exits 3 (trainer.dry_run). A stop by SIGTERM or Ctrl-C exits 143 or 130 (trainer.train.STOP_SIGNALS):
 after the current step and its checkpoint, or at once before this process's first step has ended
 (nothing to save yet); a second Ctrl-C quits at once with 130.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from trainer.config import ConfigError, load_job_config, section_help, usage
 from trainer.errors import UserError
+from trainer.train_state import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 logger = logging.getLogger("trainer")
 
@@ -76,6 +77,25 @@ def _quiet_disk_errors_in_threads() -> None:
     threading.excepthook = hook
 
 
+def exit_process(code: int) -> NoReturn:
+    """End scripts/train.py's process with `code`. A run stopped by a signal (143, 130) has saved, closed its writers
+    and left the process group when main() returns: its process runs the atexit handlers (log handlers, the compile
+    workers' shutdown, W&B) and then ends with os._exit, without the interpreter's own teardown. That teardown scans
+    what an interrupted compile left behind for cycles (16-47 s from the signal to the exit on a loaded 2-core
+    machine after a stop during fp8 + compile's step 1) and, where Triton's objects are still alive then, prints
+    nanobind's report of them (~40 `nanobind: leaked ...` lines after a SIGTERM during a compiled step; Triton
+    silences the same report in its own compile workers, triton/_compile_warmup_pool.py). Any other code exits
+    normally."""
+    if code not in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()  # logging.shutdown among them: every line is written before the process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str]) -> int:
     from trainer.log import setup_logging
 
@@ -105,14 +125,15 @@ def main(argv: list[str]) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     if plan is not None:
-        from trainer.dry_run import dry_run
+        from trainer.dry_run import EXIT_DOES_NOT_FIT, dry_run
 
         try:
-            print(dry_run(cfg, **plan))
+            text, fits = dry_run(cfg, **plan)
         except UserError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
-        return 0
+        print(text)
+        return 0 if fits else EXIT_DOES_NOT_FIT
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         logger.warning("no --config given: training the built-in defaults (model.flavor=%r, %d steps, data.source=%r) "
                        "into %s", cfg.model.flavor, cfg.train.steps, cfg.data.source, cfg.job.dump_folder)
@@ -132,11 +153,7 @@ def main(argv: list[str]) -> int:
         if speaks or not e.every_rank:  # an error of this rank alone is printed where it happened
             print(f"error (rank {rank}): {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except StoppedBeforeFirstStep as e:  # its line is logged: no traceback
-        # What an interrupted compile left behind is garbage the interpreter's exit scans for cycles: 16-47 s from
-        # the signal to the exit on a loaded 2-core machine after a stop during fp8 + compile's step 1, 2.7 s with
-        # it frozen (never scanned).
-        gc.freeze()
+    except StoppedBeforeFirstStep as e:  # its line is logged: no traceback; exit_process ends the process at once
         return e.exit_code
     except KeyboardInterrupt:
         print(f"interrupted (rank {rank})", file=sys.stderr)

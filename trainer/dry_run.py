@@ -5,6 +5,9 @@ planned for CUDA GPUs with FP8 tensor cores and G GiB each), then what it resolv
 the precision, the batch, the data, and the per-GPU memory plan (trainer.validate.plan). No GPU, no process
 group, no folder is touched; data files that are not on this machine are named, not refused. A config the
 real run would refuse gives the same one-line error.
+
+The last line is the verdict: `OK: ...` (exit 0) only when the planned peak fits the GPU, else `DOES NOT FIT: ...`
+and exit 3 (EXIT_DOES_NOT_FIT), so a script that books GPUs can read the exit status (2: a config error).
 """
 
 from __future__ import annotations
@@ -12,19 +15,24 @@ from __future__ import annotations
 from trainer.config import JobConfig
 from trainer.model_values import num_params_for
 from trainer.models import family_of
-from trainer.run_files import describe_precision
+from trainer.run_files import describe_documents, describe_precision
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.memory import planned_gpus
+from trainer.validate.plan import LOWER_THE_PEAK, human_size
 
 # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3 (79.2 GiB); an H200 has 139.8.
 DEFAULT_GPU_GIB = 79.2
 
+# The exit status of a dry run whose plan does not fit the GPU (0: it fits; 2: a config error).
+EXIT_DOES_NOT_FIT = 3
 
-def dry_run(cfg: JobConfig, *, world_size: int, gpu_gib: float = DEFAULT_GPU_GIB) -> str:
-    """The plan of `cfg` on `world_size` GPUs of `gpu_gib` GiB; raises what the real run's validation raises."""
+
+def dry_run(cfg: JobConfig, *, world_size: int, gpu_gib: float = DEFAULT_GPU_GIB) -> tuple[str, bool]:
+    """(the plan of `cfg` on `world_size` GPUs of `gpu_gib` GiB, whether it fits); raises what the real run's
+    validation raises."""
     target = planned_gpus(gpu_gib)
     job = validate_job(cfg, world_size=world_size, target=target)
-    return describe_plan(job, cfg, target_memory=target.memory)
+    return describe_plan(job, cfg, target_memory=target.memory), job.memory_plan.fits(target.memory)
 
 
 def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int, str] | None) -> str:
@@ -38,6 +46,8 @@ def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int,
         f"layers={args.n_layers}, heads={args.n_heads}/{args.n_kv_heads} kv x {args.head_dim}, ffn={args.ffn_dim}, "
         f"vocab={args.vocab_size}",
     ]
+    if job.model_source:  # the shape is checkpoint.initial_load_path's
+        lines.append(job.model_source)
     if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
         lines.append(family_line)
     lines.append(describe_precision(mixed_precision=run.mixed_precision, bf16_update=job.optimizer.bf16_update,
@@ -55,9 +65,17 @@ def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int,
     else:
         lines.append(f"data: {job.data_source!r}" + (f"; validation {job.validation_source!r}"
                                                      if job.validation_source is not None else ""))
+    if documents := describe_documents(document_eos=job.build.document_eos, eod_mask_id=run.eod_mask_id):
+        lines.append(documents)
     rank = f" (pipeline rank {plan.pp_rank}, the one that holds the most)" if pd.pp > 1 else ""
     lines.append(f"memory per GPU{rank}, estimated (docs/benchmarks.md holds it against measured peaks):")
     lines.append(plan.table(capacity=target_memory))
-    lines.append(f"OK: {cfg.job.dump_folder} would train with this plan (`--dry-run` dropped, under torchrun with "
-                 f"{pd.world_size} process{'es' if pd.world_size > 1 else ''})")
+    if plan.fits(target_memory):
+        lines.append(f"OK: {cfg.job.dump_folder} would train with this plan (`--dry-run` dropped, under torchrun with "
+                     f"{pd.world_size} process{'es' if pd.world_size > 1 else ''})")
+    else:
+        cap, what = target_memory
+        lines.append(f"DOES NOT FIT: {cfg.job.dump_folder} would need about {human_size(plan.peak_bytes)} per GPU, "
+                     f"{human_size(plan.peak_bytes - cap)} more than {what}: {LOWER_THE_PEAK} (exit "
+                     f"{EXIT_DOES_NOT_FIT})")
     return "\n".join(lines)

@@ -6,7 +6,8 @@
                       the model's whole shape ([model_args])
     fp8_layers.json   fp8 runs: the recipe, the FP8 format, and every Linear layer, converted or the reason it was
                       excluded ({"recipe", "format", "layers": {fqn: fate}}); with float8.scaling='delayed' also
-                      "scaling", "amax_history_len", "amax_compute_algo", "margin"; "save_fp8_activations" when on
+                      "scaling", "amax_history_len", "amax_compute_algo", "margin"; "save_fp8_activations" when on;
+                      "unavailable" (why) where this device has no FP8 matmul of the recipe and nothing converts
 
 The startup log names these files instead of printing them.
 """
@@ -37,9 +38,14 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
 
     from trainer.models import family_of
 
+    from trainer.models import FLAVORS
+
     d = cfg.to_dict()
     d["model"].update(model_section_values(args))
-    if family_of(args).has_router:  # the experts and routing values of [moe]
+    family = family_of(args)
+    if family is not family_of(FLAVORS[cfg.model.flavor]):  # the shape of checkpoint.initial_load_path's model
+        d["model"]["flavor"] = next(iter(family.flavors))  # a flavor of its family, whose values all replace
+    if family.has_router:  # the experts and routing values of [moe]
         d["moe"].update({f: getattr(args, f) for f in d["moe"]})
     d["distributed"].update(
         dp_shard=pd.dp_shard, master_dtype="bf16" if build.fsdp.master_dtype == torch.bfloat16 else "fp32",
@@ -80,8 +86,8 @@ def model_section_values(args: ModelArgs) -> dict[str, Any]:
 
 
 def model_keys(args: ModelArgs) -> list[str]:
-    """The command-line keys that give a run these model arguments from any flavor of their family (an import's
-    advice): [model]'s values in effect, and [moe]'s for an MoE model."""
+    """The command-line keys that give a run these model arguments from any flavor of their family: [model]'s values
+    in effect, and [moe]'s for an MoE model (resolved.toml's, as flags)."""
     from trainer.models import family_of
 
     values = {f"model.{k}": v for k, v in model_section_values(args).items() if not k.startswith("rope_scaling_")
@@ -105,13 +111,16 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
     fsdp, f8 = build.fsdp, build.float8
     compute = str(fsdp.param_dtype or torch.float32).removeprefix("torch.")
     parts = [f"train.mixed_precision={mixed_precision!r}: {compute} compute"]
-    if f8 is not None:
+    if f8 is not None and f8.unavailable:  # what really runs: bf16 matmuls (apply_float8's banner says why)
+        parts[0] += f", NO FP8: {f8.recipe} FP8 is unavailable on this device, every Linear layer runs in {compute}"
+    elif f8 is not None:
         n = sum(1 for fate in (float8_layers or {}).values() if fate == "converted")
         parts[0] += (f", FP8 {f8.recipe} matmuls in {n} Linear layers ({'EMULATED, ' if f8.emulate else ''}"
                      f"{f8.format}: {'e5m2 gradients' if f8.format == 'hybrid' else 'e4m3 everywhere'}"
                      f"{', delayed scaling' if f8.delayed else ''}{', fp8 inputs saved' * f8.save_fp8_activations})")
-        if f8.moe_experts != "off":
-            parts[0] += f" and FP8 {f8.moe_experts} grouped GEMMs in the routed experts"
+    if f8 is not None and f8.moe_experts != "off":
+        parts[0] += (f"; routed experts in {compute} (FP8 grouped GEMMs unavailable on this device)"
+                     if f8.experts_unavailable else f" and FP8 {f8.moe_experts} grouped GEMMs in the routed experts")
     master = "bf16 master weights" if fsdp.master_dtype == torch.bfloat16 else "fp32 master weights"
     if fsdp.master_dtype == torch.bfloat16:
         master += {"stochastic": " (stochastic rounding)", "kahan": " (Kahan-compensated updates)",
@@ -122,7 +131,20 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
     return "precision: " + "; ".join(parts)
 
 
-def cpu_precision_hint(mixed_precision: str, device_type: str) -> str | None:
+def describe_documents(*, document_eos: int | None, eod_mask_id: int | None) -> str | None:
+    """The startup log's line on how packed documents are treated, when data.document_masking or data.eod_mask_loss
+    is on (None when both are off: attention crosses documents and every token is trained on, the default)."""
+    parts = []
+    if document_eos is not None:
+        parts.append(f"attention stays inside each document of a packed row and RoPE positions restart at each "
+                     f"(data.document_masking; a document ends at EOS id {document_eos})")
+    if eod_mask_id is not None:
+        parts.append(f"the token after each EOS (id {eod_mask_id}) is not trained on, in training and validation "
+                     "(data.eod_mask_loss)")
+    return "documents: " + "; ".join(parts) if parts else None
+
+
+def cpu_precision_hint(mixed_precision: str, device_type: str, *, fp8_unavailable: bool = False) -> str | None:
     """One line for a CPU run in a reduced precision, which is much slower there than fp32 (None otherwise).
 
     The default (bf16) suits GPUs; on CPU a user otherwise only sees a slow run with no reason given.
@@ -131,6 +153,10 @@ def cpu_precision_hint(mixed_precision: str, device_type: str) -> str | None:
     """
     if device_type != "cpu" or mixed_precision == "fp32":
         return None
+    if fp8_unavailable:  # what runs is bf16 (the precision line says so)
+        return ("on CPU, bf16 (what train.mixed_precision='fp8' runs here, FP8 being unavailable) runs several times "
+                "slower than 'fp32' (the debug model: about 8x, on a CPU without bf16 matmul instructions); "
+                "--train.mixed_precision=fp32 is the fast path on CPU")
     return (f"on CPU, train.mixed_precision={mixed_precision!r} runs several times slower than 'fp32' "
             "(the debug model: bf16 about 8x, fp8 about 3.5x, on a CPU without bf16 matmul instructions); "
             "--train.mixed_precision=fp32 is the fast path on CPU")
@@ -147,7 +173,8 @@ def run_file_texts(cfg: JobConfig, *, run_cfg: JobConfig, args: ModelArgs, pd: P
              (RESOLVED, to_toml(resolved_config(cfg, args=args, pd=pd, build=build, pipeline=pipeline), header=header))]
     if float8_layers:
         f8 = build.float8
-        fp8 = {"recipe": f8.recipe, "format": f8.format, **(f8.delayed.as_json() if f8.delayed else {}),
+        fp8 = {"recipe": f8.recipe, "format": f8.format, **({"unavailable": f8.unavailable} if f8.unavailable else {}),
+               **(f8.delayed.as_json() if f8.delayed else {}),
                **({"save_fp8_activations": True} if f8.save_fp8_activations else {}),
                "layers": float8_layers} if f8 else {"layers": float8_layers}
         files.append((FP8_LAYERS, json.dumps(fp8, indent=1) + "\n"))

@@ -32,8 +32,12 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.errors import UserError
+
+if TYPE_CHECKING:
+    from trainer.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +199,16 @@ def check_writable(folder: str | Path, *, key: str) -> None:
 
 def _describe(holder: dict) -> str:
     return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('start_time', '?')}"
+
+
+def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:
+    """Every folder the run will write to, with the config key that names it (train() checks and locks them)."""
+    folders = [(cfg.job.dump_folder, "job.dump_folder")]
+    if cfg.checkpoint.enable:
+        folders.append((str(Path(cfg.job.dump_folder) / cfg.checkpoint.folder), "checkpoint.folder"))
+    if cfg.profiling.enable:
+        folders.append((cfg.trace_dir, "profiling.trace_dir"))
+    return folders
 
 
 def lock_run_folders(dump_folder: str | Path, checkpoint_folder: str | Path | None) -> list[RunLock]:

@@ -42,14 +42,16 @@ from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
-from trainer.run_files import cpu_precision_hint, describe_precision, run_config, write_run_files
-from trainer.run_lock import check_writable, lock_run_folders, release_all
+from trainer.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
+from trainer.run_lock import check_writable, lock_run_folders, output_folders, release_all
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
     EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
+    note_torchrun_exit,
 )
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.ranks import check_ranks_agree
+from trainer.validate.plan import human_size
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ class Trainer:
             batch_size=run.batch_size, grad_accum_steps=run.grad_accum_steps, dp_rank=self.dp_mesh.get_local_rank(),
             dp_degree=self.parallel_dims.dp, eod_mask_id=run.eod_mask_id,
         )
+        if documents := describe_documents(document_eos=job.build.document_eos, eod_mask_id=run.eod_mask_id):
+            logger.info(documents)  # beside the data line: what the run does with a packed row's documents
         built = self._build_model(job)
         self.model, self.float8, self.loss_fn, self.pipeline = built.model, built.float8, built.loss_fn, built.pipeline
         self.optimizer, self.scheduler = self._build_optimizer(job)
@@ -165,17 +169,20 @@ class Trainer:
             "".join(f", {what}" for what, on in (("tied embeddings", args.tie_word_embeddings),
                                                  ("qk_norm", args.qk_norm)) if on),
         )
+        if job.model_source:  # the shape is checkpoint.initial_load_path's
+            logger.info(job.model_source)
         logger.info(describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
                                        build=job.build, float8_layers=job.float8_layers))
         if job.fsdp_choices:
             logger.info(job.fsdp_choices)
-        if hint := cpu_precision_hint(job.run.mixed_precision, self.device.type):
+        if hint := cpu_precision_hint(job.run.mixed_precision, self.device.type,
+                                      fp8_unavailable=bool(job.build.float8 and job.build.float8.unavailable)):
             logger.info(hint)
         if (family_line := family_of(args).describe(args)) is not None:  # MoE: active parameters, routing
             logger.info(family_line)
         if (plan := job.memory_plan) is not None:
-            logger.info("memory plan: about %.1f GiB per rank at its peak (%s); `scripts/train.py ... --dry-run` "
-                        "prints where it goes", plan.peak_bytes / 2**30, plan.peak_at)
+            logger.info("memory plan: about %s per rank at its peak (%s); `scripts/train.py ... --dry-run` "
+                        "prints where it goes", human_size(plan.peak_bytes), plan.peak_at)
 
     def _build_hooks(self, job: ResolvedJob) -> list[StepHook]:
         """The per-step hooks (trainer/hooks.py) this job needs, in the order they run."""
@@ -319,6 +326,7 @@ class Trainer:
                 # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
                 marker.write_text(json.dumps({"step": self.state.step, "of_steps": run.steps,
                                               "checkpoint_saved": saved, "signal": self.state.stopped_by}) + "\n")
+                note_torchrun_exit(marker)
         elif run.stop_step == run.steps:  # not a job that stops before the run's last step (a precision phase)
             # With checkpoint.on_save_error="continue", a failed last save is an error here (exit 2), not a success.
             self.checkpoint.require_saved(self.state.step)
@@ -333,9 +341,10 @@ class Trainer:
                        stop.signal_name, step + 1, f"a relaunch resumes checkpoint step-{step}" if saved
                        else "no step had finished", stop.exit_code, extra=EVERY_RANK)
         if self.env.rank == 0:
-            (Path(self.job.run.dump_folder) / PREEMPTED_MARKER).write_text(json.dumps(
-                {"step": step, "of_steps": self.job.run.steps, "checkpoint_saved": saved,
-                 "signal": stop.signal_name}) + "\n")
+            marker = Path(self.job.run.dump_folder) / PREEMPTED_MARKER
+            marker.write_text(json.dumps({"step": step, "of_steps": self.job.run.steps, "checkpoint_saved": saved,
+                                          "signal": stop.signal_name}) + "\n")
+            note_torchrun_exit(marker)
 
     def _loop(self, profiler, memory_recorder) -> None:
         t, stop_step = self.job.run, self.job.run.stop_step
@@ -486,13 +495,3 @@ def run_schedule(schedule: PrecisionSchedule) -> TrainState:
 def build_trainer(cfg: JobConfig) -> Trainer:
     """validate_job, then a Trainer of that job: for scripts and tests that start from one config."""
     return Trainer(validate_job(cfg, world_size=world_size_from_env()))
-
-
-def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:
-    """Every folder the run will write to, with the config key that names it."""
-    folders = [(cfg.job.dump_folder, "job.dump_folder")]
-    if cfg.checkpoint.enable:
-        folders.append((str(Path(cfg.job.dump_folder) / cfg.checkpoint.folder), "checkpoint.folder"))
-    if cfg.profiling.enable:
-        folders.append((cfg.trace_dir, "profiling.trace_dir"))
-    return folders

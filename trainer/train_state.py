@@ -6,9 +6,14 @@ exits with the signal's code (STOP_SIGNALS), and writes PREEMPTED_MARKER for req
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Exit code of a run stopped by SIGTERM before its last step (after saving, when checkpoints are on):
 # what a shell reports for a SIGTERM death (128 + 15), so SLURM requeue scripts can tell
@@ -20,6 +25,15 @@ STOP_SIGNALS = {signal.SIGTERM: EXIT_PREEMPTED, signal.SIGINT: EXIT_INTERRUPTED}
 # Written to the dump folder by such a stop (and removed when the next run starts): under torchrun,
 # whose own exit code is 1 when its workers fail or it gets SIGTERM itself, this file is the signal.
 PREEMPTED_MARKER = "preempted.json"
+
+
+def note_torchrun_exit(marker: Path) -> None:
+    """Under torchrun, what its own lines after a stop mean (they follow ours and read like a failure), and where the
+    stop's record is: logged by rank 0 after `marker` (preempted.json) is written."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        logger.warning("under torchrun: its exit status is 1 whatever its workers return, and a signal sent to "
+                       "torchrun itself ends in torch's SignalException traceback; %s is this stop's record "
+                       "(docs/cluster.md#9-a-stopped-jobs-log)", marker)
 
 
 class StoppedBeforeFirstStep(BaseException):

@@ -240,19 +240,21 @@ def test_bad_input_is_one_line_before_training(trained, tmp_path):
         "corrupted shard": ([*resume, f"--job.dump_folder={tmp_path / 'corrupted'}"],
                             f"{corrupted} is corrupted: crc32"),
         "corrupted metadata": ([*resume, f"--job.dump_folder={tmp_path / 'metadata'}"], f"{metadata} is"),
-        "other shape": ([*fresh, "--model.n_layers=2", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
-                        f"{trained / 'step-2' / 'checkpoint.json'}: model shape mismatch: the checkpoint is "
-                        "llama3 debug with n_layers=4 (this run: 2)"),
-        "vocab": ([*fresh, "--model.vocab_size=1024", f"--checkpoint.initial_load_path={trained / 'step-2'}"],
-                  f"{trained / 'step-2' / 'checkpoint.json'}: vocab mismatch: the checkpoint has vocab_size=512, "
-                  "this run has 1024"),
+        # The initial weights' shape is the run's: a key that contradicts it is one line, with the others.
+        "other shape": ([*fresh, "--model.n_layers=2", "--model.vocab_size=1024",
+                         f"--checkpoint.initial_load_path={trained / 'step-2'}"],
+                        "model.n_layers=2 (the checkpoint's: 4), model.vocab_size=1024 (the checkpoint's: 512): these "
+                        f"keys differ from the model of checkpoint.initial_load_path={trained / 'step-2'}"),
     }
+    # What the initial weights' checkpoint.json says is read by the validation pass, before the process group.
+    validation = ("missing folder", "not a checkpoint", "other shape")
     results = run_cli_cases({k: v[0] for k, v in cases.items()})
     for name, (_, expected) in cases.items():
         r = results[name]
         lines = r["stderr"].strip().splitlines()
         assert r["rc"] == 2 and len(lines) == 1, (name, r["stderr"])
-        assert lines[0].startswith("error (rank 0): ") and expected in lines[0], (name, lines[0], expected)
+        prefix = "config error: " if name in validation else "error (rank 0): "
+        assert lines[0].startswith(prefix) and expected in lines[0], (name, lines[0], expected)
         assert "step      1/" not in r["stdout"], name  # found before training started
 
 

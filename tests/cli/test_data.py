@@ -37,6 +37,13 @@ def test_prepare_data_end_to_end(tmp_path):
 
 def test_prepare_data_bad_json_exits_2_with_one_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
-    result = _run_prepare("--input", tmp_path / "bad.jsonl", "--output", tmp_path / "out")
+    result = _run_prepare("--input", tmp_path / "bad.jsonl", "--output", tmp_path / "out" / "shards",
+                          "--shard-tokens", "4")  # shards of the first document are written before the error
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and f"{tmp_path / 'bad.jsonl'}:2: invalid JSON" in result.stderr
+    # Nothing left behind: not the shards, nor the folders the run made (an empty one reads as an empty dataset).
+    assert not (tmp_path / "out").exists()
+    # A folder that was there before stays, as it was.
+    (tmp_path / "mine").mkdir()
+    result = _run_prepare("--input", tmp_path / "bad.jsonl", "--output", tmp_path / "mine", "--shard-tokens", "4")
+    assert result.returncode == 2 and (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())

@@ -1,6 +1,7 @@
 """`scripts/train.py --config ... --dry-run [--world-size N] [--gpu-memory-gib G]`: the whole validation pass for N
-ranks on this CPU machine, its plan printed, exit 0, nothing started or written; or the one-line error the real run
-would give. The plan's numbers: tests/unit/test_memory_plan.py."""
+ranks on this CPU machine, its plan printed, nothing started or written, and a verdict: `OK` and exit 0 only for a plan
+that fits, `DOES NOT FIT` and exit 3 for one that does not; or the one-line error the real run would give (exit 2).
+The plan's numbers: tests/unit/test_memory_plan.py."""
 
 from __future__ import annotations
 
@@ -61,13 +62,48 @@ def test_dry_run_answers_as_the_real_run_would(tmp_path: Path) -> None:
     # Planned for GPUs: GPU kernels are fine there, while this CPU machine's own validation refuses them.
     assert results["gpu-kernels"]["rc"] == 0, results["gpu-kernels"]["stderr"]
     assert "this machine has no GPU" in validate_error([*debug, "--train.attention_backend=cudnn"], world_size=1)
-    assert results["too-small"]["rc"] == 0 and "MORE than a 30 GiB GPU by" in results["too-small"]["stdout"]
+    too_small = results["too-small"]["stdout"].splitlines()
+    assert results["too-small"]["rc"] == 3 and "MORE than a 30 GiB GPU by" in results["too-small"]["stdout"]
+    assert too_small[-1].startswith("DOES NOT FIT: ") and "more than a 30 GiB GPU: lower train.batch_size" in too_small[-1]
+    assert not any(line.startswith("OK") for line in too_small)
     state = results["state-too-big"]
     assert state["rc"] == 2 and "more than the 10.0 GiB of a 10 GiB GPU, before any activation" in state["stderr"]
     pipeline = results["pipeline"]["stdout"]
     assert "pipeline Interleaved1F1B, 4 stages, 8 microbatches" in pipeline and "(pipeline rank 0" in pipeline
     assert "active" in results["moe"]["stdout"]  # the MoE family's line: active parameters per token
+    # A plan under a GiB is in MiB, not "0.0 GiB".
+    assert results["moe"]["rc"] == 0 and "0.0 GiB" not in results["moe"]["stdout"]
+    peak = next(line for line in results["moe"]["stdout"].splitlines() if "peak (estimate)" in line)
+    assert peak.split()[3] == "MiB", peak
     assert not dump.exists()
+
+
+def test_a_plan_that_does_not_fit_says_so_last_and_exits_3() -> None:
+    """The issue's case: the 16-GPU recipe with selective AC is 34.4 GiB over an H100; the verdict is the last line, no
+    `OK` anywhere, exit 3. Selective AC equals none there, and the plan says why (compiled fp8 recomputes the rest)."""
+    recipe = ["--config", RECIPE, "--dry-run", "--world-size=16"]
+    results = run_cli_cases({
+        "selective": [*recipe, "--train.activation_checkpointing=selective"],
+        "none": [*recipe, "--train.activation_checkpointing=none"],
+        "selective-bf16": [*recipe, "--train.activation_checkpointing=selective", "--train.mixed_precision=bf16"],
+        "fits": recipe,
+    })
+    selective = results["selective"]["stdout"].splitlines()
+    assert results["selective"]["rc"] == 3, results["selective"]
+    assert any("MORE than a 79.2 GiB GPU by 34.4 GiB" in line for line in selective)
+    assert selective[-1].startswith("DOES NOT FIT: ./outputs/7b_16gpu_fp8 would need about 113.6 GiB per GPU, "
+                                    "34.4 GiB more than a 79.2 GiB GPU"), selective[-1]
+    assert not any(line.startswith("OK") for line in selective)
+
+    def activations(name: str) -> str:
+        return next(line for line in results[name]["stdout"].splitlines() if line.strip().startswith("activations"))
+
+    # 92.12 and 92.13 GiB: the 8 bytes per token of the norms' rstd apart
+    assert abs(float(activations("selective").split()[1]) - float(activations("none").split()[1])) <= 0.01
+    note = "selective AC saves no memory here: compiled with fp8 linears"
+    assert sum(note in line for line in selective) == 1
+    assert note not in results["none"]["stdout"] and note not in results["selective-bf16"]["stdout"]
+    assert results["fits"]["rc"] == 0 and results["fits"]["stdout"].splitlines()[-1].startswith("OK: ")
 
 
 def validate_error(argv: list[str], *, world_size: int) -> str:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, REPO, column, env, fp8_linear_counts, launch, read_metrics, train
+from tests.helpers import (DEBUG_CONFIG, REPO, column, env, fp8_linear_counts, launch, lines_before_step_1,
+                           read_metrics, train)
 from trainer.models import FLAVORS
 
 
@@ -52,6 +53,38 @@ def test_cli_logs_confirmation_only_for_fp8(tmp_path: Path) -> None:
     ]
     messages = _messages(launch([*base, "--train.mixed_precision=bf16", f"--job.dump_folder={tmp_path / 'c'}"]))
     assert [m for m in messages if "loat8" in m or "Linear layers" in m or "FP8" in m] == []
+
+
+def test_fp8_unavailable_here_is_one_story_from_every_startup_line(tmp_path: Path) -> None:
+    """float8.recipe='blockwise' on a CPU without emulation trains in bf16: the banner says so, and so do the
+    precision line, the CPU hint, the memory plan (a bf16 run's) and fp8_layers.json; no line claims FP8 matmuls,
+    converted layers, or layers left bf16 "because of their shapes"."""
+    import json
+
+    base = ["--config", DEBUG_CONFIG, "--train.steps=1", "--train.seq_len=32"]
+    proc = launch([*base, "--train.mixed_precision=fp8", "--float8.recipe=blockwise",
+                   f"--job.dump_folder={tmp_path / 'fp8'}"])
+    header = "\n".join(lines_before_step_1(proc.stdout + proc.stderr))
+    messages = _messages(proc)
+    assert "FP8 IS UNAVAILABLE ON THIS DEVICE: CPU has no blockwise FP8 kernels" in header
+    assert "This run trains in BF16 instead." in header
+    precision = next(m for m in messages if m.startswith("precision: "))
+    assert precision.startswith("precision: train.mixed_precision='fp8': bfloat16 compute, NO FP8: blockwise FP8 is "
+                                "unavailable on this device, every Linear layer runs in bfloat16;"), precision
+    for claim in ("FP8 blockwise matmuls", "Linear layers stay bf16 because of their shapes", "Applied Float8",
+                  "Linear layers; excluded", "float8 matmuls:", "train.mixed_precision='fp8' runs several times"):
+        assert claim not in header, claim
+    assert "on CPU, bf16 (what train.mixed_precision='fp8' runs here, FP8 being unavailable)" in header
+    fp8 = json.loads((tmp_path / "fp8" / "fp8_layers.json").read_text())
+    assert fp8["unavailable"].startswith("CPU has no blockwise FP8 kernels")
+    assert "converted" not in fp8["layers"].values()
+    assert fp8["layers"]["layers.0.attention.q_proj"] == "not converted: FP8 is unavailable on this device (trains in bf16)"
+    bf16 = _messages(launch([*base, "--train.mixed_precision=bf16", f"--job.dump_folder={tmp_path / 'bf16'}"]))
+
+    def plan(lines: list[str]) -> str:
+        return next(m for m in lines if m.startswith("memory plan: "))
+
+    assert plan(messages) == plan(bf16)  # what runs is bf16, and the plan is bf16's
 
 
 # The same training run with torchao's dynamic scales multiplied by FACTOR (argv[1]): a deliberately

@@ -1,4 +1,5 @@
-"""A stop signal to one rank, or Ctrl-C to torchrun, stops every rank after the same step, with a checkpoint."""
+"""A stop signal to one rank, or SIGTERM or Ctrl-C to torchrun, stops every rank after the same step, with a
+checkpoint; rank 0 says what torchrun's own lines and status after it mean (docs/cluster.md, "A stopped job's log")."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.parametrize("target, sig, worker_code", [
     ("one worker", signal.SIGTERM, 143),
     ("torchrun", signal.SIGINT, 130),  # Ctrl-C in the terminal: torchrun sends SIGINT to every worker
+    ("torchrun", signal.SIGTERM, 143),  # a scheduler's stop: torchrun forwards SIGTERM to every worker
 ])
 def test_stop_signal_stops_all_ranks_together(tmp_path: Path, target: str, sig: signal.Signals,
                                               worker_code: int) -> None:
@@ -50,6 +52,12 @@ def test_stop_signal_stops_all_ranks_together(tmp_path: Path, target: str, sig: 
     assert proc.returncode == 1, err[-3000:]
     if target == "one worker":
         assert f"exitcode  : {worker_code}" in err
+    elif sig == signal.SIGTERM:  # torch's traceback, not ours: the lines docs/cluster.md shows
+        assert "torch.distributed.elastic.multiprocessing.api.SignalException: Process" in err
+    # Ours, once, after the stop line: what torchrun's status (and traceback) mean, and the record to read.
+    notes = [line for line in out.splitlines() if "under torchrun: its exit status is 1 whatever its workers" in line]
+    assert len(notes) == 1 and notes[0].startswith("[rank0 ") and str(tmp_path / "preempted.json") in notes[0]
+    assert "nanobind" not in out + err
     name = sig.name
     assert f"received {name}: stopping after this step" in out + err
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import (
-    DEBUG_CONFIG, REPO, column, dense_param_counts, fp8_linear_counts, launch, lines_before_step_1, train,
+    DEBUG_CONFIG, REPO, column, dense_param_counts, fp8_linear_counts, launch, lines_before_step_1, run_cli_cases,
+    train,
 )
 from trainer.config import load_job_config
 from trainer.models import FLAVORS
@@ -123,6 +124,9 @@ def test_console_is_a_short_header_and_the_values_used_go_to_files(tmp_path: Pat
                  "MoE: ", f"outputs: {tmp_path} (config.toml, resolved.toml, fp8_layers.json, metrics.jsonl)"):
         assert what in text, what
     assert "[train]" not in text and "vocab_size = 0" not in text
+    # The memory plan of a small model is in MiB, not "about 0.0 GiB".
+    plan = next(line for line in header if "memory plan: about " in line)
+    assert plan.split("memory plan: about ")[1].split()[1] == "MiB", plan
     # No advice to compile on a CPU: fp8 there is for tests, and compiling it costs minutes before step 1 (docs/fp8.md).
     assert "compile_model" not in text, text
     # fp8 on CPU is several times slower than fp32: said once, in the header.
@@ -142,6 +146,34 @@ def test_console_is_a_short_header_and_the_values_used_go_to_files(tmp_path: Pat
     # The step line on a CPU leaves out model TFLOP/s and MFU (no peak to compare with).
     step_line = next(line for line in proc.stdout.splitlines() if "step      1/1" in line)
     assert "tflops" not in step_line and "mfu" not in step_line
+
+
+def test_the_header_says_how_documents_are_treated_when_it_is_not_the_default(tmp_path: Path) -> None:
+    """data.document_masking and data.eod_mask_loss get a line beside the data line (and in the dry run) when on;
+    with both off (attention crosses documents, every token trained on: the default) there is none."""
+    base = ["--config", DEBUG_CONFIG, "--train.steps=1", "--train.seq_len=32", "--train.mixed_precision=fp32",
+            "--metrics.enable_tensorboard=false"]
+    proc = launch([*base, "--data.document_masking=true", "--data.eod_mask_loss=true",
+                   f"--job.dump_folder={tmp_path / 'on'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header = lines_before_step_1(proc.stdout)
+    data = next(i for i, line in enumerate(header) if "] data: " in line)
+    assert header[data + 1].split("] ", 1)[1] == (
+        "documents: attention stays inside each document of a packed row and RoPE positions restart at each "
+        "(data.document_masking; a document ends at EOS id 257); the token after each EOS (id 257) is not trained "
+        "on, in training and validation (data.eod_mask_loss)")
+    dry = run_cli_cases({"masking": [*base, "--data.document_masking=true", "--dry-run"],
+                         "eod": [*base, "--data.eod_mask_loss=true", "--dry-run"],
+                         "off": [*base, "--dry-run"]})
+
+    def documents(name: str) -> list[str]:
+        return [line for line in dry[name]["stdout"].splitlines() if line.startswith("documents: ")]
+
+    assert documents("masking") == ["documents: attention stays inside each document of a packed row and RoPE "
+                                    "positions restart at each (data.document_masking; a document ends at EOS id 257)"]
+    assert documents("eod") == ["documents: the token after each EOS (id 257) is not trained on, in training and "
+                                "validation (data.eod_mask_loss)"]
+    assert documents("off") == []
 
 
 def test_fresh_run_sets_old_metrics_aside_and_resume_drops_rerun_rows(tmp_path: Path) -> None:

@@ -165,7 +165,8 @@ def test_fp8_reference_recipe(on_h100) -> None:
     assert job.model_args.dim == 4096 and job.model_args.n_layers == 32
     assert job.build.float8 is not None and job.build.float8.recipe == cfg.float8.recipe
     assert job.build.ac.mode == "full" and job.build.compile
-    assert job.build.fsdp.param_dtype == torch.bfloat16 and job.build.fsdp.reshard_after_forward
+    # Its weights kept gathered from forward to backward fit an H100 (15 GiB more: a 42.6 GiB plan): no second gather.
+    assert job.build.fsdp.param_dtype == torch.bfloat16 and not job.build.fsdp.reshard_after_forward
     with torch.device("meta"):
         model = Llama(job.model_args)
     converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=list(cfg.float8.exclude_fqns))

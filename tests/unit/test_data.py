@@ -390,7 +390,8 @@ def test_prepare_data_leaves_no_partial_dataset_and_refuses_stale_shards(tmp_pat
     (tmp_path / "a.jsonl").write_text('{"text": "0123456789"}\n' * 5 + "not json\n")
     out = tmp_path / "out"
     assert prepare_data.main(["--input", str(tmp_path / "a.jsonl"), "--output", str(out), "--shard-tokens", "8"]) == 2
-    assert not list(out.glob("*.bin"))  # shards written before the bad line were removed
+    assert not out.exists()  # shards written before the bad line were removed, and the folder made for them
+    out.mkdir()
     write_shard(out / "old.bin", np.arange(5), vocab_size=258, tokenizer_fingerprint=BYTE)
     (tmp_path / "b.txt").write_text("fine")
     assert prepare_data.main(["--input", str(tmp_path / "b.txt"), "--output", str(out)]) == 2

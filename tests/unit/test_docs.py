@@ -233,7 +233,107 @@ def test_the_cluster_sbatch_validates_at_16_gpus(tmp_path: Path, on_h100) -> Non
     assert cfg.validation.enable and cfg.data.tokenizer == str(data / "tokenizer.json")
     job = validate_job(cfg, world_size=16)
     assert job.parallel_dims.dp_shard == 16 and job.validation_source is not None and job.build.float8 is not None
+    # The header lines the page says are computed from the config by the same code: the precision line.
+    from trainer.run_files import describe_precision
+
+    precision = describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
+                                   build=job.build, float8_layers=job.float8_layers)
+    assert f"`{precision}`" in text, precision
 
     signal_lead = int(re.search(r"#SBATCH --signal=TERM@(\d+)", text).group(1))
     shutdown = int(re.search(r"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)", text).group(1))
     assert shutdown > 30 and signal_lead >= shutdown
+
+
+# -- log lines and errors the docs quote, against the program -------------------------------------------------------
+# docs/benchmarks.md quotes the logs of dated sittings as they were printed: left out.
+_QUOTING = [page for page in PAGES if page.name != "benchmarks.md"]
+
+
+def _quotes(text: str, start: str) -> list[str]:
+    """Each quote of a line beginning `start`: inline code (wrapped lines joined) or a line of a code block (its
+    `[rank0 ...]` prefix dropped). A bare mention (`start` alone) is not a quote."""
+    inline = [" ".join(q.split()) for q in re.findall(r"`(" + re.escape(start) + r"[^`]*)`", text)]
+    blocks = "\n".join(re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S))
+    block = re.findall(r"^\s*(?:\[rank\d+ +[\d.]+s\] )?(" + re.escape(start) + r".*)$", blocks, flags=re.M)
+    return [q for q in inline + block if q.strip() != start.strip()]
+
+
+def _matches(quote: str, real: str) -> bool:
+    """The quote is the real line, `...` standing for any text it leaves out."""
+    return re.fullmatch(".*".join(re.escape(part) for part in quote.split("...")), real) is not None
+
+
+def test_quoted_float8_startup_lines_are_what_the_program_prints() -> None:
+    """Every `Applied Float8 training: ...` the docs quote is a line Float8Report prints (for some recipe, all-gather,
+    format and scaling): the docs once quoted it without its `, format=...`."""
+    import itertools
+
+    from trainer.parallel.float8 import DelayedScalingSettings, Float8Report
+
+    real = [Float8Report(recipe=recipe, fsdp_float8_all_gather=gather, emulate=False, format=fmt, delayed=delayed,
+                         save_fp8_activations=save).lines()[0]
+            for recipe, gather, fmt, delayed, save in itertools.product(
+                ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"), (True, False), ("hybrid", "e4m3"),
+                (None, DelayedScalingSettings()), (False, True))]
+    quotes = [(page.name, q) for page in _QUOTING for q in _quotes(page.read_text(), "Applied Float8 training: ")]
+    assert len(quotes) >= 8  # README, fp8.md, debug.md, checkpointing.md, cluster.md
+    stale = [f"{name}: {q}" for name, q in quotes if not any(_matches(q, line) for line in real)]
+    assert not stale, stale
+
+
+def test_quoted_not_one_of_errors_are_what_the_config_says() -> None:
+    """A quoted `section.key='value' is not one of ...` error is the config's own message for that value (the docs
+    once listed float8.recipe's choices without 'blockwise')."""
+    from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+
+    quoted = [(page.name, m.group(0), m.group(1), m.group(2)) for page in _QUOTING
+              for m in re.finditer(r"([a-z0-9_]+\.[a-z0-9_]+)='([^']*)' is not one of [^`|]*", page.read_text())]
+    assert len(quoted) >= 2
+    stale = []
+    for name, quote, key, value in quoted:
+        try:
+            load_job_config([f"--{key}={value}"])
+            stale.append(f"{name}: {quote} (accepted)")
+        except ConfigError as e:
+            if str(e) != quote.strip():
+                stale.append(f"{name}: {quote!r} != {str(e)!r}")
+    assert not stale, stale
+
+
+def test_the_1b_rows_say_what_the_flavor_is() -> None:
+    """The `1b` flavor has Llama 3.2 1B's layers with an untied head: the README's row gives its parameters and the
+    published tied model's, from the shapes (the docs once said "Llama 3.2 1B shapes" of a 1.50B model)."""
+    import dataclasses
+
+    from trainer.model_values import num_params_for
+    from trainer.models import FLAVORS
+
+    untied, _ = num_params_for(FLAVORS["1b"])
+    tied, _ = num_params_for(dataclasses.replace(FLAVORS["1b"], tie_word_embeddings=True))
+    row = next(line for line in (REPO / "README.md").read_text().splitlines()
+               if line.startswith("| `configs/train/llama3_1b.toml` |"))
+    assert not FLAVORS["1b"].tie_word_embeddings
+    assert f"{untied / 1e9:.2f}B parameters" in row and f"{tied / 1e9:.2f}B" in row, row
+    assert "--model.tie_word_embeddings=true" in row
+
+
+def test_what_the_docs_commands_write_in_the_checkout_is_git_ignored() -> None:
+    """A relative `--output` of the docs' data commands, and the folders their shell lines make, are git-ignored:
+    run from the checkout as written, they leave `git status` clean (docs/data.md's mixture once wrote data/)."""
+    import subprocess
+
+    written = set()
+    for _, text in _all_text():
+        text = text.replace("\\\n", " ")
+        written |= set(re.findall(r"scripts/(?:prepare_data|build_tokenizer)\.py [^\n`]*?--output[ =]([\w./-]+)", text))
+        written |= set(re.findall(r"mkdir -p ([\w./-]+)", text))
+        written |= set(re.findall(r"> (data/[\w./-]+)", text))
+    written = {w for w in written if not w.startswith(("/", "$", "~"))}
+    assert {"data/shards", "data/mix/docs", "data/raw/code"} <= written, written
+    proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", *sorted(written)],
+                          capture_output=True, text=True)
+    if proc.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert sorted(written - set(proc.stdout.split())) == []

@@ -241,3 +241,36 @@ def test_float8_format_resolves_per_recipe() -> None:
     assert resolved("--float8.recipe=rowwise", "--float8.emulate=true") == "e4m3"
     with pytest.raises(ConfigError, match=r"^float8.format='hybrid' \(e5m2 gradients\) is the tensorwise recipe's"):
         load_job_config(["--train.mixed_precision=fp8", "--float8.recipe=rowwise", "--float8.format=hybrid"])
+
+
+def test_fp8_unavailable_is_decided_once_by_validation(monkeypatch) -> None:
+    """Where the probe finds no FP8 matmul (here: a device said to lack it), the validation pass records why, and
+    what it hands down says bf16: no Linear converted in float8_layers, the memory plan a bf16 run's, the precision
+    line 'NO FP8'. float8.require turns the same finding into the one-line error."""
+    import dataclasses
+
+    import trainer.validate.resolve as resolve
+    from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+    from trainer.run_files import describe_precision
+    from trainer.validate import validate_job
+
+    monkeypatch.setattr(resolve, "fp8_supported", lambda device, recipe="tensorwise": (False, "no FP8 here (a test)"))
+    argv = ["--config", DEBUG_CONFIG, "--train.mixed_precision=fp8"]
+    job = validate_job(load_job_config(argv), world_size=1)
+    assert job.build.float8.unavailable == "no FP8 here (a test)"
+    assert "converted" not in job.float8_layers.values()
+    bf16 = validate_job(load_job_config([*argv[:-1], "--train.mixed_precision=bf16"]), world_size=1)
+    assert job.memory_plan.peak_bytes == bf16.memory_plan.peak_bytes
+    line = describe_precision(mixed_precision="fp8", bf16_update="stochastic", build=job.build,
+                              float8_layers=job.float8_layers)
+    assert "NO FP8: tensorwise FP8 is unavailable on this device, every Linear layer runs in bfloat16" in line
+    assert "matmuls in" not in line
+    # Routed experts whose FP8 grouped GEMM cannot run: the line says they run in bf16, not FP8 grouped GEMMs.
+    experts = dataclasses.replace(job.build, float8=dataclasses.replace(
+        job.build.float8, unavailable="", moe_experts="rowwise", experts_unavailable="sm80"))
+    line = describe_precision(mixed_precision="fp8", bf16_update="stochastic", build=experts, float8_layers={})
+    assert "routed experts in bfloat16 (FP8 grouped GEMMs unavailable on this device)" in line
+    assert "grouped GEMMs in the routed experts" not in line
+    with pytest.raises(ConfigError, match="with float8.require=true, but .*no FP8 here"):
+        validate_job(load_job_config([*argv, "--float8.require=true"]), world_size=1)

@@ -72,7 +72,9 @@ def test_validate_job_resolves_degrees_and_options() -> None:
     job = validate_job(_cfg("--distributed.dp_replicate=2", "--train.mixed_precision=bf16"), world_size=8)
     pd = job.parallel_dims
     assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.dp) == (2, 4, 1, 8)
-    assert job.build.fsdp.reshard_after_forward  # dp_shard > 1
+    assert not job.build.fsdp.reshard_after_forward  # dp_shard > 1, but the gathered weights fit: kept (ZeRO-2)
+    assert validate_job(_cfg("--distributed.dp_replicate=2", "--distributed.reshard_after_forward=always"),
+                        world_size=8).build.fsdp.reshard_after_forward
     one = validate_job(_cfg("--train.mixed_precision=bf16"), world_size=1)
     assert not one.build.fsdp.reshard_after_forward  # nothing to free on a 1-rank shard group
     assert job.build.float8 is None

@@ -48,6 +48,15 @@ def remember_tokenizer(spec: str, fingerprint: str) -> None:
         _run_tokenizer_bytes(spec, fingerprint)
 
 
+def why_no_tokenizer(info: dict[str, Any]) -> str:
+    """Why a checkpoint records no tokenizer (recorded_tokenizer's None), from its checkpoint.json."""
+    if info.get("mixed_precision") == "hf-import":
+        source = info.get("source")
+        return (f"imported from {source if isinstance(source, str) and source else 'a Hugging Face folder'}, which "
+                "holds no tokenizer.json")
+    return "its run trained on synthetic tokens, which no tokenizer made, or it predates recorded tokenizers"
+
+
 def recorded_tokenizer(folder: Path, info: dict[str, Any]) -> tuple[str, str | None] | None:
     """(spec, fingerprint) of the tokenizer a checkpoint records: 'byte', or the path of its own tokenizer.json
     copy (inside the folder, a regular file of bounded size, listed and checksummed); None if it records none.

@@ -287,7 +287,8 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
         if (path / "config.json").exists():
             raise CheckpointError(
                 f"{file} is missing: {path} looks like a Hugging Face model folder; convert it first: "
-                f"python scripts/convert_checkpoint.py import {path} OUT --flavor FLAVOR"
+                f"python scripts/convert_checkpoint.py import {path} OUT, then pass OUT as "
+                "checkpoint.initial_load_path (the model's shape comes with it)"
             ) from None
         raise CheckpointError(
             f"{file} is missing: {path} is not a complete checkpoint (an interrupted save, or not written by this "

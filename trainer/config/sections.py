@@ -319,7 +319,7 @@ class CheckpointSection:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Write checkpoints in the background (async) while training continues."""
     initial_load_path: str = ""
-    """Start a new run from the model weights of this checkpoint (no optimizer, no step)."""
+    """Start a new run from the model weights of this checkpoint (no optimizer, no step); the model's shape and vocabulary are the checkpoint's (a [model] or [moe] shape key set to another value is an error)."""
     model_only: bool = False
     """At the end of training, also export the model weights only (see export_dtype)."""
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"

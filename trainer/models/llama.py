@@ -34,7 +34,9 @@ from trainer.models.layers import (  # noqa: F401  (re-exported: `from trainer.m
 )
 
 
-# Published Llama 3 / 3.1 / 3.2 shapes; `debug` is ours and trains on a CPU in seconds.
+# Published Llama 3 / 3.1 / 3.2 shapes; `debug` is ours and trains on a CPU in seconds. No flavor ties its output
+# head to the embeddings: `1b` and `3b` have Llama 3.2's layers with an untied head (1b: 1.50B parameters, the
+# published tied model 1.24B; model.tie_word_embeddings=true ties them). The benchmarks were measured so.
 FLAVORS: dict[str, ModelArgs] = {
     "debug": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=64, rope_theta=10000.0),
     "1b": ModelArgs(

@@ -49,6 +49,11 @@ class Float8Options:
     """float8.scaling='delayed' with its settings (tensorwise only); None: dynamic scaling."""
     save_fp8_activations: bool = False
     """float8.save_fp8_activations (tensorwise only)."""
+    unavailable: str = ""
+    """Why this device runs no FP8 matmuls of the recipe (the Linears train in bf16; apply_float8 says so loudly), as
+    the validation pass's probe found it; "" where they run (or are emulated, or a dry run plans FP8 GPUs)."""
+    experts_unavailable: str = ""
+    """Why this device runs no FP8 grouped GEMM for float8.moe_experts (the experts train in bf16); "" where it runs."""
 
 
 @dataclass(frozen=True)

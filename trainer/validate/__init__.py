@@ -4,6 +4,7 @@ The config alone was checked when the JobConfig was built (trainer.config.checks
 or override fails while parsing, without importing torch); this pass adds the rest:
 
     precision.py       train.mixed_precision='auto' resolved for the target's GPUs (first: everything after sees it)
+    initial.py         checkpoint.initial_load_path's checkpoint.json gives the model's shape ([model], [moe])
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     plan.py            the per-GPU memory plan (peak estimate) the dry run prints; a warning when it exceeds the device
@@ -13,7 +14,7 @@ or override fails while parsing, without importing torch); this pass adds the re
 
     ranks.py           after the process group exists (the Trainer's first act): every rank's job is rank 0's
 
-`validate_job` runs the first four in that order on every rank before `init_distributed` does any
+`validate_job` runs the first five in that order on every rank before `init_distributed` does any
 work; each raises `ConfigError` (or `DataError` for data files) with one line naming the key,
 and what it resolves goes to the trainer as a `ResolvedJob`, so nothing is worked out twice.
 Lower layers assert these facts; they do not check them again.
@@ -34,13 +35,14 @@ from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
 from trainer.run_files import run_file_texts
+from trainer.validate.initial import checkpoint_shape
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import Target, check_fits_device, check_step_fits_device, this_machine
 from trainer.validate.options import (
     MetricsOptions, OptimizerOptions, ProfilingOptions, RunOptions, SchedulerOptions, ValidationOptions,
     resolve_options,
 )
-from trainer.validate.plan import MemoryPlan, plan_memory
+from trainer.validate.plan import MemoryPlan, human_size, plan_memory
 from trainer.validate.precision import resolve_auto_precision
 from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices, resolve_build, resolve_data, resolve_float8,
                                       resolve_fsdp, resolve_model_args)
@@ -84,6 +86,8 @@ class ResolvedJob:
     """A dry run: the data keys whose files are not on this machine (data_source is None then)."""
     fsdp_choices: str = ""
     """The startup line on FSDP2's automatic choices ("" where none applies)."""
+    model_source: str | None = None
+    """The startup line saying the model's shape is checkpoint.initial_load_path's (trainer.validate.initial)."""
 
 
 def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = None) -> ResolvedJob:
@@ -91,6 +95,9 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     Trainer take. target: where the job runs (None: this machine; a dry run passes the GPUs it plans for)."""
     target = target or this_machine()
     given, cfg = cfg, resolve_auto_precision(cfg, target)  # train.mixed_precision='auto': this target's choice
+    # checkpoint.initial_load_path's model gives the shape: the config's [model] and [moe] become the checkpoint's.
+    if shape := checkpoint_shape(cfg, planning=target.planning):
+        cfg = shape.cfg
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
@@ -113,20 +120,22 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
                                                              keep_gathered_fits=False))
         plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
     if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:
-        logger.warning("memory plan: about %.1f GiB per rank at its peak (%s), more than the %.1f GiB of %s: the run "
+        logger.warning("memory plan: about %s per rank at its peak (%s), more than the %s of %s: the run "
                        "may run out of memory; `scripts/train.py --config ... --dry-run` prints where it goes",
-                       plan.peak_bytes / 2**30, plan.peak_at, target.memory[0] / 2**30, target.memory[1])
+                       human_size(plan.peak_bytes), plan.peak_at, human_size(target.memory[0]), target.memory[1])
     # A dry run names the shards that are not on this machine instead of refusing them (the run checks them).
     unchecked = tuple(absent_shards(cfg)) if target.planning else ()
     source, validation = (None, None) if unchecked else resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
     files = run_file_texts(cfg, run_cfg=given, args=args, pd=pd, build=build, pipeline=pipeline,
                            float8_layers=float8_layers)
+    options = resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16, device=target.device_type)
+    if shape:  # the flavor the checkpoint records ("imported", or its run's), for the log and the next checkpoints
+        options["run"] = dataclasses.replace(options["run"], flavor=shape.flavor)
     return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,
-                       memory_plan=plan, unchecked_data=unchecked,
+                       memory_plan=plan, unchecked_data=unchecked, model_source=shape.line if shape else None,
                        fsdp_choices=describe_fsdp_choices(cfg, pd, build, ranks_per_node=target.ranks_per_node),
-                       **resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16,
-                                         device=target.device_type))
+                       **options)
 
 
 def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_step: int = 0) -> ResolvedJob:
@@ -134,6 +143,7 @@ def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_st
     resolved): a train.precision_schedule phase's config, whose run files name the whole run's `run_cfg` as
     config.toml. stop_step: 0 stops at train.steps."""
     options = resolve_options(cfg, bf16_master=job.build.fsdp.master_dtype == torch.bfloat16, stop_step=stop_step)
+    options["run"] = dataclasses.replace(options["run"], flavor=job.run.flavor)  # a checkpoint's, where it gave one
     files = run_file_texts(cfg, run_cfg=run_cfg, args=job.model_args, pd=job.parallel_dims, build=job.build,
                            pipeline=job.pipeline, float8_layers=job.float8_layers)
     return dataclasses.replace(job, run_files=files, **options)

@@ -30,7 +30,8 @@ measured peaks on 1x H100 (docs/benchmarks.md, "The dry run's memory plan"):
                                                                   product are recomputed from what the casts need
     ... with float8.scaling=delayed  + 3d                         q, k and v cast their shared input with three
                                                                   scales: the three fp8 casts are kept
-    selective AC (per-op policy)    4d + 4q + 4kv + 4h + 4f       the GEMM and attention outputs only
+    selective AC (per-op policy)    4d + 4q + 4kv + 4h + 4f       the GEMM and attention outputs only: what the
+                                                                  compiled fp8 block keeps anyway (the plan notes it)
     full AC                         2d                            the block's input; backward recomputes one block
     eager (no compile)              12d + 4q + 4kv + 4h + 8f + 8  fp32 copies of the norms' inputs, silu's output
     qk_norm adds (not selective)    2q + 2kv + 4(h + n_kv_heads)  the projections' outputs, the heads' rstd
@@ -49,6 +50,7 @@ all-to-all buffers and the pipeline schedules' exact timing are estimated, alloc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +63,10 @@ from trainer.optim_states import StateDtypes
 from trainer.parallel.pipeline_layout import PipelineOptions
 
 GIB = 2**30
+
+# What lowers the peak, for a plan over the GPU's memory.
+LOWER_THE_PEAK = ("lower train.batch_size, set train.activation_checkpointing or train.loss_chunk_tokens, or shard over "
+                  "more ranks")
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,12 @@ class MemoryPlan:
     params_per_rank: int
     optimizer_step_bytes: int
     """Weights, optimizer state and every gradient: the optimizer step's memory (activations freed)."""
+    notes: tuple[str, ...] = ()
+    """What the rows alone would leave a reader to wonder (a selective AC row equal to none's), printed under them."""
+
+    def fits(self, capacity: tuple[int, str] | None) -> bool:
+        """Whether the peak fits `capacity` ((bytes, what)); True when it cannot be told."""
+        return capacity is None or self.peak_bytes <= capacity[0]
 
     def table(self, *, capacity: tuple[int, str] | None = None) -> str:
         """The rows, the peak, and against `capacity` ((bytes, what)) the headroom."""
@@ -95,8 +107,8 @@ class MemoryPlan:
             cap, what = capacity
             lines.append(f"  {'':<{width}}  " + (
                 f"fits {what} with {(cap - self.peak_bytes) / GIB:.1f} GiB to spare" if self.peak_bytes <= cap else
-                f"MORE than {what} by {(self.peak_bytes - cap) / GIB:.1f} GiB: lower train.batch_size, set "
-                "train.activation_checkpointing or train.loss_chunk_tokens, or shard over more ranks"))
+                f"MORE than {what} by {(self.peak_bytes - cap) / GIB:.1f} GiB"))
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -242,6 +254,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
                               ("one block's activations again and " if full_ac else "")
                               + "its MLP's gradients in its backward, beyond the loss's transient"))
     optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan))
+    notes = (_SELECTIVE_KEEPS_ALL,) if _selective_saves_nothing(args, build, fp8) else ()
     start_of_backward = sum(r.bytes for r in rows)
     if optimizer_step >= start_of_backward:
         rows = rows[:2] + [MemoryRow("gradients", local * master,
@@ -250,7 +263,27 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
     else:
         peak, at = start_of_backward, "a block's backward" if recompute > loss else "the start of backward"
     return MemoryPlan(rows=tuple(rows), peak_bytes=peak, peak_at=at, pp_rank=pp_rank, params_per_rank=local,
-                      optimizer_step_bytes=optimizer_step)
+                      optimizer_step_bytes=optimizer_step, notes=notes)
+
+
+# Compiled with fp8 linears, the partitioner already recomputes the normed inputs, o_proj's output and the SwiGLU
+# product from what the float8 casts need (module docstring): what the block saves is the GEMM and attention outputs,
+# which is what selective AC's per-op policy keeps. tests/unit/test_memory_plan_graphs.py holds both to the graphs.
+_SELECTIVE_KEEPS_ALL = (
+    "selective AC saves no memory here: compiled with fp8 linears, a block already keeps only its GEMM and attention "
+    "outputs (the compiler recomputes the norms, o_proj's output and the SwiGLU product from the fp8 casts' inputs), "
+    "which is what selective AC keeps; train.selective_ac_every=N or full AC saves activations")
+
+
+def _selective_saves_nothing(args: ModelArgs, build: BuildOptions, fp8: _Fp8) -> bool:
+    """Per-op selective AC whose saved activations are within a few bytes per token of no AC's (the norms' rstd)."""
+    if build.ac.mode != "selective" or build.ac.selective_every:
+        return False
+    none = dataclasses.replace(build, ac=dataclasses.replace(build.ac, mode="none"))
+    n_dense = min(getattr(args, "n_dense_layers", args.n_layers), args.n_layers)
+    kinds = [moe for moe, n in ((False, n_dense), (True, args.n_layers - n_dense)) if n]
+    return all(_block_activations(args, none, fp8, moe=moe)[0] - _block_activations(args, build, fp8, moe=moe)[0]
+               <= 8 for moe in kinds)  # 8: the two norms' fp32 rstd
 
 
 def _stage_params(args: ModelArgs, stage: _Stage) -> int:
@@ -333,6 +366,11 @@ def _loss_how(build: BuildOptions) -> str:
 def _size(nbytes: float) -> str:
     """Bytes in GiB, or MiB below one GiB, right-aligned in 12 characters."""
     return f"{nbytes / GIB:8.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:8.1f} MiB"
+
+
+def human_size(nbytes: float) -> str:
+    """Bytes for a log line: "40.3 GiB", or "41.9 MiB" below one GiB (a small model is not "0.0 GiB")."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _count(n: int) -> str:

@@ -128,19 +128,20 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
         converted, excluded, _ = select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns), recipe=f8.recipe)
     except ValueError as e:  # an exclude_fqns entry that matches nothing
         raise ConfigError(str(e)) from None
-    if probe:
-        _check_fp8_hardware(require=f8.require, emulate=f8.emulate, recipe=f8.recipe)
-    if f8.moe_experts != "off":
-        _check_fp8_experts(cfg, args, probe=probe)
-    options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather,
+    # What really runs is decided here, once: every startup line (the precision line, fp8_layers.json, the memory
+    # plan) tells the story of the FP8 matmuls this device runs, not of the ones the config asked for.
+    unavailable = _probe_fp8(require=f8.require, emulate=f8.emulate, recipe=f8.recipe) if probe else ""
+    experts_unavailable = _check_fp8_experts(cfg, args, probe=probe) if f8.moe_experts != "off" else ""
+    options = Float8Options(recipe=f8.recipe, enable_fsdp_float8_all_gather=all_gather, unavailable=unavailable,
+                            experts_unavailable=experts_unavailable,
                             format=resolve_format(f8.recipe, f8.format),
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
                             moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd),
                             delayed=DelayedScalingSettings(f8.amax_history_len, f8.amax_compute_algo, f8.margin)
                             if f8.scaling == "delayed" else None, save_fp8_activations=f8.save_fp8_activations)
-    fates = {fqn: "converted" for fqn in converted} | excluded
+    fates = {fqn: UNAVAILABLE if unavailable else "converted" for fqn in converted} | excluded
     by_shape = [f"{fqn} ({why.removeprefix('shape ')})" for fqn, why in excluded.items() if why.startswith("shape ")]
-    if by_shape:  # a model's own shapes can leave projections out of FP8: never silent
+    if by_shape and not unavailable:  # a model's own shapes can leave projections out of FP8: never silent
         logger.warning("FP8: %d Linear layers stay %s because of their shapes (FP8 GEMMs need dimensions divisible by "
                        "16%s): %s%s; fp8_layers.json lists every layer", len(by_shape), "bf16",
                        ", by 128 for blockwise" if f8.recipe == "blockwise" else "", ", ".join(by_shape[:3]),
@@ -376,8 +377,9 @@ def _check_held_out(cfg: JobConfig, source: Any, *, dp: int, hint: str) -> None:
         )
 
 
-def _check_fp8_experts(cfg: JobConfig, args: ModelArgs, *, probe: bool = True) -> None:
-    """float8.moe_experts needs routed experts, shapes the FP8 grouped GEMM takes, and a device that runs it."""
+def _check_fp8_experts(cfg: JobConfig, args: ModelArgs, *, probe: bool = True) -> str:
+    """float8.moe_experts needs routed experts, shapes the FP8 grouped GEMM takes, and a device that runs it (or
+    float8.require unset: then why it cannot run here, and the experts train in bf16; "" where it runs)."""
     f8, key = cfg.float8, f"float8.moe_experts='{cfg.float8.moe_experts}'"
     if not family_of(args).has_router:
         raise ConfigError(f"{key} needs an MoE flavor, but model.flavor={cfg.model.flavor!r} has no routed experts; "
@@ -389,15 +391,15 @@ def _check_fp8_experts(cfg: JobConfig, args: ModelArgs, *, probe: bool = True) -
             raise ConfigError(f"{key} needs the experts' {name} to be a multiple of 16 (FP8 grouped GEMM alignment), "
                               f"but model.flavor={cfg.model.flavor!r} has {name}={getattr(args, name)}")
     if f8.emulate or not probe:
-        return
+        return ""
     if not torch.cuda.is_available():
         raise ConfigError(f"{key} on a machine without CUDA needs float8.emulate=true: torch._scaled_grouped_mm "
                           "has no CPU kernel")
-    if f8.require:
-        ok, what = fp8_grouped_supported(local_device())
-        if not ok:
-            raise ConfigError(f"{key} with float8.require=true, but {what}; use an H100/H200 or "
-                              "float8.moe_experts='off'")
+    ok, what = fp8_grouped_supported(local_device())
+    if not ok and f8.require:
+        raise ConfigError(f"{key} with float8.require=true, but {what}; use an H100/H200 or "
+                          "float8.moe_experts='off'")
+    return "" if ok else what
 
 
 # What to do instead, when float8.require finds no FP8 kernels for the recipe.
@@ -407,15 +409,19 @@ _FP8_HARDWARE_FIX = {
 }
 
 
-def _check_fp8_hardware(*, require: bool, emulate: bool, recipe: str) -> None:
-    """float8.require where the one probe (`trainer.parallel.float8.fp8_supported`) finds no FP8 kernels for the
-    recipe on this process's device fails here, before any process group exists."""
-    if emulate or not require:
-        return
+# The fate fp8_layers.json gives a Linear that would convert where this device has no FP8 matmul of the recipe.
+UNAVAILABLE = "not converted: FP8 is unavailable on this device (trains in bf16)"
+
+
+def _probe_fp8(*, require: bool, emulate: bool, recipe: str) -> str:
+    """The one probe (`trainer.parallel.float8.fp8_supported`) on this process's device: "" where FP8 matmuls of the
+    recipe run (or are emulated), else why not; float8.require fails here, before any process group exists."""
+    if emulate:
+        return ""
     device = local_device()
     ok, why = fp8_supported(device, recipe)
-    if ok:
-        return
+    if ok or not require:
+        return "" if ok else why
     blockwise = recipe == "blockwise"
     setting = "float8.recipe='blockwise'" if blockwise else "train.mixed_precision='fp8'"
     where = "" if device.type == "cuda" else "there is no CUDA GPU: "
