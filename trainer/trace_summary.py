@@ -315,17 +315,9 @@ def summarize_events(events: list[dict], *, num_steps: int,
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in timed + markers]
     # Nested CPU ops lie inside their parents, so the union over all of them is the top-level time.
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed])
-    comm, compute = [], []
-    if device == "cuda":
-        for e in timed:
-            (comm if classify(e["name"]) == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
-    comm, compute = _merged(comm), _merged(compute)
-    comm_us = sum(stop - start for start, stop in comm)
+    comm_us, exposed_us = _communication_us(timed) if device == "cuda" else (0.0, 0.0)
     return TraceSummary(
-        device=device,
-        num_steps=num_steps,
-        steps=steps,
-        total_us=sum(times),
+        device=device, num_steps=num_steps, steps=steps, total_us=sum(times),
         wall_us=(max(s for _, s in spans) - min(s for s, _ in spans)) if spans else 0.0,
         busy_us=busy,
         category_us=category_us,
@@ -335,8 +327,18 @@ def summarize_events(events: list[dict], *, num_steps: int,
         fp8_gemm_names=[n for n, _ in fp8_calls.most_common()],
         gemm_dtypes=dict(gemm_dtypes.most_common()),
         comm_us=comm_us,
-        exposed_comm_us=comm_us - _overlap_us(comm, compute),
+        exposed_comm_us=exposed_us,
     )
+
+
+def _communication_us(kernels: list[dict]) -> tuple[float, float]:
+    """(time some communication kernel ran, of it the time no other kernel ran beside it)."""
+    comm, compute = [], []
+    for e in kernels:
+        (comm if classify(e["name"]) == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
+    comm, compute = _merged(comm), _merged(compute)
+    comm_us = sum(stop - start for start, stop in comm)
+    return comm_us, comm_us - _overlap_us(comm, compute)
 
 
 # The profiler's names for tensor dtypes ("Input type" with record_shapes) -> ours.

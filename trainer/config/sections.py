@@ -267,7 +267,7 @@ class DistributedSection:
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
     reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Dtype FSDP2 reduce-scatters (sums) gradients in and accumulates them in across microbatches. auto = fp32 wherever gradients are summed (over ranks or microbatches), else the compute dtype (one rank, one microbatch: nothing is summed); bf16 = half the reduce-scatter bytes (docs/distributed.md#gradient-reduction)."""
+    """Dtype FSDP2 reduce-scatters (sums) gradients in. auto = bf16 where the master weights are bf16 and at most 2 ranks are summed (FSDP2 rounds the result to bf16 either way: the same bits, half the bytes), fp32 where more ranks are summed or the master weights are fp32, the compute dtype where nothing is summed (one rank, one microbatch); said in the startup line. docs/distributed.md#fsdp2s-automatic-choices."""
     master_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Dtype of the sharded master weights and AdamW moments. auto = bf16 for bf16 and fp8 compute (6 bytes/parameter less; each update rounded by optimizer.bf16_update, stochastic by default: within the seed noise of fp32 master weights on two seeds of the 1B parity run, docs/distributed.md#master-weights), fp32 for fp32 and fp16 compute; fp32 = the opt-in for every precision."""
     loss_parallel: bool = True
