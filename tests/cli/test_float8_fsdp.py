@@ -23,7 +23,8 @@ def test_selective_ac_compile_fp8_prints_no_library_noise(tmp_path: Path) -> Non
     # fp32 master weights (bf16 ones: tests/cli/test_bf16_master.py).
     proc = launch([*ARGS, "--train.steps=2", "--train.seq_len=32", "--distributed.dp_shard=2",
                    "--train.activation_checkpointing=selective", "--train.compile_model=true",
-                   "--distributed.master_dtype=fp32", f"--job.dump_folder={tmp_path}"], nproc=2)
+                   "--distributed.master_dtype=fp32", "--float8.enable_fsdp_float8_all_gather=true",
+                   f"--job.dump_folder={tmp_path}"], nproc=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert [line for line in out.splitlines() if any(noise in line for noise in LIBRARY_NOISE)] == []

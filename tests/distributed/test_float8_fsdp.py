@@ -18,10 +18,10 @@ def test_fp8_all_gather_two_ranks_match_one_rank(tmp_path: Path) -> None:
     # 1 rank x 2 microbatches of 2 sees, per microbatch, exactly what each of 2 ranks
     # sees, so the per-tensor activation scales are the same; weight scales are
     # global amaxes in both (precompute_float8_dynamic_scale_for_fsdp all-reduces).
-    # "auto" gathers in fp8 on 2 ranks only; the 1-rank reference casts its weights the same way.
+    # fp8 all-gather (on one machine "auto" gathers in bf16); the 1-rank reference casts its weights the same way.
     # The 1-rank reference runs on rank 0 after the 2-rank run (spawn.train_then_one_process).
     two, one = run_distributed(train_then_one_process, world_size=2, args=(
-        [*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2"],
+        [*ARGS, "--train.batch_size=2", "--distributed.dp_shard=2", "--float8.enable_fsdp_float8_all_gather=true"],
         [*ARGS, "--train.batch_size=2", "--train.grad_accum_steps=2", "--float8.enable_fsdp_float8_all_gather=true"],
         str(tmp_path)))[0]
     assert column(two, "loss") == pytest.approx(column(one, "loss"), rel=1e-3)

@@ -56,12 +56,16 @@ def test_the_amax_all_reduce_makes_the_ranks_agree(tmp_path: Path, layout: list[
     assert not apart[0].equal(apart[1]) and apart[0][:, 1].equal(apart[1][:, 1])
 
 
+# The 2-rank layouts gather their weights in fp8 (on one machine "auto" gathers in bf16), as the 1-rank references do.
+FP8_GATHER = ["--float8.enable_fsdp_float8_all_gather=true"]
+
+
 def test_fp8_all_gather_two_ranks_match_one_rank(tmp_path: Path) -> None:
     # As tests/distributed/test_float8_fsdp.py for dynamic scaling: 1 rank x 2 microbatches of 2 sees what each
     # of 2 ranks sees, and its step amax (a max over the microbatches) is the 2 ranks' reduced one; weights are
     # cast before the fp8 all-gather with torchao's precomputed scale in both.
     two, one = run_distributed(train_then_one_process, world_size=2, args=(
-        [*ARGS, "--train.steps=5", "--train.batch_size=2", "--distributed.dp_shard=2"],
+        [*ARGS, "--train.steps=5", "--train.batch_size=2", "--distributed.dp_shard=2", *FP8_GATHER],
         [*ARGS, "--train.steps=5", "--train.batch_size=2", "--train.grad_accum_steps=2",
          "--float8.enable_fsdp_float8_all_gather=true"], str(tmp_path)))[0]
     # Steps 1-2 agree bit for bit (dynamic scaling: all 5); from step 3 on by up to 2.1e-3 (measured). Not the
@@ -95,9 +99,10 @@ def resume_on_one_process(args: list[str], ref_args: list[str], dump: str) -> tu
 def test_histories_saved_on_two_ranks_resume_on_one(tmp_path: Path) -> None:
     ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=3"]
     whole = run_distributed(train_and_read_metrics, world_size=2, args=(
-        [*ARGS, "--train.steps=5", "--train.batch_size=2", "--distributed.dp_shard=2"], str(tmp_path / "whole")))[0]
+        [*ARGS, "--train.steps=5", "--train.batch_size=2", "--distributed.dp_shard=2", *FP8_GATHER],
+        str(tmp_path / "whole")))[0]
     _, resumed, lines = run_distributed(resume_on_one_process, world_size=2, args=(
-        [*ARGS, *ckpt, "--train.steps=3", "--train.batch_size=2", "--distributed.dp_shard=2"],
+        [*ARGS, *ckpt, "--train.steps=3", "--train.batch_size=2", "--distributed.dp_shard=2", *FP8_GATHER],
         [*ARGS, *ckpt, "--train.steps=5", "--train.batch_size=2", "--train.grad_accum_steps=2",
          "--float8.enable_fsdp_float8_all_gather=true"], str(tmp_path)))[0]
     assert any("resharded" in line for line in lines) and not any("afresh" in line for line in lines), lines

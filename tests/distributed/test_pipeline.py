@@ -93,10 +93,11 @@ def test_fp8_pipeline_matches_fp8_single_process(tmp_path: Path) -> None:
     # fp32 master weights: bf16 ones (fp8's default) round stochastically, per shard, so layouts part at step 2.
     fp8 = [arg for arg in FAST if not arg.startswith("--train.mixed_precision")] + [
         "--train.mixed_precision=fp8", "--distributed.master_dtype=fp32"]
-    # "auto" gathers in fp8 with dp_shard=2 only; the 1-rank reference casts its weights the same way.
-    # The reference runs on rank 0 after the 4-rank run (spawn.train_then_one_process).
+    # The fp8 all-gather (dp_shard=2 across machines; on one machine "auto" gathers in bf16): the 1-rank reference
+    # casts its weights the same way. It runs on rank 0 after the 4-rank run (spawn.train_then_one_process).
     four, one = run_distributed(train_then_one_process, world_size=4, args=(
-        [*fp8, *STEPS, *PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=2"],
+        [*fp8, *STEPS, *PP2, "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=2",
+         "--float8.enable_fsdp_float8_all_gather=true"],
         [*fp8, *STEPS, "--train.batch_size=1", "--train.grad_accum_steps=4",
          "--float8.enable_fsdp_float8_all_gather=true"],
         str(tmp_path)))[0]
