@@ -375,3 +375,18 @@ def test_what_the_docs_commands_write_in_the_checkout_is_git_ignored() -> None:
     if proc.returncode == 128:
         pytest.skip("not a git checkout")
     assert sorted(written - set(proc.stdout.split())) == []
+
+
+def test_the_edit_selection_names_tests_that_exist() -> None:
+    """tests/edit.args, the README's edit-test selection (`pytest @tests/edit.args`): every test it adds exists, and
+    every name its -k leaves out matches a test, so a renamed test cannot slip back in unnoticed and slow it down."""
+    args = (REPO / "tests" / "edit.args").read_text().splitlines()
+    assert "python -m pytest -q @tests/edit.args" in (REPO / "README.md").read_text()
+    for arg in (a for a in args if a.startswith("tests/")):
+        path, _, name = arg.partition("::")
+        assert (REPO / path).exists(), arg
+        assert not name or f"def {name}(" in (REPO / path).read_text(), arg
+    left_out = set(re.findall(r"\w+", args[args.index("-k") + 1])) - {"not", "or", "and"}
+    defined = {name for source in (REPO / "tests").rglob("test_*.py")
+               for name in re.findall(r"^def (test_\w+)\(", source.read_text(), flags=re.M)}
+    assert left_out and sorted(n for n in left_out if not any(n in d for d in defined)) == []
