@@ -29,7 +29,7 @@ otherwise (the --add-source rule), and the tokenizer is trained on train.jsonl's
 
 No download either way. Bad input prints one line `error: ...` and exits 2.
 
-The realistic FP8 parity data (docs/benchmarks.md: 20.6M training and 3.0M validation tokens
+The realistic FP8 parity data (docs/benchmarks/2026-11-23-fp8-parity-1b.md: 20.6M training and 3.0M validation tokens
 with Python 3.11.7, torch 2.13.0, numpy 2.4.6, networkx 3.6.1) adds the stdlib tests and three packages:
 
     SP=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

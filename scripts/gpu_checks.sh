@@ -3,7 +3,7 @@
 #   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench8b_ce] [bench1b] [accuracy] [ac] [pp]   (default: tests bench8b bench1b accuracy ac)
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce
-#       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks.md "Second sitting")
+#       (ARGS_8B: more overrides for every 8B-shapes step; this one is docs/benchmarks/2026-11-23-h100-throughput-levers.md)
 #   bash scripts/gpu_checks.sh optim8b    (fp8, fp32 master weights: optimizer.implementation fused vs triton)
 #   bash scripts/gpu_checks.sh optstates_tests optstates  (1 GPU: low-precision optimizer states: GPU tests, then 8B shapes x
 #       8 layers per state dtype, OPTSTATES_RUNS=bf16m-auto,bf16m-fp8 to pick; PARITY_LEGS=fp8-exp-avg-fp8,fp8-exp-avg-sq-bf16
@@ -420,7 +420,8 @@ PY
     # in the background) and at the last step: how long each save blocks training (the wait for the previous save, the
     # state dict, then staging: the copy of this rank's shards to pinned host memory, the GPU idle); the folder keeps one
     # checkpoint besides the new one. STALL_DIR=/dev/shm/stall_run where the disk is slow or small (a 1-GPU proxy:
-    # STALL_ARGS="--model.n_layers=8" STALL_STEPS=150 STALL_INTERVAL=50, docs/benchmarks.md)
+    # STALL_ARGS="--model.n_layers=8" STALL_STEPS=150 STALL_INTERVAL=50,
+    # docs/benchmarks/2026-11-26-h200-whole-8b-checkpoint-stall-long-context.md)
     S=${STALL_DIR:-/tmp/stall_run}; rm -rf "$S"
     launch $NGPU scripts/train.py --config configs/train/llama3_8b.toml --train.batch_size=4 --train.seq_len=4096 \
       --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --train.steps=${STALL_STEPS:-100} \

@@ -1,5 +1,6 @@
 """Every cross-reference in the docs resolves: relative links to files that exist and to headings
-they have, and the `docs/X.md#anchor` pointers that messages in the code print."""
+they have (the dated benchmark records in docs/benchmarks/ included), and the `docs/X.md#anchor` pointers
+that messages in the code print."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The pages that describe the code as it is; their commands, keys, files and quoted lines are held to it below.
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Dated benchmark records: what ran on that date, with that day's commands and file names. Their links are checked;
+# what they quote is history, not held to today's code.
+RECORDS = sorted((REPO / "docs" / "benchmarks").glob("*.md"))
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-_CODE_POINTER = re.compile(r"docs/([\w-]+\.md)#([\w-]+)")
+_CODE_POINTER = re.compile(r"docs/((?:benchmarks/)?[\w-]+\.md)#([\w-]+)")
 
 
 def anchors(page: Path) -> set[str]:
@@ -37,7 +42,7 @@ def links(page: Path) -> list[str]:
     return [t for t in _LINK.findall(text) if not re.match(r"[a-z]+:", t)]  # skip http:, https:, mailto:
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES + RECORDS, ids=lambda p: p.name)
 def test_relative_links_resolve(page: Path) -> None:
     broken = []
     for target in links(page):
@@ -62,16 +67,18 @@ def test_code_points_at_headings_that_exist() -> None:
 def test_the_fp8_page_points_to_the_sections_it_names() -> None:
     targets = set(links(REPO / "docs" / "fp8.md"))
     for target in ("distributed.md#fp8", "debug.md#shape-1-loss-diverges-early",
-                   "debug.md#shape-4-slow-steps-reading-the-profiler-summary", "benchmarks.md#fp8-vs-bf16-on-1x-h100"):
+                   "debug.md#shape-4-slow-steps-reading-the-profiler-summary",
+                   "benchmarks/2026-11-22-h100-and-2x-h200.md#fp8-vs-bf16-on-1x-h100"):
         assert target in targets, target
     shapes = [a for a in anchors(REPO / "docs" / "debug.md") if a.startswith("shape-")]
     assert sorted(a.split("-")[1] for a in shapes)[:4] == ["1", "2", "3", "4"]
 
 
 def test_anchor_rules() -> None:
-    page = REPO / "docs" / "benchmarks.md"
+    page = REPO / "docs" / "benchmarks" / "2026-11-22-h100-and-2x-h200.md"
     assert "multi-gpu-1b-on-2x-h200-fsdp2-over-both-gpus" in anchors(page)
     assert "fp8-accuracy-vs-bf16-1b-real-text" in anchors(page)
+    assert "fp8-format-and-mixed_precision--auto" in anchors(RECORDS[0].parent / "2026-11-26-h100-fp8-format-document-masking-cold-start.md")
 
 
 # -- the docs against behaviour ------------------------------------------------------------------
@@ -118,23 +125,54 @@ def test_readme_says_how_ci_installs_torch() -> None:
 
 
 def test_the_fp8_headline_is_the_latest_sitting() -> None:
-    """README and docs/fp8.md quote one comparison (1x H100, 8B shapes x 8 layers, fp8 vs bf16): the same
-    sitting's figures, read from its table, and both link to it (they once said 1.37x and 1.31x)."""
-    sitting = "cold-start-and-throughput-1x-h100-and-1x-h200-2026-11-25"
-    text = (REPO / "docs" / "benchmarks.md").read_text()
-    table = text[text.index("## Cold start and throughput, 1x H100 and 1x H200 (2026-11-25)"):]
-    table = table[:table.index("\n## ")]  # that section's table only
+    """README's table, docs/benchmarks.md and docs/fp8.md quote one comparison (1x H100, 8B shapes x 8 layers, fp8 vs
+    bf16): the figures of one record's table, read from it, and each links to it (they once said 1.37x and 1.31x)."""
+    record = "benchmarks/2026-11-25-h100-cold-start-and-throughput.md#throughput-what-moved-and-what-did-not"
+    path, _, anchor = record.partition("#")
+    text = (REPO / "docs" / path).read_text()
+    table = text[text.index("The defaults after these levers"):]
+    table = table[:table.index("\n\n", table.index("| fp8 tensorwise"))]  # that table only
     tflops = {m.group(1): float(m.group(2)) for m in
               re.finditer(r"^\| (bf16|fp8 tensorwise) \| [\d.]+ \| [\d,]+ \| \**([\d.]+)\** \|", table, flags=re.M)}
     fp8, bf16 = tflops["fp8 tensorwise"], tflops["bf16"]
-    quoted = f"{fp8:.0f}", f"{bf16:.0f}", f"{fp8 / bf16:.2f}x", f"benchmarks.md#{sitting}"
+    quoted = f"{fp8:.1f}", f"{bf16:.1f}", f"{fp8 / bf16:.2f}x", record
     readme = (REPO / "README.md").read_text()
-    headline = readme[readme.index('- `mixed_precision = "fp8"` is the whole switch'):].split("\n- ")[0]
+    row = next(line for line in readme.splitlines() if line.startswith("| FP8 vs bf16, 1x H100,"))
+    page = next(line for line in (REPO / "docs" / "benchmarks.md").read_text().splitlines() if line.startswith("| 1x H100 |"))
     when = next(line for line in (REPO / "docs" / "fp8.md").read_text().splitlines()
                 if line.startswith("| H100 / H200 (compute capability 9.0), compiled, large GEMMs |"))
-    for where, body in (("README's first bullet", headline), ("fp8.md's 'When it helps' row", when)):
+    for where, body in (("README's table", row), ("benchmarks.md's table", page), ("fp8.md's 'When it helps' row", when)):
         assert [q for q in quoted if q not in body] == [], where
-    assert sitting in anchors(REPO / "docs" / "benchmarks.md")
+    assert anchor in anchors(REPO / "docs" / path)
+
+
+def test_the_benchmarks_page_is_current_numbers_and_dated_records() -> None:
+    """docs/benchmarks.md is a page of current tables (not a lab notebook) that lists every dated record; each record
+    says when, on what, with which software and commands, and where its raw data is (or that none was kept)."""
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    assert len(page.splitlines()) < 400
+    assert RECORDS and [r.name for r in RECORDS if f"(benchmarks/{r.name})" not in page] == []
+    for record in RECORDS:
+        text = record.read_text()
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md", record.name), record.name
+        assert f"- **Date:** {record.name[:10]}" in text, record.name
+        for field in ("- **Device:** ", "- **Software:** ", "- **Raw data:** "):
+            assert field in text, f"{record.name}: {field}"
+        raw = text[text.index("- **Raw data:** "):].split("\n- ")[0]
+        assert "](../benchmark_data/" in raw or "not kept" in raw, record.name
+        assert "```" in text or "scripts/gpu_checks.sh" in text, f"{record.name}: no command"
+
+
+_TEAM_WORDS = re.compile(r"\bissues? \d+|\(issue|\bthis session\b|\blease\b|\bsittings?\b|\bhelper\b|device tools?", re.I)
+
+
+def test_the_benchmark_docs_are_written_for_readers() -> None:
+    """The README and the benchmark pages speak to someone who has only the repository: no issue numbers or work-log
+    words (a "lease", "this session"); a measurement names its machine and date instead."""
+    found = [f"{page.relative_to(REPO)}: {m.group(0)!r}" for page in [REPO / "README.md", REPO / "docs" / "benchmarks.md",
+                                                                    *RECORDS]
+             for m in _TEAM_WORDS.finditer(page.read_text())]
+    assert found == []
 
 
 def test_the_fp8_converted_table_names_the_experts_option() -> None:
@@ -246,8 +284,8 @@ def test_the_cluster_sbatch_validates_at_16_gpus(tmp_path: Path, on_h100) -> Non
 
 
 # -- log lines and errors the docs quote, against the program -------------------------------------------------------
-# docs/benchmarks.md quotes the logs of dated sittings as they were printed: left out.
-_QUOTING = [page for page in PAGES if page.name != "benchmarks.md"]
+# The dated records (docs/benchmarks/) quote the logs of their day as they were printed: they are not in PAGES.
+_QUOTING = PAGES
 
 
 def _quotes(text: str, start: str) -> list[str]:
@@ -337,3 +375,18 @@ def test_what_the_docs_commands_write_in_the_checkout_is_git_ignored() -> None:
     if proc.returncode == 128:
         pytest.skip("not a git checkout")
     assert sorted(written - set(proc.stdout.split())) == []
+
+
+def test_the_edit_selection_names_tests_that_exist() -> None:
+    """tests/edit.args, the README's edit-test selection (`pytest @tests/edit.args`): every test it adds exists, and
+    every name its -k leaves out matches a test, so a renamed test cannot slip back in unnoticed and slow it down."""
+    args = (REPO / "tests" / "edit.args").read_text().splitlines()
+    assert "python -m pytest -q @tests/edit.args" in (REPO / "README.md").read_text()
+    for arg in (a for a in args if a.startswith("tests/")):
+        path, _, name = arg.partition("::")
+        assert (REPO / path).exists(), arg
+        assert not name or f"def {name}(" in (REPO / path).read_text(), arg
+    left_out = set(re.findall(r"\w+", args[args.index("-k") + 1])) - {"not", "or", "and"}
+    defined = {name for source in (REPO / "tests").rglob("test_*.py")
+               for name in re.findall(r"^def (test_\w+)\(", source.read_text(), flags=re.M)}
+    assert left_out and sorted(n for n in left_out if not any(n in d for d in defined)) == []
