@@ -71,7 +71,8 @@ def fp8_vs_bf16(flavor: str, *, n_layers: int, batch_size: int, seq_len: int, vo
     from trainer.distributed import destroy_distributed, init_distributed
     from trainer.loss import LossFn
     from trainer.models import Llama, model_args_for
-    from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims, build_parallel_model
+    from trainer.parallel import ACOptions, BuildOptions, FSDPOptions, ParallelDims, build_parallel_model
+    from trainer.parallel.float8 import Float8Options
 
     env = init_distributed(timeout_seconds=120)
     try:

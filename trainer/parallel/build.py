@@ -24,36 +24,12 @@ from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
 from trainer.parallel.expert_parallel import apply_ep
-from trainer.parallel.float8 import DelayedScalingSettings, Float8Report, Recipe, apply_float8, apply_fp8_experts
+from trainer.parallel.float8 import Float8Options, Float8Report, apply_float8, apply_fp8_experts
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Float8Options:
-    recipe: Recipe
-    enable_fsdp_float8_all_gather: bool
-    exclude_fqns: tuple[str, ...]
-    emulate: bool
-    require: bool
-    moe_experts: str = "off"
-    """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8.experts)."""
-    expert_weights_per_step: bool = False
-    """Keep the FP8 expert weights through the optimizer step (trainer.models.moe_fp8.Fp8ExpertWeights)."""
-    format: str = "hybrid"
-    """float8.format resolved: "hybrid" (e4m3 forward, e5m2 gradients; tensorwise only) or "e4m3" (everywhere)."""
-    delayed: DelayedScalingSettings | None = None
-    """float8.scaling='delayed' with its settings (tensorwise only); None: dynamic scaling."""
-    save_fp8_activations: bool = False
-    """float8.save_fp8_activations (tensorwise only)."""
-    unavailable: str = ""
-    """Why this device runs no FP8 matmuls of the recipe (the Linears train in bf16; apply_float8 says so loudly), as
-    the validation pass's probe found it; "" where they run (or are emulated, or a dry run plans FP8 GPUs)."""
-    experts_unavailable: str = ""
-    """Why this device runs no FP8 grouped GEMM for float8.moe_experts (the experts train in bf16); "" where it runs."""
 
 
 @dataclass(frozen=True)

@@ -12,19 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Literal
-
 import torch
 from torch import nn
 
 from trainer.hooks import StepHook
 from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear, convert_to_blockwise
 from trainer.parallel.float8.hardware import fp8_supported, refuse_or_warn
-from trainer.parallel.float8.report import DelayedScalingSettings, Float8Report, resolve_format
+from trainer.parallel.float8.options import DelayedScalingSettings, Recipe, resolve_format
+from trainer.parallel.float8.report import Float8Report
 
 logger = logging.getLogger(__name__)
-
-Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
 
 # For scripts/benchmark.py --own-fp8-linear only: run our Float8TensorwiseLinear even with dynamic scaling and bf16
 # saved inputs, to time it against torchao's Float8Linear (the same numerics). Not a config key.

@@ -6,6 +6,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from trainer.parallel.float8.options import DelayedScalingSettings
+
 
 @dataclass
 class ExpertsConversion:
@@ -21,22 +23,6 @@ class ExpertsConversion:
         return (f"routed experts: FP8 {self.mode} grouped GEMM, layers.*.moe.experts.{{w1,w2,w3}} x{self.num_layers} "
                 f"(forward and dgrad in e4m3, wgrad bf16; tokens quantized once before the expert gather, weights "
                 f"quantized {weights})")
-
-
-@dataclass(frozen=True)
-class DelayedScalingSettings:
-    """float8.scaling='delayed' (tensorwise): Transformer Engine's DelayedScaling knobs."""
-
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
-
-    def describe(self) -> str:
-        return (f"delayed (amax_history_len={self.amax_history_len}, amax_compute_algo={self.amax_compute_algo}, "
-                f"margin={self.margin})")
-
-    def as_json(self) -> dict:
-        return {"scaling": "delayed", **dataclasses.asdict(self)}
 
 
 @dataclass
@@ -79,12 +65,6 @@ class Float8Report:
             f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
         ]
         return lines + ([self.experts.line()] if self.experts else [])
-
-
-def resolve_format(recipe: str, requested: str = "auto") -> str:
-    """float8.format resolved for `recipe`: "hybrid" (e5m2 gradients) where tensorwise keeps its default or asks
-    for it, else "e4m3" (rowwise and blockwise cast every operand to e4m3; the config check refuses "hybrid")."""
-    return "hybrid" if recipe == "tensorwise" and requested in ("auto", "hybrid") else "e4m3"
 
 
 def describe_format(fp8_format: str) -> str:
