@@ -1,5 +1,5 @@
 """What an fp8 run converts and how: `Float8Options`, made once by the validation pass (trainer.validate.resolve's
-`resolve_float8`) and handed to the build's FP8 conversion (trainer.parallel.build), which reads nothing else.
+`resolve_float8`) and handed to `apply_float8` (trainer.parallel.float8.apply), which reads nothing else.
 
 A leaf: it imports nothing of the trainer, so the validation pass and the converters both stand on it.
 """
@@ -31,7 +31,7 @@ class DelayedScalingSettings:
 
 @dataclass(frozen=True)
 class Float8Options:
-    """The [float8] section resolved: everything the FP8 conversion needs (`apply_float8`, `apply_fp8_experts`)."""
+    """The [float8] section resolved: everything the FP8 converters need (trainer.parallel.float8.apply)."""
 
     recipe: Recipe
     enable_fsdp_float8_all_gather: bool = False
