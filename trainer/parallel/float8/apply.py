@@ -1,7 +1,7 @@
 """FP8 in one call: `apply_float8(model, options, *, device)` runs the converters the options ask for, in order, and
 returns their report.
 
-    the Linears    float8.recipe: tensorwise, rowwise, rowwise_with_gw_hp (linear.py), blockwise (blockwise.py)
+    the Linears    float8.recipe: tensorwise, rowwise, rowwise_with_gw_hp, blockwise (linear.py)
     the experts    float8.moe_experts='rowwise': FP8 grouped GEMMs in every MoE layer (experts.py)
 
 A new quantization (MX, NVFP4) is one more converter (report.py's `Float8Converter`) named here.
@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.parallel.float8.blockwise import BlockwiseLinears
 from trainer.parallel.float8.experts import Fp8Experts
-from trainer.parallel.float8.linear import Float8Linears
+from trainer.parallel.float8.linear import BlockwiseLinears, Float8Linears
 from trainer.parallel.float8.options import Float8Options
 from trainer.parallel.float8.report import Float8Converter, Float8Report
 
@@ -51,8 +50,3 @@ def fp8_layers_json(options: Float8Options, layers: dict[str, str]) -> dict:
     for converter in float8_converters(options):
         fields |= converter.fp8_layers_fields()
     return fields | {"layers": layers}
-
-
-def is_float8_linear(module: nn.Module) -> bool:
-    """Whether a Linears' converter made this module (torchao's Float8Linear or a BlockwiseFloat8Linear)."""
-    return any(kind.owns(module) for kind in dict.fromkeys(LINEAR_CONVERTERS.values()))

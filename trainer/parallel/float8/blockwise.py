@@ -16,18 +16,14 @@ so every scale group lies inside one 128-slice of the contracting dim, which is 
 one scale per (tile, block) product. Values are scaled, clamped to +-448, rounded to float8_e4m3fn; the
 GEMM multiplies by the reciprocal (fp32) of each scale.
 
-`BlockwiseLinears` is the recipe's converter (the Linears' converter of linear.py with this module swapped in).
+The recipe's converter is `trainer.parallel.float8.linear.BlockwiseLinears`, which swaps this module in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from trainer.parallel.float8.linear import Float8Linears
 
 BLOCK = 128
 _E4M3 = torch.float8_e4m3fn
@@ -159,20 +155,3 @@ def convert_to_blockwise(model: nn.Module, fqns: set[str], *, emulate: bool) -> 
         parent_fqn, _, name = fqn.rpartition(".")
         parent = model.get_submodule(parent_fqn)
         setattr(parent, name, BlockwiseFloat8Linear.from_linear(getattr(parent, name), emulate=emulate))
-
-
-@dataclass
-class BlockwiseLinears(Float8Linears):
-    """The Linears' converter of float8.recipe='blockwise': `BlockwiseFloat8Linear` for every selected Linear (both
-    dims multiples of 128: `select_float8_linears`); the rest is the torchao recipes' converter."""
-
-    def _swap(self, model: nn.Module, selected: set[str], *, device: torch.device) -> None:
-        convert_to_blockwise(model, selected, emulate=self.options.emulate)
-
-    def _emulated_line(self) -> str:
-        return ("EMULATED in plain torch (blockwise 1x128 / 128x128 e4m3 quantize-dequantize, fp32 matmuls; "
-                "float8.emulate=true)")
-
-    @classmethod
-    def owns(cls, module: nn.Module) -> bool:
-        return isinstance(module, BlockwiseFloat8Linear)

@@ -38,9 +38,9 @@ from torch import nn
 
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
-from trainer.parallel.float8.apply import is_float8_linear
 from trainer.parallel.float8.blockwise import BLOCK
 from trainer.parallel.float8.experts import fp8_experts_modules
+from trainer.parallel.float8.linear import is_float8_linear
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""FP8 Linears: which convert (`select_float8_linears`, also the validation pass's), and the Linears' converter
-of the torchao recipes (`Float8Linears`: tensorwise, rowwise), which the blockwise one (blockwise.py) extends.
+"""FP8 Linears: which convert (`select_float8_linears`, also the validation pass's), and the Linears' converters:
+`Float8Linears` for the torchao recipes (tensorwise, rowwise), `BlockwiseLinears` for blockwise (blockwise.py's module).
 
 FP8 is a compute dtype only: weights stay bf16/fp32 in the model and optimizer;
 torchao's Float8Linear casts inputs, weights and gradients to float8 with dynamic
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.hooks import StepHook
 from trainer.models.layers import clean_fqn
+from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear, convert_to_blockwise
 from trainer.parallel.float8.hardware import fp8_supported, refuse_or_warn
 from trainer.parallel.float8.options import DelayedScalingSettings, Float8Options, Recipe
 from trainer.parallel.float8.report import Float8Converter, group_fqns
@@ -228,6 +229,28 @@ class Float8Linears(Float8Converter):
             hooks.append(DelayedScaling(model, history_len=d.amax_history_len, algo=d.amax_compute_algo,
                                         margin=d.margin, group=amax_group))
         return hooks
+
+
+@dataclass
+class BlockwiseLinears(Float8Linears):
+    """The Linears' converter of float8.recipe='blockwise': `BlockwiseFloat8Linear` for every selected Linear (both
+    dims multiples of 128: `select_float8_linears`); the rest is the torchao recipes' converter."""
+
+    def _swap(self, model: nn.Module, selected: set[str], *, device: torch.device) -> None:
+        convert_to_blockwise(model, selected, emulate=self.options.emulate)
+
+    def _emulated_line(self) -> str:
+        return ("EMULATED in plain torch (blockwise 1x128 / 128x128 e4m3 quantize-dequantize, fp32 matmuls; "
+                "float8.emulate=true)")
+
+    @classmethod
+    def owns(cls, module: nn.Module) -> bool:
+        return isinstance(module, BlockwiseFloat8Linear)
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether a Linears' converter made this module (torchao's Float8Linear or a BlockwiseFloat8Linear)."""
+    return Float8Linears.owns(module) or BlockwiseLinears.owns(module)
 
 
 def describe_format(fp8_format: str) -> str:
