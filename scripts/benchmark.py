@@ -235,7 +235,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "mfu_pct": mfu_pct(model_flops, device),
             "peak_memory_gib": peak,
             "plan_memory_gib": runner.job.memory_plan.peak_bytes / 2**30,
-            "float8_converted": len(runner.float8.converted) if runner.float8 else 0,
+            "float8_converted": len(runner.float8.linears.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
             "compile_s": compiled.seconds,
             "torch_compile_s": compiled.torch_compile_s,

@@ -25,7 +25,7 @@ from trainer.data.loader import split_rows
 from trainer.data.mix import HeldOutMixture, MixEntry
 from trainer.hooks import StepHook
 from trainer.loss import local_loss
-from trainer.parallel.float8.evaluation import bf16_matmuls as matmuls_in_bf16
+from trainer.parallel.float8 import Float8Report, bf16_matmuls as matmuls_in_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,11 @@ class Evaluator(StepHook):
                  seq_len: int, batch_size: int, steps: int, freq: int, last_step: int, dp_rank: int, dp_degree: int,
                  device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 eod_mask_id: int | None = None, bf16_matmuls: bool = False):
+                 eod_mask_id: int | None = None, bf16_matmuls: Float8Report | None = None):
         """batch_loss(inputs, labels) -> (summed loss, valid labels) of this rank's part of the batch in the training
         layout (`trainer.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule).
-        bf16_matmuls: validation.mixed_precision='bf16': an fp8 model's matmuls run in bf16 while it evaluates
-        (`trainer.parallel.float8.evaluation.bf16_matmuls`; a model with nothing in fp8 is unchanged)."""
+        bf16_matmuls: validation.mixed_precision='bf16': the FP8 report of the model, whose converted modules run in
+        bf16 while it evaluates (`trainer.parallel.float8.evaluation.bf16_matmuls`); None evaluates as it trains."""
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
         assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
         self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
@@ -81,7 +81,8 @@ class Evaluator(StepHook):
             # Per source, [summed loss, valid labels] over this rank's batches, then over every rank's: the mean per
             # valid token.
             total = torch.zeros(len(self.parts), 2, device=self.device, dtype=torch.float32)
-            with matmuls_in_bf16(model) if self.bf16_matmuls else contextlib.nullcontext():
+            with (matmuls_in_bf16(model, self.bf16_matmuls) if self.bf16_matmuls is not None
+                  else contextlib.nullcontext()):
                 for i, part in enumerate(self.parts):
                     for inputs, labels in self.batches(part.source):
                         with self.loss_context():

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.config.sections import to_toml
+from trainer.parallel.float8 import fp8_layers_json
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -173,10 +174,7 @@ def run_file_texts(cfg: JobConfig, *, run_cfg: JobConfig, args: ModelArgs, pd: P
              (RESOLVED, to_toml(resolved_config(cfg, args=args, pd=pd, build=build, pipeline=pipeline), header=header))]
     if float8_layers:
         f8 = build.float8
-        fp8 = {"recipe": f8.recipe, "format": f8.format, **({"unavailable": f8.unavailable} if f8.unavailable else {}),
-               **(f8.delayed.as_json() if f8.delayed else {}),
-               **({"save_fp8_activations": True} if f8.save_fp8_activations else {}),
-               "layers": float8_layers} if f8 else {"layers": float8_layers}
+        fp8 = fp8_layers_json(f8, float8_layers) if f8 else {"layers": float8_layers}
         files.append((FP8_LAYERS, json.dumps(fp8, indent=1) + "\n"))
     return tuple(files)
 

@@ -205,7 +205,7 @@ class Trainer:
                 batch_size=run.batch_size, steps=v.steps, freq=v.freq, last_step=run.steps,
                 dp_rank=self.dp_mesh.get_local_rank(), dp_degree=self.parallel_dims.dp, device=self.device,
                 dp_group=self.parallel_dims.mesh("dp_cp").get_group(), loss_context=self.loss_context,
-                eod_mask_id=run.eod_mask_id, bf16_matmuls=v.bf16_matmuls,
+                eod_mask_id=run.eod_mask_id, bf16_matmuls=self.float8 if v.bf16_matmuls else None,
             )
             logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
                         v.steps, v.freq, f"{evaluator.tokens:,}")

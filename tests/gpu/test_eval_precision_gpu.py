@@ -11,7 +11,7 @@ import torch
 
 from trainer.models import FLAVORS, Llama
 from trainer.parallel.compile import apply_compile
-from trainer.parallel.float8 import apply_float8, bf16_matmuls, is_float8_linear
+from trainer.parallel.float8 import Float8Options, apply_float8, bf16_matmuls, is_float8_linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,9 +29,9 @@ def test_compiled_fp8_blocks_evaluate_in_bf16_exactly_and_compile_once() -> None
     plain.init_weights(seed=0)
     plain.to(torch.bfloat16)
     converted = copy.deepcopy(plain)
-    report = apply_float8(converted, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
-                          emulate=False, require=True, device=cuda)
-    assert report.converted and sum(is_float8_linear(m) for m in converted.modules()) == len(report.converted)
+    report = apply_float8(converted, Float8Options(recipe="tensorwise", require=True), device=cuda)
+    fqns = report.linears.converted
+    assert fqns and sum(is_float8_linear(m) for m in converted.modules()) == len(fqns)
     apply_compile(plain, context_parallel=False)
     apply_compile(converted, context_parallel=False)
     tokens = torch.randint(0, FLAVORS["debug"].vocab_size, (4, 256), device=cuda,
@@ -45,7 +45,7 @@ def test_compiled_fp8_blocks_evaluate_in_bf16_exactly_and_compile_once() -> None
         converted.train()
         converted.logits(tokens).float().square().mean().backward()
         converted.eval()
-        with torch.no_grad(), bf16_matmuls(converted):
+        with torch.no_grad(), bf16_matmuls(converted, report):
             return converted.logits(tokens)
 
     assert torch.equal(train_and_evaluate(), reference)

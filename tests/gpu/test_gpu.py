@@ -71,7 +71,8 @@ def fp8_vs_bf16(flavor: str, *, n_layers: int, batch_size: int, seq_len: int, vo
     from trainer.distributed import destroy_distributed, init_distributed
     from trainer.loss import LossFn
     from trainer.models import Llama, model_args_for
-    from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims, build_parallel_model
+    from trainer.parallel import ACOptions, BuildOptions, FSDPOptions, ParallelDims, build_parallel_model
+    from trainer.parallel.float8 import Float8Options
 
     env = init_distributed(timeout_seconds=120)
     try:
@@ -128,7 +129,7 @@ def test_float8_model_close_to_bf16_on_gpu() -> None:
     expected = sorted([f"layers.{i}.{p}" for i in range(2) for p in (
         "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["output_head.proj"])
-    assert sorted(fp8["report"].converted) == expected and fp8["report"].converted_fraction == 1.0
+    assert sorted(fp8["report"].linears.converted) == expected and fp8["report"].converted_fraction == 1.0
     assert fp8["float8_linears"] == expected and bf16["float8_linears"] == [] and bf16["report"] is None
     assert fp8["loss"] != bf16["loss"]  # FP8 really changed the numerics
     assert fp8["loss"] == pytest.approx(bf16["loss"], rel=1e-2)

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from trainer.loss import LossFn, chunked_cross_entropy
 from trainer.models import FLAVORS, Llama
 from trainer.models.layers import clean_fqn
-from trainer.parallel.float8 import apply_float8
+from trainer.parallel.float8 import Float8Options, apply_float8
 
 DEBUG = FLAVORS["debug"]
 
@@ -219,8 +219,7 @@ def fp8_model(*, fp8: bool = True) -> Llama:
 
     model = debug_model()
     if fp8:
-        apply_float8(model, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
-                     emulate=False, require=False, device=torch.device("cpu"))
+        apply_float8(model, Float8Options(recipe="tensorwise"), device=torch.device("cpu"))
         assert isinstance(model.output_head.proj, Float8Linear)
     model.to(torch.bfloat16)  # the compute dtype FSDP2 gathers fp8 runs' weights in
     return model

@@ -303,14 +303,14 @@ def _matches(quote: str, real: str) -> bool:
 
 
 def test_quoted_float8_startup_lines_are_what_the_program_prints() -> None:
-    """Every `Applied Float8 training: ...` the docs quote is a line Float8Report prints (for some recipe, all-gather,
+    """Every `Applied Float8 training: ...` the docs quote is a line the Linears' converter prints (for some recipe, all-gather,
     format and scaling): the docs once quoted it without its `, format=...`."""
     import itertools
 
-    from trainer.parallel.float8 import DelayedScalingSettings, Float8Report
+    from trainer.parallel.float8 import DelayedScalingSettings, Float8Options, float8_converters
 
-    real = [Float8Report(recipe=recipe, fsdp_float8_all_gather=gather, emulate=False, format=fmt, delayed=delayed,
-                         save_fp8_activations=save).lines()[0]
+    real = [float8_converters(Float8Options(recipe=recipe, enable_fsdp_float8_all_gather=gather, format=fmt,
+                                            delayed=delayed, save_fp8_activations=save))[0].lines()[0]
             for recipe, gather, fmt, delayed, save in itertools.product(
                 ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"), (True, False), ("hybrid", "e4m3"),
                 (None, DelayedScalingSettings()), (False, True))]

@@ -15,27 +15,27 @@ from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, Llama
 from trainer.parallel.compile import apply_compile
-from trainer.parallel.float8 import bf16_matmuls, is_float8_linear
+from trainer.parallel.float8 import Float8Report, bf16_matmuls, is_float8_linear
 
 TOKENS = torch.randint(0, FLAVORS["debug"].vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
 
 
-def models() -> tuple[Llama, Llama]:
-    """(the debug model in bf16, a copy with its projections and head converted to fp8 tensorwise)."""
+def models() -> tuple[Llama, Llama, Float8Report]:
+    """(the debug model in bf16, a copy with its projections and head converted to fp8 tensorwise, its report)."""
     plain = debug_model().to(torch.bfloat16)
     converted = copy.deepcopy(plain)
-    fp8(converted, enable_fsdp_float8_all_gather=False)
-    return plain, converted
+    report = fp8(converted, enable_fsdp_float8_all_gather=False)
+    return plain, converted, report
 
 
 @torch.no_grad()
 def test_bf16_matmuls_compute_exactly_as_the_unconverted_model_and_restore_fp8():
-    plain, converted = models()
+    plain, converted, report = models()
     linear_types = {fqn: type(m) for fqn, m in converted.named_modules() if is_float8_linear(m)}
     assert len(linear_types) == 7 * FLAVORS["debug"].n_layers + 1
     reference = plain.logits(TOKENS)
     fp8_logits = converted.logits(TOKENS)
-    with bf16_matmuls(converted) as switched:
+    with bf16_matmuls(converted, report) as switched:
         assert switched == len(linear_types)
         assert not any(is_float8_linear(m) for m in converted.modules())
         # The same weights through the same F.linear calls: bit for bit the bf16 model.
@@ -50,20 +50,18 @@ def test_bf16_matmuls_compute_exactly_as_the_unconverted_model_and_restore_fp8()
 def test_fp8_routed_experts_evaluate_with_the_bf16_grouped_gemm():
     from trainer.models import build_model, model_args_for
     from trainer.models.moe_experts import GroupedSwiGLU
-    from trainer.parallel.float8 import apply_fp8_experts, experts_modules
+    from trainer.parallel.float8 import experts_modules
 
     plain = build_model(model_args_for("debug_moe"))
     plain.init_weights(seed=0)
     plain.to(torch.bfloat16)
     converted = copy.deepcopy(plain)
-    report = fp8(converted, enable_fsdp_float8_all_gather=False, emulate=True)
-    apply_fp8_experts(converted, mode="rowwise", emulate=True, require=False, device=torch.device("cpu"),
-                      per_step_weights=False)
+    report = fp8(converted, enable_fsdp_float8_all_gather=False, emulate=True, moe_experts="rowwise")
     kernels = {fqn: m.kernel for fqn, m in experts_modules(converted).items()}
     assert len(kernels) == 3 and not any(isinstance(k, GroupedSwiGLU) for k in kernels.values())
     reference, fp8_logits = plain.logits(TOKENS), converted.logits(TOKENS)
-    with bf16_matmuls(converted) as switched:
-        assert switched == len(report.converted) + len(kernels)
+    with bf16_matmuls(converted, report) as switched:
+        assert switched == len(report.linears.converted) + len(kernels)
         assert torch.equal(converted.logits(TOKENS), reference)
     assert {fqn: m.kernel for fqn, m in experts_modules(converted).items()} == kernels
     assert torch.equal(converted.logits(TOKENS), fp8_logits) and not torch.equal(fp8_logits, reference)
@@ -75,7 +73,7 @@ def test_compiled_blocks_evaluate_in_bf16_and_compile_for_it_once(monkeypatch, t
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    plain, converted = models()
+    plain, converted, report = models()
     apply_compile(plain, context_parallel=False)
     apply_compile(converted, context_parallel=False)
     with torch.no_grad():
@@ -85,7 +83,7 @@ def test_compiled_blocks_evaluate_in_bf16_and_compile_for_it_once(monkeypatch, t
         converted.train()
         converted.logits(TOKENS).float().square().mean().backward()  # a training step's forward and backward
         converted.eval()
-        with torch.no_grad(), bf16_matmuls(converted):
+        with torch.no_grad(), bf16_matmuls(converted, report):
             return converted.logits(TOKENS)
 
     assert torch.equal(train_and_evaluate(), reference)  # the same compiled graph as the bf16 model's

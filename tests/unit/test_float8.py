@@ -11,7 +11,7 @@ from torch import nn
 
 from tests.helpers import DEBUG_CONFIG, fp8_linear_counts
 from trainer.models import FLAVORS, Llama
-from trainer.parallel.float8 import apply_float8, select_float8_linears
+from trainer.parallel.float8 import Float8Options, apply_float8, select_float8_linears
 
 CPU = torch.device("cpu")
 DENSE_PROJ = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
@@ -41,11 +41,10 @@ class ToyMoEBlock(nn.Module):
         self.mlp.gate_proj = nn.Linear(64, 128, bias=False)
 
 
-def fp8(model: nn.Module, **kw):
-    args = dict(recipe="tensorwise", enable_fsdp_float8_all_gather=True, exclude_fqns=[], emulate=False,
-                require=False, device=CPU)
-    args.update(kw)
-    return apply_float8(model, **args)
+def fp8(model: nn.Module, *, device: torch.device = CPU, **options):
+    """apply_float8 with tensorwise and fp8 all-gather unless `options` say otherwise."""
+    options = dict(recipe="tensorwise", enable_fsdp_float8_all_gather=True) | options
+    return apply_float8(model, Float8Options(**options), device=device)
 
 
 def test_dense_model_converts_every_projection_and_the_head(caplog) -> None:
@@ -56,7 +55,7 @@ def test_dense_model_converts_every_projection_and_the_head(caplog) -> None:
         report = fp8(model)
     n = FLAVORS["debug"].n_layers
     expected = {f"layers.{i}.{p}" for i in range(n) for p in DENSE_PROJ} | {"output_head.proj"}
-    assert set(report.converted) == expected
+    assert set(report.linears.converted) == expected
     converted = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == expected
     messages = [r.getMessage() for r in caplog.records]
@@ -93,8 +92,8 @@ def test_exclusions_typos_and_shapes(caplog) -> None:
     odd.attention.k_proj = nn.Linear(64, 48, bias=False)
     with caplog.at_level(logging.INFO, logger="trainer"):
         report = fp8(odd)
-    assert report.converted == ["attention.k_proj"]
-    assert report.excluded == {"attention.q_proj": "shape 64x40 not divisible by 16"}
+    assert report.linears.converted == ["attention.k_proj"]
+    assert report.linears.excluded == {"attention.q_proj": "shape 64x40 not divisible by 16"}
     assert "converted 1/2 Linear layers; excluded: attention.q_proj (shape 64x40 not divisible by 16)" in [
         r.getMessage() for r in caplog.records]
 
@@ -212,7 +211,7 @@ def test_float8_format_picks_the_gradients_fp8_type(fp8_format: str, gradient_dt
 
     model = debug_model().to(torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fp8(model, fp8_format=fp8_format)
+        fp8(model, format=fp8_format)
     words = "hybrid (e4m3 weights and activations, e5m2 gradients)" if fp8_format == "hybrid" else "e4m3 everywhere"
     assert any(f"format={words}" in r.message for r in caplog.records)
     tokens = torch.randint(0, 512, (2, 33))

@@ -12,7 +12,7 @@ from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, Llama, build_model, model_args_for
-from trainer.parallel.float8 import apply_float8, select_float8_linears
+from trainer.parallel.float8 import Float8Options, apply_float8, select_float8_linears
 from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear
 from trainer.validate import validate_job
 
@@ -92,9 +92,8 @@ def test_blockwise_keeps_dims_not_multiples_of_128_in_bf16_and_says_so(caplog) -
     model = Llama(FLAVORS["debug"])  # dim 128, k/v_proj 128 -> 64
     model.init_weights(seed=0)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        report = apply_float8(model, recipe="blockwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
-                              emulate=True, require=False, device=CPU)
-    assert report.num_linear == 29 and len(report.converted) == 21
+        report = apply_float8(model, Float8Options(recipe="blockwise", emulate=True), device=CPU)
+    assert report.linears.num_linear == 29 and len(report.linears.converted) == 21
     assert type(model.layers["0"].attention.q_proj) is BlockwiseFloat8Linear
     assert type(model.layers["0"].attention.k_proj) is torch.nn.Linear
     text = [r.getMessage() for r in caplog.records]
@@ -143,14 +142,13 @@ def test_blockwise_all_gather_auto_is_off_with_sharding() -> None:
 
 def test_blockwise_without_kernels_warns_loudly_or_fails(caplog) -> None:
     model = Llama(FLAVORS["debug"])
-    kw = dict(recipe="blockwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[], emulate=False, device=CPU)
     with caplog.at_level(logging.WARNING, logger="trainer"):
-        report = apply_float8(model, require=False, **kw)
+        report = apply_float8(model, Float8Options(recipe="blockwise"), device=CPU)
     assert not report.enabled and not any(isinstance(m, BlockwiseFloat8Linear) for m in model.modules())
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "FP8 IS UNAVAILABLE ON THIS DEVICE: CPU has no blockwise FP8 kernels" in text and "BF16 instead" in text
     with pytest.raises(ValueError, match="float8.require=true, so stopping"):
-        apply_float8(Llama(FLAVORS["debug"]), require=True, **kw)
+        apply_float8(Llama(FLAVORS["debug"]), Float8Options(recipe="blockwise", require=True), device=CPU)
 
 
 def _loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
@@ -170,8 +168,7 @@ def test_blockwise_model_loss_close_to_bf16_and_not_equal() -> None:
         model.init_weights(seed=0)
         model.to(torch.bfloat16)
         if name == "blockwise":
-            apply_float8(model, recipe="blockwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
-                         emulate=True, require=False, device=CPU)
+            apply_float8(model, Float8Options(recipe="blockwise", emulate=True), device=CPU)
         runs[name] = _loss_and_grads(model, tokens)
     (bf16_loss, bf16_grads), (fp8_loss, fp8_grads) = runs["bf16"], runs["blockwise"]
     assert fp8_loss != bf16_loss and fp8_loss == pytest.approx(bf16_loss, rel=1e-2)
@@ -186,8 +183,7 @@ def test_health_stats_cover_blockwise_layers() -> None:
 
     model = Llama(FLAVORS["debug"])
     model.init_weights(seed=0)
-    apply_float8(model, recipe="blockwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[], emulate=True,
-                 require=False, device=CPU)
+    apply_float8(model, Float8Options(recipe="blockwise", emulate=True), device=CPU)
     monitor = Fp8HealthMonitor(model, recipe="blockwise")
     assert len(monitor.modules) == 21 and set(monitor.formats.values()) == {(True, 128, "e4m3")}
     with monitor.collect():

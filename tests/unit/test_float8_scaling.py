@@ -212,12 +212,16 @@ def test_config_errors_name_the_key_in_one_line(override: list[str], message: st
 
 
 def test_startup_line_and_fp8_layers_json_say_delayed() -> None:
-    from trainer.parallel.float8 import DelayedScalingSettings, Float8Report
+    from trainer.parallel.float8 import DelayedScalingSettings, Float8Options, float8_converters, fp8_layers_json
 
-    report = Float8Report(recipe="tensorwise", fsdp_float8_all_gather=True, emulate=False,
-                          delayed=DelayedScalingSettings(16, "most_recent", 1), save_fp8_activations=True)
-    assert report.lines()[0].endswith(
+    options = Float8Options(recipe="tensorwise", enable_fsdp_float8_all_gather=True,
+                            delayed=DelayedScalingSettings(16, "most_recent", 1), save_fp8_activations=True)
+    assert float8_converters(options)[0].lines()[0].endswith(
         "scaling=delayed (amax_history_len=16, amax_compute_algo=most_recent, margin=1) for inputs and gradients; "
         "weights cast with their current amax before the fp8 all-gather, fp8 inputs saved for backward")
     assert DelayedScalingSettings().as_json() == {"scaling": "delayed", "amax_history_len": 1024,
                                                   "amax_compute_algo": "max", "margin": 0}
+    layers = {"output_head.proj": "converted"}
+    assert list(fp8_layers_json(options, layers).items()) == [  # fp8_layers.json, in its order
+        ("recipe", "tensorwise"), ("format", "hybrid"), ("scaling", "delayed"), ("amax_history_len", 16),
+        ("amax_compute_algo", "most_recent"), ("margin", 1), ("save_fp8_activations", True), ("layers", layers)]

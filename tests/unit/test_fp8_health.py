@@ -10,15 +10,14 @@ import torch
 
 from trainer.loss import LossFn
 from trainer.models import FLAVORS, Llama
-from trainer.parallel.float8 import apply_float8
+from trainer.parallel.float8 import Float8Options, apply_float8
 from trainer.parallel.float8.health import Fp8HealthMonitor, cast_health, layer_group
 
 
 def _fp8_debug_model() -> Llama:
     model = Llama(FLAVORS["debug"])
     model.init_weights(seed=0)
-    apply_float8(model, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[], emulate=False,
-                 require=False, device=torch.device("cpu"))
+    apply_float8(model, Float8Options(recipe="tensorwise"), device=torch.device("cpu"))
     return model
 
 

@@ -377,7 +377,7 @@ def test_grouped_swiglu_in_float64_matches_a_per_expert_loop() -> None:
 
 
 def test_fp8_filter_exact_sets_on_debug_moe(caplog) -> None:
-    from trainer.parallel.float8 import apply_float8, select_float8_linears
+    from trainer.parallel.float8 import Float8Options, apply_float8, select_float8_linears
 
     args = model_args_for("debug_moe")
     with torch.device("meta"):
@@ -395,8 +395,7 @@ def test_fp8_filter_exact_sets_on_debug_moe(caplog) -> None:
 
     model = build_model(args)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        apply_float8(model, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
-                     emulate=False, require=False, device=torch.device("cpu"))
+        apply_float8(model, Float8Options(recipe="tensorwise"), device=torch.device("cpu"))
     lines = [r.getMessage() for r in caplog.records]
     assert ("converted 20/32 Linear layers; excluded: layers.{1..3}.moe.router.gate (MoE router); "
             "layers.{1..3}.{moe.shared_expert.gate_proj,moe.shared_expert.up_proj,moe.shared_expert.down_proj} "

@@ -179,37 +179,53 @@ def test_stale_weights_are_never_used_after_the_refresh() -> None:
     assert torch.equal(moe(x), fresh(x)) and not torch.equal(moe(x), before)
 
 
-def test_the_fp8_report_carries_the_experts_and_merges_them_over_stages(caplog: pytest.LogCaptureFixture) -> None:
-    """The build's FP8 step: the experts' conversion joins the Linears' report, whose lines gain the experts' line
-    (the one apply_fp8_experts logs) only where FP8 experts are on; over pipeline stages the layers add up."""
+def test_one_call_converts_linears_and_experts_into_one_report_merged_over_stages(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """apply_float8 runs the Linears' converter, then the experts': one report, whose lines gain the experts' line
+    only where FP8 experts are on; over pipeline stages the Linears and the MoE layers add up."""
     import logging
 
     from trainer.models import build_model, model_args_for
-    from trainer.parallel.float8 import apply_float8, apply_fp8_experts, merge_reports
+    from trainer.parallel.float8 import Float8Options, Float8Report, Fp8Experts, apply_float8
 
     cpu = torch.device("cpu")
     with torch.device("meta"):
         model = build_model(model_args_for("debug_moe"))  # 3 MoE layers after 1 dense one
-    report = apply_float8(model, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[],
-                          emulate=True, require=False, device=cpu, moe_experts="rowwise")
-    dense = report.lines()
-    assert len(dense) == 2 and report.experts is None
     with caplog.at_level(logging.INFO, logger="trainer"):
-        report.experts = apply_fp8_experts(model, mode="rowwise", emulate=True, require=False, device=cpu,
-                                           per_step_weights=False)
+        report = apply_float8(model, Float8Options(recipe="tensorwise", emulate=True, moe_experts="rowwise"),
+                              device=cpu)
+    assert [type(c) for c in report.converters] == [type(report.linears), Fp8Experts]
+    assert report.experts.num_layers == 3 and len(report.experts.modules(model)) == 3
     line = ("routed experts: FP8 rowwise grouped GEMM, layers.*.moe.experts.{w1,w2,w3} x3 (forward and dgrad in "
             "e4m3, wgrad bf16; tokens quantized once before the expert gather, weights quantized in each forward and "
             "backward, none kept)")
-    assert report.lines() == [*dense, line]
+    dense = report.linears.lines()
+    assert len(dense) == 2 and report.lines() == [*dense, line]
     logged = [r.getMessage() for r in caplog.records if r.name.startswith("trainer")]
-    assert logged == [line, "FP8 grouped GEMMs: EMULATED in high precision (float8.emulate=true)"]
-    no_moe = dataclasses.replace(report, experts=None)  # a stage without MoE layers
-    merged = merge_reports([report, no_moe, report])
+    assert logged == [*dense, "float8 matmuls: EMULATED in high precision (float8.emulate=true)", line,
+                      "FP8 grouped GEMMs: EMULATED in high precision (float8.emulate=true)"]
+    # A stage without MoE layers converts no experts.
+    no_moe = Float8Report([dataclasses.replace(report.linears, converted=[], excluded={}, num_linear=0),
+                           dataclasses.replace(report.experts, num_layers=0)])
+    stages = [report, no_moe, report]
+    merged = Float8Report.of_stages(stages)
+    n = len(report.linears.converted)
     assert merged.experts.num_layers == 6 and merged.lines()[2] == line.replace(" x3 ", " x6 ")
-    assert merge_reports([no_moe, no_moe]).lines()[2:] == []
+    assert len(merged.linears.converted) == 2 * n and merged.linears.num_linear == 2 * report.linears.num_linear
+    assert merged.stages_lines(stages) == [
+        f"FP8 over all 3 pipeline stages ({n}/{report.linears.num_linear}, 0/0, {n}/{report.linears.num_linear} "
+        f"converted on stages 0..2): {merged.lines()[1]}",
+        f"FP8 over all 3 pipeline stages: {line.replace(' x3 ', ' x6 ')}"]
+    assert Float8Report.of_stages([no_moe, no_moe]).lines()[2:] == []
+    # float8.moe_experts='off': no experts' converter, and the Linears' lines say the experts stay bf16.
     with torch.device("meta"):
         off = build_model(model_args_for("debug_moe"))
-    assert apply_fp8_experts(off, mode="off", emulate=True, require=False, device=cpu, per_step_weights=False) is None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        report = apply_float8(off, Float8Options(recipe="tensorwise", emulate=True), device=cpu)
+    assert report.experts is None and len(report.lines()) == 2
+    assert any(r.getMessage().startswith("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x3")
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize(

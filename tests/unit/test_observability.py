@@ -11,12 +11,11 @@ from tests.helpers import fp8_linear_counts
 
 def test_fp8_weight_stats_per_layer() -> None:
     from trainer.models import FLAVORS, Llama
-    from trainer.parallel.float8 import apply_float8, float8_weight_stats
+    from trainer.parallel.float8 import Float8Options, apply_float8, float8_weight_stats
 
     model = Llama(FLAVORS["debug"])
     model.init_weights(seed=0)
-    apply_float8(model, recipe="tensorwise", enable_fsdp_float8_all_gather=False, exclude_fqns=[], emulate=True,
-                 require=False, device=torch.device("cpu"))
+    apply_float8(model, Float8Options(recipe="tensorwise", emulate=True), device=torch.device("cpu"))
     stats = float8_weight_stats(model)
     amax = stats["fp8/weight_amax/layers.0.attention.q_proj"]
     assert amax == pytest.approx(model.layers["0"].attention.q_proj.weight.abs().max().item())

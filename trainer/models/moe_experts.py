@@ -4,7 +4,7 @@
 runs (`ExpertRows`): all of them at ep=1 (`LocalDispatcher`), the rows an all-to-all brought under expert
 parallelism (`trainer.parallel.expert_parallel.AllToAllDispatcher`). Its kernel runs them: bf16 grouped GEMMs
 (`GroupedSwiGLU`, the default) or FP8 rowwise ones (`trainer.models.moe_fp8.Fp8GroupedSwiGLU`, installed by
-`trainer.parallel.float8.apply_fp8_experts`). The dispatcher's combine sends the outputs back.
+`trainer.parallel.float8.apply_float8`). The dispatcher's combine sends the outputs back.
 
 Rows reach the kernel not yet gathered (source rows and an index) so that the FP8 kernel can quantize each
 source row once, before the gather: at ep=1 a token is quantized once, not once per chosen expert.
@@ -174,7 +174,7 @@ class GroupedExperts(nn.Module):
         self.kernel: ExpertKernel = GroupedSwiGLU()
 
     def use(self, *, dispatcher: ExpertDispatcher | None = None, kernel: ExpertKernel | None = None) -> None:
-        """Install a dispatcher (expert parallelism: apply_ep) and/or a kernel (FP8 experts: apply_fp8_experts)."""
+        """Install a dispatcher (expert parallelism: apply_ep) and/or a kernel (FP8 experts: apply_float8)."""
         if dispatcher is not None:
             assert isinstance(dispatcher, ExpertDispatcher), dispatcher
             self.dispatcher = dispatcher

@@ -26,7 +26,7 @@ the one orientation, backward the other (`Fp8ExpertWeights`: kept per optimizer 
 forward runs more than once per step).
 
 `Fp8GroupedSwiGLU` is the experts' kernel (`trainer.models.moe_experts.ExpertKernel`) that runs all this;
-`trainer.parallel.float8.apply_fp8_experts` installs it.
+`trainer.parallel.float8.experts.Fp8Experts` (the experts' FP8 converter) installs it.
 
 `emulate=True` (CPU, CI) runs the same quantization, then dequantizes and multiplies with the plain
 `torch._grouped_mm`: the same numerics up to the GEMMs' accumulation order.

@@ -24,36 +24,12 @@ from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
 from trainer.parallel.expert_parallel import apply_ep
-from trainer.parallel.float8 import DelayedScalingSettings, Float8Report, Recipe, apply_float8, apply_fp8_experts
+from trainer.parallel.float8 import Float8Options, Float8Report, apply_float8
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Float8Options:
-    recipe: Recipe
-    enable_fsdp_float8_all_gather: bool
-    exclude_fqns: tuple[str, ...]
-    emulate: bool
-    require: bool
-    moe_experts: str = "off"
-    """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8.experts)."""
-    expert_weights_per_step: bool = False
-    """Keep the FP8 expert weights through the optimizer step (trainer.models.moe_fp8.Fp8ExpertWeights)."""
-    format: str = "hybrid"
-    """float8.format resolved: "hybrid" (e4m3 forward, e5m2 gradients; tensorwise only) or "e4m3" (everywhere)."""
-    delayed: DelayedScalingSettings | None = None
-    """float8.scaling='delayed' with its settings (tensorwise only); None: dynamic scaling."""
-    save_fp8_activations: bool = False
-    """float8.save_fp8_activations (tensorwise only)."""
-    unavailable: str = ""
-    """Why this device runs no FP8 matmuls of the recipe (the Linears train in bf16; apply_float8 says so loudly), as
-    the validation pass's probe found it; "" where they run (or are emulated, or a dry run plans FP8 GPUs)."""
-    experts_unavailable: str = ""
-    """Why this device runs no FP8 grouped GEMM for float8.moe_experts (the experts train in bf16); "" where it runs."""
 
 
 @dataclass(frozen=True)
@@ -142,19 +118,10 @@ def build_parallel_model(
     if pd.ep > 1:
         logger.info(apply_ep(model, pd.mesh("ep")))
 
-    # FP8 swaps nn.Linear classes, so it comes before AC/compile/FSDP wrap them.
+    # FP8 swaps nn.Linear classes and the experts' kernels, so it comes before AC/compile/FSDP wrap them.
     report = None
     if o.float8 is not None:
-        f8 = o.float8
-        report = apply_float8(
-            model, recipe=f8.recipe, enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather,
-            exclude_fqns=list(f8.exclude_fqns), emulate=f8.emulate, require=f8.require, device=device,
-            moe_experts=f8.moe_experts, fp8_format=f8.format, delayed=f8.delayed,
-            save_fp8_activations=f8.save_fp8_activations,
-        )
-        # The routed experts' grouped GEMMs: one kernel switch per MoE layer, in the same report.
-        report.experts = apply_fp8_experts(model, mode=f8.moe_experts, emulate=f8.emulate, require=f8.require,
-                                           device=device, per_step_weights=f8.expert_weights_per_step)
+        report = apply_float8(model, o.float8, device=device)
         # Only on a GPU: there compile fuses the casts into the matmuls' neighbours. On a CPU fp8 is for tests
         # (aten's _scaled_mm), and compiling it costs minutes of inductor codegen for nothing faster.
         if report.enabled and not o.compile and device.type == "cuda":

@@ -36,6 +36,7 @@ from trainer.models import ModelArgs
 from trainer.parallel.build import BuildOptions
 from trainer.parallel.builder import build_model_part
 from trainer.parallel.context_parallel import ContextParallel
+from trainer.parallel.float8 import Float8Report
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline_layout import (
     SINGLE_STAGE_SCHEDULES, PipelineOptions, bubble_fraction, describe_split, stage_ids,
@@ -137,23 +138,19 @@ class Pipeline:
         self.has_first = any(s.is_first for s in self._stages)
         self.has_last = any(s.is_last for s in self._stages)
 
-    def _gather_float8_reports(self, reports: list):
-        """Every stage's FP8 report, from every pp rank, merged: the whole model's, which rank 0 logs in one
-        line and which feeds the metrics and fp8_layers.json. None when the run is not fp8."""
-        from trainer.parallel.float8 import merge_reports
-
+    def _gather_float8_reports(self, reports: list[Float8Report | None]) -> Float8Report | None:
+        """Every stage's FP8 report, from every pp rank, merged (`Float8Report.of_stages`): the whole model's,
+        whose lines over all stages rank 0 logs (each stage's own counted its layers only) and which feeds the
+        metrics and the step hooks. None when the run is not fp8."""
         if all(r is None for r in reports):
             return None
         gathered: list = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(gathered, list(zip(self.stage_ids, reports)), group=self.pp_group)
-        by_stage = sorted((sid, report) for part in gathered for sid, report in part)
-        merged = merge_reports([report for _, report in by_stage])
-        if merged is not None:
-            per_stage = ", ".join(f"{len(r.converted)}/{r.num_linear}" for _, r in by_stage)
-            logger.info("FP8 over all %d pipeline stages (%s converted on stages 0..%d): %s",
-                        self.options.num_stages, per_stage, self.options.num_stages - 1, merged.lines()[1])
-            if merged.experts is not None:  # the first stage's line counted its own MoE layers only
-                logger.info("FP8 over all %d pipeline stages: %s", self.options.num_stages, merged.experts.line())
+        stages = [report for _, report in sorted((sid, report) for part in gathered for sid, report in part)]
+        assert len(stages) == self.options.num_stages, (len(stages), self.options.num_stages)
+        merged = Float8Report.of_stages(stages)
+        for line in merged.stages_lines(stages):
+            logger.info(line)
         return merged
 
     @property

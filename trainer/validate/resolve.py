@@ -23,9 +23,10 @@ from trainer.errors import ConfigError
 from trainer.model_values import values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
 from trainer.models.llama import RopeScaling
-from trainer.parallel import ACOptions, BuildOptions, Float8Options, FSDPOptions, ParallelDims
+from trainer.parallel import ACOptions, BuildOptions, FSDPOptions, ParallelDims
 from trainer.parallel.float8 import (
-    DelayedScalingSettings, fp8_grouped_supported, fp8_supported, local_device, resolve_format, select_float8_linears,
+    DelayedScalingSettings, Float8Options, fp8_grouped_supported, fp8_supported, local_device, resolve_format,
+    select_float8_linears,
 )
 
 logger = logging.getLogger(__name__)

@@ -15,6 +15,8 @@ The layouts torchao uses (block = 128; M tokens, K in_features, N out_features; 
 so every scale group lies inside one 128-slice of the contracting dim, which is what lets the GEMM apply
 one scale per (tile, block) product. Values are scaled, clamped to +-448, rounded to float8_e4m3fn; the
 GEMM multiplies by the reciprocal (fp32) of each scale.
+
+The recipe's converter is `trainer.parallel.float8.linear.BlockwiseLinears`, which swaps this module in.
 """
 
 from __future__ import annotations

@@ -1,67 +1,105 @@
 """FP8 routed experts (`float8.moe_experts`): each MoE layer's expert kernel switched to FP8 grouped GEMMs.
 
-The kernel and its autograd live with the model (`trainer.models.moe_fp8.Fp8GroupedSwiGLU`); this room decides
-where it can run, installs it in every `GroupedExperts` (`apply_fp8_experts`, which returns what it did for the
-`Float8Report`) and refreshes the per-step weight cache (`Fp8ExpertWeightsRefresh`). The expert weights' FP8
-stats are in `trainer.parallel.float8.health`.
+The kernel and its autograd live with the model (`trainer.models.moe_fp8.Fp8GroupedSwiGLU`); this room is the
+experts' converter (`Fp8Experts`: where the kernel can run, installing it in every `GroupedExperts`, what it
+did for the `Float8Report`) and the per-step weight cache's refresh (`Fp8ExpertWeightsRefresh`). The expert
+weights' FP8 stats are in `trainer.parallel.float8.health`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Self
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.hooks import StepHook
+from trainer.models.layers import clean_fqn
+from trainer.models.moe_experts import GroupedExperts, GroupedSwiGLU
+from trainer.models.moe_fp8 import Fp8ExpertWeights, Fp8GroupedSwiGLU
 from trainer.parallel.float8.hardware import fp8_grouped_supported, refuse_or_warn
-from trainer.parallel.float8.report import ExpertsConversion
+from trainer.parallel.float8.report import Float8Converter
 
 logger = logging.getLogger(__name__)
 
 
-def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+def experts_modules(model: nn.Module) -> dict[str, GroupedExperts]:
     """fqn -> GroupedExperts of every MoE layer."""
-    from trainer.models.layers import clean_fqn
-    from trainer.models.moe_experts import GroupedExperts
-
     return {clean_fqn(fqn): m for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)}
 
 
-def fp8_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """fqn -> GroupedExperts whose kernel apply_fp8_experts switched to FP8."""
-    from trainer.models.moe_fp8 import Fp8GroupedSwiGLU
-
-    return {fqn: m for fqn, m in experts_modules(model).items() if isinstance(m.kernel, Fp8GroupedSwiGLU)}
+def fp8_experts_modules(model: nn.Module) -> dict[str, GroupedExperts]:
+    """fqn -> GroupedExperts whose kernel the experts' converter switched to FP8."""
+    return {fqn: m for fqn, m in experts_modules(model).items() if Fp8Experts.owns(m)}
 
 
-def apply_fp8_experts(model: nn.Module, *, mode: str, emulate: bool, require: bool, device: torch.device,
-                      per_step_weights: bool) -> ExpertsConversion | None:
-    """Run every MoE layer's routed experts as FP8 grouped GEMMs, in place, and log the two lines that say so;
-    returns what converted (the Float8Report's `experts`), or None where they stay bf16.
+@dataclass
+class Fp8Experts(Float8Converter):
+    """The routed experts' converter: every MoE layer's experts run as FP8 grouped GEMMs (float8.moe_experts).
 
     `per_step_weights`: keep the FP8 weights through the optimizer step (`trainer.models.moe_fp8.Fp8ExpertWeights`;
-    trainer.validate decides). Where no FP8 grouped GEMM can run and nothing
-    emulates it, the experts stay bf16 with a loud warning, or `require` stops the run.
-    """
-    from trainer.models.moe_fp8 import Fp8ExpertWeights, Fp8GroupedSwiGLU
+    trainer.validate decides). Where no FP8 grouped GEMM can run and nothing emulates it, the experts stay bf16
+    with a loud warning, or `require` stops the run."""
 
-    assert mode in ("off", "rowwise"), mode  # trainer.validate checked it
-    experts = experts_modules(model)
-    if mode == "off" or not experts:
-        return None
-    ok, what = fp8_grouped_supported(device)
-    if not ok and not emulate:
-        refuse_or_warn(what, require=require, setting=f"float8.moe_experts='{mode}'",
-                       headline="FP8 GROUPED GEMMS ARE UNAVAILABLE HERE",
-                       instead=f"The routed experts train in BF16 instead (float8.moe_experts='{mode}').")
-        return None
-    for module in experts.values():
-        module.use(kernel=Fp8GroupedSwiGLU(Fp8ExpertWeights(per_step=per_step_weights), emulate=emulate))
-    conversion = ExpertsConversion(mode=mode, num_layers=len(experts), per_step_weights=per_step_weights)
-    logger.info(conversion.line())
-    logger.info("FP8 grouped GEMMs: %s", "EMULATED in high precision (float8.emulate=true)" if emulate else what)
-    return conversion
+    role: ClassVar[str] = "experts"
+    mode: str
+    emulate: bool = False
+    require: bool = False
+    per_step_weights: bool = False
+    num_layers: int = 0
+    """MoE layers whose experts it converted (0: none here, or no FP8 grouped GEMM on this device)."""
+
+    def convert(self, model: nn.Module, *, device: torch.device) -> None:
+        """Install the FP8 kernel in every MoE layer and log the two lines that say so."""
+        assert self.mode == "rowwise", self.mode  # trainer.validate checked it; "off" makes no converter
+        experts = experts_modules(model)
+        if not experts:  # a pipeline stage without MoE layers
+            return
+        ok, what = fp8_grouped_supported(device)
+        if not ok and not self.emulate:
+            refuse_or_warn(what, require=self.require, setting=f"float8.moe_experts='{self.mode}'",
+                           headline="FP8 GROUPED GEMMS ARE UNAVAILABLE HERE",
+                           instead=f"The routed experts train in BF16 instead (float8.moe_experts='{self.mode}').")
+            return
+        for module in experts.values():
+            module.use(kernel=Fp8GroupedSwiGLU(Fp8ExpertWeights(per_step=self.per_step_weights), emulate=self.emulate))
+        self.num_layers = len(experts)
+        logger.info(self.lines()[0])
+        logger.info("FP8 grouped GEMMs: %s", "EMULATED in high precision (float8.emulate=true)" if self.emulate
+                    else what)
+
+    @classmethod
+    def owns(cls, module: nn.Module) -> bool:
+        return isinstance(module, GroupedExperts) and isinstance(module.kernel, Fp8GroupedSwiGLU)
+
+    def in_bf16(self, module: nn.Module) -> Callable[[], None]:
+        """The experts run torch's bf16 grouped GEMM (the same weights) until the undo puts the FP8 kernel back."""
+        kernel = module.kernel
+        module.use(kernel=GroupedSwiGLU())
+        return lambda: module.use(kernel=kernel)
+
+    def lines(self) -> list[str]:
+        if not self.num_layers:
+            return []
+        weights = ("once per optimizer step and kept for its forwards" if self.per_step_weights
+                   else "in each forward and backward, none kept")
+        return [f"routed experts: FP8 {self.mode} grouped GEMM, layers.*.moe.experts.{{w1,w2,w3}} x{self.num_layers} "
+                f"(forward and dgrad in e4m3, wgrad bf16; tokens quantized once before the expert gather, weights "
+                f"quantized {weights})"]
+
+    @classmethod
+    def merged(cls, stages: list[Self]) -> Self:
+        return dataclasses.replace(stages[0], num_layers=sum(s.num_layers for s in stages))
+
+    def step_hooks(self, model: nn.Module, *, amax_group: dist.ProcessGroup | None) -> list[StepHook]:
+        """The per-step weight refresh, where this rank's experts keep their FP8 weights through the step."""
+        refresh = Fp8ExpertWeightsRefresh(model)
+        return [refresh] if any(cache.per_step for cache in refresh.caches) else []
 
 
 class Fp8ExpertWeightsRefresh(StepHook):

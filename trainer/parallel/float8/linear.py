@@ -1,4 +1,5 @@
-"""FP8 Linears through torchao (tensorwise, rowwise) or our blockwise module: which convert, and proof that they did.
+"""FP8 Linears: which convert (`select_float8_linears`, also the validation pass's), and the Linears' converters:
+`Float8Linears` for the torchao recipes (tensorwise, rowwise), `BlockwiseLinears` for blockwise (blockwise.py's module).
 
 FP8 is a compute dtype only: weights stay bf16/fp32 in the model and optimizer;
 torchao's Float8Linear casts inputs, weights and gradients to float8 with dynamic
@@ -12,19 +13,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Self
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.hooks import StepHook
+from trainer.models.layers import clean_fqn
 from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear, convert_to_blockwise
 from trainer.parallel.float8.hardware import fp8_supported, refuse_or_warn
-from trainer.parallel.float8.report import DelayedScalingSettings, Float8Report, resolve_format
+from trainer.parallel.float8.options import DelayedScalingSettings, Float8Options, Recipe
+from trainer.parallel.float8.report import Float8Converter, group_fqns
 
 logger = logging.getLogger(__name__)
-
-Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
 
 # For scripts/benchmark.py --own-fp8-linear only: run our Float8TensorwiseLinear even with dynamic scaling and bf16
 # saved inputs, to time it against torchao's Float8Linear (the same numerics). Not a config key.
@@ -88,105 +93,181 @@ def matches_exclusion(fqn: str, entry: str) -> bool:
     return fqn == entry or f".{entry}." in f".{fqn}."
 
 
-def apply_float8(
-    model: nn.Module,
-    *,
-    recipe: Recipe,
-    enable_fsdp_float8_all_gather: bool,
-    exclude_fqns: list[str],
-    emulate: bool,
-    require: bool,
-    device: torch.device,
-    moe_experts: str = "off",
-    fp8_format: str | None = None,
-    delayed: DelayedScalingSettings | None = None,
-    save_fp8_activations: bool = False,
-) -> Float8Report:
-    """Swap the selected nn.Linear modules for torchao Float8Linear (blockwise: BlockwiseFloat8Linear), in place.
+@dataclass
+class Float8Linears(Float8Converter):
+    """The Linears' converter of the torchao recipes (tensorwise, rowwise, rowwise_with_gw_hp): torchao's Float8Linear,
+    or for tensorwise with delayed scaling or FP8 saved inputs our Float8TensorwiseLinear (tensorwise.py).
 
-    Must run after EP and before activation checkpointing, torch.compile and FSDP2, which wrap
-    whatever modules they find; never after TP (the config check refuses FP8 + TP). Logs the two
-    confirmation lines. Tensorwise with `delayed` (float8.scaling='delayed') or `save_fp8_activations` runs our
-    Float8TensorwiseLinear (trainer.parallel.float8.tensorwise) instead of torchao's. When the GPU has no FP8 tensor cores it warns loudly and converts nothing
-    (bf16 runs), or raises if `require`.
-    """
-    from torch.distributed.tensor import DTensor
+    Must run after EP and before activation checkpointing, torch.compile and FSDP2, which wrap whatever modules
+    they find; never after TP (the config check refuses FP8 + TP). Logs the two confirmation lines. When the device
+    has no FP8 matmul of the recipe it warns loudly and converts nothing (bf16 runs), or raises under
+    float8.require."""
 
-    tp = next((fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and isinstance(m.weight, DTensor)),
-              None)
-    assert tp is None, f"{tp}.weight is a tensor-parallel DTensor: JobConfig refuses FP8 + tensor parallelism"
+    role: ClassVar[str] = "linears"
+    options: Float8Options
+    converted: list[str] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+    """fqn -> why it stays in high precision."""
+    num_linear: int = 0
 
-    # The config check refuses it: blockwise weights are all-gathered in bf16.
-    assert not (enable_fsdp_float8_all_gather and recipe == "blockwise"), "blockwise has no fp8 all-gather"
-    fp8_format = fp8_format or resolve_format(recipe)  # None: float8.format='auto'
-    assert fp8_format == "e4m3" or recipe == "tensorwise", (recipe, fp8_format)  # the config check refuses it
-    assert recipe == "tensorwise" or (delayed is None and not save_fp8_activations), recipe  # the config check
-    report = Float8Report(recipe=recipe, fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate,
-                          format=fp8_format, delayed=delayed, save_fp8_activations=save_fp8_activations)
-    converted, excluded, num_linear = select_float8_linears(model, exclude_fqns=exclude_fqns, recipe=recipe)
-    report.excluded, report.num_linear = excluded, num_linear
+    def convert(self, model: nn.Module, *, device: torch.device) -> None:
+        o = self.options
+        tp = next((fqn for fqn, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and isinstance(m.weight, DTensor)), None)
+        assert tp is None, f"{tp}.weight is a tensor-parallel DTensor: JobConfig refuses FP8 + tensor parallelism"
+        # The config check refuses these: rowwise and blockwise cast everything to e4m3, and only tensorwise has
+        # delayed scaling, fp8 saved inputs and (blockwise weights are all-gathered in bf16) an fp8 all-gather.
+        assert o.format == "e4m3" or o.recipe == "tensorwise", (o.recipe, o.format)
+        assert o.recipe == "tensorwise" or (o.delayed is None and not o.save_fp8_activations), o.recipe
+        assert not (o.enable_fsdp_float8_all_gather and o.recipe == "blockwise"), "blockwise has no fp8 all-gather"
+        converted, self.excluded, self.num_linear = select_float8_linears(
+            model, exclude_fqns=list(o.exclude_fqns), recipe=o.recipe)
+        ok, what = fp8_supported(device, o.recipe)
+        if not ok and not o.emulate:
+            refuse_or_warn(what, require=o.require, setting="train.mixed_precision='fp8'",
+                           headline=f"FP8 IS UNAVAILABLE ON THIS {'GPU' if device.type == 'cuda' else 'DEVICE'}",
+                           instead="This run trains in BF16 instead.")
+            return
+        self._swap(model, set(converted), device=device)
+        self.converted = converted
+        self._log(model, what)
 
-    ok, what = fp8_supported(device, recipe)
-    if not ok and not emulate:
-        refuse_or_warn(what, require=require, setting="train.mixed_precision='fp8'",
-                       headline=f"FP8 IS UNAVAILABLE ON THIS {'GPU' if device.type == 'cuda' else 'DEVICE'}",
-                       instead="This run trains in BF16 instead.")
-        return report
-    _convert(model, set(converted), recipe=recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
-             emulate=emulate, device=device, fp8_format=fp8_format)
-    if recipe == "tensorwise" and (delayed is not None or save_fp8_activations or OWN_TENSORWISE_LINEAR):
-        from trainer.parallel.float8.tensorwise import convert_to_tensorwise  # imports torchao
+    def _swap(self, model: nn.Module, selected: set[str], *, device: torch.device) -> None:
+        """torchao's Float8Linear for the selected Linears; format "e4m3" casts the tensorwise recipe's gradients to
+        e4m3 too (torchao's default is e5m2). Then ours where tensorwise needs it (tensorwise.py)."""
+        from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # torchao: fp8 runs only
+        from torchao.float8.config import e4m3_dtype
 
-        convert_to_tensorwise(model, delayed=delayed is not None, save_fp8_input=save_fp8_activations)
-    report.converted = converted
-    _log_conversion(model, report, what, moe_experts=moe_experts)
-    return report
+        o = self.options
+        if o.recipe == "tensorwise":
+            grads = {"cast_config_grad_output": CastConfig(target_dtype=e4m3_dtype)} if o.format == "e4m3" else {}
+            config = Float8LinearConfig(
+                enable_fsdp_float8_all_gather=o.enable_fsdp_float8_all_gather, emulate=o.emulate, **grads
+            )
+        else:
+            config = dataclasses.replace(Float8LinearConfig.from_recipe_name(o.recipe), emulate=o.emulate)
+        if device.type == "cpu" and not o.emulate and torch.backends.mkldnn.enabled:
+            # oneDNN's fp8 GEMM on CPUs without AMX-FP8 is a reference loop, ~100x slower
+            # than aten's own CPU _scaled_mm (same results; measured 0.9 s vs 0.01 s for
+            # 1024x128x384). Disabling oneDNN routes torch._scaled_mm to aten's kernel.
+            torch.backends.mkldnn.enabled = False
+            logger.info("float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel")
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in selected, config=config)
+        if o.recipe == "tensorwise" and (o.delayed is not None or o.save_fp8_activations or OWN_TENSORWISE_LINEAR):
+            from trainer.parallel.float8.tensorwise import convert_to_tensorwise  # imports torchao
+
+            convert_to_tensorwise(model, delayed=o.delayed is not None, save_fp8_input=o.save_fp8_activations)
+
+    def _log(self, model: nn.Module, what: str) -> None:
+        """The confirmation lines: what converted, what stayed bf16 and why, and what runs the matmuls."""
+        for line in self.lines():
+            logger.info(line)
+        n = sum(1 for fqn, _ in model.named_parameters() if clean_fqn(fqn).endswith(".moe.experts.w1"))
+        if n and self.options.moe_experts == "off":  # otherwise the experts' converter says what they run
+            logger.info("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x%d (grouped GEMM on 3-D "
+                        "weights; float8.moe_experts='rowwise' runs them as FP8 grouped GEMMs)", n)
+        logger.info("float8 matmuls: %s", self._emulated_line() if self.options.emulate else what)
+
+    def _emulated_line(self) -> str:
+        return "EMULATED in high precision (float8.emulate=true)"
+
+    @classmethod
+    def owns(cls, module: nn.Module) -> bool:
+        from torchao.float8.float8_linear import Float8Linear  # torchao: fp8 runs only
+
+        return isinstance(module, Float8Linear)
+
+    def in_bf16(self, module: nn.Module) -> Callable[[], None]:
+        """The module computes as nn.Linear (the same weight; F.linear) until the undo puts its class back."""
+        cls = type(module)
+        module.__class__ = nn.Linear
+        return lambda: setattr(module, "__class__", cls)
+
+    def lines(self) -> list[str]:
+        """The startup's two lines: the recipe and its settings, then what converted and why the rest did not."""
+        o = self.options
+        by_reason: dict[str, list[str]] = {}
+        for fqn, reason in self.excluded.items():
+            by_reason.setdefault(reason, []).append(fqn)
+        excluded = "; ".join(f"{', '.join(group_fqns(fqns))} ({reason})" for reason, fqns in by_reason.items())
+        return [
+            f"Applied Float8 training: recipe={o.recipe.upper()}, "
+            f"fsdp_float8_all_gather={o.enable_fsdp_float8_all_gather}, format={describe_format(o.format)}"
+            + describe_scaling(o.delayed, o.save_fp8_activations, all_gather=o.enable_fsdp_float8_all_gather),
+            f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
+        ]
+
+    def fp8_layers_fields(self) -> dict:
+        o = self.options
+        return {"recipe": o.recipe, "format": o.format, **({"unavailable": o.unavailable} if o.unavailable else {}),
+                **(o.delayed.as_json() if o.delayed else {}),
+                **({"save_fp8_activations": True} if o.save_fp8_activations else {})}
+
+    @classmethod
+    def merged(cls, stages: list[Self]) -> Self:
+        return dataclasses.replace(stages[0], converted=[fqn for s in stages for fqn in s.converted],
+                                   excluded={fqn: why for s in stages for fqn, why in s.excluded.items()},
+                                   num_linear=sum(s.num_linear for s in stages))
+
+    def stages_lines(self, stages: list[Self]) -> list[str]:
+        per_stage = ", ".join(f"{len(s.converted)}/{s.num_linear}" for s in stages)
+        return [f"FP8 over all {len(stages)} pipeline stages ({per_stage} converted on stages 0..{len(stages) - 1}): "
+                f"{self.lines()[1]}"]
+
+    def step_hooks(self, model: nn.Module, *, amax_group: dist.ProcessGroup | None) -> list[StepHook]:
+        """fp8 all-gather's weight-scale precompute, and delayed scaling (its amaxes reduced over `amax_group`: the
+        data- and context-parallel ranks of this pipeline stage), where this run uses them."""
+        o, hooks = self.options, []
+        if not self.converted:
+            return hooks
+        if o.enable_fsdp_float8_all_gather:
+            hooks.append(Float8ScalePrecompute(model))
+        if o.delayed is not None:
+            from trainer.parallel.float8.delayed import DelayedScaling  # imports torchao
+
+            d = o.delayed
+            hooks.append(DelayedScaling(model, history_len=d.amax_history_len, algo=d.amax_compute_algo,
+                                        margin=d.margin, group=amax_group))
+        return hooks
 
 
-def _convert(model: nn.Module, selected: set[str], *, recipe: Recipe, enable_fsdp_float8_all_gather: bool,
-             emulate: bool, device: torch.device, fp8_format: str = "hybrid") -> None:
-    """Swap the selected Linears: BlockwiseFloat8Linear for blockwise, torchao's Float8Linear otherwise.
-    fp8_format "e4m3" casts the tensorwise recipe's gradients to e4m3 too (torchao's default is e5m2)."""
-    if recipe == "blockwise":
-        convert_to_blockwise(model, selected, emulate=emulate)
-        return
+@dataclass
+class BlockwiseLinears(Float8Linears):
+    """The Linears' converter of float8.recipe='blockwise': `BlockwiseFloat8Linear` for every selected Linear (both
+    dims multiples of 128: `select_float8_linears`); the rest is the torchao recipes' converter."""
 
-    from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
-    from torchao.float8.config import e4m3_dtype
+    def _swap(self, model: nn.Module, selected: set[str], *, device: torch.device) -> None:
+        convert_to_blockwise(model, selected, emulate=self.options.emulate)
 
-    if recipe == "tensorwise":
-        grads = {"cast_config_grad_output": CastConfig(target_dtype=e4m3_dtype)} if fp8_format == "e4m3" else {}
-        config = Float8LinearConfig(
-            enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate, **grads
-        )
-    else:
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    if device.type == "cpu" and not emulate and torch.backends.mkldnn.enabled:
-        # oneDNN's fp8 GEMM on CPUs without AMX-FP8 is a reference loop, ~100x slower
-        # than aten's own CPU _scaled_mm (same results; measured 0.9 s vs 0.01 s for
-        # 1024x128x384). Disabling oneDNN routes torch._scaled_mm to aten's kernel.
-        torch.backends.mkldnn.enabled = False
-        logger.info("float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel")
-    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in selected, config=config)
+    def _emulated_line(self) -> str:
+        return ("EMULATED in plain torch (blockwise 1x128 / 128x128 e4m3 quantize-dequantize, fp32 matmuls; "
+                "float8.emulate=true)")
+
+    @classmethod
+    def owns(cls, module: nn.Module) -> bool:
+        return isinstance(module, BlockwiseFloat8Linear)
 
 
-def _log_conversion(model: nn.Module, report: Float8Report, what: str, *, moe_experts: str) -> None:
-    """The confirmation lines: what converted, what stayed bf16 and why, and what runs the matmuls."""
-    from trainer.models.layers import clean_fqn
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether a Linears' converter made this module (torchao's Float8Linear or a BlockwiseFloat8Linear)."""
+    return Float8Linears.owns(module) or BlockwiseLinears.owns(module)
 
-    for line in report.lines():
-        logger.info(line)
-    n = sum(1 for fqn, _ in model.named_parameters() if clean_fqn(fqn).endswith(".moe.experts.w1"))
-    if n and moe_experts == "off":  # otherwise trainer.parallel.float8.experts says what they run
-        logger.info("MoE routed experts stay bf16: layers.*.moe.experts.{w1,w2,w3} x%d (grouped GEMM on 3-D "
-                    "weights; float8.moe_experts='rowwise' runs them as FP8 grouped GEMMs)", n)
-    if not report.emulate:
-        logger.info("float8 matmuls: %s", what)
-    elif report.recipe == "blockwise":
-        logger.info("float8 matmuls: EMULATED in plain torch (blockwise 1x128 / 128x128 e4m3 quantize-dequantize, "
-                    "fp32 matmuls; float8.emulate=true)")
-    else:
-        logger.info("float8 matmuls: EMULATED in high precision (float8.emulate=true)")
+
+def describe_format(fp8_format: str) -> str:
+    """float8.format in words: what is cast to which FP8 type."""
+    return {"hybrid": "hybrid (e4m3 weights and activations, e5m2 gradients)", "e4m3": "e4m3 everywhere"}[fp8_format]
+
+
+def describe_scaling(delayed: DelayedScalingSettings | None, save_fp8_activations: bool, *, all_gather: bool) -> str:
+    """What the startup line adds for float8.scaling='delayed' and float8.save_fp8_activations ('' for neither)."""
+    text = ""
+    if delayed is not None:
+        text += f", scaling={delayed.describe()}"
+        if all_gather:  # the weight arrives cast by FSDP2 with the scale precomputed after the optimizer step
+            text += " for inputs and gradients; weights cast with their current amax before the fp8 all-gather"
+    if save_fp8_activations:
+        text += ", fp8 inputs saved for backward"
+    return text
 
 
 def precompute_float8_scales(model: nn.Module) -> None:
@@ -209,10 +290,3 @@ class Float8ScalePrecompute(StepHook):
 
     def after_optimizer_step(self, step: int, found_inf: torch.Tensor) -> None:
         precompute_float8_scales(self.model)
-
-
-def is_float8_linear(module: nn.Module) -> bool:
-    """Whether apply_float8 converted this module (torchao's Float8Linear or a BlockwiseFloat8Linear)."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    return isinstance(module, (Float8Linear, BlockwiseFloat8Linear))

@@ -1,123 +1,116 @@
-"""What the FP8 conversion did, dense Linears and routed experts: one report for logs, metrics and tests."""
+"""What the FP8 conversion did: `Float8Report`, a list of converters (torchtitan's model converters), each the same
+small interface (`Float8Converter`) over one kind of module: the Linears (trainer.parallel.float8.linear: torchao's
+tensorwise and rowwise; blockwise.py: blockwise), the routed experts (experts.py). MX or NVFP4 would be one more
+converter. One report for logs, metrics, step hooks (hooks.py), evaluation (evaluation.py) and tests, merged over
+pipeline stages here.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Self
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.hooks import StepHook
+from trainer.models.layers import clean_fqn
 
 
-@dataclass
-class ExpertsConversion:
-    """The routed experts run as FP8 grouped GEMMs (float8.moe_experts; trainer.parallel.float8.experts)."""
+class Float8Converter:
+    """One kind of FP8 conversion and, once it ran, what it converted: plain data (the pipeline gathers reports
+    from other ranks), built from the resolved `Float8Options` by `trainer.parallel.float8.apply.float8_converters`.
 
-    mode: str
-    num_layers: int
-    per_step_weights: bool
+    role: what of the model it converts, "linears" or "experts" (a run has at most one converter of each)."""
 
-    def line(self) -> str:
-        weights = ("once per optimizer step and kept for its forwards" if self.per_step_weights
-                   else "in each forward and backward, none kept")
-        return (f"routed experts: FP8 {self.mode} grouped GEMM, layers.*.moe.experts.{{w1,w2,w3}} x{self.num_layers} "
-                f"(forward and dgrad in e4m3, wgrad bf16; tokens quantized once before the expert gather, weights "
-                f"quantized {weights})")
+    role: ClassVar[str]
 
+    def convert(self, model: nn.Module, *, device: torch.device) -> None:
+        """Convert its modules of `model` in place (or say loudly why not, or stop under float8.require), record
+        what converted, and log what it did."""
+        raise NotImplementedError
 
-@dataclass(frozen=True)
-class DelayedScalingSettings:
-    """float8.scaling='delayed' (tensorwise): Transformer Engine's DelayedScaling knobs."""
+    @classmethod
+    def owns(cls, module: nn.Module) -> bool:
+        """Whether `module` is one this kind of converter made."""
+        raise NotImplementedError
 
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
+    def modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """fqn -> every module of `model` (this rank's) that this kind of converter made."""
+        return {clean_fqn(fqn): m for fqn, m in model.named_modules() if self.owns(m)}
 
-    def describe(self) -> str:
-        return (f"delayed (amax_history_len={self.amax_history_len}, amax_compute_algo={self.amax_compute_algo}, "
-                f"margin={self.margin})")
+    def in_bf16(self, module: nn.Module) -> Callable[[], None]:
+        """Make one of its modules compute in bf16 with the same parameters (evaluation.py); returns the undo."""
+        raise NotImplementedError
 
-    def as_json(self) -> dict:
-        return {"scaling": "delayed", **dataclasses.asdict(self)}
+    def lines(self) -> list[str]:
+        """What it converted, in the words of the startup log."""
+        raise NotImplementedError
+
+    def fp8_layers_fields(self) -> dict:
+        """Its part of fp8_layers.json (trainer.run_files), from its options alone."""
+        return {}
+
+    @classmethod
+    def merged(cls, stages: list[Self]) -> Self:
+        """The whole model's converter from its pipeline stages' (in stage order)."""
+        raise NotImplementedError
+
+    def stages_lines(self, stages: list[Self]) -> list[str]:
+        """The lines that say, once for the whole model, what this (merged) converter did over `stages`."""
+        return [f"FP8 over all {len(stages)} pipeline stages: {line}" for line in self.lines()]
+
+    def step_hooks(self, model: nn.Module, *, amax_group: dist.ProcessGroup | None) -> list[StepHook]:
+        """The per-step hooks (trainer/hooks.py) its conversion needs, in the order they run."""
+        return []
 
 
 @dataclass
 class Float8Report:
-    """What apply_float8 (and, for MoE models, apply_fp8_experts) did, for logs, metrics and tests."""
+    """What apply_float8 did: its converters, in the order they ran, each holding what it converted."""
 
-    recipe: str
-    fsdp_float8_all_gather: bool
-    emulate: bool
-    converted: list[str] = field(default_factory=list)
-    excluded: dict[str, str] = field(default_factory=dict)  # fqn -> reason
-    num_linear: int = 0
-    experts: ExpertsConversion | None = None
-    """Set where the routed experts run FP8 grouped GEMMs; None: they stay bf16 (or the model has none)."""
-    format: str = "hybrid"
-    """float8.format resolved: "hybrid" or "e4m3"."""
-    delayed: DelayedScalingSettings | None = None
-    """float8.scaling='delayed' and its settings; None: dynamic scales (each tensor's own amax)."""
-    save_fp8_activations: bool = False
-    """float8.save_fp8_activations: the Linears keep their float8 inputs for backward instead of the bf16 ones."""
+    converters: list[Float8Converter]
+
+    def role(self, role: str) -> Float8Converter | None:
+        return next((c for c in self.converters if c.role == role), None)
+
+    @property
+    def linears(self):
+        """The Linears' converter (every fp8 run has one): `converted`, `excluded`, `num_linear`, `options`."""
+        return self.role("linears")
+
+    @property
+    def experts(self):
+        """The routed experts' converter (float8.moe_experts != 'off'): `num_layers` converted; else None."""
+        return self.role("experts")
 
     @property
     def enabled(self) -> bool:
-        return bool(self.converted)
+        """Some Linear layer runs in FP8."""
+        return bool(self.linears is not None and self.linears.converted)
 
     @property
     def converted_fraction(self) -> float:
-        return len(self.converted) / self.num_linear if self.num_linear else 0.0
+        linears = self.linears
+        return len(linears.converted) / linears.num_linear if linears and linears.num_linear else 0.0
 
     def lines(self) -> list[str]:
-        """The Linears' two lines, then the routed experts' line where they run in FP8."""
-        by_reason: dict[str, list[str]] = {}
-        for fqn, reason in self.excluded.items():
-            by_reason.setdefault(reason, []).append(fqn)
-        excluded = "; ".join(f"{', '.join(group_fqns(fqns))} ({reason})" for reason, fqns in by_reason.items())
-        lines = [
-            f"Applied Float8 training: recipe={self.recipe.upper()}, "
-            f"fsdp_float8_all_gather={self.fsdp_float8_all_gather}, format={describe_format(self.format)}"
-            + describe_scaling(self.delayed, self.save_fp8_activations, all_gather=self.fsdp_float8_all_gather),
-            f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
-        ]
-        return lines + ([self.experts.line()] if self.experts else [])
+        """Every converter's lines: the Linears' two, then the routed experts' where they run in FP8."""
+        return [line for c in self.converters for line in c.lines()]
 
+    @classmethod
+    def of_stages(cls, stages: list[Float8Report]) -> Float8Report:
+        """The whole model's report from its pipeline stages' (in stage order; each stage ran the same converters)."""
+        kinds = [type(c) for c in stages[0].converters]
+        assert all([type(c) for c in s.converters] == kinds for s in stages), "stages ran different converters"
+        return cls([kind.merged([s.converters[i] for s in stages]) for i, kind in enumerate(kinds)])
 
-def resolve_format(recipe: str, requested: str = "auto") -> str:
-    """float8.format resolved for `recipe`: "hybrid" (e5m2 gradients) where tensorwise keeps its default or asks
-    for it, else "e4m3" (rowwise and blockwise cast every operand to e4m3; the config check refuses "hybrid")."""
-    return "hybrid" if recipe == "tensorwise" and requested in ("auto", "hybrid") else "e4m3"
-
-
-def describe_format(fp8_format: str) -> str:
-    """float8.format in words: what is cast to which FP8 type."""
-    return {"hybrid": "hybrid (e4m3 weights and activations, e5m2 gradients)", "e4m3": "e4m3 everywhere"}[fp8_format]
-
-
-def describe_scaling(delayed: DelayedScalingSettings | None, save_fp8_activations: bool, *, all_gather: bool) -> str:
-    """What the startup line adds for float8.scaling='delayed' and float8.save_fp8_activations ('' for neither)."""
-    text = ""
-    if delayed is not None:
-        text += f", scaling={delayed.describe()}"
-        if all_gather:  # the weight arrives cast by FSDP2 with the scale precomputed after the optimizer step
-            text += " for inputs and gradients; weights cast with their current amax before the fp8 all-gather"
-    if save_fp8_activations:
-        text += ", fp8 inputs saved for backward"
-    return text
-
-
-def merge_reports(reports: list[Float8Report | None]) -> Float8Report | None:
-    """The whole model's report from its pipeline stages' (in stage order); None when no stage has one."""
-    reports = [r for r in reports if r is not None]
-    if not reports:
-        return None
-    merged = dataclasses.replace(reports[0], converted=[], excluded={}, num_linear=0, experts=None)
-    for r in reports:
-        merged.converted += r.converted
-        merged.excluded.update(r.excluded)
-        merged.num_linear += r.num_linear
-        if r.experts is not None:  # a stage without MoE layers has none
-            n = r.experts.num_layers + (merged.experts.num_layers if merged.experts else 0)
-            merged.experts = dataclasses.replace(r.experts, num_layers=n)
-    return merged
+    def stages_lines(self, stages: list[Float8Report]) -> list[str]:
+        """(the merged report) The lines that say what converted over all `stages`, logged once by the pipeline."""
+        return [line for i, c in enumerate(self.converters) for line in c.stages_lines([s.converters[i] for s in stages])]
 
 
 _FIRST_INDEX = re.compile(r"^(.*?)\.(\d+)(?:\.(.*))?$")
