@@ -1,5 +1,5 @@
 """Model families (trainer/models/family.py): each family's tensor-parallel plan names modules its model has, and
-covers every Linear layer except the ones meant to stay whole; every family has its export mapping."""
+covers every Linear layer except the ones meant to stay whole; every family has its Hugging Face mapping."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import trainer.export
+import trainer.hf
 from trainer.models import FAMILIES, FLAVORS, build_model, family_of, model_args_for
 
 
@@ -44,9 +44,12 @@ def test_tp_plan_names_existing_modules_and_covers_the_linears(name, args, loss_
     assert plan.sequence_modules == moe_layers and bool(plan.summary) == bool(moe_layers)
 
 
-def test_every_family_has_its_export_mapping_and_flavors() -> None:
+def test_every_family_has_its_hf_mapping_and_flavors() -> None:
     for flavor, args in FLAVORS.items():
         family = family_of(args)
         assert flavor in family.flavors
-        assert trainer.export.family(args).__name__ == f"trainer.export.{family.name}"
+        assert trainer.hf.family(args).__name__ == f"trainer.hf.{family.name}"
     assert set(FAMILIES) == {"llama", "moe"}
+    # Each config.json layout is one family's (trainer.hf picks the family by it).
+    model_types = [t for f in FAMILIES.values() for t in trainer.hf.mapping(f).MODEL_TYPES]
+    assert len(model_types) == len(set(model_types)) == 4

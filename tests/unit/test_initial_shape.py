@@ -16,7 +16,7 @@ from trainer.checkpoint import RunInfo, save_model_only
 from trainer.config import load_job_config
 from trainer.dry_run import dry_run
 from trainer.errors import ConfigError
-from trainer.export import read_hf_config, read_hf_weights
+from trainer.hf import read_hf_config, read_hf_weights
 from trainer.models import FLAVORS
 from trainer.validate import validate_job
 

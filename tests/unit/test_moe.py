@@ -442,10 +442,10 @@ def test_bad_moe_configs_are_one_line_naming_the_key(world_size: int, args: list
 
 @pytest.mark.parametrize("flavor", sorted(MOE_FLAVORS))
 def test_moe_flavors_may_export_at_the_end_of_training(flavor: str) -> None:
-    """checkpoint.model_only=true: every MoE flavor has an exact transformers target (tests/unit/test_export_moe.py)."""
+    """checkpoint.model_only=true: every MoE flavor has an exact transformers target (tests/unit/test_hf_moe.py)."""
     import dataclasses
 
-    from trainer.export import check_exportable
+    from trainer.hf import check_exportable
 
     assert check_exportable(MOE_FLAVORS[flavor]) == []  # no refusal, nothing to warn about (no token dropping)
     dropping = dataclasses.replace(MOE_FLAVORS[flavor], capacity_factor=1.25)
@@ -456,7 +456,7 @@ def test_model_only_asks_the_exports_check_and_its_refusal_names_the_key(monkeyp
     import trainer.validate.layout as layout
     from trainer.config import load_job_config
     from trainer.errors import ConfigError
-    from trainer.export import ExportError
+    from trainer.hf import ExportError
     from trainer.validate import validate_job
 
     asked = []

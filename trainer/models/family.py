@@ -7,7 +7,7 @@
     family_of(args).describe(args)               the family's startup line, or None
     family_of(args).has_router                   routed experts: the [moe] section, EP, the MoE balancer hook
 
-A family's Hugging Face mapping is `trainer/export/<name>.py` (trainer.export picks it by `name`).
+A family's Hugging Face mapping is `trainer/hf/<name>.py` (trainer.hf picks it by `name`).
 Everything else (attention, norms, the dense MLP, the head, init, the block) is shared: trainer.models.layers.
 """
 
@@ -27,7 +27,7 @@ from trainer.models.layers import ModelArgs, TPPlan
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
-    """"llama" or "moe"; also the name of its export mapping, trainer/export/<name>.py."""
+    """"llama" or "moe"; also the name of its export mapping, trainer/hf/<name>.py."""
     flavors: dict[str, ModelArgs]
     build: Callable[[ModelArgs], nn.Module]
     flops_per_token: Callable[[ModelArgs, int], float]

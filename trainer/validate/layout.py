@@ -11,7 +11,7 @@ import math
 
 from trainer.config import JobConfig, MoESection
 from trainer.errors import ConfigError
-from trainer.export import ExportError, check_exportable
+from trainer.hf import ExportError, check_exportable
 from trainer.models import ModelArgs, family_of, pipeline_costs
 from trainer.parallel import ParallelDims
 from trainer.parallel.pipeline_layout import (
