@@ -46,7 +46,8 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from trainer.model_values import param_count
+from trainer.model_values import layer_param_counts, param_count
+from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import (MLP, Decoder, ModelArgs, RopeScaling, TPPlan, TransformerBlock, block_tp_plan,
                                    decoder_tp_plan, mlp_tp_plan, prefixed)
 from trainer.models.moe_experts import GROUP_ALIGN, GroupedExperts, grouped_swiglu  # noqa: F401 (re-exported)
@@ -359,6 +360,27 @@ def param_counts(args: MoEArgs) -> tuple[int, int]:
     # Active: less the embedding table and the routed experts a token does not choose.
     unchosen = n_moe * (args.n_experts - args.top_k) * 3 * args.dim * args.moe_ffn_dim  # 3 matrices per expert
     return total, total - args.vocab_size * args.dim - unchosen
+
+
+def block_runs(args: MoEArgs) -> tuple[range, ...]:
+    """The blocks in runs of alike ones: the dense blocks, then the MoE blocks (each run that has any)."""
+    n_dense = min(args.n_dense_layers, args.n_layers)
+    return tuple(r for r in (range(n_dense), range(n_dense, args.n_layers)) if r)
+
+
+def block_params(args: MoEArgs, i: int) -> tuple[int, int]:
+    """(parameters of block i, of which routed experts' and their router's: split over ep, never gathered over it)."""
+    attention, dense, shared, routed = layer_param_counts(args)
+    return (attention + shared + routed, routed) if args.is_moe_layer(i) else (attention + dense, 0)
+
+
+def activation_bytes(args: MoEArgs, i: int, policy: ActivationPolicy) -> tuple[int, int]:
+    """(saved, backward) bytes per token of block i (trainer.models.activations): a dense block's, or an MoE block's
+    shared experts as a dense MLP (never FP8) and its top_k routed rows per token."""
+    if not args.is_moe_layer(i):
+        return block_activation_bytes(args, policy, ffn_dim=args.ffn_dim, fp8_mlp=policy.fp8_mlp)
+    return block_activation_bytes(args, policy, ffn_dim=args.n_shared_experts * args.moe_ffn_dim, fp8_mlp=False,
+                                  routed_rows=args.top_k, routed_dim=args.moe_ffn_dim)
 
 
 def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
