@@ -220,8 +220,10 @@ def test_the_fp8_report_carries_the_experts_and_merges_them_over_stages(caplog: 
         (["--float8.moe_experts=Rowwise"], "float8.moe_experts='Rowwise' is not one of 'off', 'rowwise'"),
         (["--float8.moe_experts=rowwise", "--train.mixed_precision=bf16"],
          "float8.moe_experts='rowwise' applies to fp8 runs only, but train.mixed_precision='bf16'"),
-        (["--float8.moe_experts=rowwise", "--train.mixed_precision=fp8", "--float8.emulate=true",
-          "--model.flavor=debug"], "float8.moe_experts='rowwise' needs an MoE flavor, but model.flavor='debug'"),
+        # debug_model.toml: debug_moe.toml's [moe] keys would have no effect on the dense flavor (an error of its own)
+        (["--config", MOE_CONFIG.replace("debug_moe", "debug_model"), "--float8.moe_experts=rowwise",
+          "--train.mixed_precision=fp8", "--float8.emulate=true"],
+         "float8.moe_experts='rowwise' needs an MoE flavor, but model.flavor='debug'"),
         (["--float8.moe_experts=rowwise", "--train.mixed_precision=fp8"],
          "float8.moe_experts='rowwise' on a machine without CUDA needs float8.emulate=true"),
     ],

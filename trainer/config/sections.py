@@ -1,4 +1,5 @@
-"""The job config's sections: one dataclass per TOML section, a docstring under every field, and JobConfig.
+"""The job config's sections: one dataclass per TOML section, a docstring under every field, and JobConfig, whose
+fields are the sections ([model] and [moe] are generated from the model's dataclasses: trainer.config.model_sections).
 
 A `JobConfig` checks itself when built (`__post_init__` runs
 `trainer.config.checks.check_config`): every combination that the config alone
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config.checks import check_config
+from trainer.config.docstrings import field_docs
+from trainer.config.model_sections import ModelSection, MoESection
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
@@ -25,80 +28,6 @@ class JobSection:
     """Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler traces. Not empty ("." for the current directory)."""
     description: str = ""
     """Free text logged at start; say what this run is for."""
-
-
-@dataclass
-class ModelSection:
-    """The model's shapes: a flavor is a preset, and every key set here replaces its value (0, or "", keeps the flavor's). resolved.toml shows every value the run used (docs/models.md)."""
-
-    flavor: str = "debug"
-    """Size preset, which also picks the family: dense debug, 1b, 3b, 8b, 70b, 405b (trainer/models/llama.py); MoE debug_moe, moe_small, moe_16b (trainer/models/moe.py)."""
-    dim: int = 0
-    """Hidden size (the residual stream's width); 0 keeps the flavor's own."""
-    n_layers: int = 0
-    """Number of transformer blocks; 0 keeps the flavor's own (benchmarks use fewer)."""
-    n_heads: int = 0
-    """Attention (query) heads; 0 keeps the flavor's own."""
-    n_kv_heads: int = 0
-    """Key/value heads (grouped-query attention; n_heads must be a multiple); 0 keeps the flavor's own."""
-    head_dim: int = 0
-    """Each head's width, even (RoPE); 0 = dim / n_heads. Qwen3 sets it apart: 128 with dim=1024 and 16 heads."""
-    ffn_dim: int = 0
-    """The MLP's hidden width; 0 = Llama's rule: 8/3 x dim, times ffn_dim_multiplier, rounded up to multiple_of. An MoE flavor's dense blocks take moe.dense_ffn_dim."""
-    ffn_dim_multiplier: float = 0.0
-    """Scales Llama's 8/3 x dim (1.3 for Llama 3 8B) when ffn_dim is 0; 0 keeps the flavor's own."""
-    multiple_of: int = 0
-    """ffn_dim is rounded up to a multiple of this when derived from dim; 0 keeps the flavor's own."""
-    vocab_size: int = 0
-    """Vocabulary size; 0 keeps the flavor's own (128256 for the Llama 3 sizes, 512 for debug)."""
-    norm_eps: float = 0.0
-    """RMSNorm epsilon; 0 keeps the flavor's own (1e-5)."""
-    rope_theta: float = 0.0
-    """RoPE base frequency; 0 keeps the flavor's own (500000 for Llama 3, 1e6 for Qwen3)."""
-    rope_scaling: Literal["", "none", "llama3"] = ""
-    """"llama3": Llama 3.1's long-context frequency scaling (the rope_scaling_* keys); "none": plain RoPE; "" keeps the flavor's own."""
-    rope_scaling_factor: float = 0.0
-    """Llama 3 RoPE scaling factor (8 for 3.1, 32 for 3.2); 0 keeps the flavor's own, or 8 where it has none."""
-    rope_scaling_low_freq_factor: float = 0.0
-    """Llama 3 RoPE scaling low_freq_factor; 0 keeps the flavor's own, or 1."""
-    rope_scaling_high_freq_factor: float = 0.0
-    """Llama 3 RoPE scaling high_freq_factor; 0 keeps the flavor's own, or 4."""
-    rope_scaling_original_max_seq_len: int = 0
-    """The context the scaled RoPE was trained at; 0 keeps the flavor's own, or 8192."""
-    max_seq_len: int = 0
-    """Positions of the RoPE table (at least train.seq_len); 0 keeps the flavor's own."""
-    tie_word_embeddings: bool = False
-    """One table for the embeddings and the output head (SmolLM2, Qwen3-0.6B, Llama 3.2 1B); no flavor ties. Not with pipeline or tensor parallel."""
-    qk_norm: bool = False
-    """RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): steadier attention logits; no flavor has it."""
-
-
-@dataclass
-class MoESection:
-    """Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value."""
-
-    n_experts: int = 0
-    """Routed experts per MoE block; 0 keeps the flavor's own."""
-    top_k: int = 0
-    """Experts each token is routed to; 0 keeps the flavor's own."""
-    moe_ffn_dim: int = 0
-    """Hidden width of each routed (and shared) expert; 0 keeps the flavor's own."""
-    n_shared_experts: int = -1
-    """Shared experts every token passes through (0 = none); -1 keeps the flavor's own."""
-    n_dense_layers: int = -1
-    """Leading blocks that are dense (an MLP of dense_ffn_dim) instead of MoE; -1 keeps the flavor's own."""
-    dense_ffn_dim: int = -1
-    """Hidden width of the dense blocks' MLP (0 = Llama's rule from dim); -1 keeps the flavor's own."""
-    score_func: Literal["", "softmax", "sigmoid"] = ""
-    """Router scores: softmax over experts (DeepSeek-MoE) or a sigmoid per expert (DeepSeek-V3); "" keeps the flavor's own."""
-    route_norm: bool = False
-    """Renormalize the chosen top_k scores to sum to 1 (no flavor does)."""
-    aux_loss_coef: float = -1.0
-    """Weight of the sequence-wise load-balancing loss added to the LM loss; 0 = off, -1 = the flavor's own."""
-    bias_update_rate: float = -1.0
-    """Step of the aux-loss-free expert bias update after each optimizer step; 0 = off, -1 = the flavor's own."""
-    capacity_factor: float = 0.0
-    """Per-sequence expert capacity as a multiple of the balanced share; tokens over it are dropped. 0 = no dropping."""
 
 
 @dataclass
@@ -378,55 +307,36 @@ class MetricsSection:
     """Every this many steps (fp8 runs): FP8 health per layer group (input and gradient amax, scale, fractions that underflow or saturate) and weight amax/scale, to metrics.jsonl and TensorBoard, with a warning line for a bad layer. That step runs eagerly: on 8B shapes it costs ~3 steps and nearly twice the peak memory (docs/benchmarks.md), so it is off by default; 100 costs ~2.3%. 0 = off."""
 
 
-# One line per section, for `--help` and docs/config.md.
-SECTION_HELP = {
-    "job": "where the run writes and what it is for",
-    "model": "model flavor (size preset) and shape overrides",
-    "moe": "routing and load balancing of MoE flavors",
-    "train": "steps, batch, sequence length, precision, AC, compile",
-    "optimizer": "AdamW hyperparameters",
-    "scheduler": "learning-rate warmup and decay",
-    "data": "training data source, shards and tokenizer",
-    "validation": "held-out loss and perplexity during training",
-    "distributed": "parallel degrees (dp_replicate, dp_shard, tp, ep, pp, cp) and FSDP2 policy",
-    "float8": "FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')",
-    "checkpoint": "DCP checkpoints, resume, export",
-    "profiling": "torch.profiler window and memory snapshots",
-    "metrics": "log line, metrics.jsonl, TensorBoard, W&B",
-}
-
-_SECTIONS: dict[str, type] = {
-    "job": JobSection,
-    "model": ModelSection,
-    "moe": MoESection,
-    "train": TrainSection,
-    "optimizer": OptimizerSection,
-    "scheduler": SchedulerSection,
-    "data": DataSection,
-    "validation": ValidationSection,
-    "distributed": DistributedSection,
-    "float8": Float8Section,
-    "checkpoint": CheckpointSection,
-    "profiling": ProfilingSection,
-    "metrics": MetricsSection,
-}
-
-
 @dataclass
 class JobConfig:
+    """The TOML file's sections, in order; the docstring under each is its line in `--help` and docs/config.md."""
+
     job: JobSection = field(default_factory=JobSection)
+    """where the run writes and what it is for"""
     model: ModelSection = field(default_factory=ModelSection)
+    """model flavor (size preset) and shape overrides"""
     moe: MoESection = field(default_factory=MoESection)
+    """routing and load balancing of MoE flavors"""
     train: TrainSection = field(default_factory=TrainSection)
+    """steps, batch, sequence length, precision, AC, compile"""
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """AdamW hyperparameters"""
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    """learning-rate warmup and decay"""
     data: DataSection = field(default_factory=DataSection)
+    """training data source, shards and tokenizer"""
     validation: ValidationSection = field(default_factory=ValidationSection)
+    """held-out loss and perplexity during training"""
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    """parallel degrees (dp_replicate, dp_shard, tp, ep, pp, cp) and FSDP2 policy"""
     float8: Float8Section = field(default_factory=Float8Section)
+    """FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')"""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """DCP checkpoints, resume, export"""
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    """torch.profiler window and memory snapshots"""
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    """log line, metrics.jsonl, TensorBoard, W&B"""
 
     def __post_init__(self) -> None:
         # The config-only checks; trainer.validate.validate_job adds world size, model and data.
@@ -453,6 +363,11 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+# The sections the TOML loader and `--help` know, and each one's line: JobConfig's fields.
+_SECTIONS: dict[str, type] = field_types(JobConfig)
+SECTION_HELP: dict[str, str] = field_docs(JobConfig)
+
+
 def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
     """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling])."""
     lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
@@ -462,7 +377,9 @@ def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
 
     def table(name: str, values: dict[str, Any]) -> None:
         lines.append(f"[{name}]")
-        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict) and not tables(v))
+        # None: a key left out (TOML has no null), such as a [model] key that keeps the flavor's value
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items()
+                     if v is not None and not isinstance(v, dict) and not tables(v))
         lines.append("")
         for k, v in values.items():
             if isinstance(v, dict):

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.models.layers import ModelArgs
+from trainer.model_values import ModelArgs
 
 
 @dataclass(frozen=True)
