@@ -28,7 +28,8 @@ def section_help(section: str) -> str:
         default = _default(f)
         lines.append(f"  --{section}.{f.name}    ({type_name}; left out: {default})" if default == FLAVORS_OWN else
                      f"  --{section}.{f.name}={default}    ({type_name})")
-        lines.extend(f"      {line}" for line in textwrap.wrap(docs.get(f.name, ""), 90))
+        more = " (more: docs/config.md)" if f"{section}.{f.name}" in NOTES else ""
+        lines.extend(f"      {line}" for line in textwrap.wrap(docs.get(f.name, "") + more, 90))
     return "\n".join(lines)
 
 
