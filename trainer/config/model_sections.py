@@ -27,8 +27,9 @@ def _nested(tp: Any) -> type | None:
     return inner[0] if len(inner) == 1 and dataclasses.is_dataclass(inner[0]) else None
 
 
-def _keys(args_cls: type, fields: list[dataclasses.Field]) -> list[tuple[str, Any, dict[str, str]]]:
-    """(key, type, metadata) of the section's keys for these fields of `args_cls`."""
+def _keys(args_cls: type, fields: list[dataclasses.Field]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(key, type, metadata) of the section's keys for these fields of `args_cls`. The metadata: the `field` a key
+    sets, with `sub` the nested dataclass's field it sets, or `choice` that dataclass; the key's `doc`."""
     hints, docs = typing.get_type_hints(args_cls), field_docs(args_cls)
     keys = []
     for f in fields:
@@ -58,12 +59,12 @@ def shape_section(name: str, args_cls: type, fields: list[dataclasses.Field], *,
 def shape_sections(cfg: Any) -> list[tuple[str, Any]]:
     """(name, section) of the config's sections generated from a model dataclass: [model], then [moe]; each applies
     to the flavors whose args are its `args_class`."""
-    return [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if hasattr(getattr(cfg, f.name),
-                                                                                      "args_class")]
+    sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
+    return [(name, section) for name, section in sections if hasattr(section, "args_class")]
 
 
 def key_fields(section: Any) -> dict[str, str]:
-    """{ModelArgs field: "section key"} of the keys a section sets directly (not the nested ones')."""
+    """{args field: its key} of a section's keys that set a field of the args (not a nested dataclass's field)."""
     return {f.metadata["field"]: f.name for f in dataclasses.fields(section)
             if "field" in f.metadata and "sub" not in f.metadata}
 

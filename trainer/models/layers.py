@@ -1,5 +1,6 @@
-"""Pieces every decoder family shares: shapes, RoPE, RMSNorm, attention, the dense MLP, the block (attention
-and a feed-forward slot the family fills), the head, init, and the pieces of the tensor-parallel plans.
+"""Pieces every decoder family shares: RoPE, RMSNorm, attention, the dense MLP, the block (attention and a
+feed-forward slot the family fills), the head, init, and the pieces of the tensor-parallel plans. The shapes they
+take (`ModelArgs`, `RopeScaling`) are trainer.model_values', the torch-free dataclasses the config is made from.
 
 `trainer.models.llama` (dense Llama 3) and `trainer.models.moe` (mixture of experts)
 build their blocks from these, so both families name modules the same way
