@@ -49,7 +49,7 @@ def export_tokenizer(args: argparse.Namespace, info: dict, source: Path):
     """The tokenizer to copy: --tokenizer, else the checkpoint's own copy of the run's (checked unchanged), else
     none."""
     from trainer.checkpoint.tokenizer import recorded_tokenizer, why_no_tokenizer
-    from trainer.export import resolve_tokenizer
+    from trainer.hf import resolve_tokenizer
 
     if args.no_tokenizer:
         return None
@@ -76,7 +76,7 @@ def export(args: argparse.Namespace) -> None:
     import torch
 
     from trainer.checkpoint import args_from_json, load_full_model_weights, resolve_checkpoint
-    from trainer.export import family, require_safetensors, write_hf_export
+    from trainer.hf import family, require_safetensors, write_hf_export
     from trainer.output_folder import EXPORT, check_output
 
     require_safetensors("export")
@@ -97,9 +97,9 @@ def export(args: argparse.Namespace) -> None:
 
 def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
-    from trainer.export import read_hf_weights
-    from trainer.export import read_hf_config
-    from trainer.export.tokenizer import folder_tokenizer
+    from trainer.hf import read_hf_weights
+    from trainer.hf import read_hf_config
+    from trainer.hf.tokenizer import folder_tokenizer
     from trainer.models import family_of, model_args_for
     from trainer.output_folder import IMPORT, check_output
 
@@ -129,7 +129,7 @@ def _routing_of_folder(model_args, folder: Path):
     its own [moe] settings, and says so when they differ)."""
     import json
 
-    from trainer.export.moe import with_routing_of
+    from trainer.hf.moe import with_routing_of
 
     where = str(folder / "config.json")
     routed = with_routing_of(model_args, json.loads((folder / "config.json").read_text()), where=where)

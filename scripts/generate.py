@@ -35,7 +35,7 @@ def find_tokenizer(path: Path, override: str | None):
     from trainer.checkpoint.tokenizer import recorded_tokenizer, why_no_tokenizer
     from trainer.data import ByteTokenizer, build_tokenizer
     from trainer.data.tokenizer import folder_tokenizer_problem
-    from trainer.export.tokenizer import is_byte_tokenizer_json
+    from trainer.hf.tokenizer import is_byte_tokenizer_json
 
     if override:
         return build_tokenizer(override)

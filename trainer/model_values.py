@@ -1,10 +1,11 @@
-"""Type and range rules of model arguments, wherever they come from: the TOML `[model]` section, a checkpoint's
-checkpoint.json, a Hugging Face config.json.
+"""The model's arguments (`ModelArgs` with its `RopeScaling`, the MoE family's `MoEArgs`) and the type and range rules
+of their values, wherever they come from: the TOML `[model]` and `[moe]` sections (generated from these dataclasses,
+trainer/config/model_sections.py), a checkpoint's checkpoint.json, a Hugging Face config.json.
 
 One table (`RULES`), so a value refused in one place is refused in all. A leaf: it imports nothing of the
-trainer (the config checks import it while the config is parsed), and each caller raises its own error type
-(ConfigError, CheckpointError, ExportError) with the problem returned here. Sizes have no upper bound
-beyond `MAX_INT` here: what a checkpoint's arguments imply is checked against its files' own sizes
+trainer and not torch (the config is generated and checked from it while it is parsed), and each caller raises
+its own error type (ConfigError, CheckpointError, ExportError) with the problem returned here. Sizes have no upper
+bound beyond `MAX_INT` here: what a checkpoint's arguments imply is checked against its files' own sizes
 (`param_count`), and a training run's against the device (trainer/validate).
 """
 
@@ -13,12 +14,121 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 # No model has a dimension or count this large; it keeps the arithmetic on them (ffn_dim's float rule) exact.
 MAX_INT = 2**40
 # The longest RoPE table a checkpoint or config may ask for (16M positions; 128K is the longest flavor's).
 MAX_SEQ_LEN = 2**24
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency scaling of RoPE, for long context (transformers' "llama3" rope_type)."""
+
+    kind: ClassVar[str] = "llama3"
+    factor: float = 8.0
+    """Llama 3 RoPE scaling factor (8 for 3.1, 32 for 3.2)."""
+    low_freq_factor: float = 1.0
+    """Llama 3 RoPE scaling low_freq_factor."""
+    high_freq_factor: float = 4.0
+    """Llama 3 RoPE scaling high_freq_factor."""
+    original_max_seq_len: int = 8192
+    """The context the scaled RoPE was trained at."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """A decoder's shape: every family's (trainer/models/layers.py builds from it)."""
+
+    dim: int
+    """Hidden size (the residual stream's width)."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Attention (query) heads."""
+    n_kv_heads: int
+    """Key/value heads (grouped-query attention; n_heads must be a multiple)."""
+    vocab_size: int
+    """Vocabulary size."""
+    multiple_of: int = 256
+    """ffn_dim is rounded up to a multiple of this when derived from dim."""
+    ffn_dim_multiplier: float | None = None
+    """A factor on Llama's 8/3 x dim when ffn_dim is derived (1.3 for Llama 3 8B; none is 1)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 500000.0
+    """RoPE base frequency."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's long-context frequency scaling of RoPE (the rope_scaling_* keys); none: plain RoPE."""
+    max_seq_len: int = 8192
+    """Positions of the RoPE table."""
+    explicit_head_dim: int = 0
+    """Each attention head's width, even (RoPE rotates pairs); 0 = dim // n_heads (Qwen3 sets it apart from dim)."""
+    explicit_ffn_dim: int = 0
+    """The MLP's hidden width; 0 = Llama's rule from dim, ffn_dim_multiplier and multiple_of."""
+    tie_word_embeddings: bool = False
+    """The output head is the embedding table (one parameter): small models, SmolLM2, Qwen3-0.6B."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): `attention.q_norm`, `attention.k_norm`."""
+
+    # The fields that size a weight (a checkpoint's model fixes them); the others change what the model computes.
+    weight_fields: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                                "explicit_head_dim", "explicit_ffn_dim", "tie_word_embeddings",
+                                                "qk_norm")
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.explicit_ffn_dim:
+            return self.explicit_ffn_dim
+        # Llama's rule: 2/3 of 4*dim, scaled, rounded up to multiple_of.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+@dataclass(frozen=True)
+class MoEArgs(ModelArgs):
+    """The MoE family's shape and routing (trainer/models/moe.py): a decoder whose blocks after the first
+    n_dense_layers route each token to top_k of n_experts."""
+
+    n_experts: int = 8
+    """Routed experts per MoE block."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_dim: int = 256
+    """Hidden width of each routed (and shared) expert."""
+    n_shared_experts: int = 0
+    """Shared experts every token passes through (0 = none), run as one MLP of n_shared_experts x moe_ffn_dim."""
+    n_dense_layers: int = 0
+    """Leading blocks that are dense (an MLP of dense_ffn_dim) instead of MoE."""
+    dense_ffn_dim: int = 0
+    """Hidden width of the dense blocks' MLP; 0 = Llama's rule from dim."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (DeepSeek-MoE) or a sigmoid per expert (DeepSeek-V3)."""
+    route_norm: bool = False
+    """Renormalize the chosen top_k scores to sum to 1."""
+    aux_loss_coef: float = 0.0
+    """Weight of the sequence-wise load-balancing loss added to the LM loss (0 = off)."""
+    bias_update_rate: float = 0.0
+    """Step of the aux-loss-free expert bias update after each optimizer step (0 = off)."""
+    capacity_factor: float = 0.0
+    """Per-sequence expert capacity as a multiple of the balanced share; tokens over it are dropped (0 = none)."""
+
+    weight_fields: ClassVar[tuple[str, ...]] = ModelArgs.weight_fields + (
+        "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers", "dense_ffn_dim")
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.dense_ffn_dim or super().ffn_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.n_dense_layers
 
 
 @dataclass(frozen=True)
@@ -154,7 +264,7 @@ def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str |
     return None
 
 
-def layer_param_counts(args: Any) -> tuple[int, int, int, int]:
+def layer_param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
     """Parameters of one block's parts: (attention with both norms, a dense MLP, an MoE layer's shared experts,
     its router gate and routed experts); the last two are 0 for a dense model. An MoE model's ffn_dim is its dense
     blocks' width. The MoE expert-bias buffers are not parameters: param_count adds them."""
@@ -168,7 +278,7 @@ def layer_param_counts(args: Any) -> tuple[int, int, int, int]:
     return attention, 3 * d * args.ffn_dim, 3 * d * args.n_shared_experts * h, n_experts * d + 3 * n_experts * h * d
 
 
-def param_count(args: Any) -> int:
+def param_count(args: ModelArgs) -> int:
     """Parameters (and MoE expert biases) of a model with these (checked) ModelArgs / MoEArgs, in closed form:
     no loop over layers, so a crafted n_layers costs nothing to count."""
     attention, dense, shared, routed = layer_param_counts(args)
@@ -182,7 +292,7 @@ def param_count(args: Any) -> int:
     return total + n_dense * dense + (args.n_layers - n_dense) * (shared + routed + n_experts)
 
 
-def num_tensors(args: Any) -> int:
+def num_tensors(args: ModelArgs) -> int:
     """Model tensors (state-dict entries) of a model with these args, in closed form."""
     n_experts = getattr(args, "n_experts", None)
     norms = 2 if args.qk_norm else 0  # a tied head is still its own entry
@@ -193,7 +303,7 @@ def num_tensors(args: Any) -> int:
     return 3 + (9 + norms) * n_dense + per_moe * (args.n_layers - n_dense)
 
 
-def num_params_for(args: Any) -> tuple[int, int]:
+def num_params_for(args: ModelArgs) -> tuple[int, int]:
     """(parameters, non-embedding parameters) of a model with these args, as `num_params(model)` counts them
     (param_count less the MoE expert-bias buffers): what the startup log prints, without building a model."""
     total = param_count(args)

@@ -9,7 +9,7 @@ folder with other files, a folder inside a checkpoint) is refused in one line an
 is touched. An earlier output is moved aside to `{out}.old` (`.old-2`, ...) when the new one
 is complete: never deleted.
 
-A leaf module (only trainer.errors): both trainer.export and trainer.checkpoint use it, and its
+A leaf module (only trainer.errors): both trainer.hf and trainer.checkpoint use it, and its
 `fsync_dir` and `aside_name` for publishing and moving checkpoints aside too.
 """
 

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.config.model_sections import ModelSection, MoESection, section_values
 from trainer.config.sections import to_toml
 from trainer.parallel.float8 import fp8_layers_json
 
@@ -37,9 +38,7 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
     """cfg's sections with every placeholder replaced by what validation resolved."""
     import torch
 
-    from trainer.models import family_of
-
-    from trainer.models import FLAVORS
+    from trainer.models import FLAVORS, family_of
 
     d = cfg.to_dict()
     d["model"].update(model_section_values(args))
@@ -47,7 +46,7 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
     if family is not family_of(FLAVORS[cfg.model.flavor]):  # the shape of checkpoint.initial_load_path's model
         d["model"]["flavor"] = next(iter(family.flavors))  # a flavor of its family, whose values all replace
     if family.has_router:  # the experts and routing values of [moe]
-        d["moe"].update({f: getattr(args, f) for f in d["moe"]})
+        d["moe"].update(section_values(args, MoESection))
     d["distributed"].update(
         dp_shard=pd.dp_shard, master_dtype="bf16" if build.fsdp.master_dtype == torch.bfloat16 else "fp32",
         reshard_after_forward="always" if build.fsdp.reshard_after_forward else "never",
@@ -69,18 +68,7 @@ def model_section_values(args: ModelArgs) -> dict[str, Any]:
     model from any flavor of its family)."""
     from trainer.models import family_of
 
-    s = args.rope_scaling
-    values = {
-        "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-        "head_dim": args.head_dim, "ffn_dim": args.ffn_dim, "ffn_dim_multiplier": args.ffn_dim_multiplier or 0.0,
-        "multiple_of": args.multiple_of, "vocab_size": args.vocab_size, "norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "rope_scaling": "none" if s is None else "llama3",
-        "max_seq_len": args.max_seq_len, "tie_word_embeddings": args.tie_word_embeddings, "qk_norm": args.qk_norm,
-    }
-    if s is not None:
-        values |= {"rope_scaling_factor": s.factor, "rope_scaling_low_freq_factor": s.low_freq_factor,
-                   "rope_scaling_high_freq_factor": s.high_freq_factor,
-                   "rope_scaling_original_max_seq_len": s.original_max_seq_len}
+    values = section_values(args, ModelSection)
     if family_of(args).has_router:
         del values["ffn_dim"]  # the dense blocks' width is [moe] dense_ffn_dim
     return values
@@ -88,16 +76,15 @@ def model_section_values(args: ModelArgs) -> dict[str, Any]:
 
 def model_keys(args: ModelArgs) -> list[str]:
     """The command-line keys that give a run these model arguments from any flavor of their family: [model]'s values
-    in effect, and [moe]'s for an MoE model (resolved.toml's, as flags)."""
+    in effect, and [moe]'s shapes and routing for an MoE model (resolved.toml's, as flags; the balancing is left to
+    the run)."""
     from trainer.models import family_of
 
-    values = {f"model.{k}": v for k, v in model_section_values(args).items() if not k.startswith("rope_scaling_")
-              or args.rope_scaling is not None}
+    values = {f"model.{k}": v for k, v in model_section_values(args).items()}
     if family_of(args).has_router:
-        values |= {f"moe.{k}": getattr(args, k) for k in ("n_experts", "top_k", "moe_ffn_dim", "n_shared_experts",
-                                                           "n_dense_layers", "dense_ffn_dim", "score_func")}
-        values["moe.route_norm"] = args.route_norm
-    flavor = "debug_moe" if family_of(args).has_router else "debug"
+        values |= {f"moe.{k}": v for k, v in section_values(args, MoESection).items()
+                   if k not in ("aux_loss_coef", "bias_update_rate", "capacity_factor")}
+    flavor = next(iter(family_of(args).flavors))
     return [f"--model.flavor={flavor}"] + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
                                            for k, v in values.items()]
 

@@ -80,7 +80,7 @@ def test_kill_mid_save_on_two_ranks_leaves_previous_checkpoint_latest(dp2_run):
 
 def test_export_gathers_sharded_weights(dp2_run):
     from trainer.checkpoint import load_model
-    from trainer.export import read_hf_weights
+    from trainer.hf import read_hf_weights
     from trainer.models.llama import FLAVORS
 
     checkpoint = dp2_run["dump"] / "checkpoint"

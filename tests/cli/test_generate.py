@@ -1,7 +1,7 @@
 """scripts/generate.py's bad input is one line that says what is wrong (exit 2, no traceback), checked before anything
 is read: a path that does not exist, a device this machine does not have; a checkpoint without a tokenizer says
 why it has none (an import of a folder without one), and so does an export of it. Sampling itself:
-tests/cli/test_export_moe.py; hostile and crafted checkpoints: tests/faults/."""
+tests/cli/test_hf_moe.py; hostile and crafted checkpoints: tests/faults/."""
 
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def test_checkpoint_reshards_between_pp2_and_pp1(reference, tmp_path: Path) -> N
     # The export gathered every stage's tensors: the same weights as the DCP checkpoint holds.
     from safetensors.torch import load_file
 
-    from trainer.export import from_hf_name
+    from trainer.hf import from_hf_name
 
     _, weights = load_full_model_weights(a / "checkpoint" / "step-2")
     exported = {from_hf_name(k): v for k, v in load_file(str(a / "checkpoint" / "step-2-hf" /

@@ -31,7 +31,7 @@ from trainer.checkpoint import (
     save_model_only,
 )
 from trainer.checkpoint.verify import read_state_json
-from trainer.export import ExportError, expected_shapes, read_hf_weights
+from trainer.hf import ExportError, expected_shapes, read_hf_weights
 from trainer.models.moe import MOE_FLAVORS
 
 EDITED = "(not as this trainer writes it: an edited or foreign file)"

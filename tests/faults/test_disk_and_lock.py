@@ -86,7 +86,7 @@ def log():
 @pytest.fixture(scope="module")
 def run_folder(tmp_path_factory) -> Path:
     """A run's dump folder: config.toml and checkpoint/step-2, step-4, step-10 (model-only: what the guard sees)."""
-    from trainer.export import expected_shapes
+    from trainer.hf import expected_shapes
 
     run = tmp_path_factory.mktemp("run")
     torch.manual_seed(0)

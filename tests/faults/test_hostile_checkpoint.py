@@ -27,7 +27,7 @@ from tests.helpers import REPO, env, run_cli_cases
 from trainer.checkpoint import (
     CheckpointError, RunInfo, file_digest, load_dcp_metadata, load_full_model_weights, load_model, save_model_only,
 )
-from trainer.export import ExportError, read_hf_weights
+from trainer.hf import ExportError, read_hf_weights
 from trainer.models.llama import FLAVORS
 
 CONVERT = str(REPO / "scripts" / "convert_checkpoint.py")
@@ -58,7 +58,7 @@ def _rewrite_checksums(folder: Path) -> None:
 def _model_only(folder: Path) -> Path:
     """A genuine model-only checkpoint of the debug model (what convert_checkpoint.py import writes)."""
     torch.manual_seed(0)
-    from trainer.export import expected_shapes
+    from trainer.hf import expected_shapes
 
     weights = {k: torch.randn(shape) for k, shape in expected_shapes(DEBUG).items()}
     run = RunInfo(flavor="debug", model_args=DEBUG, mixed_precision="fp32")

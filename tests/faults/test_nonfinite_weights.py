@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def diverged(tmp_path_factory):
     """A model-only checkpoint of the debug model whose q_proj of block 1 holds 2 NaN and 1 Inf."""
-    from trainer.export import expected_shapes
+    from trainer.hf import expected_shapes
 
     torch.manual_seed(0)
     weights = {k: torch.randn(shape) * 0.02 for k, shape in expected_shapes(DEBUG).items()}

@@ -58,7 +58,7 @@ def one_line_error(result: dict, *fragments: str) -> None:
 
 
 def _tokenizer_json(path: Path) -> Path:
-    from tests.unit.test_export_moe import _tokenizer_json as word_level
+    from tests.unit.test_hf_moe import _tokenizer_json as word_level
 
     return word_level(path)
 

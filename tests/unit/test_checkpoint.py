@@ -18,7 +18,7 @@ from trainer.checkpoint import (
     CheckpointError, RunInfo, check_file, file_digest, load_full_model_weights, load_model, prune_checkpoints,
     save_model_only, scan_checkpoints,
 )
-from trainer.export import (
+from trainer.hf import (
     ExportError, args_from_hf_config, expected_shapes, from_hf_name, hf_config, plan_shards, read_hf_weights,
     to_hf_name, write_hf_export,
 )

@@ -180,6 +180,15 @@ def test_every_field_has_a_docstring() -> None:
         assert not missing, f"[{name}] fields without a docstring: {missing}"
 
 
+def test_every_note_names_a_key() -> None:
+    # docs/config.md's long texts (trainer/config/notes.py) are keyed "section.key": one for a key that was renamed
+    # or removed would vanish from the docs silently.
+    from trainer.config.notes import NOTES
+
+    keys = {f"{name}.{f.name}" for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert sorted(set(NOTES) - keys) == []
+
+
 def test_config_reference_is_current() -> None:
     current = (REPO / "docs" / "config.md").read_text()
     assert current == config_markdown(), "docs/config.md is stale: run python -m trainer.config --markdown > docs/config.md"

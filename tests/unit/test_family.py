@@ -1,5 +1,5 @@
 """Model families (trainer/models/family.py): each family's tensor-parallel plan names modules its model has, and
-covers every Linear layer except the ones meant to stay whole; every family has its export mapping."""
+covers every Linear layer except the ones meant to stay whole; every family has its Hugging Face mapping."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import trainer.export
+import trainer.hf
 from trainer.models import FAMILIES, FLAVORS, build_model, family_of, model_args_for
 
 
@@ -44,9 +44,33 @@ def test_tp_plan_names_existing_modules_and_covers_the_linears(name, args, loss_
     assert plan.sequence_modules == moe_layers and bool(plan.summary) == bool(moe_layers)
 
 
-def test_every_family_has_its_export_mapping_and_flavors() -> None:
+@pytest.mark.parametrize("flavor", ["debug", "debug_moe", "moe_16b"])
+def test_block_params_count_each_block_and_alike_runs_cover_the_model(flavor: str) -> None:
+    """The memory plan's facts of a family (trainer/validate/plan.py): each block's parameters and routed experts' as
+    the built block has them, and runs of alike blocks that cover every block in order."""
+    from trainer.models.activations import ActivationPolicy
+
+    args = replace(FLAVORS[flavor], n_layers=3)
+    family = family_of(args)
+    with torch.device("meta"):
+        model = build_model(args)
+    for i, block in model.layers.items():
+        params = dict(block.named_parameters())
+        routed = sum(p.numel() for name, p in params.items() if name.startswith(("moe.experts.", "moe.router.")))
+        assert family.block_params(args, int(i)) == (sum(p.numel() for p in params.values()), routed)
+    runs = family.block_runs(args)
+    assert [i for run in runs for i in run] == list(range(args.n_layers))
+    policy = ActivationPolicy(compiled=True)
+    for run in runs:
+        assert len({(family.block_params(args, i), family.activation_bytes(args, i, policy)) for i in run}) == 1
+
+
+def test_every_family_has_its_hf_mapping_and_flavors() -> None:
     for flavor, args in FLAVORS.items():
         family = family_of(args)
         assert flavor in family.flavors
-        assert trainer.export.family(args).__name__ == f"trainer.export.{family.name}"
+        assert trainer.hf.family(args).__name__ == f"trainer.hf.{family.name}"
     assert set(FAMILIES) == {"llama", "moe"}
+    # Each config.json layout is one family's (trainer.hf picks the family by it).
+    model_types = [t for f in FAMILIES.values() for t in trainer.hf.mapping(f).MODEL_TYPES]
+    assert len(model_types) == len(set(model_types)) == 4

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from trainer.checkpoint.offline import build_model as model_with_weights
-from trainer.export import ExportError, read_hf_config, read_hf_weights, write_hf_export
-from trainer.export.llama import rope_fields
+from trainer.hf import ExportError, read_hf_config, read_hf_weights, write_hf_export
+from trainer.hf.llama import rope_fields
 from trainer.generate import generate
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from trainer.checkpoint import RunInfo, save_model_only
 from trainer.config import load_job_config
 from trainer.dry_run import dry_run
 from trainer.errors import ConfigError
-from trainer.export import read_hf_config, read_hf_weights
+from trainer.hf import read_hf_config, read_hf_weights
 from trainer.models import FLAVORS
 from trainer.validate import validate_job
 
@@ -56,7 +56,7 @@ def test_a_config_without_shape_keys_takes_the_checkpoints_whole_shape(imported,
                                        f"(imported from {folder}")
     resolved = tomllib.loads(dict(job.run_files)["resolved.toml"])
     assert (resolved["model"]["dim"], resolved["model"]["tie_word_embeddings"]) == (want.dim, True)
-    assert tomllib.loads(dict(job.run_files)["config.toml"])["model"]["dim"] == 0  # the config as given
+    assert "dim" not in tomllib.loads(dict(job.run_files)["config.toml"])["model"]  # the config as given
     # The dry run plans that model and says where its shape came from.
     text, fits = dry_run(load_job_config(["--config", DEBUG_CONFIG, f"--checkpoint.initial_load_path={out}"]),
                          world_size=1)

@@ -1,7 +1,7 @@
-"""What a block saves for backward, as the dry run's memory plan counts it (trainer/validate/plan.py), against the
-forward graph torch.compile's partitioner makes for our block: the tensors that graph returns for backward, read
-from inductor's post-grad forward graph on this CPU (the same op graph a GPU gets; docs/benchmarks.md compares the
-plan with what was live at measured peaks on an H100).
+"""What a block saves for backward, as its family counts it for the dry run's memory plan (trainer/models/activations.py,
+asked by trainer/validate/plan.py), against the forward graph torch.compile's partitioner makes for our block: the
+tensors that graph returns for backward, read from inductor's post-grad forward graph on this CPU (the same op graph a
+GPU gets; docs/benchmarks.md compares the plan with what was live at measured peaks on an H100).
 
 Bytes per token = (saved bytes at batch 2 - at batch 1) / seq_len: the weights and the RoPE tables (per position,
 not per token) cancel, so the plan's per-token formula must match exactly."""

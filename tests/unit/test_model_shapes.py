@@ -74,12 +74,17 @@ def test_resolved_values_rebuild_the_model_from_any_flavor_of_its_family(flavor:
     (["--model.dim=136", "--model.n_heads=8"], 1, "model.dim=136 must be an even multiple of model.n_heads=8"),
     (["--model.n_kv_heads=3"], 1, "model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
     (["--model.head_dim=33"], 1, "model.head_dim=33 must be even (RoPE rotates pairs of dimensions)"),
-    (["--model.dim=-8"], 1, "model.dim=-8 must be an integer in [1, 1099511627776], or 0 for the flavor's own"),
-    (["--model.norm_eps=-1e-5"], 1, "model.norm_eps=-1e-05 must be in (0, 1], or 0 for the flavor's own"),
+    (["--model.dim=-8"], 1, "model.dim=-8 must be an integer in [1, 1099511627776] (leave model.dim out for the "
+                            "flavor's own)"),
+    # 0 and -1 no longer keep the flavor's value: a key left out does, and the error says so.
+    (["--model.dim=0"], 1, "model.dim=0 must be an integer in [1, 1099511627776] (leave model.dim out for the "
+                           "flavor's own)"),
+    (["--model.norm_eps=-1e-5"], 1, "model.norm_eps=-1e-05 must be in (0, 1] (leave model.norm_eps out for the "
+                                    "flavor's own)"),
     (["--model.rope_scaling=llama3", "--model.rope_scaling_factor=-2"], 1,
-     "model.rope_scaling_factor=-2.0 must be in (0, 1e+06], or 0 for the flavor's own"),
-    (["--moe.n_shared_experts=-3"], 1, "moe.n_shared_experts=-3 must be an integer in [0, 1099511627776], or -1 for "
-                                       "the flavor's own"),
+     "model.rope_scaling_factor=-2.0 must be in (0, 1e+06] (leave model.rope_scaling_factor out for the flavor's own)"),
+    (["--moe.n_shared_experts=-1"], 1, "moe.n_shared_experts=-1 must be an integer in [0, 1099511627776] (leave "
+                                       "moe.n_shared_experts out for the flavor's own)"),
     (["--model.flavor=debug_moe", "--model.ffn_dim=256"], 1,
      "model.ffn_dim=256 with the MoE flavor 'debug_moe': its dense blocks' width is moe.dense_ffn_dim"),
     (["--model.flavor=debug_moe", "--moe.n_experts=4", "--moe.top_k=6"], 1, "moe.top_k=6 must be at most "
@@ -94,7 +99,7 @@ def test_resolved_values_rebuild_the_model_from_any_flavor_of_its_family(flavor:
      "split in two"),
     (["--model.tie_word_embeddings=true", "--train.loss_chunk_tokens=128"], 1,
      "model.tie_word_embeddings=true with train.loss_chunk_tokens=128 is not supported yet"),
-], ids=["dim_heads", "odd_head_dim_from_dim", "kv_heads", "odd_head_dim", "negative_dim", "norm_eps",
+], ids=["dim_heads", "odd_head_dim_from_dim", "kv_heads", "odd_head_dim", "negative_dim", "zero_dim", "norm_eps",
         "rope_factor", "shared_experts", "ffn_dim_moe", "top_k", "tp_heads", "tied_pp", "tied_tp", "tied_chunks"])
 def test_impossible_shapes_are_one_line_naming_the_key(argv: list[str], world_size: int, message: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -413,10 +413,13 @@ MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "co
                                "and [moe] keys set)"),
         (1, ["--moe.n_experts=4", "--moe.top_k=6"], "moe.top_k=6 must be at most moe.n_experts=4"),
         (1, ["--moe.n_dense_layers=5"], "moe.n_dense_layers=5 must be at most model.n_layers=4"),
-        (1, ["--moe.top_k=-1"], "moe.top_k=-1 must be >= 1, or 0 for the flavor's own"),
-        (1, ["--moe.capacity_factor=-0.5"], "moe.capacity_factor=-0.5 must be >= 0 (0 = no token dropping)"),
-        (1, ["--moe.aux_loss_coef=-2"], "moe.aux_loss_coef=-2.0 must be >= 0 (0 = off), or -1 for the flavor's own"),
-        (1, ["--moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1 must be >= 0"),
+        (1, ["--moe.top_k=0"], "moe.top_k=0 must be an integer in [1, 1099511627776] (leave moe.top_k out for the "
+                               "flavor's own)"),
+        (1, ["--moe.capacity_factor=-0.5"], "moe.capacity_factor=-0.5 must be in [0, 1e+06] (leave "
+                                            "moe.capacity_factor out for the flavor's own)"),
+        (1, ["--moe.aux_loss_coef=-1"], "moe.aux_loss_coef=-1.0 must be in [0, 1e+06] (leave moe.aux_loss_coef out "
+                                        "for the flavor's own)"),
+        (1, ["--moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1 must be in [0, 1e+06]"),
         (6, ["--distributed.ep=4"], "distributed.ep=4 must divide distributed.dp_shard x distributed.cp = 6 x 1"),
         (3, ["--distributed.ep=3"], "distributed.ep=3 must divide the 8 routed experts of model.flavor='debug_moe'"),
         (2, ["--distributed.tp=2", "--moe.capacity_factor=1.25"],
@@ -426,6 +429,8 @@ MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "co
         (2, ["--model.flavor=debug", "--distributed.ep=2"],
          "distributed.ep=2 needs an MoE model, but model.flavor='debug' is dense"),
         (1, ["--model.flavor=debug", "--moe.top_k=2"], "moe.top_k=2 has no effect: model.flavor='debug' is dense"),
+        # Any [moe] key set, even to what a dense model does anyway (debug_moe.toml's capacity_factor = 0.0).
+        (1, ["--model.flavor=debug"], "moe.capacity_factor=0.0 has no effect: model.flavor='debug' is dense"),
     ],
 )
 def test_bad_moe_configs_are_one_line_naming_the_key(world_size: int, args: list[str], message: str) -> None:
@@ -441,10 +446,10 @@ def test_bad_moe_configs_are_one_line_naming_the_key(world_size: int, args: list
 
 @pytest.mark.parametrize("flavor", sorted(MOE_FLAVORS))
 def test_moe_flavors_may_export_at_the_end_of_training(flavor: str) -> None:
-    """checkpoint.model_only=true: every MoE flavor has an exact transformers target (tests/unit/test_export_moe.py)."""
+    """checkpoint.model_only=true: every MoE flavor has an exact transformers target (tests/unit/test_hf_moe.py)."""
     import dataclasses
 
-    from trainer.export import check_exportable
+    from trainer.hf import check_exportable
 
     assert check_exportable(MOE_FLAVORS[flavor]) == []  # no refusal, nothing to warn about (no token dropping)
     dropping = dataclasses.replace(MOE_FLAVORS[flavor], capacity_factor=1.25)
@@ -455,7 +460,7 @@ def test_model_only_asks_the_exports_check_and_its_refusal_names_the_key(monkeyp
     import trainer.validate.layout as layout
     from trainer.config import load_job_config
     from trainer.errors import ConfigError
-    from trainer.export import ExportError
+    from trainer.hf import ExportError
     from trainer.validate import validate_job
 
     asked = []
@@ -482,7 +487,7 @@ def test_moe_section_overrides_the_flavor() -> None:
                                         "--moe.capacity_factor=1.25"]), world_size=1)
     args = job.model_args
     assert (args.top_k, args.aux_loss_coef, args.capacity_factor) == (3, 0.0, 1.25)
-    assert args.bias_update_rate == FLAVORS["debug_moe"].bias_update_rate  # -1 keeps the flavor's own
+    assert args.bias_update_rate == FLAVORS["debug_moe"].bias_update_rate  # left out: the flavor's own
 
 
 def test_fp8_ep_recipe_validates_on_four_ranks(on_h100) -> None:

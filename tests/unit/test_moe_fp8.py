@@ -236,8 +236,10 @@ def test_one_call_converts_linears_and_experts_into_one_report_merged_over_stage
         (["--float8.moe_experts=Rowwise"], "float8.moe_experts='Rowwise' is not one of 'off', 'rowwise'"),
         (["--float8.moe_experts=rowwise", "--train.mixed_precision=bf16"],
          "float8.moe_experts='rowwise' applies to fp8 runs only, but train.mixed_precision='bf16'"),
-        (["--float8.moe_experts=rowwise", "--train.mixed_precision=fp8", "--float8.emulate=true",
-          "--model.flavor=debug"], "float8.moe_experts='rowwise' needs an MoE flavor, but model.flavor='debug'"),
+        # debug_model.toml: debug_moe.toml's [moe] keys would have no effect on the dense flavor (an error of its own)
+        (["--config", MOE_CONFIG.replace("debug_moe", "debug_model"), "--float8.moe_experts=rowwise",
+          "--train.mixed_precision=fp8", "--float8.emulate=true"],
+         "float8.moe_experts='rowwise' needs an MoE flavor, but model.flavor='debug'"),
         (["--float8.moe_experts=rowwise", "--train.mixed_precision=fp8"],
          "float8.moe_experts='rowwise' on a machine without CUDA needs float8.emulate=true"),
     ],

@@ -170,8 +170,8 @@ def _read_hf_folder(path: Path, *, extra_bytes: Callable[[ModelArgs, int], tuple
                     ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """(args, weights) of a Hugging Face folder, its config checked against its files' sizes and this host's memory
     before any weight is read."""
-    from trainer.export import ExportError, family, read_hf_config, read_hf_weights, safetensors_bytes
-    from trainer.export.folder import read_config
+    from trainer.hf import ExportError, family, read_hf_config, read_hf_weights, safetensors_bytes
+    from trainer.hf.folder import read_config
 
     args = read_hf_config(path)
     config = read_config(path)

@@ -12,11 +12,12 @@ JobConfig here, even only for type checkers, would tie the two into a circle.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from trainer.errors import ConfigError
-from trainer.model_values import value_problem
+from trainer.model_values import RULES, value_problem
 from trainer.precision_phases import parse_precision_schedule
 from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
@@ -28,7 +29,6 @@ def check_config(cfg: Any) -> None:
         _check_precision_schedule(cfg)
     _check_ranges(cfg)
     _check_loss_chunking(cfg)
-    _check_moe_section(cfg)
     _check_optimizer(cfg)
     _check_checkpoint_and_master(cfg)
     _check_float8_and_profiling(cfg)
@@ -96,28 +96,17 @@ def _check_ranges(cfg: Any) -> None:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
 
 
-# [model] and [moe] keys -> the model argument whose rule they follow (trainer.model_values, checkpoints' rules too).
-MODEL_KEYS = {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "n_kv_heads": "n_kv_heads",
-              "head_dim": "explicit_head_dim", "ffn_dim": "explicit_ffn_dim", "ffn_dim_multiplier": "ffn_dim_multiplier",
-              "multiple_of": "multiple_of", "vocab_size": "vocab_size", "norm_eps": "norm_eps",
-              "rope_theta": "rope_theta", "rope_scaling_factor": "factor",
-              "rope_scaling_low_freq_factor": "low_freq_factor", "rope_scaling_high_freq_factor": "high_freq_factor",
-              "rope_scaling_original_max_seq_len": "original_max_seq_len", "max_seq_len": "max_seq_len"}
-MOE_KEYS = {"n_experts": "n_experts", "moe_ffn_dim": "moe_ffn_dim", "n_shared_experts": "n_shared_experts",
-            "n_dense_layers": "n_dense_layers", "dense_ffn_dim": "dense_ffn_dim"}
-
-
 def _check_model_values(cfg: Any) -> None:
-    """Every shape key by the rules of every model argument's source; 0 (-1 for the [moe] counts where 0 means
-    none) keeps the flavor's value."""
-    for section, keys in (("model", MODEL_KEYS), ("moe", MOE_KEYS)):
-        for key, field in keys.items():
-            value = getattr(getattr(cfg, section), key)
-            unset = 0 if section == "model" or key in ("n_experts", "moe_ffn_dim") else -1
-            if value == unset:
+    """Every [model] and [moe] key set by the rules of the model argument it sets (trainer.model_values: the same for
+    a checkpoint's and a config.json's); a key left out keeps the flavor's value."""
+    for section in ("model", "moe"):
+        values = getattr(cfg, section)
+        for f in dataclasses.fields(values):
+            value, arg = getattr(values, f.name), f.metadata.get("sub", f.metadata.get("field"))
+            if value is None or arg not in RULES:
                 continue
-            if problem := value_problem(field, value, key=f"{section}.{key}"):
-                raise ConfigError(f"{problem}, or {unset} for the flavor's own")
+            if problem := value_problem(arg, value, key=f"{section}.{f.name}"):
+                raise ConfigError(f"{problem} (leave {section}.{f.name} out for the flavor's own)")
 
 
 def _check_loss_chunking(cfg: Any) -> None:
@@ -128,17 +117,6 @@ def _check_loss_chunking(cfg: Any) -> None:
             "implemented under tensor parallel (loss_parallel already splits the logits over the tp ranks); "
             "set train.loss_chunk_tokens=0"
         )
-
-
-def _check_moe_section(cfg: Any) -> None:
-    moe = cfg.moe
-    if moe.top_k < 0:
-        raise ConfigError(f"moe.top_k={moe.top_k} must be >= 1, or 0 for the flavor's own")
-    if moe.capacity_factor < 0:
-        raise ConfigError(f"moe.capacity_factor={moe.capacity_factor} must be >= 0 (0 = no token dropping)")
-    for key, value in (("moe.aux_loss_coef", moe.aux_loss_coef), ("moe.bias_update_rate", moe.bias_update_rate)):
-        if value < 0 and value != -1:
-            raise ConfigError(f"{key}={value} must be >= 0 (0 = off), or -1 for the flavor's own")
 
 
 def _check_optimizer(cfg: Any) -> None:

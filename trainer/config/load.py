@@ -13,6 +13,7 @@ import math
 import sys
 import typing
 from pathlib import Path
+from types import UnionType
 from typing import Any, Literal
 
 from trainer.config.sections import _SECTIONS, JobConfig, field_types, toml_value
@@ -32,6 +33,9 @@ def suggest(name: str, choices: list[str]) -> str:
 def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     """Check (TOML) or parse (command line) one value against its annotation."""
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, UnionType):  # `X | None`: None is only the default (a key left out)
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
         takes_bool = any(isinstance(a, bool) for a in allowed)

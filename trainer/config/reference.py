@@ -1,34 +1,19 @@
-"""The config's own documentation: `train.py --help [SECTION]` and docs/config.md, from the field docstrings."""
+"""The config's own documentation: `train.py --help [SECTION]` and docs/config.md, from the field docstrings (docs/config.md
+takes a key's long text from trainer/config/notes.py where it has one)."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import textwrap
+import types
 import typing
 from typing import Any, Literal
 
+from trainer.config.docstrings import field_docs
 from trainer.config.load import suggest
+from trainer.config.notes import NOTES
 from trainer.config.sections import _SECTIONS, SECTION_HELP, field_types, toml_value
 from trainer.errors import ConfigError
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = nxt.value.value.strip()
-    return docs
 
 
 def section_help(section: str) -> str:
@@ -36,12 +21,15 @@ def section_help(section: str) -> str:
     if section not in _SECTIONS:
         raise ConfigError(f"unknown section [{section}]{suggest(section, list(_SECTIONS))}")
     cls = _SECTIONS[section]
-    docs, types = field_docs(cls), field_types(cls)
+    docs, hints = field_docs(cls), field_types(cls)
     lines = [f"[{section}]  {SECTION_HELP[section]}", ""]
     for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{section}.{f.name}={toml_value(default)}    ({_type_name(types[f.name]).replace(chr(92), '')})")
-        lines.extend(f"      {line}" for line in textwrap.wrap(docs.get(f.name, ""), 90))
+        type_name = _type_name(hints[f.name]).replace(chr(92), "")
+        default = _default(f)
+        lines.append(f"  --{section}.{f.name}    ({type_name}; left out: {default})" if default == FLAVORS_OWN else
+                     f"  --{section}.{f.name}={default}    ({type_name})")
+        more = " (more: docs/config.md)" if f"{section}.{f.name}" in NOTES else ""
+        lines.extend(f"      {line}" for line in textwrap.wrap(docs.get(f.name, "") + more, 90))
     return "\n".join(lines)
 
 
@@ -80,18 +68,30 @@ def config_markdown() -> str:
         "",
     ]
     for section, cls in _SECTIONS.items():
-        docs, types = field_docs(cls), field_types(cls)
+        docs, hints = field_docs(cls), field_types(cls)
         out += [f"## [{section}]", "", f"{SECTION_HELP[section].capitalize()}.", "",
                 "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            type_name = _type_name(types[f.name])
-            out.append(f"| `{f.name}` | {type_name} | `{toml_value(default)}` | {docs.get(f.name, '')} |")
+            default = _default(f)
+            default = default if default == FLAVORS_OWN else f"`{default}`"
+            text = NOTES.get(f"{section}.{f.name}", docs.get(f.name, ""))
+            out.append(f"| `{f.name}` | {_type_name(hints[f.name])} | {default} | {text} |")
         out.append("")
     return "\n".join(out)
 
 
+# How a key whose default is None (left out: [model] and [moe]) shows its default.
+FLAVORS_OWN = "the flavor's"
+
+
+def _default(f: dataclasses.Field) -> str:
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return FLAVORS_OWN if default is None else toml_value(default)
+
+
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # `X | None`: None is the default, not a value
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) is Literal:
         return " \\| ".join(toml_value(a) if isinstance(a, bool) else repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:

@@ -1,4 +1,5 @@
-"""The job config's sections: one dataclass per TOML section, a docstring under every field, and JobConfig.
+"""The job config's sections: one dataclass per TOML section, a docstring under every field, and JobConfig, whose
+fields are the sections ([model] and [moe] are generated from the model's dataclasses: trainer.config.model_sections).
 
 A `JobConfig` checks itself when built (`__post_init__` runs
 `trainer.config.checks.check_config`): every combination that the config alone
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config.checks import check_config
+from trainer.config.docstrings import field_docs
+from trainer.config.model_sections import ModelSection, MoESection
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
@@ -22,83 +25,9 @@ MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 @dataclass
 class JobSection:
     dump_folder: str = "./outputs/run"
-    """Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler traces. Not empty ("." for the current directory)."""
+    """Folder for everything a run writes (config, metrics, checkpoints, traces); "." for the current directory."""
     description: str = ""
     """Free text logged at start; say what this run is for."""
-
-
-@dataclass
-class ModelSection:
-    """The model's shapes: a flavor is a preset, and every key set here replaces its value (0, or "", keeps the flavor's). resolved.toml shows every value the run used (docs/models.md)."""
-
-    flavor: str = "debug"
-    """Size preset, which also picks the family: dense debug, 1b, 3b, 8b, 70b, 405b (trainer/models/llama.py); MoE debug_moe, moe_small, moe_16b (trainer/models/moe.py)."""
-    dim: int = 0
-    """Hidden size (the residual stream's width); 0 keeps the flavor's own."""
-    n_layers: int = 0
-    """Number of transformer blocks; 0 keeps the flavor's own (benchmarks use fewer)."""
-    n_heads: int = 0
-    """Attention (query) heads; 0 keeps the flavor's own."""
-    n_kv_heads: int = 0
-    """Key/value heads (grouped-query attention; n_heads must be a multiple); 0 keeps the flavor's own."""
-    head_dim: int = 0
-    """Each head's width, even (RoPE); 0 = dim / n_heads. Qwen3 sets it apart: 128 with dim=1024 and 16 heads."""
-    ffn_dim: int = 0
-    """The MLP's hidden width; 0 = Llama's rule: 8/3 x dim, times ffn_dim_multiplier, rounded up to multiple_of. An MoE flavor's dense blocks take moe.dense_ffn_dim."""
-    ffn_dim_multiplier: float = 0.0
-    """Scales Llama's 8/3 x dim (1.3 for Llama 3 8B) when ffn_dim is 0; 0 keeps the flavor's own."""
-    multiple_of: int = 0
-    """ffn_dim is rounded up to a multiple of this when derived from dim; 0 keeps the flavor's own."""
-    vocab_size: int = 0
-    """Vocabulary size; 0 keeps the flavor's own (128256 for the Llama 3 sizes, 512 for debug)."""
-    norm_eps: float = 0.0
-    """RMSNorm epsilon; 0 keeps the flavor's own (1e-5)."""
-    rope_theta: float = 0.0
-    """RoPE base frequency; 0 keeps the flavor's own (500000 for Llama 3, 1e6 for Qwen3)."""
-    rope_scaling: Literal["", "none", "llama3"] = ""
-    """"llama3": Llama 3.1's long-context frequency scaling (the rope_scaling_* keys); "none": plain RoPE; "" keeps the flavor's own."""
-    rope_scaling_factor: float = 0.0
-    """Llama 3 RoPE scaling factor (8 for 3.1, 32 for 3.2); 0 keeps the flavor's own, or 8 where it has none."""
-    rope_scaling_low_freq_factor: float = 0.0
-    """Llama 3 RoPE scaling low_freq_factor; 0 keeps the flavor's own, or 1."""
-    rope_scaling_high_freq_factor: float = 0.0
-    """Llama 3 RoPE scaling high_freq_factor; 0 keeps the flavor's own, or 4."""
-    rope_scaling_original_max_seq_len: int = 0
-    """The context the scaled RoPE was trained at; 0 keeps the flavor's own, or 8192."""
-    max_seq_len: int = 0
-    """Positions of the RoPE table (at least train.seq_len); 0 keeps the flavor's own."""
-    tie_word_embeddings: bool = False
-    """One table for the embeddings and the output head (SmolLM2, Qwen3-0.6B, Llama 3.2 1B); no flavor ties. Not with pipeline or tensor parallel."""
-    qk_norm: bool = False
-    """RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): steadier attention logits; no flavor has it."""
-
-
-@dataclass
-class MoESection:
-    """Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value."""
-
-    n_experts: int = 0
-    """Routed experts per MoE block; 0 keeps the flavor's own."""
-    top_k: int = 0
-    """Experts each token is routed to; 0 keeps the flavor's own."""
-    moe_ffn_dim: int = 0
-    """Hidden width of each routed (and shared) expert; 0 keeps the flavor's own."""
-    n_shared_experts: int = -1
-    """Shared experts every token passes through (0 = none); -1 keeps the flavor's own."""
-    n_dense_layers: int = -1
-    """Leading blocks that are dense (an MLP of dense_ffn_dim) instead of MoE; -1 keeps the flavor's own."""
-    dense_ffn_dim: int = -1
-    """Hidden width of the dense blocks' MLP (0 = Llama's rule from dim); -1 keeps the flavor's own."""
-    score_func: Literal["", "softmax", "sigmoid"] = ""
-    """Router scores: softmax over experts (DeepSeek-MoE) or a sigmoid per expert (DeepSeek-V3); "" keeps the flavor's own."""
-    route_norm: bool = False
-    """Renormalize the chosen top_k scores to sum to 1 (no flavor does)."""
-    aux_loss_coef: float = -1.0
-    """Weight of the sequence-wise load-balancing loss added to the LM loss; 0 = off, -1 = the flavor's own."""
-    bias_update_rate: float = -1.0
-    """Step of the aux-loss-free expert bias update after each optimizer step; 0 = off, -1 = the flavor's own."""
-    capacity_factor: float = 0.0
-    """Per-sequence expert capacity as a multiple of the balanced share; tokens over it are dropped. 0 = no dropping."""
 
 
 @dataclass
@@ -112,25 +41,25 @@ class TrainSection:
     grad_accum_steps: int = 1
     """Microbatches accumulated before each optimizer step."""
     mixed_precision: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "bf16"
-    """Compute dtype. fp8 = bf16 compute with torchao float8 linears. auto (Axolotl's bf16: auto) = what this machine runs best: fp8 on GPUs with FP8 tensor cores (compute capability >= 8.9; bf16 under tensor parallelism), bf16 on >= 8.0, fp16 below, fp32 on a CPU, said in one startup line. The master weights follow distributed.master_dtype (bf16 for bf16 and fp8 by default)."""
+    """Compute dtype: fp32, fp16, bf16, fp8 (bf16 with torchao float8 linears) or auto (this machine's best)."""
     precision_schedule: list[str] = field(default_factory=list)
-    """Change precision inside the run: "precision:last_step" entries, the last one without a step, e.g. ["bf16:2000", "fp8:9500", "bf16"] = bf16 for steps 1-2000, fp8 for 2001-9500, bf16 to train.steps. Overrides mixed_precision; needs checkpoint.enable (each switch saves a checkpoint, rebuilds the model and resumes it in the same process). Empty = off (see docs/fp8.md)."""
+    """Precision changes inside the run, e.g. ["bf16:2000", "fp8:9500", "bf16"]; needs checkpoint.enable."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
     seed: int = 0
-    """Seed for weights and dropout-free RNG, 0 to 18446688729348 (each parameter's init generator is seeded with seed x 1000003 + crc32(fqn), which must fit torch's 64 bits); the data order has its own seed in [data]."""
+    """Seed for weights and dropout-free RNG, 0 to 18446688729348; the data order has its own (data.seed)."""
     deterministic: bool = False
     """Use deterministic algorithms (slower); for bitwise-reproducible debugging."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (see selective_ac_every) or full (every block)."""
     selective_ac_every: int = 0
-    """With selective AC: 0 = per-op policy that keeps matmul and attention outputs; N > 0 = full AC on every Nth block."""
+    """With selective AC: 0 = the per-op policy (matmul and attention outputs kept); N = full AC every Nth block."""
     compile_model: bool = False
     """torch.compile each transformer block and the output head with its loss."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
-    """The kernel of causal attention (torch's scaled_dot_product_attention). auto = on a GPU cuDNN's first, then flash, efficient and math, the first that takes the inputs (cuDNN's is 1.86x flash's at Llama 3 8B shapes on an H100, docs/benchmarks.md); on a CPU torch's choice. Another value: that kernel only (torch raises if it cannot take the inputs; cudnn and efficient need a GPU). Context parallelism keeps its own attention."""
+    """The kernel of causal attention: auto (on a GPU cuDNN's, else flash, efficient, math) or that kernel only."""
     loss_chunk_tokens: int = 0
-    """Compute the final norm, output head and cross-entropy this many tokens at a time, each chunk activation-checkpointed, so only one chunk's logits exist in forward and backward (at vocab 128256 the whole batch's fp32 logits are 8.4 GB per 16K tokens); costs one more output-head GEMM in backward. Same loss and gradients up to fp32 summation order. 0 = off (all tokens at once). Not with distributed.tp > 1 (under pp > 1 on the last stage). See docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens."""
+    """Final norm, head and cross-entropy this many tokens at a time (one chunk's logits held); 0 = all at once."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """What a NaN/inf loss or gradient norm does: stop the run naming the step, or skip that optimizer step."""
 
@@ -205,7 +134,7 @@ class MixSource:
 @dataclass
 class DataSection:
     source: Literal["default", "stdlib", "synthetic", "shards"] = "default"
-    """default = Python's documentation text that ships with Python (byte-level, no download, 0.47M tokens); stdlib = that plus the standard library's source (~13M tokens); synthetic = random tokens; shards = files made by scripts/prepare_data.py."""
+    """default = Python's documentation text (no download); stdlib = that and stdlib's source; synthetic; shards."""
     path: str = ""
     """For source='shards': a folder of .bin shards or a glob."""
     tokenizer: str = "byte"
@@ -215,11 +144,11 @@ class DataSection:
     shuffle: bool = True
     """Shuffle samples each epoch (with data.seed)."""
     mix: list[MixSource] = field(default_factory=list)
-    """A weighted mixture of shard sources in place of data.path: [[data.mix]] tables of path, weight, and optional name and validation_path (on the command line: --data.mix=web=data/web:0.8,code=data/code:0.2). Samples are drawn in proportion to the weights, deterministically from (data.seed, position), rank-disjoint and exactly resumable; a source its share exhausts repeats (its epochs logged); tokens per source go to the metrics (docs/data.md)."""
+    """A weighted mixture of shard sources in place of data.path: [[data.mix]] tables (docs/data.md)."""
     document_masking: bool = False
-    """Attention never crosses an EOS inside a packed sequence and RoPE positions restart at each document (Llama 3): FlexAttention with a document block mask on a GPU (with train.compile_model), a dense mask on a CPU. Not yet with distributed.pp or cp > 1."""
+    """Attention stays inside each EOS-separated document of a packed row; RoPE positions restart at each."""
     eod_mask_loss: bool = False
-    """Do not train on the token after each EOS (a document's first token, which nothing before it predicts; Megatron's --eod-mask-loss): the loss is the mean over the step's other tokens, in training and validation."""
+    """Do not train on the token after each EOS (a document's first token; Megatron's --eod-mask-loss)."""
 
 
 @dataclass
@@ -231,9 +160,9 @@ class ValidationSection:
     steps: int = 8
     """Batches per evaluation (of train.batch_size per data-parallel rank); the same batches every time."""
     path: str = ""
-    """Held-out shards (folder or glob, same tokenizer as data.tokenizer). Empty = the held-out split of data.source: every 10th block of 4,096 tokens of the default/stdlib text, never trained on; a different seed for synthetic; required for shards."""
+    """Held-out shards (folder or glob, data.tokenizer's); "" = data.source's held-out split (shards: required)."""
     mixed_precision: Literal["training", "bf16"] = "training"
-    """Precision of the evaluation: training = as the model trains; bf16 = an fp8 run's matmuls in bf16 (Axolotl's `bf16: full` evaluation): FP8 Linears run as bf16 Linears and FP8 routed experts as bf16 grouped GEMMs while evaluating, the same weights. Needs bf16 or fp8 training (with bf16 it changes nothing); turns float8.enable_fsdp_float8_all_gather='auto' off (gathered float8 weights have no bf16 copy to evaluate with). docs/fp8.md#evaluating-in-bf16."""
+    """Precision of the evaluation: training = as the model trains; bf16 = an fp8 run's matmuls in bf16."""
 
 
 @dataclass
@@ -249,27 +178,27 @@ class DistributedSection:
     pp: int = 1
     """Pipeline-parallel degree: the model is split into stages over this many ranks (outermost mesh axis)."""
     cp: int = 1
-    """Context-parallel degree: every sequence is cut into 2 x cp chunks, each rank holding two (i and 2cp-1-i), with K/V all-gathered in attention; cp ranks join FSDP's shard group (docs/distributed.md#context-parallel). Not with tp > 1."""
+    """Context-parallel degree: each sequence in 2 x cp chunks, K/V all-gathered in attention. Not with tp > 1."""
     pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"
     """With pp > 1: the torch.distributed.pipelining schedule; Interleaved*/ZBV run several stages per rank."""
     pp_microbatch_size: int = 1
-    """With pp > 1: sequences per pipeline microbatch; must divide train.batch_size (microbatches = batch_size / this)."""
+    """With pp > 1: sequences per pipeline microbatch; must divide train.batch_size."""
     pp_stages_per_rank: int = 0
-    """With pp > 1: stages (virtual stages) per pipeline rank; 0 = 1 for GPipe/1F1B, 2 for Interleaved*/ZBVZeroBubble."""
+    """With pp > 1: stages per pipeline rank; 0 = 1 for GPipe/1F1B, 2 for Interleaved*/ZBVZeroBubble."""
     pp_layers_per_stage: int = 0
-    """With pp > 1: the cost of a stage in blocks (of the model's mean block cost), setting the number of stages; 0 = from pp x pp_stages_per_rank."""
+    """With pp > 1: a stage's cost in blocks, setting the number of stages; 0 = from pp x pp_stages_per_rank."""
     pp_split_points: list[str] = field(default_factory=list)
     """With pp > 1: explicit stage boundaries, the first block of each later stage (["layers.2"]); [] = even split."""
     pp_embedding_weight: float = -1.0
-    """With pp > 1, automatic split (stages balanced by training FLOPs per token, an MoE block by its active parameters): the token embedding's cost in blocks (of the mean block cost); -1 = its FLOPs (0: a lookup)."""
+    """With pp > 1, automatic split: the token embedding's cost in blocks; -1 = its FLOPs (0: a lookup)."""
     pp_head_weight: float = -1.0
-    """With pp > 1, automatic split: the final norm and output head's cost in blocks (of the mean block cost); -1 = its FLOPs, 6 x dim x vocab per token (about 2 blocks at Llama 3 8B shapes)."""
+    """With pp > 1, automatic split: the final norm and output head's cost in blocks; -1 = its FLOPs."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); default = always unless the shard group has one rank, where resharding saves nothing."""
+    """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2)."""
     reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Dtype FSDP2 reduce-scatters (sums) gradients in. auto = bf16 where the master weights are bf16 and at most 2 ranks are summed (FSDP2 rounds the result to bf16 either way: the same bits, half the bytes), fp32 where more ranks are summed or the master weights are fp32, the compute dtype where nothing is summed (one rank, one microbatch); said in the startup line. docs/distributed.md#fsdp2s-automatic-choices."""
+    """Dtype FSDP2 reduce-scatters gradients in; auto = bf16 or fp32 by the master weights and ranks summed."""
     master_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Dtype of the sharded master weights and AdamW moments. auto = bf16 for bf16 and fp8 compute (6 bytes/parameter less; each update rounded by optimizer.bf16_update, stochastic by default: within the seed noise of fp32 master weights on two seeds of the 1B parity run, docs/distributed.md#master-weights), fp32 for fp32 and fp16 compute; fp32 = the opt-in for every precision."""
+    """Dtype of the sharded master weights and AdamW moments; auto = bf16 for bf16 and fp8 compute, else fp32."""
     loss_parallel: bool = True
     """With tp > 1: keep logits sharded over the vocabulary when computing the loss."""
     init_timeout_seconds: int = 600
@@ -319,7 +248,7 @@ class CheckpointSection:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Write checkpoints in the background (async) while training continues."""
     initial_load_path: str = ""
-    """Start a new run from the model weights of this checkpoint (no optimizer, no step); the model's shape and vocabulary are the checkpoint's (a [model] or [moe] shape key set to another value is an error)."""
+    """Start a new run from this checkpoint's model weights, shape and vocabulary (no optimizer, no step)."""
     model_only: bool = False
     """At the end of training, also export the model weights only (see export_dtype)."""
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -329,7 +258,7 @@ class CheckpointSection:
     allow_unverified: bool = False
     """Load a checkpoint whose checkpoint.json has no "files" list (sizes, crc32), so its shards go unverified."""
     restart_data: bool = False
-    """On resume, take model, optimizer, LR schedule and step from the checkpoint but start the data from its beginning: for a relaunch on other data, another data.seed or a longer train.seq_len (a context extension, docs/checkpointing.md). Without it such a resume is refused."""
+    """On resume, start the data from its beginning (other data, data.seed or a longer train.seq_len)."""
 
 
 @dataclass
@@ -341,7 +270,7 @@ class ProfilingSection:
     end_step: int = 5
     """Last profiled step (inclusive)."""
     trace_dir: str = ""
-    """Where traces (rank{r}_step{a}-{b}.pt.trace.json.gz), the kernel summary and memory snapshots go; "" = the run's job.dump_folder/profiler_traces."""
+    """Where traces, the kernel summary and memory snapshots go; "" = job.dump_folder/profiler_traces."""
     record_shapes: bool = False
     """Record operator input shapes."""
     with_stack: bool = False
@@ -363,7 +292,7 @@ class MetricsSection:
     loss_spike_factor: float = 3.0
     """Flag a loss spike when loss > this x its running mean."""
     wandb: bool = False
-    """Also log what TensorBoard gets to Weights & Biases (rank 0; the optional extra: pip install 'trainer[wandb]'). A resumed run continues the same W&B run (its id is in {job.dump_folder}/wandb_run.json); WANDB_MODE=offline writes under {job.dump_folder}/wandb without a network. A W&B failure is one warning and training goes on."""
+    """Also log what TensorBoard gets to Weights & Biases (rank 0; pip install 'trainer[wandb]')."""
     wandb_project: str = "trainer"
     """W&B project."""
     wandb_entity: str = ""
@@ -375,58 +304,39 @@ class MetricsSection:
     wandb_tags: list[str] = field(default_factory=list)
     """W&B tags."""
     fp8_stats_freq: int = 0
-    """Every this many steps (fp8 runs): FP8 health per layer group (input and gradient amax, scale, fractions that underflow or saturate) and weight amax/scale, to metrics.jsonl and TensorBoard, with a warning line for a bad layer. That step runs eagerly: on 8B shapes it costs ~3 steps and nearly twice the peak memory (docs/benchmarks.md), so it is off by default; 100 costs ~2.3%. 0 = off."""
-
-
-# One line per section, for `--help` and docs/config.md.
-SECTION_HELP = {
-    "job": "where the run writes and what it is for",
-    "model": "model flavor (size preset) and shape overrides",
-    "moe": "routing and load balancing of MoE flavors",
-    "train": "steps, batch, sequence length, precision, AC, compile",
-    "optimizer": "AdamW hyperparameters",
-    "scheduler": "learning-rate warmup and decay",
-    "data": "training data source, shards and tokenizer",
-    "validation": "held-out loss and perplexity during training",
-    "distributed": "parallel degrees (dp_replicate, dp_shard, tp, ep, pp, cp) and FSDP2 policy",
-    "float8": "FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')",
-    "checkpoint": "DCP checkpoints, resume, export",
-    "profiling": "torch.profiler window and memory snapshots",
-    "metrics": "log line, metrics.jsonl, TensorBoard, W&B",
-}
-
-_SECTIONS: dict[str, type] = {
-    "job": JobSection,
-    "model": ModelSection,
-    "moe": MoESection,
-    "train": TrainSection,
-    "optimizer": OptimizerSection,
-    "scheduler": SchedulerSection,
-    "data": DataSection,
-    "validation": ValidationSection,
-    "distributed": DistributedSection,
-    "float8": Float8Section,
-    "checkpoint": CheckpointSection,
-    "profiling": ProfilingSection,
-    "metrics": MetricsSection,
-}
+    """Every this many steps (fp8 runs): FP8 health per layer group to the metrics; 0 = off (it costs: see docs)."""
 
 
 @dataclass
 class JobConfig:
+    """The TOML file's sections, in order; the docstring under each is its line in `--help` and docs/config.md."""
+
     job: JobSection = field(default_factory=JobSection)
+    """where the run writes and what it is for"""
     model: ModelSection = field(default_factory=ModelSection)
+    """model flavor (size preset) and shape overrides"""
     moe: MoESection = field(default_factory=MoESection)
+    """routing and load balancing of MoE flavors"""
     train: TrainSection = field(default_factory=TrainSection)
+    """steps, batch, sequence length, precision, AC, compile"""
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """AdamW hyperparameters"""
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    """learning-rate warmup and decay"""
     data: DataSection = field(default_factory=DataSection)
+    """training data source, shards and tokenizer"""
     validation: ValidationSection = field(default_factory=ValidationSection)
+    """held-out loss and perplexity during training"""
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    """parallel degrees (dp_replicate, dp_shard, tp, ep, pp, cp) and FSDP2 policy"""
     float8: Float8Section = field(default_factory=Float8Section)
+    """FP8 recipe, exclusions, all-gather (with train.mixed_precision='fp8')"""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """DCP checkpoints, resume, export"""
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    """torch.profiler window and memory snapshots"""
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    """log line, metrics.jsonl, TensorBoard, W&B"""
 
     def __post_init__(self) -> None:
         # The config-only checks; trainer.validate.validate_job adds world size, model and data.
@@ -453,6 +363,11 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+# The sections the TOML loader and `--help` know, and each one's line: JobConfig's fields.
+_SECTIONS: dict[str, type] = field_types(JobConfig)
+SECTION_HELP: dict[str, str] = field_docs(JobConfig)
+
+
 def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
     """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling])."""
     lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
@@ -462,7 +377,9 @@ def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
 
     def table(name: str, values: dict[str, Any]) -> None:
         lines.append(f"[{name}]")
-        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict) and not tables(v))
+        # None: a key left out (TOML has no null), such as a [model] key that keeps the flavor's value
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items()
+                     if v is not None and not isinstance(v, dict) and not tables(v))
         lines.append("")
         for k, v in values.items():
             if isinstance(v, dict):

@@ -1,13 +1,15 @@
 """Model families: what differs between dense Llama and MoE, in one place, resolved once from the args.
 
-    family_of(args).build(args)                  the model (under `torch.device("meta")` it allocates nothing)
-    family_of(args).flops_per_token(args, seq)   training FLOPs per token for MFU (MoE: active parameters)
-    family_of(args).param_counts(args)           (total, active) parameters
-    family_of(args).tp_plan(model, ...)          the tensor-parallel plan trainer.parallel.tensor_parallel applies
-    family_of(args).describe(args)               the family's startup line, or None
-    family_of(args).has_router                   routed experts: the [moe] section, EP, the MoE balancer hook
+    family_of(args).build(args)                     the model (under `torch.device("meta")` it allocates nothing)
+    family_of(args).flops_per_token(args, seq)      training FLOPs per token for MFU (MoE: active parameters)
+    family_of(args).param_counts(args)              (total, active) parameters
+    family_of(args).tp_plan(model, ...)             the tensor-parallel plan trainer.parallel.tensor_parallel applies
+    family_of(args).block_params(args, i)           block i's parameters (the memory plan; block_runs groups alike
+    family_of(args).activation_bytes(args, i, ...)  blocks) and what it saves for backward per token
+    family_of(args).describe(args)                  the family's startup line, or None
+    family_of(args).has_router                      routed experts: the [moe] section, EP, the MoE balancer hook
 
-A family's Hugging Face mapping is `trainer/export/<name>.py` (trainer.export picks it by `name`).
+A family's Hugging Face mapping is `trainer/hf/<name>.py` (trainer.hf finds it by `name`).
 Everything else (attention, norms, the dense MLP, the head, init, the block) is shared: trainer.models.layers.
 """
 
@@ -21,13 +23,14 @@ from torch import nn
 import trainer.models.llama as llama  # the modules, not `from trainer.models import`: the package imports this one
 import trainer.models.moe as moe
 from trainer.model_values import param_count
+from trainer.models.activations import ActivationPolicy
 from trainer.models.layers import ModelArgs, TPPlan
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
-    """"llama" or "moe"; also the name of its export mapping, trainer/export/<name>.py."""
+    """"llama" or "moe"; also the name of its export mapping, trainer/hf/<name>.py."""
     flavors: dict[str, ModelArgs]
     build: Callable[[ModelArgs], nn.Module]
     flops_per_token: Callable[[ModelArgs, int], float]
@@ -35,6 +38,14 @@ class ModelFamily:
     """(total, active): active = what one token's forward passes through, without the embedding table."""
     ffn_params: Callable[[ModelArgs, int], int]
     """Matmul parameters a token passes through in block i's feed-forward (the pipeline split's costs)."""
+    block_runs: Callable[[ModelArgs], tuple[range, ...]]
+    """The blocks in runs of alike ones (the same parameters and activations): what the memory plan counts in
+    closed form, one block of each run standing for the run."""
+    block_params: Callable[[ModelArgs, int], tuple[int, int]]
+    """(parameters of block i, of which routed experts': split over ep, never gathered over it)."""
+    activation_bytes: Callable[[ModelArgs, int, ActivationPolicy], tuple[int, int]]
+    """(saved, backward) bytes per token of block i: what backward finds saved, and what the block's backward adds
+    (trainer.models.activations)."""
     tp_plan: Callable[..., TPPlan]
     """tp_plan(model, *, loss_parallel) -> TPPlan."""
     describe: Callable[[ModelArgs], str | None]
@@ -72,12 +83,14 @@ def _describe_moe(args: moe.MoEArgs) -> str:
 
 LLAMA = ModelFamily(
     name="llama", flavors=llama.FLAVORS, build=llama.Llama, flops_per_token=llama.flops_per_token,
-    param_counts=_dense_param_counts, ffn_params=_dense_ffn_params, tp_plan=llama.tp_plan,
+    param_counts=_dense_param_counts, ffn_params=_dense_ffn_params, block_runs=llama.block_runs,
+    block_params=llama.block_params, activation_bytes=llama.activation_bytes, tp_plan=llama.tp_plan,
     describe=lambda args: None, has_router=False,
 )
 MOE = ModelFamily(
     name="moe", flavors=moe.MOE_FLAVORS, build=moe.MoETransformer, flops_per_token=moe.moe_flops_per_token,
-    param_counts=moe.param_counts, ffn_params=_moe_ffn_params, tp_plan=moe.tp_plan,
+    param_counts=moe.param_counts, ffn_params=_moe_ffn_params, block_runs=moe.block_runs,
+    block_params=moe.block_params, activation_bytes=moe.activation_bytes, tp_plan=moe.tp_plan,
     describe=_describe_moe, has_router=True,
 )
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE)}

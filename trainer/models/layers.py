@@ -1,5 +1,6 @@
-"""Pieces every decoder family shares: shapes, RoPE, RMSNorm, attention, the dense MLP, the block (attention
-and a feed-forward slot the family fills), the head, init, and the pieces of the tensor-parallel plans.
+"""Pieces every decoder family shares: RoPE, RMSNorm, attention, the dense MLP, the block (attention and a
+feed-forward slot the family fills), the head, init, and the pieces of the tensor-parallel plans. The shapes they
+take (`ModelArgs`, `RopeScaling`) are trainer.model_values', the torch-free dataclasses the config is made from.
 
 `trainer.models.llama` (dense Llama 3) and `trainer.models.moe` (mixture of experts)
 build their blocks from these, so both families name modules the same way
@@ -24,55 +25,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
+from trainer.model_values import ModelArgs, RopeScaling
 from trainer.models.documents import attention_mask, document_ids, masked_attention
 from trainer.seeds import param_seed
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1 frequency scaling (long-context RoPE)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 8192
-    explicit_head_dim: int = 0
-    """Each attention head's width ([model] head_dim); 0 = dim // n_heads (Qwen3 sets it apart from dim)."""
-    explicit_ffn_dim: int = 0
-    """The MLP's hidden width ([model] ffn_dim); 0 = Llama's rule from dim, ffn_dim_multiplier and multiple_of."""
-    tie_word_embeddings: bool = False
-    """The output head is the embedding table (one parameter): small models, SmolLM2, Qwen3-0.6B."""
-    qk_norm: bool = False
-    """RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): `attention.q_norm`, `attention.k_norm`."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.explicit_head_dim or self.dim // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        if self.explicit_ffn_dim:
-            return self.explicit_ffn_dim
-        # Llama's rule: 2/3 of 4*dim, scaled, rounded up to multiple_of.
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from trainer.model_values import layer_param_counts
+from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import (  # noqa: F401  (re-exported: `from trainer.models.llama import ...`)
     MLP,
     Attention,
@@ -98,3 +100,19 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     norms = 2 * args.dim
     n = args.n_layers * (attn + mlp + norms) + args.dim + args.dim * args.vocab_size
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def block_runs(args: ModelArgs) -> tuple[range, ...]:
+    """The blocks in runs of alike ones: every block is alike."""
+    return (range(args.n_layers),)
+
+
+def block_params(args: ModelArgs, i: int) -> tuple[int, int]:
+    """(parameters of block i, of which routed experts': none)."""
+    attention, mlp, _, _ = layer_param_counts(args)
+    return attention + mlp, 0
+
+
+def activation_bytes(args: ModelArgs, i: int, policy: ActivationPolicy) -> tuple[int, int]:
+    """(saved, backward) bytes per token of block i (trainer.models.activations): attention and the MLP."""
+    return block_activation_bytes(args, policy, ffn_dim=args.ffn_dim, fp8_mlp=policy.fp8_mlp)

@@ -37,8 +37,8 @@ sequence (the earliest positions), again independent of the layout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,44 +46,12 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from trainer.model_values import param_count
-from trainer.models.layers import (MLP, Decoder, ModelArgs, RopeScaling, TPPlan, TransformerBlock, block_tp_plan,
-                                   decoder_tp_plan, mlp_tp_plan, prefixed)
+from trainer.model_values import MoEArgs, RopeScaling, layer_param_counts, param_count
+from trainer.models.activations import ActivationPolicy, block_activation_bytes
+from trainer.models.layers import (MLP, Decoder, TPPlan, TransformerBlock, block_tp_plan, decoder_tp_plan, mlp_tp_plan,
+                                   prefixed)
 from trainer.models.moe_experts import GROUP_ALIGN, GroupedExperts, grouped_swiglu  # noqa: F401 (re-exported)
 from trainer.models.moe_permute import experts_to_tokens, inverse_permutation
-
-
-@dataclass(frozen=True)
-class MoEArgs(ModelArgs):
-    n_experts: int = 8
-    """Routed experts per MoE layer."""
-    top_k: int = 2
-    """Experts each token is sent to."""
-    moe_ffn_dim: int = 256
-    """Hidden size of each routed expert (and of each shared expert)."""
-    n_shared_experts: int = 0
-    """Shared experts every token passes through, run as one MLP of n_shared_experts * moe_ffn_dim."""
-    n_dense_layers: int = 0
-    """Leading blocks that are dense (an MLP of ffn_dim) instead of MoE."""
-    dense_ffn_dim: int = 0
-    """Hidden size of the dense blocks' MLP; 0 = Llama's rule from dim."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    """Router scores: softmax over experts (DeepSeek-MoE) or per-expert sigmoid (DeepSeek-V3)."""
-    route_norm: bool = False
-    """Renormalize the chosen top_k scores to sum to 1."""
-    aux_loss_coef: float = 0.0
-    """Weight of the sequence-wise load-balancing loss added to the LM loss."""
-    bias_update_rate: float = 0.0
-    """Step of the aux-loss-free expert bias update (0 = off)."""
-    capacity_factor: float = 0.0
-    """Per-sequence expert capacity factor; 0 = no token dropping."""
-
-    @property
-    def ffn_dim(self) -> int:
-        return self.dense_ffn_dim or super().ffn_dim
-
-    def is_moe_layer(self, i: int) -> bool:
-        return i >= self.n_dense_layers
 
 
 # `debug_moe` trains on a CPU in seconds; `moe_small` fits one GPU; `moe_16b` has
@@ -359,6 +327,27 @@ def param_counts(args: MoEArgs) -> tuple[int, int]:
     # Active: less the embedding table and the routed experts a token does not choose.
     unchosen = n_moe * (args.n_experts - args.top_k) * 3 * args.dim * args.moe_ffn_dim  # 3 matrices per expert
     return total, total - args.vocab_size * args.dim - unchosen
+
+
+def block_runs(args: MoEArgs) -> tuple[range, ...]:
+    """The blocks in runs of alike ones: the dense blocks, then the MoE blocks (each run that has any)."""
+    n_dense = min(args.n_dense_layers, args.n_layers)
+    return tuple(r for r in (range(n_dense), range(n_dense, args.n_layers)) if r)
+
+
+def block_params(args: MoEArgs, i: int) -> tuple[int, int]:
+    """(parameters of block i, of which routed experts' and their router's: split over ep, never gathered over it)."""
+    attention, dense, shared, routed = layer_param_counts(args)
+    return (attention + shared + routed, routed) if args.is_moe_layer(i) else (attention + dense, 0)
+
+
+def activation_bytes(args: MoEArgs, i: int, policy: ActivationPolicy) -> tuple[int, int]:
+    """(saved, backward) bytes per token of block i (trainer.models.activations): a dense block's, or an MoE block's
+    shared experts as a dense MLP (never FP8) and its top_k routed rows per token."""
+    if not args.is_moe_layer(i):
+        return block_activation_bytes(args, policy, ffn_dim=args.ffn_dim, fp8_mlp=policy.fp8_mlp)
+    return block_activation_bytes(args, policy, ffn_dim=args.n_shared_experts * args.moe_ffn_dim, fp8_mlp=False,
+                                  routed_rows=args.top_k, routed_dim=args.moe_ffn_dim)
 
 
 def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:

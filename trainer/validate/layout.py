@@ -11,7 +11,7 @@ import math
 
 from trainer.config import JobConfig, MoESection
 from trainer.errors import ConfigError
-from trainer.export import ExportError, check_exportable
+from trainer.hf import ExportError, check_exportable
 from trainer.models import ModelArgs, family_of, pipeline_costs
 from trainer.parallel import ParallelDims
 from trainer.parallel.pipeline_layout import (
@@ -69,7 +69,7 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                 f"distributed.ep={pd.ep} needs an MoE model, but model.flavor={m.flavor!r} is dense; "
                 "set distributed.ep=1 or an MoE flavor (debug_moe, moe_small, moe_16b)"
             )
-        changed = [f for f in MoESection.__dataclass_fields__ if getattr(cfg.moe, f) != getattr(MoESection(), f)]
+        changed = [f for f in MoESection.__dataclass_fields__ if getattr(cfg.moe, f) is not None]
         if changed:
             raise ConfigError(
                 f"moe.{changed[0]}={getattr(cfg.moe, changed[0])} has no effect: model.flavor={m.flavor!r} is dense; "

@@ -8,7 +8,7 @@ refuses only what cannot fit, the training state alone). Bytes, per rank:
     gathered     the compute-dtype copies FSDP2 all-gathers: every unit of the rank where weights stay gathered
                  from forward to backward (one shard group, or pipeline stages), else the root (final norm, head)
                  and the two blocks a backward step holds (the running one and the prefetched one)
-    activations  what a block saves for backward, per token, by AC mode (below), times this rank's tokens in
+    activations  what a block saves for backward, per token, by AC mode (its family's, below), times this rank's tokens in
                  flight (a microbatch; under pp the schedule's microbatches in flight at this rank)
     loss         the largest transient: the logits and what the head's backward makes of them
 
@@ -18,28 +18,10 @@ activations again, the loss's transient being freed by then; with gradient
 accumulation or a pipeline, the gradients earlier microbatches left), and the optimizer step (resident + every
 gradient).
 
-What a block saves, bytes per token (d = dim, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = n_heads,
-f = ffn_dim): read from the forward graphs torch.compile's partitioner makes for our block (the saved outputs of
-its post-grad forward graph, on a CPU; the same op graph on a GPU) and confirmed against what was live at the
-measured peaks on 1x H100 (docs/benchmarks.md, "The dry run's memory plan"):
-
-    compiled, bf16 linears          8d + 4q + 4kv + 4h + 6f + 8   inputs and outputs of the norms and their fp32
-                                                                  rstd, q/k/v, attention out and its logsumexp,
-                                                                  gate, up and their product
-    compiled, fp8 linears           4d + 4q + 4kv + 4h + 4f + 8   the normed inputs, o_proj's output and the
-                                                                  product are recomputed from what the casts need
-    ... with float8.scaling=delayed  + 3d                         q, k and v cast their shared input with three
-                                                                  scales: the three fp8 casts are kept
-    selective AC (per-op policy)    4d + 4q + 4kv + 4h + 4f       the GEMM and attention outputs only: what the
-                                                                  compiled fp8 block keeps anyway (the plan notes it)
-    full AC                         2d                            the block's input; backward recomputes one block
-    eager (no compile)              12d + 4q + 4kv + 4h + 8f + 8  fp32 copies of the norms' inputs, silu's output
-    qk_norm adds (not selective)    2q + 2kv + 4(h + n_kv_heads)  the projections' outputs, the heads' rstd
-
-An MoE block adds, per routed row (top_k rows per token), 6d + 6 moe_ffn_dim compiled (the permuted and padded
-inputs, both expert GEMMs' outputs, their product, the down projection's output), and its shared experts as a
-dense MLP of n_shared_experts x moe_ffn_dim. The loss (bf16 logits: tokens x vocab x 2): compiled, the logits
-and the head's weight gradient, or with an fp8 head two fp8 copies of the logits' gradient instead; eager,
+What a block saves per token, and its parameters, are its model family's (`ModelFamily.activation_bytes` and
+`block_params`, trainer/models/activations.py has the table); the plan asks one block of each run of alike blocks
+(`block_runs`) and counts each rank's blocks of that run. The loss (bf16 logits: tokens x vocab x 2): compiled, the
+logits and the head's weight gradient, or with an fp8 head two fp8 copies of the logits' gradient instead; eager,
 12 bytes per logit (fp32 log-softmax output, its gradient and the cast's); chunked, one chunk's worth plus a
 second head-weight gradient.
 
@@ -56,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import JobConfig
-from trainer.model_values import layer_param_counts
-from trainer.models import ModelArgs
+from trainer.models import ModelArgs, family_of
+from trainer.models.activations import ActivationPolicy
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.optim_states import StateDtypes
 from trainer.parallel.pipeline_layout import PipelineOptions
@@ -114,10 +96,10 @@ class MemoryPlan:
 
 @dataclass(frozen=True)
 class _Stage:
-    """What one pipeline rank holds: layers by kind and the model's ends."""
+    """What one pipeline rank holds: its blocks, counted per run of alike blocks (the family's block_runs), and the
+    model's ends."""
 
-    dense_layers: int
-    moe_layers: int
+    blocks: tuple[int, ...]
     embeddings: bool
     head: bool
     microbatches_in_flight: float
@@ -143,9 +125,9 @@ def plan_ranks(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
 
 
 def _stages(args: ModelArgs, pd: ParallelDims, pipeline: PipelineOptions | None) -> list[_Stage]:
-    n_dense = min(getattr(args, "n_dense_layers", args.n_layers), args.n_layers)
+    runs = family_of(args).block_runs(args)
     if pipeline is None:
-        return [_Stage(n_dense, args.n_layers - n_dense, True, True, 1.0)]
+        return [_Stage(tuple(len(r) for r in runs), True, True, 1.0)]
     per_rank: list[list[tuple[str, ...]]] = [[] for _ in range(pd.pp)]
     for s, fqns in enumerate(pipeline.stage_fqns):
         loop, pos = divmod(s, pd.pp)
@@ -154,9 +136,9 @@ def _stages(args: ModelArgs, pd: ParallelDims, pipeline: PipelineOptions | None)
     stages = []
     for rank, groups in enumerate(per_rank):
         layers = [int(f.split(".")[1]) for fqns in groups for f in fqns if f.startswith("layers.")]
-        dense = sum(1 for i in layers if i < n_dense)
+        blocks = tuple(sum(1 for i in layers if i in r) for r in runs)
         chunks = _chunks_in_flight(pipeline, pp=pd.pp, rank=rank)
-        stages.append(_Stage(dense, len(layers) - dense, any("tok_embeddings" in f for f in groups),
+        stages.append(_Stage(blocks, any("tok_embeddings" in f for f in groups),
                              any("output_head" in f for f in groups), chunks / max(1, len(groups))))
     return stages
 
@@ -186,33 +168,18 @@ class _Fp8:
                    head=any(f.startswith("output_head.") for f in converted))
 
 
-def _block_activations(args: ModelArgs, build: BuildOptions, fp8: _Fp8, *, moe: bool) -> tuple[float, float]:
-    """(saved, backward) bytes per token of one block: what backward finds saved, and what the block's backward
-    adds to it (a fully checkpointed block's activations again, and its MLP's gradients). The module's docstring."""
-    d, h = args.dim, args.n_heads
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    sdpa = 4 * q + 4 * kv + 4 * h  # q, k, v, out, lse
-    # qk_norm: the q and k projections' outputs and the per-head norms' fp32 rstd (selective AC saves the former)
-    qk_norm = 2 * q + 2 * kv + 4 * (h + args.n_kv_heads) if args.qk_norm else 0
-    if moe:  # shared experts are a dense MLP (never FP8); top_k routed rows per token
-        f, rows, hidden, fp8_mlp = args.n_shared_experts * args.moe_ffn_dim, args.top_k, args.moe_ffn_dim, False
-    else:
-        f, rows, hidden, fp8_mlp = args.ffn_dim, 0, 0, fp8.mlp
-    if not build.compile:
-        full = 12 * d + 8 + sdpa + qk_norm + 8 * f + rows * (6 * d + 8 * hidden)
-    else:  # 8: the two norms' fp32 rstd
-        full = ((4 if fp8.attention else 6) * d + 8 + sdpa + qk_norm + (4 * f if fp8_mlp else 2 * d + 6 * f)
-                + rows * (6 * d + 6 * hidden))
-        if fp8.attention and build.float8 is not None and build.float8.delayed is not None:
-            full += 3 * d  # tests/unit/test_float8_scaling_compile.py
-    # A block's backward allocates its MLP's three gradients (of the gate, up and their product: compute dtype) on
-    # top of what it finds saved; only the loss's transient hid them until long sequences (1x H200, 32K-128K).
-    grads = 6 * f + rows * 6 * hidden
-    if build.ac.mode == "full":
-        return 2 * d, full + grads
-    if build.ac.mode == "selective" and not build.ac.selective_every:  # the GEMMs' and attention's outputs
-        return min(full, 4 * d + sdpa + 4 * f + rows * (2 * d + 4 * hidden)), grads
-    return full, grads
+def _policy(build: BuildOptions, fp8: _Fp8) -> ActivationPolicy:
+    """What decides the bytes a block saves, from the build: full AC on every `selective_every`-th block is counted
+    as blocks without AC and blocks with full AC (`_activations`)."""
+    ac = build.ac.mode if build.ac.mode == "full" or not build.ac.selective_every else "none"
+    return ActivationPolicy(compiled=build.compile, ac=ac, fp8_attention=fp8.attention, fp8_mlp=fp8.mlp,
+                            fp8_delayed=build.float8 is not None and build.float8.delayed is not None)
+
+
+def _run_activations(args: ModelArgs, policy: ActivationPolicy) -> list[tuple[int, int]]:
+    """(saved, backward) bytes per token of one block of each run of alike blocks."""
+    family = family_of(args)
+    return [family.activation_bytes(args, run[0], policy) for run in family.block_runs(args)]
 
 
 def _moment_bytes(cfg: JobConfig, *, bf16_master: bool) -> dict[str, float]:
@@ -279,33 +246,38 @@ def _selective_saves_nothing(args: ModelArgs, build: BuildOptions, fp8: _Fp8) ->
     """Per-op selective AC whose saved activations are within a few bytes per token of no AC's (the norms' rstd)."""
     if build.ac.mode != "selective" or build.ac.selective_every:
         return False
-    none = dataclasses.replace(build, ac=dataclasses.replace(build.ac, mode="none"))
-    n_dense = min(getattr(args, "n_dense_layers", args.n_layers), args.n_layers)
-    kinds = [moe for moe, n in ((False, n_dense), (True, args.n_layers - n_dense)) if n]
-    return all(_block_activations(args, none, fp8, moe=moe)[0] - _block_activations(args, build, fp8, moe=moe)[0]
-               <= 8 for moe in kinds)  # 8: the two norms' fp32 rstd
+    policy = _policy(build, fp8)
+    none = _run_activations(args, dataclasses.replace(policy, ac="none"))
+    selective = _run_activations(args, policy)
+    return all(a[0] - b[0] <= 8 for a, b in zip(none, selective))  # 8: the two norms' fp32 rstd
+
+
+def _run_params(args: ModelArgs) -> list[tuple[int, int]]:
+    """(parameters, of which routed experts') of one block of each run of alike blocks."""
+    family = family_of(args)
+    return [family.block_params(args, run[0]) for run in family.block_runs(args)]
 
 
 def _stage_params(args: ModelArgs, stage: _Stage) -> int:
-    attention, dense, shared, routed = layer_param_counts(args)
     v, d = args.vocab_size, args.dim
     ends = (v * d if stage.embeddings else 0) + (d + v * d if stage.head else 0)
     if args.tie_word_embeddings and stage.embeddings and stage.head:
         ends -= v * d  # one table
-    return stage.dense_layers * (attention + dense) + stage.moe_layers * (attention + shared + routed) + ends
+    return sum(n * params for n, (params, _) in zip(stage.blocks, _run_params(args))) + ends
 
 
 def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int) -> MemoryRow:
     """The compute-dtype weights FSDP2 has all-gathered at the start of backward: every unit where none is
     resharded after forward, else the root (head; a tied table with it) and the two blocks a backward step holds."""
-    attention, dense, shared, routed = layer_param_counts(args)
-    routed_local = routed // pd.ep  # routed experts are split over ep, never gathered over it
-    dense_block, moe_block = attention + dense, attention + shared + routed_local
+    runs = _run_params(args)
+    # routed experts are split over ep, never gathered over it
+    not_gathered = [routed - routed // pd.ep for _, routed in runs]
     if all_units:
-        n = _stage_params(args, stage) - stage.moe_layers * (routed - routed_local)
+        n = _stage_params(args, stage) - sum(k * extra for k, extra in zip(stage.blocks, not_gathered))
         how = "every unit (kept gathered from forward to backward)"
     else:
-        largest = max(dense_block if stage.dense_layers else 0, moe_block if stage.moe_layers else 0)
+        largest = max((params - extra for k, (params, _), extra in zip(stage.blocks, runs, not_gathered) if k),
+                      default=0)
         tied = args.vocab_size * args.dim if args.tie_word_embeddings and stage.embeddings else 0
         n = (args.vocab_size * args.dim + args.dim if stage.head else 0) + tied + 2 * largest
         how = "the root (head) and 2 blocks"
@@ -316,14 +288,14 @@ def _activations(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _F
                  tokens: float) -> tuple[MemoryRow, int]:
     """(the saved activations' row, the bytes a block's backward adds: a checkpointed block's activations again,
     its MLP's gradients)."""
-    saved_dense, again_dense = _block_activations(args, build, fp8, moe=False)
-    saved_moe, again_moe = _block_activations(args, build, fp8, moe=True) if stage.moe_layers else (0, 0)
-    blocks = stage.dense_layers + stage.moe_layers
-    per_token = stage.dense_layers * saved_dense + stage.moe_layers * saved_moe
+    runs = _run_activations(args, _policy(build, fp8))
+    blocks = sum(stage.blocks)
+    per_token = sum(k * saved for k, (saved, _) in zip(stage.blocks, runs))
+    again = [backward for _, backward in runs]
     every = build.ac.selective_every if build.ac.mode == "selective" else 0
-    if every:  # full AC on every `every`-th block, the others keep everything
+    if every:  # full AC on every `every`-th block (which keeps its input: the bf16 residual stream), the others all
         per_token = per_token * (1 - 1 / every) + blocks / every * 2 * args.dim
-        again_dense, again_moe = saved_dense + again_dense, saved_moe + again_moe
+        again = [saved + backward for saved, backward in runs]
     per_token /= pd.tp
     in_flight = stage.microbatches_in_flight
     ac = build.ac.mode + (f" every {every}" if every else "")
@@ -331,8 +303,8 @@ def _activations(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _F
                     f"{per_token / max(1, blocks) / 1e3:.1f} KB per token per block x {blocks} blocks x "
                     f"{tokens:,.0f} tokens" + (f" x {in_flight:g} microbatches in flight" if in_flight != 1 else "")
                     + f" (AC {ac}, {'compiled' if build.compile else 'eager'})")
-    again = max(again_dense if stage.dense_layers else 0, again_moe if stage.moe_layers else 0)
-    return row, int(again * tokens / pd.tp)
+    most = max((a for k, a in zip(stage.blocks, again) if k), default=0)
+    return row, int(most * tokens / pd.tp)
 
 
 def microbatch_tokens(cfg: JobConfig) -> int:

@@ -14,15 +14,14 @@ from typing import Any
 import torch
 
 from trainer.config import JobConfig
-from trainer.config.checks import MODEL_KEYS, MOE_KEYS
 from trainer.config.checks import mix_names
+from trainer.config.model_sections import key_fields, overrides, shape_sections
 from trainer.data.loader import build_source, shard_paths
 from trainer.data.tokenizer import eos_id
 from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
 from trainer.errors import ConfigError
 from trainer.model_values import values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
-from trainer.models.llama import RopeScaling
 from trainer.parallel import ACOptions, BuildOptions, FSDPOptions, ParallelDims
 from trainer.parallel.float8 import (
     DelayedScalingSettings, Float8Options, fp8_grouped_supported, fp8_supported, local_device, resolve_format,
@@ -44,24 +43,16 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     if m.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={m.flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
     flavor = FLAVORS[m.flavor]
-    moe = family_of(flavor).has_router
-    if moe and m.ffn_dim:
+    if family_of(flavor).has_router and m.ffn_dim is not None:
         raise ConfigError(f"model.ffn_dim={m.ffn_dim} with the MoE flavor {m.flavor!r}: its dense blocks' width is "
                           "moe.dense_ffn_dim (the experts' moe.moe_ffn_dim)")
-    fields = {MODEL_KEYS[key]: getattr(m, key) for key in _MODEL_FIELDS if getattr(m, key)}
-    fields |= {f: getattr(m, f) for f in ("tie_word_embeddings", "qk_norm") if getattr(m, f)}
-    if m.rope_scaling == "none" or (m.rope_scaling == "" and flavor.rope_scaling is None and not _scaling_keys(m)):
-        fields["rope_scaling"] = None
-    else:
-        fields["rope_scaling"] = replace(flavor.rope_scaling or RopeScaling(), **_scaling_keys(m))
-    if moe:
-        fields |= _moe_overrides(cfg)
-    args = replace(flavor, **fields)
+    # The sections of the flavor's args ([moe] for an MoE flavor); one that is not, with a key set: layout.py.
+    sections = [(name, section) for name, section in shape_sections(cfg) if isinstance(flavor, section.args_class)]
+    args = replace(flavor, **{k: v for _, section in sections for k, v in overrides(section, flavor).items()})
     # The effective values, checked as one (each key's own range was checked with the config): combinations such
     # as dim and n_heads, and what the flavor's values make of the keys set (a derived ffn_dim, head_dim).
     values = {f: getattr(args, f) for f in args.__dataclass_fields__ if f != "rope_scaling"} | {"ffn_dim": args.ffn_dim}
-    keys = {field: f"model.{key}" for key, field in MODEL_KEYS.items()} | {f: f"model.{f}" for f in (
-        "tie_word_embeddings", "qk_norm")} | {f: f"moe.{f}" for f in (*MOE_KEYS, "top_k", "score_func", "route_norm")}
+    keys = {field: f"{name}.{key}" for name, section in sections for field, key in key_fields(section).items()}
     if problem := values_problem(values, keys=keys):
         raise ConfigError(f"{problem} (model.flavor={m.flavor!r} and the [model] and [moe] keys set)")
     if t.seq_len > args.max_seq_len:
@@ -71,31 +62,6 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
                        " with model.max_seq_len" if m.max_seq_len else "", t.seq_len)
         args = replace(args, max_seq_len=t.seq_len)
     return args
-
-
-# The [model] keys that replace a ModelArgs field when set (non-zero); rope_scaling_* build the RopeScaling.
-_MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "ffn_dim_multiplier",
-                 "multiple_of", "vocab_size", "norm_eps", "rope_theta", "max_seq_len")
-
-
-def _scaling_keys(m: Any) -> dict[str, Any]:
-    """The RopeScaling fields the [model] rope_scaling_* keys set (0 keeps the flavor's, or RopeScaling's default)."""
-    return {MODEL_KEYS[key]: getattr(m, key) for key in MODEL_KEYS if key.startswith("rope_scaling_") and getattr(m, key)}
-
-
-def _moe_overrides(cfg: JobConfig) -> dict[str, Any]:
-    """The [moe] keys that replace the flavor's values."""
-    moe = cfg.moe
-    out: dict[str, Any] = {"capacity_factor": moe.capacity_factor}
-    for key in ("n_experts", "top_k", "moe_ffn_dim", "score_func"):
-        if getattr(moe, key):
-            out[key] = getattr(moe, key)
-    for key in ("n_shared_experts", "n_dense_layers", "dense_ffn_dim", "aux_loss_coef", "bias_update_rate"):
-        if getattr(moe, key) != -1:
-            out[key] = getattr(moe, key)
-    if moe.route_norm:
-        out["route_norm"] = True
-    return out
 
 
 def shard_group_on_one_node(pd: ParallelDims, ranks_per_node: int) -> bool:

@@ -8,7 +8,7 @@ tied or untied embeddings (a tied folder has no lm_head.weight; importing it fil
 from embed_tokens, and our tied model holds them as one tensor). What neither our model nor
 the mapping has (attention or MLP biases, sliding windows, other RoPE types, other
 activations) is refused in one line naming the field. The attention and dense-MLP names and
-the RoPE fields of config.json are shared with the MoE family (`trainer.export.moe`).
+the RoPE fields of config.json are shared with the MoE family (`trainer.hf.moe`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import re
 
 import torch
 
-from trainer.export.folder import DTYPE_NAMES, ExportError, Spec, rename
+from trainer.hf.folder import DTYPE_NAMES, ExportError, Spec, rename
 from trainer.model_values import values_problem
 from trainer.models.llama import ModelArgs
 
 MODEL_TYPE = "llama"
 QWEN3 = "qwen3"
-MODEL_TYPES = (MODEL_TYPE, QWEN3)
+MODEL_TYPES = (MODEL_TYPE, QWEN3)  # the config.json layouts this family reads (trainer.hf picks the family by them)
+KIND = "dense (Llama)"
 # tie_word_embeddings when config.json does not say: the config classes' defaults (LlamaConfig, Qwen3Config).
 TIED_BY_DEFAULT = {MODEL_TYPE: False, QWEN3: False}
 

@@ -9,7 +9,7 @@ or an earlier export (moved aside to `{out}.old`, never deleted): a folder holdi
 anything else is refused before anything is written (trainer/output_folder.py).
 
 What each of our tensors is called there, and how it is cut or permuted, is the family's
-(`trainer.export.llama`, `trainer.export.moe`): one `Spec` per tensor of ours.
+(`trainer.hf.llama`, `trainer.hf.moe`): one `Spec` per tensor of ours.
 Needs the `safetensors` package (the `hf` extra). Reading runs no code from the folder:
 only safetensors and JSON are read, and only files that resolve inside the folder (trainer/confine.py).
 """
@@ -30,7 +30,7 @@ from trainer.confine import outside_problem, special_file_problem
 from trainer.errors import UserError
 from trainer.output_folder import EXPORT, prepare_output, publish_output
 
-logger = logging.getLogger("trainer.export")
+logger = logging.getLogger("trainer.hf")
 
 # HF's own default shard size for save_pretrained in transformers 4.x.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30

@@ -1,6 +1,6 @@
 """MoE export through the commands: scripts/convert_checkpoint.py copies the recorded tokenizer, and a debug_moe
 run (checkpoint.model_only) exports and converts to a model transformers loads with our logits, which
-scripts/generate.py samples from. The export itself, against transformers: tests/unit/test_export_moe.py.
+scripts/generate.py samples from. The export itself, against transformers: tests/unit/test_hf_moe.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, env, launch
-from tests.unit.test_export_moe import _checkpoint_with_tokenizer, _hf, _logits, _relative
+from tests.unit.test_hf_moe import _checkpoint_with_tokenizer, _hf, _logits, _relative
 from trainer.checkpoint import load_full_model_weights, load_model
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.export.folder import FILE_MODE, ExportError
+from trainer.hf.folder import FILE_MODE, ExportError
 
 
 @dataclass(frozen=True)

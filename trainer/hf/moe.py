@@ -1,6 +1,6 @@
 """The MoE family in Hugging Face layouts: `Ernie4_5_MoeForCausalLM` (softmax scores), `Glm4MoeForCausalLM` (sigmoid).
 
-Checked line by line against transformers' modeling code, and by logits (tests/unit/test_export_moe.py):
+Checked line by line against transformers' modeling code, and by logits (tests/unit/test_hf_moe.py):
 
 | ours (trainer/models/moe.py) | Ernie4_5_Moe (score_func='softmax') | Glm4Moe (score_func='sigmoid') |
 | --- | --- | --- |
@@ -25,15 +25,17 @@ from dataclasses import replace
 
 import torch
 
-from trainer.export.folder import ExportError, Spec, rename
-from trainer.export.llama import (
+from trainer.hf.folder import ExportError, Spec, rename
+from trainer.hf.llama import (
     CONFIG_KEYS, attention_shapes, check_config_values, check_head_dim, check_rope, common_config, decoder_fields,
     mlp_shapes, to_hf_name,
 )
 from trainer.models.moe import MOE_FLAVORS, MoEArgs
 
 ERNIE, GLM = "ernie4_5_moe", "glm4_moe"
-MODEL_TYPES = {"softmax": ERNIE, "sigmoid": GLM}
+_BY_SCORES = {"softmax": ERNIE, "sigmoid": GLM}
+MODEL_TYPES = tuple(_BY_SCORES.values())  # the config.json layouts this family reads (trainer.hf picks the family by them)
+KIND = "MoE"
 _ARCHITECTURES = {ERNIE: "Ernie4_5_MoeForCausalLM", GLM: "Glm4MoeForCausalLM"}
 # transformers' defaults for keys a foreign config.json may leave out (ours writes them all).
 _DEFAULTS = {
@@ -61,7 +63,7 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def model_type(args: MoEArgs) -> str:
-    return MODEL_TYPES[args.score_func]
+    return _BY_SCORES[args.score_func]
 
 
 def architecture(args: MoEArgs) -> str:

@@ -1,4 +1,5 @@
-"""Hugging Face export and import, per model family; the entry points pick the family from the args or config.json.
+"""Hugging Face import and export, one mapping per model family; the entry points pick the family from the args or
+config.json.
 
     folder.py     the folder on disk: config.json, safetensors (sharded with an index above a size), 0644 files,
                   reading only safetensors and JSON
@@ -6,13 +7,19 @@
     moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores)
     tokenizer.py  the run's tokenizer (tokenizer.json, BOS/EOS ids) in the export
 
+A family's mapping is this package's module of the family's name (`trainer.models.family.ModelFamily.name`), found by
+that name: the model families' registry (`trainer.models.FAMILIES`) is the one list, so a new family is its model file
+and its mapping here, with no line added to this file. Each mapping names the config.json `MODEL_TYPES` it reads and
+its `KIND` for messages.
+
 An export loads with `transformers.AutoModelForCausalLM.from_pretrained(folder)` and with
 `trainer.checkpoint.load_model(folder)`, and gives our model's logits (tests/unit/test_checkpoint.py,
-tests/unit/test_export_moe.py).
+tests/unit/test_hf_moe.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -21,36 +28,37 @@ from types import ModuleType
 
 import torch
 
-from trainer.export import llama, moe
-from trainer.export.folder import (
+from trainer.hf import llama
+from trainer.hf.folder import (
     DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, SAFETENSORS_HINT, ExportError, Spec, join_tensors, numel, plan_shards,
     read_config, read_tensors, require_safetensors, safetensors_bytes, write_folder,
 )
-from trainer.export.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
-from trainer.export.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
-from trainer.models import family_of
+from trainer.hf.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
+from trainer.hf.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
+from trainer.models import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import ModelArgs
 
-logger = logging.getLogger("trainer.export")
+logger = logging.getLogger("trainer.hf")
 
 
-# Each model family's mapping, by the family's name (trainer.models.family.ModelFamily.name).
-_FAMILY_EXPORTS: dict[str, ModuleType] = {"llama": llama, "moe": moe}
+def mapping(model_family: ModelFamily) -> ModuleType:
+    """The Hugging Face mapping of a model family: this package's module of the family's name."""
+    return importlib.import_module(f"{__name__}.{model_family.name}")
 
 
 def family(args: ModelArgs) -> ModuleType:
-    """The module that maps this model family: `trainer.export.moe` or `trainer.export.llama`."""
-    return _FAMILY_EXPORTS[family_of(args).name]
+    """The module that maps this model's family: `trainer.hf.moe` or `trainer.hf.llama`."""
+    return mapping(family_of(args))
 
 
 def _family_of_config(config: dict, *, where: str) -> ModuleType:
     model_type = config.get("model_type", llama.MODEL_TYPE)
-    if model_type in llama.MODEL_TYPES:
-        return llama
-    if model_type in moe.MODEL_TYPES.values():
-        return moe
+    mappings = [mapping(f) for f in FAMILIES.values()]
+    for m in mappings:
+        if model_type in m.MODEL_TYPES:
+            return m
     raise ExportError(f"{where}: model_type={model_type!r} is not a layout this trainer reads "
-                      f"({', '.join(repr(t) for t in (*llama.MODEL_TYPES, *moe.MODEL_TYPES.values()))})")
+                      f"({', '.join(repr(t) for m in mappings for t in m.MODEL_TYPES)})")
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -82,9 +90,8 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
     """Raise ExportError naming the first field where config.json disagrees with args."""
     theirs = _family_of_config(config, where=where)
     if theirs is not family(args):
-        kinds = {llama: "dense (Llama)", moe: "MoE"}
-        raise ExportError(f"{where}: model_type={config.get('model_type', llama.MODEL_TYPE)!r} is a {kinds[theirs]} "
-                          f"layout, but the trainer model is {kinds[family(args)]}")
+        raise ExportError(f"{where}: model_type={config.get('model_type', llama.MODEL_TYPE)!r} is a {theirs.KIND} "
+                          f"layout, but the trainer model is {family(args).KIND}")
     theirs.check_hf_config(config, args, where=where)
 
 
@@ -171,6 +178,6 @@ def write_hf_export(
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES", "LLAMA3_SCALED_CONTEXT", "SAFETENSORS_HINT", "ExportError", "ExportTokenizer", "Spec",
     "args_from_hf_config", "check_exportable", "check_hf_config", "expected_shapes", "family", "from_hf_name",
-    "hf_config", "plan_shards", "read_hf_config", "read_hf_weights", "require_safetensors", "resolve_tokenizer",
+    "hf_config", "mapping", "plan_shards", "read_hf_config", "read_hf_weights", "require_safetensors", "resolve_tokenizer",
     "safetensors_bytes", "to_hf_name", "write_hf_export",
 ]

@@ -4,7 +4,7 @@ Each case builds a small MoE with random weights and an expert bias that changes
 loads it with `AutoModelForCausalLM.from_pretrained` (transformers' own modeling code: the independent
 implementation) and compares fp32 logits to 1e-4 relative; then imports it back. The run-level path
 (training with checkpoint.model_only, scripts/convert_checkpoint.py, scripts/generate.py) is in the slow tests of
-tests/cli/test_export_moe.py.
+tests/cli/test_hf_moe.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from tests.helpers import REPO, env
 from trainer.checkpoint import RunInfo, load_model, save_model_only
-from trainer.export import (
+from trainer.hf import (
     ExportError, args_from_hf_config, expected_shapes, hf_config, read_hf_config, read_hf_weights, resolve_tokenizer,
     write_hf_export,
 )
@@ -165,7 +165,7 @@ def test_bf16_sharded_export_keeps_the_expert_bias_fp32_and_files_0644(tmp_path)
 def test_capacity_factor_warns_and_exports_routing_every_token(tmp_path, caplog):
     args = replace(BASE, capacity_factor=0.5)
     weights = _weights(_random_moe(BASE))
-    logger = logging.getLogger("trainer.export")
+    logger = logging.getLogger("trainer.hf")
     logger.addHandler(caplog.handler)  # directly: trainer.log's setup_logging stops propagation to the root
     try:
         out = _export(weights, args, tmp_path / "hf")
@@ -269,7 +269,7 @@ def test_byte_tokenizer_export_gives_our_ids_in_transformers(tmp_path):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     from trainer.data import ByteTokenizer
-    from trainer.export.tokenizer import is_byte_tokenizer_json
+    from trainer.hf.tokenizer import is_byte_tokenizer_json
 
     out = _export(_weights(_random_moe(BASE)), BASE, tmp_path / "hf", tokenizer=resolve_tokenizer("byte"))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",

@@ -1,0 +1,121 @@
+"""[model] and [moe], generated from the model's dataclasses (trainer.model_values: `ModelArgs`, `MoEArgs`), so the
+model's shape is written once.
+
+A key per field, of the field's type, None (left out) = the flavor's value; the field's docstring is the key's.
+Two rules name the keys: an `explicit_X` field is the key `X` (0 there means "derived", as in the dataclass), and an
+optional dataclass field (`rope_scaling`) is a choice key, "none" or its `kind`, with a key per field of its own
+(`rope_scaling_factor`, ...). `overrides` turns a section into the fields it replaces on a flavor's args, and
+`section_values` the args back into the section's keys (resolved.toml). Torch-free, like the rest of the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from trainer.config.docstrings import field_docs
+from trainer.model_values import ModelArgs, MoEArgs
+
+NONE = "none"
+"""The choice key's value for no nested dataclass (rope_scaling = "none": plain RoPE)."""
+
+
+def _nested(tp: Any) -> type | None:
+    """The dataclass of an optional dataclass field's type (RopeScaling | None), else None."""
+    inner = [a for a in typing.get_args(tp) if a is not type(None)]
+    return inner[0] if len(inner) == 1 and dataclasses.is_dataclass(inner[0]) else None
+
+
+def _keys(args_cls: type, fields: list[dataclasses.Field]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(key, type, metadata) of the section's keys for these fields of `args_cls`. The metadata: the `field` a key
+    sets, with `sub` the nested dataclass's field it sets, or `choice` that dataclass; the key's `doc`."""
+    hints, docs = typing.get_type_hints(args_cls), field_docs(args_cls)
+    keys = []
+    for f in fields:
+        nested = _nested(hints[f.name])
+        if nested is None:
+            keys.append((f.name.removeprefix("explicit_"), hints[f.name], {"field": f.name, "doc": docs[f.name]}))
+            continue
+        keys.append((f.name, Literal[NONE, nested.kind], {"field": f.name, "choice": nested, "doc": docs[f.name]}))
+        inner_hints, inner_docs = typing.get_type_hints(nested), field_docs(nested)
+        keys += [(f"{f.name}_{g.name}", inner_hints[g.name], {"field": f.name, "sub": g.name, "doc": inner_docs[g.name]})
+                 for g in dataclasses.fields(nested)]
+    return keys
+
+
+def shape_section(name: str, args_cls: type, fields: list[dataclasses.Field], *,
+                  first: tuple[tuple[str, type, Any, str], ...] = (), doc: str = "") -> type:
+    """A section dataclass with a key per field (`first`: the section's own keys before them, (key, type, default,
+    docstring)), each `type | None = None`."""
+    own = [(key, tp, dataclasses.field(default=default, metadata={"doc": text})) for key, tp, default, text in first]
+    generated = [(key, tp | None, dataclasses.field(default=None, metadata=meta)) for key, tp, meta in
+                 _keys(args_cls, fields)]
+    cls = dataclasses.make_dataclass(name, own + generated, namespace={"__doc__": doc, "args_class": args_cls})
+    cls.__module__ = __name__
+    return cls
+
+
+def shape_sections(cfg: Any) -> list[tuple[str, Any]]:
+    """(name, section) of the config's sections generated from a model dataclass: [model], then [moe]; each applies
+    to the flavors whose args are its `args_class`."""
+    sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
+    return [(name, section) for name, section in sections if hasattr(section, "args_class")]
+
+
+def key_fields(section: Any) -> dict[str, str]:
+    """{args field: its key} of a section's keys that set a field of the args (not a nested dataclass's field)."""
+    return {f.metadata["field"]: f.name for f in dataclasses.fields(section)
+            if "field" in f.metadata and "sub" not in f.metadata}
+
+
+def overrides(section: Any, base: ModelArgs) -> dict[str, Any]:
+    """The fields of `base` (a flavor's args) that the section's set keys replace. A nested dataclass: "none" drops it;
+    a key of its own sets that field of the base's (or of the dataclass's defaults, where the base has none)."""
+    out: dict[str, Any] = {}
+    nested: dict[str, tuple[type, dict[str, Any]]] = {}
+    for f in dataclasses.fields(section):
+        value, meta = getattr(section, f.name), f.metadata
+        if "choice" in meta:
+            nested.setdefault(meta["field"], (meta["choice"], {}))
+        elif "sub" in meta and value is not None:
+            nested[meta["field"]][1][meta["sub"]] = value
+        elif "field" in meta and value is not None:
+            out[meta["field"]] = value
+    for name, (cls, values) in nested.items():
+        choice, have = getattr(section, name), getattr(base, name)
+        if choice == NONE:
+            out[name] = None
+        elif choice is not None or values:
+            out[name] = dataclasses.replace(have or cls(), **values)
+    return out
+
+
+def section_values(args: ModelArgs, section_cls: type) -> dict[str, Any]:
+    """The section's keys for these args, each the value in effect (an `explicit_X` field's key is `X`, the width
+    derived or not); fields without a value (None) have no key."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(section_cls):
+        meta = f.metadata
+        if "field" not in meta:
+            continue
+        have = getattr(args, meta["field"])
+        if "choice" in meta:
+            value = NONE if have is None else have.kind
+        elif "sub" in meta:
+            value = None if have is None else getattr(have, meta["sub"])
+        else:
+            value = getattr(args, f.name)
+        if value is not None:
+            values[f.name] = value
+    return values
+
+
+_FLAVOR_DOC = "Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, moe_16b."
+
+ModelSection = shape_section(
+    "ModelSection", ModelArgs, list(dataclasses.fields(ModelArgs)), first=(("flavor", str, "debug", _FLAVOR_DOC),),
+    doc="The model's shapes: a flavor is a preset, and every key set here replaces its value.")
+MoESection = shape_section(
+    "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],
+    doc="Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value.")

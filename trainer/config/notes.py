@@ -1,0 +1,146 @@
+"""The long texts of docs/config.md: a key's whole story, where the docstring in code (what `--help` shows) is one
+line. Keyed "section.key"; `python -m trainer.config --markdown` writes each in place of that key's docstring, and a
+note that names no key is an error (tests/unit/test_config.py)."""
+
+from __future__ import annotations
+
+NOTES: dict[str, str] = {
+    "model.flavor": (
+        "Size preset, which also picks the family: dense debug, 1b, 3b, 8b, 70b, 405b (trainer/models/llama.py); MoE "
+        "debug_moe, moe_small, moe_16b (trainer/models/moe.py). Every other [model] (and, for an MoE flavor, [moe]) "
+        "key set replaces the flavor's value; a key left out keeps it."),
+    "model.vocab_size": "Vocabulary size (128256 for the Llama 3 sizes, 512 for debug).",
+    "model.norm_eps": "RMSNorm epsilon (1e-5 for every flavor).",
+    "model.rope_theta": "RoPE base frequency (500000 for Llama 3, 1e6 for Qwen3).",
+    "model.rope_scaling": (
+        '"llama3": Llama 3.1\'s long-context frequency scaling (the rope_scaling_* keys; one of them set on a flavor '
+        'without scaling turns it on too); "none": plain RoPE.'),
+    "model.rope_scaling_factor": "Llama 3 RoPE scaling factor (8 for 3.1, 32 for 3.2); left out: the flavor's, or 8 "
+                                 "where it has none.",
+    "model.rope_scaling_low_freq_factor": "Llama 3 RoPE scaling low_freq_factor; left out: the flavor's, or 1.",
+    "model.rope_scaling_high_freq_factor": "Llama 3 RoPE scaling high_freq_factor; left out: the flavor's, or 4.",
+    "model.rope_scaling_original_max_seq_len": "The context the scaled RoPE was trained at; left out: the flavor's, "
+                                               "or 8192.",
+    "model.max_seq_len": "Positions of the RoPE table (a longer train.seq_len extends it, with a warning).",
+    "model.head_dim": (
+        "Each head's width, even (RoPE rotates pairs); 0 = dim / n_heads. Qwen3 sets it apart: 128 with dim=1024 and "
+        "16 heads."),
+    "model.ffn_dim": (
+        "The MLP's hidden width; 0 = Llama's rule: 8/3 x dim, times ffn_dim_multiplier, rounded up to multiple_of. An "
+        "MoE flavor's dense blocks take moe.dense_ffn_dim."),
+    "model.tie_word_embeddings": (
+        "One table for the embeddings and the output head (SmolLM2, Qwen3-0.6B, Llama 3.2 1B); no flavor ties. Not "
+        "with pipeline or tensor parallel."),
+    "model.qk_norm": (
+        "RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): steadier attention logits; no flavor has it."),
+    "moe.route_norm": "Renormalize the chosen top_k scores to sum to 1 (no flavor does).",
+    "job.dump_folder": (
+        "Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler "
+        "traces. Not empty (\".\" for the current directory)."),
+    "train.mixed_precision": (
+        "Compute dtype. fp8 = bf16 compute with torchao float8 linears. auto (Axolotl's bf16: auto) = what this "
+        "machine runs best: fp8 on GPUs with FP8 tensor cores (compute capability >= 8.9; bf16 under tensor "
+        "parallelism), bf16 on >= 8.0, fp16 below, fp32 on a CPU, said in one startup line. The master weights "
+        "follow distributed.master_dtype (bf16 for bf16 and fp8 by default)."),
+    "train.precision_schedule": (
+        "Change precision inside the run: \"precision:last_step\" entries, the last one without a step, e.g. "
+        "[\"bf16:2000\", \"fp8:9500\", \"bf16\"] = bf16 for steps 1-2000, fp8 for 2001-9500, bf16 to train.steps. "
+        "Overrides mixed_precision; needs checkpoint.enable (each switch saves a checkpoint, rebuilds the model and "
+        "resumes it in the same process). Empty = off (see docs/fp8.md)."),
+    "train.seed": (
+        "Seed for weights and dropout-free RNG, 0 to 18446688729348 (each parameter's init generator is seeded with "
+        "seed x 1000003 + crc32(fqn), which must fit torch's 64 bits); the data order has its own seed in [data]."),
+    "train.selective_ac_every": (
+        "With selective AC: 0 = per-op policy that keeps matmul and attention outputs; N > 0 = full AC on every Nth "
+        "block."),
+    "train.attention_backend": (
+        "The kernel of causal attention (torch's scaled_dot_product_attention). auto = on a GPU cuDNN's first, then "
+        "flash, efficient and math, the first that takes the inputs (cuDNN's is 1.86x flash's at Llama 3 8B shapes "
+        "on an H100, docs/benchmarks.md); on a CPU torch's choice. Another value: that kernel only (torch raises if "
+        "it cannot take the inputs; cudnn and efficient need a GPU). Context parallelism keeps its own attention."),
+    "train.loss_chunk_tokens": (
+        "Compute the final norm, output head and cross-entropy this many tokens at a time, each chunk "
+        "activation-checkpointed, so only one chunk's logits exist in forward and backward (at vocab 128256 the "
+        "whole batch's fp32 logits are 8.4 GB per 16K tokens); costs one more output-head GEMM in backward. Same "
+        "loss and gradients up to fp32 summation order. 0 = off (all tokens at once). Not with distributed.tp > 1 "
+        "(under pp > 1 on the last stage). See docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens."),
+    "data.source": (
+        "default = Python's documentation text that ships with Python (byte-level, no download, 0.47M tokens); "
+        "stdlib = that plus the standard library's source (~13M tokens); synthetic = random tokens; shards = files "
+        "made by scripts/prepare_data.py."),
+    "data.mix": (
+        "A weighted mixture of shard sources in place of data.path: [[data.mix]] tables of path, weight, and "
+        "optional name and validation_path (on the command line: --data.mix=web=data/web:0.8,code=data/code:0.2). "
+        "Samples are drawn in proportion to the weights, deterministically from (data.seed, position), rank-disjoint "
+        "and exactly resumable; a source its share exhausts repeats (its epochs logged); tokens per source go to the "
+        "metrics (docs/data.md)."),
+    "data.document_masking": (
+        "Attention never crosses an EOS inside a packed sequence and RoPE positions restart at each document (Llama "
+        "3): FlexAttention with a document block mask on a GPU (with train.compile_model), a dense mask on a CPU. "
+        "Not yet with distributed.pp or cp > 1."),
+    "data.eod_mask_loss": (
+        "Do not train on the token after each EOS (a document's first token, which nothing before it predicts; "
+        "Megatron's --eod-mask-loss): the loss is the mean over the step's other tokens, in training and validation."),
+    "validation.path": (
+        "Held-out shards (folder or glob, same tokenizer as data.tokenizer). Empty = the held-out split of "
+        "data.source: every 10th block of 4,096 tokens of the default/stdlib text, never trained on; a different "
+        "seed for synthetic; required for shards."),
+    "validation.mixed_precision": (
+        "Precision of the evaluation: training = as the model trains; bf16 = an fp8 run's matmuls in bf16 (Axolotl's "
+        "`bf16: full` evaluation): FP8 Linears run as bf16 Linears and FP8 routed experts as bf16 grouped GEMMs "
+        "while evaluating, the same weights. Needs bf16 or fp8 training (with bf16 it changes nothing); turns "
+        "float8.enable_fsdp_float8_all_gather='auto' off (gathered float8 weights have no bf16 copy to evaluate "
+        "with). docs/fp8.md#evaluating-in-bf16."),
+    "distributed.cp": (
+        "Context-parallel degree: every sequence is cut into 2 x cp chunks, each rank holding two (i and 2cp-1-i), "
+        "with K/V all-gathered in attention; cp ranks join FSDP's shard group "
+        "(docs/distributed.md#context-parallel). Not with tp > 1."),
+    "distributed.pp_microbatch_size": (
+        "With pp > 1: sequences per pipeline microbatch; must divide train.batch_size (microbatches = batch_size / "
+        "this)."),
+    "distributed.pp_stages_per_rank": (
+        "With pp > 1: stages (virtual stages) per pipeline rank; 0 = 1 for GPipe/1F1B, 2 for "
+        "Interleaved*/ZBVZeroBubble."),
+    "distributed.pp_layers_per_stage": (
+        "With pp > 1: the cost of a stage in blocks (of the model's mean block cost), setting the number of stages; "
+        "0 = from pp x pp_stages_per_rank."),
+    "distributed.pp_embedding_weight": (
+        "With pp > 1, automatic split (stages balanced by training FLOPs per token, an MoE block by its active "
+        "parameters): the token embedding's cost in blocks (of the mean block cost); -1 = its FLOPs (0: a lookup)."),
+    "distributed.pp_head_weight": (
+        "With pp > 1, automatic split: the final norm and output head's cost in blocks (of the mean block cost); -1 "
+        "= its FLOPs, 6 x dim x vocab per token (about 2 blocks at Llama 3 8B shapes)."),
+    "distributed.reshard_after_forward": (
+        "FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2); "
+        "default = always unless the shard group has one rank, where resharding saves nothing."),
+    "distributed.reduce_dtype": (
+        "Dtype FSDP2 reduce-scatters (sums) gradients in. auto = bf16 where the master weights are bf16 and at most "
+        "2 ranks are summed (FSDP2 rounds the result to bf16 either way: the same bits, half the bytes), fp32 where "
+        "more ranks are summed or the master weights are fp32, the compute dtype where nothing is summed (one rank, "
+        "one microbatch); said in the startup line. docs/distributed.md#fsdp2s-automatic-choices."),
+    "distributed.master_dtype": (
+        "Dtype of the sharded master weights and AdamW moments. auto = bf16 for bf16 and fp8 compute (6 "
+        "bytes/parameter less; each update rounded by optimizer.bf16_update, stochastic by default: within the seed "
+        "noise of fp32 master weights on two seeds of the 1B parity run, docs/distributed.md#master-weights), fp32 "
+        "for fp32 and fp16 compute; fp32 = the opt-in for every precision."),
+    "checkpoint.initial_load_path": (
+        "Start a new run from the model weights of this checkpoint (no optimizer, no step); the model's shape and "
+        "vocabulary are the checkpoint's (a [model] or [moe] shape key set to another value is an error)."),
+    "checkpoint.restart_data": (
+        "On resume, take model, optimizer, LR schedule and step from the checkpoint but start the data from its "
+        "beginning: for a relaunch on other data, another data.seed or a longer train.seq_len (a context extension, "
+        "docs/checkpointing.md). Without it such a resume is refused."),
+    "profiling.trace_dir": (
+        "Where traces (rank{r}_step{a}-{b}.pt.trace.json.gz), the kernel summary and memory snapshots go; \"\" = the "
+        "run's job.dump_folder/profiler_traces."),
+    "metrics.wandb": (
+        "Also log what TensorBoard gets to Weights & Biases (rank 0; the optional extra: pip install "
+        "'trainer[wandb]'). A resumed run continues the same W&B run (its id is in "
+        "{job.dump_folder}/wandb_run.json); WANDB_MODE=offline writes under {job.dump_folder}/wandb without a "
+        "network. A W&B failure is one warning and training goes on."),
+    "metrics.fp8_stats_freq": (
+        "Every this many steps (fp8 runs): FP8 health per layer group (input and gradient amax, scale, fractions "
+        "that underflow or saturate) and weight amax/scale, to metrics.jsonl and TensorBoard, with a warning line "
+        "for a bad layer. That step runs eagerly: on 8B shapes it costs ~3 steps and nearly twice the peak memory "
+        "(docs/benchmarks.md), so it is off by default; 100 costs ~2.3%. 0 = off."),
+}

@@ -1,0 +1,77 @@
+"""What a block saves for backward, in bytes per token: the blocks every family builds from trainer.models.layers
+(attention, norms, a SwiGLU feed-forward; an MoE block's routed experts), as the dry run's memory plan counts them
+(trainer/validate/plan.py asks each family: `ModelFamily.activation_bytes`).
+
+d = dim, q = n_heads x head_dim, kv = n_kv_heads x head_dim, h = n_heads, f = the feed-forward's width (a dense
+block's ffn_dim; an MoE block's shared experts, n_shared_experts x moe_ffn_dim). Read from the forward graphs
+torch.compile's partitioner makes for our block (the saved outputs of its post-grad forward graph, on a CPU; the same
+op graph on a GPU: tests/unit/test_memory_plan_graphs.py) and confirmed against what was live at the measured peaks on
+1x H100 (docs/benchmarks.md, "The dry run's memory plan"):
+
+    compiled, bf16 linears          8d + 4q + 4kv + 4h + 6f + 8   inputs and outputs of the norms and their fp32
+                                                                  rstd, q/k/v, attention out and its logsumexp,
+                                                                  gate, up and their product
+    compiled, fp8 linears           4d + 4q + 4kv + 4h + 4f + 8   the normed inputs, o_proj's output and the
+                                                                  product are recomputed from what the casts need
+    ... with float8.scaling=delayed  + 3d                         q, k and v cast their shared input with three
+                                                                  scales: the three fp8 casts are kept
+    selective AC (per-op policy)    4d + 4q + 4kv + 4h + 4f       the GEMM and attention outputs only: what the
+                                                                  compiled fp8 block keeps anyway (the plan notes it)
+    full AC                         2d                            the block's input; backward recomputes one block
+    eager (no compile)              12d + 4q + 4kv + 4h + 8f + 8  fp32 copies of the norms' inputs, silu's output
+    qk_norm adds (not selective)    2q + 2kv + 4(h + n_kv_heads)  the projections' outputs, the heads' rstd
+
+An MoE block adds, per routed row (top_k rows per token), 6d + 6 moe_ffn_dim compiled (the permuted and padded
+inputs, both expert GEMMs' outputs, their product, the down projection's output), 6d + 8 moe_ffn_dim eager, and
+2d + 4 moe_ffn_dim under selective AC; its shared experts are a dense MLP that never runs in FP8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainer.model_values import ModelArgs
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """How the blocks run, as far as what they save for backward goes."""
+
+    compiled: bool
+    ac: Literal["none", "selective", "full"] = "none"
+    """Activation checkpointing of this block: "selective" is the per-op policy (GEMM and attention outputs kept)."""
+    fp8_attention: bool = False
+    """q/k/v/o projections in FP8."""
+    fp8_mlp: bool = False
+    """The dense MLP's projections in FP8 (shared and routed experts never are, as Linears)."""
+    fp8_delayed: bool = False
+    """float8.scaling='delayed' (with fp8_attention): q, k and v keep their three fp8 casts."""
+
+
+def block_activation_bytes(args: ModelArgs, policy: ActivationPolicy, *, ffn_dim: int, fp8_mlp: bool,
+                           routed_rows: int = 0, routed_dim: int = 0) -> tuple[int, int]:
+    """(saved, backward) bytes per token of one block: what backward finds saved, and what the block's backward adds
+    to it (a fully checkpointed block's activations again, and its feed-forward's gradients). `ffn_dim`: the SwiGLU
+    MLP's width (0: none); `routed_rows` rows per token through routed experts of width `routed_dim`."""
+    d, h = args.dim, args.n_heads
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    f, rows, hidden = ffn_dim, routed_rows, routed_dim
+    sdpa = 4 * q + 4 * kv + 4 * h  # q, k, v, out, lse
+    # qk_norm: the q and k projections' outputs and the per-head norms' fp32 rstd (selective AC saves the former)
+    qk_norm = 2 * q + 2 * kv + 4 * (h + args.n_kv_heads) if args.qk_norm else 0
+    if not policy.compiled:
+        full = 12 * d + 8 + sdpa + qk_norm + 8 * f + rows * (6 * d + 8 * hidden)
+    else:  # 8: the two norms' fp32 rstd
+        full = ((4 if policy.fp8_attention else 6) * d + 8 + sdpa + qk_norm + (4 * f if fp8_mlp else 2 * d + 6 * f)
+                + rows * (6 * d + 6 * hidden))
+        if policy.fp8_attention and policy.fp8_delayed:
+            full += 3 * d  # tests/unit/test_float8_scaling_compile.py
+    # A block's backward allocates its MLP's three gradients (of the gate, up and their product: compute dtype) on
+    # top of what it finds saved; only the loss's transient hid them until long sequences (1x H200, 32K-128K).
+    grads = 6 * f + rows * 6 * hidden
+    if policy.ac == "full":
+        return 2 * d, full + grads
+    if policy.ac == "selective":  # the GEMMs' and attention's outputs
+        return min(full, 4 * d + sdpa + 4 * f + rows * (2 * d + 4 * hidden)), grads
+    return full, grads
