@@ -1,4 +1,4 @@
-"""Micro-benchmark of the AdamW kernel (trainer/adamw_kernel.py) against torch's fused AdamW, on one GPU.
+"""Micro-benchmark of the AdamW kernel (trainer/optim/kernel.py) against torch's fused AdamW, on one GPU.
 
     python scripts/bench_adamw.py                       # Llama 3 8B shapes x 8 layers: 75 tensors, 2.79B parameters
     python scripts/bench_adamw.py --layers 2 --configs 1024x4,512x2
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import trainer.adamw_kernel as kernel
-from trainer.adamw import Layout
+import trainer.optim.kernel as kernel
+from trainer.distributed import Layout
 
 
 def shapes_8b(layers: int) -> list[tuple[int, ...]]:

@@ -71,7 +71,7 @@ def sync(device: torch.device) -> None:
 def state_bytes_per_param(master_dtype: str, bf16_update: str, exp_avg: str = "auto", exp_avg_sq: str = "auto") -> float:
     """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (in
     optimizer.exp_avg_dtype / exp_avg_sq_dtype; + Kahan buffer)."""
-    from trainer.optim_states import StateDtypes
+    from trainer.optim.states import StateDtypes
 
     sizes = StateDtypes.resolve(bf16_master=master_dtype == "bf16", exp_avg=exp_avg, exp_avg_sq=exp_avg_sq
                                 ).bytes_per_param(kahan=master_dtype == "bf16" and bf16_update == "kahan")

@@ -16,7 +16,7 @@ def one_process_and_sharded(kinds: tuple[str, ...]) -> dict[str, tuple[list, lis
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from trainer.bf16_adamw import BF16AdamW
+    from trainer.optim.update import BF16AdamW
     from trainer.distributed import destroy_distributed
 
     dist.init_process_group("gloo")

@@ -23,8 +23,8 @@ def _one_process_and_sharded(folder: str) -> dict:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from trainer.distributed import destroy_distributed
-    from trainer.lowp_adamw import LowPrecisionAdamW
-    from trainer.optim_states import StateDtypes
+    from trainer.optim.adamw import LowPrecisionAdamW
+    from trainer.optim.states import StateDtypes
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -100,9 +100,9 @@ def _load_on_one_process(folder: str, saved: list[dict]) -> None:
     """The 2-rank checkpoint loaded in this (1-process) pytest process, as it is and converted to bf16."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import moments
-    from trainer.lowp_adamw import LowPrecisionAdamW
-    from trainer.optim_states import StateDtypes, dequantize_blocks
+    from trainer.optim import part as moments
+    from trainer.optim.adamw import LowPrecisionAdamW
+    from trainer.optim.states import StateDtypes, dequantize_blocks
 
     metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     lines = {}

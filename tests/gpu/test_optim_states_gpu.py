@@ -1,4 +1,4 @@
-"""LowPrecisionAdamW (trainer/lowp_adamw.py) on CUDA tensors: its eager update (tests/unit/test_optim_states.py) on
+"""LowPrecisionAdamW (trainer/optim/adamw.py) on CUDA tensors: its eager update (tests/unit/test_optim_states.py) on
 the GPU rounds as on the CPU, and its Triton kernel as the eager update. The same random bits pick the same neighbour
 unless the fp32 values differ in their last bits (CUDA's lerp and FMA contractions against the CPU's), which moves a
 rounding by at most one ulp of the state's dtype, rarely; fp32 states differ by those last bits."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_adamw_kernel import step_through
+from tests.unit.test_optim_kernel import step_through
 from tests.unit.test_optim_states import COMBOS, SHAPES, _optimizer
 from tests.unit.test_optim_states_kernel import COMBOS as KERNEL_COMBOS
 from tests.unit.test_optim_states_kernel import _values, check_same_bits, check_within_an_ulp, runs
-from trainer.optim_states import StateDtypes
+from trainer.optim.states import StateDtypes
 
 pytestmark = [
     pytest.mark.gpu,

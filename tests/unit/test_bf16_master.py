@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from trainer.bf16_adamw import BF16AdamW, random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
+from trainer.optim.update import BF16AdamW, random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
 from trainer.config import load_job_config
 from trainer.errors import UserError
 from trainer.validate import validate_job

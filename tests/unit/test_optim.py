@@ -1,7 +1,7 @@
-"""trainer/optim.py: the fused AdamW over local shards equals torch's fused AdamW (skip and loss-scale protocol
+"""trainer/optim/build.py: the fused AdamW over local shards equals torch's fused AdamW (skip and loss-scale protocol
 included), which optimizer a config builds, the learning-rate schedule and the groups' line.
-(BF16AdamW, trainer/bf16_adamw.py: tests/unit/test_bf16_master.py; the Triton kernel of TritonAdamW and BF16AdamW:
-tests/unit/test_adamw_kernel.py.)"""
+(BF16AdamW, trainer/optim/update.py: tests/unit/test_bf16_master.py; the Triton kernel of TritonAdamW and BF16AdamW:
+tests/unit/test_optim_kernel.py.)"""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.bf16_adamw import BF16AdamW
-from trainer.optim import (
-    LocalFusedAdamW, TritonAdamW, build_lr_scheduler, build_optimizer, describe_param_groups, lr_lambda,
-)
+from trainer.optim import build_lr_scheduler, build_optimizer, describe_param_groups, lr_lambda
+from trainer.optim.build import LocalFusedAdamW, TritonAdamW
+from trainer.optim.update import BF16AdamW
 
 
 def test_local_fused_adamw_equals_torch_fused_adamw_bit_for_bit() -> None:

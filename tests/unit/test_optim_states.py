@@ -1,4 +1,4 @@
-"""Low-precision AdamW state (trainer/optim_states.py, trainer/lowp_adamw.py): the fp8 first moment's block
+"""Low-precision AdamW state (trainer/optim/states.py, trainer/optim/adamw.py): the fp8 first moment's block
 quantization, LowPrecisionAdamW against an fp64 AdamW within the rounding of each state's dtype, the skip of a
 non-finite step, checkpoint round trips and conversions, and the config's one-line errors.
 
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from trainer.bf16_adamw import random_bits16
+from trainer.optim.update import random_bits16
 from trainer.config import load_job_config
 from trainer.errors import UserError
-from trainer.lowp_adamw import LowPrecisionAdamW
-from trainer.optim_states import (
+from trainer.optim.adamw import LowPrecisionAdamW
+from trainer.optim.states import (
     SCALE_KEY, StateDtypes, block_scales, dequantize_blocks, quantize_blocks, stochastic_round_to_e4m3,
 )
 
@@ -287,8 +287,8 @@ def test_the_memory_plan_and_the_fit_check_count_the_state_dtypes(args: list[str
 
 
 def test_the_startup_line_says_dtypes_bytes_and_update_for_every_optimizer() -> None:
-    from trainer.bf16_adamw import BF16AdamW
-    from trainer.optim import LocalFusedAdamW, describe_optimizer_state
+    from trainer.optim.update import BF16AdamW
+    from trainer.optim.build import LocalFusedAdamW, describe_optimizer_state
 
     kw = dict(lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1)
     lines = {

@@ -1,4 +1,4 @@
-"""LowPrecisionAdamW's update as the Triton kernel (trainer/adamw_kernel.py, run by Triton's CPU interpreter)
+"""LowPrecisionAdamW's update as the Triton kernel (trainer/optim/kernel.py, run by Triton's CPU interpreter)
 against its eager update: the same random bits, the same fp8 blocks and scales, every state within one ulp of its
 dtype. tests/gpu/test_optim_states_gpu.py runs the same comparisons on a GPU."""
 
@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton", reason="Triton has no wheel for this platform (the `test` extra installs it on Linux)")
 
-from tests.unit.test_adamw_kernel import interpreted_kernel  # noqa: E402, F401  (autouse: Triton's interpreter)
-from tests.unit.test_adamw_kernel import step_through  # noqa: E402
-from trainer.adamw import Layout  # noqa: E402
-from trainer.lowp_adamw import LowPrecisionAdamW  # noqa: E402
-from trainer.optim_states import SCALE_KEY, StateDtypes, dequantize_blocks  # noqa: E402
+from tests.unit.test_optim_kernel import interpreted_kernel  # noqa: E402, F401  (autouse: Triton's interpreter)
+from tests.unit.test_optim_kernel import step_through  # noqa: E402
+from trainer.distributed import Layout  # noqa: E402
+from trainer.optim.adamw import LowPrecisionAdamW  # noqa: E402
+from trainer.optim.states import SCALE_KEY, StateDtypes, dequantize_blocks  # noqa: E402
 
 # fp8 blocks over several 1024-element programs with a masked tail, a 1-D tensor, a 3-D block of a larger tensor, a
 # last dim that is no multiple of 128 (bf16 first moment), one plain block.

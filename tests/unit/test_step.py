@@ -19,7 +19,7 @@ from torch import nn
 from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
-from trainer.optim import LocalFusedAdamW
+from trainer.optim.build import LocalFusedAdamW
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep, grad_norm
 from trainer.train import Trainer, build_trainer
 

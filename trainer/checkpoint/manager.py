@@ -37,8 +37,8 @@ from trainer.checkpoint.format import (
     CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
-from trainer.checkpoint.moments import convert as convert_moments
-from trainer.checkpoint.moments import stage as stage_moments
+from trainer.optim.part import convert as convert_moments
+from trainer.optim.part import stage as stage_moments
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.space import (
     checkpoint_bytes, describe_disk_error, move_aside, prune_checkpoints, save_error, warn_if_short,

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.adamw import plain_tensor
+from trainer.distributed import plain_tensor
 from trainer.checkpoint.format import TOKENIZER_FILE
 from trainer.models.llama import ModelArgs, RopeScaling
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from trainer.checkpoint.format import CHECKPOINT_JSON, CheckpointError
 from trainer.model_values import Rule, num_tensors, param_count, rule_problem
-from trainer.optim_states import E4M3, QBLOCK, SCALE_KEY, scale_shape
+from trainer.optim.states import E4M3, QBLOCK, SCALE_KEY, scale_shape
 
 # The dtypes this trainer writes model weights, expert biases and optimizer moments in (the master dtype, or
 # optimizer.exp_avg_dtype / exp_avg_sq_dtype; an fp8 exp_avg is e4m3, allowed for that key alone).
@@ -126,7 +126,7 @@ def check_index_entries(metadata: Metadata, shapes: dict[str, tuple[int, ...]], 
             want = () if name == "step" or fqn not in shapes else shapes[fqn]
             if fqn not in shapes:
                 continue  # another pipeline stage's parameter: that rank checks it
-            if name == SCALE_KEY:  # an fp8 exp_avg's block scales (trainer/optim_states.py)
+            if name == SCALE_KEY:  # an fp8 exp_avg's block scales (trainer/optim/states.py)
                 if len(want) < 2 or want[-1] % QBLOCK:
                     raise CheckpointError(f"{file}: {key} holds block scales of a tensor of shape {list(want)}, "
                                           f"which has no whole 1x{QBLOCK} blocks ({EDITED})")

@@ -26,7 +26,7 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.model_values import param_count
 from trainer.models import ModelArgs
-from trainer.optim_states import StateDtypes
+from trainer.optim.states import StateDtypes
 from trainer.parallel import ParallelDims
 from trainer.validate.resolve import uses_bf16_master
 

@@ -26,7 +26,7 @@ from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
 from trainer.metrics.wandb_run import WandbOptions
 from trainer.optim import resolve_implementation
-from trainer.optim_states import StateDtypes
+from trainer.optim.states import StateDtypes
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from trainer.config import JobConfig
 from trainer.model_values import layer_param_counts
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
-from trainer.optim_states import StateDtypes
+from trainer.optim.states import StateDtypes
 from trainer.parallel.pipeline_layout import PipelineOptions
 
 GIB = 2**30

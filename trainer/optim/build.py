@@ -1,18 +1,18 @@
-"""AdamW and the learning-rate schedule."""
+"""Which AdamW a run builds, and the startup lines that say what it built."""
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import torch
 from torch import nn
 
-from trainer.adamw import plain_tensor
-from trainer.bf16_adamw import BF16AdamW
-from trainer.lowp_adamw import LowPrecisionAdamW
-from trainer.optim_states import StateDtypes
+from trainer.distributed import plain_tensor
+from trainer.optim.adamw import LowPrecisionAdamW
+from trainer.optim.schedule import describe_schedule
+from trainer.optim.states import StateDtypes
+from trainer.optim.update import BF16AdamW
 
 _local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
 
@@ -80,14 +80,14 @@ class LocalFusedAdamW(torch.optim.AdamW):
 
 class TritonAdamW(LocalFusedAdamW):
     """LocalFusedAdamW's update, state and protocol as one launch of our Triton kernel per device and dtype
-    (trainer/adamw_kernel.py): torch's AdamW up to fp32 rounding order, faster than torch's fused kernel on FSDP2's
+    (trainer/optim/kernel.py): torch's AdamW up to fp32 rounding order, faster than torch's fused kernel on FSDP2's
     shards (docs/benchmarks.md, the AdamW kernel) and compiled once for every shape. Checkpoints of either load
     into the other."""
 
     def _update(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, grad_scale: torch.Tensor | None,
                 found_inf: torch.Tensor | None) -> None:
-        from trainer import adamw_kernel
+        import trainer.optim.kernel as adamw_kernel  # imported only where it runs: Triton is a GPU's
 
         beta1, beta2 = group["betas"]
         adamw_kernel.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
@@ -151,73 +151,6 @@ def build_optimizer(
         fused=implementation == "torch_fused",
         foreach=implementation == "foreach",
     )
-
-
-def lr_lambda(
-    step: int,
-    *,
-    warmup_steps: int,
-    total_steps: int,
-    decay_type: Literal["cosine", "linear", "wsd", "constant"],
-    min_lr_ratio: float,
-    wsd_decay_ratio: float,
-) -> float:
-    """LR multiplier for optimizer step `step` (0-based: the first step uses step=0).
-
-    Warmup reaches the peak at step warmup_steps - 1, so step 0 already trains
-    (lr = peak / warmup_steps) instead of wasting a step at lr 0.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if decay_type == "constant":
-        return 1.0
-    if decay_type == "wsd":
-        decay_steps = max(1, int(total_steps * wsd_decay_ratio))
-        decay_start = max(warmup_steps, total_steps - decay_steps)
-        if step < decay_start:
-            return 1.0
-        progress = (step - decay_start) / max(1, total_steps - decay_start)
-        return 1.0 - (1.0 - min_lr_ratio) * min(progress, 1.0)
-    progress = min((step - warmup_steps) / max(1, total_steps - warmup_steps), 1.0)
-    if decay_type == "linear":
-        return 1.0 - (1.0 - min_lr_ratio) * progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-# The config key of each argument of lr_lambda, for a resume that says what changed.
-SCHEDULE_KEYS = {"warmup_steps": "scheduler.warmup_steps", "total_steps": "train.steps",
-                 "decay_type": "scheduler.decay_type", "min_lr_ratio": "scheduler.min_lr_ratio",
-                 "wsd_decay_ratio": "scheduler.wsd_decay_ratio"}
-
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, **schedule) -> torch.optim.lr_scheduler.LambdaLR:
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, **schedule))
-    scheduler.schedule = dict(schedule)  # saved with the scheduler's state (LambdaLR saves its attributes)
-    return scheduler
-
-
-def describe_schedule(peak_lr: float, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float,
-                      wsd_decay_ratio: float) -> str:
-    """The learning rate as lr_lambda shapes it, in words: the peak (the configured optimizer.lr), then the phases.
-
-    Step numbers are the log's (1-based): step k runs lr_lambda(k - 1).
-    """
-    parts = [f"lr {peak_lr:g} peak"]
-    if warmup_steps > 0:
-        short = f" (train.steps={total_steps} ends inside it)" if warmup_steps > total_steps else ""
-        parts.append(f"warmup {warmup_steps} steps linear{short}")
-    if warmup_steps >= total_steps:
-        return ", ".join(parts)  # the run ends inside the warmup: the decay never starts
-    low = f"{peak_lr * min_lr_ratio:g}"
-    if decay_type == "constant":
-        parts.append("then constant" if warmup_steps else "constant")
-    elif decay_type == "wsd":
-        decay_start = max(warmup_steps, total_steps - max(1, int(total_steps * wsd_decay_ratio)))
-        parts.append(f"constant to step {decay_start}, then linear decay to {low} over steps "
-                     f"{decay_start + 1}-{total_steps}")
-    else:
-        parts.append(f"{decay_type} decay to {low} over steps {warmup_steps + 1}-{total_steps}")
-    return ", ".join(parts)
 
 
 def describe_param_groups(optimizer: torch.optim.Optimizer, schedule: dict) -> str:

@@ -38,9 +38,21 @@ from typing import Literal
 
 import torch
 
-from trainer.adamw import Layout, adamw_update, plain_tensor
+from trainer.distributed import Layout, plain_tensor
 
 _local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
+
+def adamw_update(
+    p: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: torch.Tensor,
+    bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor, beta1: float, beta2: float, eps: float,
+    weight_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(new exp_avg, new exp_avg_sq, delta) of one AdamW step: the weights become p + delta. Nothing in place."""
+    m = exp_avg.lerp(g, 1 - beta1)
+    v = exp_avg_sq.lerp(g * g, 1 - beta2)
+    delta = -lr * (weight_decay * p + (m / bias_correction1) / (v.sqrt() / bias_correction2_sqrt + eps))
+    return m, v, delta
+
 
 BF16Update = Literal["stochastic", "kahan"]
 
@@ -161,7 +173,7 @@ class BF16AdamW(torch.optim.Optimizer):
     a CPU tensor) counts calls, skipped ones included; it seeds the rounding, so it does
     not wait on the device.
 
-    triton=True: every tensor of a device and step in one launch of the Triton kernel (trainer/adamw_kernel.py;
+    triton=True: every tensor of a device and step in one launch of the Triton kernel (trainer/optim/kernel.py;
     the trainer's choice on a GPU); False: `_update` per tensor, eagerly (a CPU).
     """
 
@@ -236,9 +248,9 @@ class BF16AdamW(torch.optim.Optimizer):
 
     def _launch(self, group: dict, ps: list[torch.Tensor], *, device: torch.device, step: int, kahan: bool,
                 scale_key: str | None = None) -> None:
-        """One launch of the Triton kernel (trainer/adamw_kernel.py) over these parameters, all on `device` at
+        """One launch of the Triton kernel (trainer/optim/kernel.py) over these parameters, all on `device` at
         `step`; `scale_key`: the state entry of an fp8 first moment's block scales (LowPrecisionAdamW)."""
-        from trainer import adamw_kernel
+        import trainer.optim.kernel as adamw_kernel
 
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in ps]

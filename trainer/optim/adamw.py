@@ -1,13 +1,13 @@
 """AdamW with its moments in dtypes of their own: fp32 or bf16 master weights, an fp32, bf16 or fp8 first moment,
-an fp32 or bf16 second moment (optimizer.exp_avg_dtype / exp_avg_sq_dtype; trainer/optim_states.py).
+an fp32 or bf16 second moment (optimizer.exp_avg_dtype / exp_avg_sq_dtype; trainer/optim/states.py).
 
-`LowPrecisionAdamW` is BF16AdamW (trainer/bf16_adamw.py) with the state dtypes free: the same fp32 arithmetic
-(`trainer.adamw.adamw_update`), the same protocol (`grad_scale`, `found_inf`: a non-finite step changes nothing,
+`LowPrecisionAdamW` is BF16AdamW (trainer/optim/update.py) with the state dtypes free: the same fp32 arithmetic
+(`trainer.optim.update.adamw_update`), the same protocol (`grad_scale`, `found_inf`: a non-finite step changes nothing,
 the host step counter counts it), and the same hash-keyed random bits, so every bf16 and fp8 value is rounded
 stochastically by a function of (seed, step, fqn, the element's global index): identical in every layout that
 does not cut an fp8 block, and on resume. fp32 values are stored as computed.
 
-On a GPU the update is the Triton kernel of the other optimizers (trainer/adamw_kernel.py, which reads and writes
+On a GPU the update is the Triton kernel of the other optimizers (trainer/optim/kernel.py, which reads and writes
 each state in its own dtype and quantizes an fp8 block per row of a program); on a CPU it runs eagerly, per tensor
 in chunks of rows so that its fp32 temporaries stay small. The two draw the same random bits.
 
@@ -24,11 +24,11 @@ from collections import Counter
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.adamw import adamw_update
-from trainer.bf16_adamw import (
+from trainer.optim.update import adamw_update
+from trainer.optim.update import (
     BF16AdamW, _local, global_index, random_bits16, round_to_nearest_bf16, step_key, stochastic_round_to_bf16,
 )
-from trainer.optim_states import (
+from trainer.optim.states import (
     DTYPES, SCALE_KEY, StateDtypes, convert_moment, dequantize_blocks, dtype_name, fp8_blocks, quantize_blocks,
     scale_shape,
 )
@@ -75,7 +75,7 @@ def _update_rows(p, grad, m, m_scale, v, comp, index, key, lr, bc1, bc2_sqrt, gr
         p.add_(delta)
     elif comp is None:
         p.copy_(stochastic_round_to_bf16(p32 + delta, random_bits16(index, key, 0)))
-    else:  # Kahan (trainer.bf16_adamw._update)
+    else:  # Kahan (trainer.optim.update._update)
         c_old = comp.float()
         y = delta + c_old
         p_new = round_to_nearest_bf16(p32 + y)
@@ -143,7 +143,7 @@ class LowPrecisionAdamW(BF16AdamW):
         return state
 
     def _triton_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
-        """The Triton kernel (trainer/adamw_kernel.py): one launch per device, gradient dtype, step and first-moment
+        """The Triton kernel (trainer/optim/kernel.py): one launch per device, gradient dtype, step and first-moment
         dtype (fp8 blocks and the bf16 first moments of the other tensors: two)."""
         kahan = self.master == torch.bfloat16 and self.update == "kahan"
         launches: dict[tuple, list[torch.Tensor]] = {}
@@ -207,7 +207,7 @@ class LowPrecisionAdamW(BF16AdamW):
                         ", ".join(f"{what} ({n} tensor{'s' if n > 1 else ''})" for what, n in sorted(changed.items())))
 
     def _convert(self, p: torch.Tensor, state: dict) -> list[str]:
-        """Bring p's loaded state to this optimizer's dtypes (trainer.optim_states.convert_moment); what changed."""
+        """Bring p's loaded state to this optimizer's dtypes (trainer.optim.states.convert_moment); what changed."""
         done = []
         scale = state.pop(SCALE_KEY, None)
         m = state["exp_avg"]

@@ -1,7 +1,7 @@
-"""trainer/adamw_kernel.py, the Triton AdamW kernel of TritonAdamW and BF16AdamW, run by Triton's CPU interpreter.
+"""trainer/optim/kernel.py, the Triton AdamW kernel of TritonAdamW and BF16AdamW, run by Triton's CPU interpreter.
 
 The interpreter runs the kernel's own code (its table of addresses, block map, index arithmetic, hashing and
-rounding) in numpy; the GPU run of the same comparisons is tests/gpu/test_adamw_kernel_gpu.py. References: torch's
+rounding) in numpy; the GPU run of the same comparisons is tests/gpu/test_optim_kernel_gpu.py. References: torch's
 fused AdamW (fp32) and BF16AdamW's eager update (bf16 master weights).
 """
 
@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton", reason="Triton has no wheel for this platform (the `test` extra installs it on Linux)")
 
-from trainer.bf16_adamw import BF16AdamW  # noqa: E402
-from trainer.optim import LocalFusedAdamW, TritonAdamW  # noqa: E402
+from trainer.optim.update import BF16AdamW  # noqa: E402
+from trainer.optim.build import LocalFusedAdamW, TritonAdamW  # noqa: E402
 
 BETAS = (0.9, 0.95)
 ULP_BF16 = 2.0**-7  # bf16 spacing relative to the value's power of two
@@ -24,9 +24,9 @@ ULP_BF16 = 2.0**-7  # bf16 spacing relative to the value's power of two
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreted_kernel():
-    """trainer.adamw_kernel with its kernels built for Triton's interpreter (decided when @triton.jit runs), then
+    """trainer.optim.kernel with its kernels built for Triton's interpreter (decided when @triton.jit runs), then
     as it was."""
-    import trainer.adamw_kernel as kernel
+    import trainer.optim.kernel as kernel
 
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -45,7 +45,7 @@ SHAPES = [(70, 130), (3,), (2, 9, 300), (70, 130)]
 
 def fp32_pair(device: str = "cpu", steps: int = 5):
     """The same fp32 training with TritonAdamW and LocalFusedAdamW (torch's fused kernel): both optimizers and
-    parameter lists. (tests/gpu/test_adamw_kernel_gpu.py runs it on a GPU.)"""
+    parameter lists. (tests/gpu/test_optim_kernel_gpu.py runs it on a GPU.)"""
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(s, device=device)) for s in SHAPES]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
@@ -120,7 +120,7 @@ def bf16_runs(kind: str, layouts_from_shards: bool, *, beta1: float = 0.9, steps
         opt = BF16AdamW(params, lr=1e-3, betas=(beta1, BETAS[1]), eps=1e-8, weight_decay=0.1, update=kind, seed=3,
                         triton=triton, names=[f"layers.{i}.w" for i in range(len(params))])
         if layouts_from_shards:
-            from trainer.bf16_adamw import Layout
+            from trainer.distributed import Layout
 
             # The first: rows 70-139 of 280 (one contiguous run of the global tensor); the third: a block of
             # a (4, 18, 300) tensor at (2, 9, 0) (not contiguous in it); the last: columns 130-259 of 260.

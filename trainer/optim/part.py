@@ -6,7 +6,7 @@ without its block scales. So before the load, every moment whose saved dtype (or
 is replaced in the state dict by a staging tensor in the saved dtype, sharded as this run's (`stage`): DCP reshards
 into it as into any tensor; the block scales of a saved fp8 exp_avg are staged whole (the parameter's elements / 128
 fp32 values), so any shard can dequantize. After the load `convert` writes each into this run's tensor
-(trainer.optim_states.convert_moment: through fp32, to nearest) and the manager logs one line of what it converted.
+(trainer.optim.states.convert_moment: through fp32, to nearest) and the manager logs one line of what it converted.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from trainer.adamw import plain_tensor
-from trainer.optim_states import SCALE_KEY, convert_moment, dtype_name
+from trainer.distributed import plain_tensor
+from trainer.optim.states import SCALE_KEY, convert_moment, dtype_name
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -1,0 +1,18 @@
+"""AdamW and its learning-rate schedule.
+
+    build.py     build_optimizer (the implementation validation resolved), the startup lines
+    adamw.py     LowPrecisionAdamW: moments in dtypes of their own
+    update.py    the AdamW arithmetic, BF16AdamW, the roundings and their random bits
+    kernel.py    the update as one Triton kernel (a GPU's path; imported only where it runs)
+    states.py    the state dtypes, the fp8 first moment's 1x128 blocks, moments converted between dtypes
+    schedule.py  the learning-rate schedule
+    part.py      moments a resume stages in the checkpoint's dtypes and converts
+"""
+
+from trainer.optim.build import (
+    build_optimizer, describe_optimizer_state, describe_param_groups, resolve_implementation,
+)
+from trainer.optim.schedule import SCHEDULE_KEYS, build_lr_scheduler, describe_schedule, lr_lambda
+
+__all__ = ["SCHEDULE_KEYS", "build_lr_scheduler", "build_optimizer", "describe_optimizer_state",
+           "describe_param_groups", "describe_schedule", "lr_lambda", "resolve_implementation"]
