@@ -4,7 +4,7 @@
     python scripts/bench_adamw.py --layers 2 --configs 1024x4,512x2
 
 Times one step over plain tensors of the model's shapes (median of 8, between device syncs) for bf16 weights with
-stochastic rounding (BF16AdamW's update), bf16 weights rounded to nearest, and fp32 weights, for each kernel
+stochastic rounding (AdamW's rounded update), bf16 weights rounded to nearest, and fp32 weights, for each kernel
 configuration (elements per program x warps), then torch.optim.AdamW(fused=True) over the same tensors. GB/s count
 the 7 tensor passes an AdamW step makes (read weight, gradient and two moments; write three). Also prints how many
 16-byte vector loads the compiled kernel has (none where Triton cannot prove the tensors' alignment) and its

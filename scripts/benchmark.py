@@ -93,8 +93,7 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     master = "bf16" if next(runner.model.parameters()).dtype == torch.bfloat16 else "fp32"
     o = runner.job.optimizer
     dtypes = o.state_dtypes
-    per_param = state_bytes_per_param(master, o.bf16_update or "stochastic", *((dtypes.exp_avg, dtypes.exp_avg_sq)
-                                                                             if dtypes else ()))
+    per_param = state_bytes_per_param(master, o.bf16_update or "stochastic", dtypes.exp_avg, dtypes.exp_avg_sq)
     cap = memory_cap_bytes(local_params=local, bytes_per_param=per_param, world=runner.env.world_size,
                            emulate_gpus=emulate_gpus, gpu_bytes=int(gpu_gib * 2**30))
     total = torch.cuda.get_device_properties(device).total_memory
@@ -243,7 +242,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "autotune_s": compiled.autotune_s,
             "optimizer_kernel_compile_s": compiled.optimizer_kernel_s,
             "memory_cap_gib": cap_gib,
-            "moment_bytes": (None if runner.job.optimizer.state_dtypes is None else sum(
+            "moment_bytes": (None if runner.job.optimizer.state_dtypes.in_master_dtype else sum(
                 v for k, v in runner.job.optimizer.state_dtypes.bytes_per_param().items() if k != "master")),
         }, shapes, dtype, device
     finally:

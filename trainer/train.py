@@ -146,7 +146,7 @@ class Trainer:
         o, s = job.optimizer, job.scheduler
         optimizer = build_optimizer(
             self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, dtypes=o.state_dtypes,
-            implementation=o.implementation, seed=job.run.seed, triton=o.triton, bf16_update=o.bf16_update)
+            rounding=o.rounding, implementation=o.implementation, seed=job.run.seed)
         scheduler = build_lr_scheduler(
             optimizer, warmup_steps=s.warmup_steps, total_steps=job.run.steps, decay_type=s.decay_type,
             min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,

@@ -1,8 +1,8 @@
 """AdamW and its learning-rate schedule.
 
     build.py     build_optimizer (the implementation validation resolved), the startup lines
-    adamw.py     LowPrecisionAdamW: moments in dtypes of their own
-    update.py    the AdamW arithmetic, BF16AdamW, the roundings and their random bits
+    adamw.py     AdamW: one optimizer over the local shards, by its state dtypes and rounding; its state and resume
+    update.py    the AdamW arithmetic as eager torch (the CPU path, the kernel's reference), the roundings, their bits
     kernel.py    the update as one Triton kernel (a GPU's path; imported only where it runs)
     states.py    the state dtypes, the fp8 first moment's 1x128 blocks, moments converted between dtypes
     schedule.py  the learning-rate schedule

@@ -1,107 +1,103 @@
-"""AdamW with its moments in dtypes of their own: fp32 or bf16 master weights, an fp32, bf16 or fp8 first moment,
-an fp32 or bf16 second moment (optimizer.exp_avg_dtype / exp_avg_sq_dtype; trainer/optim/states.py).
+"""One AdamW over the local shards of its parameters, by its state dtypes and its rounding.
 
-`LowPrecisionAdamW` is BF16AdamW (trainer/optim/update.py) with the state dtypes free: the same fp32 arithmetic
-(`trainer.optim.update.adamw_update`), the same protocol (`grad_scale`, `found_inf`: a non-finite step changes nothing,
-the host step counter counts it), and the same hash-keyed random bits, so every bf16 and fp8 value is rounded
-stochastically by a function of (seed, step, fqn, the element's global index): identical in every layout that
-does not cut an fp8 block, and on resume. fp32 values are stored as computed.
+    dtypes          master weights fp32 or bf16, exp_avg fp32, bf16 or fp8, exp_avg_sq fp32 or bf16 (StateDtypes,
+                    trainer/optim/states.py: optimizer.exp_avg_dtype / exp_avg_sq_dtype, distributed.master_dtype)
+    rounding        how bf16 master weights take an update: "nearest" (plain AdamW), "stochastic" or "kahan"
+                    (optimizer.bf16_update; trainer/optim/update.py says why)
+    implementation  which code runs the update (optimizer.implementation, resolved by trainer.validate):
+        "triton"    one launch of the Triton kernel per device and dtype (trainer/optim/kernel.py): the GPU path
+        "eager"     the same update in torch, per tensor (trainer/optim/update.py): its CPU reference
+        "fused"     torch's fused AdamW kernel (torch._fused_adamw_) over the local shards: plain AdamW's reference
 
-On a GPU the update is the Triton kernel of the other optimizers (trainer/optim/kernel.py, which reads and writes
-each state in its own dtype and quantizes an fp8 block per row of a program); on a CPU it runs eagerly, per tensor
-in chunks of rows so that its fp32 temporaries stay small. The two draw the same random bits.
+A state is one of two kinds, and `implementation` must run it (`is_rounded`; a conflict is a config error):
 
-Checkpoints hold the state as it is (an fp8 exp_avg as e4m3 plus `exp_avg_scale`); `load_state_dict` keeps the
-dtypes it is given (torch's would cast every state tensor to the parameter's dtype) and converts a state saved
-with other dtypes to this optimizer's in one log line.
+- plain AdamW: every moment in the master dtype, and fp32 master weights or bf16 ones rounded to nearest. The state
+  is torch's fused AdamW's ("step" a 0-dim fp32 device tensor, which a skipped step does not count; the moments
+  shaped, sharded and typed as their parameters), so checkpoints move between it and torch.optim.AdamW (fused or
+  foreach, the other references: trainer/optim/build.py). "fused" or "triton".
+- rounded: bf16 master weights rounded stochastically or with Kahan compensation, or moments in dtypes of their
+  own. Every bf16 and fp8 value is rounded stochastically by a function of (seed, step, fqn, the element's global
+  index), so every layout that does not cut an fp8 block rounds as one process does, and a resume as the
+  uninterrupted run; the host counts the steps (a CPU tensor: the random bits must not wait on the device; a
+  skipped step counts). An fp8 exp_avg is saved as e4m3 plus `exp_avg_scale`. "triton" or "eager".
+
+Either follows torch's fused protocol: set `grad_scale` (gradients are divided by it) and `found_inf` (a nonzero
+value skips the step on the device, leaving weights and state unchanged) before `step()`. `load_state_dict` keeps
+the dtypes it is given (torch's would cast every state tensor to its parameter's) and converts a state saved with
+other dtypes to this optimizer's, in one log line.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.optim.update import adamw_update
-from trainer.optim.update import (
-    BF16AdamW, _local, global_index, random_bits16, round_to_nearest_bf16, step_key, stochastic_round_to_bf16,
-)
+from trainer.distributed import Layout, plain_tensor
 from trainer.optim.states import (
-    DTYPES, SCALE_KEY, StateDtypes, convert_moment, dequantize_blocks, dtype_name, fp8_blocks, quantize_blocks,
-    scale_shape,
+    DTYPES, SCALE_KEY, StateDtypes, convert_moment, dtype_name, fp8_blocks, scale_shape,
 )
+from trainer.optim.update import CHUNK_ELEMENTS, global_index, param_key, step_key, update_rows
 
 logger = logging.getLogger("trainer.optim")
 
-CHUNK_ELEMENTS = 1 << 22
-"""Elements per chunk of the eager update: its ~10 fp32/int64 temporaries stay near 200 MB per chunk."""
+_local = functools.partial(plain_tensor, local=True)  # the plain tensor an optimizer updates in place
+
+Rounding = Literal["nearest", "stochastic", "kahan"]
+Implementation = Literal["triton", "eager", "fused"]
+RUNS = {False: ("fused", "triton"), True: ("eager", "triton")}
+"""The implementations of a plain (False) and a rounded (True) state."""
 
 
-def _store(dst: torch.Tensor, value: torch.Tensor, bits: torch.Tensor | None) -> None:
-    """fp32 `value` into `dst`: bf16 rounded with `bits` (stochastic; to nearest without), fp32 as is."""
-    if dst.dtype == torch.bfloat16:
-        dst.copy_(stochastic_round_to_bf16(value, bits) if bits is not None else value)
-    else:
-        dst.copy_(value)
+def is_rounded(dtypes: StateDtypes, rounding: Rounding) -> bool:
+    """Whether AdamW rounds its state itself (see the module docstring): bf16 master weights not rounded to nearest,
+    or moments outside the master dtype. torch's kernels cannot run such a state."""
+    return (dtypes.master == "bf16" and rounding != "nearest") or not dtypes.in_master_dtype
 
 
-def _update_rows(p, grad, m, m_scale, v, comp, index, key, lr, bc1, bc2_sqrt, grad_scale, found_inf, *, beta1,
-                 beta2, eps, weight_decay) -> None:
-    """One AdamW step of one chunk of rows, in place (m_scale: the fp8 exp_avg's block scales, else None)."""
-    g = grad.float()
-    if grad_scale is not None:
-        g = g / grad_scale
-    p32, v_old = p.float(), v.float()
-    m_old = dequantize_blocks(m, m_scale) if m_scale is not None else m.float()
-    m_new, v_new, delta = adamw_update(p32, g, m_old, v_old, lr=lr, bias_correction1=bc1,
-                                       bias_correction2_sqrt=bc2_sqrt, beta1=beta1, beta2=beta2, eps=eps,
-                                       weight_decay=weight_decay)
-    keep = None if found_inf is None else found_inf == 0  # a skipped step leaves every tensor as it was
-    if m_scale is not None:
-        q, s = quantize_blocks(m_new, random_bits16(index, key, 1))
-        if keep is not None:
-            q, s = torch.where(keep, q.view(torch.uint8), m.view(torch.uint8)).view(m.dtype), torch.where(keep, s,
-                                                                                                        m_scale)
-        m.copy_(q)
-        m_scale.copy_(s)
-    else:
-        _store(m, m_new if keep is None else torch.where(keep, m_new, m_old), random_bits16(index, key, 1))
-    _store(v, v_new if keep is None else torch.where(keep, v_new, v_old), random_bits16(index, key, 2))
-    if keep is not None:
-        delta = torch.where(keep, delta, 0.0)
-    if p.dtype == torch.float32:
-        p.add_(delta)
-    elif comp is None:
-        p.copy_(stochastic_round_to_bf16(p32 + delta, random_bits16(index, key, 0)))
-    else:  # Kahan (trainer.optim.update._update)
-        c_old = comp.float()
-        y = delta + c_old
-        p_new = round_to_nearest_bf16(p32 + y)
-        c = y - (p_new - p32)
-        if keep is not None:
-            c, p_new = torch.where(keep, c, c_old), torch.where(keep, p_new, p32)
-        comp.copy_(c.to(torch.bfloat16))
-        p.copy_(p_new.to(torch.bfloat16))
-
-
-class LowPrecisionAdamW(BF16AdamW):
-    """AdamW whose moments have dtypes of their own (see the module docstring).
-
-    dtypes: the resolved StateDtypes; update: 'stochastic' or 'kahan' for bf16 master weights (as BF16AdamW),
-    ignored for fp32 ones. triton: the update as one Triton kernel launch per first-moment dtype (a GPU), else
-    eagerly (a CPU).
-    """
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected) over the local shards of its parameters; see the module
+    docstring for `dtypes`, `rounding` and `implementation`."""
 
     def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 dtypes: StateDtypes, update: str = "stochastic", seed: int = 0, triton: bool = False,
-                 names=None):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, update=update, seed=seed,
-                         triton=triton, names=names)
-        self.dtypes = dtypes
-        self.master = DTYPES[dtypes.master]
+                 implementation: Implementation, dtypes: StateDtypes | None = None, rounding: Rounding = "nearest",
+                 seed: int = 0, names: Sequence[str] | None = None):
+        """dtypes: None keeps every state in its parameter's dtype (plain AdamW on the parameters as they are).
+        seed, names: the rounding's random bits (`names`: each parameter's fqn in the order of `params`, the model's
+        without compile/AC wrapper names; None: the position, "0", "1", ...)."""
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        flat = [p for group in self.param_groups for p in group["params"]]
+        self.dtypes = dtypes or StateDtypes.of(flat)
+        self.rounding, self.implementation, self.seed = rounding, implementation, seed
+        self.rounded = is_rounded(self.dtypes, rounding)
+        self.kahan = self.dtypes.master == "bf16" and rounding == "kahan"
+        assert implementation in RUNS[self.rounded], (implementation, self.dtypes, rounding)
+        assert not (self.dtypes.master == "bf16" and rounding == "nearest" and self.rounded), (
+            "bf16 master weights rounded to nearest keep their moments in bf16")
+        names = list(names) if names is not None else [str(i) for i in range(len(flat))]
+        assert len(names) == len(flat), (len(names), len(flat))
+        self._keys = {p: param_key(name) for p, name in zip(flat, names)}
+        self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None
+        self._layouts: dict[torch.Tensor, Layout] = {}
+        self._index_meta: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fp8: dict[torch.Tensor, bool] = {}
+
+    def describe(self) -> str:
+        """What this AdamW keeps, for the startup line: 'bf16 master weights, stochastic rounding'."""
+        master = f"{self.dtypes.master} master weights"
+        if not self.dtypes.in_master_dtype:
+            return f"{master}, moments in dtypes of their own"
+        if self.dtypes.master == "bf16":
+            return f"{master}, {'round to nearest' if self.rounding == 'nearest' else self.rounding + ' rounding'}"
+        return master
+
+    # -- the state ------------------------------------------------------------------------------------------
 
     def uses_fp8(self, p: torch.Tensor) -> bool:
         """p's first moment is fp8 (exp_avg_dtype='fp8' and p's shape and layout hold whole blocks)."""
@@ -111,9 +107,14 @@ class LowPrecisionAdamW(BF16AdamW):
 
     def exp_avg_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The first moment's dtype for p: fp8 where it holds whole blocks, else bf16 under exp_avg_dtype='fp8'."""
+        if not self.rounded:
+            return p.dtype
         if self.dtypes.exp_avg == "fp8":
             return DTYPES["fp8"] if self.uses_fp8(p) else torch.bfloat16
         return DTYPES[self.dtypes.exp_avg]
+
+    def exp_avg_sq_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return DTYPES[self.dtypes.exp_avg_sq] if self.rounded else p.dtype
 
     def _zeros(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -129,45 +130,126 @@ class LowPrecisionAdamW(BF16AdamW):
         return DTensor.from_local(scales, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
 
     def _state(self, p: torch.Tensor) -> dict:
-        assert p.dtype == self.master, f"LowPrecisionAdamW has {self.dtypes.master} master weights, got {p.dtype}"
+        """p's state, made at its first step: torch's fused AdamW's (plain), or ours with the host's step counting
+        this one (rounded)."""
         state = self.state[p]
+        if not self.rounded:
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                state["exp_avg"] = self._zeros(p, p.dtype)
+                state["exp_avg_sq"] = self._zeros(p, p.dtype)
+            return state
+        assert p.dtype == DTYPES[self.dtypes.master], f"AdamW has {self.dtypes.master} master weights, got {p.dtype}"
         if "step" not in state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = self._zeros(p, self.exp_avg_dtype(p))
             if self.uses_fp8(p):
                 state[SCALE_KEY] = self._new_scale(p)
-            state["exp_avg_sq"] = self._zeros(p, DTYPES[self.dtypes.exp_avg_sq])
-        if self.master == torch.bfloat16 and self.update == "kahan" and "kahan_comp" not in state:
+            state["exp_avg_sq"] = self._zeros(p, self.exp_avg_sq_dtype(p))
+        if self.kahan and "kahan_comp" not in state:
             state["kahan_comp"] = self._zeros(p, torch.bfloat16)
         state["step"] += 1
         return state
 
+    def _layout(self, p: torch.Tensor) -> Layout:
+        if p not in self._layouts:
+            self._layouts[p] = Layout.of(p)
+        return self._layouts[p]
+
+    def _meta(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """p's layout as the eager update takes it: (offsets, strides) int64 tensors on p's device; cached."""
+        if p not in self._index_meta:
+            layout, dev = self._layout(p), _local(p).device
+            self._index_meta[p] = (torch.tensor(list(layout.offsets), dtype=torch.int64, device=dev),
+                                   torch.tensor(list(layout.strides), dtype=torch.int64, device=dev))
+        return self._index_meta[p]
+
+    # -- the step ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, f"{type(self).__name__} takes no closure"
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not self.rounded:
+                self._plain_step(group, params)
+                continue
+            steps = [int(self._state(p)["step"].item()) for p in params]  # CPU tensors: no device sync
+            (self._triton_step if self.implementation == "triton" else self._eager_step)(group, params, steps)
+        return None
+
+    def _plain_step(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Every local tensor of a device and dtype in one call of torch's fused kernel or ours, the device's steps
+        counting this one (a skipped step is taken back, as torch's fused AdamW does)."""
+        lists: dict[tuple, tuple[list, list, list, list, list]] = {}
+        for p in params:
+            state = self._state(p)
+            local, grad = _local(p), _local(p.grad)
+            entry = lists.setdefault((local.device, local.dtype, grad.dtype), ([], [], [], [], []))
+            for out, t in zip(entry, (local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                                      state["step"])):
+                out.append(t)
+        beta1, beta2 = group["betas"]
+        for (device, _, _), (ps, grads, exp_avgs, exp_avg_sqs, steps) in lists.items():
+            scale = None if self.grad_scale is None else self.grad_scale.to(device)
+            inf = None if self.found_inf is None else self.found_inf.to(device)
+            torch._foreach_add_(steps, 1)
+            if self.implementation == "fused":
+                torch._fused_adamw_(
+                    ps, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+                    beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                    grad_scale=scale, found_inf=inf,
+                )
+            else:
+                import trainer.optim.kernel as kernel  # only where it runs: Triton comes with torch's CUDA builds
+
+                kernel.adamw_step(ps, grads, exp_avgs, exp_avg_sqs, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                  eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=scale,
+                                  found_inf=inf, steps=steps)
+            if inf is not None:  # a skipped step does not count (as in torch's fused AdamW)
+                torch._foreach_sub_(steps, [inf] * len(steps))
+
     def _triton_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
-        """The Triton kernel (trainer/optim/kernel.py): one launch per device, gradient dtype, step and first-moment
-        dtype (fp8 blocks and the bf16 first moments of the other tensors: two)."""
-        kahan = self.master == torch.bfloat16 and self.update == "kahan"
+        """The Triton kernel: one launch per device, gradient dtype, step and first-moment dtype (fp8 blocks and the
+        bf16 first moments of the other tensors: two)."""
         launches: dict[tuple, list[torch.Tensor]] = {}
         for p, step in zip(params, steps):
             if _local(p).numel():
                 key = (_local(p).device, _local(p.grad).dtype, step, self.state[p]["exp_avg"].dtype)
                 launches.setdefault(key, []).append(p)
         for (device, _, step, _), ps in launches.items():
-            self._launch(group, ps, device=device, step=step, kahan=kahan,
-                         scale_key=SCALE_KEY if SCALE_KEY in self.state[ps[0]] else None)
+            self._launch(group, ps, device=device, step=step)
+
+    def _launch(self, group: dict, ps: list[torch.Tensor], *, device: torch.device, step: int) -> None:
+        """One launch of the Triton kernel over these parameters, all on `device` at `step`."""
+        import trainer.optim.kernel as kernel  # only where it runs: Triton comes with torch's CUDA builds
+
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in ps]
+        fp8 = SCALE_KEY in states[0]
+        kernel.adamw_step(
+            [_local(p) for p in ps], [_local(p.grad) for p in ps], [_local(s["exp_avg"]) for s in states],
+            [_local(s["exp_avg_sq"]) for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"],
+            grad_scale=None if self.grad_scale is None else self.grad_scale.to(device),
+            found_inf=None if self.found_inf is None else self.found_inf.to(device), step=step,
+            rounding=kernel.ROUND_KAHAN if self.kahan else kernel.ROUND_STOCHASTIC,
+            comps=[_local(s["kahan_comp"]) for s in states] if self.kahan else None,
+            layouts=[self._layout(p) for p in ps], keys=[step_key(self.seed, self._keys[p], step) for p in ps],
+            scales=[_local(s[SCALE_KEY]) for s in states] if fp8 else None)
 
     def _eager_step(self, group: dict, params: list[torch.Tensor], steps: list[int]) -> None:
+        """trainer.optim.update.update_rows per tensor, in chunks of rows so that its fp32 temporaries stay small."""
         beta1, beta2 = group["betas"]
-        kahan = self.master == torch.bfloat16 and self.update == "kahan"
         for p, step in zip(params, steps):
-            state = self.state[p]
-            local = _local(p)
+            state, local = self.state[p], _local(p)
             if local.numel() == 0:
                 continue
             offsets, strides = self._meta(p)
             device = local.device
             tensors = [local, _local(p.grad), _local(state["exp_avg"]),
                        _local(state[SCALE_KEY]) if SCALE_KEY in state else None, _local(state["exp_avg_sq"]),
-                       _local(state["kahan_comp"]) if kahan else None]
+                       _local(state["kahan_comp"]) if self.kahan else None]
             scalars = dict(key=torch.tensor(step_key(self.seed, self._keys[p], step), dtype=torch.int64, device=device),
                            lr=torch.tensor(float(group["lr"]), device=device),
                            bc1=torch.tensor(1 - beta1**step, device=device),
@@ -181,14 +263,15 @@ class LowPrecisionAdamW(BF16AdamW):
                 if local.dim():
                     start[0] += r0
                 index = global_index(tuple(chunk[0].shape), start, strides)
-                _update_rows(*chunk, index, **scalars, beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"])
+                update_rows(*chunk, index, **scalars, beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"])
 
     # -- checkpoints -----------------------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, but every state tensor keeps the dtype it was saved in (torch casts each to its
-        parameter's), then converted to this optimizer's dtypes: one log line says what changed."""
+        parameter's), then converted to this optimizer's dtypes: one log line says what changed. The step is
+        where this optimizer counts it (plain: an fp32 tensor on the parameter's device; rounded: the host)."""
         given = {pid: {k: v for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"}
                  for pid, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
@@ -201,6 +284,8 @@ class LowPrecisionAdamW(BF16AdamW):
             state = self.state[p]
             for key, value in given[pid].items():
                 state[key] = value.to(device=_local(p).device) if not isinstance(value, DTensor) else value
+            if "step" in state:
+                state["step"] = state["step"].to(device="cpu" if self.rounded else _local(p).device, dtype=torch.float32)
             changed.update(self._convert(p, state))
         if changed:
             logger.info("converted the checkpoint's optimizer state to this run's dtypes: %s",
@@ -220,7 +305,7 @@ class LowPrecisionAdamW(BF16AdamW):
         elif scale is not None:
             state[SCALE_KEY] = scale
         v = state["exp_avg_sq"]
-        if v.dtype != DTYPES[self.dtypes.exp_avg_sq]:
-            state["exp_avg_sq"] = v.to(DTYPES[self.dtypes.exp_avg_sq])
-            done.append(f"exp_avg_sq {dtype_name(v)} -> {self.dtypes.exp_avg_sq}")
+        if v.dtype != self.exp_avg_sq_dtype(p):
+            state["exp_avg_sq"] = v.to(self.exp_avg_sq_dtype(p))
+            done.append(f"exp_avg_sq {dtype_name(v)} -> {dtype_name(state['exp_avg_sq'])}")
         return done

@@ -7,7 +7,7 @@ on disk like any Triton kernel) and finds every tensor of a launch in a table of
 BLOCK elements of one tensor, found in a block map built once per layout. One launch per step and dtype, whatever
 the model; the update moves its bytes at 2.1 TB/s (bf16, stochastic rounding) to 2.9 TB/s (fp32) on an H100.
 
-Each state is read and written in its own dtype (LowPrecisionAdamW, trainer/optim/adamw.py: fp32 or bf16 weights,
+Each state is read and written in its own dtype (trainer.optim.adamw.AdamW's: fp32 or bf16 weights,
 an fp32, bf16 or fp8 first moment, an fp32 or bf16 second moment); an fp8 first moment's program holds its 1024
 elements as 8 rows of one 1 x 128 block each, takes each row's amax for its power-of-two scale and writes the e4m3
 bytes by integer arithmetic (trainer/optim/states.py).
@@ -260,12 +260,12 @@ def _update_block(
                    MASKED)
         else:
             _store(v_ptr + local, v, mask, MASKED)
-        if P_DTYPE == tl.float32:  # fp32 master weights (LowPrecisionAdamW): no rounding to choose
+        if P_DTYPE == tl.float32:  # fp32 master weights (moments of their own): no rounding to choose
             _store(p_ptr + local, p + delta, mask, MASKED)
         elif ROUND == 1:
             new = _stochastic_round(p + delta, _bits16(lo, tl.load(row + _K0).to(tl.uint32), key_hi))
             _store(p_ptr + local, new, mask, MASKED)
-        else:  # Kahan: round to nearest, keep what rounding dropped (trainer.optim.update._update)
+        else:  # Kahan: round to nearest, keep what rounding dropped (trainer.optim.update.update_rows)
             c_ptr = _tensor(p_base, row, _C, P_ALIGN)
             y = delta + _load(c_ptr + local, mask, MASKED)
             p_new = _round_to_nearest(p + y)

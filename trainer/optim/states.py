@@ -55,9 +55,15 @@ class StateDtypes:
         master = "bf16" if bf16_master else "fp32"
         return cls(master, master if exp_avg == "auto" else exp_avg, master if exp_avg_sq == "auto" else exp_avg_sq)
 
+    @classmethod
+    def of(cls, params: list[torch.Tensor]) -> StateDtypes:
+        """Every state in the parameters' dtype: bf16 master weights if the first parameter is bf16, else fp32."""
+        master = "bf16" if params and params[0].dtype == torch.bfloat16 else "fp32"
+        return cls(master, master, master)
+
     @property
     def in_master_dtype(self) -> bool:
-        """Both moments in the master dtype: the optimizers of before these options run."""
+        """Both moments in the master dtype (the moments of plain AdamW)."""
         return self.exp_avg == self.master and self.exp_avg_sq == self.master
 
     def bytes_per_param(self, *, kahan: bool = False) -> dict[str, float]:
