@@ -114,7 +114,7 @@ def _load_on_one_process(folder: str, saved: list[dict]) -> None:
                     rounding="stochastic", dtypes=StateDtypes(*combo), seed=5)
         opt.step()  # makes the state, overwritten by the load
         sd = {f"p{i}": dict(opt.state[p]) for i, p in enumerate(params)}
-        staged, _ = moments.stage(sd, metadata)
+        staged, _ = moments.stage(sd, {k.removeprefix("optimizer.state."): md for k, md in metadata.items()})
         dcp.load({"optimizer": {"state": sd}}, checkpoint_id=folder, no_dist=True)
         lines[combo] = moments.convert(sd, staged)
         got = list(sd.values())

@@ -341,3 +341,14 @@ def test_the_index_check_knows_the_fp8_first_moment(tmp_path, entry, message) ->
     with pytest.raises(CheckpointError) as e:
         check_index_entries(_index({**good, key: (shape, dtype)}), shapes, path=tmp_path)
     assert message in str(e.value) and key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_fp8_first_moment_is_saved_in_the_checkpoint_formats_terms() -> None:
+    """checkpoint/ imports no optimizer module: its index check knows per-parameter state by the format's names
+    (trainer/checkpoint/format.py), which the fp8 first moment's entries must follow."""
+    from trainer.checkpoint.format import E4M3 as FORMAT_E4M3
+    from trainer.checkpoint.format import SCALE_SUFFIX, STATE_BLOCK, STEP_KEY
+    from trainer.optim.states import E4M3, QBLOCK
+
+    assert SCALE_KEY == "exp_avg" + SCALE_SUFFIX and QBLOCK == STATE_BLOCK and E4M3 == FORMAT_E4M3
+    assert STEP_KEY == "step"  # the step of torch's optimizer state dicts, which ours keeps

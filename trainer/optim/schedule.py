@@ -1,11 +1,14 @@
-"""The learning-rate schedule: warmup, then cosine, linear, WSD or constant, and its startup words."""
+"""The learning-rate schedule: warmup, then cosine, linear, WSD or constant; its startup words; its checkpoint part."""
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+
+logger = logging.getLogger("trainer.optim")
 
 
 def lr_lambda(
@@ -73,3 +76,44 @@ def describe_schedule(peak_lr: float, *, warmup_steps: int, total_steps: int, de
     else:
         parts.append(f"{decay_type} decay to {low} over steps {warmup_steps + 1}-{total_steps}")
     return ", ".join(parts)
+
+
+class SchedulerPart:
+    """The schedule's part of a checkpoint (trainer/checkpoint/parts.py): LambdaLR's position and the schedule's
+    arguments (`build_lr_scheduler` keeps them as `schedule`, which LambdaLR saves with its attributes). On resume
+    the position is the checkpoint's and the schedule this run's (a cooldown relaunch may change it): the next lr
+    comes from this run's schedule at the saved position, with a warning naming the keys when it differs."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        s = self.scheduler
+        config_base_lrs = list(s.base_lrs)
+        saved_lr = saved.get("_last_lr")
+        saved = dict(saved)
+        saved_schedule, schedule = saved.pop("schedule", None), getattr(s, "schedule", None)
+        s.load_state_dict({**saved, "base_lrs": config_base_lrs})
+        # The lr of the next step from this run's schedule at the saved position; the same
+        # expression LambdaLR uses, so an unchanged config gives the bit-identical lr.
+        lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(s.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        s._last_lr = lrs
+        if saved_lr is not None and list(saved_lr) != lrs:
+            logger.warning("learning rate at step %d is %.3e from this run's schedule (the checkpoint's run had "
+                           "%.3e): %s", s.last_epoch, lrs[0], saved_lr[0],
+                           _schedule_changes(saved_schedule, schedule, saved.get("base_lrs"), config_base_lrs))
+
+
+def _schedule_changes(saved: dict | None, now: dict | None, saved_lrs: list | None, lrs: list) -> str:
+    """What differs between the checkpoint's schedule and this run's, by config key."""
+    if saved is None or now is None:  # a checkpoint from before schedules were saved
+        return "optimizer/scheduler settings changed"
+    changed = [f"{SCHEDULE_KEYS.get(k, k)} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+    if saved_lrs is not None and list(saved_lrs) != list(lrs):
+        changed.append(f"optimizer.lr {saved_lrs[0]:g} -> {lrs[0]:g}")
+    return ", ".join(changed) or "optimizer/scheduler settings changed"
