@@ -37,6 +37,7 @@ def test_local_fused_adamw_equals_torch_fused_adamw_bit_for_bit() -> None:
     # The same state, so checkpoints of either load into the other; the skipped step is not counted.
     assert a.state[ours[0]]["step"].item() == b.state[ref[0]]["step"].item() == 4
     assert a.state_dict()["state"][0].keys() == b.state_dict()["state"][0].keys()
+    assert a.state_dict()["param_groups"] == b.state_dict()["param_groups"]  # state.json as torch's writes it
 
 
 def test_auto_implementation_is_the_triton_kernel_on_a_gpu_and_torchs_fused_kernel_or_eager_on_a_cpu() -> None:

@@ -33,7 +33,7 @@ import functools
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -54,6 +54,14 @@ RUNS = {False: ("fused", "triton"), True: ("eager", "triton")}
 """The implementations of a plain (False) and a rounded (True) state."""
 
 
+@functools.cache
+def _torch_fused_group() -> dict[str, Any]:
+    """The param-group settings torch.optim.AdamW(fused=True) adds to AdamW's four (amsgrad, fused, ...), in its
+    order."""
+    defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True).defaults
+    return {k: v for k, v in defaults.items() if k not in ("lr", "betas", "eps", "weight_decay")}
+
+
 def is_rounded(dtypes: StateDtypes, rounding: Rounding) -> bool:
     """Whether AdamW rounds its state itself (see the module docstring): bf16 master weights not rounded to nearest,
     or moments outside the master dtype. torch's kernels cannot run such a state."""
@@ -70,11 +78,14 @@ class AdamW(torch.optim.Optimizer):
         """dtypes: None keeps every state in its parameter's dtype (plain AdamW on the parameters as they are).
         seed, names: the rounding's random bits (`names`: each parameter's fqn in the order of `params`, the model's
         without compile/AC wrapper names; None: the position, "0", "1", ...)."""
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        flat = [p for group in self.param_groups for p in group["params"]]
+        params = list(params)
+        flat = [p for entry in params for p in (entry["params"] if isinstance(entry, dict) else [entry])]
         self.dtypes = dtypes or StateDtypes.of(flat)
         self.rounding, self.implementation, self.seed = rounding, implementation, seed
         self.rounded = is_rounded(self.dtypes, rounding)
+        # A plain state's groups are torch's fused AdamW's too, so its state dict is that optimizer's (state.json).
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      **({} if self.rounded else _torch_fused_group())))
         self.kahan = self.dtypes.master == "bf16" and rounding == "kahan"
         assert implementation in RUNS[self.rounded], (implementation, self.dtypes, rounding)
         assert not (self.dtypes.master == "bf16" and rounding == "nearest" and self.rounded), (
