@@ -81,11 +81,6 @@ def check_host_memory(need_bytes: int, *, what: str, where: str, error: type[Exc
                     "available on this host; load it on a larger host (or with a smaller max_seq_len)")
 
 
-def rope_table_bytes(args: Any, max_seq_len: int) -> int:
-    """The fp32 cos/sin table `rope_cache` builds: [max_seq_len, 2, head_dim]."""
-    return max_seq_len * 2 * (args.dim // args.n_heads) * 4
-
-
 def model_shapes(args: Any) -> dict[str, tuple[int, ...]]:
     """Every state-dict entry of the model these args build, by fqn: built on the meta device (allocates nothing).
 
