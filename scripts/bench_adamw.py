@@ -1,10 +1,10 @@
-"""Micro-benchmark of the AdamW kernel (trainer/adamw_kernel.py) against torch's fused AdamW, on one GPU.
+"""Micro-benchmark of the AdamW kernel (trainer/optim/kernel.py) against torch's fused AdamW, on one GPU.
 
     python scripts/bench_adamw.py                       # Llama 3 8B shapes x 8 layers: 75 tensors, 2.79B parameters
     python scripts/bench_adamw.py --layers 2 --configs 1024x4,512x2
 
 Times one step over plain tensors of the model's shapes (median of 8, between device syncs) for bf16 weights with
-stochastic rounding (BF16AdamW's update), bf16 weights rounded to nearest, and fp32 weights, for each kernel
+stochastic rounding (AdamW's rounded update), bf16 weights rounded to nearest, and fp32 weights, for each kernel
 configuration (elements per program x warps), then torch.optim.AdamW(fused=True) over the same tensors. GB/s count
 the 7 tensor passes an AdamW step makes (read weight, gradient and two moments; write three). Also prints how many
 16-byte vector loads the compiled kernel has (none where Triton cannot prove the tensors' alignment) and its
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import trainer.adamw_kernel as kernel
-from trainer.adamw import Layout
+import trainer.optim.kernel as kernel
+from trainer.distributed import Layout
 
 
 def shapes_8b(layers: int) -> list[tuple[int, ...]]:

@@ -71,7 +71,7 @@ def sync(device: torch.device) -> None:
 def state_bytes_per_param(master_dtype: str, bf16_update: str, exp_avg: str = "auto", exp_avg_sq: str = "auto") -> float:
     """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (in
     optimizer.exp_avg_dtype / exp_avg_sq_dtype; + Kahan buffer)."""
-    from trainer.optim_states import StateDtypes
+    from trainer.optim.states import StateDtypes
 
     sizes = StateDtypes.resolve(bf16_master=master_dtype == "bf16", exp_avg=exp_avg, exp_avg_sq=exp_avg_sq
                                 ).bytes_per_param(kahan=master_dtype == "bf16" and bf16_update == "kahan")
@@ -93,8 +93,7 @@ def cap_memory(runner: Trainer, *, emulate_gpus: int, gpu_gib: float) -> float:
     master = "bf16" if next(runner.model.parameters()).dtype == torch.bfloat16 else "fp32"
     o = runner.job.optimizer
     dtypes = o.state_dtypes
-    per_param = state_bytes_per_param(master, o.bf16_update or "stochastic", *((dtypes.exp_avg, dtypes.exp_avg_sq)
-                                                                             if dtypes else ()))
+    per_param = state_bytes_per_param(master, o.bf16_update or "stochastic", dtypes.exp_avg, dtypes.exp_avg_sq)
     cap = memory_cap_bytes(local_params=local, bytes_per_param=per_param, world=runner.env.world_size,
                            emulate_gpus=emulate_gpus, gpu_bytes=int(gpu_gib * 2**30))
     total = torch.cuda.get_device_properties(device).total_memory
@@ -243,7 +242,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "autotune_s": compiled.autotune_s,
             "optimizer_kernel_compile_s": compiled.optimizer_kernel_s,
             "memory_cap_gib": cap_gib,
-            "moment_bytes": (None if runner.job.optimizer.state_dtypes is None else sum(
+            "moment_bytes": (None if runner.job.optimizer.state_dtypes.in_master_dtype else sum(
                 v for k, v in runner.job.optimizer.state_dtypes.bytes_per_param().items() if k != "master")),
         }, shapes, dtype, device
     finally:

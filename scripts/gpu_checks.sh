@@ -126,7 +126,7 @@ for s in $STEPS; do case $s in
         ${BENCH_8B} --distributed.master_dtype=fp32 --optimizer.implementation=$impl 2>&1 | tee "$OUT/bench8b_optim_$impl.log" | grep -v "^\[rank"
     done ;;
   optstates_tests)  # low-precision optimizer states: their GPU tests and the AdamW kernel's (which now runs them too)
-    python3 -m pytest -q -m gpu tests/gpu/test_optim_states_gpu.py tests/gpu/test_adamw_kernel_gpu.py -s 2>&1 \
+    python3 -m pytest -q -m gpu tests/gpu/test_optim_states_gpu.py tests/gpu/test_optim_kernel_gpu.py -s 2>&1 \
       | tee "$OUT/gpu_tests_optim_states.log" | tail -5 ;;
   optstates)  # low-precision optimizer states (docs/fp8.md): fp8 at 8B shapes x 8 layers, batch 4, peak memory and step
     # time of bf16 master weights with the bf16 (auto) vs fp8 first moment, fp32 master weights with fp32 (auto) vs

@@ -1,4 +1,8 @@
-"""Process group and device: CUDA + NCCL when a GPU is there, else CPU + gloo."""
+"""Process group and device: CUDA + NCCL when a GPU is there, else CPU + gloo; the plain tensor under a DTensor.
+
+`plain_tensor` is the one rule for reaching the tensor under torchao's fp8 all-gather wrapper and a DTensor (what an
+optimizer updates in place, what a checkpoint saves); `Layout` where a local tensor sits in its global one.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -105,3 +110,59 @@ def all_reduce_sum_identity_backward(x: torch.Tensor, group) -> torch.Tensor:
     reduce-from-model-parallel-region): for a value every rank of the group then holds and uses once, such
     as a statistic over a sequence split across the group, each rank's own part gets its gradient once."""
     return _AllReduceSumIdentityBackward.apply(x, group)
+
+
+def _unwrap_float8(t: torch.Tensor) -> torch.Tensor:
+    """`t` without torchao's float8 all-gather wrapper (`WeightWithDynamicFloat8CastTensor`), same storage.
+
+    Checked by duck type (a tensor subclass holding `_tensor`), so nothing here imports torchao."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and isinstance(getattr(t, "_tensor", None), torch.Tensor):
+        return t._tensor
+    return t
+
+
+def plain_tensor(t: torch.Tensor, *, local: bool = False) -> torch.Tensor:
+    """`t` unwrapped from torchao's fp8 all-gather wrapper; with local=True also a DTensor's local shard.
+
+    local=True is what an optimizer updates in place. Not DTensor.to_local(): that is an autograd function call,
+    which per tensor and per step was most of the optimizer's host time (the GPU waited on it). Not the wrapper:
+    once FP8 scales are precomputed it holds a scale tensor that torchao's __tensor_flatten__ tests for truth,
+    which compiled code cannot do (the compiled update failed from step 2 under fp8 + FSDP2 + bf16 master weights).
+    local=False keeps a DTensor a DTensor (checkpoints save global tensors), with its local tensor unwrapped.
+    """
+    if not isinstance(t, DTensor):
+        return _unwrap_float8(t)
+    inner = _unwrap_float8(t._local_tensor)
+    if local:
+        return inner
+    if inner is t._local_tensor:
+        return t
+    return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a local tensor's elements sit in its global tensor: what the rounding's random bits are keyed by."""
+
+    offsets: tuple[int, ...]
+    """The local block's offset in the global tensor, per dim."""
+    global_shape: tuple[int, ...]
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """The global tensor's contiguous strides."""
+        strides = [1] * len(self.global_shape)
+        for d in range(len(strides) - 2, -1, -1):
+            strides[d] = strides[d + 1] * self.global_shape[d + 1]
+        return tuple(strides)
+
+    @classmethod
+    def of(cls, p: torch.Tensor) -> Layout:
+        """p's layout: a DTensor's local block, or all of a plain tensor."""
+        shape = tuple(p.shape)
+        if not isinstance(p, DTensor):
+            return cls((0,) * len(shape), shape)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
+        return cls(tuple(offsets), shape)

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from trainer.errors import UserError
 from trainer.loss import IGNORE_INDEX, local_loss
 from trainer.models.moe import MoE, set_aux_loss_scale
+from trainer.train_state import TrainState
 
 if TYPE_CHECKING:
     from trainer.parallel.context_parallel import ContextParallel
@@ -78,6 +79,22 @@ class LossScaler:
     def load_state_dict(self, sd: dict[str, float | int]) -> None:
         self.scale.fill_(float(sd["scale"]))
         self.good_steps.fill_(int(sd["good_steps"]))
+
+
+class LossScalerPart:
+    """The loss scaler's part of a checkpoint (trainer/checkpoint/parts.py): an fp16 run resumes the scale of an fp16
+    run's checkpoint; every other pair keeps the scaler's initial scale. `train_state` (loaded before this part) says
+    what the checkpoint's run was."""
+
+    def __init__(self, scaler: LossScaler, train_state: TrainState):
+        self.scaler, self.train_state = scaler, train_state
+
+    def state_dict(self) -> dict[str, float | int]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, sd: dict[str, float | int]) -> None:
+        if self.scaler.enabled and self.train_state.resumed_mixed_precision == "fp16":
+            self.scaler.load_state_dict(sd)
 
 
 def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import CheckpointManager, CheckpointState, RunInfo
+from trainer.checkpoint import CheckpointManager, CheckpointState, DelayedScalingPart, RngPart, RunInfo
 from trainer.config import JobConfig
-from trainer.data import build_data_loader
+from trainer.data import DataPosition, build_data_loader
 from trainer.data.mix import MixtureTokens
 from trainer.distributed import (
     DistEnv, describe_device, destroy_distributed, init_distributed, set_determinism, world_size_from_env,
@@ -34,7 +34,9 @@ from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
 from trainer.model_values import num_params_for
 from trainer.models import family_of, flops_per_token
 from trainer.models.moe_balancer import MoEBalancer
-from trainer.optim import build_lr_scheduler, build_optimizer, describe_optimizer_state, describe_param_groups
+from trainer.optim import (
+    OptimizerPart, SchedulerPart, build_lr_scheduler, build_optimizer, describe_optimizer_state, describe_param_groups,
+)
 from trainer.parallel.builder import build_model_part
 from trainer.parallel.compile import CompileTimes
 from trainer.parallel.context_parallel import ContextParallel
@@ -44,7 +46,7 @@ from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
 from trainer.run_lock import check_writable, lock_run_folders, output_folders, release_all
-from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep  # noqa: F401  (NonFiniteError re-exported)
+from trainer.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep  # noqa: F401  (re-export)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
     EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
     note_torchrun_exit,
@@ -146,7 +148,7 @@ class Trainer:
         o, s = job.optimizer, job.scheduler
         optimizer = build_optimizer(
             self.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, dtypes=o.state_dtypes,
-            implementation=o.implementation, seed=job.run.seed, triton=o.triton, bf16_update=o.bf16_update)
+            rounding=o.rounding, implementation=o.implementation, seed=job.run.seed)
         scheduler = build_lr_scheduler(
             optimizer, warmup_steps=s.warmup_steps, total_steps=job.run.steps, decay_type=s.decay_type,
             min_lr_ratio=s.min_lr_ratio, wsd_decay_ratio=s.wsd_decay_ratio,
@@ -214,12 +216,13 @@ class Trainer:
 
     def _build_checkpoint(self) -> CheckpointManager:
         job, pd = self.job, self.parallel_dims
+        delayed = next((h for h in self.hooks if hasattr(h, "checkpoint_key")), None)  # float8.scaling='delayed'
+        parts = {"optimizer": OptimizerPart(self.model, self.optimizer), "lr_scheduler": SchedulerPart(self.scheduler),
+                 "dataloader": DataPosition(self.data_loader, restart=job.checkpoint.restart_data),
+                 "train_state": self.state, "loss_scaler": LossScalerPart(self.scaler, self.state), "rng": RngPart(),
+                 "float8_scaling": DelayedScalingPart(delayed)}  # in the order a resume loads them (checkpoint/parts.py)
         return CheckpointManager(
-            job.checkpoint,
-            state=CheckpointState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                  data_loader=self.data_loader, train_state=self.state, loss_scaler=self.scaler,
-                                  restart_data=job.checkpoint.restart_data, float8_scaling=next(
-                                      (h for h in self.hooks if hasattr(h, "checkpoint_key")), None)),
+            job.checkpoint, state=CheckpointState(self.model, parts),
             run=RunInfo(flavor=job.run.flavor, model_args=self.model_args, mixed_precision=job.run.mixed_precision,
                         layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
                                 "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},

@@ -1,6 +1,6 @@
 """bf16 master weights in whole runs (the trainer as a command): a small-lr run where plain bf16 stalls and the
 safe roundings track fp32 master weights, an exact resume of a bf16-master run, and switching the rounding or the
-master dtype across a resume. BF16AdamW's unit properties: tests/unit/test_bf16_master.py."""
+master dtype across a resume. The rounded update's unit properties: tests/unit/test_bf16_master.py."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_small_lr_run_tracks_fp32_master_where_plain_bf16_stalls(tmp_path: Path)
         proc = _run([*args, *extra], tmp_path / name)
         runs[name] = losses_by_step(tmp_path / name)
         if name in ("stochastic", "kahan"):
-            assert f"BF16AdamW (bf16 master weights, {name} rounding)" in proc.stdout + proc.stderr
+            assert f"AdamW (bf16 master weights, {name} rounding)" in proc.stdout + proc.stderr
     ref = runs["fp32"]
     drop = ref[1] - ref[30]
     assert drop > 1.0

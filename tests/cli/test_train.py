@@ -100,7 +100,7 @@ def test_startup_lines_follow_the_fp8_page(tmp_path: Path) -> None:
     groups = lines[order[1]]
     # fp8 keeps bf16 master weights by default (distributed.master_dtype="auto"), with stochastic rounding.
     tensors, params, non_embedding = dense_param_counts(FLAVORS["debug"])
-    assert (f"BF16AdamW (bf16 master weights, stochastic rounding), 1 group: {tensors} tensors, {params:,} parameters"
+    assert (f"AdamW (bf16 master weights, stochastic rounding), 1 group: {tensors} tensors, {params:,} parameters"
             in groups)
     assert groups.endswith("; lr 0.003 peak, warmup 5 steps linear (train.steps=1 ends inside it)"), groups
     assert f"Model: debug, {params:,} parameters ({non_embedding:,} non-embedding)" in lines[order[2]]

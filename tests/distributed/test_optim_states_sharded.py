@@ -1,4 +1,4 @@
-"""LowPrecisionAdamW on sharded DTensors (2 spawned gloo ranks): every layout that holds whole 1x128 blocks (FSDP2's
+"""AdamW with moments of their own on sharded DTensors (2 spawned gloo ranks): every layout that holds whole 1x128 blocks (FSDP2's
 dim-0 shards, uneven ones included; a TP dim-1 shard of 128 columns; an EP shard of whole experts) updates every
 element exactly as one process does, the fp8 first moment's bytes and block scales included; a dim-1 shard that cuts
 a block keeps a bf16 first moment. The sharded state saved by DCP on 2 ranks loads on 1 (resharded), as it is and
@@ -23,8 +23,8 @@ def _one_process_and_sharded(folder: str) -> dict:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from trainer.distributed import destroy_distributed
-    from trainer.lowp_adamw import LowPrecisionAdamW
-    from trainer.optim_states import StateDtypes
+    from trainer.optim.adamw import AdamW
+    from trainer.optim.states import StateDtypes
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -48,8 +48,8 @@ def _one_process_and_sharded(folder: str) -> dict:
         params = [torch.nn.Parameter(distribute_tensor(t.to(dtype), mesh, [Shard(d)]) if sharded
                                      else t.to(dtype).clone())
                   for t, (_, d) in zip(starts, CASES)]
-        opt = LowPrecisionAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                dtypes=StateDtypes(*combo), seed=5, names=[f"p{i}" for i in range(len(CASES))])
+        opt = AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation="eager",
+                    rounding="stochastic", dtypes=StateDtypes(*combo), seed=5, names=[f"p{i}" for i in range(len(CASES))])
         for step in grads[:steps]:
             for p, g, (_, d) in zip(params, step, CASES):
                 g = g.to(dtype)
@@ -100,9 +100,9 @@ def _load_on_one_process(folder: str, saved: list[dict]) -> None:
     """The 2-rank checkpoint loaded in this (1-process) pytest process, as it is and converted to bf16."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import moments
-    from trainer.lowp_adamw import LowPrecisionAdamW
-    from trainer.optim_states import StateDtypes, dequantize_blocks
+    from trainer.optim import part as moments
+    from trainer.optim.adamw import AdamW
+    from trainer.optim.states import StateDtypes, dequantize_blocks
 
     metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     lines = {}
@@ -110,11 +110,11 @@ def _load_on_one_process(folder: str, saved: list[dict]) -> None:
         params = [torch.nn.Parameter(torch.zeros(shape)) for shape, _ in CASES]
         for p in params:
             p.grad = torch.zeros_like(p)
-        opt = LowPrecisionAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                dtypes=StateDtypes(*combo), seed=5)
+        opt = AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation="eager",
+                    rounding="stochastic", dtypes=StateDtypes(*combo), seed=5)
         opt.step()  # makes the state, overwritten by the load
         sd = {f"p{i}": dict(opt.state[p]) for i, p in enumerate(params)}
-        staged, _ = moments.stage(sd, metadata)
+        staged, _ = moments.stage(sd, {k.removeprefix("optimizer.state."): md for k, md in metadata.items()})
         dcp.load({"optimizer": {"state": sd}}, checkpoint_id=folder, no_dist=True)
         lines[combo] = moments.convert(sd, staged)
         got = list(sd.values())

@@ -1,4 +1,4 @@
-"""LowPrecisionAdamW (trainer/lowp_adamw.py) on CUDA tensors: its eager update (tests/unit/test_optim_states.py) on
+"""AdamW with moments of their own (trainer/optim/adamw.py) on CUDA tensors: its eager update (tests/unit/test_optim_states.py) on
 the GPU rounds as on the CPU, and its Triton kernel as the eager update. The same random bits pick the same neighbour
 unless the fp32 values differ in their last bits (CUDA's lerp and FMA contractions against the CPU's), which moves a
 rounding by at most one ulp of the state's dtype, rarely; fp32 states differ by those last bits."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_adamw_kernel import step_through
+from tests.unit.test_optim_kernel import step_through
 from tests.unit.test_optim_states import COMBOS, SHAPES, _optimizer
 from tests.unit.test_optim_states_kernel import COMBOS as KERNEL_COMBOS
 from tests.unit.test_optim_states_kernel import _values, check_same_bits, check_within_an_ulp, runs
-from trainer.optim_states import StateDtypes
+from trainer.optim.states import StateDtypes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +38,7 @@ def test_the_gpu_update_rounds_as_the_cpu_one(combo: tuple[str, str, str]) -> No
 
 @pytest.mark.parametrize("combo", KERNEL_COMBOS)
 def test_the_kernel_rounds_as_the_eager_update_on_the_gpu(combo: tuple[str, str, str]) -> None:
-    """LowPrecisionAdamW's Triton kernel compiled for the GPU: the interpreter's comparisons
+    """The Triton kernel of moments of their own compiled for the GPU: the interpreter's comparisons
     (tests/unit/test_optim_states_kernel.py) on CUDA tensors."""
     check_same_bits(*runs(combo, beta1=0.5, device="cuda"))
     check_within_an_ulp(*runs(combo, device="cuda"))
@@ -48,5 +48,5 @@ def test_the_kernel_is_what_runs_on_a_gpu() -> None:
     from trainer.optim import describe_optimizer_state
 
     p = torch.nn.Parameter(torch.randn(256, 256, device="cuda"))
-    opt = _optimizer([p], StateDtypes("fp32", "fp8", "bf16"), triton=True)
+    opt = _optimizer([p], StateDtypes("fp32", "fp8", "bf16"), implementation="triton")
     assert "update: the Triton kernel" in describe_optimizer_state(opt)

@@ -1,4 +1,4 @@
-"""bf16 master weights: BF16AdamW keeps the updates that plain bf16 AdamW rounds away.
+"""bf16 master weights: AdamW's stochastic and Kahan rounding keep the updates that plain bf16 AdamW rounds away.
 
 Unit properties against torch AdamW on fp32 weights and the config checks. The (slow) whole
 runs: tests/cli/test_bf16_master.py.
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from trainer.bf16_adamw import BF16AdamW, random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
+from trainer.optim.adamw import AdamW
+from trainer.optim.update import random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
 from trainer.config import load_job_config
 from trainer.errors import UserError
 from trainer.validate import validate_job
@@ -24,7 +25,8 @@ ULP_AT_1 = 2.0**-7  # bf16 spacing in [1, 2)
 def _optimizer(kind: str, p: torch.nn.Parameter, *, lr: float, weight_decay: float = 0.0, seed: int = 0):
     if kind in ("fp32", "nearest"):
         return torch.optim.AdamW([p], lr=lr, betas=BETAS, eps=1e-8, weight_decay=weight_decay)
-    return BF16AdamW([p], lr=lr, betas=BETAS, eps=1e-8, weight_decay=weight_decay, update=kind, seed=seed)
+    return AdamW([p], lr=lr, betas=BETAS, eps=1e-8, weight_decay=weight_decay, rounding=kind, seed=seed,
+                 implementation="eager")
 
 
 def _train(kind: str, w0: torch.Tensor, grads, *, lr: float, weight_decay: float = 0.0) -> torch.Tensor:
@@ -67,7 +69,7 @@ def test_updates_far_below_an_ulp_are_kept(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["stochastic", "kahan"])
 def test_large_updates_match_fp32_adamw(kind: str) -> None:
-    """Where updates are many ulps, BF16AdamW is AdamW: within bf16 rounding of torch's fp32 AdamW
+    """Where updates are many ulps, the rounded update is AdamW: within bf16 rounding of torch's fp32 AdamW
     (weight decay, bias correction and eps included)."""
     gen = torch.Generator().manual_seed(3)
     steps = 6
@@ -150,7 +152,7 @@ def test_rounding_is_keyed_by_fqn_so_a_pipeline_stage_rounds_as_the_whole_model(
     # The last stage of a pp=2 split: blocks 2-3, final norm and head (the embedding and blocks 0-1 elsewhere).
     stage.tok_embeddings = None
     del stage.layers["0"], stage.layers["1"]
-    kw = dict(lr=1e-4, betas=BETAS, eps=1e-8, weight_decay=0.1, implementation="fused", bf16_update="stochastic",
+    kw = dict(lr=1e-4, betas=BETAS, eps=1e-8, weight_decay=0.1, implementation="eager", rounding="stochastic",
               seed=3)
     build_optimizer(whole, **kw).step()
     build_optimizer(stage, **kw).step()
@@ -165,7 +167,7 @@ def test_rounding_is_keyed_by_fqn_so_a_pipeline_stage_rounds_as_the_whole_model(
     for name in ("layers.0.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight"):
         q = torch.nn.Parameter(p.detach().clone())
         q.grad = torch.full_like(q, 1e-3)
-        BF16AdamW([q], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.0, update="stochastic", seed=0,
+        AdamW([q], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.0, rounding="stochastic", seed=0, implementation="eager",
                   names=[name]).step()
         outs.append(q.detach())
     assert not torch.equal(outs[0], outs[1])

@@ -101,6 +101,15 @@ def test_llama3_rope_scaling_matches_formula() -> None:
         assert g == pytest.approx(want, rel=1e-6)
 
 
+def test_rope_table_bytes_are_the_table_rope_cache_builds() -> None:
+    """The family's RoPE table size (the memory plan's row, a load's host-memory check) is its table's bytes."""
+    from trainer.models.layers import rope_cache, rope_table_bytes
+
+    for args in (FLAVORS["debug"], FLAVORS["8b"]):
+        table = rope_cache(args, 300)
+        assert rope_table_bytes(args, 300) == table.numel() * table.element_size()
+
+
 def reference_llama(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     """An independent float64 Llama: explicit per-head loops, complex-number RoPE on half-split pairs."""
     args = model.args

@@ -1,5 +1,5 @@
-"""Low-precision AdamW state (trainer/optim_states.py, trainer/lowp_adamw.py): the fp8 first moment's block
-quantization, LowPrecisionAdamW against an fp64 AdamW within the rounding of each state's dtype, the skip of a
+"""Low-precision AdamW state (trainer/optim/states.py, trainer/optim/adamw.py): the fp8 first moment's block
+quantization, AdamW with moments of their own against an fp64 AdamW within the rounding of each state's dtype, the skip of a
 non-finite step, checkpoint round trips and conversions, and the config's one-line errors.
 
 Tolerances come from the dtypes: a stochastically rounded value lies within one ulp of the exact one (its two
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from trainer.bf16_adamw import random_bits16
+from trainer.optim.update import random_bits16
 from trainer.config import load_job_config
 from trainer.errors import UserError
-from trainer.lowp_adamw import LowPrecisionAdamW
-from trainer.optim_states import (
+from trainer.optim.adamw import AdamW
+from trainer.optim.states import (
     SCALE_KEY, StateDtypes, block_scales, dequantize_blocks, quantize_blocks, stochastic_round_to_e4m3,
 )
 
@@ -110,9 +110,9 @@ COMBOS = [("fp32", "bf16", "bf16"), ("fp32", "fp8", "fp32"), ("bf16", "fp32", "f
 SHAPES = [(6, 256), (9,), (2, 3, 128), (4, 100)]  # fp8 blocks; 1-D, last dim not a multiple of 128: bf16
 
 
-def _optimizer(params, dtypes: StateDtypes, **kw) -> LowPrecisionAdamW:
-    return LowPrecisionAdamW(params, lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1, dtypes=dtypes,
-                             update="stochastic", seed=3, **kw)
+def _optimizer(params, dtypes: StateDtypes, implementation: str = "eager", **kw) -> AdamW:
+    return AdamW(params, lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1, dtypes=dtypes, rounding="stochastic", seed=3,
+                 implementation=implementation, **kw)
 
 
 def _params(master: str, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -121,7 +121,7 @@ def _params(master: str, seed: int = 0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
 
 
-def _exp_avg(opt: LowPrecisionAdamW, p: torch.Tensor) -> torch.Tensor:
+def _exp_avg(opt: AdamW, p: torch.Tensor) -> torch.Tensor:
     state = opt.state[p]
     if SCALE_KEY in state:
         return dequantize_blocks(state["exp_avg"], state[SCALE_KEY]).double()
@@ -177,7 +177,7 @@ def test_a_non_finite_step_changes_nothing(master: str, exp_avg: str, exp_avg_sq
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(old, now, strict=True))
 
 
-def _train(opt: LowPrecisionAdamW, params, steps: range) -> None:
+def _train(opt: AdamW, params, steps: range) -> None:
     for step in steps:
         gen = torch.Generator().manual_seed(100 + step)
         for p in params:
@@ -259,7 +259,7 @@ def test_what_cannot_run_is_refused_in_the_validation_pass(args: list[str], mess
 def test_auto_keeps_the_master_dtype() -> None:
     from trainer.validate import validate_job
 
-    assert validate_job(_cfg("--train.mixed_precision=bf16"), world_size=1).optimizer.state_dtypes is None
+    assert validate_job(_cfg("--train.mixed_precision=bf16"), world_size=1).optimizer.state_dtypes.in_master_dtype
     job = validate_job(_cfg("--train.mixed_precision=bf16", "--optimizer.exp_avg_dtype=fp8"), world_size=1)
     assert job.optimizer.state_dtypes == StateDtypes("bf16", "fp8", "bf16")
 
@@ -287,14 +287,13 @@ def test_the_memory_plan_and_the_fit_check_count_the_state_dtypes(args: list[str
 
 
 def test_the_startup_line_says_dtypes_bytes_and_update_for_every_optimizer() -> None:
-    from trainer.bf16_adamw import BF16AdamW
-    from trainer.optim import LocalFusedAdamW, describe_optimizer_state
+    from trainer.optim.build import describe_optimizer_state
 
     kw = dict(lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1)
     lines = {
-        "bf16": describe_optimizer_state(BF16AdamW(_params("bf16"), update="kahan", seed=0, **kw)),
-        "fp32": describe_optimizer_state(LocalFusedAdamW(_params("fp32"), **kw)),
-        "nearest": describe_optimizer_state(LocalFusedAdamW(_params("bf16"), **kw)),
+        "bf16": describe_optimizer_state(AdamW(_params("bf16"), rounding="kahan", implementation="eager", **kw)),
+        "fp32": describe_optimizer_state(AdamW(_params("fp32"), implementation="fused", **kw)),
+        "nearest": describe_optimizer_state(AdamW(_params("bf16"), implementation="fused", **kw)),
         "fp8": describe_optimizer_state(_optimizer(_params("fp32"), StateDtypes("fp32", "fp8", "bf16"))),
     }
     assert lines["bf16"] == ("master bf16 (Kahan); exp_avg bf16 (stochastic rounding); exp_avg_sq bf16 (stochastic "
@@ -342,3 +341,14 @@ def test_the_index_check_knows_the_fp8_first_moment(tmp_path, entry, message) ->
     with pytest.raises(CheckpointError) as e:
         check_index_entries(_index({**good, key: (shape, dtype)}), shapes, path=tmp_path)
     assert message in str(e.value) and key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_fp8_first_moment_is_saved_in_the_checkpoint_formats_terms() -> None:
+    """checkpoint/ imports no optimizer module: its index check knows per-parameter state by the format's names
+    (trainer/checkpoint/format.py), which the fp8 first moment's entries must follow."""
+    from trainer.checkpoint.format import E4M3 as FORMAT_E4M3
+    from trainer.checkpoint.format import SCALE_SUFFIX, STATE_BLOCK, STEP_KEY
+    from trainer.optim.states import E4M3, QBLOCK
+
+    assert SCALE_KEY == "exp_avg" + SCALE_SUFFIX and QBLOCK == STATE_BLOCK and E4M3 == FORMAT_E4M3
+    assert STEP_KEY == "step"  # the step of torch's optimizer state dicts, which ours keeps

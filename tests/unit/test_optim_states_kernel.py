@@ -1,4 +1,4 @@
-"""LowPrecisionAdamW's update as the Triton kernel (trainer/adamw_kernel.py, run by Triton's CPU interpreter)
+"""The update of moments of their own as the Triton kernel (trainer/optim/kernel.py, run by Triton's CPU interpreter)
 against its eager update: the same random bits, the same fp8 blocks and scales, every state within one ulp of its
 dtype. tests/gpu/test_optim_states_gpu.py runs the same comparisons on a GPU."""
 
@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton", reason="Triton has no wheel for this platform (the `test` extra installs it on Linux)")
 
-from tests.unit.test_adamw_kernel import interpreted_kernel  # noqa: E402, F401  (autouse: Triton's interpreter)
-from tests.unit.test_adamw_kernel import step_through  # noqa: E402
-from trainer.adamw import Layout  # noqa: E402
-from trainer.lowp_adamw import LowPrecisionAdamW  # noqa: E402
-from trainer.optim_states import SCALE_KEY, StateDtypes, dequantize_blocks  # noqa: E402
+from tests.unit.test_optim_kernel import interpreted_kernel  # noqa: E402, F401  (autouse: Triton's interpreter)
+from tests.unit.test_optim_kernel import step_through  # noqa: E402
+from trainer.distributed import Layout  # noqa: E402
+from trainer.optim.adamw import AdamW  # noqa: E402
+from trainer.optim.states import SCALE_KEY, StateDtypes, dequantize_blocks  # noqa: E402
 
 # fp8 blocks over several 1024-element programs with a masked tail, a 1-D tensor, a 3-D block of a larger tensor, a
 # last dim that is no multiple of 128 (bf16 first moment), one plain block.
@@ -24,7 +24,7 @@ LAYOUTS = [Layout((12, 0), (48, 256)), Layout((0,), (3,)), Layout((1, 3, 0), (4,
 COMBOS = [("fp32", "fp8", "bf16"), ("bf16", "fp8", "bf16"), ("fp32", "bf16", "bf16"), ("bf16", "fp32", "fp32")]
 
 
-def _values(opt: LowPrecisionAdamW, p: torch.Tensor) -> list[tuple[torch.Tensor, torch.dtype]]:
+def _values(opt: AdamW, p: torch.Tensor) -> list[tuple[torch.Tensor, torch.dtype]]:
     """(fp32 value, stored dtype) of the weights and each state tensor."""
     s = opt.state[p]
     m = dequantize_blocks(s["exp_avg"], s[SCALE_KEY]) if SCALE_KEY in s else s["exp_avg"].float()
@@ -42,9 +42,9 @@ def runs(combo, *, beta1: float = 0.9, update: str = "stochastic", device: str =
     out = []
     for triton in (False, True):
         params = [torch.nn.Parameter(w.clone()) for w in w0]
-        opt = LowPrecisionAdamW(params, lr=1e-3, betas=(beta1, 0.95), eps=1e-8, weight_decay=0.1,
-                                dtypes=StateDtypes(*combo), update=update, seed=3, triton=triton,
-                                names=[f"layers.{i}.w" for i in range(len(params))])
+        opt = AdamW(params, lr=1e-3, betas=(beta1, 0.95), eps=1e-8, weight_decay=0.1,
+                    dtypes=StateDtypes(*combo), rounding=update, seed=3, implementation="triton" if triton else "eager",
+                    names=[f"layers.{i}.w" for i in range(len(params))])
         opt._layouts.update(zip(params, LAYOUTS))
         step_through(opt, params, grads, device=device)
         out.append(([_values(opt, p) for p in params], [dict(opt.state[p]) for p in params]))

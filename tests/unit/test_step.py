@@ -7,6 +7,7 @@ rounding; the last two run the debug model's Trainer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch import nn
 from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
-from trainer.optim import LocalFusedAdamW
+from trainer.optim.adamw import AdamW
 from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep, grad_norm
 from trainer.train import Trainer, build_trainer
 
@@ -134,7 +135,7 @@ def test_fused_clipping_equals_clipping_the_gradients_first() -> None:
     """The fused AdamW gets the clip factor as grad_scale; torch's AdamW on gradients clipped here must agree."""
     ours, ref = _model(), _model()
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    step = _step(ours, LocalFusedAdamW(ours.parameters(), **kw), max_norm=0.05, fused=True)
+    step = _step(ours, AdamW(ours.parameters(), implementation="fused", **kw), max_norm=0.05, fused=True)
     reference = torch.optim.AdamW(ref.parameters(), **kw)
     for seed in range(3):
         batch = _batch(4, seed=seed)
@@ -152,7 +153,7 @@ def test_fused_clipping_equals_clipping_the_gradients_first() -> None:
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_non_finite_gradient_skips_the_whole_update(fused: bool) -> None:
     model = _model()
-    opt_cls = LocalFusedAdamW if fused else torch.optim.AdamW
+    opt_cls = functools.partial(AdamW, implementation="fused") if fused else torch.optim.AdamW
     step = _step(model, opt_cls(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
                  max_norm=1.0, fused=fused)
     step([_batch(4)], 1)  # one good step: the optimizer has state

@@ -120,6 +120,28 @@ def test_config_imports_nothing_above_it() -> None:
     assert not any(d.startswith("trainer.validate") for m in config for d in graph[m])
 
 
+def _reached(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    """Every module the `start` modules import, at any depth."""
+    seen, stack = set(), list(start)
+    while stack:
+        for d in graph[stack.pop()] - seen:
+            seen.add(d)
+            stack.append(d)
+    return seen
+
+
+def test_checkpoints_import_no_optimizer_nor_fp8_module() -> None:
+    # A checkpoint is a dict of parts, each feature's own (trainer/checkpoint/parts.py): the optimizer's part lives
+    # in trainer/optim, FP8's state is its hook's. checkpoint/ reaches neither, at any depth, so a new stateful
+    # feature adds a part in its own room and edits none of checkpoint/'s.
+    graph = import_graph()
+    checkpoint = {m for m in graph if m == "trainer.checkpoint" or m.startswith("trainer.checkpoint.")}
+    assert {"trainer.checkpoint.parts", "trainer.checkpoint.manager", "trainer.checkpoint.values"} <= checkpoint
+    features = ("trainer.optim", "trainer.parallel.float8")
+    assert sorted(m for m in _reached(graph, checkpoint) if m.startswith(features)) == []
+    assert any(m.startswith("trainer.optim.") for m in graph) and "trainer.parallel.float8" in graph
+
+
 def test_files_and_functions_stay_short() -> None:
     long_files, long_functions = [], []
     for path in _modules().values():

@@ -1,7 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, resume, verify, prune, export, load a model.
 
     format.py    file names, format constants, CheckpointError, checksummed writing, atomic publishing
-    state.py     CheckpointState (the one Stateful a resume loads), RunInfo, tensor/JSON split
+    parts.py     CheckpointState (the one Stateful a resume loads): a dict of parts, each owning its state
+    state.py     RunInfo, the tensor/JSON split, the model's plain tensors
     verify.py    scan, checksums, checkpoint.json, model/key checks, reading DCP's index without running code
     options.py   CheckpointOptions: what the manager needs of the config, resolved once by trainer.validate
     manager.py   CheckpointManager: resume (falling back past corrupt checkpoints), save (sync/async), prune, export
@@ -21,9 +22,9 @@ from trainer.checkpoint.space import prune_checkpoints
 from trainer.checkpoint.offline import (
     build_model, load_full_model_weights, load_model, resolve_checkpoint, save_model_only,
 )
+from trainer.checkpoint.parts import CheckpointState, DelayedScalingPart, ModelPart, RngPart
 from trainer.checkpoint.state import (
-    CheckpointState, RunInfo, args_from_json, describe_layout, merge_tensors, model_state_dict, plain_tensor,
-    run_tokenizer, split_tensors,
+    RunInfo, args_from_json, describe_layout, merge_tensors, model_state_dict, run_tokenizer, split_tensors,
 )
 from trainer.checkpoint.verify import (
     SafeReader, check_file, load_dcp_metadata, read_checkpoint_json, read_dcp_metadata, scan_checkpoints,
@@ -31,8 +32,9 @@ from trainer.checkpoint.verify import (
 
 __all__ = [
     "CHECKPOINT_JSON", "FORMAT", "METADATA", "STATE_JSON", "CheckpointError", "CheckpointManager", "CheckpointOptions", "CheckpointState",
-    "CorruptCheckpointError", "RunInfo", "SafeReader", "args_from_json", "build_model", "check_file",
+    "CorruptCheckpointError", "DelayedScalingPart", "ModelPart", "RngPart", "RunInfo", "SafeReader", "args_from_json",
+    "build_model", "check_file",
     "describe_layout", "file_digest", "load_dcp_metadata", "load_full_model_weights", "load_model", "merge_tensors",
-    "model_state_dict", "plain_tensor", "prune_checkpoints", "publish", "read_checkpoint_json", "read_dcp_metadata",
+    "model_state_dict", "prune_checkpoints", "publish", "read_checkpoint_json", "read_dcp_metadata",
     "resolve_checkpoint", "run_tokenizer", "save_model_only", "scan_checkpoints", "split_tensors", "write_json",
 ]

@@ -49,6 +49,14 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_siz
               "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers")  # the last four: MoE only
 # Same shapes, different function: loaded, with a warning.
 FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")
+# Per-parameter state (DCP's optimizer layout; trainer/checkpoint/parts.py): `{part}.state.{fqn}.{name}` holds
+# - a scalar, for name `step`;
+# - fp32 block scales, for a name ending in SCALE_SUFFIX: one per 1 x STATE_BLOCK elements along the last dim of the
+#   parameter, of the float8 e4m3 entry named without the suffix (an fp8 AdamW first moment and its `exp_avg_scale`);
+# - else a tensor of the parameter's shape, fp32 or bf16 (or that e4m3 entry).
+PER_PARAMETER = re.compile(r"^(?P<part>[^.]+)\.state\.(?P<fqn>.+)\.(?P<name>[^.]+)$")
+STEP_KEY, SCALE_SUFFIX, STATE_BLOCK = "step", "_scale", 128
+E4M3 = torch.float8_e4m3fn
 # A write that failed for lack of space: no space left, past the file size limit (ulimit -f), over quota.
 DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

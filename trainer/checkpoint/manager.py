@@ -37,15 +37,13 @@ from trainer.checkpoint.format import (
     CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
-from trainer.checkpoint.moments import convert as convert_moments
-from trainer.checkpoint.moments import stage as stage_moments
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.space import (
     checkpoint_bytes, describe_disk_error, move_aside, prune_checkpoints, save_error, warn_if_short,
 )
 from trainer.checkpoint.staging import RunStager
-from trainer.checkpoint.state import CheckpointState, RunInfo, describe_layout, merge_tensors, model_state_dict, \
-    reconcile_float8_scaling, split_tensors
+from trainer.checkpoint.parts import CheckpointState
+from trainer.checkpoint.state import RunInfo, describe_layout, merge_tensors, model_state_dict, split_tensors
 from trainer.checkpoint.tokenizer import remember_tokenizer, write_tokenizer
 from trainer.checkpoint.values import nonfinite_counts, nonfinite_line
 from trainer.checkpoint.verify import (
@@ -233,27 +231,15 @@ class CheckpointManager:
         info, metadata = verified
         # Built after the checks: get_optimizer_state_dict initializes empty optimizer state.
         sd = {"model": model_state_dict(self.state.model)} if model_only else self.state.state_dict()
-        if not model_only and "rng.cuda" not in metadata.state_dict_metadata:
-            sd["rng"].pop("cuda", None)  # saved on a machine without CUDA
-        staged: dict = {}
-        if not model_only:
-            # Moments saved in other dtypes load into staging tensors of those dtypes (checkpoint/moments.py);
-            # Kahan buffers a checkpoint lacks (optimizer.bf16_update was not 'kahan') start at zero.
-            staged, fresh_kahan = stage_moments(sd["optimizer"]["state"], metadata.state_dict_metadata)
-            if fresh_kahan:
-                logger.info("checkpoint has no Kahan compensation buffers (optimizer.bf16_update was not 'kahan'): "
-                            "starting them at zero")
-            if note := reconcile_float8_scaling(sd, metadata.state_dict_metadata):
-                logger.info("float8.scaling: %s", note)
+        if not model_only:  # each part asks for what it can take of this checkpoint (trainer/checkpoint/parts.py)
+            for note in self.state.reconcile(sd, metadata.state_dict_metadata):
+                logger.info("%s", note)
         tensors, _ = split_tensors(sd)
         # state.json's values are checked before any tensor is read.
         rest = None if model_only else read_state_json(path, info)
         safe_load(tensors, path, what=what, process_group=self.pg)
         self._check_finite(tensors["model"], path, hint="start from other weights" if model_only else
                            "resume an earlier checkpoint with checkpoint.load_step=N")
-        if converted := staged and convert_moments(tensors["optimizer"]["state"], staged):
-            logger.info("converted the checkpoint's AdamW moments to this run's dtypes (optimizer.exp_avg_dtype, "
-                        "exp_avg_sq_dtype, distributed.master_dtype): %s", converted)
         if model_only:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

@@ -36,13 +36,12 @@ from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.tokenizer import write_tokenizer
 from trainer.checkpoint.values import (
     check_args_fit_files, check_entry_count, check_host_memory, check_index_entries, model_shapes, nonfinite_problem,
-    rope_table_bytes,
 )
 from trainer.checkpoint.verify import (
     check_files, data_files, read_checkpoint_json, read_dcp_metadata, safe_load, scan_checkpoints,
 )
 from trainer.model_values import param_count
-from trainer.models.layers import Decoder
+from trainer.models.layers import Decoder, rope_table_bytes
 from trainer.models.llama import ModelArgs, rope_cache
 from trainer.output_folder import IMPORT, prepare_output, publish_output
 

@@ -5,7 +5,7 @@ A checkpoint folder may be crafted, and its checksums rewritten to match, so not
 - the model arguments of checkpoint.json follow the rules of the TOML `[model]` section
   (`trainer.model_values`), and the parameters they imply must fit in the checkpoint's data files
   (`check_args_fit_files`) and, for a load into this process, in the host's memory (`check_host_memory`);
-- every `.metadata` entry of the model and the optimizer has the shape of a model built on the meta
+- every `.metadata` entry of the model and of per-parameter state has the shape of a model built on the meta
   device from those arguments, and a dtype this trainer writes (`check_index_entries`);
 - `state.json`'s step, data and schedule positions and loss scale are in range and agree (`check_state_values`).
 
@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from trainer.checkpoint.format import CHECKPOINT_JSON, CheckpointError
+from trainer.checkpoint.format import (
+    CHECKPOINT_JSON, E4M3, PER_PARAMETER, SCALE_SUFFIX, STATE_BLOCK, STEP_KEY, CheckpointError,
+)
 from trainer.model_values import Rule, num_tensors, param_count, rule_problem
-from trainer.optim_states import E4M3, QBLOCK, SCALE_KEY, scale_shape
 
-# The dtypes this trainer writes model weights, expert biases and optimizer moments in (the master dtype, or
-# optimizer.exp_avg_dtype / exp_avg_sq_dtype; an fp8 exp_avg is e4m3, allowed for that key alone).
+# The dtypes this trainer writes model weights, expert biases and per-parameter state in (the master dtype, or
+# optimizer.exp_avg_dtype / exp_avg_sq_dtype; an e4m3 entry is allowed with its block scales alone: format.py).
 INDEX_DTYPES = (torch.float32, torch.bfloat16)
 # The smallest of them: a checkpoint's data files hold at least 2 bytes per parameter.
 MIN_BYTES_PER_PARAM = 2
@@ -80,11 +81,6 @@ def check_host_memory(need_bytes: int, *, what: str, where: str, error: type[Exc
                     "available on this host; load it on a larger host (or with a smaller max_seq_len)")
 
 
-def rope_table_bytes(args: Any, max_seq_len: int) -> int:
-    """The fp32 cos/sin table `rope_cache` builds: [max_seq_len, 2, head_dim]."""
-    return max_seq_len * 2 * (args.dim // args.n_heads) * 4
-
-
 def model_shapes(args: Any) -> dict[str, tuple[int, ...]]:
     """Every state-dict entry of the model these args build, by fqn: built on the meta device (allocates nothing).
 
@@ -99,11 +95,13 @@ def model_shapes(args: Any) -> dict[str, tuple[int, ...]]:
 
 def check_index_entries(metadata: Metadata, shapes: dict[str, tuple[int, ...]], *, path: Path,
                         all_keys: set[str] | None = None) -> None:
-    """Every model and optimizer entry of the index has the model's shape and a dtype this trainer writes.
+    """Every model entry and per-parameter state entry of the index has the shape the format gives it
+    (trainer/checkpoint/format.py) and a dtype this trainer writes.
 
     shapes: {fqn: shape} of the model (this rank's tensors under pipeline parallelism, with all_keys
-    the fqns of every rank together). Optimizer entries are `optimizer.state.{fqn}.{name}`: a scalar
-    `step`, or a tensor of the parameter's shape.
+    the fqns of every rank together). Per-parameter state is `{part}.state.{fqn}.{name}` (the optimizer's): a
+    scalar `step`, a tensor of the parameter's shape, or an e4m3 one's block scales. A part's other tensors are
+    loaded into this process's own, whose shapes DCP compares.
     """
     file = path / ".metadata"
     entries = metadata.state_dict_metadata
@@ -117,26 +115,27 @@ def check_index_entries(metadata: Metadata, shapes: dict[str, tuple[int, ...]], 
             f"{len(unexpected)} unexpected (first: {unexpected[0] if unexpected else '-'})"
         )
     for key, md in entries.items():
+        scaled = False
         if key.startswith("model."):
             fqn, want = key[len("model."):], shapes.get(key[len("model."):])
-        elif key.startswith("optimizer.state."):
-            fqn, name = key[len("optimizer.state."):].rsplit(".", 1)
+        elif m := PER_PARAMETER.match(key):
+            part, fqn, name = m.group("part", "fqn", "name")
             if fqn not in keys:
-                raise CheckpointError(f"{file}: {key} is the optimizer state of {fqn!r}, which the model has not")
-            want = () if name == "step" or fqn not in shapes else shapes[fqn]
+                raise CheckpointError(f"{file}: {key} is the {part} state of {fqn!r}, which the model has not")
             if fqn not in shapes:
                 continue  # another pipeline stage's parameter: that rank checks it
-            if name == SCALE_KEY:  # an fp8 exp_avg's block scales (trainer/optim_states.py)
-                if len(want) < 2 or want[-1] % QBLOCK:
+            want, scaled = () if name == STEP_KEY else shapes[fqn], f"{key}{SCALE_SUFFIX}" in entries
+            if name.endswith(SCALE_SUFFIX):  # an e4m3 entry's block scales
+                if len(want) < 2 or want[-1] % STATE_BLOCK:
                     raise CheckpointError(f"{file}: {key} holds block scales of a tensor of shape {list(want)}, "
-                                          f"which has no whole 1x{QBLOCK} blocks ({EDITED})")
-                want = scale_shape(want)
+                                          f"which has no whole 1x{STATE_BLOCK} blocks ({EDITED})")
+                want = (*want[:-1], want[-1] // STATE_BLOCK)
         else:
-            continue  # rng, loss scaler: loaded into this process's own tensors, whose shapes DCP compares
+            continue  # rng, FP8 delayed scaling: loaded into this process's own tensors, whose shapes DCP compares
         if want is not None and tuple(md.size) != tuple(want):
             raise CheckpointError(f"{file}: {key} has shape {list(md.size)} in the checkpoint but "
                                   f"{list(want)} in this model ({EDITED}, or another model's)")
-        if md.properties.dtype not in INDEX_DTYPES and not (key.endswith(".exp_avg") and md.properties.dtype == E4M3):
+        if md.properties.dtype not in INDEX_DTYPES and not (scaled and md.properties.dtype == E4M3):
             raise CheckpointError(f"{file}: {key} is stored as {md.properties.dtype}, not one of "
                                   f"{', '.join(map(str, INDEX_DTYPES))} ({EDITED})")
 

@@ -5,7 +5,7 @@ from trainer.data.sources import DefaultTextSource, ShardSource, StdlibTextSourc
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_fingerprint
 
 __all__ = [
-    "ByteTokenizer", "DataError", "DefaultTextSource", "HFTokenizer", "ShardInfo", "ShardSource", "StdlibTextSource",
+    "ByteTokenizer", "DataError", "DataPosition", "DefaultTextSource", "HFTokenizer", "ShardInfo", "ShardSource", "StdlibTextSource",
     "SyntheticSource", "TokenDataLoader", "build_data_loader", "build_source", "build_tokenizer", "open_shard",
     "tokenizer_fingerprint", "write_shard",
 ]
@@ -13,7 +13,7 @@ __all__ = [
 
 def __getattr__(name):
     # The loader imports torch (~1 s); scripts/prepare_data.py only needs tokenizers and shards.
-    if name in ("TokenDataLoader", "build_data_loader", "build_source"):
+    if name in ("DataPosition", "TokenDataLoader", "build_data_loader", "build_source"):
         from trainer.data import loader
 
         return getattr(loader, name)

@@ -116,6 +116,24 @@ class TokenDataLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
+class DataPosition:
+    """The data loader's part of a checkpoint (trainer/checkpoint/parts.py): its position, or with
+    checkpoint.restart_data the start of the data, said in one line (the checkpoint's position is not used)."""
+
+    def __init__(self, loader: TokenDataLoader, *, restart: bool = False):
+        self.loader, self.restart = loader, restart
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.restart:
+            logger.info("checkpoint.restart_data=true: the data starts over (the checkpoint's data position, %s "
+                        "samples in, is not used)", state.get("consumed_samples"))
+        else:
+            self.loader.load_state_dict(state)
+
+
 def shard_paths(path: str) -> list[str]:
     """The shard files `path` names: a folder's *.bin files, or a glob's matches (sorted; empty when none)."""
     return sorted(glob.glob(str(Path(path) / "*.bin"))) if Path(path).is_dir() else sorted(glob.glob(path))

@@ -54,6 +54,12 @@ def rope_cache(args: ModelArgs, seq_len: int, device: torch.device | str | None 
     return torch.stack([emb.cos(), emb.sin()], dim=1)
 
 
+def rope_table_bytes(args: ModelArgs, seq_len: int) -> int:
+    """The bytes of the fp32 cos/sin table `rope_cache` builds for `seq_len` positions: [seq_len, 2, dim // n_heads].
+    (What the memory plan and a load's host-memory check count; a head_dim set apart from dim is not counted.)"""
+    return seq_len * 2 * (args.dim // args.n_heads) * 4
+
+
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """x: [batch, heads, seq, head_dim]; rope: [seq, 2, head_dim], or [batch, seq, 2, head_dim] (each token's own
     position: document masking)."""

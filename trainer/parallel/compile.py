@@ -44,7 +44,7 @@ class CompileTimes:
         import torch._dynamo.utils as dynamo_utils
 
         spent = dynamo_utils.calculate_time_spent()
-        kernel = sys.modules.get("trainer.adamw_kernel")  # imported only where it runs: never on a CPU
+        kernel = sys.modules.get("trainer.optim.kernel")  # imported only where it runs: never on a CPU
         return cls(torch_compile_s=spent.get("total_wall_time", 0.0),
                    graphs=int(dynamo_utils.counters["stats"]["unique_graphs"]),
                    autotune_s=spent.get("CachingAutotuner.benchmark_all_configs", 0.0),

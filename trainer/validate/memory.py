@@ -26,7 +26,8 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.model_values import param_count
 from trainer.models import ModelArgs
-from trainer.optim_states import StateDtypes
+from trainer.models.layers import rope_table_bytes
+from trainer.optim.states import StateDtypes
 from trainer.parallel import ParallelDims
 from trainer.validate.resolve import uses_bf16_master
 
@@ -152,8 +153,6 @@ def check_step_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, me
     """Refuse a microbatch that cannot fit beside the training state, by a lower bound: the RoPE table, the
     microbatch's token ids, its logits (or one loss chunk of them) and each block's input, which backward needs in
     every activation-checkpointing mode. (The dry run's plan, trainer/validate/plan.py, estimates the rest.)"""
-    from trainer.checkpoint.values import rope_table_bytes
-
     if memory is None:
         return
     capacity, device = memory

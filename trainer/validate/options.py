@@ -1,7 +1,7 @@
 """The typed options the Trainer runs from, resolved once from the checked config: nothing below train() reads it.
 
     RunOptions         steps, the step to stop at, batch shape, seeds, precision, clipping, the run's folder
-    OptimizerOptions   AdamW's values and the resolved implementation (and whether BF16AdamW runs the Triton kernel)
+    OptimizerOptions   AdamW's values, its state dtypes and rounding, and the implementation that runs them
     SchedulerOptions   the LR schedule
     MetricsOptions     log frequency and writers
     ValidationOptions  held-out evaluation (when validation.enable)
@@ -21,12 +21,14 @@ import torch
 
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.state import run_tokenizer
-from trainer.config import CheckpointSection, JobConfig
+from trainer.config import CheckpointSection, JobConfig, OptimizerSection
 from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
 from trainer.metrics.wandb_run import WandbOptions
 from trainer.optim import resolve_implementation
-from trainer.optim_states import StateDtypes
+from trainer.optim.adamw import Rounding, is_rounded
+from trainer.optim.build import Implementation
+from trainer.optim.states import StateDtypes
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,17 @@ class OptimizerOptions:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
-    implementation: Literal["fused", "triton", "torch_fused", "foreach"]
-    """optimizer.implementation with 'auto' resolved (trainer.optim.resolve_implementation)."""
-    triton: bool
-    """BF16AdamW's update as the Triton kernel (on a GPU), not eagerly (a CPU: no Triton there)."""
+    implementation: Implementation
+    """optimizer.implementation with 'auto' resolved for the device and the state (trainer.optim.resolve_implementation)."""
+    state_dtypes: StateDtypes
+    """The master weights' and moments' dtypes (distributed.master_dtype, optimizer.exp_avg_dtype / exp_avg_sq_dtype)."""
     bf16_update: Literal["stochastic", "kahan", "nearest"] | None
     """optimizer.bf16_update with bf16 master weights; None with fp32 ones."""
-    state_dtypes: StateDtypes | None = None
-    """The master weights' and moments' dtypes (optimizer.exp_avg_dtype / exp_avg_sq_dtype resolved); None: the
-    moments in the master dtype (the optimizers above)."""
+
+    @property
+    def rounding(self) -> Rounding:
+        """How the master weights take an update (trainer.optim.adamw.AdamW): fp32 ones are not rounded."""
+        return self.bf16_update or "nearest"
 
     @property
     def fused(self) -> bool:
@@ -144,15 +148,7 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
         tokenizer=run_tokenizer(cfg.data.source, cfg.data.tokenizer),
         eod_mask_id=eos_id(cfg.data.tokenizer) if cfg.data.eod_mask_loss else None,
     )
-    if o.implementation == "triton" and device != "cuda":
-        raise ConfigError("optimizer.implementation='triton' runs a GPU kernel and this machine has no GPU; use 'auto' "
-                          "(torch's fused kernel on a CPU) or 'fused'")
-    optimizer = OptimizerOptions(
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-        implementation=resolve_implementation(o.implementation, device_type=device),
-        triton=device == "cuda", bf16_update=o.bf16_update if bf16_master else None,
-        state_dtypes=resolve_state_dtypes(o, bf16_master=bf16_master),
-    )
+    optimizer = resolve_optimizer(o, bf16_master=bf16_master, device=device)
     c, v = cfg.checkpoint, cfg.validation
     return dict(
         run=run, optimizer=optimizer,
@@ -175,22 +171,44 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
     )
 
 
-def resolve_state_dtypes(o: Any, *, bf16_master: bool) -> StateDtypes | None:
-    """optimizer.exp_avg_dtype / exp_avg_sq_dtype resolved against the master dtype; None when both moments are in
-    the master dtype. Refuses, naming the key, what LowPrecisionAdamW cannot run."""
+def resolve_optimizer(o: OptimizerSection, *, bf16_master: bool, device: str) -> OptimizerOptions:
+    """[optimizer] resolved against the master dtype and the device. A key never overrides another: what the chosen
+    implementation cannot run is a one-line error naming both keys (`optimizer_conflict`)."""
+    if o.implementation == "triton" and device != "cuda":
+        raise ConfigError("optimizer.implementation='triton' runs a GPU kernel and this machine has no GPU; use 'auto' "
+                          "(on a CPU: torch's fused kernel, or the eager update where the state is rounded)")
     dtypes = StateDtypes.resolve(bf16_master=bf16_master, exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
-    if dtypes.in_master_dtype:
-        return None
-    key, value = next((k, v) for k, v in (("exp_avg_dtype", dtypes.exp_avg), ("exp_avg_sq_dtype", dtypes.exp_avg_sq))
-                      if v != dtypes.master)
-    if o.implementation in ("torch_fused", "foreach"):
-        raise ConfigError(f"optimizer.{key}='{value}' with {dtypes.master} master weights needs our AdamW "
-                          f"(LowPrecisionAdamW); optimizer.implementation='{o.implementation}' is torch's, which keeps "
-                          "the moments in the weights' dtype: use optimizer.implementation='auto'")
-    if bf16_master and o.bf16_update == "nearest":
-        raise ConfigError(f"optimizer.{key}='{value}' rounds bf16 master weights stochastically or with Kahan "
-                          "compensation; optimizer.bf16_update='nearest' has no such path: use 'stochastic' or 'kahan'")
-    return dtypes
+    bf16_update = o.bf16_update if bf16_master else None
+    if problem := optimizer_conflict(o.implementation, dtypes, bf16_update):
+        raise ConfigError(problem)
+    rounded = is_rounded(dtypes, bf16_update or "nearest")
+    return OptimizerOptions(
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        implementation=resolve_implementation(o.implementation, device_type=device, rounded=rounded),
+        state_dtypes=dtypes, bf16_update=bf16_update,
+    )
+
+
+def optimizer_conflict(implementation: str, dtypes: StateDtypes, bf16_update: str | None) -> str | None:
+    """Why optimizer.implementation cannot run the state the other keys ask for, in one line naming both; None when
+    it can. torch's kernels ('fused', 'torch_fused', 'foreach') keep the moments in the weights' dtype and round
+    bf16 weights to nearest: moments of their own and stochastic or Kahan rounding need our AdamW ('auto')."""
+    torchs = {"fused": "torch's fused kernel", "torch_fused": "torch's AdamW", "foreach": "torch's AdamW"}
+    if not dtypes.in_master_dtype:
+        key, value = next((k, v) for k, v in (("exp_avg_dtype", dtypes.exp_avg),
+                                               ("exp_avg_sq_dtype", dtypes.exp_avg_sq)) if v != dtypes.master)
+        if implementation in torchs:
+            return (f"optimizer.{key}='{value}' with {dtypes.master} master weights needs our AdamW; "
+                    f"optimizer.implementation='{implementation}' is {torchs[implementation]}, which keeps the moments "
+                    "in the weights' dtype: use optimizer.implementation='auto'")
+        if bf16_update == "nearest":
+            return (f"optimizer.{key}='{value}' rounds bf16 master weights stochastically or with Kahan "
+                    "compensation; optimizer.bf16_update='nearest' has no such path: use 'stochastic' or 'kahan'")
+    if bf16_update in ("stochastic", "kahan") and implementation in torchs:
+        return (f"optimizer.bf16_update='{bf16_update}' rounds bf16 master weights with our AdamW; "
+                f"optimizer.implementation='{implementation}' is {torchs[implementation]}, which rounds them to "
+                "nearest: use optimizer.implementation='auto', or optimizer.bf16_update='nearest' to run torch's")
+    return None
 
 
 def checkpoint_options(section: CheckpointSection, *, dump_folder: str) -> CheckpointOptions:

@@ -1,4 +1,4 @@
-"""BF16AdamW on sharded DTensors (2 gloo ranks, spawned) rounds every element exactly as one process does."""
+"""AdamW with bf16 master weights on sharded DTensors (2 gloo ranks, spawned) rounds every element exactly as one process does."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ KINDS = ("stochastic", "kahan")
 
 
 def one_process_and_sharded(kinds: tuple[str, ...]) -> dict[str, tuple[list, list, list]]:
-    """Per update kind, three steps of BF16AdamW from the same weights and gradients, unsharded on this rank and
+    """Per update kind, three steps of AdamW from the same weights and gradients, unsharded on this rank and
     sharded over both ranks: {kind: (start, one process, sharded)}, the full tensors (every rank returns them)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from trainer.bf16_adamw import BF16AdamW
+    from trainer.optim.adamw import AdamW
     from trainer.distributed import destroy_distributed
 
     dist.init_process_group("gloo")
@@ -31,7 +31,8 @@ def one_process_and_sharded(kinds: tuple[str, ...]) -> dict[str, tuple[list, lis
     def run(kind: str, sharded: bool) -> list[torch.Tensor]:
         params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, pl) if sharded else t.clone())
                   for t, pl in zip(full, placements)]
-        opt = BF16AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, update=kind, seed=5)
+        opt = AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, rounding=kind, seed=5,
+                    implementation="eager")
         for step in grads:
             for p, g, pl in zip(params, step, placements):
                 p.grad = distribute_tensor(g, mesh, pl) if sharded else g

@@ -11,7 +11,7 @@ along the last dim of the *global* tensor:
 - **Blocks in global index space.** A block is 128 consecutive elements of one row of the global tensor, so a shard
   that does not cut a block (FSDP2 shards dim 0; TP's dim-1 shards of 128-multiples; EP's and PP's whole tensors)
   holds whole blocks, computes each block's scale exactly as one process does, and (with the hash-keyed
-  stochastic rounding of trainer/bf16_adamw.py) updates every element exactly as one process does. Tensors of one
+  stochastic rounding of trainer/optim/update.py) updates every element exactly as one process does. Tensors of one
   dim, whose last dim is not a multiple of 128, or whose layout cuts a block (a last-dim shard of a size that is
   not a multiple of 128) keep a bf16 first moment instead, counted in the startup line (`fp8_blocks`).
 - **Stochastic rounding into e4m3** (`stochastic_round_to_e4m3`), with the exp_avg stream of the same hash bits as
@@ -28,6 +28,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from trainer.distributed import Layout, plain_tensor
 
 QBLOCK = 128
 """Elements per fp8 block: 1 x 128 along the last dim of the global tensor."""
@@ -52,9 +55,15 @@ class StateDtypes:
         master = "bf16" if bf16_master else "fp32"
         return cls(master, master if exp_avg == "auto" else exp_avg, master if exp_avg_sq == "auto" else exp_avg_sq)
 
+    @classmethod
+    def of(cls, params: list[torch.Tensor]) -> StateDtypes:
+        """Every state in the parameters' dtype: bf16 master weights if the first parameter is bf16, else fp32."""
+        master = "bf16" if params and params[0].dtype == torch.bfloat16 else "fp32"
+        return cls(master, master, master)
+
     @property
     def in_master_dtype(self) -> bool:
-        """Both moments in the master dtype: the optimizers of before these options run."""
+        """Both moments in the master dtype (the moments of plain AdamW)."""
         return self.exp_avg == self.master and self.exp_avg_sq == self.master
 
     def bytes_per_param(self, *, kahan: bool = False) -> dict[str, float]:
@@ -80,8 +89,6 @@ def fp8_blocks(p: torch.Tensor) -> bool:
     """Whether `p` (a plain tensor or DTensor) keeps an fp8 first moment: at least 2 dims, the last a multiple of
     QBLOCK, and no shard of its layout cutting a block. The same answer on every rank (from the global shape and
     the placements, not this rank's shard)."""
-    from torch.distributed.tensor import DTensor
-
     if p.dim() < 2 or p.shape[-1] % QBLOCK:
         return False
     if not isinstance(p, DTensor):
@@ -145,8 +152,6 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, *, col_offset: int 
 def _dequantized_local(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The fp32 values of this rank's shard of an fp8 exp_avg `q` (a DTensor or plain tensor). `scale` is sharded
     as q (whole blocks), or the whole global tensor of scales on every rank (a checkpoint's, staged on load)."""
-    from trainer.adamw import Layout, plain_tensor
-
     local_q, local_s = plain_tensor(q, local=True), plain_tensor(scale, local=True)
     if local_s.shape[-1] * QBLOCK == local_q.shape[-1] and local_s.shape[:-1] == local_q.shape[:-1]:
         return dequantize_blocks(local_q, local_s)
@@ -160,8 +165,6 @@ def convert_moment(target: torch.Tensor, target_scale: torch.Tensor | None, save
     """Write a moment saved in another dtype (`saved`, an fp8 one with `saved_scale`) into this run's `target`
     (fp8 with `target_scale`), shard by shard: both sharded alike. Through fp32; into fp8 or bf16 to nearest (a
     one-off: the stochastic rounding of the updates then takes over)."""
-    from trainer.adamw import plain_tensor
-
     local_t = plain_tensor(target, local=True)
     values = (_dequantized_local(saved, saved_scale) if saved_scale is not None
               else plain_tensor(saved, local=True).float())

@@ -7,17 +7,17 @@ on disk like any Triton kernel) and finds every tensor of a launch in a table of
 BLOCK elements of one tensor, found in a block map built once per layout. One launch per step and dtype, whatever
 the model; the update moves its bytes at 2.1 TB/s (bf16, stochastic rounding) to 2.9 TB/s (fp32) on an H100.
 
-Each state is read and written in its own dtype (LowPrecisionAdamW, trainer/lowp_adamw.py: fp32 or bf16 weights,
+Each state is read and written in its own dtype (trainer.optim.adamw.AdamW's: fp32 or bf16 weights,
 an fp32, bf16 or fp8 first moment, an fp32 or bf16 second moment); an fp8 first moment's program holds its 1024
 elements as 8 rows of one 1 x 128 block each, takes each row's amax for its power-of-two scale and writes the e4m3
-bytes by integer arithmetic (trainer/optim_states.py).
+bytes by integer arithmetic (trainer/optim/states.py).
 
-The arithmetic is the eager code's: `trainer.adamw.adamw_update` (torch's AdamW: decoupled weight decay, bias
-correction, the lerp moments), and for bf16 master weights `trainer.bf16_adamw`'s roundings with the same random
+The arithmetic is the eager code's: `trainer.optim.update.adamw_update` (torch's AdamW: decoupled weight decay, bias
+correction, the lerp moments), and for bf16 master weights `trainer.optim.update`'s roundings with the same random
 bits (murmur3 finalizers of the element's index in the global tensor and the host's per-step key), so a run rounds
 the same on every layout. Divisions and square roots round as IEEE (`div_rn`, `sqrt_rn`): the results differ from
-torch's kernels only by the order of fp32 operations (tests/gpu/test_adamw_kernel_gpu.py; on CPU Triton's
-interpreter runs the same kernel, tests/unit/test_adamw_kernel.py).
+torch's kernels only by the order of fp32 operations (tests/gpu/test_optim_kernel_gpu.py; on CPU Triton's
+interpreter runs the same kernel, tests/unit/test_optim_kernel.py).
 
 `triton` comes with torch's CUDA builds; nothing imports this module on a CPU run.
 """
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.adamw import Layout
+from trainer.distributed import Layout
 
 # Columns of the per-tensor table (int64). Where the tensors are (in elements from the launch's first tensor of
 # their kind: the kernel's base pointers; weights and Kahan buffers share one), then the local tensor as up to 3 dims
@@ -43,7 +43,7 @@ _P, _G, _M, _V, _C, _STEP = (tl.constexpr(i) for i in range(6))
 _NUMEL, _N1, _N2, _O0, _O1, _O2, _S0, _S1, _S2, _BASE, _CONTIG = (tl.constexpr(i) for i in range(6, 17))
 _K0, _K1, _K2, _KHI, _S = (tl.constexpr(i) for i in range(17, 22))
 COLUMNS = 22
-QB: tl.constexpr = tl.constexpr(128)  # an fp8 exp_avg's block: 1 x 128 elements (trainer.optim_states.QBLOCK)
+QB: tl.constexpr = tl.constexpr(128)  # an fp8 exp_avg's block: 1 x 128 elements (trainer.optim.states.QBLOCK)
 
 ROUND_NONE, ROUND_STOCHASTIC, ROUND_KAHAN = 0, 1, 2
 # Elements per program and warps: 8 elements (one 16-byte bf16 vector) per thread. Larger blocks ran out of
@@ -54,7 +54,7 @@ NUM_WARPS = 4
 
 @triton.jit
 def _hash32(x):
-    """murmur3's 32-bit finalizer on uint32 (trainer.bf16_adamw._hash32)."""
+    """murmur3's 32-bit finalizer on uint32 (trainer.optim.update._hash32)."""
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
@@ -64,21 +64,21 @@ def _hash32(x):
 
 @triton.jit
 def _bits16(lo, key_lo, key_hi):
-    """trainer.bf16_adamw.random_bits16 with the host's (key + stream * c) & 0xFFFFFFFF and key >> 32."""
+    """trainer.optim.update.random_bits16 with the host's (key + stream * c) & 0xFFFFFFFF and key >> 32."""
     x = _hash32(lo ^ key_lo)
     return (_hash32(x ^ key_hi) & 0xFFFF).to(tl.int32)
 
 
 @triton.jit
 def _stochastic_round(x, bits16):
-    """trainer.bf16_adamw.stochastic_round_to_bf16."""
+    """trainer.optim.update.stochastic_round_to_bf16."""
     bits = x.to(tl.int32, bitcast=True) + bits16
     return (bits & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
 def _round_to_nearest(x):
-    """trainer.bf16_adamw.round_to_nearest_bf16 (ties to even), as fp32: its cast to bf16 is exact. Not
+    """trainer.optim.update.round_to_nearest_bf16 (ties to even), as fp32: its cast to bf16 is exact. Not
     `.to(tl.bfloat16)`, which Triton's CPU interpreter truncates."""
     bits = x.to(tl.int32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
@@ -101,7 +101,7 @@ def _maximum(a, b):
 
 @triton.jit
 def _block_scale(amax):
-    """trainer.optim_states.block_scales: 2^k with amax / 2^k in (224, 448], k >= -126."""
+    """trainer.optim.states.block_scales: 2^k with amax / 2^k in (224, 448], k >= -126."""
     bits = amax.to(tl.int32, bitcast=True)
     biased = (bits >> 23) & 0xFF
     over = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -110,7 +110,7 @@ def _block_scale(amax):
 
 @triton.jit
 def _stochastic_e4m3(y, bits16):
-    """trainer.optim_states.stochastic_round_to_e4m3 (fp32 in, an e4m3 value as fp32 out)."""
+    """trainer.optim.states.stochastic_round_to_e4m3 (fp32 in, an e4m3 value as fp32 out)."""
     y_bits = y.to(tl.int32, bitcast=True)
     a = (y_bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     biased = (y_bits >> 23) & 0xFF
@@ -176,7 +176,7 @@ def _load_fp8(m_ptr, s_ptr, local, mask, MASKED: tl.constexpr):
 @triton.jit
 def _store_fp8(m_ptr, s_ptr, m, bits16, start, local, numel, mask, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """fp32 `m` ((BLOCK_SIZE / 128) x 128: a block per row) as e4m3 bytes and a scale per row, from the row's amax
-    (trainer.optim_states.quantize_blocks; rows past numel are whole rows: numel is a multiple of 128)."""
+    (trainer.optim.states.quantize_blocks; rows past numel are whole rows: numel is a multiple of 128)."""
     scale = _block_scale(tl.reduce(tl.abs(tl.where(mask, m, 0.0)), 1, _maximum))
     q = _stochastic_e4m3(tl.div_rn(m, scale[:, None]), bits16)
     _store(m_ptr + local, _e4m3_bytes(q), mask, MASKED)
@@ -260,12 +260,12 @@ def _update_block(
                    MASKED)
         else:
             _store(v_ptr + local, v, mask, MASKED)
-        if P_DTYPE == tl.float32:  # fp32 master weights (LowPrecisionAdamW): no rounding to choose
+        if P_DTYPE == tl.float32:  # fp32 master weights (moments of their own): no rounding to choose
             _store(p_ptr + local, p + delta, mask, MASKED)
         elif ROUND == 1:
             new = _stochastic_round(p + delta, _bits16(lo, tl.load(row + _K0).to(tl.uint32), key_hi))
             _store(p_ptr + local, new, mask, MASKED)
-        else:  # Kahan: round to nearest, keep what rounding dropped (trainer.bf16_adamw._update)
+        else:  # Kahan: round to nearest, keep what rounding dropped (trainer.optim.update.update_rows)
             c_ptr = _tensor(p_base, row, _C, P_ALIGN)
             y = delta + _load(c_ptr + local, mask, MASKED)
             p_new = _round_to_nearest(p + y)
@@ -386,9 +386,9 @@ def adamw_step(
 
     Either `steps` (each parameter's fp32 step tensor on the device, already counting this step: the fused
     protocol) or `step` (the host's step, for all). rounding=ROUND_STOCHASTIC / ROUND_KAHAN: `layouts` and `keys`
-    (trainer.bf16_adamw.step_key of each parameter at this step) given, bf16 moments and weights rounded
+    (trainer.optim.update.step_key of each parameter at this step) given, bf16 moments and weights rounded
     stochastically (Kahan: the weights to nearest, with `comps`), fp32 ones stored as computed. `scales`: the
-    exp_avgs are float8 e4m3 with these fp32 block scales (trainer/optim_states.py; rounding given, every last
+    exp_avgs are float8 e4m3 with these fp32 block scales (trainer/optim/states.py; rounding given, every last
     dim a multiple of 128).
     """
     global compile_seconds

@@ -1,8 +1,8 @@
-"""trainer/adamw_kernel.py, the Triton AdamW kernel of TritonAdamW and BF16AdamW, run by Triton's CPU interpreter.
+"""trainer/optim/kernel.py, the Triton AdamW kernel (AdamW's implementation="triton"), run by Triton's CPU interpreter.
 
 The interpreter runs the kernel's own code (its table of addresses, block map, index arithmetic, hashing and
-rounding) in numpy; the GPU run of the same comparisons is tests/gpu/test_adamw_kernel_gpu.py. References: torch's
-fused AdamW (fp32) and BF16AdamW's eager update (bf16 master weights).
+rounding) in numpy; the GPU run of the same comparisons is tests/gpu/test_optim_kernel_gpu.py. References: torch's
+fused AdamW (fp32) and the eager update (bf16 master weights).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton has no wheel for this platform (the `test` extra installs it on Linux)")
 
-from trainer.bf16_adamw import BF16AdamW  # noqa: E402
-from trainer.optim import LocalFusedAdamW, TritonAdamW  # noqa: E402
+from trainer.optim.adamw import AdamW  # noqa: E402
 
 BETAS = (0.9, 0.95)
 ULP_BF16 = 2.0**-7  # bf16 spacing relative to the value's power of two
@@ -24,9 +23,9 @@ ULP_BF16 = 2.0**-7  # bf16 spacing relative to the value's power of two
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreted_kernel():
-    """trainer.adamw_kernel with its kernels built for Triton's interpreter (decided when @triton.jit runs), then
+    """trainer.optim.kernel with its kernels built for Triton's interpreter (decided when @triton.jit runs), then
     as it was."""
-    import trainer.adamw_kernel as kernel
+    import trainer.optim.kernel as kernel
 
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -44,13 +43,14 @@ SHAPES = [(70, 130), (3,), (2, 9, 300), (70, 130)]
 
 
 def fp32_pair(device: str = "cpu", steps: int = 5):
-    """The same fp32 training with TritonAdamW and LocalFusedAdamW (torch's fused kernel): both optimizers and
-    parameter lists. (tests/gpu/test_adamw_kernel_gpu.py runs it on a GPU.)"""
+    """The same fp32 training with the Triton kernel and torch's fused kernel (AdamW's "triton" and "fused"): both
+    optimizers and
+    parameter lists. (tests/gpu/test_optim_kernel_gpu.py runs it on a GPU.)"""
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(s, device=device)) for s in SHAPES]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     kw = dict(lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1)
-    a, b = TritonAdamW(ours, **kw), LocalFusedAdamW(ref, **kw)
+    a, b = AdamW(ours, implementation="triton", **kw), AdamW(ref, implementation="fused", **kw)
     for i in range(steps):
         for p, q in zip(ours, ref):
             p.grad = torch.randn_like(p)
@@ -76,7 +76,7 @@ def check_fp32_pair(a, b, ours, ref) -> None:
 
 
 def test_fp32_kernel_equals_torchs_fused_adamw_to_fp32_rounding() -> None:
-    """TritonAdamW against torch's fused kernel: the same AdamW, skip and loss-scale protocol, and state (so
+    """The Triton kernel against torch's fused kernel: the same AdamW, skip and loss-scale protocol, and state (so
     checkpoints of either load into the other)."""
     check_fp32_pair(*fp32_pair())
 
@@ -84,7 +84,7 @@ def test_fp32_kernel_equals_torchs_fused_adamw_to_fp32_rounding() -> None:
 def test_a_skipped_step_changes_nothing() -> None:
     torch.manual_seed(1)
     p = torch.nn.Parameter(torch.randn(5000))
-    opt = TritonAdamW([p], lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1)
+    opt = AdamW([p], lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1, implementation="triton")
     p.grad = torch.randn_like(p)
     opt.step()
     before = [p.detach().clone(), *(t.clone() for t in opt.state[p].values())]
@@ -108,7 +108,7 @@ def step_through(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: 
 
 
 def bf16_runs(kind: str, layouts_from_shards: bool, *, beta1: float = 0.9, steps: int = 3, device: str = "cpu"):
-    """The same bf16 training with BF16AdamW eager and with the kernel: each run's weights and state tensors.
+    """The same bf16 training with the eager update and with the kernel: each run's weights and state tensors.
     layouts_from_shards: the tensors are blocks of larger global tensors (offsets along one or two dims), as FSDP
     and TP shard them."""
     gen = torch.Generator().manual_seed(7)
@@ -117,10 +117,10 @@ def bf16_runs(kind: str, layouts_from_shards: bool, *, beta1: float = 0.9, steps
     out = []
     for triton in (False, True):
         params = [torch.nn.Parameter(w.clone()) for w in w0]
-        opt = BF16AdamW(params, lr=1e-3, betas=(beta1, BETAS[1]), eps=1e-8, weight_decay=0.1, update=kind, seed=3,
-                        triton=triton, names=[f"layers.{i}.w" for i in range(len(params))])
+        opt = AdamW(params, lr=1e-3, betas=(beta1, BETAS[1]), eps=1e-8, weight_decay=0.1, rounding=kind, seed=3,
+                    implementation="triton" if triton else "eager", names=[f"layers.{i}.w" for i in range(len(params))])
         if layouts_from_shards:
-            from trainer.bf16_adamw import Layout
+            from trainer.distributed import Layout
 
             # The first: rows 70-139 of 280 (one contiguous run of the global tensor); the third: a block of
             # a (4, 18, 300) tensor at (2, 9, 0) (not contiguous in it); the last: columns 130-259 of 260.
@@ -185,8 +185,8 @@ def test_the_kernel_updates_an_fp8_all_gather_weight_with_a_precomputed_scale() 
         data = w0.clone()
         p = torch.nn.Parameter(WeightWithDynamicFloat8CastTensor(data, mm_config, torch.float8_e4m3fn)
                                if wrapped else data)
-        opt = BF16AdamW([p], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1, update="stochastic", seed=0,
-                        triton=True)
+        opt = AdamW([p], lr=1e-3, betas=BETAS, eps=1e-8, weight_decay=0.1, rounding="stochastic", seed=0,
+                    implementation="triton")
         for g in grads:
             p.grad = g
             opt.step()
@@ -206,7 +206,7 @@ def test_one_launch_per_dtype_whatever_the_shapes(interpreted_kernel, monkeypatc
                                                                                    real(params, *a, **k)))
     torch.manual_seed(2)
     params = [torch.nn.Parameter(torch.randn(n, 8)) for n in range(1, 40)]
-    opt = TritonAdamW(params, lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1)
+    opt = AdamW(params, lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1, implementation="triton")
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()

@@ -1,12 +1,12 @@
-"""The Triton AdamW kernel (trainer/adamw_kernel.py) compiled for the GPU: the comparisons of
-tests/unit/test_adamw_kernel.py (which runs it in Triton's CPU interpreter) on CUDA tensors."""
+"""The Triton AdamW kernel (trainer/optim/kernel.py) compiled for the GPU: the comparisons of
+tests/unit/test_optim_kernel.py (which runs it in Triton's CPU interpreter) on CUDA tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.unit.test_adamw_kernel import bf16_runs, check_fp32_pair, check_random_bits, check_within_an_ulp, fp32_pair
+from tests.unit.test_optim_kernel import bf16_runs, check_fp32_pair, check_random_bits, check_within_an_ulp, fp32_pair
 
 pytestmark = [
     pytest.mark.gpu,
