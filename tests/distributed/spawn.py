@@ -184,7 +184,7 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
     import torch
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    import trainer.parallel.build
+    import trainer.parallel.apply
     import trainer.parallel.builder
 
     build_model, built = trainer.parallel.builder.build_model, []
@@ -198,12 +198,12 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
             torch.set_default_dtype(torch.float32)
 
     to_float = torch.Tensor.float
-    apply_fsdp = trainer.parallel.build.apply_fsdp
+    apply_fsdp = trainer.parallel.apply.apply_fsdp
     divide_factors = _fsdp_collectives._get_gradient_divide_factors
     foreach_norm = torch._foreach_norm
     trainer.parallel.builder.build_model = build_model_in_float64
     torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else to_float(t, *a, **k)
-    trainer.parallel.build.apply_fsdp = lambda *a, **k: apply_fsdp(*a, **{**k, "reduce_dtype": torch.float64})
+    trainer.parallel.apply.apply_fsdp = lambda *a, **k: apply_fsdp(*a, **{**k, "reduce_dtype": torch.float64})
     # FSDP2 (torch 2.13) pre-divides gradients it may overflow (any dtype but fp32/bf16), and with a
     # one-rank shard group and a divide factor (the experts' expert_fsdp mesh here) divides again
     # while copying: float64 cannot overflow, so it takes fp32's path.

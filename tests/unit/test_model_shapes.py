@@ -168,7 +168,7 @@ def test_a_tied_model_compiles(tmp_path) -> None:
 def test_bf16_master_weights_keep_a_tied_head_one_parameter() -> None:
     """The cast to bf16 master weights gave each module a Parameter of its own: the optimizer then held the table
     twice (751.6M parameters for a 596.0M-parameter Qwen3-0.6B shape, seen on an H100) and the tie was gone."""
-    from trainer.parallel.build import cast_parameters
+    from trainer.parallel.apply import cast_parameters
 
     with torch.device("meta"):
         model = build_model(_args("--model.tie_word_embeddings=true"))

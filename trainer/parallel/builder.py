@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainer.models import ModelArgs, build_model
-from trainer.parallel.build import BuildOptions, BuildResult, build_parallel_model
+from trainer.parallel.apply import BuildOptions, BuildResult, build_parallel_model
 from trainer.parallel.float8 import matches_exclusion
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline_layout import EMBEDDING, HEAD

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from trainer.log import info_silenced
 from trainer.loss import local_loss
 from trainer.models import ModelArgs
-from trainer.parallel.build import BuildOptions
+from trainer.parallel.apply import BuildOptions
 from trainer.parallel.builder import build_model_part
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report

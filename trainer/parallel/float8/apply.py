@@ -36,7 +36,7 @@ def float8_converters(options: Float8Options) -> list[Float8Converter]:
 def apply_float8(model: nn.Module, options: Float8Options, *, device: torch.device) -> Float8Report:
     """Convert `model` in place, Linears and routed experts, as `options` says; each converter logs what it did.
 
-    Runs after EP and before activation checkpointing, torch.compile and FSDP2 (trainer.parallel.build)."""
+    Runs after EP and before activation checkpointing, torch.compile and FSDP2 (trainer.parallel.apply)."""
     report = Float8Report(float8_converters(options))
     for converter in report.converters:
         converter.convert(model, device=device)
