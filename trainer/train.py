@@ -37,7 +37,7 @@ from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import (
     OptimizerPart, SchedulerPart, build_lr_scheduler, build_optimizer, describe_optimizer_state, describe_param_groups,
 )
-from trainer.parallel.builder import build_model_part
+from trainer.parallel.build import build_model_part
 from trainer.parallel.compile import CompileTimes
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report, float8_step_hooks
@@ -127,7 +127,7 @@ class Trainer:
     # -- building ------------------------------------------------------------
 
     def _build_model(self, job: ResolvedJob) -> BuiltModel:
-        """This rank's model, parallelized, materialized and initialized (trainer.parallel.builder), and its loss;
+        """This rank's model, parallelized, materialized and initialized (trainer.parallel.build), and its loss;
         under pp the pipeline builds this rank's stages with the same builder."""
         seed, build = job.run.seed, job.build
 

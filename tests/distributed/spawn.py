@@ -185,9 +185,9 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     import trainer.parallel.apply
-    import trainer.parallel.builder
+    import trainer.parallel.build
 
-    build_model, built = trainer.parallel.builder.build_model, []
+    build_model, built = trainer.parallel.build.build_model, []
 
     def build_model_in_float64(model_args):
         torch.set_default_dtype(torch.float64)
@@ -201,7 +201,7 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
     apply_fsdp = trainer.parallel.apply.apply_fsdp
     divide_factors = _fsdp_collectives._get_gradient_divide_factors
     foreach_norm = torch._foreach_norm
-    trainer.parallel.builder.build_model = build_model_in_float64
+    trainer.parallel.build.build_model = build_model_in_float64
     torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else to_float(t, *a, **k)
     trainer.parallel.apply.apply_fsdp = lambda *a, **k: apply_fsdp(*a, **{**k, "reduce_dtype": torch.float64})
     # FSDP2 (torch 2.13) pre-divides gradients it may overflow (any dtype but fp32/bf16), and with a
@@ -212,7 +212,7 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
     torch._foreach_norm = lambda ts, ord=2.0, dtype=None: foreach_norm(
         ts, ord, dtype=None if ts and ts[0].dtype == torch.float64 else dtype)
     result = train_then_one_process(args, ref_args, dump)
-    assert built, ("the Trainer no longer builds its model through trainer.parallel.builder.build_model: "
+    assert built, ("the Trainer no longer builds its model through trainer.parallel.build.build_model: "
                    "nothing ran in float64")
     return result
 

@@ -193,6 +193,6 @@ def test_below_the_trainer_nothing_takes_the_config() -> None:
     take narrow typed options (the validation pass resolves them)."""
     graph = import_graph()
     below = ["trainer.step", "trainer.parallel.pipeline", "trainer.parallel.pipeline_layout",
-             "trainer.parallel.builder", "trainer.parallel.apply", "trainer.checkpoint.manager",
+             "trainer.parallel.build", "trainer.parallel.apply", "trainer.checkpoint.manager",
              "trainer.checkpoint.options", "trainer.models.layers", "trainer.models.moe"]
     assert {m: sorted(d for d in graph[m] if d.startswith("trainer.config")) for m in below} == {m: [] for m in below}

@@ -97,7 +97,7 @@ def build_parallel_model(
     """Apply CP -> TP -> EP -> FP8 -> AC -> compile -> FSDP2 to a meta-device model, in place.
 
     The model stays on the meta device; the caller materializes it (`to_empty`) and calls `init_weights`
-    (trainer.parallel.builder does both), so no rank ever holds more than its shards.
+    (trainer.parallel.build does both), so no rank ever holds more than its shards.
     """
     pd, o = parallel_dims, options
 

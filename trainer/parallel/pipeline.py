@@ -2,7 +2,7 @@
 
 The layout arithmetic (splits, which rank runs which stage, the bubble) is trainer/parallel/pipeline_layout.py.
 The model is split by fqn. Every stage module is the whole model, built on the meta
-device by the same builder as at pp=1 (`trainer.parallel.builder.build_model_part`, any family), with
+device by the same builder as at pp=1 (`trainer.parallel.build.build_model_part`, any family), with
 the blocks of other stages deleted and, off the edge stages, the embedding, final norm
 and output head set to None (the torchtitan way), so every parameter keeps the fqn it
 has in the full model: FP8 filters, the TP plan, checkpoints (DCP reshards by fqn) and
@@ -34,7 +34,7 @@ from trainer.log import info_silenced
 from trainer.loss import local_loss
 from trainer.models import ModelArgs
 from trainer.parallel.apply import BuildOptions
-from trainer.parallel.builder import build_model_part
+from trainer.parallel.build import build_model_part
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report
 from trainer.parallel.parallel_dims import ParallelDims
@@ -113,7 +113,7 @@ class Pipeline:
                 logger.info("pipeline stage %d/%d first (this rank's others are built alike, the split follows):",
                             sid, options.num_stages)
             with info_silenced() if parts else contextlib.nullcontext():
-                # The same builder as the pp=1 model's (trainer.parallel.builder), on this stage's modules.
+                # The same builder as the pp=1 model's (trainer.parallel.build), on this stage's modules.
                 part, result = build_model_part(model_args, parallel_dims, options=build, device=device, seed=seed,
                                                 fqns=options.stage_fqns[sid])
             parts.append(part)

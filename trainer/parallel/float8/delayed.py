@@ -69,7 +69,7 @@ class DelayedScaling(StepHook):
         e4m3_max = torch.finfo(E4M3).max
         self.fp8_max = torch.tensor([[e4m3_max, e4m3_max, g] for g in grad_max], dtype=torch.float32,
                                     device=device).reshape(len(mods), len(OPERANDS))
-        # The buffers were made on the meta device and materialized uninitialized (trainer.parallel.builder).
+        # The buffers were made on the meta device and materialized uninitialized (trainer.parallel.build).
         for m in mods:
             m.amax.zero_()
             m.scale.fill_(1.0)
