@@ -1,7 +1,7 @@
 """`train.precision_schedule`: several precisions in one run, e.g. bf16 warm-up, fp8 body, bf16 cool-down.
 
 The syntax (["bf16:2000", "fp8:9500", "bf16"]: bf16 for steps 1-2000, fp8 for 2001-9500,
-bf16 to train.steps) is parsed by `trainer.precision_phases`.
+bf16 to train.steps) is parsed by `trainer.config.phases`.
 
 Each phase is what the checkpoint-and-relaunch pattern does (docs/checkpointing.md), in one
 process: the phase's job (a `ResolvedJob` with its precision, and its last step as the step
@@ -26,7 +26,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.precision_phases import Phase, parse_precision_schedule, phase_index  # noqa: F401  (re-exported)
+from trainer.config.phases import Phase, parse_precision_schedule, phase_index  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig

@@ -99,10 +99,10 @@ def test_config_checks_and_schedule_syntax_are_leaves() -> None:
     # The config imports its checks, which import the precision-schedule syntax, the model-argument rules and
     # the seed ranges: none may reach back.
     graph = import_graph()
-    assert graph["trainer.config.checks"] <= {"trainer.errors", "trainer.precision_phases", "trainer.seeds",
+    assert graph["trainer.config.checks"] <= {"trainer.errors", "trainer.config.phases", "trainer.seeds",
                                               "trainer.model_values"}
     assert graph["trainer.model_values"] <= {"trainer.errors"}
-    assert graph["trainer.precision_phases"] <= {"trainer.errors"}
+    assert graph["trainer.config.phases"] <= {"trainer.errors"}
     assert graph["trainer.seeds"] == set()
     assert graph["trainer.hooks"] == set()
 
@@ -114,7 +114,7 @@ def test_config_imports_nothing_above_it() -> None:
     graph = import_graph()
     config = {m for m in graph if m == "trainer.config" or m.startswith("trainer.config.")}
     assert {"trainer.config.sections", "trainer.config.checks", "trainer.config.load"} <= config
-    leaves = {"trainer.errors", "trainer.precision_phases", "trainer.seeds", "trainer.model_values"}
+    leaves = {"trainer.errors", "trainer.config.phases", "trainer.seeds", "trainer.model_values"}
     above = {m: sorted(d for d in graph[m] if d not in config | leaves) for m in sorted(config)}
     assert {m: deps for m, deps in above.items() if deps} == {}
     assert not any(d.startswith("trainer.validate") for m in config for d in graph[m])

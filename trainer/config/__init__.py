@@ -9,6 +9,7 @@ names the key, before any process group, data or model exists.
     model_sections.py  [model] and [moe], generated from the model's dataclasses (trainer.model_values)
     docstrings.py  the docstring under each field: what --help and docs/config.md say of each key
     checks.py      the checks on the config alone, run by JobConfig when built (imports only torch-free leaves)
+    phases.py      the syntax of train.precision_schedule (a leaf the checks need; trainer/run/ runs the phases)
     load.py        TOML + command line -> JobConfig, every bad value one line
     reference.py   `train.py --help [SECTION]` and docs/config.md (`python -m trainer.config --markdown`)
 """

@@ -3,7 +3,7 @@
 `JobConfig.__post_init__` runs `check_config`, so a bad TOML file or override fails while it
 is parsed, before anything is built; `trainer.validate.validate_job` adds what needs the world
 size, the model's shapes and the data. It imports nothing of the trainer but leaves: the errors,
-the precision-schedule syntax (trainer.precision_phases), the model-argument rules
+the precision-schedule syntax (trainer.config.phases), the model-argument rules
 (trainer.model_values) and the seed ranges (trainer.seeds), none of which imports torch, so
 loading a config (and `--help`) stays torch-free (tests/unit/test_config.py). `cfg` is a
 `trainer.config.JobConfig`, typed `Any`: sections.py imports this module to run it, and naming
@@ -18,7 +18,7 @@ from typing import Any
 
 from trainer.errors import ConfigError
 from trainer.model_values import RULES, value_problem
-from trainer.precision_phases import parse_precision_schedule
+from trainer.config.phases import parse_precision_schedule
 from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
 
