@@ -15,7 +15,7 @@ from __future__ import annotations
 from trainer.config import JobConfig
 from trainer.model_values import num_params_for
 from trainer.models import family_of
-from trainer.run_files import describe_documents, describe_precision
+from trainer.validate.run_files import describe_documents, describe_precision
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.memory import planned_gpus
 from trainer.validate.plan import LOWER_THE_PEAK, human_size

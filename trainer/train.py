@@ -44,7 +44,7 @@ from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
 from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
-from trainer.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
+from trainer.validate.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
 from trainer.run_lock import check_writable, lock_run_folders, output_folders, release_all
 from trainer.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep  # noqa: F401  (re-export)
 from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)

@@ -272,7 +272,7 @@ def test_the_cluster_sbatch_validates_at_16_gpus(tmp_path: Path, on_h100) -> Non
     job = validate_job(cfg, world_size=16)
     assert job.parallel_dims.dp_shard == 16 and job.validation_source is not None and job.build.float8 is not None
     # The header lines the page says are computed from the config by the same code: the precision line.
-    from trainer.run_files import describe_precision
+    from trainer.validate.run_files import describe_precision
 
     precision = describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
                                    build=job.build, float8_layers=job.float8_layers)

@@ -12,6 +12,9 @@ or override fails while parsing, without importing torch); this pass adds the re
     options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
                        checkpoint): the Trainer reads no JobConfig
 
+    run_files.py       what the run writes beside itself (config.toml, resolved.toml, fp8_layers.json) and the
+                       startup lines that describe the precision and the documents
+
     ranks.py           after the process group exists (the Trainer's first act): every rank's job is rank 0's
 
 `validate_job` runs the first five in that order on every rank before `init_distributed` does any
@@ -34,7 +37,7 @@ from trainer.config import JobConfig
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
-from trainer.run_files import run_file_texts
+from trainer.validate.run_files import run_file_texts
 from trainer.validate.initial import checkpoint_shape
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import Target, check_fits_device, check_step_fits_device, this_machine
@@ -71,7 +74,7 @@ class ResolvedJob:
     profiling: ProfilingOptions
     checkpoint: CheckpointOptions
     run_files: tuple[tuple[str, str], ...]
-    """(name, text) of config.toml, resolved.toml and (fp8) fp8_layers.json (trainer.run_files), written by rank 0."""
+    """(name, text) of config.toml, resolved.toml and (fp8) fp8_layers.json (run_files.py), written by rank 0."""
     validation: ValidationOptions | None = None
     """When validation.enable."""
     validation_source: Any = None

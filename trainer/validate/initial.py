@@ -86,7 +86,7 @@ def _resumes(cfg: JobConfig) -> bool:
 def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """([model] values, [moe] values, the config's keys that replace the checkpoint's) of the checkpoint's model; a
     ConfigError naming every key the config sets that sizes a weight (the model's `weight_fields`) to another value."""
-    from trainer.run_files import model_section_values
+    from trainer.validate.run_files import model_section_values
 
     model = model_section_values(saved)
     moe_model = family_of(saved).has_router

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ConfigError
-from trainer.run_files import RESOLVED
+from trainer.validate.run_files import RESOLVED
 
 if TYPE_CHECKING:
     from trainer.validate import ResolvedJob

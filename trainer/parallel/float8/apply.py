@@ -44,8 +44,8 @@ def apply_float8(model: nn.Module, options: Float8Options, *, device: torch.devi
 
 
 def fp8_layers_json(options: Float8Options, layers: dict[str, str]) -> dict:
-    """fp8_layers.json (trainer.run_files): each converter's part (the Linears': recipe, format, scaling), then every
-    Linear's fate (`layers`: fqn -> "converted" or why not, from the validation pass)."""
+    """fp8_layers.json (trainer/validate/run_files.py): each converter's part (the Linears': recipe, format,
+    scaling), then every Linear's fate (`layers`: fqn -> "converted" or why not, from the validation pass)."""
     fields: dict = {}
     for converter in float8_converters(options):
         fields |= converter.fp8_layers_fields()
