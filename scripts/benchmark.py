@@ -18,7 +18,7 @@ do that to a training run's. An override `--job.dump_folder` is refused for the 
 
 Everything after `--` is a normal config override. Prints, per precision: tokens/s per
 GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
-the GPU's dense bf16 peak from trainer.metrics.PEAK_BF16_FLOPS (the same table the
+the GPU's dense bf16 peak from trainer.metrics.logger.PEAK_BF16_FLOPS (the same table the
 training log uses; n/a on CPU or an unknown GPU), peak memory beside the dry run's estimate of it, and the speedup over
 the first precision. After --warmup steps (compilation happens there), --steps steps run back
 to back as in training and are timed together between two device syncs.
@@ -50,7 +50,7 @@ from trainer.cli import dry_run_flags
 from trainer.config import ConfigError, load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.log import setup_logging
-from trainer.metrics import device_peak_flops
+from trainer.metrics.logger import device_peak_flops
 from trainer.models import flops_per_token
 from trainer.parallel.compile import CompileTimes
 from trainer.train import Trainer, build_trainer
@@ -129,7 +129,7 @@ def time_optimizer(runner: Trainer, *, repeats: int = 10) -> tuple[float, list[t
 
 def profile_optimizer(runner: Trainer, trace_dir: Path) -> None:
     """Trace one optimizer step (after a forward/backward) and print its kernel summary: where its time goes."""
-    from trainer.trace_summary import format_summary, load_trace_events, summarize_events
+    from trainer.metrics.trace_summary import format_summary, load_trace_events, summarize_events
 
     runner.step_fn.forward_backward(runner.data_loader.next_batch())
     sync(runner.device)
@@ -258,7 +258,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
 
 def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     """Trace a few more steps and print the kernel summary (where the time goes)."""
-    from trainer.trace_summary import format_summary, load_trace_events, summarize_events
+    from trainer.metrics.trace_summary import format_summary, load_trace_events, summarize_events
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     path = trace_dir / _trace_name("trace", runner)

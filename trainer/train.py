@@ -30,7 +30,7 @@ from trainer.evaluate import Evaluator
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
 from trainer.loss import LossFn, build_loss_fn
-from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
+from trainer.metrics.logger import MetricsLogger, StepStats, device_peak_flops
 from trainer.model_values import num_params_for
 from trainer.models import family_of, flops_per_token
 from trainer.models.moe_balancer import MoEBalancer
@@ -43,7 +43,7 @@ from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.precision_schedule import PrecisionSchedule, free_memory
-from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
+from trainer.metrics.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.validate.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
 from trainer.run_lock import check_writable, lock_run_folders, output_folders, release_all
 from trainer.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep  # noqa: F401  (re-export)

@@ -99,7 +99,7 @@ def test_an_offline_run_records_the_metrics_and_a_resume_continues_it(tmp_path: 
 
 
 def test_a_failed_login_or_log_is_one_warning_and_training_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
-    from trainer.metrics import MetricsLogger, StepStats
+    from trainer.metrics.logger import MetricsLogger, StepStats
     from trainer.metrics.wandb_run import WandbOptions, WandbRun
 
     import torch

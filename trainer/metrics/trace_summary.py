@@ -2,7 +2,7 @@
 communication, the rest), the top ops, and whether FP8 GEMMs really ran.
 
 Pure functions over Chrome-trace events, read from a file: the live profiler
-(trainer/profiling.py) and scripts/summarize_trace.py summarize the same file the same way.
+(trainer/metrics/profiling.py) and scripts/summarize_trace.py summarize the same file the same way.
 docs/debug.md says how to read the summary.
 """
 
