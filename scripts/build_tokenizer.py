@@ -49,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import DataError  # noqa: E402
-from trainer.confine import special_file_problem  # noqa: E402
+from trainer.files.confine import special_file_problem  # noqa: E402
 from trainer.data.inputs import MAX_DOCUMENT_BYTES, expand_inputs, read_documents  # noqa: E402
 
 EOS = "<|endoftext|>"

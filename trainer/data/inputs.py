@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer.confine import special_file_problem
+from trainer.files.confine import special_file_problem
 from trainer.data.shards import DataError
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")

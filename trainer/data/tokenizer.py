@@ -4,7 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from trainer.confine import outside_problem, special_file_problem
+from trainer.files.confine import outside_problem, special_file_problem
 from trainer.data.shards import DataError
 
 # Tried in order; the first one the vocabulary has is the end-of-document token.

@@ -6,12 +6,12 @@ Export writes `config.json` and either `model.safetensors` or, above `max_shard_
 holds more than one shard in memory. Files are written 0644 (safetensors alone would
 leave them 0600) into `{out}.tmp`, which is renamed when complete. The output folder must be new, empty
 or an earlier export (moved aside to `{out}.old`, never deleted): a folder holding checkpoints or
-anything else is refused before anything is written (trainer/output_folder.py).
+anything else is refused before anything is written (trainer/files/output_folder.py).
 
 What each of our tensors is called there, and how it is cut or permuted, is the family's
 (`trainer.hf.llama`, `trainer.hf.moe`): one `Spec` per tensor of ours.
 Needs the `safetensors` package (the `hf` extra). Reading runs no code from the folder:
-only safetensors and JSON are read, and only files that resolve inside the folder (trainer/confine.py).
+only safetensors and JSON are read, and only files that resolve inside the folder (trainer/files/confine.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.confine import outside_problem, special_file_problem
+from trainer.files.confine import outside_problem, special_file_problem
 from trainer.errors import UserError
-from trainer.output_folder import EXPORT, prepare_output, publish_output
+from trainer.files.output_folder import EXPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.hf")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from trainer.errors import UserError
 
-logger = logging.getLogger("trainer.output_folder")
+logger = logging.getLogger("trainer.files.output_folder")
 
 # The names a training checkpoint folder uses (trainer/checkpoint/format.py STEP_DIR): an output named so would be
 # taken for a checkpoint, or be an interrupted save, by the run that owns the folder.
