@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> str:
     import torch
 
     from trainer.checkpoint import load_model, resolve_checkpoint
-    from trainer.generate import generate
+    from trainer.models.generate import generate
     from trainer.models import num_params
 
     device = check_device(args.device)
