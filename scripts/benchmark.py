@@ -53,7 +53,7 @@ from trainer.log import setup_logging
 from trainer.metrics.logger import device_peak_flops
 from trainer.models import flops_per_token
 from trainer.parallel.compile import CompileTimes
-from trainer.train import Trainer, build_trainer
+from trainer.run.train import Trainer, build_trainer
 
 
 
@@ -284,7 +284,7 @@ def _rank_header(runner: Trainer) -> str:
 
 def dry_run_precisions(argv: list[str], args: argparse.Namespace, plan: dict) -> int:
     """--dry-run: each precision's job validated for its ranks (the emulated GPUs with --emulate-gpus) and planned."""
-    from trainer.dry_run import EXIT_DOES_NOT_FIT, dry_run
+    from trainer.run.dry_run import EXIT_DOES_NOT_FIT, dry_run
     from trainer.errors import UserError
 
     if args.emulate_gpus:

@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 # Imported once by the fork server (what every test's ranks import anyway), so no rank imports them again.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchao.float8", "trainer.train",
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchao.float8", "trainer.run.train",
             "trainer.config", "tests.helpers"]
 _context: Any = None
 
@@ -139,11 +139,11 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), timeout:
 
 
 def train_and_read_metrics(args: list[str], dump: str) -> list[dict]:
-    """A whole training run in this process (trainer.train.train: validate, build, train, tear down), as each
+    """A whole training run in this process (trainer.run.train.train: validate, build, train, tear down), as each
     rank of a torchrun launch runs it; rank 0 returns the metrics.jsonl rows, the others []."""
     from tests.helpers import read_metrics
     from trainer.config import load_job_config
-    from trainer.train import train
+    from trainer.run.train import train
 
     train(load_job_config([*args, f"--job.dump_folder={dump}"]))
     return read_metrics(Path(dump)) if os.environ["RANK"] == "0" else []
@@ -222,7 +222,7 @@ def gradients_of_one_step(args: list[str], dump: str) -> dict:
     gradients, gathered to rank 0 (gathered_gradients)."""
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:
@@ -256,7 +256,7 @@ def saved_bytes_of_one_forward(args: list[str], dump: str) -> int:
 
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     storages: dict[int, int] = {}

@@ -179,9 +179,9 @@ def test_the_trainer_reads_no_config() -> None:
     takes the job alone (trainer.validate resolves every decision; train() holds the config)."""
     import inspect
 
-    from trainer.train import Trainer
+    from trainer.run.train import Trainer
 
-    assert config_reads((REPO / "trainer" / "train.py").read_text(encoding="utf-8"), "Trainer") == []
+    assert config_reads((REPO / "trainer" / "run" / "train.py").read_text(encoding="utf-8"), "Trainer") == []
     assert list(inspect.signature(Trainer.__init__).parameters) == ["self", "job"]
     # The check sees a read reintroduced in any form.
     planted = "class Trainer:\n    def run(self):\n        return self.cfg.train.steps, JobConfig\n"
@@ -192,7 +192,7 @@ def test_below_the_trainer_nothing_takes_the_config() -> None:
     """The step, the pipeline, the builder, the checkpoint manager and the model never import trainer.config: they
     take narrow typed options (the validation pass resolves them)."""
     graph = import_graph()
-    below = ["trainer.step", "trainer.parallel.pipeline", "trainer.parallel.pipeline_layout",
+    below = ["trainer.run.step", "trainer.parallel.pipeline", "trainer.parallel.pipeline_layout",
              "trainer.parallel.build", "trainer.parallel.apply", "trainer.checkpoint.manager",
              "trainer.checkpoint.options", "trainer.models.layers", "trainer.models.moe"]
     assert {m: sorted(d for d in graph[m] if d.startswith("trainer.config")) for m in below} == {m: [] for m in below}

@@ -57,7 +57,7 @@ def config_of(records: list) -> dict:
 
 def train(dump: Path, steps: int) -> list[dict]:
     from trainer.distributed import destroy_distributed
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     cfg = load_job_config(["--config", DEBUG_CONFIG, f"--train.steps={steps}", "--metrics.log_freq=1",
                            "--metrics.wandb=true", "--metrics.wandb_project=tests", "--metrics.wandb_tags=a,b",

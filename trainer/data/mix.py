@@ -65,7 +65,7 @@ class MixEntry:
 @dataclass(frozen=True)
 class HeldOutMixture:
     """A mixture's held-out sources, one per training source (data.mix[].validation_path): validation reports each
-    source's loss and their mean weighted as the training mixture is (trainer/evaluate.py)."""
+    source's loss and their mean weighted as the training mixture is (trainer/run/evaluate.py)."""
 
     entries: tuple[MixEntry, ...]
 

@@ -147,7 +147,7 @@ def _all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
 def apply_cp(model: nn.Module, cp: ContextParallel, *, seq_len: int) -> str:
     """Context parallelism with the layout `cp` for sequences of seq_len tokens, in place: global RoPE positions,
     the K/V all-gather attention, and the MoE layers' aux loss over whole sequences. Before TP/EP, FP8, AC,
-    compile and FSDP2 wrap the model. The step cuts each batch to this rank's chunks (trainer.step.TrainStep)."""
+    compile and FSDP2 wrap the model. The step cuts each batch to this rank's chunks (trainer.run.step.TrainStep)."""
     model.set_context_parallel(cp)
     num_attention = num_moe = 0
     for module in model.modules():

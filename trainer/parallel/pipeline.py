@@ -196,7 +196,7 @@ class Pipeline:
         """Run the schedule over each batch of the optimizer step; gradients accumulate in the parameters.
 
         loss_factor: what each microbatch's summed loss is multiplied by before its backward (loss scale x
-        the step's data-parallel ranks / its valid labels: trainer/step.py). loss_context: entered around each
+        the step's data-parallel ranks / its valid labels: trainer/run/step.py). loss_context: entered around each
         schedule step, i.e. around the loss's forward and backward (TP's loss_parallel, for logits sharded
         over the vocabulary). Returns the sum of the microbatches' losses x loss_factor / loss_scale on every
         pp rank (sent from the last stage by a sum over the pp group, where only the last stage's ranks hold

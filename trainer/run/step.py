@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from trainer.errors import UserError
 from trainer.loss import IGNORE_INDEX, local_loss
 from trainer.models.moe import MoE, set_aux_loss_scale
-from trainer.train_state import TrainState
+from trainer.run.train_state import TrainState
 
 if TYPE_CHECKING:
     from trainer.parallel.context_parallel import ContextParallel

@@ -11,7 +11,7 @@ that resumes that checkpoint. Every phase's config keeps train.steps = the whole
 LR schedule, the log's step counter and the final checkpoint/export are the run's, not the
 phase's. The process group, the run lock and metrics.jsonl are the run's too.
 
-`PrecisionSchedule` holds the phases and makes each phase's job; `trainer.train.train` runs
+`PrecisionSchedule` holds the phases and makes each phase's job; `trainer.run.train.train` runs
 them one Trainer at a time (`run_schedule`), so nothing passes the Trainer class around.
 
 A relaunch of the same command (after a preemption or a kill) resumes the latest checkpoint
@@ -26,7 +26,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.config.phases import Phase, parse_precision_schedule, phase_index  # noqa: F401  (re-exported)
+from trainer.config.phases import Phase, parse_precision_schedule, phase_index
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
