@@ -77,7 +77,7 @@ def export(args: argparse.Namespace) -> None:
 
     from trainer.checkpoint import args_from_json, load_full_model_weights, resolve_checkpoint
     from trainer.hf import family, require_safetensors, write_hf_export
-    from trainer.files.output_folder import EXPORT, check_output
+    from trainer.hf.output_folder import EXPORT, check_output
 
     require_safetensors("export")
     check_output(args.out, kind=EXPORT)  # before reading any weights: never into a folder of checkpoints
@@ -101,7 +101,7 @@ def import_hf(args: argparse.Namespace) -> None:
     from trainer.hf import read_hf_config
     from trainer.hf.tokenizer import folder_tokenizer
     from trainer.models import family_of, model_args_for
-    from trainer.files.output_folder import IMPORT, check_output
+    from trainer.hf.output_folder import IMPORT, check_output
 
     check_output(args.out, kind=IMPORT)  # before reading any weights: never into a folder of checkpoints
     tokenizer = folder_tokenizer(Path(args.hf_folder))  # copied into the checkpoint, as a run's is

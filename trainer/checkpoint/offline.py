@@ -43,7 +43,7 @@ from trainer.checkpoint.verify import (
 from trainer.model_values import param_count
 from trainer.models.layers import Decoder, rope_table_bytes
 from trainer.models.llama import ModelArgs, rope_cache
-from trainer.files.output_folder import IMPORT, prepare_output, publish_output
+from trainer.hf.output_folder import IMPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -62,7 +62,7 @@ def save_model_only(
     """A model-only DCP checkpoint (for checkpoint.initial_load_path) from full tensors, in one process.
 
     `path` must be new, empty or an earlier import (moved aside to `{path}.old`); anything else, a
-    folder of checkpoints above all, is refused in one line (trainer/files/output_folder.py).
+    folder of checkpoints above all, is refused in one line (trainer/hf/output_folder.py).
     """
     tmp = prepare_output(path, kind=IMPORT)
     with _single_process():

@@ -1,7 +1,6 @@
-"""Files the trainer did not write itself, and folders it publishes: the floor checkpoint/, hf/ and data/ stand on.
+"""Files the trainer did not write itself, and the rename that publishes what it writes: leaves that checkpoint/,
+hf/, data/ and metrics/ stand on (they import nothing of the trainer: callers raise their own error types).
 
-    confine.py        reads confined to a folder: no symlink out of it, no FIFO or device, no file of absurd size
-    output_folder.py  where an export or an import writes: a new, empty or earlier output folder, published whole
-
-Each says what is wrong in one line; its callers raise their own error type (CheckpointError, ExportError, DataError).
+    confine.py  reads confined to a folder: no symlink out of it, no FIFO or device, no file of absurd size
+    publish.py  publishing by rename: a folder's entries made durable, the name an earlier folder is moved aside to
 """

@@ -6,7 +6,7 @@ Export writes `config.json` and either `model.safetensors` or, above `max_shard_
 holds more than one shard in memory. Files are written 0644 (safetensors alone would
 leave them 0600) into `{out}.tmp`, which is renamed when complete. The output folder must be new, empty
 or an earlier export (moved aside to `{out}.old`, never deleted): a folder holding checkpoints or
-anything else is refused before anything is written (trainer/files/output_folder.py).
+anything else is refused before anything is written (trainer/hf/output_folder.py).
 
 What each of our tensors is called there, and how it is cut or permuted, is the family's
 (`trainer.hf.llama`, `trainer.hf.moe`): one `Spec` per tensor of ours.
@@ -28,7 +28,7 @@ import torch
 
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.errors import UserError
-from trainer.files.output_folder import EXPORT, prepare_output, publish_output
+from trainer.hf.output_folder import EXPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.hf")
 
