@@ -12,14 +12,17 @@ once with 130.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import NoReturn
 
 from trainer.config import ConfigError, load_job_config, section_help, usage
 from trainer.errors import UserError
+from trainer.log import setup_logging
 from trainer.run.train_state import EXIT_INTERRUPTED, EXIT_PREEMPTED, StoppedBeforeFirstStep
 
 logger = logging.getLogger("trainer")
@@ -62,8 +65,6 @@ def dry_run_flags(argv: list[str]) -> tuple[list[str], dict | None]:
 def _quiet_disk_errors_in_threads() -> None:
     """A full disk in a writer's thread (TensorBoard's) prints nothing there: the main thread's next write raises
     it again, and main() says it in one line. Other thread errors keep their traceback."""
-    import threading
-
     from trainer.checkpoint.format import disk_error
 
     default = threading.excepthook
@@ -89,8 +90,6 @@ def exit_process(code: int) -> NoReturn:
     normally."""
     if code not in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
         sys.exit(code)
-    import atexit
-
     atexit._run_exitfuncs()  # logging.shutdown among them: every line is written before the process ends
     sys.stdout.flush()
     sys.stderr.flush()
@@ -98,8 +97,6 @@ def exit_process(code: int) -> NoReturn:
 
 
 def main(argv: list[str]) -> int:
-    from trainer.log import setup_logging
-
     rank = int(os.environ.get("RANK", "0"))
     # One line per node, not one per rank: every rank hits the same user error.
     speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from trainer.optim.adamw import AdamW
-from trainer.optim.update import random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
 from trainer.config import load_job_config
 from trainer.errors import UserError
+from trainer.optim.adamw import AdamW
+from trainer.optim.update import random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
 from trainer.validate import validate_job
 
 BETAS = (0.9, 0.95)

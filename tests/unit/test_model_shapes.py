@@ -13,8 +13,8 @@ from trainer.checkpoint.verify import check_model_matches
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, build_model
-from trainer.validate.run_files import model_keys
 from trainer.validate import validate_job
+from trainer.validate.run_files import model_keys
 
 DEBUG_AS_NUMBERS = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
                     "--model.ffn_dim=384", "--model.vocab_size=512", "--model.rope_theta=10000",

@@ -12,14 +12,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.state import RunInfo, model_state_dict
+from trainer.hf import check_exportable, require_safetensors, resolve_tokenizer, write_hf_export
 
 
 def prepare_export(run: RunInfo) -> Any:
     """Before training, on every rank: what the final export needs is there (safetensors, a Hugging Face target
     for the model's options, the run's tokenizer unchanged), so a run that cannot export stops before it trains.
     Returns the tokenizer to copy (an ExportTokenizer) or None."""
-    from trainer.hf import check_exportable, require_safetensors, resolve_tokenizer
-
     require_safetensors("checkpoint.model_only=true (a safetensors export)")
     check_exportable(run.model_args)
     return resolve_tokenizer(run.tokenizer, fingerprint=run.tokenizer_fingerprint) if run.tokenizer else None
@@ -34,8 +33,6 @@ def export_gathered(model: nn.Module, path: Path, *, args: Any, dtype: torch.dty
     by a send over `p2p_group`, after `before_p2p()` (the manager waits for a background save,
     which may be using that group). `tokenizer` (an ExportTokenizer) is copied into the export.
     """
-    from trainer.hf import write_hf_export
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sd = model_state_dict(model)
     # Every rank's keys, in rank order: under pipeline parallelism ranks hold different stages.

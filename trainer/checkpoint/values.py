@@ -27,6 +27,7 @@ from trainer.checkpoint.format import (
     CHECKPOINT_JSON, E4M3, PER_PARAMETER, SCALE_SUFFIX, STATE_BLOCK, STEP_KEY, CheckpointError,
 )
 from trainer.model_values import Rule, num_tensors, param_count, rule_problem
+from trainer.models import build_model
 
 # The dtypes this trainer writes model weights, expert biases and per-parameter state in (the master dtype, or
 # optimizer.exp_avg_dtype / exp_avg_sq_dtype; an e4m3 entry is allowed with its block scales alone: format.py).
@@ -86,8 +87,6 @@ def model_shapes(args: Any) -> dict[str, tuple[int, ...]]:
 
     Call after `check_args_fit_files`: building a model of a crafted n_layers would take as long as its layers.
     """
-    from trainer.models import build_model
-
     with torch.device("meta"):
         model = build_model(args)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

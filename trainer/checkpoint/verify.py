@@ -43,9 +43,9 @@ from trainer.checkpoint.format import (
 )
 from trainer.checkpoint.state import RunInfo, args_from_json, model_state_dict
 from trainer.checkpoint.values import CHECKPOINT_FIELDS, check_fields, check_index_entries, check_state_values
+from trainer.errors import on_every_rank
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.files.json_object import read_json_object
-from trainer.errors import on_every_rank
 
 logger = logging.getLogger("trainer.checkpoint")
 

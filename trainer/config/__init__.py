@@ -15,8 +15,8 @@ names the key, before any process group, data or model exists.
 """
 
 from trainer.config.checks import check_config
-from trainer.config.load import load_job_config, parse_overrides, read_toml
 from trainer.config.docstrings import field_docs
+from trainer.config.load import load_job_config, parse_overrides, read_toml
 from trainer.config.reference import config_markdown, section_help, usage
 from trainer.config.sections import (
     _SECTIONS, SECTION_HELP, CheckpointSection, DataSection, DistributedSection, Float8Section, JobConfig, JobSection,

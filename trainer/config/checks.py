@@ -13,12 +13,13 @@ JobConfig here, even only for type checkers, would tie the two into a circle.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from typing import Any
 
+from trainer.config.phases import parse_precision_schedule
 from trainer.errors import ConfigError
 from trainer.model_values import RULES, value_problem
-from trainer.config.phases import parse_precision_schedule
 from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
 
@@ -299,8 +300,6 @@ def _check_wandb(cfg: Any) -> None:
     m = cfg.metrics
     if not m.wandb:
         return
-    import importlib.util
-
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb=true needs the wandb package: pip install 'trainer[wandb]' (or set "
                           "metrics.wandb=false)")

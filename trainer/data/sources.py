@@ -9,8 +9,10 @@ and the extra token is the label of the last input.
 
 import functools
 import hashlib
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
 
@@ -101,8 +103,6 @@ class ShardSource:
 @functools.cache
 def _default_tokens() -> np.ndarray:
     # Ships with every CPython, so the default run needs no download.
-    from pydoc_data.topics import topics
-
     return _byte_documents(topics[key] for key in sorted(topics))
 
 
@@ -113,9 +113,6 @@ def _stdlib_tokens() -> np.ndarray:
     About 27x the default corpus: enough that a few hundred steps of a 1B model
     see each token about once, instead of memorizing the topics.
     """
-    import sysconfig
-    from pathlib import Path
-
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
         f for f in root.rglob("*.py")

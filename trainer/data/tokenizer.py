@@ -3,9 +3,9 @@
 import hashlib
 from pathlib import Path
 
+from trainer.data.shards import DataError
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.files.json_object import read_json_object
-from trainer.data.shards import DataError
 
 # Tried in order; the first one the vocabulary has is the end-of-document token.
 _EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")

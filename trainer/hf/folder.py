@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from trainer.errors import UserError
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.files.json_object import read_json_object
-from trainer.errors import UserError
 from trainer.hf.output_folder import EXPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.hf")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
@@ -302,8 +303,6 @@ def _fill(param: torch.Tensor, fqn: str, *, seed: int, std: float | None) -> Non
     gen.manual_seed(param_seed(seed, fqn))
     nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         full = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
     local.copy_(full)

@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.hooks import StepHook
+from trainer.models.layers import clean_fqn
 from trainer.models.moe import STAT_AUX, STAT_CALLS, STAT_DROPPED, MoE
 
 
@@ -32,8 +34,6 @@ class MoEBalancer(StepHook):
     """
 
     def __init__(self, model: nn.Module, *, bias_update_rate: float, stage_group: Any = None, pp_group: Any = None):
-        from trainer.models.layers import clean_fqn
-
         self.layers: list[tuple[str, MoE]] = [
             (clean_fqn(fqn).split(".")[1], m) for fqn, m in model.named_modules() if isinstance(m, MoE)
         ]
@@ -47,8 +47,6 @@ class MoEBalancer(StepHook):
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int, found_inf: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         if not self.layers:
             return
         stats = torch.stack([m.stats for _, m in self.layers])
@@ -65,8 +63,6 @@ class MoEBalancer(StepHook):
         """Since the last log: per layer and overall load imbalance (max/mean tokens per expert), aux
         loss (unscaled per layer; `aux_loss` = sum over layers of aux_loss_coef x layer aux loss, the
         term the objective adds), fraction of assignments dropped. note: a host sync."""
-        import torch.distributed as dist
-
         layers = self._layer_metrics()
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
             parts: list[Any] = [None] * dist.get_world_size(self.pp_group)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from trainer.log import info_silenced
@@ -76,8 +77,6 @@ class PipelineModel(nn.Module):
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import schedules
-
     return {
         "GPipe": schedules.ScheduleGPipe,
         "1F1B": schedules.Schedule1F1B,
@@ -158,8 +157,6 @@ class Pipeline:
         return self.options.num_microbatches
 
     def _build_schedule(self, parts: list[nn.Module]):
-        from torch.distributed.pipelining import PipelineStage
-
         o = self.options
         # The boundary shapes are given, not inferred: torch would otherwise run each stage once on
         # placeholder tensors at the first step, and an MoE layer would count that forward's routing.

@@ -37,7 +37,6 @@ from trainer.config import JobConfig
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
-from trainer.validate.run_files import run_file_texts
 from trainer.validate.initial import checkpoint_shape
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import Target, check_fits_device, check_step_fits_device, this_machine
@@ -49,6 +48,7 @@ from trainer.validate.plan import MemoryPlan, human_size, plan_memory
 from trainer.validate.precision import resolve_auto_precision
 from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices, resolve_build, resolve_data, resolve_float8,
                                       resolve_fsdp, resolve_model_args)
+from trainer.validate.run_files import run_file_texts
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from trainer.config import JobConfig
 from trainer.config.checks import mix_names
 from trainer.config.model_sections import key_fields, overrides, shape_sections
 from trainer.data.loader import build_source, shard_paths
-from trainer.data.tokenizer import eos_id
 from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
+from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
 from trainer.model_values import values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
