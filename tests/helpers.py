@@ -87,7 +87,10 @@ def reap(tag: str | None = None, timeout: float = 20) -> dict[int, str]:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    while (left := owned_processes(tag)) and time.monotonic() < deadline:
+    # A killed process drops its environment before it is gone, so owned_processes stops seeing it while the kernel
+    # still tears it down: wait on the pids themselves too, until each has left /proc or is a zombie.
+    while (left := {**owned_processes(tag), **{pid: alive[pid] for pid in alive if _running(pid)}}) \
+            and time.monotonic() < deadline:
         for pid in left:  # our own children become zombies until waited for
             try:
                 os.waitpid(pid, os.WNOHANG)
@@ -97,6 +100,14 @@ def reap(tag: str | None = None, timeout: float = 20) -> dict[int, str]:
     if left:
         raise RuntimeError(f"could not reap test processes: {left}")
     return alive
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is in /proc and not yet a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def launch_ok(args: list[str], dump: Path, *, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
