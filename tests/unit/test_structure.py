@@ -97,11 +97,12 @@ def test_circle_finder_finds_a_circle() -> None:
 
 
 def test_config_checks_and_schedule_syntax_are_leaves() -> None:
-    # The config imports its checks, which import the precision-schedule syntax, the model-argument rules and
-    # the seed ranges: none may reach back.
+    # JobConfig (config/job.py) runs its checks, which read the sections and import the precision-schedule syntax,
+    # the model-argument rules and the seed ranges: none may reach back, and the sections never import the checks.
     graph = import_graph()
     assert graph["trainer.config.checks"] <= {"trainer.errors", "trainer.config.phases", "trainer.seeds",
-                                              "trainer.model_values"}
+                                              "trainer.model_values", "trainer.config.sections"}
+    assert not _reached(graph, {"trainer.config.sections"}) & {"trainer.config.checks", "trainer.config.job"}
     assert graph["trainer.model_values"] <= {"trainer.errors"}
     assert graph["trainer.config.phases"] <= {"trainer.errors"}
     assert graph["trainer.seeds"] == set()

@@ -47,6 +47,14 @@ class Reconciles(Protocol):
     def reconcile(self, sd: dict[str, Any], saved: dict[str, TensorStorageMetadata]) -> str | None: ...
 
 
+class StepPart(Protocol):
+    """What the checkpoint reads of the run's train-state part (trainer.run.train_state.TrainState): the step it
+    resumed at and the precision that step was saved with."""
+
+    step: int
+    resumed_mixed_precision: str | None
+
+
 class CheckpointState(Stateful):
     """The one object a resume loads: the run's parts (the model's first), in the order they load."""
 
@@ -55,7 +63,7 @@ class CheckpointState(Stateful):
         self.parts: dict[str, Stateful] = {"model": ModelPart(model), **parts}
 
     @property
-    def train_state(self) -> Any:
+    def train_state(self) -> StepPart:
         """The part that knows the step (trainer.run.train_state.TrainState)."""
         return self.parts["train_state"]
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -425,7 +426,8 @@ def read_state_json(path: Path, info: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def verify_on_every_rank(path: Path, *, model: Any, run: RunInfo, group: Any, allow_unverified: bool,
+def verify_on_every_rank(path: Path, *, model: nn.Module, run: RunInfo, group: dist.ProcessGroup | None,
+                         allow_unverified: bool,
                          model_only: bool, raise_corrupt: bool) -> tuple[dict[str, Any], Metadata] | str:
     """(checkpoint.json, DCP metadata) once every check passed on every rank, or why it is corrupt.
 

@@ -27,6 +27,7 @@ from functools import reduce
 
 import numpy as np
 
+from trainer.data.sources import SampleSource
 from trainer.hooks import StepHook
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,7 @@ def period_pattern(weights: list[int]) -> tuple[np.ndarray, np.ndarray]:
 class MixEntry:
     name: str
     weight: float
-    source: object
-    """A sample source (trainer.data.sources): num_samples, get_sample, fingerprint."""
+    source: SampleSource
 
 
 @dataclass(frozen=True)

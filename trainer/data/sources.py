@@ -13,11 +13,25 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from pydoc_data.topics import topics
+from typing import Protocol
 
 import numpy as np
 
 from trainer.data.shards import DataError, open_shard, scan_shard_tokens
 from trainer.data.tokenizer import ByteTokenizer
+
+
+class SampleSource(Protocol):
+    """What every source here and a mixture (trainer.data.mix) has: the module docstring's three methods, and whether
+    the loader may permute its samples (a mixture and synthetic data order their own)."""
+
+    permute: bool
+
+    def num_samples(self, seq_len: int) -> int: ...
+
+    def get_sample(self, index: int, seq_len: int) -> np.ndarray: ...
+
+    def fingerprint(self) -> str: ...
 
 
 def _num_windows(num_tokens: int, seq_len: int) -> int:

@@ -10,7 +10,6 @@ counters, so activation checkpointing (which runs a forward twice) changes none 
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,8 @@ class MoEBalancer(StepHook):
     job with an MoE model must hold one, since `after_optimizer_step` and `on_log` are collective.
     """
 
-    def __init__(self, model: nn.Module, *, bias_update_rate: float, stage_group: Any = None, pp_group: Any = None):
+    def __init__(self, model: nn.Module, *, bias_update_rate: float, stage_group: dist.ProcessGroup | None = None,
+                 pp_group: dist.ProcessGroup | None = None):
         self.layers: list[tuple[str, MoE]] = [
             (clean_fqn(fqn).split(".")[1], m) for fqn, m in model.named_modules() if isinstance(m, MoE)
         ]
@@ -65,7 +65,7 @@ class MoEBalancer(StepHook):
         term the objective adds), fraction of assignments dropped. note: a host sync."""
         layers = self._layer_metrics()
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
-            parts: list[Any] = [None] * dist.get_world_size(self.pp_group)
+            parts: list[object] = [None] * dist.get_world_size(self.pp_group)
             dist.all_gather_object(parts, layers, group=self.pp_group)
             layers = {k: v for part in parts for k, v in part.items()}
         if not layers:

@@ -28,12 +28,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.config import JobConfig
+from trainer.data.mix import HeldOutMixture
+from trainer.data.sources import SampleSource
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
@@ -65,8 +66,8 @@ class ResolvedJob:
     parallel_dims: ParallelDims
     model_args: ModelArgs
     build: BuildOptions
-    data_source: Any
-    """The opened, checked sample source (trainer.data.sources)."""
+    data_source: SampleSource
+    """The opened, checked sample source (trainer.data.sources, or a trainer.data.mix.MixtureSource)."""
     run: RunOptions
     optimizer: OptimizerOptions
     scheduler: SchedulerOptions
@@ -77,7 +78,7 @@ class ResolvedJob:
     """(name, text) of config.toml, resolved.toml and (fp8) fp8_layers.json (run_files.py), written by rank 0."""
     validation: ValidationOptions | None = None
     """When validation.enable."""
-    validation_source: Any = None
+    validation_source: SampleSource | HeldOutMixture | None = None
     """The held-out source when validation.enable (never overlaps data_source)."""
     pipeline: PipelineOptions | None = None
     """The stage layout and schedule when distributed.pp > 1."""
