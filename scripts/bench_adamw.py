@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import trainer.optim.kernel as kernel
 from trainer.distributed import Layout
+import trainer.optim.kernel as kernel
 
 
 def shapes_8b(layers: int) -> list[tuple[int, ...]]:

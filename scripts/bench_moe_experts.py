@@ -24,8 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
-import torch
+# The checkout this script is in comes first, even when another copy of trainer is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from trainer.models.moe import GROUP_ALIGN, grouped_swiglu  # noqa: E402
+from trainer.models.moe_fp8 import (  # noqa: E402
+    Fp8ExpertWeights, fp8_grouped_swiglu, quantize_dgrad_weights, quantize_forward_weights,
+)
+from trainer.models.moe_permute import padded_layout, select_unique_rows  # noqa: E402
 
 
 def _inputs(rows: int, experts: int, dim: int, ffn: int):
@@ -39,11 +51,7 @@ def _inputs(rows: int, experts: int, dim: int, ffn: int):
 
 
 def _torchao_swiglu(x, counts, w1, w2, w3):
-    import torch.nn.functional as F
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
-
-    from trainer.models.moe import GROUP_ALIGN
-    from trainer.models.moe_permute import padded_layout, select_unique_rows
 
     dst, offs, n_pad = padded_layout(counts, x.shape[0], GROUP_ALIGN)
     x_pad = x.new_zeros(n_pad, x.shape[1]).index_copy(0, dst, x)
@@ -57,9 +65,6 @@ def _torchao_swiglu(x, counts, w1, w2, w3):
 
 
 def _variants(x, w1, w2, w3, counts):
-    from trainer.models.moe import GROUP_ALIGN, grouped_swiglu
-    from trainer.models.moe_fp8 import Fp8ExpertWeights, fp8_grouped_swiglu
-
     rows = torch.arange(x.shape[0], device="cuda")
 
     def fp8(weights):
@@ -75,8 +80,6 @@ def _variants(x, w1, w2, w3, counts):
 
 
 def _weight_quantization(w1, w2, w3, do_bench) -> str:
-    from trainer.models.moe_fp8 import quantize_dgrad_weights, quantize_forward_weights
-
     def both():
         quantize_forward_weights(w1, w2, w3)
         quantize_dgrad_weights(w1, w2, w3)

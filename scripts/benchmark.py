@@ -18,7 +18,7 @@ do that to a training run's. An override `--job.dump_folder` is refused for the 
 
 Everything after `--` is a normal config override. Prints, per precision: tokens/s per
 GPU, model TFLOP/s per GPU (6 N_non-embedding + 12 L H Dh S per token), MFU against
-the GPU's dense bf16 peak from trainer.metrics.PEAK_BF16_FLOPS (the same table the
+the GPU's dense bf16 peak from trainer.metrics.logger.PEAK_BF16_FLOPS (the same table the
 training log uses; n/a on CPU or an unknown GPU), peak memory beside the dry run's estimate of it, and the speedup over
 the first precision. After --warmup steps (compilation happens there), --steps steps run back
 to back as in training and are timed together between two device syncs.
@@ -49,11 +49,16 @@ import torch
 from trainer.cli import dry_run_flags
 from trainer.config import ConfigError, load_job_config
 from trainer.distributed import destroy_distributed
+from trainer.errors import UserError
 from trainer.log import setup_logging
-from trainer.metrics import device_peak_flops
+from trainer.metrics.logger import device_peak_flops
+from trainer.metrics.trace_summary import format_summary, load_trace_events, summarize_events
 from trainer.models import flops_per_token
+from trainer.optim.states import StateDtypes
 from trainer.parallel.compile import CompileTimes
-from trainer.train import Trainer, build_trainer
+import trainer.parallel.float8.linear as fp8_linear
+from trainer.run.dry_run import EXIT_DOES_NOT_FIT, dry_run
+from trainer.run.train import Trainer, build_trainer
 
 
 
@@ -71,8 +76,6 @@ def sync(device: torch.device) -> None:
 def state_bytes_per_param(master_dtype: str, bf16_update: str, exp_avg: str = "auto", exp_avg_sq: str = "auto") -> float:
     """Bytes per parameter that FSDP2 shards: master weight, its gradient and AdamW's two moments (in
     optimizer.exp_avg_dtype / exp_avg_sq_dtype; + Kahan buffer)."""
-    from trainer.optim.states import StateDtypes
-
     sizes = StateDtypes.resolve(bf16_master=master_dtype == "bf16", exp_avg=exp_avg, exp_avg_sq=exp_avg_sq
                                 ).bytes_per_param(kahan=master_dtype == "bf16" and bf16_update == "kahan")
     return sum(sizes.values()) + sizes["master"]
@@ -129,8 +132,6 @@ def time_optimizer(runner: Trainer, *, repeats: int = 10) -> tuple[float, list[t
 
 def profile_optimizer(runner: Trainer, trace_dir: Path) -> None:
     """Trace one optimizer step (after a forward/backward) and print its kernel summary: where its time goes."""
-    from trainer.trace_summary import format_summary, load_trace_events, summarize_events
-
     runner.step_fn.forward_backward(runner.data_loader.next_batch())
     sync(runner.device)
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -258,8 +259,6 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
 
 def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     """Trace a few more steps and print the kernel summary (where the time goes)."""
-    from trainer.trace_summary import format_summary, load_trace_events, summarize_events
-
     trace_dir.mkdir(parents=True, exist_ok=True)
     path = trace_dir / _trace_name("trace", runner)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -284,9 +283,6 @@ def _rank_header(runner: Trainer) -> str:
 
 def dry_run_precisions(argv: list[str], args: argparse.Namespace, plan: dict) -> int:
     """--dry-run: each precision's job validated for its ranks (the emulated GPUs with --emulate-gpus) and planned."""
-    from trainer.dry_run import EXIT_DOES_NOT_FIT, dry_run
-    from trainer.errors import UserError
-
     if args.emulate_gpus:
         plan = plan | {"world_size": args.emulate_gpus, "gpu_gib": args.gpu_memory_gib}
     all_fit = True
@@ -341,8 +337,6 @@ def main() -> int:
         parser.error("the benchmark's folder is --dump-folder DIR, not the override --job.dump_folder")
     setup_logging(0)
     if args.own_fp8_linear:
-        import trainer.parallel.float8.linear as fp8_linear
-
         fp8_linear.OWN_TENSORWISE_LINEAR = True
     dump_folder = args.dump_folder or str(Path("outputs") / "benchmark" / Path(args.config).stem)
     argv = ["--config", args.config, *overrides, f"--job.dump_folder={dump_folder}"]

@@ -49,17 +49,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import DataError  # noqa: E402
-from trainer.confine import special_file_problem  # noqa: E402
 from trainer.data.inputs import MAX_DOCUMENT_BYTES, expand_inputs, read_documents  # noqa: E402
+from trainer.data.sources import DefaultTextSource, StdlibTextSource  # noqa: E402
+from trainer.data.tokenizer import ByteTokenizer  # noqa: E402
+from trainer.files.confine import special_file_problem  # noqa: E402
 
 EOS = "<|endoftext|>"
 
 
 def corpus_documents(corpus: str, split: str) -> list[str]:
     """The embedded corpus's documents of one split, as text (byte blocks decoded as UTF-8)."""
-    from trainer.data.sources import DefaultTextSource, StdlibTextSource
-    from trainer.data.tokenizer import ByteTokenizer
-
     source = (DefaultTextSource if corpus == "default" else StdlibTextSource)(vocab_size=258, split=split)
     tokens = source.tokens
     eos = ByteTokenizer.eos_id

@@ -34,6 +34,8 @@ from pathlib import Path
 # The checkout this script is in comes first, even when another copy of trainer is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer.log import setup_logging  # noqa: E402
+
 logger = logging.getLogger("trainer")
 
 
@@ -77,7 +79,7 @@ def export(args: argparse.Namespace) -> None:
 
     from trainer.checkpoint import args_from_json, load_full_model_weights, resolve_checkpoint
     from trainer.hf import family, require_safetensors, write_hf_export
-    from trainer.output_folder import EXPORT, check_output
+    from trainer.hf.output_folder import EXPORT, check_output
 
     require_safetensors("export")
     check_output(args.out, kind=EXPORT)  # before reading any weights: never into a folder of checkpoints
@@ -97,11 +99,10 @@ def export(args: argparse.Namespace) -> None:
 
 def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
-    from trainer.hf import read_hf_weights
-    from trainer.hf import read_hf_config
+    from trainer.hf import read_hf_config, read_hf_weights
     from trainer.hf.tokenizer import folder_tokenizer
     from trainer.models import family_of, model_args_for
-    from trainer.output_folder import IMPORT, check_output
+    from trainer.hf.output_folder import IMPORT, check_output
 
     check_output(args.out, kind=IMPORT)  # before reading any weights: never into a folder of checkpoints
     tokenizer = folder_tokenizer(Path(args.hf_folder))  # copied into the checkpoint, as a run's is
@@ -127,12 +128,11 @@ def import_hf(args: argparse.Namespace) -> None:
 def _routing_of_folder(model_args, folder: Path):
     """The flavor's MoE args with the folder's top_k and route_norm (recorded in the checkpoint; a run routes with
     its own [moe] settings, and says so when they differ)."""
-    import json
-
+    from trainer.hf.folder import read_config
     from trainer.hf.moe import with_routing_of
 
     where = str(folder / "config.json")
-    routed = with_routing_of(model_args, json.loads((folder / "config.json").read_text()), where=where)
+    routed = with_routing_of(model_args, read_config(folder), where=where)
     if (routed.top_k, routed.route_norm) != (model_args.top_k, model_args.route_norm):
         logger.info("%s routes top-%d (route_norm=%s), the flavor top-%d (route_norm=%s): recorded as the folder's; "
                     "a run started from it routes so too, unless its config sets moe.top_k or moe.route_norm", where,
@@ -141,8 +141,6 @@ def _routing_of_folder(model_args, folder: Path):
 
 
 def main(argv: list[str]) -> int:
-    from trainer.log import setup_logging
-
     setup_logging(0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -64,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer.config import ConfigError, load_job_config  # noqa: E402
+from trainer.model_values import param_count  # noqa: E402
 
 REFERENCE, NOISE = "bf16", "bf16-seed2"
 PALETTE = [(214, 39, 40), (255, 127, 14), (44, 160, 44), (148, 103, 189), (140, 86, 75), (227, 119, 194),
@@ -141,7 +142,6 @@ def resolve_seeds(seeds: int | str, cfg) -> int:
     """--seeds: a number stays; auto by the model's size (its parameters, from the validated config)."""
     if seeds != "auto":
         return seeds
-    from trainer.model_values import param_count
     from trainer.validate.resolve import resolve_model_args
 
     return AUTO_SEEDS_SMALL if param_count(resolve_model_args(cfg)) < SMALL_MODEL_PARAMS else AUTO_SEEDS

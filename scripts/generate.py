@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.errors import UserError  # noqa: E402
+from trainer.log import setup_logging  # noqa: E402
 
 logger = logging.getLogger("trainer")
 
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> str:
     import torch
 
     from trainer.checkpoint import load_model, resolve_checkpoint
-    from trainer.generate import generate
+    from trainer.models.generate import generate
     from trainer.models import num_params
 
     device = check_device(args.device)
@@ -118,8 +119,6 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from trainer.log import setup_logging
-
     setup_logging(0)
     logging.getLogger("trainer").handlers[0].setStream(sys.stderr)  # stdout holds the text alone
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from trainer.config import load_job_config  # noqa: E402
 from trainer.log import setup_logging  # noqa: E402
-from trainer.train import build_trainer  # noqa: E402
+from trainer.run.train import build_trainer  # noqa: E402
 
 BASE = ["--train.seq_len=4096", "--data.source=synthetic",
         "--train.compile_model=true", "--checkpoint.enable=false", "--train.steps=20",

@@ -16,8 +16,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import DataError, build_tokenizer, write_shard  # noqa: E402
-from trainer.data.shards import MAX_SHARD_VOCAB  # noqa: E402
 from trainer.data.inputs import expand_inputs, read_documents  # noqa: E402
+from trainer.data.shards import MAX_SHARD_VOCAB  # noqa: E402
 
 
 class ShardWriter:

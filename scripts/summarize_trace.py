@@ -15,7 +15,7 @@ from pathlib import Path
 # The checkout this script is in comes first, even when another copy of trainer is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.trace_summary import (  # noqa: E402
+from trainer.metrics.trace_summary import (  # noqa: E402
     format_summary, fp8_warning, load_trace_events, summarize_events, trace_steps,
 )
 

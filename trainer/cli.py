@@ -4,22 +4,26 @@ Errors the user can fix (`trainer.errors.UserError`: a config, data, a checkpoin
 FP8 that cannot run) are printed as one line and exit 2, whether found by the validation pass
 or after the process group exists: by the rank that found it, or once per node (local rank 0)
 when every rank raises it alike; anything else is a bug or an environment failure and keeps
-its traceback (exit 1). A dry run whose plan does not fit the GPU exits 3 (trainer.dry_run). A stop by SIGTERM or Ctrl-C exits 143 or 130 (trainer.train.STOP_SIGNALS):
-after the current step and its checkpoint, or at once before this process's first step has ended
-(nothing to save yet); a second Ctrl-C quits at once with 130.
+its traceback (exit 1). A dry run whose plan does not fit the GPU exits 3 (trainer.run.dry_run). A stop
+by SIGTERM or Ctrl-C exits 143 or 130 (trainer.run.train_state.STOP_SIGNALS): after the current step and its
+checkpoint, or at once before this process's first step has ended (nothing to save yet); a second Ctrl-C quits at
+once with 130.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import NoReturn
 
 from trainer.config import ConfigError, load_job_config, section_help, usage
 from trainer.errors import UserError
-from trainer.train_state import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from trainer.log import setup_logging
+from trainer.run.train_state import EXIT_INTERRUPTED, EXIT_PREEMPTED, StoppedBeforeFirstStep
 
 logger = logging.getLogger("trainer")
 
@@ -61,8 +65,6 @@ def dry_run_flags(argv: list[str]) -> tuple[list[str], dict | None]:
 def _quiet_disk_errors_in_threads() -> None:
     """A full disk in a writer's thread (TensorBoard's) prints nothing there: the main thread's next write raises
     it again, and main() says it in one line. Other thread errors keep their traceback."""
-    import threading
-
     from trainer.checkpoint.format import disk_error
 
     default = threading.excepthook
@@ -88,8 +90,6 @@ def exit_process(code: int) -> NoReturn:
     normally."""
     if code not in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
         sys.exit(code)
-    import atexit
-
     atexit._run_exitfuncs()  # logging.shutdown among them: every line is written before the process ends
     sys.stdout.flush()
     sys.stderr.flush()
@@ -97,8 +97,6 @@ def exit_process(code: int) -> NoReturn:
 
 
 def main(argv: list[str]) -> int:
-    from trainer.log import setup_logging
-
     rank = int(os.environ.get("RANK", "0"))
     # One line per node, not one per rank: every rank hits the same user error.
     speaks = int(os.environ.get("LOCAL_RANK", "0")) == 0
@@ -125,7 +123,7 @@ def main(argv: list[str]) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     if plan is not None:
-        from trainer.dry_run import EXIT_DOES_NOT_FIT, dry_run
+        from trainer.run.dry_run import EXIT_DOES_NOT_FIT, dry_run
 
         try:
             text, fits = dry_run(cfg, **plan)
@@ -140,7 +138,7 @@ def main(argv: list[str]) -> int:
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
 
-    from trainer.train import StoppedBeforeFirstStep, train
+    from trainer.run.train import train
 
     _quiet_disk_errors_in_threads()
     try:

@@ -13,7 +13,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_reduce, wait_tensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,6 @@ def describe_device(device: torch.device) -> str:
 class _AllReduceSumIdentityBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_reduce, wait_tensor
-
         return wait_tensor(all_reduce(x.contiguous(), "sum", group))
 
     @staticmethod
@@ -162,7 +162,5 @@ class Layout:
         shape = tuple(p.shape)
         if not isinstance(p, DTensor):
             return cls((0,) * len(shape), shape)
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         _, offsets = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
         return cls(tuple(offsets), shape)

@@ -1,9 +1,9 @@
 """The per-step hook protocol: work that hangs off the training step instead of being wired into the loop.
 
-The loop (trainer/train.py) calls, for every hook, in this order around each optimizer step:
+The loop (trainer/run/train.py) calls, for every hook, in this order around each optimizer step:
 
     with hook.step_context(step):              # around forward/backward/optimizer (FP8 health's eager hooks)
-        ... the step (trainer/step.py) ...
+        ... the step (trainer/run/step.py) ...
     hook.after_optimizer_step(step, found_inf)  # every step, never waits on the device
     hook.log_due(step)                          # True: this step gets a log line (evaluation, FP8 health)
     hook.on_log(step) -> {name: value}          # log steps only; may sync with the device
@@ -15,7 +15,7 @@ Only `on_log` may move values to the host, so a step never waits for the GPU.
 
 Implemented by: `trainer.models.moe.MoEBalancer` (expert-bias update, MoE metrics, aux
 loss), `trainer.parallel.float8.Fp8HealthHook` (per-layer FP8 cast health),
-`trainer.evaluate.Evaluator` (held-out loss), `trainer.parallel.float8.Float8ScalePrecompute`
+`trainer.run.evaluate.Evaluator` (held-out loss), `trainer.parallel.float8.Float8ScalePrecompute`
 (fused weight-scale amax for fp8 all-gather). This module imports nothing of the trainer, so
 any room can implement the protocol.
 """

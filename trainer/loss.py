@@ -5,8 +5,8 @@ states; `LossFn` applies the final norm and output head of the module that holds
 computes the loss over all tokens at once, or `chunk_tokens` at a time. Labels equal to
 IGNORE_INDEX (the token after an EOS under data.eod_mask_loss) count nowhere: `LossFn.sum` is the
 summed loss of the valid labels, which the step divides by the valid labels of the whole global
-batch (trainer/step.py); `LossFn(h, labels)` is their mean. The trainer calls the
-same object at pp=1 (trainer/step.py) and the pipeline schedule calls it on the last stage
+batch (trainer/run/step.py); `LossFn(h, labels)` is their mean. The trainer calls the
+same object at pp=1 (trainer/run/step.py) and the pipeline schedule calls it on the last stage
 (trainer/parallel/pipeline.py), so the chunked loss and compile behave the same in every
 layout. The MoE auxiliary loss is not computed here: each MoE layer injects its gradient
 through autograd (`trainer.models.moe.attach_aux_loss`).

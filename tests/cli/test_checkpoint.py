@@ -106,7 +106,7 @@ def test_sigterm_and_ctrl_c_save_and_stop(tmp_path, sig, code):
             break
     out.append(proc.stdout.read())
     watchdog.cancel()
-    assert proc.wait(timeout=30) == code, "".join(out)[-3000:]  # see trainer.train.STOP_SIGNALS
+    assert proc.wait(timeout=30) == code, "".join(out)[-3000:]  # see trainer.run.train.STOP_SIGNALS
     last = max(r["step"] for r in read_metrics(dump))
     assert f"received {sig.name}" in "".join(out) and f"stopped by {sig.name} at step {last}" in "".join(out)
     assert _dirs(dump) == [f"step-{last}"]

@@ -107,7 +107,7 @@ def _worker(out: str, args: list[str]) -> None:
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
     from trainer.log import setup_logging
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     setup_logging(int(os.environ.get("RANK", "0")))
     trainer = build_trainer(load_job_config(args))

@@ -18,7 +18,7 @@ from tests.unit.test_evaluate import _source
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.models import Llama
-from trainer.train import build_trainer
+from trainer.run.train import build_trainer
 
 
 VAL = ["--validation.enable=true", "--validation.steps=3", "--train.batch_size=4"]

@@ -21,7 +21,7 @@ def _profile(tmp_path: Path, precision: str):
 def test_profiling_window_writes_trace_and_summary(tmp_path: Path) -> None:
     trace_dir, out = _profile(tmp_path, "bf16")
     assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0_step3-5.pt.trace.json.gz", "summary_step3-5.txt"]
-    from trainer.trace_summary import load_trace_events, profiler_steps
+    from trainer.metrics.trace_summary import load_trace_events, profiler_steps
 
     assert profiler_steps(load_trace_events(str(trace_dir / "rank0_step3-5.pt.trace.json.gz"))) == [3, 4, 5]
     summary = (trace_dir / "summary_step3-5.txt").read_text()

@@ -7,7 +7,7 @@ import sys
 
 from tests.helpers import REPO
 from tests.unit.test_profiling import SCRIPT
-from trainer.profiling import TRACE_SUFFIX
+from trainer.metrics.profiling import TRACE_SUFFIX
 
 
 def _script(*args):

@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 # Imported once by the fork server (what every test's ranks import anyway), so no rank imports them again.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchao.float8", "trainer.train",
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchao.float8", "trainer.run.train",
             "trainer.config", "tests.helpers"]
 _context: Any = None
 
@@ -139,11 +139,11 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), timeout:
 
 
 def train_and_read_metrics(args: list[str], dump: str) -> list[dict]:
-    """A whole training run in this process (trainer.train.train: validate, build, train, tear down), as each
+    """A whole training run in this process (trainer.run.train.train: validate, build, train, tear down), as each
     rank of a torchrun launch runs it; rank 0 returns the metrics.jsonl rows, the others []."""
     from tests.helpers import read_metrics
     from trainer.config import load_job_config
-    from trainer.train import train
+    from trainer.run.train import train
 
     train(load_job_config([*args, f"--job.dump_folder={dump}"]))
     return read_metrics(Path(dump)) if os.environ["RANK"] == "0" else []
@@ -184,10 +184,10 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
     import torch
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
+    import trainer.parallel.apply
     import trainer.parallel.build
-    import trainer.parallel.builder
 
-    build_model, built = trainer.parallel.builder.build_model, []
+    build_model, built = trainer.parallel.build.build_model, []
 
     def build_model_in_float64(model_args):
         torch.set_default_dtype(torch.float64)
@@ -198,12 +198,12 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
             torch.set_default_dtype(torch.float32)
 
     to_float = torch.Tensor.float
-    apply_fsdp = trainer.parallel.build.apply_fsdp
+    apply_fsdp = trainer.parallel.apply.apply_fsdp
     divide_factors = _fsdp_collectives._get_gradient_divide_factors
     foreach_norm = torch._foreach_norm
-    trainer.parallel.builder.build_model = build_model_in_float64
+    trainer.parallel.build.build_model = build_model_in_float64
     torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else to_float(t, *a, **k)
-    trainer.parallel.build.apply_fsdp = lambda *a, **k: apply_fsdp(*a, **{**k, "reduce_dtype": torch.float64})
+    trainer.parallel.apply.apply_fsdp = lambda *a, **k: apply_fsdp(*a, **{**k, "reduce_dtype": torch.float64})
     # FSDP2 (torch 2.13) pre-divides gradients it may overflow (any dtype but fp32/bf16), and with a
     # one-rank shard group and a divide factor (the experts' expert_fsdp mesh here) divides again
     # while copying: float64 cannot overflow, so it takes fp32's path.
@@ -212,7 +212,7 @@ def train_then_one_process_in_float64(args: list[str], ref_args: list[str],
     torch._foreach_norm = lambda ts, ord=2.0, dtype=None: foreach_norm(
         ts, ord, dtype=None if ts and ts[0].dtype == torch.float64 else dtype)
     result = train_then_one_process(args, ref_args, dump)
-    assert built, ("the Trainer no longer builds its model through trainer.parallel.builder.build_model: "
+    assert built, ("the Trainer no longer builds its model through trainer.parallel.build.build_model: "
                    "nothing ran in float64")
     return result
 
@@ -222,7 +222,7 @@ def gradients_of_one_step(args: list[str], dump: str) -> dict:
     gradients, gathered to rank 0 (gathered_gradients)."""
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:
@@ -256,7 +256,7 @@ def saved_bytes_of_one_forward(args: list[str], dump: str) -> int:
 
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     storages: dict[int, int] = {}

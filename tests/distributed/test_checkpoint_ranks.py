@@ -19,7 +19,7 @@ def _main(argv: list[str], cwd: dict[str, str], fail_on_rank1: bool = False) -> 
     import contextlib
     import io
 
-    import trainer.train
+    import trainer.run.train
     from trainer.cli import main
     from trainer.data.shards import DataError
 
@@ -29,7 +29,7 @@ def _main(argv: list[str], cwd: dict[str, str], fail_on_rank1: bool = False) -> 
         def bad_data(*args, **kwargs):
             raise DataError("shard data/train_01.bin holds token 70000, past the vocabulary (model.vocab_size=256)")
 
-        trainer.train.build_data_loader = bad_data
+        trainer.run.train.build_data_loader = bad_data
     out = io.StringIO()
     with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
         try:

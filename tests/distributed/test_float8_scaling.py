@@ -26,7 +26,7 @@ def histories_of_two_steps(args: list[str], dump: str, reduce: bool) -> list:
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
     from trainer.parallel.float8.delayed import DelayedScaling
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:

@@ -1,4 +1,5 @@
-"""trainer.step.grad_norm (local shards, one reduction per mesh and placement) equals the norm of the full gradients.
+"""trainer.run.step.grad_norm (local shards, one reduction per mesh and placement) equals the norm of the full
+gradients.
 
 FSDP over dp_shard x TP on a 2-D mesh gives every placement the trainer meets: FSDP's _StridedShard on dim 0
 where TP also shards dim 0 (column-parallel weights; not a Shard subclass), Shard x Shard (row-parallel),
@@ -20,7 +21,7 @@ def _norms_of_fsdp_tp_gradients() -> tuple[float, float, list[str]]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from trainer.step import grad_norm
+    from trainer.run.step import grad_norm
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))

@@ -21,7 +21,7 @@ def _train(args: list[str], dump: Path) -> list[str]:
 
     from trainer.config import load_job_config
     from trainer.log import setup_logging
-    from trainer.train import train
+    from trainer.run.train import train
 
     out = io.StringIO()
     with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):

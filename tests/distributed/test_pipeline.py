@@ -151,8 +151,8 @@ def nonfinite_in_last_stage(args: list[str], dump: str) -> dict:
     whether its other weights stayed unchanged and how many non-finite steps it counted."""
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
-    from trainer.step import NonFiniteError
-    from trainer.train import build_trainer
+    from trainer.run.step import NonFiniteError
+    from trainer.run.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:

@@ -1,4 +1,4 @@
-"""The loss is the mean over every valid token of the step (trainer/step.py), in every layout.
+"""The loss is the mean over every valid token of the step (trainer/run/step.py), in every layout.
 
 Short documents and data.eod_mask_loss=true leave each sequence a different number of valid labels (the token
 after each EOS is not trained on). One process with the whole batch of 4 sequences in one microbatch is the
@@ -47,7 +47,7 @@ def gradients_and_loss(args: list[str], dump: str) -> tuple[dict, float, list[li
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
     from trainer.loss import IGNORE_INDEX
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
     try:

@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from tests.helpers import REPO, TRAIN, env, hooks_env, read_metrics
 from trainer.checkpoint import CheckpointError, CheckpointManager, RunInfo, load_model, save_model_only
 from trainer.config import CheckpointSection
-from trainer.validate.options import checkpoint_options
 from trainer.models.llama import FLAVORS
-from trainer.run_lock import LOCK_NAME, RunLock, RunLockError, lock_run_folders, release_all
+from trainer.run.lock import LOCK_NAME, RunLock, RunLockError, lock_run_folders, release_all
+from trainer.validate.options import checkpoint_options
 
 DEBUG = FLAVORS["debug"]
 ARGS = [

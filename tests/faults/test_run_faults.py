@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import FAST, REPO, TRAIN, env, launch, read_metrics
 from trainer.errors import UserError
-from trainer.run_lock import LOCK_NAME, RunLock, RunLockError, check_writable
+from trainer.run.lock import LOCK_NAME, RunLock, RunLockError, check_writable
 
 
 def _start(args: list[str], dump: Path) -> subprocess.Popen:

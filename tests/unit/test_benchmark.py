@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from trainer.metrics import PEAK_BF16_FLOPS
+from trainer.metrics.logger import PEAK_BF16_FLOPS
 
 
 def _load_benchmark():

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from trainer.optim.adamw import AdamW
-from trainer.optim.update import random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
 from trainer.config import load_job_config
 from trainer.errors import UserError
+from trainer.optim.adamw import AdamW
+from trainer.optim.update import random_bits16, round_to_nearest_bf16, stochastic_round_to_bf16
 from trainer.validate import validate_job
 
 BETAS = (0.9, 0.95)
@@ -227,7 +227,7 @@ def test_gradients_reduce_in_fp32_wherever_bf16_would_round_otherwise(args, worl
     runs in bf16; over more ranks, or into fp32 master weights, fp32. With nothing to sum FSDP2 would cast the bf16
     gradients to fp32 and back around a one-rank reduce-scatter (15 ms a step at 8B shapes on 1x H100) for the same
     values: they stay in the compute dtype there."""
-    from trainer.run_files import describe_precision
+    from trainer.validate.run_files import describe_precision
 
     job = validate_job(_cfg("--train.mixed_precision=bf16", *args), world_size=world)
     assert job.build.fsdp.reduce_dtype == reduce_dtype

@@ -124,6 +124,19 @@ def test_readme_says_how_ci_installs_torch() -> None:
     assert f"`.ci/run` pins `{pin}`" in (REPO / "README.md").read_text()
 
 
+def test_the_readme_map_names_every_room() -> None:
+    """The README's map names every script, every package of trainer/ and every file directly in it, each at the
+    start of a line of the map's code block."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Map of the code", 1)[1].split("```")[1]
+    named = {line.split()[0].rstrip("/") for line in block.splitlines() if line and not line.startswith(" ")}
+    rooms = {str(p.relative_to(REPO)) for p in (REPO / "trainer").iterdir()
+             if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    rooms |= {str(p.relative_to(REPO)) for p in (REPO / "scripts").iterdir() if p.suffix in (".py", ".sh")}
+    assert sorted(rooms - named) == [], "add to the README's map"
+    assert sorted(n for n in named - rooms if not (REPO / n).exists()) == [], "the map names what is not there"
+
+
 def test_the_fp8_headline_is_the_latest_sitting() -> None:
     """README's table, docs/benchmarks.md and docs/fp8.md quote one comparison (1x H100, 8B shapes x 8 layers, fp8 vs
     bf16): the figures of one record's table, read from it, and each links to it (they once said 1.37x and 1.31x)."""
@@ -272,7 +285,7 @@ def test_the_cluster_sbatch_validates_at_16_gpus(tmp_path: Path, on_h100) -> Non
     job = validate_job(cfg, world_size=16)
     assert job.parallel_dims.dp_shard == 16 and job.validation_source is not None and job.build.float8 is not None
     # The header lines the page says are computed from the config by the same code: the precision line.
-    from trainer.run_files import describe_precision
+    from trainer.validate.run_files import describe_precision
 
     precision = describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
                                    build=job.build, float8_layers=job.float8_layers)

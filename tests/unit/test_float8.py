@@ -251,7 +251,7 @@ def test_fp8_unavailable_is_decided_once_by_validation(monkeypatch) -> None:
     import trainer.validate.resolve as resolve
     from trainer.config import load_job_config
     from trainer.errors import ConfigError
-    from trainer.run_files import describe_precision
+    from trainer.validate.run_files import describe_precision
     from trainer.validate import validate_job
 
     monkeypatch.setattr(resolve, "fp8_supported", lambda device, recipe="tensorwise": (False, "no FP8 here (a test)"))

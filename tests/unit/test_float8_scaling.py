@@ -163,7 +163,7 @@ ARGS = ["--config", DEBUG_CONFIG, "--train.seq_len=64", "--metrics.log_freq=1", 
 
 
 def run(dump: Path, *overrides: str) -> list[float]:
-    from trainer.train import train
+    from trainer.run.train import train
 
     train(load_job_config([*ARGS, f"--job.dump_folder={dump}", *overrides]))
     return [r["loss"] for r in read_metrics(dump)]

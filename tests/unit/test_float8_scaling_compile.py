@@ -87,7 +87,7 @@ def test_debug_model_compiled_per_block_with_activation_checkpointing(tmp_path: 
     from trainer.config import load_job_config
     from trainer.distributed import destroy_distributed
     from trainer.parallel.float8.delayed import DelayedScaling
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     results = {}
     for compile_model in (False, True):

@@ -15,7 +15,7 @@ import torch
 from trainer.checkpoint.offline import build_model as model_with_weights
 from trainer.hf import ExportError, read_hf_config, read_hf_weights, write_hf_export
 from trainer.hf.llama import rope_fields
-from trainer.generate import generate
+from trainer.models.generate import generate
 
 transformers = pytest.importorskip("transformers")
 

@@ -330,7 +330,7 @@ def test_checkpoint_holds_the_tokenizer_and_an_export_checks_it(tmp_path):
 
 
 def test_generate_greedy_matches_transformers_generate(tmp_path):
-    from trainer.generate import generate
+    from trainer.models.generate import generate
 
     model = _random_moe(BASE)
     out = _export(_weights(model), BASE, tmp_path / "hf")

@@ -12,7 +12,7 @@ from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.hooks import StepHook
-from trainer.train import build_trainer
+from trainer.run.train import build_trainer
 
 
 def test_the_base_hook_does_nothing() -> None:

@@ -14,10 +14,10 @@ import pytest
 from tests.helpers import DEBUG_CONFIG
 from trainer.checkpoint import RunInfo, save_model_only
 from trainer.config import load_job_config
-from trainer.dry_run import dry_run
 from trainer.errors import ConfigError
 from trainer.hf import read_hf_config, read_hf_weights
 from trainer.models import FLAVORS
+from trainer.run.dry_run import dry_run
 from trainer.validate import validate_job
 
 pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import trainer.metrics as metrics
-from trainer.metrics import MetricsLogger, StepStats, device_peak_flops, set_aside, truncate_jsonl
+import trainer.metrics.logger as metrics
+from trainer.metrics.logger import MetricsLogger, StepStats, device_peak_flops, set_aside, truncate_jsonl
 
 
 def _logger(tmp_path: Path, **kw) -> MetricsLogger:

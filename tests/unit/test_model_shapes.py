@@ -13,8 +13,8 @@ from trainer.checkpoint.verify import check_model_matches
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, build_model
-from trainer.run_files import model_keys
 from trainer.validate import validate_job
+from trainer.validate.run_files import model_keys
 
 DEBUG_AS_NUMBERS = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
                     "--model.ffn_dim=384", "--model.vocab_size=512", "--model.rope_theta=10000",
@@ -168,7 +168,7 @@ def test_a_tied_model_compiles(tmp_path) -> None:
 def test_bf16_master_weights_keep_a_tied_head_one_parameter() -> None:
     """The cast to bf16 master weights gave each module a Parameter of its own: the optimizer then held the table
     twice (751.6M parameters for a 596.0M-parameter Qwen3-0.6B shape, seen on an H100) and the tie was gone."""
-    from trainer.parallel.build import cast_parameters
+    from trainer.parallel.apply import cast_parameters
 
     with torch.device("meta"):
         model = build_model(_args("--model.tie_word_embeddings=true"))

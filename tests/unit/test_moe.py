@@ -519,7 +519,7 @@ def test_checkpoint_of_the_other_family_is_a_shape_mismatch(tmp_path) -> None:
 
 def _moe_trainer(tmp_path, *args: str):
     from trainer.config import load_job_config
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     return build_trainer(load_job_config(["--config", MOE_CONFIG, "--train.seq_len=32", "--train.batch_size=2",
                                     "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
@@ -549,7 +549,7 @@ def test_bf16_master_weights_keep_moe_buffers_fp32(tmp_path) -> None:
 
 def test_a_skipped_step_moves_no_expert_bias(tmp_path) -> None:
     from trainer.distributed import destroy_distributed
-    from trainer.step import NonFiniteError
+    from trainer.run.step import NonFiniteError
 
     trainer = _moe_trainer(tmp_path, "--train.steps=2", "--train.on_nonfinite=skip", "--moe.bias_update_rate=0.01")
     try:

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG_CONFIG
-from trainer.optim.update import random_bits16
 from trainer.config import load_job_config
 from trainer.errors import UserError
 from trainer.optim.adamw import AdamW
 from trainer.optim.states import (
     SCALE_KEY, StateDtypes, block_scales, dequantize_blocks, quantize_blocks, stochastic_round_to_e4m3,
 )
+from trainer.optim.update import random_bits16
 
 BETAS = (0.9, 0.95)
 SLACK = 2e-6  # relative: fp32 arithmetic (a few ulps of 2^-24) against fp64

@@ -10,7 +10,7 @@ from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import build_model, model_args_for
-from trainer.parallel.builder import split_stage_module
+from trainer.parallel.build import split_stage_module
 from trainer.parallel.pipeline import PipelineModel
 from trainer.parallel.pipeline_layout import (
     balanced_split, bubble_fraction, cost_split, split_at, stage_ids, stage_module_fqns,

@@ -11,8 +11,9 @@ import pytest
 
 from tests.helpers import DEBUG_CONFIG, read_metrics
 from trainer.config import load_job_config
+from trainer.config.phases import Phase, parse_precision_schedule, phase_index
 from trainer.errors import ConfigError
-from trainer.precision_schedule import Phase, parse_precision_schedule, phase_config, phase_index
+from trainer.run.precision_schedule import phase_config
 
 SCHEDULE = "--train.precision_schedule=bf16:4,fp8:8,bf16"
 # Tiny and deterministic. wsd with the last 20% as decay: the decay starts after step 8, so the manual
@@ -97,10 +98,10 @@ def test_the_previous_phase_is_freed_before_the_next_is_built(tmp_path: Path) ->
 
     import torch.distributed as dist
 
-    import trainer.train as train_module
+    import trainer.run.train as train_module
     from trainer.distributed import destroy_distributed
-    from trainer.precision_schedule import PrecisionSchedule
-    from trainer.train import Trainer, run_schedule
+    from trainer.run.precision_schedule import PrecisionSchedule
+    from trainer.run.train import Trainer, run_schedule
 
     cfg = load_job_config([*BASE, "--train.steps=3", "--train.precision_schedule=bf16:1,fp32:2,bf16",
                            "--scheduler.decay_type=wsd", f"--job.dump_folder={tmp_path}"])

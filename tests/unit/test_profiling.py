@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.profiling import TRACE_SUFFIX, maybe_enable_profiling, maybe_record_memory_history
-from trainer.trace_summary import (
+from trainer.metrics.profiling import TRACE_SUFFIX, maybe_enable_profiling, maybe_record_memory_history
+from trainer.metrics.trace_summary import (
     classify, format_summary, fp8_warning, is_fp8_gemm, load_trace_events, profiler_steps, summarize_events,
 )
 
@@ -91,7 +91,7 @@ def test_kineto_start_and_stop_lines_stay_off_the_console(tmp_path, capfd):
     _train(tmp_path)
     assert "profiler_st" not in capfd.readouterr().err
     # Only those two lines: anything else written to fd 2 meanwhile comes through, in order.
-    from trainer.profiling import _without_kineto_markers
+    from trainer.metrics.profiling import _without_kineto_markers
 
     with _without_kineto_markers():
         os.write(2, b"USDT:2026-11-25 10:57:05 15145:15145 SyncActivityProfilerHandler.cpp:52] profiler_start\n"

@@ -1,4 +1,4 @@
-"""trainer/step.py: gradient accumulation, the grad norm, clipping, the non-finite skip and fp16 loss scaling.
+"""trainer/run/step.py: gradient accumulation, the grad norm, clipping, the non-finite skip and fp16 loss scaling.
 
 The unit tests drive TrainStep on a two-layer fp32 model (no process group: plain tensors; the grad norm is
 computed in fp32, which takes no float64 gradients), so each comparison with a hand computation holds to fp32
@@ -21,8 +21,8 @@ from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 from trainer.optim.adamw import AdamW
-from trainer.step import LossScaler, NonFiniteError, StepResult, TrainStep, grad_norm
-from trainer.train import Trainer, build_trainer
+from trainer.run.step import LossScaler, NonFiniteError, StepResult, TrainStep, grad_norm
+from trainer.run.train import Trainer, build_trainer
 
 VOCAB, DIM = 11, 6
 # fp32 means over 20-40 tokens, summed in another order: a few eps (1.2e-7) of values of order 0.01-1.

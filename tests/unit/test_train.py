@@ -10,7 +10,7 @@ import torch
 from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
-from trainer.train import build_trainer
+from trainer.run.train import build_trainer
 
 
 def test_a_compiled_cpu_run_updates_bf16_master_weights_eagerly(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import trainer.train
+import trainer.run.train
 from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.data import DataError, write_shard
@@ -59,13 +59,13 @@ def test_errors_come_before_distributed_init(monkeypatch) -> None:
     def must_not_run(**kwargs):
         raise AssertionError("init_distributed ran before validation finished")
 
-    monkeypatch.setattr(trainer.train, "init_distributed", must_not_run)
+    monkeypatch.setattr(trainer.run.train, "init_distributed", must_not_run)
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ConfigError, match="distributed.tp=8 must divide"):
-        trainer.train.train(_cfg("--distributed.tp=8"))
+        trainer.run.train.train(_cfg("--distributed.tp=8"))
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(DataError, match="no shard files"):
-        trainer.train.train(_cfg("--data.path=/nonexistent/dir"))
+        trainer.run.train.train(_cfg("--data.path=/nonexistent/dir"))
 
 
 def test_validate_job_resolves_degrees_and_options() -> None:
@@ -121,7 +121,7 @@ def test_runtime_errors_that_are_not_user_errors_keep_their_traceback(monkeypatc
     def broken(cfg):
         raise ValueError("something inside torch")
 
-    monkeypatch.setattr(trainer.train, "train", broken)
+    monkeypatch.setattr(trainer.run.train, "train", broken)
     with pytest.raises(ValueError, match="something inside torch"):
         cli.main(["--config", DEBUG_CONFIG])
 

@@ -57,7 +57,7 @@ def config_of(records: list) -> dict:
 
 def train(dump: Path, steps: int) -> list[dict]:
     from trainer.distributed import destroy_distributed
-    from trainer.train import build_trainer
+    from trainer.run.train import build_trainer
 
     cfg = load_job_config(["--config", DEBUG_CONFIG, f"--train.steps={steps}", "--metrics.log_freq=1",
                            "--metrics.wandb=true", "--metrics.wandb_project=tests", "--metrics.wandb_tags=a,b",
@@ -99,7 +99,7 @@ def test_an_offline_run_records_the_metrics_and_a_resume_continues_it(tmp_path: 
 
 
 def test_a_failed_login_or_log_is_one_warning_and_training_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
-    from trainer.metrics import MetricsLogger, StepStats
+    from trainer.metrics.logger import MetricsLogger, StepStats
     from trainer.metrics.wandb_run import WandbOptions, WandbRun
 
     import torch

@@ -17,12 +17,12 @@ from trainer.checkpoint.format import (
     write_json,
 )
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.options import CheckpointOptions
-from trainer.checkpoint.space import prune_checkpoints
 from trainer.checkpoint.offline import (
     build_model, load_full_model_weights, load_model, resolve_checkpoint, save_model_only,
 )
+from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.parts import CheckpointState, DelayedScalingPart, ModelPart, RngPart
+from trainer.checkpoint.space import prune_checkpoints
 from trainer.checkpoint.state import (
     RunInfo, args_from_json, describe_layout, merge_tensors, model_state_dict, run_tokenizer, split_tensors,
 )

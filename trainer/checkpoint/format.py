@@ -33,7 +33,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.errors import UserError
-from trainer.output_folder import fsync_dir
+from trainer.files.publish import fsync_dir
 
 CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"

@@ -4,29 +4,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.state import RunInfo, model_state_dict
+from trainer.hf import check_exportable, require_safetensors, resolve_tokenizer, write_hf_export
+from trainer.hf.tokenizer import ExportTokenizer
+from trainer.model_values import ModelArgs
 
 
-def prepare_export(run: RunInfo) -> Any:
+def prepare_export(run: RunInfo) -> ExportTokenizer | None:
     """Before training, on every rank: what the final export needs is there (safetensors, a Hugging Face target
     for the model's options, the run's tokenizer unchanged), so a run that cannot export stops before it trains.
     Returns the tokenizer to copy (an ExportTokenizer) or None."""
-    from trainer.hf import check_exportable, require_safetensors, resolve_tokenizer
-
     require_safetensors("checkpoint.model_only=true (a safetensors export)")
     check_exportable(run.model_args)
     return resolve_tokenizer(run.tokenizer, fingerprint=run.tokenizer_fingerprint) if run.tokenizer else None
 
 
-def export_gathered(model: nn.Module, path: Path, *, args: Any, dtype: torch.dtype, p2p_group: Any,
-                    before_p2p: Callable[[], None], tokenizer: Any = None) -> Path:
+def export_gathered(model: nn.Module, path: Path, *, args: ModelArgs, dtype: torch.dtype,
+                    p2p_group: dist.ProcessGroup | None, before_p2p: Callable[[], None],
+                    tokenizer: ExportTokenizer | None = None) -> Path:
     """Write `model`'s weights, gathered whole, as a Hugging Face export at `path` (collective; rank 0 writes).
 
     Sharded tensors are all-gathered one at a time (ranks other than 0 hold one full tensor at a
@@ -34,8 +34,6 @@ def export_gathered(model: nn.Module, path: Path, *, args: Any, dtype: torch.dty
     by a send over `p2p_group`, after `before_p2p()` (the manager waits for a background save,
     which may be using that group). `tokenizer` (an ExportTokenizer) is copied into the export.
     """
-    from trainer.hf import write_hf_export
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sd = model_state_dict(model)
     # Every rank's keys, in rank order: under pipeline parallelism ranks hold different stages.

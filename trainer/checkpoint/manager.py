@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter,
@@ -38,11 +39,11 @@ from trainer.checkpoint.format import (
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
 from trainer.checkpoint.options import CheckpointOptions
+from trainer.checkpoint.parts import CheckpointState
 from trainer.checkpoint.space import (
     checkpoint_bytes, describe_disk_error, move_aside, prune_checkpoints, save_error, warn_if_short,
 )
 from trainer.checkpoint.staging import RunStager
-from trainer.checkpoint.parts import CheckpointState
 from trainer.checkpoint.state import RunInfo, describe_layout, merge_tensors, model_state_dict, split_tensors
 from trainer.checkpoint.tokenizer import remember_tokenizer, write_tokenizer
 from trainer.checkpoint.values import nonfinite_counts, nonfinite_line
@@ -241,8 +242,6 @@ class CheckpointManager:
         self._check_finite(tensors["model"], path, hint="start from other weights" if model_only else
                            "resume an earlier checkpoint with checkpoint.load_step=N")
         if model_only:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
             set_model_state_dict(self.state.model, tensors["model"])
             logger.info("loaded model weights from %s (step %s of its run, saved with mixed_precision=%s) in %.1f s; "
                         "optimizer, schedule and data start fresh at step 0", path, info.get("step"),

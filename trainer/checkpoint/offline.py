@@ -22,6 +22,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,13 @@ from trainer.checkpoint.values import (
 from trainer.checkpoint.verify import (
     check_files, data_files, read_checkpoint_json, read_dcp_metadata, safe_load, scan_checkpoints,
 )
+from trainer.hf import ExportError, family, read_hf_config, read_hf_weights, safetensors_bytes
+from trainer.hf.folder import read_config
+from trainer.hf.output_folder import IMPORT, prepare_output, publish_output
 from trainer.model_values import param_count
+from trainer.models import build_model as family_model
 from trainer.models.layers import Decoder, rope_table_bytes
 from trainer.models.llama import ModelArgs, rope_cache
-from trainer.output_folder import IMPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -62,7 +66,7 @@ def save_model_only(
     """A model-only DCP checkpoint (for checkpoint.initial_load_path) from full tensors, in one process.
 
     `path` must be new, empty or an earlier import (moved aside to `{path}.old`); anything else, a
-    folder of checkpoints above all, is refused in one line (trainer/output_folder.py).
+    folder of checkpoints above all, is refused in one line (trainer/hf/output_folder.py).
     """
     tmp = prepare_output(path, kind=IMPORT)
     with _single_process():
@@ -143,8 +147,6 @@ def load_model(
     max_position_embeddings). Every file is verified (checksums for DCP, names and shapes
     for both) first; errors are one line naming the file (CheckpointError or ExportError).
     """
-    from dataclasses import replace
-
     path = resolve_checkpoint(path)
 
     def extra_bytes(args: ModelArgs, weight_bytes: int) -> tuple[int, str]:
@@ -169,9 +171,6 @@ def _read_hf_folder(path: Path, *, extra_bytes: Callable[[ModelArgs, int], tuple
                     ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """(args, weights) of a Hugging Face folder, its config checked against its files' sizes and this host's memory
     before any weight is read."""
-    from trainer.hf import ExportError, family, read_hf_config, read_hf_weights, safetensors_bytes
-    from trainer.hf.folder import read_config
-
     args = read_hf_config(path)
     config = read_config(path)
     data_bytes, files = safetensors_bytes(path)
@@ -189,8 +188,6 @@ def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], *, device: to
     Parameters are cast to dtype; buffers (the MoE expert biases) stay fp32, as in training:
     a bias rounded to bf16 would choose other experts.
     """
-    from trainer.models import build_model as family_model
-
     with torch.device("meta"):
         model = family_model(args)  # Llama, or MoETransformer for MoE args
     buffers = {name for name, _ in model.named_buffers()}

@@ -5,12 +5,12 @@
     optimizer       AdamW's moments and steps by parameter fqn            trainer.optim.part.OptimizerPart
     lr_scheduler    the schedule's position and its arguments             trainer.optim.schedule.SchedulerPart
     dataloader      the data position (or checkpoint.restart_data)        trainer.data.loader.DataPosition
-    train_state     the step, the precision it was saved with             trainer.train_state.TrainState
-    loss_scaler     fp16's loss scale                                     trainer.step.LossScalerPart
+    train_state     the step, the precision it was saved with             trainer.run.train_state.TrainState
+    loss_scaler     fp16's loss scale                                     trainer.run.step.LossScalerPart
     rng             the process's random generators                       RngPart, here
     float8_scaling  FP8 delayed scaling's amax histories and scales       DelayedScalingPart, here (the hook's own state)
 
-The run builds the dict (trainer/train.py); `CheckpointState` saves `{name: part.state_dict()}` (a part with nothing
+The run builds the dict (trainer/run/train.py); `CheckpointState` saves `{name: part.state_dict()}` (a part with nothing
 to save is left out): tensors through DCP as `{name}.{key}`, every other value into state.json
 (trainer/checkpoint/state.py). A resume loads the same parts in the same order.
 
@@ -47,6 +47,14 @@ class Reconciles(Protocol):
     def reconcile(self, sd: dict[str, Any], saved: dict[str, TensorStorageMetadata]) -> str | None: ...
 
 
+class StepPart(Protocol):
+    """What the checkpoint reads of the run's train-state part (trainer.run.train_state.TrainState): the step it
+    resumed at and the precision that step was saved with."""
+
+    step: int
+    resumed_mixed_precision: str | None
+
+
 class CheckpointState(Stateful):
     """The one object a resume loads: the run's parts (the model's first), in the order they load."""
 
@@ -55,8 +63,8 @@ class CheckpointState(Stateful):
         self.parts: dict[str, Stateful] = {"model": ModelPart(model), **parts}
 
     @property
-    def train_state(self) -> Any:
-        """The part that knows the step (trainer.train_state.TrainState)."""
+    def train_state(self) -> StepPart:
+        """The part that knows the step (trainer.run.train_state.TrainState)."""
         return self.parts["train_state"]
 
     def state_dict(self) -> dict[str, Any]:

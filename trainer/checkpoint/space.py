@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint.format import STEP_DIR, CheckpointError, disk_error, root_cause
 from trainer.checkpoint.verify import scan_checkpoints
-from trainer.output_folder import aside_name
+from trainer.files.publish import aside_name
 
 logger = logging.getLogger("trainer.checkpoint")
 

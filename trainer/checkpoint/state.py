@@ -20,9 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from trainer.checkpoint.format import TOKENIZER_FILE
+from trainer.checkpoint.format import TOKENIZER_FILE, CheckpointError
+from trainer.data.tokenizer import tokenizer_fingerprint
 from trainer.distributed import plain_tensor
+from trainer.model_values import values_problem
 from trainer.models.llama import ModelArgs, RopeScaling
+from trainer.models.moe import MoEArgs
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
@@ -108,8 +111,6 @@ class RunInfo:
 def run_tokenizer(source: str, spec: str) -> dict[str, str]:
     """RunInfo's tokenizer fields for data.source / data.tokenizer: none for synthetic tokens, which no tokenizer
     made; a tokenizer.json by its absolute path, so a later export finds it from any directory."""
-    from trainer.data.tokenizer import tokenizer_fingerprint
-
     if source == "synthetic":
         return {}
     resolved = spec if spec == "byte" else str(Path(spec).resolve())
@@ -128,10 +129,6 @@ def args_from_json(model: dict[str, Any], *, where: str = "checkpoint.json") -> 
     Every value is checked by type and range with the rules of the TOML [model] section
     (`trainer.model_values`) first: a CheckpointError naming the file (`where`) and the field.
     """
-    from trainer.checkpoint.format import CheckpointError
-    from trainer.model_values import values_problem
-    from trainer.models.moe import MoEArgs
-
     edited = "not as this trainer writes it: an edited or foreign file"
     if model.get("name", "llama3") not in ("llama3", "moe"):
         raise CheckpointError(f"{where}: model.name={model.get('name')!r} must be 'llama3' or 'moe' ({edited})")

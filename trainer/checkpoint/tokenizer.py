@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.format import CHECKPOINT_JSON, TOKENIZER_FILE, CheckpointError, file_digest
+from trainer.checkpoint.verify import check_files
+from trainer.data.tokenizer import _tokenizer_path, bytes_fingerprint, folder_tokenizer_problem
 
 
 def write_tokenizer(spec: str, fingerprint: str, folder: Path) -> dict[str, dict[str, Any]]:
@@ -32,8 +34,6 @@ def write_tokenizer(spec: str, fingerprint: str, folder: Path) -> dict[str, dict
 @functools.lru_cache(maxsize=2)
 def _run_tokenizer_bytes(spec: str, fingerprint: str) -> bytes:
     """The run's tokenizer.json as it was when first read (the run reads it at its start: `remember_tokenizer`)."""
-    from trainer.data.tokenizer import _tokenizer_path, bytes_fingerprint
-
     data = _tokenizer_path(spec).read_bytes()
     if bytes_fingerprint(data) != fingerprint:
         raise CheckpointError(f"tokenizer {spec} has changed since the run started (fingerprint "
@@ -61,9 +61,6 @@ def recorded_tokenizer(folder: Path, info: dict[str, Any]) -> tuple[str, str | N
     """(spec, fingerprint) of the tokenizer a checkpoint records: 'byte', or the path of its own tokenizer.json
     copy (inside the folder, a regular file of bounded size, listed and checksummed); None if it records none.
     Anything else is a CheckpointError line."""
-    from trainer.checkpoint.verify import check_files
-    from trainer.data.tokenizer import folder_tokenizer_problem
-
     where, entry = folder / CHECKPOINT_JSON, info.get("tokenizer")
     if entry is None:
         return None

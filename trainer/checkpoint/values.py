@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, E4M3, PER_PARAMETER, SCALE_SUFFIX, STATE_BLOCK, STEP_KEY, CheckpointError,
 )
-from trainer.model_values import Rule, num_tensors, param_count, rule_problem
+from trainer.model_values import ModelArgs, Rule, num_tensors, param_count, rule_problem
+from trainer.models import build_model
 
 # The dtypes this trainer writes model weights, expert biases and per-parameter state in (the master dtype, or
 # optimizer.exp_avg_dtype / exp_avg_sq_dtype; an e4m3 entry is allowed with its block scales alone: format.py).
@@ -44,7 +45,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n):,} bytes"
 
 
-def check_args_fit_files(args: Any, *, data_bytes: int, where: str, files: str, error: type[Exception],
+def check_args_fit_files(args: ModelArgs, *, data_bytes: int, where: str, files: str, error: type[Exception],
                          tied: bool = False) -> None:
     """The parameters `args` imply, at 2 bytes each at least, fit in the `data_bytes` the data files hold.
 
@@ -81,13 +82,11 @@ def check_host_memory(need_bytes: int, *, what: str, where: str, error: type[Exc
                     "available on this host; load it on a larger host (or with a smaller max_seq_len)")
 
 
-def model_shapes(args: Any) -> dict[str, tuple[int, ...]]:
+def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every state-dict entry of the model these args build, by fqn: built on the meta device (allocates nothing).
 
     Call after `check_args_fit_files`: building a model of a crafted n_layers would take as long as its layers.
     """
-    from trainer.models import build_model
-
     with torch.device("meta"):
         model = build_model(args)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -140,7 +139,7 @@ def check_index_entries(metadata: Metadata, shapes: dict[str, tuple[int, ...]], 
                                   f"{', '.join(map(str, INDEX_DTYPES))} ({EDITED})")
 
 
-def check_entry_count(metadata: Metadata, args: Any, *, path: Path) -> None:
+def check_entry_count(metadata: Metadata, args: ModelArgs, *, path: Path) -> None:
     """As many model entries as the arguments imply (counted in closed form, before a model is built)."""
     have = sum(1 for k in metadata.state_dict_metadata if k.startswith("model."))
     want = num_tensors(args)

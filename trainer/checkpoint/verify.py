@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -43,8 +44,9 @@ from trainer.checkpoint.format import (
 )
 from trainer.checkpoint.state import RunInfo, args_from_json, model_state_dict
 from trainer.checkpoint.values import CHECKPOINT_FIELDS, check_fields, check_index_entries, check_state_values
-from trainer.confine import outside_problem, special_file_problem
 from trainer.errors import on_every_rank
+from trainer.files.confine import outside_problem, special_file_problem
+from trainer.files.json_object import read_json_object
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -282,7 +284,8 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
     if problem := outside_problem(file) or special_file_problem(file, max_bytes=MAX_JSON_BYTES, what=CHECKPOINT_JSON):
         raise CheckpointError(problem)
     try:
-        info = json.loads(file.read_text())
+        info = read_json_object(file, what="a checkpoint description", error=CheckpointError,
+                                corrupt=CorruptCheckpointError)
     except FileNotFoundError:
         if (path / "config.json").exists():
             raise CheckpointError(
@@ -294,12 +297,6 @@ def read_checkpoint_json(path: Path, *, allow_unverified: bool = False) -> dict[
             f"{file} is missing: {path} is not a complete checkpoint (an interrupted save, or not written by this "
             "trainer)"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
-    except RecursionError:
-        raise CheckpointError(f"{file} nests its values too deeply to be a checkpoint description") from None
-    if not isinstance(info, dict):
-        raise CheckpointError(f"{file} is not a checkpoint description (a JSON {type(info).__name__})")
     if info.get("format") in OLD_FORMATS:
         raise CheckpointError(
             f"{file}: format {info['format']} stored pickled Python objects, which this trainer no longer loads "
@@ -424,19 +421,13 @@ def read_state_json(path: Path, info: dict[str, Any]) -> dict[str, Any]:
         raise CorruptCheckpointError(problems[0])
     if problem := special_file_problem(file, max_bytes=MAX_JSON_BYTES, what=STATE_JSON):
         raise CheckpointError(problem)
-    try:
-        state = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{file} is corrupted (not valid JSON: {e})") from None
-    except RecursionError:
-        raise CheckpointError(f"{file} nests its values too deeply to be a training state") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{file} is not a training state (a JSON {type(state).__name__})")
+    state = read_json_object(file, what="a training state", error=CheckpointError, corrupt=CorruptCheckpointError)
     check_state_values(state, info, path=path)
     return state
 
 
-def verify_on_every_rank(path: Path, *, model: Any, run: RunInfo, group: Any, allow_unverified: bool,
+def verify_on_every_rank(path: Path, *, model: nn.Module, run: RunInfo, group: dist.ProcessGroup | None,
+                         allow_unverified: bool,
                          model_only: bool, raise_corrupt: bool) -> tuple[dict[str, Any], Metadata] | str:
     """(checkpoint.json, DCP metadata) once every check passed on every rank, or why it is corrupt.
 

@@ -3,26 +3,26 @@
 `JobConfig.__post_init__` runs `check_config`, so a bad TOML file or override fails while it
 is parsed, before anything is built; `trainer.validate.validate_job` adds what needs the world
 size, the model's shapes and the data. It imports nothing of the trainer but leaves: the errors,
-the precision-schedule syntax (trainer.precision_phases), the model-argument rules
+the precision-schedule syntax (trainer.config.phases), the model-argument rules
 (trainer.model_values) and the seed ranges (trainer.seeds), none of which imports torch, so
-loading a config (and `--help`) stays torch-free (tests/unit/test_config.py). `cfg` is a
-`trainer.config.JobConfig`, typed `Any`: sections.py imports this module to run it, and naming
-JobConfig here, even only for type checkers, would tie the two into a circle.
+loading a config (and `--help`) stays torch-free (tests/unit/test_config.py). `cfg` is the sections of a
+`trainer.config.JobConfig` being built (trainer.config.job runs `check_config` from its `__post_init__`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
-from typing import Any
 
+from trainer.config.phases import parse_precision_schedule
+from trainer.config.sections import Sections
 from trainer.errors import ConfigError
 from trainer.model_values import RULES, value_problem
-from trainer.precision_phases import parse_precision_schedule
 from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: Sections) -> None:
     """Cross-field and range checks on the config alone, in the order a user would fix them."""
     _check_fp8_with_tp(cfg)
     if cfg.train.precision_schedule:
@@ -40,7 +40,7 @@ def check_config(cfg: Any) -> None:
     _check_paths(cfg)
 
 
-def _check_fp8_with_tp(cfg: Any) -> None:
+def _check_fp8_with_tp(cfg: Sections) -> None:
     t, d = cfg.train, cfg.distributed
     if t.is_fp8 and d.tp > 1 and not t.precision_schedule:  # a schedule overrides mixed_precision
         raise ConfigError(
@@ -50,7 +50,7 @@ def _check_fp8_with_tp(cfg: Any) -> None:
         )
 
 
-def _check_ranges(cfg: Any) -> None:
+def _check_ranges(cfg: Sections) -> None:
     t, d = cfg.train, cfg.distributed
     at_least_one = {
         "train.steps": t.steps,
@@ -96,7 +96,7 @@ def _check_ranges(cfg: Any) -> None:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
 
 
-def _check_model_values(cfg: Any) -> None:
+def _check_model_values(cfg: Sections) -> None:
     """Every [model] and [moe] key set by the rules of the model argument it sets (trainer.model_values: the same for
     a checkpoint's and a config.json's); a key left out keeps the flavor's value."""
     for section in ("model", "moe"):
@@ -109,7 +109,7 @@ def _check_model_values(cfg: Any) -> None:
                 raise ConfigError(f"{problem} (leave {section}.{f.name} out for the flavor's own)")
 
 
-def _check_loss_chunking(cfg: Any) -> None:
+def _check_loss_chunking(cfg: Sections) -> None:
     t, d = cfg.train, cfg.distributed
     if t.loss_chunk_tokens and d.tp > 1:
         raise ConfigError(
@@ -119,7 +119,7 @@ def _check_loss_chunking(cfg: Any) -> None:
         )
 
 
-def _check_optimizer(cfg: Any) -> None:
+def _check_optimizer(cfg: Sections) -> None:
     o, s = cfg.optimizer, cfg.scheduler
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0")
@@ -136,7 +136,7 @@ def _check_optimizer(cfg: Any) -> None:
         raise ConfigError(f"metrics.loss_spike_factor={cfg.metrics.loss_spike_factor} must be > 1")
 
 
-def _check_checkpoint_and_master(cfg: Any) -> None:
+def _check_checkpoint_and_master(cfg: Sections) -> None:
     c = cfg.checkpoint
     if c.load_step < -1:
         raise ConfigError(f"checkpoint.load_step={c.load_step} must be >= 0, or -1 for the latest")
@@ -149,7 +149,7 @@ def _check_checkpoint_and_master(cfg: Any) -> None:
         )
 
 
-def _check_float8_and_profiling(cfg: Any) -> None:
+def _check_float8_and_profiling(cfg: Sections) -> None:
     f8 = cfg.float8
     if f8.format == "hybrid" and f8.recipe != "tensorwise":
         raise ConfigError(f"float8.format='hybrid' (e5m2 gradients) is the tensorwise recipe's; float8.recipe="
@@ -180,7 +180,7 @@ def _check_float8_and_profiling(cfg: Any) -> None:
                           f"end_step within 1-{cfg.train.steps}, or profiling.enable=false")
 
 
-def _check_validation_precision(cfg: Any) -> None:
+def _check_validation_precision(cfg: Sections) -> None:
     """validation.mixed_precision='bf16' evaluates fp8 matmuls in bf16: it needs bf16 weights on the rank (no fp8
     all-gather) and has nothing to do for an explicit fp32 or fp16 run ('auto' warns once it resolves)."""
     if cfg.validation.mixed_precision != "bf16":
@@ -207,7 +207,7 @@ BLOCKWISE_EXPERTS_REASON = (
 )
 
 
-def _check_moe_experts(cfg: Any) -> None:
+def _check_moe_experts(cfg: Sections) -> None:
     mode, t = cfg.float8.moe_experts, cfg.train
     if mode == "blockwise":
         raise ConfigError(f"float8.moe_experts='blockwise' is not available: {BLOCKWISE_EXPERTS_REASON}; use 'rowwise'")
@@ -222,7 +222,7 @@ def _check_moe_experts(cfg: Any) -> None:
         )
 
 
-def _check_data(cfg: Any) -> None:
+def _check_data(cfg: Sections) -> None:
     v, data = cfg.validation, cfg.data
     if v.enable:
         for key, value in (("validation.freq", v.freq), ("validation.steps", v.steps)):
@@ -266,7 +266,7 @@ def mix_names(mix: list) -> list[str]:
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
-def _check_mix(cfg: Any) -> None:
+def _check_mix(cfg: Sections) -> None:
     data, v = cfg.data, cfg.validation
     if not data.mix:
         return
@@ -295,12 +295,10 @@ def _check_mix(cfg: Any) -> None:
                               f"validation_path on every source; data.mix[{missing[0]}] ({names[missing[0]]!r}) has none")
 
 
-def _check_wandb(cfg: Any) -> None:
+def _check_wandb(cfg: Sections) -> None:
     m = cfg.metrics
     if not m.wandb:
         return
-    import importlib.util
-
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.wandb=true needs the wandb package: pip install 'trainer[wandb]' (or set "
                           "metrics.wandb=false)")
@@ -308,7 +306,7 @@ def _check_wandb(cfg: Any) -> None:
         raise ConfigError("metrics.wandb_project is empty; name a W&B project")
 
 
-def _check_seeds(cfg: Any) -> None:
+def _check_seeds(cfg: Sections) -> None:
     # trainer/seeds.py: torch generators take 64 bits, and the init seeds each parameter with
     # train.seed x 1,000,003 + crc32(fqn); numpy's default_rng refuses negative seeds.
     seeds = (
@@ -326,7 +324,7 @@ _PATH_KEYS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "
               ("profiling", "trace_dir"), ("data", "path"), ("data", "tokenizer"), ("validation", "path"))
 
 
-def _check_paths(cfg: Any) -> None:
+def _check_paths(cfg: Sections) -> None:
     for section, name in _PATH_KEYS:
         value = getattr(getattr(cfg, section), name)
         if "\x00" in value:
@@ -338,7 +336,7 @@ def _check_paths(cfg: Any) -> None:
                           "(e.g. --job.dump_folder=./outputs/run, or '.' for the current directory)")
 
 
-def _check_precision_schedule(cfg: Any) -> None:
+def _check_precision_schedule(cfg: Sections) -> None:
     t = cfg.train
     if t.steps < 1:
         return  # reported by _check_ranges as train.steps

@@ -16,7 +16,8 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal
 
-from trainer.config.sections import _SECTIONS, JobConfig, field_types, toml_value
+from trainer.config.job import JobConfig
+from trainer.config.sections import _SECTIONS, field_types, toml_value
 from trainer.errors import ConfigError
 
 if sys.version_info >= (3, 11):

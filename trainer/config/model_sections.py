@@ -56,13 +56,6 @@ def shape_section(name: str, args_cls: type, fields: list[dataclasses.Field], *,
     return cls
 
 
-def shape_sections(cfg: Any) -> list[tuple[str, Any]]:
-    """(name, section) of the config's sections generated from a model dataclass: [model], then [moe]; each applies
-    to the flavors whose args are its `args_class`."""
-    sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
-    return [(name, section) for name, section in sections if hasattr(section, "args_class")]
-
-
 def key_fields(section: Any) -> dict[str, str]:
     """{args field: its key} of a section's keys that set a field of the args (not a nested dataclass's field)."""
     return {f.metadata["field"]: f.name for f in dataclasses.fields(section)

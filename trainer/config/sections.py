@@ -1,8 +1,8 @@
-"""The job config's sections: one dataclass per TOML section, a docstring under every field, and JobConfig, whose
+"""The job config's sections: one dataclass per TOML section, a docstring under every field, and `Sections`, whose
 fields are the sections ([model] and [moe] are generated from the model's dataclasses: trainer.config.model_sections).
 
-A `JobConfig` checks itself when built (`__post_init__` runs
-`trainer.config.checks.check_config`): every combination that the config alone
+`trainer.config.job.JobConfig` is `Sections` checked when built (its `__post_init__` runs
+`trainer.config.checks.check_config`, which reads a `Sections`): every combination that the config alone
 makes wrong is one `ConfigError` line naming the key. Loading (TOML, command line) is
 `trainer.config.load`; `--help` and docs/config.md come from `trainer.config.reference`.
 """
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.config.checks import check_config
 from trainer.config.docstrings import field_docs
 from trainer.config.model_sections import ModelSection, MoESection
 
@@ -308,7 +307,7 @@ class MetricsSection:
 
 
 @dataclass
-class JobConfig:
+class Sections:
     """The TOML file's sections, in order; the docstring under each is its line in `--help` and docs/config.md."""
 
     job: JobSection = field(default_factory=JobSection)
@@ -338,10 +337,6 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     """log line, metrics.jsonl, TensorBoard, W&B"""
 
-    def __post_init__(self) -> None:
-        # The config-only checks; trainer.validate.validate_job adds world size, model and data.
-        check_config(self)
-
     @property
     def is_fp8(self) -> bool:
         return self.train.is_fp8
@@ -350,6 +345,11 @@ class JobConfig:
     def trace_dir(self) -> str:
         """profiling.trace_dir, or the run's own folder for traces when it is empty."""
         return self.profiling.trace_dir or str(Path(self.job.dump_folder) / "profiler_traces")
+
+    def shape_sections(self) -> list[tuple[str, ModelSection | MoESection]]:
+        """(name, section) of the sections generated from a model dataclass: [model], then [moe]; each applies to the
+        flavors whose args are its `args_class`."""
+        return [("model", self.model), ("moe", self.moe)]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -363,9 +363,9 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-# The sections the TOML loader and `--help` know, and each one's line: JobConfig's fields.
-_SECTIONS: dict[str, type] = field_types(JobConfig)
-SECTION_HELP: dict[str, str] = field_docs(JobConfig)
+# The sections the TOML loader and `--help` know, and each one's line: the fields of Sections.
+_SECTIONS: dict[str, type] = field_types(Sections)
+SECTION_HELP: dict[str, str] = field_docs(Sections)
 
 
 def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:

@@ -11,8 +11,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer.confine import special_file_problem
 from trainer.data.shards import DataError
+from trainer.files.confine import special_file_problem
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
 

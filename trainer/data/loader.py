@@ -18,7 +18,7 @@ import torch
 
 from trainer.data.mix import MixtureSource
 from trainer.data.shards import DataError
-from trainer.data.sources import DefaultTextSource, ShardSource, StdlibTextSource, SyntheticSource
+from trainer.data.sources import DefaultTextSource, SampleSource, ShardSource, StdlibTextSource, SyntheticSource
 from trainer.data.tokenizer import tokenizer_fingerprint
 from trainer.loss import IGNORE_INDEX
 
@@ -28,7 +28,7 @@ SOURCES = ("default", "stdlib", "synthetic", "shards")
 
 
 class TokenDataLoader:
-    def __init__(self, source, *, seq_len: int, batch_size: int, grad_accum_steps: int, dp_rank: int,
+    def __init__(self, source: SampleSource, *, seq_len: int, batch_size: int, grad_accum_steps: int, dp_rank: int,
                  dp_degree: int, seed: int, shuffle: bool = True, eod_mask_id: int | None = None):
         # Invariants: trainer.validate checked the config values these come from.
         assert min(seq_len, batch_size, grad_accum_steps, dp_degree) >= 1
@@ -148,7 +148,7 @@ def _shard_paths(path: str, key: str = "data.path") -> list[str]:
 
 
 def build_source(*, source: str, path: str, tokenizer: str, seed: int, vocab_size: int, seq_len: int,
-                 split: str = "train", path_key: str = "data.path"):
+                 split: str = "train", path_key: str = "data.path") -> SampleSource:
     """Open and check the sample source (every shard header, the vocabulary, room for one sample).
 
     split='validation' is the held-out text of default/stdlib (never in the train split) and a

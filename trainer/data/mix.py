@@ -27,6 +27,7 @@ from functools import reduce
 
 import numpy as np
 
+from trainer.data.sources import SampleSource
 from trainer.hooks import StepHook
 
 logger = logging.getLogger(__name__)
@@ -58,14 +59,13 @@ def period_pattern(weights: list[int]) -> tuple[np.ndarray, np.ndarray]:
 class MixEntry:
     name: str
     weight: float
-    source: object
-    """A sample source (trainer.data.sources): num_samples, get_sample, fingerprint."""
+    source: SampleSource
 
 
 @dataclass(frozen=True)
 class HeldOutMixture:
     """A mixture's held-out sources, one per training source (data.mix[].validation_path): validation reports each
-    source's loss and their mean weighted as the training mixture is (trainer/evaluate.py)."""
+    source's loss and their mean weighted as the training mixture is (trainer/run/evaluate.py)."""
 
     entries: tuple[MixEntry, ...]
 

@@ -9,13 +9,29 @@ and the extra token is the label of the last input.
 
 import functools
 import hashlib
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
+from pydoc_data.topics import topics
+from typing import Protocol
 
 import numpy as np
 
 from trainer.data.shards import DataError, open_shard, scan_shard_tokens
 from trainer.data.tokenizer import ByteTokenizer
+
+
+class SampleSource(Protocol):
+    """What every source here and a mixture (trainer.data.mix) has: the module docstring's three methods, and whether
+    the loader may permute its samples (a mixture and synthetic data order their own)."""
+
+    permute: bool
+
+    def num_samples(self, seq_len: int) -> int: ...
+
+    def get_sample(self, index: int, seq_len: int) -> np.ndarray: ...
+
+    def fingerprint(self) -> str: ...
 
 
 def _num_windows(num_tokens: int, seq_len: int) -> int:
@@ -101,8 +117,6 @@ class ShardSource:
 @functools.cache
 def _default_tokens() -> np.ndarray:
     # Ships with every CPython, so the default run needs no download.
-    from pydoc_data.topics import topics
-
     return _byte_documents(topics[key] for key in sorted(topics))
 
 
@@ -113,9 +127,6 @@ def _stdlib_tokens() -> np.ndarray:
     About 27x the default corpus: enough that a few hundred steps of a 1B model
     see each token about once, instead of memorizing the topics.
     """
-    import sysconfig
-    from pathlib import Path
-
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
         f for f in root.rglob("*.py")

@@ -1,11 +1,11 @@
 """Tokenizers: a dependency-free byte tokenizer and a wrapper around a HF tokenizer.json."""
 
 import hashlib
-import json
 from pathlib import Path
 
-from trainer.confine import outside_problem, special_file_problem
 from trainer.data.shards import DataError
+from trainer.files.confine import outside_problem, special_file_problem
+from trainer.files.json_object import read_json_object
 
 # Tried in order; the first one the vocabulary has is the end-of-document token.
 _EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -103,12 +103,15 @@ def token_ids(path: str | Path) -> dict[str, int]:
     if problem := special_file_problem(Path(path), max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer.json"):
         raise DataError(problem)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = read_json_object(Path(path), what="a tokenizer.json", error=DataError)
+    except OSError as e:
+        raise DataError(f"tokenizer {path} is not a tokenizer.json ({type(e).__name__}: {e})") from None
+    try:
         vocab = (data.get("model") or {}).get("vocab")
         ids = {piece[0]: i for i, piece in enumerate(vocab)} if isinstance(vocab, list) else {}
         ids |= {k: int(v) for k, v in vocab.items()} if isinstance(vocab, dict) else {}
         return ids | {t["content"]: int(t["id"]) for t in data.get("added_tokens") or []}
-    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
         raise DataError(f"tokenizer {path} is not a tokenizer.json ({type(e).__name__}: {e})") from None
 
 

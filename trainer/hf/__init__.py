@@ -6,6 +6,8 @@ config.json.
     llama.py      dense Llama <-> LlamaForCausalLM (Qwen3ForCausalLM with qk_norm), names one to one
     moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores)
     tokenizer.py  the run's tokenizer (tokenizer.json, BOS/EOS ids) in the export
+    output_folder.py  where an export or an import (trainer/checkpoint/offline.py) writes: a new, empty or earlier
+                  output folder, published whole
 
 A family's mapping is this package's module of the family's name (`trainer.models.family.ModelFamily.name`), found by
 that name: the model families' registry (`trainer.models.FAMILIES`) is the one list, so a new family is its model file

@@ -6,12 +6,12 @@ Export writes `config.json` and either `model.safetensors` or, above `max_shard_
 holds more than one shard in memory. Files are written 0644 (safetensors alone would
 leave them 0600) into `{out}.tmp`, which is renamed when complete. The output folder must be new, empty
 or an earlier export (moved aside to `{out}.old`, never deleted): a folder holding checkpoints or
-anything else is refused before anything is written (trainer/output_folder.py).
+anything else is refused before anything is written (trainer/hf/output_folder.py).
 
 What each of our tensors is called there, and how it is cut or permuted, is the family's
 (`trainer.hf.llama`, `trainer.hf.moe`): one `Spec` per tensor of ours.
 Needs the `safetensors` package (the `hf` extra). Reading runs no code from the folder:
-only safetensors and JSON are read, and only files that resolve inside the folder (trainer/confine.py).
+only safetensors and JSON are read, and only files that resolve inside the folder (trainer/files/confine.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.confine import outside_problem, special_file_problem
 from trainer.errors import UserError
-from trainer.output_folder import EXPORT, prepare_output, publish_output
+from trainer.files.confine import outside_problem, special_file_problem
+from trainer.files.json_object import read_json_object
+from trainer.hf.output_folder import EXPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.hf")
 
@@ -161,16 +162,9 @@ def read_config(folder: Path) -> dict:
         raise ExportError(f"{folder} does not exist or is not a folder")
     config_path = _confined(folder / "config.json", max_bytes=MAX_JSON_BYTES, what="config.json")
     try:
-        config = json.loads(config_path.read_text())
+        return read_json_object(config_path, what="a model config", error=ExportError)
     except FileNotFoundError:
         raise ExportError(f"{config_path} is missing: not a Hugging Face model folder") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{config_path} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ExportError(f"{config_path} nests its values too deeply to be a model config") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{config_path} is not a model config (a JSON {type(config).__name__})")
-    return config
 
 
 # A model's config.json or safetensors index is kilobytes to a few MB; more is not one.
@@ -207,14 +201,14 @@ def _safetensors_files(folder: Path) -> list[str]:
     # Only safetensors are read: pytorch_model.bin and *.pt files are pickles, and unpickling runs code.
     index_path = _confined(folder / "model.safetensors.index.json", max_bytes=MAX_JSON_BYTES, what="safetensors index")
     if index_path.exists():
-        try:
-            files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            raise ExportError(f"{index_path} is not a safetensors index ({type(e).__name__}: {e})") from None
-        for name in files:
+        weight_map = read_json_object(index_path, what="a safetensors index", error=ExportError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ExportError(f"{index_path} is not a safetensors index (its weight_map is a JSON "
+                              f"{type(weight_map).__name__}, not an object)")
+        for name in weight_map.values():
             if not (isinstance(name, str) and re.fullmatch(r"[\w.-]+\.safetensors", name)):
                 raise ExportError(f"{index_path} names {name!r}, not a .safetensors file of this folder")
-        return files
+        return sorted(set(weight_map.values()))
     if (folder / "model.safetensors").exists():
         return ["model.safetensors"]
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))

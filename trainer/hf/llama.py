@@ -19,7 +19,7 @@ import torch
 
 from trainer.hf.folder import DTYPE_NAMES, ExportError, Spec, rename
 from trainer.model_values import values_problem
-from trainer.models.llama import ModelArgs
+from trainer.models.llama import FLAVORS, ModelArgs, RopeScaling
 
 MODEL_TYPE = "llama"
 QWEN3 = "qwen3"
@@ -248,8 +248,6 @@ def decoder_fields(config: dict, flavors: list[ModelArgs]) -> dict:
     The FFN width comes from (multiple_of, ffn_dim_multiplier): a flavor's when it gives this
     width, else the pair that gives exactly `intermediate_size`.
     """
-    from trainer.models.llama import RopeScaling
-
     dim, ffn = int(config["hidden_size"]), int(config["intermediate_size"])
     n_heads = int(config["num_attention_heads"])
     rope, theta = rope_fields(config)
@@ -303,8 +301,6 @@ def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
     """ModelArgs of a Hugging Face Llama or Qwen3 config.json of any shape (checked back against it with
     `check_hf_config`): a head_dim apart from hidden_size / num_attention_heads, any intermediate_size, a tied
     head, Qwen3's q/k norms."""
-    from trainer.models.llama import FLAVORS
-
     kind = config.get("model_type", MODEL_TYPE)
     head_dim_key = {"explicit_head_dim": "head_dim"} if config.get("head_dim") is not None else {}
     check_config_values(config, {**CONFIG_KEYS, **head_dim_key}, where=where)

@@ -16,6 +16,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.data.shards import DataError
+from trainer.data.tokenizer import (
+    _BOS_TOKENS, _EOS_TOKENS, ByteTokenizer, folder_tokenizer_problem, token_ids, tokenizer_fingerprint,
+)
 from trainer.hf.folder import FILE_MODE, ExportError
 
 
@@ -66,8 +70,6 @@ def byte_tokenizer_json() -> dict:
     any HF tokenizer, their literal text in a string encodes as the special id, where
     ByteTokenizer.encode gives its bytes. No post-processor: nothing is added on encode, as in training.
     """
-    from trainer.data.tokenizer import _BOS_TOKENS, _EOS_TOKENS, ByteTokenizer
-
     assert BYTE_BOS_TOKEN in _BOS_TOKENS and BYTE_EOS_TOKEN in _EOS_TOKENS
     special = [(ByteTokenizer.bos_id, BYTE_BOS_TOKEN), (ByteTokenizer.eos_id, BYTE_EOS_TOKEN)]
     return {
@@ -96,9 +98,6 @@ def is_byte_tokenizer_json(path: Path) -> bool:
 
 def resolve_tokenizer(spec: str, *, fingerprint: str | None = None, where: str = "the run") -> ExportTokenizer:
     """The tokenizer `spec` names ('byte' or a tokenizer.json), checked against the run's `fingerprint` if given."""
-    from trainer.data.shards import DataError
-    from trainer.data.tokenizer import _BOS_TOKENS, _EOS_TOKENS, ByteTokenizer, token_ids, tokenizer_fingerprint
-
     if spec == "byte":
         return ExportTokenizer("byte", ByteTokenizer.bos_id, ByteTokenizer.eos_id, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN)
     path = Path(spec)
@@ -140,8 +139,6 @@ def write_tokenizer_files(tok: ExportTokenizer, *, folder: Path, max_seq_len: in
 def folder_tokenizer(folder: Path) -> dict[str, str]:
     """RunInfo's tokenizer fields for a Hugging Face folder's tokenizer.json ({} without one), which an import
     copies into its checkpoint: read only from inside the folder, a regular file of bounded size."""
-    from trainer.data.tokenizer import ByteTokenizer, folder_tokenizer_problem, tokenizer_fingerprint
-
     file = folder / "tokenizer.json"
     if not os.path.lexists(file):
         return {}

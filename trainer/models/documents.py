@@ -13,7 +13,7 @@ and the attention mask "causal and the same document" in the form the device's k
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -51,7 +51,7 @@ def attention_mask(docs: torch.Tensor) -> BlockMask | torch.Tensor:
 # FlexAttention runs unfused (every score materialized) unless compiled; inside a compiled block dynamo inlines
 # this as it would flex_attention itself. Made by attention_mask (eager, before any block runs) with the first
 # BlockMask, so importing this module does not import torch.compile.
-_compiled_flex: Any = None
+_compiled_flex: Callable[..., torch.Tensor] | None = None
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-import trainer.models.llama as llama  # the modules, not `from trainer.models import`: the package imports this one
-import trainer.models.moe as moe
 from trainer.model_values import param_count
 from trainer.models.activations import ActivationPolicy
 from trainer.models.layers import ModelArgs, TPPlan
+import trainer.models.llama as llama  # the modules, not `from trainer.models import`: the package imports this one
+import trainer.models.moe as moe
 
 
 @dataclass(frozen=True)

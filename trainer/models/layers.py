@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
@@ -100,7 +102,8 @@ class Attention(nn.Module):
         # SDPA's kernels in order of preference (train.attention_backend, set by the build); None = torch's choice.
         self.sdpa_backends: list[SDPBackend] | None = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: BlockMask | torch.Tensor | None = None
+                ) -> torch.Tensor:
         """mask: None (causal over the whole sequence) or a document mask (trainer.models.documents)."""
         bsz, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
@@ -163,7 +166,8 @@ class TransformerBlock(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self.ffn_name)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: BlockMask | torch.Tensor | None = None
+                ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.ffn(self.mlp_norm(h))
 
@@ -302,8 +306,6 @@ def _fill(param: torch.Tensor, fqn: str, *, seed: int, std: float | None) -> Non
     gen.manual_seed(param_seed(seed, fqn))
     nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         full = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
     local.copy_(full)

@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
+from trainer.distributed import all_reduce_sum_identity_backward
 from trainer.model_values import MoEArgs, RopeScaling, layer_param_counts, param_count
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import (MLP, Decoder, TPPlan, TransformerBlock, block_tp_plan, decoder_tp_plan, mlp_tp_plan,
@@ -242,8 +243,6 @@ class MoE(nn.Module):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         score_sums, seq_len = scores.sum(dim=1), scores.shape[1]
         if self.sequence_group is not None:
-            from trainer.distributed import all_reduce_sum_identity_backward
-
             counts = all_reduce_sum_identity_backward(counts, self.sequence_group)  # counts carry no gradient
             score_sums = all_reduce_sum_identity_backward(score_sums, self.sequence_group)
             slices = dist.get_world_size(self.sequence_group)

@@ -10,12 +10,13 @@ counters, so activation checkpointing (which runs a forward twice) changes none 
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.hooks import StepHook
+from trainer.models.layers import clean_fqn
 from trainer.models.moe import STAT_AUX, STAT_CALLS, STAT_DROPPED, MoE
 
 
@@ -31,9 +32,8 @@ class MoEBalancer(StepHook):
     job with an MoE model must hold one, since `after_optimizer_step` and `on_log` are collective.
     """
 
-    def __init__(self, model: nn.Module, *, bias_update_rate: float, stage_group: Any = None, pp_group: Any = None):
-        from trainer.models.layers import clean_fqn
-
+    def __init__(self, model: nn.Module, *, bias_update_rate: float, stage_group: dist.ProcessGroup | None = None,
+                 pp_group: dist.ProcessGroup | None = None):
         self.layers: list[tuple[str, MoE]] = [
             (clean_fqn(fqn).split(".")[1], m) for fqn, m in model.named_modules() if isinstance(m, MoE)
         ]
@@ -47,8 +47,6 @@ class MoEBalancer(StepHook):
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int, found_inf: torch.Tensor) -> None:
-        import torch.distributed as dist
-
         if not self.layers:
             return
         stats = torch.stack([m.stats for _, m in self.layers])
@@ -65,11 +63,9 @@ class MoEBalancer(StepHook):
         """Since the last log: per layer and overall load imbalance (max/mean tokens per expert), aux
         loss (unscaled per layer; `aux_loss` = sum over layers of aux_loss_coef x layer aux loss, the
         term the objective adds), fraction of assignments dropped. note: a host sync."""
-        import torch.distributed as dist
-
         layers = self._layer_metrics()
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
-            parts: list[Any] = [None] * dist.get_world_size(self.pp_group)
+            parts: list[object] = [None] * dist.get_world_size(self.pp_group)
             dist.all_gather_object(parts, layers, group=self.pp_group)
             layers = {k: v for part in parts for k, v in part.items()}
         if not layers:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.models.moe_permute import gather_rows, padded_layout, select_unique_rows
 
@@ -193,7 +194,5 @@ class GroupedExperts(nn.Module):
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts: under EP the weights are DTensors sharded on dim 0 over the ep axis."""
-    from torch.distributed.tensor import DTensor
-
     return w.to_local() if isinstance(w, DTensor) else w
 

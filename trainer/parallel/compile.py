@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo.utils as dynamo_utils
 from torch import nn
 
 
@@ -41,8 +42,6 @@ class CompileTimes:
 
     @classmethod
     def now(cls) -> CompileTimes:
-        import torch._dynamo.utils as dynamo_utils
-
         spent = dynamo_utils.calculate_time_spent()
         kernel = sys.modules.get("trainer.optim.kernel")  # imported only where it runs: never on a CPU
         return cls(torch_compile_s=spent.get("total_wall_time", 0.0),

@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from trainer.models.moe import MoE
@@ -83,8 +85,6 @@ def lower_right_masks(chunk: int, chunks: tuple[int, int]) -> tuple:
     """SDPA's lower-right causal masks of the two query chunks (`causal_lower_right`: no mask tensor is made;
     on CUDA the flash kernel runs it). Made once, outside any forward: they are tensor subclasses, which
     selective activation checkpointing's dispatch mode refuses to see created."""
-    from torch.nn.attention.bias import causal_lower_right
-
     return tuple(causal_lower_right(chunk, (j + 1) * chunk) for j in chunks)
 
 
@@ -137,8 +137,6 @@ class CPAttention:
 
 def _all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along dim 0 whose backward reduce-scatters the gradient (summed over the group)."""
-    from torch.distributed import _functional_collectives as funcol
-
     # torch 2.13 names it all_gather_single_autograd (the older name warns there); torch 2.11 has the older one.
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     return funcol.wait_tensor(gather(x, 0, group))
@@ -147,7 +145,7 @@ def _all_gather_autograd(x: torch.Tensor, group) -> torch.Tensor:
 def apply_cp(model: nn.Module, cp: ContextParallel, *, seq_len: int) -> str:
     """Context parallelism with the layout `cp` for sequences of seq_len tokens, in place: global RoPE positions,
     the K/V all-gather attention, and the MoE layers' aux loss over whole sequences. Before TP/EP, FP8, AC,
-    compile and FSDP2 wrap the model. The step cuts each batch to this rank's chunks (trainer.step.TrainStep)."""
+    compile and FSDP2 wrap the model. The step cuts each batch to this rank's chunks (trainer.run.step.TrainStep)."""
     model.set_context_parallel(cp)
     num_attention = num_moe = 0
     for module in model.modules():

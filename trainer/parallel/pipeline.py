@@ -2,7 +2,7 @@
 
 The layout arithmetic (splits, which rank runs which stage, the bubble) is trainer/parallel/pipeline_layout.py.
 The model is split by fqn. Every stage module is the whole model, built on the meta
-device by the same builder as at pp=1 (`trainer.parallel.builder.build_model_part`, any family), with
+device by the same builder as at pp=1 (`trainer.parallel.build.build_model_part`, any family), with
 the blocks of other stages deleted and, off the edge stages, the embedding, final norm
 and output head set to None (the torchtitan way), so every parameter keeps the fqn it
 has in the full model: FP8 filters, the TP plan, checkpoints (DCP reshards by fqn) and
@@ -28,13 +28,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from trainer.log import info_silenced
 from trainer.loss import local_loss
 from trainer.models import ModelArgs
-from trainer.parallel.build import BuildOptions
-from trainer.parallel.builder import build_model_part
+from trainer.parallel.apply import BuildOptions
+from trainer.parallel.build import build_model_part
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report
 from trainer.parallel.parallel_dims import ParallelDims
@@ -76,8 +77,6 @@ class PipelineModel(nn.Module):
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import schedules
-
     return {
         "GPipe": schedules.ScheduleGPipe,
         "1F1B": schedules.Schedule1F1B,
@@ -113,7 +112,7 @@ class Pipeline:
                 logger.info("pipeline stage %d/%d first (this rank's others are built alike, the split follows):",
                             sid, options.num_stages)
             with info_silenced() if parts else contextlib.nullcontext():
-                # The same builder as the pp=1 model's (trainer.parallel.builder), on this stage's modules.
+                # The same builder as the pp=1 model's (trainer.parallel.build), on this stage's modules.
                 part, result = build_model_part(model_args, parallel_dims, options=build, device=device, seed=seed,
                                                 fqns=options.stage_fqns[sid])
             parts.append(part)
@@ -158,8 +157,6 @@ class Pipeline:
         return self.options.num_microbatches
 
     def _build_schedule(self, parts: list[nn.Module]):
-        from torch.distributed.pipelining import PipelineStage
-
         o = self.options
         # The boundary shapes are given, not inferred: torch would otherwise run each stage once on
         # placeholder tensors at the first step, and an MoE layer would count that forward's routing.
@@ -196,7 +193,7 @@ class Pipeline:
         """Run the schedule over each batch of the optimizer step; gradients accumulate in the parameters.
 
         loss_factor: what each microbatch's summed loss is multiplied by before its backward (loss scale x
-        the step's data-parallel ranks / its valid labels: trainer/step.py). loss_context: entered around each
+        the step's data-parallel ranks / its valid labels: trainer/run/step.py). loss_context: entered around each
         schedule step, i.e. around the loss's forward and backward (TP's loss_parallel, for logits sharded
         over the vocabulary). Returns the sum of the microbatches' losses x loss_factor / loss_scale on every
         pp rank (sent from the last stage by a sum over the pp group, where only the last stage's ranks hold

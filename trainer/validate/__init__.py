@@ -12,6 +12,9 @@ or override fails while parsing, without importing torch); this pass adds the re
     options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
                        checkpoint): the Trainer reads no JobConfig
 
+    run_files.py       what the run writes beside itself (config.toml, resolved.toml, fp8_layers.json) and the
+                       startup lines that describe the precision and the documents
+
     ranks.py           after the process group exists (the Trainer's first act): every rank's job is rank 0's
 
 `validate_job` runs the first five in that order on every rank before `init_distributed` does any
@@ -25,16 +28,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.config import JobConfig
+from trainer.data.mix import HeldOutMixture
+from trainer.data.sources import SampleSource
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
-from trainer.run_files import run_file_texts
 from trainer.validate.initial import checkpoint_shape
 from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import Target, check_fits_device, check_step_fits_device, this_machine
@@ -46,6 +49,7 @@ from trainer.validate.plan import MemoryPlan, human_size, plan_memory
 from trainer.validate.precision import resolve_auto_precision
 from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices, resolve_build, resolve_data, resolve_float8,
                                       resolve_fsdp, resolve_model_args)
+from trainer.validate.run_files import run_file_texts
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +66,8 @@ class ResolvedJob:
     parallel_dims: ParallelDims
     model_args: ModelArgs
     build: BuildOptions
-    data_source: Any
-    """The opened, checked sample source (trainer.data.sources)."""
+    data_source: SampleSource
+    """The opened, checked sample source (trainer.data.sources, or a trainer.data.mix.MixtureSource)."""
     run: RunOptions
     optimizer: OptimizerOptions
     scheduler: SchedulerOptions
@@ -71,10 +75,10 @@ class ResolvedJob:
     profiling: ProfilingOptions
     checkpoint: CheckpointOptions
     run_files: tuple[tuple[str, str], ...]
-    """(name, text) of config.toml, resolved.toml and (fp8) fp8_layers.json (trainer.run_files), written by rank 0."""
+    """(name, text) of config.toml, resolved.toml and (fp8) fp8_layers.json (run_files.py), written by rank 0."""
     validation: ValidationOptions | None = None
     """When validation.enable."""
-    validation_source: Any = None
+    validation_source: SampleSource | HeldOutMixture | None = None
     """The held-out source when validation.enable (never overlaps data_source)."""
     pipeline: PipelineOptions | None = None
     """The stage layout and schedule when distributed.pp > 1."""

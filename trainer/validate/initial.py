@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.state import args_from_json
+from trainer.checkpoint.verify import read_checkpoint_json, scan_checkpoints
 from trainer.config import JobConfig
 from trainer.config.model_sections import NONE, MoESection, section_values
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 from trainer.models import ModelArgs, family_of
+from trainer.validate.run_files import model_section_values
 
 # [model] keys that size a weight through the ffn_dim Llama's rule derives from them.
 _FFN_RULE = ("ffn_dim_multiplier", "multiple_of")
@@ -40,10 +43,6 @@ def checkpoint_shape(cfg: JobConfig, *, planning: bool) -> CheckpointShape | Non
     """The shape of checkpoint.initial_load_path's model, as a config (None without one, or where the run resumes a
     checkpoint of its own instead). planning: a dry run, where a checkpoint not on this machine is named, not
     refused. Every shape key the config sets that differs from the checkpoint's is one ConfigError."""
-    from trainer.checkpoint.state import args_from_json
-    from trainer.checkpoint.verify import read_checkpoint_json
-    from trainer.errors import UserError
-
     text = cfg.checkpoint.initial_load_path
     if not text:
         return None
@@ -77,8 +76,6 @@ def checkpoint_shape(cfg: JobConfig, *, planning: bool) -> CheckpointShape | Non
 
 def _resumes(cfg: JobConfig) -> bool:
     """Whether the run's own checkpoint folder holds a complete checkpoint, which it resumes instead."""
-    from trainer.checkpoint.verify import scan_checkpoints
-
     c = cfg.checkpoint
     return c.enable and bool(scan_checkpoints(Path(cfg.job.dump_folder) / c.folder)[0])
 
@@ -86,8 +83,6 @@ def _resumes(cfg: JobConfig) -> bool:
 def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """([model] values, [moe] values, the config's keys that replace the checkpoint's) of the checkpoint's model; a
     ConfigError naming every key the config sets that sizes a weight (the model's `weight_fields`) to another value."""
-    from trainer.run_files import model_section_values
-
     model = model_section_values(saved)
     moe_model = family_of(saved).has_router
     moe = section_values(saved, MoESection) if moe_model else {}

@@ -40,8 +40,8 @@ import torch
 from trainer.config import JobConfig
 from trainer.models import ModelArgs, family_of
 from trainer.models.activations import ActivationPolicy
-from trainer.parallel import BuildOptions, ParallelDims
 from trainer.optim.states import StateDtypes
+from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
 
 GIB = 2**30

@@ -24,8 +24,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from trainer.errors import ConfigError
-from trainer.run_files import RESOLVED
+from trainer.validate.run_files import RESOLVED
 
 if TYPE_CHECKING:
     from trainer.validate import ResolvedJob
@@ -79,8 +81,6 @@ def _digest(values: dict[str, Any]) -> str:
 def check_ranks_agree(job: ResolvedJob) -> None:
     """Raise the same ConfigError on every rank when any rank's job differs from rank 0's. Call it on every rank
     of the default process group, right after it is created."""
-    import torch.distributed as dist
-
     if dist.get_world_size() == 1:
         return
     values = job_values(job)

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
 
 import torch
 
 from trainer.config import JobConfig
 from trainer.config.checks import mix_names
-from trainer.config.model_sections import key_fields, overrides, shape_sections
+from trainer.config.model_sections import key_fields, overrides
 from trainer.data.loader import build_source, shard_paths
-from trainer.data.tokenizer import eos_id
 from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
+from trainer.data.sources import SampleSource
+from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
 from trainer.model_values import values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
@@ -47,7 +47,7 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
         raise ConfigError(f"model.ffn_dim={m.ffn_dim} with the MoE flavor {m.flavor!r}: its dense blocks' width is "
                           "moe.dense_ffn_dim (the experts' moe.moe_ffn_dim)")
     # The sections of the flavor's args ([moe] for an MoE flavor); one that is not, with a key set: layout.py.
-    sections = [(name, section) for name, section in shape_sections(cfg) if isinstance(flavor, section.args_class)]
+    sections = [(name, section) for name, section in cfg.shape_sections() if isinstance(flavor, section.args_class)]
     args = replace(flavor, **{k: v for _, section in sections for k, v in overrides(section, flavor).items()})
     # The effective values, checked as one (each key's own range was checked with the config): combinations such
     # as dim and n_heads, and what the flavor's values make of the keys set (a derived ffn_dim, head_dim).
@@ -271,7 +271,8 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
     )
 
 
-def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]:
+def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int
+                 ) -> tuple[SampleSource, SampleSource | HeldOutMixture | None]:
     """(training source, held-out source or None), opened and checked (headers, tokenizer, token ids). The held-out
     source of a mixture with a validation_path per source is a HeldOutMixture."""
     data, t = cfg.data, cfg.train
@@ -295,7 +296,7 @@ def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int) -> tuple[Any, Any]
     return source, validation
 
 
-def _mix_source(cfg: JobConfig, i: int, path: str, *, vocab_size: int, key: str = "path"):
+def _mix_source(cfg: JobConfig, i: int, path: str, *, vocab_size: int, key: str = "path") -> SampleSource:
     """The shards of data.mix[i] (its path or validation_path), checked as data.path's are."""
     return build_source(source="shards", path=path, tokenizer=cfg.data.tokenizer, seed=cfg.data.seed,
                         vocab_size=vocab_size, seq_len=cfg.train.seq_len, path_key=f"data.mix[{i}].{key}")
@@ -313,7 +314,7 @@ def absent_shards(cfg: JobConfig) -> list[str]:
     return [f"{key}='{path}'" for key, path in keys if not shard_paths(path)]
 
 
-def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
+def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int) -> SampleSource | HeldOutMixture:
     v, data, t = cfg.validation, cfg.data, cfg.train
     if data.mix and not v.path:  # one held-out set per source (config checks: every source has one)
         entries = []
@@ -332,7 +333,7 @@ def _validation_source(cfg: JobConfig, *, vocab_size: int, dp: int):
     return source
 
 
-def _check_held_out(cfg: JobConfig, source: Any, *, dp: int, hint: str) -> None:
+def _check_held_out(cfg: JobConfig, source: SampleSource | HeldOutMixture, *, dp: int, hint: str) -> None:
     """Enough held-out samples for one evaluation; hint: the end of the message, another way to get them."""
     v, t = cfg.validation, cfg.train
     needed, have = v.steps * t.batch_size * dp, source.num_samples(t.seq_len)

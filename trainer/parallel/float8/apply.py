@@ -36,7 +36,7 @@ def float8_converters(options: Float8Options) -> list[Float8Converter]:
 def apply_float8(model: nn.Module, options: Float8Options, *, device: torch.device) -> Float8Report:
     """Convert `model` in place, Linears and routed experts, as `options` says; each converter logs what it did.
 
-    Runs after EP and before activation checkpointing, torch.compile and FSDP2 (trainer.parallel.build)."""
+    Runs after EP and before activation checkpointing, torch.compile and FSDP2 (trainer.parallel.apply)."""
     report = Float8Report(float8_converters(options))
     for converter in report.converters:
         converter.convert(model, device=device)
@@ -44,8 +44,8 @@ def apply_float8(model: nn.Module, options: Float8Options, *, device: torch.devi
 
 
 def fp8_layers_json(options: Float8Options, layers: dict[str, str]) -> dict:
-    """fp8_layers.json (trainer.run_files): each converter's part (the Linears': recipe, format, scaling), then every
-    Linear's fate (`layers`: fqn -> "converted" or why not, from the validation pass)."""
+    """fp8_layers.json (trainer/validate/run_files.py): each converter's part (the Linears': recipe, format,
+    scaling), then every Linear's fate (`layers`: fqn -> "converted" or why not, from the validation pass)."""
     fields: dict = {}
     for converter in float8_converters(options):
         fields |= converter.fp8_layers_fields()

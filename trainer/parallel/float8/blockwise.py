@@ -21,6 +21,8 @@ The recipe's converter is `trainer.parallel.float8.linear.BlockwiseLinears`, whi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,8 +88,6 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def blockwise_fp8_mm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight) of blockwise_fp8_mm: torchao's backward (1x128 gradient tiles for dgrad, 128x1 groups
     along the tokens for wgrad), bf16 out."""
-    from types import SimpleNamespace
-
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
     ctx = SimpleNamespace(saved_tensors=(x, weight), block_size=BLOCK, out_dtype=torch.bfloat16, use_triton=False)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.hooks import StepHook
+from trainer.models.layers import clean_fqn
 from trainer.parallel.float8.tensorwise import E4M3, OPERANDS, Float8TensorwiseLinear
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,6 @@ EPS = 1e-12  # torchao.float8.float8_utils.EPS: the scale formula's floor on ama
 
 def delayed_modules(model: nn.Module) -> dict[str, Float8TensorwiseLinear]:
     """Every Linear of `model` that runs delayed scaling, by clean fqn."""
-    from trainer.models.layers import clean_fqn
-
     return {clean_fqn(fqn): m for fqn, m in model.named_modules()
             if isinstance(m, Float8TensorwiseLinear) and m.cast.delayed}
 
@@ -69,7 +68,7 @@ class DelayedScaling(StepHook):
         e4m3_max = torch.finfo(E4M3).max
         self.fp8_max = torch.tensor([[e4m3_max, e4m3_max, g] for g in grad_max], dtype=torch.float32,
                                     device=device).reshape(len(mods), len(OPERANDS))
-        # The buffers were made on the meta device and materialized uninitialized (trainer.parallel.builder).
+        # The buffers were made on the meta device and materialized uninitialized (trainer.parallel.build).
         for m in mods:
             m.amax.zero_()
             m.scale.fill_(1.0)

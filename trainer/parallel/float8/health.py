@@ -34,10 +34,14 @@ import logging
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
+from trainer.models.llama import clean_fqn
+from trainer.models.moe_fp8 import E4M3_MAX
 from trainer.parallel.float8.blockwise import BLOCK
 from trainer.parallel.float8.experts import fp8_experts_modules
 from trainer.parallel.float8.linear import is_float8_linear
@@ -99,8 +103,6 @@ class Fp8HealthMonitor:
     """
 
     def __init__(self, model: nn.Module, *, recipe: str):
-        from trainer.models.llama import clean_fqn
-
         grad_format = "e5m2" if recipe == "tensorwise" else "e4m3"
         self.modules = {clean_fqn(fqn): m for fqn, m in model.named_modules() if is_float8_linear(m)}
         # fqn -> (rowwise, tile (blockwise: 128 values per scale; 0 = whole rows or tensor), output gradient's format)
@@ -209,9 +211,6 @@ def float8_weight_stats(model: nn.Module) -> dict[str, float]:
     A tiny amax (scale near its upper range) means small weights lose precision to
     underflow; a growing amax shows outliers building up. For TensorBoard.
     """
-    from torch.distributed.tensor import DTensor
-    from trainer.models.llama import clean_fqn
-
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     stats: dict[str, float] = {}
     for fqn, mod in model.named_modules():
@@ -227,11 +226,6 @@ def float8_weight_stats(model: nn.Module) -> dict[str, float]:
 def fp8_expert_weight_stats(model: nn.Module) -> dict[str, float]:
     """Per FP8 expert weight: amax over the whole (global) tensor and E4M3_MAX / amax, the scale its largest row
     gets before rounding down to a power of two (the smallest of its rowwise scales). Host syncs: log steps."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from trainer.models.moe_fp8 import E4M3_MAX
-
     stats: dict[str, float] = {}
     for fqn, module in fp8_experts_modules(model).items():
         for name in ("w1", "w2", "w3"):

@@ -37,7 +37,7 @@ class Float8Options:
     enable_fsdp_float8_all_gather: bool = False
     exclude_fqns: tuple[str, ...] = ()
     """float8.exclude_fqns: each names a Linear (equal, or a run of its dotted components); stage builds keep the
-    entries that match a Linear of their stage (trainer.parallel.builder)."""
+    entries that match a Linear of their stage (trainer.parallel.build)."""
     emulate: bool = False
     require: bool = False
     """float8.require: stop where FP8 kernels cannot run here, instead of training those matmuls in bf16."""

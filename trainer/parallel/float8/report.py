@@ -51,7 +51,7 @@ class Float8Converter:
         raise NotImplementedError
 
     def fp8_layers_fields(self) -> dict:
-        """Its part of fp8_layers.json (trainer.run_files), from its options alone."""
+        """Its part of fp8_layers.json (trainer.validate.run_files), from its options alone."""
         return {}
 
     @classmethod

@@ -4,7 +4,7 @@ Syntax: a list of "precision:last_step" strings, the last without a step (it run
 train.steps): ["bf16:2000", "fp8:9500", "bf16"] trains steps 1-2000 in bf16, 2001-9500 in
 fp8 and 9501-train.steps in bf16. Strings rather than a list of tables, so the same value
 works on the command line (`--train.precision_schedule=bf16:2000,fp8:9500,bf16`) and in
-the `config.toml` the run writes. `trainer.precision_schedule` runs the phases.
+the `config.toml` the run writes. `trainer.run.precision_schedule` runs the phases.
 """
 
 from __future__ import annotations

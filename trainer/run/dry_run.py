@@ -15,10 +15,10 @@ from __future__ import annotations
 from trainer.config import JobConfig
 from trainer.model_values import num_params_for
 from trainer.models import family_of
-from trainer.run_files import describe_documents, describe_precision
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.memory import planned_gpus
 from trainer.validate.plan import LOWER_THE_PEAK, human_size
+from trainer.validate.run_files import describe_documents, describe_precision
 
 # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3 (79.2 GiB); an H200 has 139.8.
 DEFAULT_GPU_GIB = 79.2

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.checkpoint import CheckpointManager, CheckpointState, DelayedScalingPart, RngPart, RunInfo
 from trainer.config import JobConfig
@@ -26,34 +27,35 @@ from trainer.data.mix import MixtureTokens
 from trainer.distributed import (
     DistEnv, describe_device, destroy_distributed, init_distributed, set_determinism, world_size_from_env,
 )
-from trainer.evaluate import Evaluator
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
 from trainer.loss import LossFn, build_loss_fn
-from trainer.metrics import MetricsLogger, StepStats, device_peak_flops
+from trainer.metrics.logger import MetricsLogger, StepStats, device_peak_flops
+from trainer.metrics.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.model_values import num_params_for
 from trainer.models import family_of, flops_per_token
 from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import (
     OptimizerPart, SchedulerPart, build_lr_scheduler, build_optimizer, describe_optimizer_state, describe_param_groups,
 )
-from trainer.parallel.builder import build_model_part
+from trainer.parallel.build import build_model_part
 from trainer.parallel.compile import CompileTimes
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
-from trainer.precision_schedule import PrecisionSchedule, free_memory
-from trainer.profiling import maybe_enable_profiling, maybe_record_memory_history
-from trainer.run_files import cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files
-from trainer.run_lock import check_writable, lock_run_folders, output_folders, release_all
-from trainer.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep  # noqa: F401  (re-export)
-from trainer.train_state import (  # noqa: F401  (re-exported: the command line and tests name them here)
-    EXIT_INTERRUPTED, EXIT_PREEMPTED, PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState,
-    note_torchrun_exit,
+from trainer.run.evaluate import Evaluator
+from trainer.run.lock import check_writable, lock_run_folders, output_folders, release_all
+from trainer.run.precision_schedule import PrecisionSchedule, free_memory
+from trainer.run.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep
+from trainer.run.train_state import (
+    PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState, note_torchrun_exit,
 )
 from trainer.validate import ResolvedJob, validate_job
-from trainer.validate.ranks import check_ranks_agree
 from trainer.validate.plan import human_size
+from trainer.validate.ranks import check_ranks_agree
+from trainer.validate.run_files import (
+    cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +129,7 @@ class Trainer:
     # -- building ------------------------------------------------------------
 
     def _build_model(self, job: ResolvedJob) -> BuiltModel:
-        """This rank's model, parallelized, materialized and initialized (trainer.parallel.builder), and its loss;
+        """This rank's model, parallelized, materialized and initialized (trainer.parallel.build), and its loss;
         under pp the pipeline builds this rank's stages with the same builder."""
         seed, build = job.run.seed, job.build
 
@@ -234,13 +236,11 @@ class Trainer:
 
     def loss_context(self):
         if self.parallel_dims.tp > 1 and self.job.build.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             return loss_parallel()
         return contextlib.nullcontext()
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """The next optimizer step (trainer/step.py) with every hook around it, without a host sync.
+        """The next optimizer step (trainer/run/step.py) with every hook around it, without a host sync.
 
         A non-finite step never reaches the weights (the fused optimizer skips it on the
         device, and the hooks mask their updates); `check_finite()` reports it on the host later.

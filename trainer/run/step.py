@@ -25,17 +25,17 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 
 from trainer.errors import UserError
-from trainer.loss import IGNORE_INDEX, local_loss
+from trainer.loss import IGNORE_INDEX, LossFn, local_loss
 from trainer.models.moe import MoE, set_aux_loss_scale
-from trainer.train_state import TrainState
+from trainer.run.train_state import TrainState
 
 if TYPE_CHECKING:
     from trainer.parallel.context_parallel import ContextParallel
@@ -106,7 +106,7 @@ def grad_norm(params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup |
     DTensor (measured: that dispatch was most of the optimizer step's overhead on one H100). Under
     pipeline parallelism each pp rank holds other parameters: pp_group sums the squares too.
     """
-    groups: dict[Any, list[torch.Tensor]] = {}
+    groups: dict[tuple[DeviceMesh, tuple[Placement, ...]] | None, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
         if g is None:
@@ -149,8 +149,8 @@ class TrainStep:
     (TP's loss_parallel).
     """
 
-    def __init__(self, *, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, scaler: LossScaler, max_norm: float, fused: bool, device: torch.device,
+    def __init__(self, *, model: nn.Module, loss_fn: LossFn | None, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: LossScaler, max_norm: float, fused: bool, device: torch.device,
                  pipeline: Pipeline | None = None,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  cp: ContextParallel | None = None, dp_cp_group: dist.ProcessGroup | None = None):

@@ -17,17 +17,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from trainer.config import JobConfig
+from trainer.config.load import tomllib
 from trainer.config.model_sections import ModelSection, MoESection, section_values
 from trainer.config.sections import to_toml
+from trainer.models import FLAVORS, ModelArgs, family_of
+from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.float8 import fp8_layers_json
-
-if TYPE_CHECKING:
-    from trainer.config import JobConfig
-    from trainer.models import ModelArgs
-    from trainer.parallel import BuildOptions, ParallelDims
-    from trainer.parallel.pipeline_layout import PipelineOptions
+from trainer.parallel.pipeline_layout import PipelineOptions
 
 RESOLVED = "resolved.toml"
 FP8_LAYERS = "fp8_layers.json"
@@ -36,10 +37,6 @@ FP8_LAYERS = "fp8_layers.json"
 def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
                     pipeline: PipelineOptions | None) -> dict[str, dict[str, Any]]:
     """cfg's sections with every placeholder replaced by what validation resolved."""
-    import torch
-
-    from trainer.models import FLAVORS, family_of
-
     d = cfg.to_dict()
     d["model"].update(model_section_values(args))
     family = family_of(args)
@@ -66,8 +63,6 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
 def model_section_values(args: ModelArgs) -> dict[str, Any]:
     """[model] as the run used it: every shape key set to the value in effect (a config that gives them builds this
     model from any flavor of its family)."""
-    from trainer.models import family_of
-
     values = section_values(args, ModelSection)
     if family_of(args).has_router:
         del values["ffn_dim"]  # the dense blocks' width is [moe] dense_ffn_dim
@@ -78,8 +73,6 @@ def model_keys(args: ModelArgs) -> list[str]:
     """The command-line keys that give a run these model arguments from any flavor of their family: [model]'s values
     in effect, and [moe]'s shapes and routing for an MoE model (resolved.toml's, as flags; the balancing is left to
     the run)."""
-    from trainer.models import family_of
-
     values = {f"model.{k}": v for k, v in model_section_values(args).items()}
     if family_of(args).has_router:
         values |= {f"moe.{k}": v for k, v in section_values(args, MoESection).items()
@@ -94,8 +87,6 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
     """The startup log's one line on precision: compute, FP8, master weights, gradient reduction.
 
     bf16_update: optimizer.bf16_update where the master weights are bf16 (else None)."""
-    import torch
-
     fsdp, f8 = build.fsdp, build.float8
     compute = str(fsdp.param_dtype or torch.float32).removeprefix("torch.")
     parts = [f"train.mixed_precision={mixed_precision!r}: {compute} compute"]
@@ -168,8 +159,6 @@ def run_file_texts(cfg: JobConfig, *, run_cfg: JobConfig, args: ModelArgs, pd: P
 
 def run_config(files: tuple[tuple[str, str], ...]) -> dict:
     """The resolved config (resolved.toml of `files`, run_file_texts' result) as a dict: what a tracker records."""
-    from trainer.config.load import tomllib
-
     text = dict(files).get("resolved.toml", "")
     return tomllib.loads(text) if text else {}
 

@@ -1,4 +1,4 @@
-"""Profiler traces of a window of train steps (summarized by trainer/trace_summary.py: did FP8 GEMMs run?)
+"""Profiler traces of a window of train steps (summarized by trainer/metrics/trace_summary.py: did FP8 GEMMs run?)
 and CUDA memory snapshots. docs/debug.md says how to read what these write."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from trainer.trace_summary import format_summary, fp8_warning, load_trace_events, summarize_events
+from trainer.metrics.trace_summary import format_summary, fp8_warning, load_trace_events, summarize_events
 
 _log = logging.getLogger(__name__)
 

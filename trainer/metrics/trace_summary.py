@@ -2,7 +2,7 @@
 communication, the rest), the top ops, and whether FP8 GEMMs really ran.
 
 Pure functions over Chrome-trace events, read from a file: the live profiler
-(trainer/profiling.py) and scripts/summarize_trace.py summarize the same file the same way.
+(trainer/metrics/profiling.py) and scripts/summarize_trace.py summarize the same file the same way.
 docs/debug.md says how to read the summary.
 """
 
@@ -11,9 +11,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gzip
-import json
 import os
 import re
+
+from trainer.files.json_object import json_object
 
 # Kernel/op names are classified by the first of these that matches (case-insensitive); the order
 # matters: NCCL kernel names contain "Reduce", and fused attention kernels contain "cutlass"/"wgmma".
@@ -89,11 +90,12 @@ def load_trace_events(path: str) -> list[dict]:
     input_types (an op's input dtypes as the profiler writes them, when it recorded shapes)."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt") as f:
-            trace = json.load(f)
-    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a readable Chrome trace: {e}") from e
-    if not isinstance(trace, dict) or "traceEvents" not in trace:
+    trace = json_object(text, source=path, what="a Chrome trace", error=ValueError)
+    if "traceEvents" not in trace:
         raise ValueError(f"{path} is not a Chrome trace: it has no traceEvents")
     return [
         {"name": e["name"], "cat": e.get("cat", ""), "ts": float(e["ts"]), "dur": float(e["dur"]),

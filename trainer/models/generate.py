@@ -1,7 +1,7 @@
 """Sampling from a trained model (what scripts/generate.py runs), from a checkpoint or an export:
 
     from trainer.checkpoint import load_model
-    from trainer.generate import generate
+    from trainer.models.generate import generate
     model = load_model("outputs/run/checkpoint")                 # the latest checkpoint, or an export folder
     new_ids = generate(model, prompt_ids, max_new_tokens=64, temperature=0.8, top_k=50, seed=0)
 

@@ -40,7 +40,7 @@ class Evaluator(StepHook):
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  eod_mask_id: int | None = None, bf16_matmuls: Float8Report | None = None):
         """batch_loss(inputs, labels) -> (summed loss, valid labels) of this rank's part of the batch in the training
-        layout (`trainer.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule).
+        layout (`trainer.run.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule).
         bf16_matmuls: validation.mixed_precision='bf16': the FP8 report of the model, whose converted modules run in
         bf16 while it evaluates (`trainer.parallel.float8.evaluation.bf16_matmuls`); None evaluates as it trains."""
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.

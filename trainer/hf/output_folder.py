@@ -9,8 +9,8 @@ folder with other files, a folder inside a checkpoint) is refused in one line an
 is touched. An earlier output is moved aside to `{out}.old` (`.old-2`, ...) when the new one
 is complete: never deleted.
 
-A leaf module (only trainer.errors): both trainer.hf and trainer.checkpoint use it, and its
-`fsync_dir` and `aside_name` for publishing and moving checkpoints aside too.
+The export (trainer/hf/folder.py) and the import (trainer/checkpoint/offline.py, the model-only checkpoint it
+writes) both publish through it; a checkpoint's save publishes with the same primitives (trainer/files/publish.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import UserError
+from trainer.files.publish import aside_name, fsync_dir
 
-logger = logging.getLogger("trainer.output_folder")
+logger = logging.getLogger("trainer.hf.output_folder")
 
 # The names a training checkpoint folder uses (trainer/checkpoint/format.py STEP_DIR): an output named so would be
 # taken for a checkpoint, or be an interrupted save, by the run that owns the folder.
@@ -127,21 +128,3 @@ def publish_output(tmp: Path, out: str | os.PathLike, *, kind: OutputKind) -> Pa
     os.replace(tmp, out)  # onto nothing, or onto an empty folder
     fsync_dir(out.parent)
     return aside
-
-
-def aside_name(path: Path, tag: str) -> Path:
-    """The first free name of `NAME.tag`, `NAME.tag-2`, ... beside `path`: where it is moved aside, never deleted."""
-    aside, n = path.with_name(f"{path.name}.{tag}"), 1
-    while os.path.lexists(aside):
-        n += 1
-        aside = path.with_name(f"{path.name}.{tag}-{n}")
-    return aside
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

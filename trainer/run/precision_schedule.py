@@ -1,7 +1,7 @@
 """`train.precision_schedule`: several precisions in one run, e.g. bf16 warm-up, fp8 body, bf16 cool-down.
 
 The syntax (["bf16:2000", "fp8:9500", "bf16"]: bf16 for steps 1-2000, fp8 for 2001-9500,
-bf16 to train.steps) is parsed by `trainer.precision_phases`.
+bf16 to train.steps) is parsed by `trainer.config.phases`.
 
 Each phase is what the checkpoint-and-relaunch pattern does (docs/checkpointing.md), in one
 process: the phase's job (a `ResolvedJob` with its precision, and its last step as the step
@@ -11,7 +11,7 @@ that resumes that checkpoint. Every phase's config keeps train.steps = the whole
 LR schedule, the log's step counter and the final checkpoint/export are the run's, not the
 phase's. The process group, the run lock and metrics.jsonl are the run's too.
 
-`PrecisionSchedule` holds the phases and makes each phase's job; `trainer.train.train` runs
+`PrecisionSchedule` holds the phases and makes each phase's job; `trainer.run.train.train` runs
 them one Trainer at a time (`run_schedule`), so nothing passes the Trainer class around.
 
 A relaunch of the same command (after a preemption or a kill) resumes the latest checkpoint
@@ -24,13 +24,15 @@ import dataclasses
 import gc
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from trainer.precision_phases import Phase, parse_precision_schedule, phase_index  # noqa: F401  (re-exported)
+import torch
+import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from trainer.config import JobConfig
-    from trainer.validate import ResolvedJob
+from trainer.checkpoint import CheckpointError, scan_checkpoints
+from trainer.config import JobConfig
+from trainer.config.phases import Phase, parse_precision_schedule, phase_index
+from trainer.distributed import init_distributed
+from trainer.validate import ResolvedJob, validate_job, with_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +59,6 @@ def phase_config(cfg: JobConfig, phases: list[Phase], k: int, *, load_step: int)
 def resolve_phases(cfg: JobConfig, *, world_size: int) -> list[ResolvedJob]:
     """validate_job for each phase's config (FP8 exclusions and hardware are checked if any phase is fp8),
     before the process group exists; all phases share one ParallelDims, so its meshes are built once."""
-    from trainer.validate import validate_job
-
     phases = parse_precision_schedule(cfg.train.precision_schedule, total_steps=cfg.train.steps)
     by_precision: dict[str, ResolvedJob] = {}
     for k, phase in enumerate(phases):
@@ -71,8 +71,6 @@ def resolve_phases(cfg: JobConfig, *, world_size: int) -> list[ResolvedJob]:
 
 def _latest_checkpoint_step(cfg: JobConfig) -> int:
     """The step the run will resume from, as far as the folder says (0 = a fresh run)."""
-    from trainer.checkpoint import scan_checkpoints
-
     c = cfg.checkpoint
     if c.load_step >= 0:
         return c.load_step
@@ -91,10 +89,6 @@ class PrecisionSchedule:
     def start(self) -> int:
         """The step the run resumes from (0: a fresh run), the same on every rank: rank 0 reads the folder and tells
         the others, so every rank builds the same phase's model. Joins the process group to do so."""
-        import torch.distributed as dist
-
-        from trainer.distributed import init_distributed
-
         logger.info("precision schedule: %s (train.mixed_precision=%r is not used)", ", ".join(map(str, self.phases)),
                     self.cfg.train.mixed_precision)
         init_distributed(timeout_seconds=self.cfg.distributed.init_timeout_seconds)
@@ -111,15 +105,11 @@ class PrecisionSchedule:
 
         load_step: -1 resumes as the run's config says; >= 0 pins the checkpoint (the previous phase's boundary).
         """
-        from trainer.validate import with_config
-
         return with_config(self._jobs[k], phase_config(self.cfg, self.phases, k, load_step=load_step),
                            run_cfg=self.cfg, stop_step=self.phases[k].last_step)
 
     def switch(self, k: int, *, saved: bool) -> int:
         """After phase k ended at its boundary: the next phase's load step; a boundary not saved is an error."""
-        from trainer.checkpoint import CheckpointError
-
         boundary = self.phases[k].last_step
         if not saved:
             raise CheckpointError(
@@ -136,8 +126,6 @@ class PrecisionSchedule:
 def free_memory() -> None:
     """The dropped phase's model and optimizer go before the next phase allocates its own: FSDP's hooks make
     reference cycles, which only the cycle collector frees (two 8B models and optimizers would not fit)."""
-    import torch
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
