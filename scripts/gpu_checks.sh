@@ -375,16 +375,23 @@ PY
         "llama3_args['$flavor'] = dataclasses.replace(llama3_args['8B'], n_layers=${PEER_LAYERS})" \
         "from torchtitan.train import Trainer, main" "main(Trainer)" > /tmp/peer_main.py
     fi
-    for p in bf16 fp8; do
+    # PEER_AC: the AC modes to try in order, the next only when the last ran out of memory (default "none selective":
+    # the least AC that fits; its fp32 master weights and moments take 8 B per parameter more than our bf16 defaults)
+    for p in ${PEER_PRECISIONS:-bf16 fp8}; do
       conv=(); [ $p = fp8 ] && conv=(--model.converters quantize.linear.float8 --quantize.linear.float8.enable_fsdp_float8_all_gather
                                    --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
-      rm -rf /tmp/peer_run
-      PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
-        --model.name llama3 --model.flavor $flavor \
-        --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
-        --training.local_batch_size 4 --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
-        --compile.enable --activation_checkpoint.mode none --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" 2>&1 \
-        | tee "$OUT/peer8b_$p.log" | grep -E "step: +(10|20|30) |Traceback|rror:" | grep -v lspci | sed "s/^/[peer8b torchtitan $p] /" | cut -c1-250 | tee -a "$OUT/peer8b.log"
+      for ac in ${PEER_AC:-none selective}; do
+        rm -rf /tmp/peer_run
+        PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
+          --model.name llama3 --model.flavor $flavor \
+          --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
+          --training.local_batch_size 4 --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
+          --compile.enable --activation_checkpoint.mode $ac --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" \
+          > "$OUT/peer8b_${p}_ac_$ac.log" 2>&1
+        grep -E "step: +(10|20|30) |Traceback|rror:" "$OUT/peer8b_${p}_ac_$ac.log" | grep -v lspci \
+          | sed "s/^/[peer8b torchtitan $p, AC $ac] /" | cut -c1-250 | tee -a "$OUT/peer8b.log"
+        grep -q "OutOfMemoryError" "$OUT/peer8b_${p}_ac_$ac.log" || break
+      done
     done ;;
   scaling_profile)  # where dp_shard=2 loses against one GPU: 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC,
     # bf16 and fp8 on one GPU then dp_shard=2, each with 2 steps traced per rank and the kernel summary (communication and
