@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -105,7 +107,8 @@ def test_rope_table_bytes_are_the_table_rope_cache_builds() -> None:
     """The family's RoPE table size (the memory plan's row, a load's host-memory check) is its table's bytes."""
     from trainer.models.layers import rope_cache, rope_table_bytes
 
-    for args in (FLAVORS["debug"], FLAVORS["8b"]):
+    # Qwen3's head_dim (128 at dim 1,024 x 16 heads) is set apart from dim // n_heads
+    for args in (FLAVORS["debug"], FLAVORS["8b"], dataclasses.replace(FLAVORS["debug"], explicit_head_dim=48)):
         table = rope_cache(args, 300)
         assert rope_table_bytes(args, 300) == table.numel() * table.element_size()
 

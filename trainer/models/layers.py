@@ -57,9 +57,9 @@ def rope_cache(args: ModelArgs, seq_len: int, device: torch.device | str | None 
 
 
 def rope_table_bytes(args: ModelArgs, seq_len: int) -> int:
-    """The bytes of the fp32 cos/sin table `rope_cache` builds for `seq_len` positions: [seq_len, 2, dim // n_heads].
-    (What the memory plan and a load's host-memory check count; a head_dim set apart from dim is not counted.)"""
-    return seq_len * 2 * (args.dim // args.n_heads) * 4
+    """The bytes of the fp32 cos/sin table `rope_cache` builds for `seq_len` positions: [seq_len, 2, head_dim] (what
+    the memory plan and a load's host-memory check count)."""
+    return seq_len * 2 * args.head_dim * 4
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     if (cfg.distributed.reshard_after_forward == "default" and pd.fsdp_shard > 1 and not build.fsdp.reshard_after_forward
             and target.memory and plan.peak_bytes > GATHERED_FITS * target.memory[0]):
         # The default keeps gathered weights where they fit (with the plan's error to spare: docs/benchmarks.md holds
-        # it within 3.3% of measured peaks); where they do not it reshards (ZeRO-3).
+        # it against measured peaks); where they do not it reshards (ZeRO-3).
         build = dataclasses.replace(build, fsdp=resolve_fsdp(cfg, pd, bf16_master=build.fsdp.master_dtype == torch.bfloat16,
                                                              ranks_per_node=target.ranks_per_node,
                                                              keep_gathered_fits=False))
