@@ -154,8 +154,8 @@ for precision, peaks in (("bf16", (44.91, 28.08, 42.93, 41.13, 26.30, 17.54)),
                                "--train.activation_checkpointing=full"]),
     ), peaks)}
 
-# Long sequences on 1x H200 (docs/benchmarks/2026-11-26-h200-whole-8b-checkpoint-stall-long-context.md): the whole 8B and 8 layers
-# of it with configs/train/llama3_8b_128k_cp8.toml at cp=1 (full AC, 4,096-token loss chunks, batch 1), where a
+# Long sequences on 1x H200 (docs/benchmarks/2026-11-26-h200-whole-8b-checkpoint-stall-long-context.md): the whole
+# 8B and 8 layers of it with configs/train/llama3_8b_128k_cp8.toml at cp=1 (full AC, 4,096-token loss chunks, batch 1), where a
 # block's backward outgrows the loss's transient (its MLP's gradients: the plan was 6-21% under before it had them).
 LONG = ["--config", "configs/train/llama3_8b_128k_cp8.toml", "--distributed.cp=1", "--checkpoint.restart_data=false",
         "--train.activation_checkpointing=full"]
