@@ -99,7 +99,7 @@ def export(args: argparse.Namespace) -> None:
 
 def import_hf(args: argparse.Namespace) -> None:
     from trainer.checkpoint import RunInfo, save_model_only
-    from trainer.hf import read_hf_config, read_hf_weights
+    from trainer.hf import open_hf_folder
     from trainer.hf.tokenizer import folder_tokenizer
     from trainer.models import family_of, model_args_for
     from trainer.hf.output_folder import IMPORT, check_output
@@ -111,8 +111,9 @@ def import_hf(args: argparse.Namespace) -> None:
     elif args.vocab_size or args.n_layers:
         raise ValueError("--vocab-size and --n-layers go with --flavor: without it the shape is the folder's own")
     else:
-        model_args = read_hf_config(args.hf_folder)
-    weights = read_hf_weights(args.hf_folder, args=model_args)
+        model_args = None  # the folder's own shape
+    folder = open_hf_folder(args.hf_folder, args=model_args)  # everything checked before a weight is read
+    model_args, weights = folder.args, folder.read()
     warn_nonfinite(weights, where=str(args.hf_folder))
     if family_of(model_args).has_router and args.flavor:
         model_args = _routing_of_folder(model_args, Path(args.hf_folder))

@@ -292,6 +292,34 @@ def param_count(args: ModelArgs) -> int:
     return total + n_dense * dense + (args.n_layers - n_dense) * (shared + routed + n_experts)
 
 
+# The smallest dtype a model's weights are stored in (bfloat16, float16): its files hold at least 2 bytes per parameter.
+MIN_BYTES_PER_PARAM = 2
+EDITED = "not as this trainer writes it: an edited or foreign file"
+
+
+def size_text(n: float) -> str:
+    """A byte count for a message: GiB, MiB or bytes."""
+    if n >= 2**30:
+        return f"{n / 2**30:,.1f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n):,} bytes"
+
+
+def files_fit_problem(args: ModelArgs, *, data_bytes: int, files: str, tied: bool = False) -> str | None:
+    """What is wrong when the parameters `args` imply, at 2 bytes each at least, exceed the `data_bytes` its weight
+    files (`files`) hold, or None: the bound on every size a checkpoint.json or a config.json gives, checked in closed
+    form before anything is built (a crafted n_layers of 1e8 would take as long as its layers to build).
+
+    tied: the files hold the embeddings once for the head too (a tied Hugging Face model, whether or not `args`
+    ties them: param_count counts a tied table once).
+    """
+    n = param_count(args) - (args.vocab_size * args.dim if tied and not args.tie_word_embeddings else 0)
+    if n * MIN_BYTES_PER_PARAM <= data_bytes:
+        return None
+    return (f"the model arguments (dim={args.dim}, n_layers={args.n_layers}, vocab_size={args.vocab_size}) imply "
+            f"{n:,} parameters, at least {size_text(n * MIN_BYTES_PER_PARAM)}, but {files} hold "
+            f"{size_text(data_bytes)}; the arguments are not this model's ({EDITED})")
+
+
 def num_tensors(args: ModelArgs) -> int:
     """Model tensors (state-dict entries) of a model with these args, in closed form."""
     n_experts = getattr(args, "n_experts", None)

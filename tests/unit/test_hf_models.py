@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from trainer.checkpoint.offline import build_model as model_with_weights
-from trainer.hf import ExportError, read_hf_config, read_hf_weights, write_hf_export
-from trainer.hf.llama import rope_fields
+from trainer.hf import ExportError, open_hf_folder, read_hf_config, read_hf_weights, write_hf_export
+from trainer.hf.config_values import rope_fields
 from trainer.models.generate import generate
 
 transformers = pytest.importorskip("transformers")
@@ -60,8 +60,8 @@ def hf_model(folder: Path):
 
 
 def ours(folder: Path):
-    args = read_hf_config(folder)
-    return model_with_weights(args, read_hf_weights(folder, args=args))
+    read = open_hf_folder(folder)  # the one reader of import, load_model and generate
+    return model_with_weights(read.args, read.read())
 
 
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -126,3 +126,43 @@ def test_what_has_no_mapping_is_one_line_naming_the_field(edit: dict, message: s
         read_hf_config(folder)
     assert message in str(e.value) and str(e.value).startswith(str(folder / "config.json")), str(e.value)
     assert "\n" not in str(e.value)
+
+
+# Issue 51 item 4a: config.json says tied, the safetensors say otherwise. transformers 5 ties the two only where the
+# folder holds one table, or two equal ones; a head that differs stays its own weight (with a warning), and a folder
+# holding the head alone ties the embeddings to it. Ours reads each as transformers does: the same logits.
+@pytest.mark.parametrize("head", ["trained", "equal", "alone"])
+def test_a_tied_config_reads_the_head_the_safetensors_hold_as_transformers_does(head: str, tmp_path: Path,
+                                                                                caplog) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_folder("smollm2", tmp_path / "hf")  # tied: its safetensors hold the one table
+    tensors = load_file(str(folder / "model.safetensors"))
+    table = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = {"trained": table + 0.5 * torch.randn_like(table), "equal": table.clone(),
+                                 "alone": table}[head]
+    if head == "alone":
+        del tensors["model.embed_tokens.weight"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="trainer.hf"):
+        model = ours(folder)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(TOKENS), hf_model(folder)(TOKENS).logits, rtol=1e-4, atol=1e-5)
+        assert torch.equal(model.output_head.proj.weight, tensors["lm_head.weight"])
+    assert model.args.tie_word_embeddings == (head != "trained")
+    assert (model.output_head.proj.weight is model.tok_embeddings.weight) == (head != "trained")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer.hf" and r.levelname == "WARNING"]
+    if head == "trained":
+        difference = (tensors["lm_head.weight"] - table).abs().max().item()
+        assert warnings == [f"{folder / 'config.json'} says tie_word_embeddings=true, but "
+                            f"{folder / 'model.safetensors'} holds an lm_head.weight that differs from "
+                            f"model.embed_tokens.weight (max |difference| {difference:.3g}); read as its own output "
+                            "head, as transformers 5 loads it: set tie_word_embeddings to false in config.json to say "
+                            "so"], warnings
+        # A trainer model that ties them cannot hold the head: one line, never the embeddings in its place.
+        with pytest.raises(ExportError, match=r"holds an lm_head\.weight that differs from model\.embed_tokens\."
+                                              r"weight .*but the trainer model ties them \(one table, which cannot "
+                                              r"hold both\)"):
+            read_hf_weights(folder, args=read_hf_config(make_hf_folder("smollm2", tmp_path / "tied")))
+    else:
+        assert warnings == []

@@ -41,8 +41,7 @@ from trainer.checkpoint.values import (
 from trainer.checkpoint.verify import (
     check_files, data_files, read_checkpoint_json, read_dcp_metadata, safe_load, scan_checkpoints,
 )
-from trainer.hf import ExportError, family, read_hf_config, read_hf_weights, safetensors_bytes
-from trainer.hf.folder import read_config
+from trainer.hf import ExportError, open_hf_folder
 from trainer.hf.output_folder import IMPORT, prepare_output, publish_output
 from trainer.model_values import param_count
 from trainer.models import build_model as family_model
@@ -169,16 +168,13 @@ def load_model(
 
 def _read_hf_folder(path: Path, *, extra_bytes: Callable[[ModelArgs, int], tuple[int, str]]
                     ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """(args, weights) of a Hugging Face folder, its config checked against its files' sizes and this host's memory
-    before any weight is read."""
-    args = read_hf_config(path)
-    config = read_config(path)
-    data_bytes, files = safetensors_bytes(path)
-    check_args_fit_files(args, data_bytes=data_bytes, where=str(path / "config.json"), files=files, error=ExportError,
-                         tied=bool(config.get("tie_word_embeddings", family(args).tied_by_default(config))))
-    more, what = extra_bytes(args, data_bytes)
-    check_host_memory(data_bytes + more, what=f"the weights{what}", where=str(path), error=ExportError)
-    return args, read_hf_weights(path, args=args)
+    """(args, weights) of a Hugging Face folder, read by the one reader (trainer.hf.open_hf_folder: its config
+    checked value by value, against its files' sizes and its tensors' headers) and checked against this host's
+    memory before any weight is read."""
+    folder = open_hf_folder(path)
+    more, what = extra_bytes(folder.args, folder.data_bytes)
+    check_host_memory(folder.data_bytes + more, what=f"the weights{what}", where=str(path), error=ExportError)
+    return folder.args, folder.read()
 
 
 def build_model(args: ModelArgs, weights: dict[str, torch.Tensor], *, device: torch.device | str = "cpu",

@@ -26,37 +26,25 @@ from torch.distributed.checkpoint.metadata import Metadata
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, E4M3, PER_PARAMETER, SCALE_SUFFIX, STATE_BLOCK, STEP_KEY, CheckpointError,
 )
-from trainer.model_values import ModelArgs, Rule, num_tensors, param_count, rule_problem
+from trainer.model_values import (
+    EDITED, ModelArgs, Rule, files_fit_problem, num_tensors, rule_problem, size_text,
+)
 from trainer.models import build_model
 
 # The dtypes this trainer writes model weights, expert biases and per-parameter state in (the master dtype, or
 # optimizer.exp_avg_dtype / exp_avg_sq_dtype; an e4m3 entry is allowed with its block scales alone: format.py).
 INDEX_DTYPES = (torch.float32, torch.bfloat16)
-# The smallest of them: a checkpoint's data files hold at least 2 bytes per parameter.
-MIN_BYTES_PER_PARAM = 2
 # state.json counters are int64 in every consumer (scheduler, metrics, the data loader's arithmetic).
 MAX_COUNTER = 2**63 - 1
-EDITED = "not as this trainer writes it: an edited or foreign file"
-
-
-def _gib(n: float) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:,.1f} GiB"
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n):,} bytes"
+_gib = size_text
 
 
 def check_args_fit_files(args: ModelArgs, *, data_bytes: int, where: str, files: str, error: type[Exception],
                          tied: bool = False) -> None:
-    """The parameters `args` imply, at 2 bytes each at least, fit in the `data_bytes` the data files hold.
-
-    tied: the files hold the embeddings once for the head too (a tied Hugging Face model, whether or not `args`
-    ties them: param_count counts a tied table once).
-    """
-    n = param_count(args) - (args.vocab_size * args.dim if tied and not args.tie_word_embeddings else 0)
-    if n * MIN_BYTES_PER_PARAM > data_bytes:
-        raise error(f"{where}: the model arguments (dim={args.dim}, n_layers={args.n_layers}, "
-                    f"vocab_size={args.vocab_size}) imply {n:,} parameters, at least {_gib(n * MIN_BYTES_PER_PARAM)}, "
-                    f"but {files} hold {_gib(data_bytes)}; the arguments are not this model's ({EDITED})")
+    """The parameters `args` imply, at 2 bytes each at least, fit in the `data_bytes` the data files hold
+    (trainer.model_values.files_fit_problem, the rule a Hugging Face folder's config.json is held to as well)."""
+    if problem := files_fit_problem(args, data_bytes=data_bytes, files=files, tied=tied):
+        raise error(f"{where}: {problem}")
 
 
 def available_memory_bytes() -> int | None:

@@ -2,7 +2,8 @@
 config.json.
 
     folder.py     the folder on disk: config.json, safetensors (sharded with an index above a size), 0644 files,
-                  reading only safetensors and JSON
+                  reading only safetensors and JSON; the tensors' headers (names, dtypes, shapes) before their data
+    config_values.py  every config.json value read, checked by type and range; the two RoPE spellings agree
     llama.py      dense Llama <-> LlamaForCausalLM (Qwen3ForCausalLM with qk_norm), names one to one
     moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores)
     tokenizer.py  the run's tokenizer (tokenizer.json, BOS/EOS ids) in the export
@@ -14,6 +15,10 @@ that name: the model families' registry (`trainer.models.FAMILIES`) is the one l
 and its mapping here, with no line added to this file. Each mapping names the config.json `MODEL_TYPES` it reads and
 its `KIND` for messages.
 
+A folder is read by one reader, `open_hf_folder` (import, `load_model`, generate.py): config.json into ModelArgs,
+checked value by value, bound by the safetensors files' size, and every tensor's name, dtype and shape checked
+against the args before any tensor is read.
+
 An export loads with `transformers.AutoModelForCausalLM.from_pretrained(folder)` and with
 `trainer.checkpoint.load_model(folder)`, and gives our model's logits (tests/unit/test_checkpoint.py,
 tests/unit/test_hf_moe.py).
@@ -21,10 +26,12 @@ tests/unit/test_hf_moe.py).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -32,11 +39,13 @@ import torch
 
 from trainer.hf import llama
 from trainer.hf.folder import (
-    DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, SAFETENSORS_HINT, ExportError, Spec, join_tensors, numel, plan_shards,
-    read_config, read_tensors, require_safetensors, safetensors_bytes, write_folder,
+    CAST_ON_READ, DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, SAFETENSORS_HINT, ExportError, Header, Spec, check_parts,
+    join_tensors, max_difference, numel, plan_shards, read_config, read_headers, read_tensors, require_safetensors,
+    safetensors_bytes, write_folder,
 )
 from trainer.hf.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
 from trainer.hf.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
+from trainer.model_values import files_fit_problem
 from trainer.models import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import ModelArgs
 
@@ -97,28 +106,100 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
     theirs.check_hf_config(config, args, where=where)
 
 
-def read_hf_config(folder: str | os.PathLike) -> ModelArgs:
-    """ModelArgs of a Hugging Face folder's config.json (Llama, Qwen3, Ernie4_5_Moe or Glm4Moe)."""
+HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class HFFolder:
+    """A Hugging Face folder whose config.json and safetensors headers are checked against `args`; `read()` reads
+    its weights (by our fqns)."""
+
+    path: Path
+    args: ModelArgs
+    data_bytes: int
+    """What its safetensors files hold: what reading them needs in memory, at the least."""
+    headers: dict[str, Header]
+    sources: dict[str, str]
+    """The Hugging Face name a tensor is read from where it is another (a tied head: the one table)."""
+
+    def read(self) -> dict[str, torch.Tensor]:
+        fam = family(self.args)
+        shapes = fam.expected_shapes(self.args)
+        specs = {fqn: fam.spec(fqn, self.args) for fqn in shapes}
+        names = {self.sources.get(n, n) for fqn in shapes for n in specs[fqn].names}
+        tensors = read_tensors(self.path, self.headers, names)
+        return join_tensors(tensors, specs=specs, shapes=shapes, sources=self.sources)
+
+
+def open_hf_folder(folder: str | os.PathLike, *, args: ModelArgs | None = None) -> HFFolder:
+    """The one reader of a Hugging Face folder (import, load_model, generate): its config.json into ModelArgs, every
+    value it reads checked by type and range (trainer/hf/config_values.py); the parameters those imply bound by the
+    size of its safetensors files before anything is built; then every tensor's name, dtype and shape (from the
+    headers) against the args. `args`: the trainer model the folder must hold (a flavor), else the folder's own.
+
+    The head, where config.json says tie_word_embeddings: the embeddings (transformers' `tie_weights`); a folder
+    that holds a head apart from them too is read as transformers 5 reads it: one table if the two are equal, else
+    the head kept as its own weight, with a warning (a model of `args` that ties them refuses it in one line).
+    """
     folder = Path(folder)
-    return args_from_hf_config(read_config(folder), where=str(folder / "config.json"))
+    where = str(folder / "config.json")
+    config = read_config(folder)
+    theirs = args_from_hf_config(config, where=where)
+    config_tied = bool(config.get("tie_word_embeddings", family(theirs).tied_by_default(config)))
+    data_bytes, files = safetensors_bytes(folder)
+    if problem := files_fit_problem(theirs, data_bytes=data_bytes, files=files, tied=config_tied):
+        raise ExportError(f"{where}: {problem}")  # before anything of n_layers' size is built
+    headers = read_headers(folder)
+    own_head = _own_head(folder, headers, where=where) if config_tied else ""
+    one_table = config_tied and not own_head
+    if args is None:
+        args = dataclasses.replace(theirs, tie_word_embeddings=theirs.tie_word_embeddings and one_table)
+    elif args.tie_word_embeddings and own_head:
+        raise ExportError(f"{own_head}, but the trainer model ties them (one table, which cannot hold both): read the "
+                          "folder with its own shape (no flavor), which keeps the head as transformers 5 does")
+    else:
+        check_hf_config({**config, "tie_word_embeddings": one_table}, args, where=where)
+    if own_head:
+        logger.warning("%s; read as its own output head, as transformers 5 loads it: set tie_word_embeddings to false "
+                       "in config.json to say so", own_head)
+    sources = {}
+    if one_table:  # the head is the embeddings, or the embeddings the head where only the head is there
+        sources = dict.fromkeys((EMBEDDINGS, HEAD), EMBEDDINGS if EMBEDDINGS in headers else HEAD)
+    fam = family(args)
+    shapes = fam.expected_shapes(args)
+    check_parts(headers, specs={fqn: fam.spec(fqn, args) for fqn in shapes}, shapes=shapes, sources=sources,
+                folder=folder)
+    if cast := sorted({CAST_ON_READ[h.dtype] for h in headers.values() if h.dtype in CAST_ON_READ}):
+        logger.info("%s: the tensors stored as %s are read as float32 (as transformers loads them by default)",
+                    folder, " and ".join(cast))
+    return HFFolder(folder, args, data_bytes, headers, sources)
+
+
+def _own_head(folder: Path, headers: dict[str, Header], *, where: str) -> str:
+    """Where a tied config.json's folder holds lm_head.weight apart from the embeddings, a line that says so; else
+    "" (no head, or one equal to the embeddings: transformers ties them)."""
+    if not (HEAD in headers and EMBEDDINGS in headers):
+        return ""
+    head, table = headers[HEAD], headers[EMBEDDINGS]
+    if head.shape != table.shape:
+        difference = f"of shape {list(head.shape)}, the embeddings {list(table.shape)}"
+    elif (d := max_difference(folder, headers, HEAD, EMBEDDINGS)) == 0:
+        return ""
+    else:
+        difference = f"max |difference| {d:.3g}"
+    return (f"{where} says tie_word_embeddings=true, but {folder / head.file} holds an {HEAD} that differs from "
+            f"{EMBEDDINGS} ({difference})")
+
+
+def read_hf_config(folder: str | os.PathLike) -> ModelArgs:
+    """ModelArgs of a Hugging Face folder (Llama, Qwen3, Ernie4_5_Moe or Glm4Moe), checked against its weights."""
+    return open_hf_folder(folder).args
 
 
 def read_hf_weights(folder: str | os.PathLike, *, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """A Hugging Face folder's weights (config.json + single or sharded safetensors) as our fqns.
-
-    Checks config.json and every tensor's shape against args before returning; tensors keep
-    the folder's dtype. A tied model's head is a copy of the embeddings.
-    """
-    folder = Path(folder)
-    config = read_config(folder)
-    check_hf_config(config, args, where=str(folder / "config.json"))
-    fam = family(args)
-    tensors = read_tensors(folder)
-    tied = config.get("tie_word_embeddings", fam.tied_by_default(config))
-    if "lm_head.weight" not in tensors and tied and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    shapes = fam.expected_shapes(args)
-    return join_tensors(tensors, specs={fqn: fam.spec(fqn, args) for fqn in shapes}, shapes=shapes, folder=folder)
+    """A Hugging Face folder's weights as our fqns, checked against `args` first (`open_hf_folder`); float32 or
+    bfloat16. A tied model's head is the embeddings' table (a copy)."""
+    return open_hf_folder(folder, args=args).read()
 
 
 def _check_shapes(shapes: dict[str, tuple[int, ...]], args: ModelArgs) -> None:
@@ -178,8 +259,8 @@ def write_hf_export(
 
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_BYTES", "LLAMA3_SCALED_CONTEXT", "SAFETENSORS_HINT", "ExportError", "ExportTokenizer", "Spec",
-    "args_from_hf_config", "check_exportable", "check_hf_config", "expected_shapes", "family", "from_hf_name",
-    "hf_config", "mapping", "plan_shards", "read_hf_config", "read_hf_weights", "require_safetensors", "resolve_tokenizer",
-    "safetensors_bytes", "to_hf_name", "write_hf_export",
+    "DEFAULT_MAX_SHARD_BYTES", "LLAMA3_SCALED_CONTEXT", "SAFETENSORS_HINT", "ExportError", "ExportTokenizer",
+    "HFFolder", "Spec", "args_from_hf_config", "check_exportable", "check_hf_config", "expected_shapes", "family",
+    "from_hf_name", "hf_config", "mapping", "open_hf_folder", "plan_shards", "read_hf_config", "read_hf_weights",
+    "require_safetensors", "resolve_tokenizer", "safetensors_bytes", "to_hf_name", "write_hf_export",
 ]

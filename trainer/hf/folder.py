@@ -219,43 +219,130 @@ def _safetensors_files(folder: Path) -> list[str]:
     )
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files, by its Hugging Face name, in the folder's dtype."""
-    require_safetensors("reading a Hugging Face model")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+@dataclass(frozen=True)
+class Header:
+    """One tensor of a safetensors file, as its header gives it (no data read)."""
 
-    tensors: dict[str, torch.Tensor] = {}
+    dtype: str
+    """safetensors' name of its dtype: F32, BF16, F16, F64, I64, BOOL, F8_E4M3, ..."""
+    shape: tuple[int, ...]
+    file: str
+    """The safetensors file of the folder that holds it."""
+
+
+# The dtypes a model's weights are read in, by safetensors' names: float16 and float64 are read as float32 (as
+# transformers loads them unless told another dtype; float16 exactly), so what is read is what a checkpoint of this
+# trainer holds. Integers, booleans and FP8 without its scales are no model's weights.
+WEIGHT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float32, "F64": torch.float32}
+CAST_ON_READ = {"F16": "float16", "F64": "float64"}
+_DTYPE_WORDS = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                "U32": "uint32", "I64": "int64", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# What comparing two tables reads at a time (a vocabulary of 256K x 8K in bfloat16 is 4 GiB).
+_COMPARE_BYTES = 64 * 2**20
+
+
+def read_headers(folder: Path) -> dict[str, Header]:
+    """Every tensor of the folder's safetensors files (by its Hugging Face name) as its header gives it; a one-line
+    ExportError for a tensor in two files or of a dtype no model's weights have."""
+    require_safetensors("reading a Hugging Face model")
+    from safetensors import SafetensorError, safe_open
+
+    headers: dict[str, Header] = {}
     for name in _safetensors_files(folder):
         path = _confined(folder / name, what="safetensors file")
         try:
-            loaded = load_file(str(path))
+            with safe_open(str(path), framework="pt") as f:  # reads the header only
+                for key in f.keys():
+                    if key.endswith("rotary_emb.inv_freq"):  # a buffer of some old exports; derived from the config
+                        continue
+                    if key in headers:
+                        raise ExportError(f"{path}: {key} is also in {headers[key].file}: which one is the model's?")
+                    part = f.get_slice(key)
+                    headers[key] = Header(part.get_dtype(), tuple(part.get_shape()), name)
         except (SafetensorError, OSError) as e:
             raise ExportError(f"{path} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
-        # rotary_emb.inv_freq: a buffer some old exports include; derived from the config.
-        tensors.update({k: v for k, v in loaded.items() if not k.endswith("rotary_emb.inv_freq")})
-    return tensors
+    for key, header in headers.items():
+        if header.dtype not in WEIGHT_DTYPES:
+            word = _DTYPE_WORDS.get(header.dtype, header.dtype)
+            raise ExportError(f"{folder / header.file}: {key} is stored as {word}, not a floating-point dtype of a "
+                              f"model's weights ({', '.join(WEIGHT_DTYPES)}): not a model this trainer can load")
+    return headers
 
 
-def join_tensors(tensors: dict[str, torch.Tensor], *, specs: dict[str, Spec], shapes: dict[str, tuple[int, ...]],
-                 folder: Path) -> dict[str, torch.Tensor]:
-    """Our tensors (by fqn, in `shapes` order) from the folder's, checking names and every shape first."""
+def max_difference(folder: Path, headers: dict[str, Header], a: str, b: str) -> float:
+    """The largest |a - b| of two tensors of the same shape (0.0: equal; nan where either holds one), compared a
+    slice of rows at a time."""
+    from safetensors import safe_open
+
+    ha, hb = headers[a], headers[b]
+    rows = ha.shape[0] if ha.shape else 1
+    step = max(1, _COMPARE_BYTES // (4 * max(1, numel(ha.shape[1:]))))
+    worst = 0.0
+    with safe_open(str(folder / ha.file), framework="pt") as fa, safe_open(str(folder / hb.file), framework="pt") as fb:
+        sa, sb = fa.get_slice(a), fb.get_slice(b)
+        for start in range(0, rows, step):
+            x, y = (s[start:start + step] if ha.shape else s[:] for s in (sa, sb))
+            if not torch.equal(x.float(), y.float()):
+                d = (x.float() - y.float()).abs().max().item()
+                worst = d if d != d or d > worst else worst  # a NaN stays
+    return worst
+
+
+def check_parts(headers: dict[str, Header], *, specs: dict[str, Spec], shapes: dict[str, tuple[int, ...]],
+                sources: dict[str, str], folder: Path) -> None:
+    """Every tensor the model needs is in the folder with the shape it must have, and the folder holds no other
+    (but the keys of `sources`); before any tensor is read.
+
+    sources: the Hugging Face name a needed name is read from, where it is another (a tied head's table: the
+    embeddings, or a head alone where the embeddings are missing, as transformers ties them).
+    """
     wanted = [name for fqn in shapes for name in specs[fqn].names]
-    missing = [n for n in wanted if n not in tensors]
-    unexpected = sorted(set(tensors) - set(wanted))
+    read = {sources.get(n, n) for n in wanted}
+    missing = [n for n in wanted if sources.get(n, n) not in headers]
+    unexpected = sorted(set(headers) - read - set(sources))
     if missing or unexpected:
         raise ExportError(
             f"{folder}: {len(missing)} missing weights (first: {missing[0] if missing else '-'}), "
             f"{len(unexpected)} unexpected (first: {unexpected[0] if unexpected else '-'})"
         )
-    out = {}
     for fqn, shape in shapes.items():
         spec = specs[fqn]
         # The shapes the parts must have: the split of a tensor of ours with the expected shape.
         part_shapes = [tuple(p.shape) for p in spec.split(torch.empty(shape, device="meta"))]
         for name, part_shape in zip(spec.names, part_shapes, strict=True):
-            if tuple(tensors[name].shape) != part_shape:
-                raise ExportError(f"{folder}: {name} has shape {list(tensors[name].shape)}, "
+            have = headers[sources.get(name, name)].shape
+            if have != part_shape:
+                raise ExportError(f"{folder}: {sources.get(name, name)} has shape {list(have)}, "
                                   f"expected {list(part_shape)}")
-        out[fqn] = spec.join([tensors[name] for name in spec.names])
-    return out
+
+
+def read_tensors(folder: Path, headers: dict[str, Header], names: set[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of the folder (checked by `read_headers`), by their Hugging Face names, in the dtypes of
+    WEIGHT_DTYPES."""
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted({headers[n].file for n in names}):
+        path = _confined(folder / file, what="safetensors file")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in sorted(n for n in names if headers[n].file == file):
+                    tensors[name] = f.get_tensor(name).to(WEIGHT_DTYPES[headers[name].dtype])
+        except (SafetensorError, OSError) as e:
+            raise ExportError(f"{path} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
+    return tensors
+
+
+def join_tensors(tensors: dict[str, torch.Tensor], *, specs: dict[str, Spec], shapes: dict[str, tuple[int, ...]],
+                 sources: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Our tensors (by fqn, in `shapes` order) from the folder's, checked by `check_parts`; a table read twice (a
+    tied head) is a copy the second time, as two entries of a checkpoint must not share storage."""
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        source = sources.get(name, name)
+        tensor = tensors[source].clone() if source in used else tensors[source]
+        used.add(source)
+        return tensor
+
+    return {fqn: specs[fqn].join([take(name) for name in specs[fqn].names]) for fqn in shapes}

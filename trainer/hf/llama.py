@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from trainer.hf.config_values import CONFIG_KEYS, check_config_values, rope_fields, rope_kind
 from trainer.hf.folder import DTYPE_NAMES, ExportError, Spec, rename
 from trainer.model_values import values_problem
 from trainer.models.llama import FLAVORS, ModelArgs, RopeScaling
@@ -176,17 +177,11 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype) -> dict:
     return config | {"mlp_bias": False}
 
 
-def rope_fields(config: dict) -> tuple[dict, float | None]:
-    """(the rope scaling dict or {}, rope_theta or None) of a config.json, in the 4.x or the 5.x keys."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return rope, config.get("rope_theta", rope.get("rope_theta"))
-
-
 def check_rope(config: dict, args: ModelArgs, *, where: str) -> None:
-    rope, theta = rope_fields(config)
+    rope, theta = rope_fields(config, where=where)
     if theta is not None and float(theta) != args.rope_theta:
         raise ExportError(f"{where}: rope_theta={theta} but the trainer model has {args.rope_theta}")
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope_kind(rope)
     if kind not in ("default", "llama3"):
         raise ExportError(f"{where}: rope_type={kind!r} has no equivalent in this trainer (plain RoPE, or Llama 3's "
                           "'llama3' scaling)")
@@ -252,7 +247,7 @@ def decoder_fields(config: dict, flavors: list[ModelArgs]) -> dict:
     n_heads = int(config["num_attention_heads"])
     rope, theta = rope_fields(config)
     scaling = None
-    if rope.get("rope_type", rope.get("type", "default")) == "llama3":
+    if rope_kind(rope) == "llama3":
         scaling = RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
                               high_freq_factor=float(rope["high_freq_factor"]),
                               original_max_seq_len=int(rope["original_max_position_embeddings"]))
@@ -264,30 +259,11 @@ def decoder_fields(config: dict, flavors: list[ModelArgs]) -> dict:
             break
     return dict(
         dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(config.get("num_key_value_heads", n_heads)), vocab_size=int(config["vocab_size"]),
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads), vocab_size=int(config["vocab_size"]),
         multiple_of=multiple_of, ffn_dim_multiplier=multiplier, norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=scaling,
         max_seq_len=int(config.get("max_position_embeddings", 8192)),
     )
-
-
-# Our ModelArgs field -> its config.json key: checked by the rules of every model argument (trainer.model_values).
-CONFIG_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-               "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
-               "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings"}
-
-
-def check_config_values(config: dict, keys: dict[str, str], *, where: str) -> None:
-    """Every value of config.json that becomes a model argument, by type and range, before any is converted."""
-    values = {field: config[key] for field, key in keys.items() if key in config}
-    rope, theta = rope_fields(config)
-    if theta is not None:
-        values["rope_theta"] = theta
-    if rope.get("rope_type", rope.get("type", "default")) == "llama3":
-        values["rope_scaling"] = {k: rope.get(k) for k in ("factor", "low_freq_factor", "high_freq_factor")}
-        values["rope_scaling"]["original_max_seq_len"] = rope.get("original_max_position_embeddings")
-    if problem := values_problem(values, keys={**keys, "rope_scaling": "rope_scaling"}):
-        raise ExportError(f"{where}: {problem} (not a model this trainer can load)")
 
 
 def check_head_dim(config: dict, args: ModelArgs, *, where: str) -> None:

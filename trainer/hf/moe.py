@@ -25,11 +25,12 @@ from dataclasses import replace
 
 import torch
 
+from trainer.hf.config_values import CONFIG_KEYS, CONFIG_RULES, check_config_values, rope_fields
 from trainer.hf.folder import ExportError, Spec, rename
 from trainer.hf.llama import (
-    CONFIG_KEYS, attention_shapes, check_config_values, check_head_dim, check_rope, common_config, decoder_fields,
-    mlp_shapes, to_hf_name,
+    attention_shapes, check_head_dim, check_rope, common_config, decoder_fields, mlp_shapes, to_hf_name,
 )
+from trainer.model_values import Rule
 from trainer.models.moe import MOE_FLAVORS, MoEArgs
 
 ERNIE, GLM = "ernie4_5_moe", "glm4_moe"
@@ -56,6 +57,15 @@ _KEYS = {
 _COMMON_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                 "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
                 "moe_ffn_dim": "moe_intermediate_size"}
+# The routing keys read besides the model arguments' (checked by type and range first: trainer/hf/config_values.py).
+_FLAG, _FACTOR = Rule("bool", optional=True), Rule("float", low=0, high=1e6)
+_CONFIG_RULES = {
+    **CONFIG_RULES,
+    "moe_layer_end_index": Rule("int", low=-1), "moe_layer_interval": Rule("int"), "moe_norm_min": _FACTOR,
+    "use_bias": _FLAG, "n_group": Rule("int"), "topk_group": Rule("int"), "routed_scaling_factor": _FACTOR,
+    "norm_topk_prob": _FLAG, "use_qk_norm": _FLAG, "partial_rotary_factor": Rule("float", low=0, high=1, open_low=True),
+    "router_aux_loss_coef": Rule("float", low=0, high=1e6, optional=True),
+}
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "n_experts", "moe_ffn_dim",
                  "n_shared_experts", "n_dense_layers")
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -209,7 +219,7 @@ def _route_norm(config: dict, *, where: str) -> bool:
             if not ok:
                 raise ExportError(f"{where}: {key}={_get(config, key)} has no equivalent in this trainer's MoE "
                                   "(it needs n_group=topk_group, routed_scaling_factor=1, no qk norm or attention bias)")
-        rope = config.get("rope_parameters") or {}
+        rope, _ = rope_fields(config, where=where)
         partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
         if float(partial) != 1.0:
             raise ExportError(f"{where}: partial_rotary_factor={partial}: this trainer rotates the whole head "
@@ -235,7 +245,8 @@ def args_from_hf_config(config: dict, *, where: str) -> MoEArgs:
         raise ExportError(f"{where}: model_type={target!r} is not an MoE layout this trainer reads "
                           f"({', '.join(map(repr, _ARCHITECTURES))})")
     keys = {**CONFIG_KEYS, "moe_ffn_dim": "moe_intermediate_size", **_KEYS[target]}
-    check_config_values({**config, **{key: _get(config, key) for key in _KEYS[target].values()}}, keys, where=where)
+    check_config_values({**config, **{key: _get(config, key) for key in _KEYS[target].values()}}, keys, where=where,
+                        rules=_CONFIG_RULES)
     try:
         fields = decoder_fields(config, [])
         ffn = int(config["intermediate_size"])
