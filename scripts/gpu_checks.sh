@@ -28,6 +28,9 @@
 #   bash scripts/gpu_checks.sh full8b     (1: the whole Llama 3 8B, FSDP2 over all GPUs, batch 4 x 4096 per GPU, compile,
 #       no AC: bf16 and fp8 model TFLOP/s per GPU; then PEER_WHEELS=DIR bash scripts/gpu_checks.sh peer8b: torchtitan
 #       0.2.2's same job in the same sitting)
+#   bash scripts/gpu_checks.sh reduce_dtypes  (2 GPUs: 8B shapes x 8 layers on one GPU, then dp_shard=2 with each
+#       distributed.reduce_dtype, bf16 and fp8; then PARITY_LEGS=... bash scripts/gpu_checks.sh parity1b_reduce: the 1B
+#       parity legs at dp_shard=2, bf16 x2 seeds against fp8 gradient reduces; needs data/py_bpe)
 #   bash scripts/gpu_checks.sh scaling    (2: that job on 1, 2, 4, 8 GPUs up to $NGPU: tokens/s per GPU and the efficiency
 #       against one GPU, fp8 with its all-gather in fp8 and in bf16; SCALING_GPUS="1 4" picks the counts)
 #   bash scripts/gpu_checks.sh ckpt_stall (3: the whole 8B on all GPUs, async pinned-memory checkpoints every 30 steps:
@@ -76,6 +79,16 @@ FULL_8B="--config configs/train/llama3_8b.toml -- --train.batch_size=4 --train.s
 BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
 FAILED=()  # steps whose command failed: the script's exit status is 1 when any did
 failed() { FAILED+=("$1"); echo "[gpu_checks] step $1 FAILED (exit $2)"; }
+run_variants() {  # run_variants STEP "GPUS PRECISIONS LABEL [OVERRIDES...];...": scaling_variants' job under each setting
+  local step=$1 v n precisions label; local -a variants
+  IFS=';' read -ra variants <<< "$2"
+  for v in "${variants[@]}"; do
+    set -- $v; n=$1; precisions=$2; label=$3; shift 3
+    launch $n scripts/benchmark.py --json $OUT/variants.jsonl --label "$label" --precisions $precisions --warmup 6 \
+      --steps ${VARIANT_STEPS:-10} $BENCH_8B "$@" > "$OUT/variant_$label.log" 2>&1 || failed "$step $label" $?
+    grep -A3 "^precision" "$OUT/variant_$label.log" | grep -v "^precision" | sed "s/^/[$n GPU $label] /"
+  done
+}
 for s in $STEPS; do case $s in
   tests) python3 -m pytest -q -m gpu tests/gpu -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
   bench8b) $B --label "8B shapes, 8 layers, batch 4, seq 4096${ARGS_8B:+, $ARGS_8B}" --warmup 6 --steps 10 --profile-dir /tmp/prof8b $BENCH_8B 2>&1 | tee "$OUT/bench8b.log" | grep -v "^\[rank" ;;
@@ -406,13 +419,28 @@ PY
   scaling_variants)  # one sitting of 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC, under several settings:
     # SCALING_VARIANTS="GPUS PRECISIONS LABEL [OVERRIDES...];..." (e.g. "1 bf16,fp8 one-gpu;2 fp8 never
     # --distributed.reshard_after_forward=never"), each a benchmark.py process; the table at the end (tokens/s per GPU)
-    IFS=';' read -ra variants <<< "${SCALING_VARIANTS:-1 bf16,fp8 one-gpu;2 bf16,fp8 defaults}"
-    for v in "${variants[@]}"; do
-      set -- $v; n=$1; precisions=$2; label=$3; shift 3
-      launch $n scripts/benchmark.py --json $OUT/variants.jsonl --label "$label" --precisions $precisions --warmup 6 \
-        --steps ${VARIANT_STEPS:-10} $BENCH_8B "$@" > "$OUT/variant_$label.log" 2>&1 || failed "scaling_variants $label" $?
-      grep -A3 "^precision" "$OUT/variant_$label.log" | grep -v "^precision" | sed "s/^/[$n GPU $label] /"
-    done ;;
+    run_variants scaling_variants "${SCALING_VARIANTS:-1 bf16,fp8 one-gpu;2 bf16,fp8 defaults}" ;;
+  reduce_dtypes)  # issue 49 item 3, speed: scaling_variants' job on one GPU, then at dp_shard=2 with each
+    # distributed.reduce_dtype (auto is bf16 there: bf16 master weights summed over 2 ranks), bf16 and fp8 compute, in one
+    # sitting; REDUCE_DTYPES="auto fp32 bf16 fp8" picks (default "auto fp32 fp8"); logs variant_reduce-*.log
+    spec="1 bf16,fp8 one-gpu"
+    for r in ${REDUCE_DTYPES:-auto fp32 fp8}; do spec+=";2 bf16,fp8 reduce-$r --distributed.reduce_dtype=$r"; done
+    run_variants reduce_dtypes "$spec" ;;
+  parity1b_reduce)  # issue 49 item 3, accuracy: parity1b's job on 2 GPUs per leg (dp_shard=2, batch 2 x 4096 per GPU: the
+    # same 16K tokens a step), bf16 master weights (the default): bf16 x2 seeds (reduce auto = bf16, bit for bit fp32's
+    # at 2 ranks: tests/distributed/test_reduce_dtype.py) against fp8 gradient reduces; PARITY_LEGS picks legs
+    # (bf16,bf16-seed2,bf16-reduce-fp8,fp8,fp8-reduce-fp8); legs run one after another on a 2-GPU machine
+    python3 scripts/fp8_parity.py --config configs/train/llama3_1b.toml --out "$OUT/parity1b_reduce" --seeds 1 \
+      --tolerance 0.005 --nproc-per-leg 2 --distributed.dp_shard=2 \
+      --model.vocab_size=32768 --train.steps=1000 --train.batch_size=2 --train.seq_len=4096 --scheduler.warmup_steps=100 \
+      --data.source=shards --data.path=data/py_bpe/train --data.tokenizer=data/py_bpe/tokenizer.json \
+      --validation.path=data/py_bpe/validation --validation.freq=100 --validation.steps=16 \
+      --metrics.log_freq=10 --metrics.enable_tensorboard=false \
+      --variant "bf16-reduce-fp8=--train.mixed_precision=bf16 --distributed.reduce_dtype=fp8" \
+      --variant fp8= \
+      --variant "fp8-reduce-fp8=--distributed.reduce_dtype=fp8" \
+      ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b_reduce.log"
+    for f in "$OUT"/parity1b_reduce/*.log; do grep -E "step +[0-9]+00/|gradients reduced|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   scaling)  # table 2: the full8b job on 1, 2, 4, 8 GPUs (up to $NGPU): bf16, fp8; beyond one GPU fp8 again with a bf16 all-gather
     for n in ${SCALING_GPUS:-1 2 4 8}; do
       [ "$n" -le "$NGPU" ] || continue

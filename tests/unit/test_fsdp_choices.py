@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trainer.config import load_job_config
+from trainer.errors import ConfigError
 from trainer.validate import validate_job
 from trainer.validate.memory import planned_gpus
 from tests.helpers import REPO
@@ -64,3 +65,28 @@ def test_keys_set_by_hand_are_kept_and_not_reported_as_choices():
     assert job.build.fsdp.reshard_after_forward and job.build.fsdp.reduce_dtype == torch.float32
     assert job.build.float8.enable_fsdp_float8_all_gather and job.fsdp_choices == ""
     assert _job(1, *EIGHT_LAYERS).fsdp_choices == ""  # one rank: nothing is sharded
+
+
+def test_fp8_reduce_is_taken_when_asked_said_in_the_precision_line_and_never_chosen_by_auto():
+    from trainer.validate.run_files import describe_precision
+
+    job = _job(2, *EIGHT_LAYERS, "--distributed.reduce_dtype=fp8")
+    assert job.build.fsdp.reduce_dtype == torch.float8_e4m3fn and job.build.fsdp.master_dtype == torch.bfloat16
+    assert "gradients reduced in float8 (e4m3, one scale per unit from the amax over ranks)" in describe_precision(
+        mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update, build=job.build,
+        float8_layers=job.float8_layers)
+    assert "gradients reduced" not in job.fsdp_choices  # set by hand: not an automatic choice
+    assert all(_job(world, *EIGHT_LAYERS, precision=precision).build.fsdp.reduce_dtype.itemsize > 1
+               for world in (2, 16) for precision in ("fp8", "bf16"))
+
+
+@pytest.mark.parametrize("world, args, where", [
+    (1, [], "distributed.dp_shard x distributed.cp = 1 x 1, world size 1): no"),
+    (2, ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"],
+     "world size 2), and the 2 HSDP replicas all-reduce in the master dtype: no"),
+])
+def test_fp8_reduce_without_a_shard_group_to_sum_over_is_one_config_error(world, args, where):
+    with pytest.raises(ConfigError, match=r"^distributed.reduce_dtype='fp8' reduce-scatters gradients in float8 over "
+                       r"FSDP's shard group, but it has one rank \(") as e:
+        _job(world, *EIGHT_LAYERS, "--distributed.reduce_dtype=fp8", *args)
+    assert where in str(e.value) and "\n" not in str(e.value)

@@ -117,7 +117,15 @@ NOTES: dict[str, str] = {
         "Dtype FSDP2 reduce-scatters (sums) gradients in. auto = bf16 where the master weights are bf16 and at most "
         "2 ranks are summed (FSDP2 rounds the result to bf16 either way: the same bits, half the bytes), fp32 where "
         "more ranks are summed or the master weights are fp32, the compute dtype where nothing is summed (one rank, "
-        "one microbatch); said in the startup line. docs/distributed.md#fsdp2s-automatic-choices."),
+        "one microbatch); said in the startup line. docs/distributed.md#fsdp2s-automatic-choices. auto never picks "
+        "fp8. fp8 (MS-AMP O1's FP8 gradient communication, trainer/parallel/fp8_reduce.py): each FSDP unit's "
+        "gradients are cast to float8 e4m3 with one scale from their amax over the shard group (an all-reduce of one "
+        "number per unit), exchanged by an all-to-all (NCCL cannot sum float8) and summed in fp32 on the receiving "
+        "rank, divided as FSDP2 divides, and written in the master dtype: half the bytes of bf16, and each rank's "
+        "gradient carries e4m3's rounding (a relative error of at most 2^-4 per element; e5m2's would be 2^-3) "
+        "before the sum. Needs FSDP to shard over more than one rank (distributed.dp_shard x distributed.cp > 1); "
+        "under HSDP the all-reduce across replicas stays in the master dtype. Not yet measured for speed or 1B "
+        "parity on GPUs (docs/distributed.md#gradients-reduced-in-fp8)."),
     "distributed.master_dtype": (
         "Dtype of the sharded master weights and AdamW moments. auto = bf16 for bf16 and fp8 compute (6 "
         "bytes/parameter less; each update rounded by optimizer.bf16_update, stochastic by default: within the seed "

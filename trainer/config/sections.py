@@ -194,8 +194,8 @@ class DistributedSection:
     """With pp > 1, automatic split: the final norm and output head's cost in blocks; -1 = its FLOPs."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2: free gathered weights after forward (always, ZeRO-3) or keep them for backward (never, ZeRO-2)."""
-    reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Dtype FSDP2 reduce-scatters gradients in; auto = bf16 or fp32 by the master weights and ranks summed."""
+    reduce_dtype: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
+    """Dtype FSDP2 reduce-scatters gradients in; auto = bf16 or fp32 by the master weights and ranks summed (never fp8). fp8 (MS-AMP O1): each FSDP unit's gradients cast to float8 e4m3 with one scale from their amax over the shard group, exchanged by an all-to-all and summed in fp32, the shards written in the master dtype; costs: an all-reduce of one amax per unit, and each rank's gradient rounded to e4m3 (relative error <= 2^-4 per element) before the sum; gains: half bf16's bytes. Needs distributed.dp_shard x cp > 1."""
     master_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Dtype of the sharded master weights and AdamW moments; auto = bf16 for bf16 and fp8 compute, else fp32."""
     loss_parallel: bool = True

@@ -43,7 +43,8 @@ class FSDPOptions:
     param_dtype: torch.dtype | None
     """Dtype weights are all-gathered and computed in; None keeps the master dtype (fp32 runs)."""
     reduce_dtype: torch.dtype
-    """Dtype gradients are reduce-scattered and accumulated in (fp32 where they are summed; else the compute dtype)."""
+    """Dtype gradients are reduce-scattered and accumulated in (fp32 where they are summed; else the compute dtype).
+    A float8 dtype (distributed.reduce_dtype='fp8'): exchanged in float8, written and accumulated in master_dtype."""
     master_dtype: torch.dtype
     reshard_after_forward: bool
     reduces: bool = True

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from trainer.parallel.fp8_reduce import Float8ReduceScatter
 
 
 def apply_fsdp(
@@ -32,22 +36,24 @@ def apply_fsdp(
     directly with fp8 all-gather); the sharded master weights keep their own
     dtype. A 2-D dp_mesh (dp_replicate, dp_shard) gives HSDP.
 
+    A float8 reduce_dtype (distributed.reduce_dtype='fp8'): see fsdp_policy.
+
     expert_mesh (EP or TP with an MoE model): each MoE layer's routed experts (with
     routers_with_experts, under TP, its router too) get an FSDP unit of their own over it;
     their gradients already sum other ranks' tokens (EP: the all-to-all's backward; TP: the
     reduce-scatter over dp_shard x tp sums the tp ranks' sequence slices), so they are divided
     by the data-parallel degree only, as the dense weights are.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp, comm = fsdp_policy(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    shard = functools.partial(_shard, mp=mp, comm=comm)
     units = []
     if getattr(model, "tok_embeddings", None) is not None and model.args.tie_word_embeddings:
         # One Parameter in the embeddings and the head: one unit holds both (FSDP2 shards a shared parameter once
         # only within one unit), gathered like the root from the embeddings' forward to their backward.
-        fully_shard([model.tok_embeddings, model.norm, model.output_head], mesh=dp_mesh, mp_policy=mp,
-                    reshard_after_forward=False)
+        shard([model.tok_embeddings, model.norm, model.output_head], dp_mesh, False)
         units.append("tied embeddings, norm and head")
     elif getattr(model, "tok_embeddings", None) is not None:  # pipeline stages other than the first have none
-        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        shard(model.tok_embeddings, dp_mesh, reshard_after_forward)
         units.append("embeddings")
     blocks = list(model.layers.values())
     num_expert_groups = 0
@@ -57,7 +63,7 @@ def apply_fsdp(
         moe = getattr(block, "moe", None)
         if expert_mesh is not None and moe is not None:
             for unit in ([moe.router, moe.experts] if routers_with_experts else [moe.experts]):
-                fully_shard(unit, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+                shard(unit, expert_mesh, reshard)
                 # Gradients that already sum other ranks' tokens: divide by every data-parallel
                 # rank, as the dense weights are, not by the expert mesh's size.
                 unit.set_gradient_divide_factor(float(dp_mesh.size()))
@@ -67,10 +73,10 @@ def apply_fsdp(
                     # copying and would divide a second time after (tests/distributed/test_moe_ep.py).
                     unit.set_force_sum_reduction_for_comms(True)
             num_expert_groups += 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        shard(block, dp_mesh, reshard)
     # The root (final norm, output head) stays gathered from its forward to its backward: the loss
     # (trainer/loss.py) runs the head after the model's forward returns, and backward starts with it.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    shard(model, dp_mesh, False)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP2"
     experts_line = (
         f"; routed experts{' and routers' if routers_with_experts else ''} of {num_expert_groups} MoE layers over "
@@ -79,5 +85,34 @@ def apply_fsdp(
     return (
         f"{kind}: {' + '.join([*units, f'{len(blocks)} blocks'])} + root over {dp_mesh.mesh_dim_names} "
         f"(size {dp_mesh.size()}){experts_line}, "
-        f"param_dtype={param_dtype}, reduce_dtype={reduce_dtype}, reshard_after_forward={reshard_after_forward}"
+        f"param_dtype={param_dtype}, reduce_dtype={reduce_dtype}"
+        + (f" (exchanged in float8, one scale per unit from the amax over ranks; shards written in {mp.reduce_dtype})"
+           if comm is not None else "")
+        + f", reshard_after_forward={reshard_after_forward}"
     )
+
+
+def fsdp_policy(model: nn.Module, *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype
+                ) -> tuple[MixedPrecisionPolicy, Float8ReduceScatter | None]:
+    """FSDP2's mixed-precision policy, and the reduce-scatter that replaces FSDP2's own (None: FSDP2's).
+
+    A float8 reduce_dtype (distributed.reduce_dtype='fp8'): every unit reduce-scatters its gradients as float8 with
+    one scale from the amax over its shard group (trainer.parallel.fp8_reduce); FSDP2's reduce dtype, in which the
+    reduced shards are written and microbatches accumulated, is the parameters' own (the master dtype), and so is
+    HSDP's all-reduce across replicas.
+    """
+    if reduce_dtype.itemsize > 1:
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype), None
+    master = {p.dtype for p in model.parameters()}
+    assert len(master) == 1, f"one master dtype expected, found {master}"
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=master.pop()), Float8ReduceScatter(reduce_dtype)
+
+
+def _shard(unit: nn.Module | list[nn.Module], mesh: DeviceMesh, reshard: bool, *, mp: MixedPrecisionPolicy,
+           comm: Float8ReduceScatter | None) -> FSDPModule:
+    """fully_shard one unit (a module, or a list of modules sharing one unit), with comm as its reduce-scatter."""
+    sharded = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    module = sharded[0] if isinstance(sharded, list) else sharded
+    if comm is not None:
+        module.set_custom_reduce_scatter(comm)
+    return module

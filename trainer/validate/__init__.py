@@ -39,7 +39,7 @@ from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
 from trainer.validate.initial import checkpoint_shape
-from trainer.validate.layout import check_model_layout, resolve_parallel_dims, resolve_pipeline
+from trainer.validate.layout import check_model_layout, check_reduce_dtype, resolve_parallel_dims, resolve_pipeline
 from trainer.validate.memory import Target, check_fits_device, check_step_fits_device, this_machine
 from trainer.validate.options import (
     MetricsOptions, OptimizerOptions, ProfilingOptions, RunOptions, SchedulerOptions, ValidationOptions,
@@ -105,6 +105,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     pd = resolve_parallel_dims(cfg, world_size=world_size)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
+    check_reduce_dtype(cfg, pd)
     # Before anything walks the blocks (pipeline costs, the FP8 meta model): 10**8 of them take minutes.
     check_fits_device(cfg, args, pd, target.memory)
     check_step_fits_device(cfg, args, pd, target.memory)

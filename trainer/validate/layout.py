@@ -37,6 +37,19 @@ def resolve_parallel_dims(cfg: JobConfig, *, world_size: int) -> ParallelDims:
     )
 
 
+def check_reduce_dtype(cfg: JobConfig, pd: ParallelDims) -> None:
+    """distributed.reduce_dtype='fp8' replaces FSDP2's reduce-scatter (trainer.parallel.fp8_reduce): it needs one
+    that sums more than one rank. FSDP2 reduce-scatters over dp_shard x cp; HSDP's replicas all-reduce, not in fp8."""
+    d = cfg.distributed
+    if d.reduce_dtype == "fp8" and pd.fsdp_shard == 1:
+        replicas = f", and the {pd.dp_replicate} HSDP replicas all-reduce in the master dtype" * (pd.dp_replicate > 1)
+        raise ConfigError(
+            f"distributed.reduce_dtype='fp8' reduce-scatters gradients in float8 over FSDP's shard group, but it has "
+            f"one rank (distributed.dp_shard x distributed.cp = {pd.dp_shard} x {pd.cp}, world size {pd.world_size})"
+            f"{replicas}: no reduce-scatter sums anything; set distributed.reduce_dtype='auto' or shard over more ranks"
+        )
+
+
 def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
     """What the model's shapes and family allow of the resolved degrees."""
     m = cfg.model

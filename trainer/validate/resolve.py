@@ -160,7 +160,8 @@ def resolve_attention_backends(backend: str, *, cuda: bool) -> tuple[str, ...]:
     return (_ATTENTION_BACKENDS[backend],)
 
 
-_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp8: e4m3, its scale this step's amax over the ranks (why not e5m2: trainer/parallel/fp8_reduce.py).
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def resolve_fsdp(cfg: JobConfig, pd: ParallelDims, *, bf16_master: bool, ranks_per_node: int,

@@ -105,6 +105,8 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
         master += {"stochastic": " (stochastic rounding)", "kahan": " (Kahan-compensated updates)",
                    "nearest": " (round-to-nearest updates)"}[bf16_update]
     grads = str(fsdp.reduce_dtype).removeprefix('torch.')
+    if fsdp.reduce_dtype.itemsize == 1:  # distributed.reduce_dtype='fp8' (trainer.parallel.fp8_reduce)
+        grads = f"float8 ({grads.removeprefix('float8_').removesuffix('fn')}, one scale per unit from the amax over ranks)"
     parts += [master, f"gradients reduced in {grads}" if fsdp.reduces else f"gradients in {grads} (one rank, one "
               "microbatch: nothing to sum)"]
     return "precision: " + "; ".join(parts)
