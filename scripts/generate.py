@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.errors import UserError  # noqa: E402
 from trainer.log import setup_logging  # noqa: E402
+from trainer.seeds import MAX_TORCH_SEED  # noqa: E402
 
 logger = logging.getLogger("trainer")
 
@@ -84,6 +85,24 @@ def check_device(text: str):
     return device
 
 
+# A temperature divides the logits: below the least, fp32 logits overflow to inf (softmax then gives NaN).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """Each sampling flag in the range generate() takes, else one UserError line naming it, before anything is read
+    (NaN would stop torch.multinomial with a traceback, a seed past 64 bits manual_seed)."""
+    t = args.temperature
+    if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature={t} must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                        f"{MAX_TEMPERATURE:g}]")
+    if not 0 <= args.seed <= MAX_TORCH_SEED:
+        raise UserError(f"--seed={args.seed} must be in [0, {MAX_TORCH_SEED}] (a torch generator's 64-bit seed)")
+    if args.max_new_tokens < 1 or args.top_k < 0:
+        raise UserError(f"--max-new-tokens={args.max_new_tokens} must be >= 1 and --top-k={args.top_k} >= 0 (0 = "
+                        "all tokens)")
+
+
 def describe_sampling(args: argparse.Namespace) -> str:
     """What decoding does: temperature 0 is argmax, where --top-k plays no part (it is not printed)."""
     if args.temperature == 0:
@@ -132,9 +151,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-        parser.error("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
     try:
+        check_sampling(args)
         text = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,6 +7,10 @@ trainer and not torch (the config is generated and checked from it while it is p
 its own error type (ConfigError, CheckpointError, ExportError) with the problem returned here. Sizes have no upper
 bound beyond `MAX_INT` here: what a checkpoint's arguments imply is checked against its files' own sizes
 (`param_count`), and a training run's against the device (trainer/validate).
+
+The integers a checkpoint saves besides (`SAVED_INTEGERS`: the step, the schedule, the data position, the layout) have
+their rules here too, with the config keys they come from (`SAVED_FROM_CONFIG`): a resume checks the saved field and the
+config check the key by the same rule, so a run never saves a checkpoint that its relaunch refuses.
 """
 
 from __future__ import annotations
@@ -178,6 +182,45 @@ RULES: dict[str, Rule] = {
     "bias_update_rate": Rule("float", low=0, high=1e6),
     "capacity_factor": Rule("float", low=0, high=1e6),
 }
+
+
+# A count a checkpoint saves (the step, the scheduler's position, the samples read) is an int64 in every consumer: the
+# scheduler, the metrics, the data loader's numpy arithmetic.
+MAX_COUNTER = 2**63 - 1
+COUNTER = Rule("int", low=0, high=MAX_COUNTER)
+# The integers of a checkpoint's state.json and checkpoint.json (its `layout`), each with the rule every load checks it
+# by (trainer/checkpoint/values.py builds its tables from this one). LambdaLR counts its construction as a step, so its
+# `_step_count` is the position + 1: at most train.steps + 1.
+SAVED_INTEGERS: dict[str, Rule] = {
+    "train_state.step": COUNTER,
+    "lr_scheduler.last_epoch": COUNTER,
+    "lr_scheduler._step_count": Rule("int", low=0, high=MAX_COUNTER + 1),
+    "lr_scheduler.schedule.warmup_steps": COUNTER,
+    "lr_scheduler.schedule.total_steps": COUNTER,
+    **{f"dataloader.{k}": COUNTER for k in ("consumed_samples", "seq_len", "global_batch_size", "num_samples")},
+    "loss_scaler.good_steps": COUNTER,
+    "layout.*": Rule("int", low=1, high=2**31),
+}
+# The config keys whose value a checkpoint saves, or bounds a saved count by: trainer/config/checks.py holds each to
+# the rule of the fields it becomes, so no run saves a checkpoint that its relaunch refuses. The samples read are
+# train.steps x the global batch, checked once the world size is known (trainer/validate/resolve.py); data.seed keeps
+# the range of trainer/seeds.py, which the checkpoint's `dataloader.seed` rule takes too.
+SAVED_FROM_CONFIG: dict[str, tuple[str, ...]] = {
+    "train.steps": ("train_state.step", "lr_scheduler.last_epoch", "lr_scheduler.schedule.total_steps",
+                    "loss_scaler.good_steps"),
+    "scheduler.warmup_steps": ("lr_scheduler.schedule.warmup_steps",),
+    "train.seq_len": ("dataloader.seq_len",),
+    **{f"distributed.{k}": ("layout.*",) for k in ("dp_replicate", "tp", "ep", "pp", "cp")},
+}
+
+
+def saved_problem(key: str, value: Any) -> str | None:
+    """What is wrong with the config key `key` = `value` by the rules of the checkpoint fields it becomes, or None."""
+    for field in SAVED_FROM_CONFIG.get(key, ()):
+        if problem := rule_problem(SAVED_INTEGERS[field], value, key=key):
+            saved_as = field.replace("*", key.rpartition(".")[2])  # layout.* -> layout.tp
+            return f"{problem}: a checkpoint saves it as {saved_as}, which every resume holds to that range"
+    return None
 
 
 def value_problem(field: str, value: Any, *, key: str | None = None, zero_keeps: str = "") -> str | None:

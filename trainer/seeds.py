@@ -19,6 +19,8 @@ MAX_TRAIN_SEED = (_TORCH_SEED_MAX - _CRC32_MAX) // _PARAM_SEED_STRIDE
 """The largest train.seed whose per-parameter init seeds still fit torch's 64-bit generator seed."""
 MAX_DATA_SEED = _TORCH_SEED_MAX
 """numpy would take more; a 64-bit bound keeps data.seed a seed any RNG takes."""
+MAX_TORCH_SEED = _TORCH_SEED_MAX
+"""The largest seed a torch generator takes (`scripts/generate.py --seed`)."""
 
 
 def param_seed(seed: int, fqn: str) -> int:

@@ -18,6 +18,7 @@ from trainer.checkpoint import (
     CheckpointError, RunInfo, check_file, file_digest, load_full_model_weights, load_model, prune_checkpoints,
     save_model_only, scan_checkpoints,
 )
+from trainer.files.publish import start_partial
 from trainer.hf import (
     ExportError, args_from_hf_config, expected_shapes, from_hf_name, hf_config, plan_shards, read_hf_weights,
     to_hf_name, write_hf_export,
@@ -64,9 +65,9 @@ def test_plan_shards():
     assert plan_shards(sizes, max_shard_bytes=100) == [["a", "b", "c", "d"]]
 
 
-def _fake_checkpoint(folder: Path, name: str, *, metadata=True, info=True) -> Path:
+def _fake_checkpoint(folder: Path, name: str, *, metadata=True, info=True, partial=False) -> Path:
     path = folder / name
-    path.mkdir(parents=True)
+    start_partial(path) if partial else path.mkdir(parents=True)  # partial: as a save starts its step-N.tmp
     if metadata:
         (path / ".metadata").write_bytes(b"x")
     if info:
@@ -77,17 +78,20 @@ def _fake_checkpoint(folder: Path, name: str, *, metadata=True, info=True) -> Pa
 def test_scan_and_prune_keep_latest_k(tmp_path):
     for name in ("step-5", "step-10", "step-20"):
         _fake_checkpoint(tmp_path, name)
-    _fake_checkpoint(tmp_path, "step-8.tmp", metadata=False, info=False)  # interrupted, superseded
-    _fake_checkpoint(tmp_path, "step-25.tmp", metadata=False, info=False)  # a save still in progress
+    _fake_checkpoint(tmp_path, "step-8.tmp", metadata=False, info=False, partial=True)  # interrupted, superseded
+    _fake_checkpoint(tmp_path, "step-25.tmp", metadata=False, info=False, partial=True)  # a save still in progress
+    _fake_checkpoint(tmp_path, "step-7.tmp", info=False)  # no marker: not provably a save of this trainer's
     _fake_checkpoint(tmp_path, "step-15", info=False)  # copied partially
     (tmp_path / "step-20-hf").mkdir()  # an export: never a checkpoint, never pruned
     complete, incomplete = scan_checkpoints(tmp_path)
     assert sorted(complete) == [5, 10, 20]
-    assert sorted(p.name for p, _ in incomplete) == ["step-15", "step-25.tmp", "step-8.tmp"]
+    assert sorted(p.name for p, _ in incomplete) == ["step-15", "step-25.tmp", "step-7.tmp", "step-8.tmp"]
+    assert dict((p.name, why) for p, why in incomplete)["step-7.tmp"] == (
+        "named like an unfinished save but without the .partial marker every save writes first (kept)")
     removed = prune_checkpoints(tmp_path, newest=20, keep_latest_k=2)
     assert sorted(p.name for p in removed) == ["step-5", "step-8.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-15", "step-20", "step-20-hf",
-                                                          "step-25.tmp"]
+                                                          "step-25.tmp", "step-7.tmp"]
     # The only complete checkpoint is never removed.
     only = tmp_path / "only"
     _fake_checkpoint(only, "step-3")

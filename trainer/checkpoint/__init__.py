@@ -1,6 +1,6 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, resume, verify, prune, export, load a model.
 
-    format.py    file names, format constants, CheckpointError, checksummed writing, atomic publishing
+    format.py    file names, format constants, CheckpointError, checksummed writing
     parts.py     CheckpointState (the one Stateful a resume loads): a dict of parts, each owning its state
     state.py     RunInfo, the tensor/JSON split, the model's plain tensors
     verify.py    scan, checksums, checkpoint.json, model/key checks, reading DCP's index without running code
@@ -13,8 +13,7 @@ docs/checkpointing.md describes the layout on disk and what survives what.
 """
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, FORMAT, METADATA, STATE_JSON, CheckpointError, CorruptCheckpointError, file_digest, publish,
-    write_json,
+    CHECKPOINT_JSON, FORMAT, METADATA, STATE_JSON, CheckpointError, CorruptCheckpointError, file_digest, write_json,
 )
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.offline import (
@@ -35,6 +34,6 @@ __all__ = [
     "CorruptCheckpointError", "DelayedScalingPart", "ModelPart", "RngPart", "RunInfo", "SafeReader", "args_from_json",
     "build_model", "check_file",
     "describe_layout", "file_digest", "load_dcp_metadata", "load_full_model_weights", "load_model", "merge_tensors",
-    "model_state_dict", "prune_checkpoints", "publish", "read_checkpoint_json", "read_dcp_metadata",
+    "model_state_dict", "prune_checkpoints", "read_checkpoint_json", "read_dcp_metadata",
     "resolve_checkpoint", "run_tokenizer", "save_model_only", "scan_checkpoints", "split_tensors", "write_json",
 ]

@@ -1,4 +1,4 @@
-"""What a checkpoint folder looks like on disk: names, constants, error types, checksummed writing, publishing.
+"""What a checkpoint folder looks like on disk: names, constants, error types, checksummed writing.
 
 Layout under `{job.dump_folder}/{checkpoint.folder}/`:
 
@@ -7,7 +7,10 @@ Layout under `{job.dump_folder}/{checkpoint.folder}/`:
         __{rank}_{i}.distcp   each rank's tensor shards
         state.json            every non-tensor value (step, data position, schedule, optimizer settings)
         checkpoint.json       step, model shape, vocab, mixed_precision, layout, size and crc32 of every file
-    step-{N}.tmp/             a save in progress, or one a crash interrupted: ignored with a warning
+    step-{N}.tmp/             a save in progress, or one a crash interrupted: ignored with a warning; it holds the
+                              marker `.partial` (trainer/files/publish.py) until it is renamed to step-{N}
+    step-{N}.incomplete/      what held the name step-{N} without being a complete checkpoint (no checkpoint.json,
+                              no .metadata, a user's files), moved aside when a save took the name (never deleted)
     step-{N}.corrupt/         a checkpoint that failed verification, moved aside by a resume (never deleted)
     step-{N}.abandoned/       a later trajectory than the load_step a run resumed, moved aside at its first save
     step-{N}-hf/              the final weights-only export (checkpoint.model_only), Hugging Face layout
@@ -23,7 +26,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.errors import UserError
-from trainer.files.publish import fsync_dir
+from trainer.files.confine import special_file_problem
+from trainer.files.json_object import read_json_object
 
 CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"
 TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer.json, copied into each checkpoint (tokenizer.py)
 METADATA = ".metadata"
+MAX_SIDECAR_BYTES = 64 * 2**20  # a rank's checksums: a few dozen bytes per file it wrote
 # 2: non-tensor state moved from pickled DCP entries into state.json.
 FORMAT = "trainer-dcp-2"
 OLD_FORMATS = ("trainer-dcp-1",)
@@ -84,22 +88,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         f.write(json.dumps(data, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Atomically make `tmp` visible as `final` (replacing an older `final` of the same name)."""
-    fsync_dir(tmp)
-    if final.exists():
-        # Resumed from an older load_step: this run's save replaces the old trajectory's.
-        old = final.with_name(final.name + ".replaced")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(final.parent)
 
 
 def file_digest(path: Path, chunk_bytes: int = 16 * 2**20) -> dict[str, Any]:
@@ -149,12 +137,20 @@ def sidecar_name(rank: int | str) -> str:
     return f"__{rank}_checksums.json"
 
 
+def read_sidecar(path: Path) -> dict[str, Any]:
+    """A rank's checksum sidecar, read back as untrusted data (trainer/files): one CheckpointError line if it is not a
+    small regular file holding a JSON object."""
+    if problem := special_file_problem(path, max_bytes=MAX_SIDECAR_BYTES, what="checksum list"):
+        raise CheckpointError(problem)
+    return read_json_object(path, what="a checksum list", error=CheckpointError)
+
+
 def collect_checksums(tmp: Path) -> dict[str, dict[str, Any]]:
     """Merge (and remove) every rank's checksum sidecar; add .metadata's."""
     files: dict[str, dict[str, Any]] = {}
     sidecars = sorted(tmp.glob(sidecar_name("*")))
     for sidecar in sidecars:
-        files.update(json.loads(sidecar.read_text()))
+        files.update(read_sidecar(sidecar))
     files[METADATA] = file_digest(tmp / METADATA)
     for sidecar in sidecars:
         sidecar.unlink()

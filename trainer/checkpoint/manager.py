@@ -9,8 +9,10 @@ every rank's shards and checksums are in the folder it publishes (a relative or
 node-local path can send a rank's writes elsewhere). Pruning never removes the
 checkpoint just written nor the one the run resumed from; a run pinned to an earlier
 `load_step` moves the later trajectory's checkpoints aside (`step-N.abandoned`) at its
-first save, so they are never resumed by mistake and never deleted. A save that fails (disk full, a
-folder removed) leaves no partial folder and never touches the previous checkpoints;
+first save, so they are never resumed by mistake and never deleted; so is a `step-N` folder that the scan calls
+incomplete once a save takes its name (`step-N.incomplete`). Only a folder holding the marker a save writes first
+(trainer/files/publish.py) is ever removed as partial. A save that fails (disk full, a folder removed) leaves no
+partial folder and never touches the previous checkpoints;
 space.py says how big a checkpoint is, warns before a save that will not fit, and words
 a full disk.
 """
@@ -18,7 +20,7 @@ a full disk.
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter,
-    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
+    CorruptCheckpointError, collect_checksums, file_digest, first_line, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
 from trainer.checkpoint.options import CheckpointOptions
@@ -48,9 +50,10 @@ from trainer.checkpoint.state import RunInfo, describe_layout, merge_tensors, mo
 from trainer.checkpoint.tokenizer import remember_tokenizer, write_tokenizer
 from trainer.checkpoint.values import nonfinite_counts, nonfinite_line
 from trainer.checkpoint.verify import (
-    check_every_rank_wrote, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
+    check_every_rank_wrote, incomplete_reason, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
 )
 from trainer.errors import on_every_rank
+from trainer.files.publish import PARTIAL, clear_partial, publish, remove_partial, start_partial
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -303,9 +306,12 @@ class CheckpointManager:
             warn_if_short(self.folder, step=step, nbytes=nbytes, keep_latest_k=self.keep_latest_k,
                           resumed=self.resumed_step)
             try:
-                if tmp.exists():
-                    shutil.rmtree(tmp)  # left by an earlier, interrupted save of this step
-                tmp.mkdir(parents=True)
+                # An earlier, interrupted save of this step is removed; a folder of that name it cannot prove its own
+                # (no marker: trainer/files/publish.py) is moved aside.
+                if aside := clear_partial(tmp, tag="incomplete"):
+                    logger.warning("moved %s aside to %s: named like an unfinished save, but without the %s marker "
+                                   "every save writes first (kept; delete it when done)", tmp, aside.name, PARTIAL)
+                start_partial(tmp)
                 write_json(tmp / STATE_JSON, rest)  # non-tensor state: JSON, never pickled
             except OSError as e:
                 error = e
@@ -363,8 +369,7 @@ class CheckpointManager:
     def _save_failed(self, step: int, tmp: Path, error: BaseException, nbytes: int) -> None:
         """One line saying what failed and why; the partial folder removed; stop or continue as configured."""
         removed = ""
-        if self.rank == 0 and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if self.rank == 0 and remove_partial(tmp):
             removed = f"; removed the partial {tmp.name}"
         # After the removal: the free space it reports is what a retry would find.
         why = f"{type(error).__name__}: {first_line(error)}"
@@ -439,7 +444,11 @@ class CheckpointManager:
         write_json(tmp / CHECKPOINT_JSON, info)
         self._move_abandoned_aside()
         final = self.folder / f"step-{step}"
-        publish(tmp, final)
+        why = incomplete_reason(final) if os.path.lexists(final) else None  # the scan's word for what holds the name
+        if aside := publish(tmp, final, tag="incomplete" if why else "replaced"):
+            logger.warning("moved %s aside to %s (%s): this run's save of step %d takes its name (kept, never resumed; "
+                           "delete it when done)", final, aside.name, why or "a checkpoint that appeared during this "
+                           "run", step)
         size = sum(f["bytes"] for f in files.values())
         logger.info("saved checkpoint %s (%.1f MiB, %.2f s)", final, size / 2**20, time.perf_counter() - start)
         self._prune(step)

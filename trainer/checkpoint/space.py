@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint.format import STEP_DIR, CheckpointError, disk_error, root_cause
 from trainer.checkpoint.verify import scan_checkpoints
-from trainer.files.publish import aside_name
+from trainer.files.publish import aside_name, is_partial
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -95,7 +95,8 @@ def filesystem_type(path: Path) -> str:
 def to_prune(folder: Path, *, newest: int, keep_latest_k: int, resumed: int = -1) -> list[Path]:
     """What prune_checkpoints removes once step-{newest} is complete (it need not exist yet).
 
-    Interrupted saves older than step-{newest}; with keep_latest_k = k > 0, the complete checkpoints
+    Interrupted saves older than step-{newest} (`.tmp` folders holding the marker every save writes first: one
+    without it is not provably a save, and kept); with keep_latest_k = k > 0, the complete checkpoints
     older than step-{newest} but its k - 1 newest. Never step-{newest}, never step-{resumed} (the
     checkpoint this run resumed from: the last one known to load), never a later step.
     """
@@ -103,7 +104,7 @@ def to_prune(folder: Path, *, newest: int, keep_latest_k: int, resumed: int = -1
     removed = []
     for path, _ in incomplete:
         m = STEP_DIR.match(path.name)
-        if m and m.group(2) and int(m.group(1)) < newest:
+        if m and m.group(2) and int(m.group(1)) < newest and is_partial(path):
             removed.append(path)
     if keep_latest_k > 0:
         older = sorted(step for step in complete if step < newest)

@@ -27,15 +27,14 @@ from trainer.checkpoint.format import (
     CHECKPOINT_JSON, E4M3, PER_PARAMETER, SCALE_SUFFIX, STATE_BLOCK, STEP_KEY, CheckpointError,
 )
 from trainer.model_values import (
-    EDITED, ModelArgs, Rule, files_fit_problem, num_tensors, rule_problem, size_text,
+    EDITED, MAX_COUNTER, SAVED_INTEGERS, ModelArgs, Rule, files_fit_problem, num_tensors, rule_problem, size_text,
 )
 from trainer.models import build_model
+from trainer.seeds import MAX_DATA_SEED
 
 # The dtypes this trainer writes model weights, expert biases and per-parameter state in (the master dtype, or
 # optimizer.exp_avg_dtype / exp_avg_sq_dtype; an e4m3 entry is allowed with its block scales alone: format.py).
 INDEX_DTYPES = (torch.float32, torch.bfloat16)
-# state.json counters are int64 in every consumer (scheduler, metrics, the data loader's arithmetic).
-MAX_COUNTER = 2**63 - 1
 _gib = size_text
 
 
@@ -150,14 +149,16 @@ def _counter(tree: Any, dotted: str, *, file: Path, low: int = 0) -> int:
 
 # Every field of checkpoint.json and state.json that reaches code, by dotted path ("[]": each item of a list, ".*":
 # each value of an object), in the rules of the model arguments' table (trainer/model_values.py). Lengths are
-# bounded (the work a file can cause); the files themselves are bounded in size before they are parsed.
-_COUNT, _FLAG, _LR = Rule("int", low=0, high=2**63 - 1), Rule("bool"), Rule("float", low=0, high=1e6)
+# bounded (the work a file can cause); the files themselves are bounded in size before they are parsed. The integers
+# are that module's SAVED_INTEGERS, whose rules the config keys they come from obey too.
+_FLAG, _LR = Rule("bool"), Rule("float", low=0, high=1e6)
+_SAVED_STATE = {k: rule for k, rule in SAVED_INTEGERS.items() if not k.startswith("layout.")}
 _MAYBE_FLAG, _NAME = Rule("bool", optional=True), Rule("str", high=1000)
 CHECKPOINT_FIELDS: dict[str, Rule] = {
     "kind": Rule("choice", choices=("training", "model_only")),
     "mixed_precision": Rule("str", high=64, optional=True),
     "layout": Rule("dict", optional=True),
-    "layout.*": Rule("int", low=1, high=2**31),
+    "layout.*": SAVED_INTEGERS["layout.*"],
     "source": Rule("str", high=4096, optional=True),
     "saved_at": Rule("str", high=64, optional=True),
 }
@@ -181,25 +182,20 @@ STATE_FIELDS: dict[str, Rule] = {
     "lr_scheduler.base_lrs[]": _LR,
     "lr_scheduler._last_lr": Rule("list", high=10_000),
     "lr_scheduler._last_lr[]": _LR,
-    "lr_scheduler.last_epoch": _COUNT,
-    "lr_scheduler._step_count": _COUNT,
     **{f"lr_scheduler.{k}": _FLAG for k in ("_is_initial", "_get_lr_called_within_step", "verbose")},
     "lr_scheduler.lr_lambdas": Rule("list", high=10_000),
     "lr_scheduler.lr_lambdas[]": Rule("dict", optional=True),
     "lr_scheduler.schedule": Rule("dict", optional=True),
-    "lr_scheduler.schedule.warmup_steps": _COUNT,
-    "lr_scheduler.schedule.total_steps": _COUNT,
     "lr_scheduler.schedule.decay_type": Rule("str", high=64),
     "lr_scheduler.schedule.min_lr_ratio": Rule("float", low=0, high=1),
     "lr_scheduler.schedule.wsd_decay_ratio": Rule("float", low=0, high=1),
     "dataloader": Rule("dict"),
-    **{f"dataloader.{k}": _COUNT for k in ("consumed_samples", "seed", "seq_len", "global_batch_size", "num_samples")},
+    "dataloader.seed": Rule("int", low=0, high=MAX_DATA_SEED),  # data.seed's range
     "dataloader.shuffle": _FLAG,
     "train_state": Rule("dict"),
-    "train_state.step": _COUNT,
     "train_state.mixed_precision": Rule("str", high=64, optional=True),
     "loss_scaler": Rule("dict", optional=True),
-    "loss_scaler.good_steps": _COUNT,
+    **_SAVED_STATE,
 }
 STRICT_STATE = ("lr_scheduler", "lr_scheduler.schedule")
 

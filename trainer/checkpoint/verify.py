@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import io
-import json
 import logging
 import math
 import pickle
@@ -40,13 +39,14 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
-    CorruptCheckpointError, file_digest, first_line, root_cause, sidecar_name,
+    CorruptCheckpointError, file_digest, first_line, read_sidecar, root_cause, sidecar_name,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json, model_state_dict
 from trainer.checkpoint.values import CHECKPOINT_FIELDS, check_fields, check_index_entries, check_state_values
 from trainer.errors import on_every_rank
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.files.json_object import read_json_object
+from trainer.files.publish import PARTIAL, is_partial
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -239,15 +239,26 @@ def scan_checkpoints(folder: Path) -> tuple[dict[int, Path], list[tuple[Path, st
         m = STEP_DIR.match(path.name)
         if not m or not path.is_dir():
             continue
-        if m.group(2):
-            incomplete.append((path, "a save that never finished (killed or failed mid-save)"))
-        elif not (path / METADATA).exists():
-            incomplete.append((path, f"no {METADATA}"))
-        elif not (path / CHECKPOINT_JSON).exists():
-            incomplete.append((path, f"no {CHECKPOINT_JSON}"))
+        if why := incomplete_reason(path):
+            incomplete.append((path, why))
         else:
             complete[int(m.group(1))] = path
     return complete, incomplete
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why the folder `path` (named step-N or step-N.tmp) is no complete checkpoint, or None when it is one."""
+    if not path.is_dir():
+        return "not a folder"
+    if path.name.endswith(".tmp"):
+        if is_partial(path):
+            return "a save that never finished (killed or failed mid-save)"
+        return f"named like an unfinished save but without the {PARTIAL} marker every save writes first (kept)"
+    if not (path / METADATA).exists():
+        return f"no {METADATA}"
+    if not (path / CHECKPOINT_JSON).exists():
+        return f"no {CHECKPOINT_JSON}"
+    return None
 
 
 def check_file(path: Path, expected: dict[str, Any] | None, *, min_bytes: int = 0) -> str | None:
@@ -385,7 +396,7 @@ def check_every_rank_wrote(tmp: Path, *, world_size: int) -> None:
     for rank in range(world_size):
         sidecar = tmp / sidecar_name(rank)
         if sidecar.is_file():
-            listed.update(json.loads(sidecar.read_text()))
+            listed.update(read_sidecar(sidecar))
         else:
             absent.add(rank)
     unlisted = sorted(set(data_files(load_dcp_metadata(tmp / METADATA))) - listed)

@@ -18,7 +18,7 @@ import math
 from trainer.config.phases import parse_precision_schedule
 from trainer.config.sections import Sections
 from trainer.errors import ConfigError
-from trainer.model_values import RULES, value_problem
+from trainer.model_values import RULES, SAVED_FROM_CONFIG, saved_problem, value_problem
 from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
 
@@ -28,6 +28,7 @@ def check_config(cfg: Sections) -> None:
     if cfg.train.precision_schedule:
         _check_precision_schedule(cfg)
     _check_ranges(cfg)
+    _check_saved_values(cfg)
     _check_loss_chunking(cfg)
     _check_optimizer(cfg)
     _check_checkpoint_and_master(cfg)
@@ -94,6 +95,15 @@ def _check_ranges(cfg: Sections) -> None:
             raise ConfigError(f"distributed.{key}={value} must be >= 0 (a cost in blocks), or -1 for its FLOPs")
     if d.dp_shard == 0 or d.dp_shard < -1:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
+
+
+def _check_saved_values(cfg: Sections) -> None:
+    """Each key a checkpoint saves (train.steps, scheduler.warmup_steps, ...) by the rule a resume checks the saved
+    field by (trainer.model_values.SAVED_FROM_CONFIG): a run that starts never saves what its relaunch refuses."""
+    for key in SAVED_FROM_CONFIG:
+        section, _, name = key.partition(".")
+        if problem := saved_problem(key, getattr(getattr(cfg, section), name)):
+            raise ConfigError(problem)
 
 
 def _check_model_values(cfg: Sections) -> None:

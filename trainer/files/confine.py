@@ -44,6 +44,9 @@ def special_file_problem(path: Path, *, max_bytes: int | None = None, what: str 
     if kind or not stat.S_ISREG(st.st_mode):
         return f"{path} is {kind or 'not a regular file'}, not a regular file; refusing to read it as a {what}"
     if max_bytes is not None and st.st_size > max_bytes:
-        return (f"{path} is {st.st_size / 2**20:,.0f} MiB, more than the {max_bytes / 2**20:,.0f} MiB a {what} may "
-                "be; refusing to read it")
+        return f"{path} is {_size(st.st_size)}, more than the {_size(max_bytes)} a {what} may be; refusing to read it"
     return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n:,} bytes"

@@ -7,7 +7,9 @@ output of the same kind holds (an export's config.json and safetensors; an impor
 files and checkpoint.json). Anything else (checkpoints, a step-N folder, a run's folder, a
 folder with other files, a folder inside a checkpoint) is refused in one line and nothing
 is touched. An earlier output is moved aside to `{out}.old` (`.old-2`, ...) when the new one
-is complete: never deleted.
+is complete: never deleted. So is a `{out}.tmp` that is not provably an interrupted output of this trainer (it lacks
+the marker trainer/files/publish.py writes first: a complete checkpoint someone put there, say): moved aside to
+`{out}.tmp.old`, with a warning; only a marked one is removed.
 
 The export (trainer/hf/folder.py) and the import (trainer/checkpoint/offline.py, the model-only checkpoint it
 writes) both publish through it; a checkpoint's save publishes with the same primitives (trainer/files/publish.py).
@@ -18,12 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import UserError
-from trainer.files.publish import aside_name, fsync_dir
+from trainer.files.publish import PARTIAL, clear_partial, is_partial, publish, start_partial
 
 logger = logging.getLogger("trainer.hf.output_folder")
 
@@ -51,7 +52,7 @@ EXPORT = OutputKind("a Hugging Face export", "export", re.compile(
     r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json"))
 IMPORT = OutputKind("an imported model-only checkpoint", "import", re.compile(
-    r"\.metadata|__\d+_\d+\.distcp|__\d+_checksums\.json|checkpoint\.json"))
+    r"\.metadata|__\d+_\d+\.distcp|__\d+_checksums\.json|checkpoint\.json|tokenizer\.json"))
 
 
 def _names(folder: Path, limit: int = 3) -> str:
@@ -98,7 +99,7 @@ def check_output(out: str | os.PathLike, *, kind: OutputKind) -> Path:
     if why is None and not out.name:
         why = "is the filesystem root"
     tmp = out.with_name(out.name + ".tmp") if out.name else out
-    if why is None and os.path.lexists(tmp) and not (tmp.is_dir() and _is_earlier(tmp, kind)):
+    if why is None and os.path.lexists(tmp) and not is_partial(tmp) and not (tmp.is_dir() and _is_earlier(tmp, kind)):
         why = (f"has a {tmp.name} next to it that is not a partial {kind.verb} "
                f"({_names(tmp) if tmp.is_dir() else 'a file'})")
     if why is not None:
@@ -108,23 +109,20 @@ def check_output(out: str | os.PathLike, *, kind: OutputKind) -> Path:
 
 
 def prepare_output(out: str | os.PathLike, *, kind: OutputKind) -> Path:
-    """check_output, then a new, empty `{out}.tmp` (a partial output of this kind there is removed) to write into."""
+    """check_output, then a new `{out}.tmp` to write into: an interrupted output of this trainer there is removed,
+    anything else (files of this kind without the partial marker: a complete output, say) moved aside to
+    `{out}.tmp.old`, never deleted."""
     tmp = check_output(out, kind=kind)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a partial output of this kind, left by an interrupted export or import
-    tmp.mkdir(parents=True)
+    if aside := clear_partial(tmp, tag="old"):
+        logger.warning("moved %s aside to %s: it holds files of %s but not the %s marker of an interrupted %s, so it "
+                       "may be a complete one (kept; delete it when done)", tmp, aside, kind.what, PARTIAL, kind.verb)
+    start_partial(tmp)
     return tmp
 
 
 def publish_output(tmp: Path, out: str | os.PathLike, *, kind: OutputKind) -> Path | None:
     """Rename the complete `tmp` to `out`; an earlier output there is moved aside first (returned), never deleted."""
     out = Path(os.path.abspath(out))
-    fsync_dir(tmp)
-    aside = None
-    if out.is_dir() and any(out.iterdir()):
-        aside = aside_name(out, "old")
-        os.replace(out, aside)
+    if aside := publish(tmp, out, tag="old"):
         logger.warning("moved the earlier %s %s aside to %s (delete it when done)", kind.verb, out, aside)
-    os.replace(tmp, out)  # onto nothing, or onto an empty folder
-    fsync_dir(out.parent)
     return aside

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.metrics.wandb_run import WandbOptions, WandbRun
+from trainer.errors import UserError
+from trainer.files.confine import special_file_problem
+from trainer.files.json_object import json_lines
+from trainer.metrics.wandb_run import MAX_RUN_FILE_BYTES, RUN_FILE, WandbOptions, WandbRun
 
 logger = logging.getLogger(__name__)
 
@@ -273,22 +276,76 @@ def set_aside(paths: list[Path]) -> None:
 
 
 def truncate_jsonl(path: Path, *, after_step: int) -> None:
-    """Drop rows with step > after_step (and a torn last line), atomically."""
-    if not path.exists():
+    """Drop the rows of steps after `after_step`, and a last line a crash cut short (this trainer's own partial row),
+    atomically. The file is read as data, a line at a time (trainer/files/json_object.py): a line that is no row with a
+    numeric step is kept as it is, and said in one warning line naming the file and the line (a user's file is never
+    cut)."""
+    if not os.path.lexists(path):
         return
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            step = json.loads(line).get("step", 0)
-        except json.JSONDecodeError:  # a line torn by a crash mid-write
-            dropped += 1
-            continue
-        if step > after_step:
-            dropped += 1
+    if problem := special_file_problem(path, what="metrics file"):  # a FIFO would hang the read, /dev/zero not end
+        raise RunFileError(_run_file_line(problem, path))
+    cut, kept_bad, last = [], [], None
+    for line in json_lines(path, what="a metrics row"):
+        last, problem = line, line.problem
+        if problem is None:
+            step = line.value.get("step")
+            if isinstance(step, (int, float)) and not isinstance(step, bool) and not math.isnan(step):
+                if step > after_step:
+                    cut.append((line.start, line.end))
+                continue
+            problem = f"{path} line {line.number} has step={repr(step)[:40]}, not a step number"
+        if not line.ended:  # the last line, without its newline: a write that a crash cut short
+            cut.append((line.start, line.end))
         else:
-            kept.append(line)
-    if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-        logger.info("resumed at step %d: dropped %d metrics.jsonl rows written after it", after_step, dropped)
+            kept_bad.append(problem)
+    for problem in kept_bad[:5]:
+        logger.warning("%s: kept as it is (a resume drops only rows of steps after %d)", problem, after_step)
+    if len(kept_bad) > 5:
+        logger.warning("%d more lines of %s are not metrics rows: kept as they are", len(kept_bad) - 5, path)
+    # A kept last line without its newline would run into the first row this run appends.
+    open_end = last is not None and not last.ended and (last.start, last.end) not in cut[-1:]
+    if cut or open_end:
+        _rewrite_without(path, cut, size=last.end, newline=open_end)
+    if cut:
+        logger.info("resumed at step %d: dropped %d metrics.jsonl rows written after it", after_step, len(cut))
+
+
+def _rewrite_without(path: Path, cut: list[tuple[int, int]], *, size: int, newline: bool) -> None:
+    """`path` without the byte ranges `cut` (in order), and a newline at its end if `newline`, replaced atomically;
+    copied a piece at a time."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for start, end in [*cut, (size, size)]:
+            while src.tell() < start:
+                dst.write(src.read(min(start - src.tell(), 2**24)))
+            src.seek(end)
+        dst.write(b"\n" if newline else b"")
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
+
+
+class RunFileError(UserError):
+    """A file of the run's folder that the run reads back or writes over is not a regular file (or too large)."""
+
+
+# The files of a run's folder that a relaunch reads back and writes again, with the most bytes each may be (W&B's
+# only with metrics.wandb).
+READ_BACK = {"metrics.jsonl": None, RUN_FILE: MAX_RUN_FILE_BYTES}
+
+
+def _run_file_line(problem: str, path: Path) -> str:
+    return (f"{problem} (a relaunch reads {path.name} back and writes it again): move it away, or use another "
+            "job.dump_folder")
+
+
+def check_run_files(dump_folder: str | Path, *, wandb: bool) -> None:
+    """Before anything is built: each file of READ_BACK in the run's folder is absent or a regular file of a bounded
+    size, else one RunFileError line (a FIFO would hang a resume, a directory stop it with a traceback, /dev/zero fill
+    the memory)."""
+    for name, max_bytes in READ_BACK.items():
+        if name == RUN_FILE and not wandb:
+            continue
+        path = Path(dump_folder) / name
+        if problem := special_file_problem(path, max_bytes=max_bytes, what=name):
+            raise RunFileError(_run_file_line(problem, path))

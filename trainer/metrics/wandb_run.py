@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.files.confine import special_file_problem
+from trainer.files.json_object import read_json_object
+
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "wandb_run.json"
+MAX_RUN_FILE_BYTES = 2**16  # {"id": "..."} is a few bytes
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,18 @@ class WandbRun:
 
 
 def _saved_id(path: Path) -> str | None:
-    """The run id an earlier process of this job saved; None when there is none or it cannot be read."""
-    try:
-        run_id = json.loads(path.read_text()).get("id")
-    except (OSError, ValueError, AttributeError):
+    """The run id an earlier process of this job saved; None when there is none. A file that does not hold one (read
+    as untrusted data: a regular file of at most MAX_RUN_FILE_BYTES, a JSON object whose "id" is letters and digits) is
+    one warning line naming it, and a new W&B run starts."""
+    if not os.path.lexists(path):
         return None
-    return run_id if isinstance(run_id, str) and run_id.isalnum() and len(run_id) <= 64 else None
+    try:
+        if problem := special_file_problem(path, max_bytes=MAX_RUN_FILE_BYTES, what=RUN_FILE):
+            raise ValueError(problem)
+        run_id = read_json_object(path, what="a W&B run record", error=ValueError).get("id")
+        if isinstance(run_id, str) and run_id.isalnum() and len(run_id) <= 64:
+            return run_id
+        raise ValueError(f'{path}: "id"={str(run_id)[:80]!r} is not a W&B run id (letters and digits)')
+    except (OSError, ValueError) as e:
+        logger.warning("metrics.wandb: %s; a new W&B run starts instead of continuing this job's", e)
+    return None

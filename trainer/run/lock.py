@@ -17,8 +17,9 @@ trainer wrote: refused in one line, and left alone.
 A checkpoint folder outside the dump folder (an absolute `checkpoint.folder`, or `..`) is
 locked too (`lock_run_folders`): two runs with different dump folders would otherwise resume
 each other's checkpoints. A checkpoint folder inside another live run's folder is refused,
-and so is a live lock in this run's own checkpoint folder (another run uses it as its
-checkpoint folder).
+also where that folder lies inside this run's own (a relative `checkpoint.folder` such as
+`other/checkpoint`), and so is a live lock in this run's own checkpoint folder (another run
+uses it as its checkpoint folder). Paths are resolved before they are compared.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.errors import UserError
+from trainer.files.confine import special_file_problem
+from trainer.files.json_object import read_json_object
 
 if TYPE_CHECKING:
     from trainer.config import JobConfig
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".trainer.lock"
+MAX_LOCK_BYTES = 2**16  # a lock holds a few hundred bytes of JSON
 
 
 class RunLockError(UserError):
@@ -114,15 +118,19 @@ class RunLock:
         raise RunLockError(f"could not take the lock {self.path}: another run keeps creating it")
 
     def _check_type(self) -> None:
-        """A lock that is not a regular file was not written by a run: refused in one line (never removed)."""
+        """A lock that is not a small regular file was not written by a run: refused in one line (never removed)."""
         try:
-            mode = os.lstat(self.path).st_mode
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return  # released meanwhile: the next try takes it
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _FILE_TYPES if test(mode)), "not a regular file")
-            raise RunLockError(f"{self.path} is {kind}, not a lock file that a run writes: remove it if no run uses "
-                               f"{self.path.parent} (rm -r {self.path}), or use another {self.key}")
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)), "not a regular file")
+        elif st.st_size > MAX_LOCK_BYTES:
+            kind = f"a file of {st.st_size:,} bytes"
+        else:
+            return
+        raise RunLockError(f"{self.path} is {kind}, not a lock file that a run writes: remove it if no run uses "
+                           f"{self.path.parent} (rm -r {self.path}), or use another {self.key}")
 
     def live_holder(self) -> dict | None:
         """Who holds this lock, if a live run does (without taking it); None if nobody or only a stale lock."""
@@ -133,10 +141,13 @@ class RunLock:
         return holder if self._stale_reason(holder) is None else None
 
     def _read_holder(self) -> dict:
+        """Who the lock names, read as untrusted data (trainer/files); {} for a lock half-written by a run killed while
+        taking it (_check_type refused anything but a small regular file first)."""
+        if special_file_problem(self.path, max_bytes=MAX_LOCK_BYTES):
+            return {}
         try:
-            holder = json.loads(self.path.read_text())
-            return holder if isinstance(holder, dict) else {}
-        except (OSError, ValueError):  # half-written by a run killed while taking it
+            return read_json_object(self.path, what="a run lock", error=ValueError)
+        except (OSError, ValueError):
             return {}
 
     def _stale_reason(self, holder: dict) -> str | None:
@@ -221,17 +232,22 @@ def lock_run_folders(dump_folder: str | Path, checkpoint_folder: str | Path | No
     locks[0].acquire()
     try:
         if checkpoint_folder is not None:
-            ckpt = Path(os.path.realpath(checkpoint_folder))
-            if ckpt != dump and dump in ckpt.parents:  # under this run's lock, unless another run checkpoints there
-                if holder := RunLock(ckpt).live_holder():
-                    raise RunLockError(f"{ckpt} is the checkpoint folder of another run ({_describe(holder)}); wait "
-                                       "for it to finish or use another job.dump_folder or checkpoint.folder")
-            elif ckpt != dump:
-                for parent in ckpt.parents:
-                    if holder := RunLock(parent).live_holder():
-                        raise RunLockError(f"checkpoint.folder {ckpt} is inside {parent}, the folder of another run "
-                                           f"({_describe(holder)}); wait for it to finish or use another "
-                                           "checkpoint.folder")
+            ckpt = Path(os.path.realpath(checkpoint_folder))  # resolved: every spelling compares as the same folder
+            inside = dump in ckpt.parents  # under this run's lock, unless another run's folder lies in between
+            # Every folder from the checkpoint folder up to this run's own is checked for another live run's lock (a
+            # run nested in this one's folder, or holding the checkpoint folder outside it).
+            for folder in [ckpt, *ckpt.parents]:
+                if folder == dump:
+                    break
+                if folder == ckpt and not inside:
+                    continue  # taken below: acquire says who holds it
+                if holder := RunLock(folder).live_holder():
+                    if folder == ckpt:
+                        raise RunLockError(f"{ckpt} is the checkpoint folder of another run ({_describe(holder)}); "
+                                           "wait for it to finish or use another job.dump_folder or checkpoint.folder")
+                    raise RunLockError(f"checkpoint.folder {ckpt} is inside {folder}, the folder of another run "
+                                       f"({_describe(holder)}); wait for it to finish or use another checkpoint.folder")
+            if ckpt != dump and not inside:
                 locks.append(RunLock(ckpt, key="checkpoint.folder"))
                 locks[-1].acquire()
     except BaseException:

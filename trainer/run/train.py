@@ -30,7 +30,7 @@ from trainer.distributed import (
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
 from trainer.loss import LossFn, build_loss_fn
-from trainer.metrics.logger import MetricsLogger, StepStats, device_peak_flops
+from trainer.metrics.logger import MetricsLogger, StepStats, check_run_files, device_peak_flops
 from trainer.metrics.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.model_values import num_params_for
 from trainer.models import family_of, flops_per_token
@@ -399,9 +399,7 @@ class Trainer:
             extra.update(hook.on_log(step))
         self.metrics.log(
             StepStats(step=step, loss=loss, grad_norm=norm, lr=lr, tokens=int(interval.tokens), seconds=seconds,
-                      steps_in_interval=interval.steps, extra=extra),
-            first_step=first_step,
-        )
+                      steps_in_interval=interval.steps, extra=extra), first_step=first_step)
 
     def close(self) -> None:
         try:
@@ -432,6 +430,7 @@ def train(cfg: JobConfig) -> TrainState:
     folders = {key: folder for folder, key in output_folders(cfg)}
     for key, folder in folders.items():
         check_writable(folder, key=key)
+    check_run_files(cfg.job.dump_folder, wandb=cfg.metrics.wandb)  # what a resume reads back: a FIFO would hang it
     # Global rank 0 owns the dump folder (and a checkpoint folder outside it) before any rank writes to it.
     locks = (lock_run_folders(cfg.job.dump_folder, folders.get("checkpoint.folder"))
              if int(os.environ.get("RANK", "0")) == 0 else [])

@@ -20,7 +20,7 @@ from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
 from trainer.data.sources import SampleSource
 from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
-from trainer.model_values import values_problem
+from trainer.model_values import SAVED_INTEGERS, values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
 from trainer.parallel import ACOptions, BuildOptions, FSDPOptions, ParallelDims
 from trainer.parallel.float8 import (
@@ -293,6 +293,12 @@ def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int
             f"train.grad_accum_steps={t.grad_accum_steps} x {dp} data-parallel ranks) of train.seq_len={t.seq_len} "
             f"tokens, but {source!r} has {have}; lower train.seq_len or train.batch_size, or give more data"
         )
+    samples = SAVED_INTEGERS["dataloader.consumed_samples"]  # the rule a resume holds the samples read to
+    if t.steps * needed > samples.high:
+        raise ConfigError(
+            f"train.steps={t.steps} x a global batch of {needed} samples reads {t.steps * needed:,} samples, more than "
+            f"the {samples.high:,} a checkpoint's dataloader.consumed_samples may be (an int64, which every resume "
+            "checks): lower train.steps")
     validation = _validation_source(cfg, vocab_size=vocab_size, dp=dp) if cfg.validation.enable else None
     return source, validation
 
