@@ -100,10 +100,17 @@ def trainer_logger_restored():
 @pytest.fixture
 def on_h100(monkeypatch):
     """Validate as on 80 GB H100s (what the shipped GPU configs are written for), whatever this machine's memory:
-    on a CPU the memory check holds a model against the host's RAM."""
+    on a CPU the memory checks hold a model against the host's RAM, and refuse a memory plan over it. The target stays
+    this machine's (no FP8 kernel is probed, 'auto' precisions resolve as here) with an H100's memory, over whose plan
+    a run is warned, as on a GPU."""
+    import dataclasses
+
+    import trainer.validate
     from trainer.validate import memory
 
     monkeypatch.setattr(memory, "device_memory", lambda: (79 * memory.GIB, "GPU 0 (H100 80GB, faked by the test)"))
+    machine = memory.this_machine
+    monkeypatch.setattr(trainer.validate, "this_machine", lambda: dataclasses.replace(machine(), host_memory=False))
 
 
 # -- runs that tests in several folders read (each made once per session) --------------------------------------

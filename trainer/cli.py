@@ -3,8 +3,10 @@
 Errors the user can fix (`trainer.errors.UserError`: a config, data, a checkpoint, a folder,
 FP8 that cannot run) are printed as one line and exit 2, whether found by the validation pass
 or after the process group exists: by the rank that found it, or once per node (local rank 0)
-when every rank raises it alike; anything else is a bug or an environment failure and keeps
-its traceback (exit 1). A dry run whose plan does not fit the GPU exits 3 (trainer.run.dry_run). A stop
+when every rank raises it alike (what each rank's validation found alone is compared once the
+group exists, trainer.validate.ranks.agree_to_start: each distinct error once per node, with its
+rank where the other ranks did not find it); anything else is a bug or an environment failure
+and keeps its traceback (exit 1). A dry run whose plan does not fit the GPU exits 3 (trainer.run.dry_run). A stop
 by SIGTERM or Ctrl-C exits 143 or 130 (trainer.run.train_state.STOP_SIGNALS): after the current step and its
 checkpoint, or at once before this process's first step has ended (nothing to save yet); a second Ctrl-C quits at
 once with 130.
@@ -28,12 +30,14 @@ from trainer.run.train_state import EXIT_INTERRUPTED, EXIT_PREEMPTED, StoppedBef
 logger = logging.getLogger("trainer")
 
 EXIT_USER_ERROR = 2
+MAX_PLANNED = 2**20
 
 
 def dry_run_flags(argv: list[str]) -> tuple[list[str], dict | None]:
     """(argv without them, dry_run's keywords or None) from --dry-run, --world-size N and --gpu-memory-gib G."""
     rest, plan, values = [], False, {}
-    names = {"--world-size": ("world_size", int), "--gpu-memory-gib": ("gpu_gib", float)}
+    # (keyword, type, the largest value): 2**20 ranks and a 2**20 GiB GPU are beyond any machine a dry run plans for.
+    names = {"--world-size": ("world_size", int, MAX_PLANNED), "--gpu-memory-gib": ("gpu_gib", float, MAX_PLANNED)}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -46,18 +50,18 @@ def dry_run_flags(argv: list[str]) -> tuple[list[str], dict | None]:
                     raise ConfigError(f"{name} needs a value")
                 i += 1
                 value = argv[i]
-            key, kind = names[name]
+            key, kind, most = names[name]
             try:
                 values[key] = kind(value)
             except ValueError:
                 raise ConfigError(f"{name}={value!r} is not a{'n integer' if kind is int else ' number'}") from None
-            if values[key] <= 0:
-                raise ConfigError(f"{name}={value} must be positive")
+            if not 0 < values[key] <= most:  # False for nan
+                raise ConfigError(f"{name}={value} must be a positive number at most {most:,} (2**20)")
         else:
             rest.append(arg)
         i += 1
     if values and not plan:
-        raise ConfigError(f"{' and '.join(sorted(n for n, (k, _) in names.items() if k in values))} only go with "
+        raise ConfigError(f"{' and '.join(sorted(n for n, (k, *_) in names.items() if k in values))} only go with "
                           "--dry-run (a real run takes its world size from torchrun and its memory from the GPU)")
     return rest, ({"world_size": 1} | values if plan else None)
 
@@ -94,6 +98,13 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _speaks(error: UserError, local_rank_0: bool) -> bool:
+    """Whether this rank prints `error`: as the ranks agreed where they compared their errors
+    (trainer.validate.ranks.agree_to_start), else local rank 0 for an error every rank raises alike and the rank
+    that raised any other (an error of this rank alone is printed where it happened)."""
+    return error.speaker if error.speaker is not None else local_rank_0 or not error.every_rank
 
 
 def main(argv: list[str]) -> int:
@@ -144,11 +155,11 @@ def main(argv: list[str]) -> int:
     try:
         state = train(cfg)
     except ConfigError as e:  # found by the validation pass (world size, model shapes, data)
-        if speaks or not e.every_rank:
-            print(f"config error: {e}", file=sys.stderr)
+        if _speaks(e, speaks):
+            print(f"config error{'' if e.every_rank else f' (rank {rank})'}: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except UserError as e:
-        if speaks or not e.every_rank:  # an error of this rank alone is printed where it happened
+        if _speaks(e, speaks):
             print(f"error (rank {rank}): {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except StoppedBeforeFirstStep as e:  # its line is logged: no traceback; exit_process ends the process at once

@@ -6,9 +6,13 @@ what is wrong and how to fix it. Anything else is a bug or an environment failur
 and keeps its traceback: `trainer.cli` catches `UserError` and nothing broader.
 
 The command line prints a user error from the rank that raised it. An error that every rank
-raises alike, because all ranks found it from the same values (the validation pass, a decision
-broadcast by a collective), says so with `every_rank`, and only local rank 0 prints it: one
-line per node instead of one per rank.
+raises alike, because all ranks found it from the same values (a decision broadcast by a
+collective), says so with `every_rank`, and only local rank 0 prints it: one line per node
+instead of one per rank. What each rank found alone before the process group existed (the
+validation pass: its own config, data, GPU) is compared once the group exists
+(trainer.validate.ranks.agree_to_start), which sets `speaker` on each rank: every distinct
+error is printed once per node, by the lowest rank of the node that holds it, with its rank
+where the other ranks do not hold it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ class UserError(Exception):
 
     every_rank: bool = False
     """Every rank raises this same error (see the module's docstring)."""
+    speaker: bool | None = None
+    """Whether this rank prints it, where the ranks compared their errors; None: by `every_rank`."""
 
     def __str__(self) -> str:
         # Messages quote the bad value, which can be megabytes (a value nested thousands deep, a garbage line):
@@ -36,7 +42,8 @@ MAX_MESSAGE_CHARS = 1500
 
 
 class ConfigError(UserError, ValueError):
-    """A bad value or combination in the job configuration (every rank validates the same job)."""
+    """A bad value or combination in the job configuration (every rank validates the same job, alike unless its own
+    device or files differ: see the module's docstring)."""
 
     every_rank = True
 

@@ -158,7 +158,9 @@ RULES: dict[str, Rule] = {
     "multiple_of": Rule("int"),
     "ffn_dim_multiplier": Rule("float", low=0, high=1e6, open_low=True, optional=True),
     "norm_eps": Rule("float", low=0, high=1, open_low=True),
-    "rope_theta": Rule("float", low=0, high=1e30, open_low=True),
+    # Above 1: RoPE rotates dimension pair k by theta^(-2k/head_dim) per position; a base at or below 1 gives every
+    # pair the same (or a growing, quickly infinite) frequency.
+    "rope_theta": Rule("float", low=1, high=1e30, open_low=True),
     "max_seq_len": Rule("int", high=MAX_SEQ_LEN),
     "explicit_head_dim": Rule("int", low=0),
     "explicit_ffn_dim": Rule("int", low=0),

@@ -257,7 +257,7 @@ def test_crafted_hf_config_values_are_one_line(hf_export, tmp_path):
                                                            "integer in [1, 16777216] (not a model this trainer can "
                                                            "load)"),
         "string": ({"hidden_size": "128"}, "hidden_size='128' must be an integer"),
-        "theta": ({"rope_theta": float("inf")}, "rope_theta=inf must be in (0, 1e+30]"),
+        "theta": ({"rope_theta": float("inf")}, "rope_theta=inf must be in (1, 1e+30]"),
     }
     for name, (changes, message) in cases.items():
         folder = _edit_json(_copy(hf_export, tmp_path / name), "config.json", lambda c: c.update(changes))

@@ -202,8 +202,11 @@ def test_delayed_scaling_resumes_bit_exact_and_checkpoints_move_between_scalings
      "float8.save_fp8_activations=true is the tensorwise recipe's"),
     (["--float8.scaling=Delayed"], "float8.scaling='Delayed' is not one of 'dynamic', 'delayed'"),
     (["--float8.amax_compute_algo=mean"], "float8.amax_compute_algo='mean' is not one of 'max', 'most_recent'"),
-    (["--float8.amax_history_len=0"], "float8.amax_history_len=0 must be >= 1"),
-    (["--float8.margin=-1"], "float8.margin=-1 must be >= 0"),
+    (["--float8.amax_history_len=0"], "float8.amax_history_len=0 must be in [1, 16,384]"),
+    (["--float8.amax_history_len=1000000000"], "float8.amax_history_len=1000000000 must be in [1, 16,384]"),
+    (["--float8.margin=-1"], "float8.margin=-1 must be in [0, 16]"),
+    (["--float8.margin=200"], "float8.margin=200 must be in [0, 16]"),
+    (["--float8.margin=2000"], "float8.margin=2000 must be in [0, 16]"),
 ])
 def test_config_errors_name_the_key_in_one_line(override: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -44,11 +44,21 @@ def mixture(weights: list[float], sizes: list[int], *, shuffle: bool = True, see
     return MixtureSource(entries, seq_len=4, seed=seed, shuffle=shuffle)
 
 
-@pytest.mark.parametrize("weights", [[0.8, 0.2], [3, 2, 1], [0.7, 0.2, 0.1], [0.123, 0.456, 0.421], [1]])
+PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53]
+ROUNDED = [1 / 3, 2 / 3, 0.1234567]  # as written, their proportions need a period of 10**16: rounded to 1 in 10,000
+
+
+@pytest.mark.parametrize("weights", [
+    [0.8, 0.2], [3, 2, 1], [0.7, 0.2, 0.1], [0.123, 0.456, 0.421], [1],
+    PRIMES, list(range(1, 13)), [1] * 11 + [100], [2.0**i for i in range(12)], ROUNDED,
+], ids=["80-20", "3-2-1", "70-20-10", "three-decimals", "one", "16-primes", "12-sources", "11-small-1-large",
+        "powers-of-2", "rounded"])
 def test_every_prefix_holds_each_share_to_within_one_sample(weights: list[float]) -> None:
+    """Round 5: the stride order overflowed int64 for 16 prime weights and strayed 5 samples with 12 sources; the
+    earliest-deadline order holds every source within one sample in every prefix, of the weights as written."""
     mix = mixture(weights, [10**6] * len(weights))
     shares = np.array(integer_weights(weights)) / sum(integer_weights(weights))
-    assert np.allclose(shares, np.array(weights) / sum(weights), atol=1e-4)  # the rounding of the weights
+    assert np.allclose(shares, np.array(weights) / sum(weights), atol=1e-4 if weights == ROUNDED else 0)
     counts, seen = np.zeros(len(weights), dtype=np.int64), [[] for _ in weights]
     for p in range(3 * mix.period + 7):
         assert mix.samples_drawn(p) == counts.tolist()  # the closed form against the count
@@ -112,6 +122,28 @@ def test_a_resume_with_another_mixture_is_refused_in_one_line() -> None:
         loader([0.8, 0.2], [50, 9]).load_state_dict(single.state_dict())
     with pytest.raises(DataError, match="the checkpoint's data mixture is unreadable"):
         loader([0.8, 0.2], [50, 9]).load_state_dict({**state, "mix": [[1, 2]]})
+    # A position drawn in the stride order of earlier versions holds other samples in this order.
+    old = {k: v for k, v in state.items() if k != "mix_order"}
+    with pytest.raises(DataError, match=r"^cannot resume data loader: the checkpoint's data mixture was drawn in the "
+                                        r"stride order of earlier versions, this trainer draws it in deadline-v1 .*"
+                                        r"set checkpoint.restart_data=true"):
+        loader([0.8, 0.2], [50, 9]).load_state_dict(old)
+
+
+def test_weights_keep_their_proportions_however_large_and_a_share_below_the_resolution_is_refused() -> None:
+    """Round 5: weights summing past the float maximum (inf) became equal; a share rounded to 0 was raised to 1 part in
+    10,000 without a word."""
+    assert integer_weights([1e308, 1e308, 5e307]) == [2, 2, 1]
+    cfg = load_job_config(["--data.mix=a:1e308,b:1e308,c:5e307"])
+    assert [m.weight for m in cfg.data.mix] == [1e308, 1e308, 5e307]
+    for argv, message in [
+        (["--data.mix=a:1,b:20000"], r"^data.mix\[0\].weight=1.0 is 5e-05 of the mixture, less than the 1 part in "
+                                     r"10,000 it keeps its weights to; raise it or leave the source out$"),
+        (["--data.mix=a:1e308,b:1e-300"], r"^data.mix\[1\].weight=1e-300 is 0 of the mixture"),  # 1e-608: below floats
+        (["--data.mix=a:inf"], r"^data.mix\[0\].weight=inf must be a finite number"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_job_config(argv)
 
 
 def test_mixture_tables_in_toml_and_on_the_command_line(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import subprocess
+import hashlib
 
 import numpy as np
 import pytest
@@ -27,8 +27,12 @@ def test_the_values_are_resolved_tomls_plus_the_code_and_the_data() -> None:
     assert values["train.seq_len"] == 64 and values["optimizer.lr"] == 3e-3
     assert values["distributed.dp_shard"] == 2  # resolved from -1: the value used, not the placeholder
     assert values["model_args.dim"] > 0  # the model's whole shape
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    assert values["trainer.commit"] == (commit or "none") == code_version()[1]
+    # Every source file of the package, by its bytes (an uncommitted edit counts): not the git commit.
+    sources = {k: v for k, v in values.items() if k.startswith("trainer.source.")}
+    assert len(sources) == len(list((REPO / "trainer").rglob("*.py"))) > 100 and "trainer.commit" not in values
+    train_py = (REPO / "trainer" / "run" / "train.py").read_bytes()
+    assert sources["trainer.source.run/train.py"] == hashlib.sha256(train_py).hexdigest()[:16]
+    assert code_version()[1]["run/train.py"] == sources["trainer.source.run/train.py"]
     assert values["data_contents.train"].startswith("default:train:")
     assert values["data_contents.validation"].startswith("default:validation:")
     assert list(values)[:2] == ["job.dump_folder", "job.description"]  # resolved.toml's order: the first key first
@@ -42,14 +46,19 @@ def test_data_fingerprints_differ_where_the_tokens_differ(tmp_path) -> None:
         path = write_shard(tmp_path / folder / "s0.bin", tokens, vocab_size=256, tokenizer_fingerprint=BYTE)
         return ShardSource([path], vocab_size=256, tokenizer_fingerprint=BYTE)
 
-    tokens = np.arange(20_000) % 251
+    tokens = np.arange(1_000_000) % 251
     a, same = shards("a", tokens), shards("same", tokens)
     assert a.fingerprint() == same.fingerprint()  # where the files live does not matter, what they hold does
-    for k in (0, 19_999):  # a token changed at either end, or the shard shortened
+    # Round 5: only the first and last 4,096 tokens counted (and of those, the six an array's repr shows). A token
+    # changed anywhere, the shard shortened, two words traded or the tokens reordered: each is seen.
+    for k in (0, 3, 100_000, 500_000, 777_777, 999_999):
         edited = tokens.copy()
-        edited[k] += 1
-        assert shards(f"edit{k}", edited).fingerprint() != a.fingerprint()
+        edited[k] = (edited[k] + 1) % 251
+        assert shards(f"edit{k}", edited).fingerprint() != a.fingerprint(), k
     assert shards("short", tokens[:-1]).fingerprint() != a.fingerprint()
+    shuffled = tokens.copy()
+    np.random.default_rng(0).shuffle(shuffled)
+    assert shards("shuffled", shuffled).fingerprint() != a.fingerprint()
     default = DefaultTextSource(vocab_size=258)
     assert default.fingerprint() == DefaultTextSource(vocab_size=258).fingerprint()
     assert len({default.fingerprint(), DefaultTextSource(vocab_size=258, split="validation").fingerprint(),
@@ -70,8 +79,10 @@ def test_the_first_differing_key_in_order_names_the_ranks() -> None:
         "rank 1's job.dump_folder = \"/elsewhere\" differs from rank 0's \"out\" (every rank must run the same job)")
     assert first_difference([ref, {**ref, "extra.key": 1}]) == (
         "rank 1's extra.key = 1 differs from rank 0's (unset) (every rank must run the same job)")
-    line = first_difference([{**ref, "trainer.commit": "abc"}, {**ref, "trainer.commit": "def"}])
-    assert line.startswith("rank 1's trainer.commit = \"def\" differs from rank 0's \"abc\" (every rank must run "
-                           "the same checkout")
+    step = "trainer.source.run/step.py"
+    line = first_difference([{**ref, step: "abc"}, {**ref, step: "def"}])
+    assert line == ("rank 1's trainer.source.run/step.py = \"def\" differs from rank 0's \"abc\" (every rank must run "
+                    "the same code: this file differs between the ranks' checkouts (an uncommitted edit, another "
+                    "commit); check out the same tree on every node)")
     with pytest.raises(AssertionError):
         first_difference([ref, dict(ref)])

@@ -43,7 +43,9 @@ def _cfg(*args: str):
         (1, ["--train.mixed_precision=fp8", "--float8.exclude_fqns=layers.9.attention.q_proj"],
          "layers.9.attention.q_proj"),
         (1, ["--data.source=shards", "--data.path=/nonexistent/dir"], "no shard files found at data.path='/nonexistent/dir'"),
-        (1, ["--train.seq_len=600000"], "lower --train.seq_len"),
+        # Batch 1 under full AC: the memory plan fits the host, the default text is too short.
+        (1, ["--train.seq_len=600000", "--train.batch_size=1", "--train.activation_checkpointing=full"],
+         "lower --train.seq_len"),
     ],
 )
 def test_validate_job_names_the_key(world_size: int, args: list[str], message: str) -> None:
@@ -54,11 +56,19 @@ def test_validate_job_names_the_key(world_size: int, args: list[str], message: s
 
 
 def test_errors_come_before_distributed_init(monkeypatch) -> None:
-    """train() validates first: a bad degree or shard never reaches init_distributed."""
+    """train() validates first: a bad degree or shard is found before the process group exists, and only then handed
+    to agree_to_start (which joins the group to tell the other ranks, trainer.validate.ranks); no Trainer is built."""
+    found = []
+
+    def agree(error, *, timeout_seconds: int) -> None:
+        found.append(error)
+        if error is not None:
+            raise error
 
     def must_not_run(**kwargs):
         raise AssertionError("init_distributed ran before validation finished")
 
+    monkeypatch.setattr(trainer.run.train, "agree_to_start", agree)
     monkeypatch.setattr(trainer.run.train, "init_distributed", must_not_run)
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ConfigError, match="distributed.tp=8 must divide"):
@@ -66,6 +76,7 @@ def test_errors_come_before_distributed_init(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(DataError, match="no shard files"):
         trainer.run.train.train(_cfg("--data.path=/nonexistent/dir"))
+    assert [type(e) for e in found] == [ConfigError, DataError]
 
 
 def test_validate_job_resolves_degrees_and_options() -> None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import unicodedata
+from collections.abc import Iterator
+from typing import Any
 
 from trainer.config.phases import parse_precision_schedule
 from trainer.config.sections import Sections
@@ -24,6 +27,7 @@ from trainer.seeds import MAX_DATA_SEED, MAX_TRAIN_SEED
 
 def check_config(cfg: Sections) -> None:
     """Cross-field and range checks on the config alone, in the order a user would fix them."""
+    _check_strings(cfg)
     _check_fp8_with_tp(cfg)
     if cfg.train.precision_schedule:
         _check_precision_schedule(cfg)
@@ -168,10 +172,14 @@ def _check_float8_and_profiling(cfg: Sections) -> None:
         if on and f8.recipe != "tensorwise":
             raise ConfigError(f"float8.{key} is the tensorwise recipe's (one scale per tensor); float8.recipe="
                               f"'{f8.recipe}' scales per row or tile: set float8.recipe='tensorwise'")
-    if f8.amax_history_len < 1:
-        raise ConfigError(f"float8.amax_history_len={f8.amax_history_len} must be >= 1")
-    if f8.margin < 0:
-        raise ConfigError(f"float8.margin={f8.margin} must be >= 0 (scale = fp8_max / amax / 2^margin)")
+    if not 1 <= f8.amax_history_len <= MAX_AMAX_HISTORY_LEN:
+        raise ConfigError(f"float8.amax_history_len={f8.amax_history_len} must be in [1, {MAX_AMAX_HISTORY_LEN:,}] "
+                          "(each converted Linear keeps three histories of this many fp32 amaxes on the GPU and in "
+                          "every checkpoint; Transformer Engine's default is 1024)")
+    if not 0 <= f8.margin <= MAX_FLOAT8_MARGIN:
+        raise ConfigError(f"float8.margin={f8.margin} must be in [0, {MAX_FLOAT8_MARGIN}] (scale = fp8_max / amax / "
+                          "2^margin: beyond 16 even the largest value rounds to zero in e4m3, whose range spans "
+                          "2^17.8; 0-2 is usual)")
     if f8.enable_fsdp_float8_all_gather is True and f8.recipe != "tensorwise":
         raise ConfigError(
             f"float8.enable_fsdp_float8_all_gather=true only works with float8.recipe='tensorwise' "
@@ -209,6 +217,8 @@ def _check_validation_precision(cfg: Sections) -> None:
 
 
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600
+MAX_AMAX_HISTORY_LEN = 16_384
+MAX_FLOAT8_MARGIN = 16
 MOE_EXPERTS_MODES = ("off", "rowwise")
 # Why float8.moe_experts='blockwise' is refused, in one line.
 BLOCKWISE_EXPERTS_REASON = (
@@ -273,6 +283,19 @@ def mix_names(mix: list) -> list[str]:
     return names
 
 
+MIX_RESOLUTION = 10_000
+"""[[data.mix]] weights are kept to 1 part in this many (trainer/data/mix.py): a source's share must be at least one."""
+
+
+def mix_shares(weights: list[float]) -> list[float]:
+    """Each of these finite positive weights' share of their sum. Each is divided by the largest first: a sum of
+    weights near the float maximum would overflow to inf and make every share 0."""
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
+
+
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -290,6 +313,10 @@ def _check_mix(cfg: Sections) -> None:
             raise ConfigError(f"data.mix[{i}].path is empty: a folder of .bin shards or a glob")
         if not (entry.weight > 0 and math.isfinite(entry.weight)):
             raise ConfigError(f"data.mix[{i}].weight={entry.weight} must be a positive number (weights are relative)")
+    for i, share in enumerate(mix_shares([entry.weight for entry in data.mix])):
+        if share < 1 / MIX_RESOLUTION:
+            raise ConfigError(f"data.mix[{i}].weight={data.mix[i].weight} is {share:.3g} of the mixture, less than the "
+                              f"1 part in {MIX_RESOLUTION:,} it keeps its weights to; raise it or leave the source out")
     names = mix_names(data.mix)
     for i, name in enumerate(names):
         if not name or not set(name) <= _NAME_CHARS:
@@ -314,6 +341,15 @@ def _check_wandb(cfg: Sections) -> None:
                           "metrics.wandb=false)")
     if not m.wandb_project.strip():
         raise ConfigError("metrics.wandb_project is empty; name a W&B project")
+    # W&B's own rule (wandb_settings.validate_project), which would otherwise stop the run after the model is built.
+    bad = sorted(set(m.wandb_project) & set(_WANDB_PROJECT_FORBIDS))
+    if bad or len(m.wandb_project) > 128:
+        why = f"holds {', '.join(map(repr, bad))}" if bad else f"has {len(m.wandb_project)} characters"
+        raise ConfigError(f"metrics.wandb_project={m.wandb_project[:80]!r} {why}: a W&B project name has at most 128 "
+                          f"characters and none of {' '.join(_WANDB_PROJECT_FORBIDS)}; rename it")
+
+
+_WANDB_PROJECT_FORBIDS = "/\\#?%:"
 
 
 def _check_seeds(cfg: Sections) -> None:
@@ -329,17 +365,41 @@ def _check_seeds(cfg: Sections) -> None:
             raise ConfigError(f"{key}={value} is outside the allowed range [0, {limit}] ({why}); pick a seed in it")
 
 
-# Keys naming files or folders: a NUL byte is refused by every OS call (ValueError: embedded null byte).
-_PATH_KEYS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "initial_load_path"),
-              ("profiling", "trace_dir"), ("data", "path"), ("data", "tokenizer"), ("validation", "path"))
+def _check_strings(cfg: Sections) -> None:
+    """Every string of every section (list items and [[data.mix]] tables included) is one line of text: no control
+    character (a newline, a NUL byte, ...), line separator or undecodable byte. config.toml and resolved.toml record
+    each value, the log, W&B and every path call take them; no key documents another rule."""
+    for key, text in _strings(dataclasses.asdict(cfg), ""):
+        bad = next((c for c in text if unicodedata.category(c) in _NOT_TEXT), None)
+        if bad is None:
+            continue
+        shown = repr(text) if len(repr(text)) <= 80 else repr(text)[:77] + "..."
+        if bad == "\x00":
+            what = "a NUL byte (\\x00), which no path or name can contain"
+        elif unicodedata.category(bad) == "Cs":
+            what = f"{bad!r}, a byte the command line's encoding could not decode (config values are UTF-8 text)"
+        else:
+            what = f"the control character {bad!r} (a config value is one line of text)"
+        raise ConfigError(f"{key}={shown} holds {what}; remove it")
+
+
+# Control characters, surrogates (an undecodable byte of a command line), line and paragraph separators.
+_NOT_TEXT = ("Cc", "Cs", "Zl", "Zp")
+
+
+def _strings(tree: Any, key: str) -> Iterator[tuple[str, str]]:
+    """("section.key", text) of every string in the config's dict (dataclasses.asdict)."""
+    if isinstance(tree, str):
+        yield key, tree
+    elif isinstance(tree, dict):
+        for name, value in tree.items():
+            yield from _strings(value, f"{key}.{name}" if key else name)
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _strings(value, f"{key}[{i}]")
 
 
 def _check_paths(cfg: Sections) -> None:
-    for section, name in _PATH_KEYS:
-        value = getattr(getattr(cfg, section), name)
-        if "\x00" in value:
-            raise ConfigError(f"{section}.{name}={value!r} holds a NUL byte (\\x00), which no path can contain; "
-                              "remove it")
     if not cfg.job.dump_folder.strip():
         # Path("") is the current directory: config.toml, metrics.jsonl and tb/ would land wherever the run started.
         raise ConfigError(f"job.dump_folder={cfg.job.dump_folder!r} is empty: name the run's output folder "

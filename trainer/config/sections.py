@@ -10,6 +10,7 @@ makes wrong is one `ConfigError` line naming the key. Loading (TOML, command lin
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,11 +222,11 @@ class Float8Section:
     scaling: Literal["dynamic", "delayed"] = "dynamic"
     """How the tensorwise recipe scales each cast: dynamic = by the tensor's own amax (torchao's); delayed = Transformer Engine's delayed scaling, by the amax history of earlier steps (float8.amax_history_len, float8.amax_compute_algo, float8.margin), the step's amaxes all-reduced over the data- and context-parallel ranks once per optimizer step; the first step (no history yet) scales dynamically; weights all-gathered in fp8 keep their current amax. Tensorwise only. docs/fp8.md#delayed-scaling."""
     amax_history_len: int = 1024
-    """float8.scaling='delayed': how many steps of amaxes each Linear keeps per operand (input, weight, gradient); Transformer Engine / NeMo's default 1024."""
+    """float8.scaling='delayed': how many steps of amaxes each Linear keeps per operand (input, weight, gradient), at most 16,384 (the histories live on the GPU and in every checkpoint); Transformer Engine / NeMo's default 1024."""
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     """float8.scaling='delayed': the amax a scale is computed from: the history's max, or its newest value."""
     margin: int = 0
-    """float8.scaling='delayed': scale = fp8_max / amax / 2^margin (>= 0; headroom for amaxes that grow between steps)."""
+    """float8.scaling='delayed': scale = fp8_max / amax / 2^margin (0 to 16; headroom for amaxes that grow between steps: beyond 16 even the largest value rounds to zero in e4m3, whose range spans 2^17.8)."""
     save_fp8_activations: bool = False
     """Tensorwise only: keep each converted Linear's float8 input (1 byte per element and a scale) for the weight gradient instead of its bf16 input (2 bytes): the same values the forward multiplied, so identical math (Transformer Engine's behaviour). Off until measured; under torch.compile the partitioner already chooses what the blocks save (docs/fp8.md#fp8-activations-saved-for-backward)."""
     moe_experts: str = "off"
@@ -369,7 +370,8 @@ SECTION_HELP: dict[str, str] = field_docs(Sections)
 
 
 def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
-    """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling])."""
+    """Tables of scalars and lists; a dict value becomes a sub-table ([model_args.rope_scaling]). Every string (of
+    Unicode scalar values) reads back as itself: `toml_string` escapes what a TOML string may not hold."""
     lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
 
     def tables(v: Any) -> bool:  # a list of tables: [[section.key]] entries
@@ -378,21 +380,37 @@ def to_toml(sections: dict[str, dict[str, Any]], *, header: str = "") -> str:
     def table(name: str, values: dict[str, Any]) -> None:
         lines.append(f"[{name}]")
         # None: a key left out (TOML has no null), such as a [model] key that keeps the flavor's value
-        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items()
+        lines.extend(f"{toml_key(k)} = {toml_value(v)}" for k, v in values.items()
                      if v is not None and not isinstance(v, dict) and not tables(v))
         lines.append("")
         for k, v in values.items():
             if isinstance(v, dict):
-                table(f"{name}.{k}", v)
+                table(f"{name}.{toml_key(k)}", v)
             elif tables(v):
                 for entry in v:
-                    lines.append(f"[[{name}.{k}]]")
-                    lines.extend(f"{key} = {toml_value(x)}" for key, x in entry.items())
+                    lines.append(f"[[{name}.{toml_key(k)}]]")
+                    lines.extend(f"{toml_key(key)} = {toml_value(x)}" for key, x in entry.items())
                     lines.append("")
 
     for name, values in sections.items():
-        table(name, values)
+        table(toml_key(name), values)
     return "\n".join(lines)
+
+
+# What a TOML basic string may not hold as itself: the backslash, the quote and every control character but tab.
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\n": "\\n", "\f": "\\f", "\r": "\\r",
+                 **{chr(c): f"\\u{c:04x}" for c in [*range(0x20), 0x7F] if chr(c) not in "\b\t\n\f\r"}}
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def toml_string(text: str) -> str:
+    """`text` as a TOML basic string that reads back as `text` (tomllib), whatever characters it holds."""
+    return '"' + "".join(_TOML_ESCAPES.get(c, c) for c in text) + '"'
+
+
+def toml_key(key: Any) -> str:
+    """A bare key where TOML allows one, else a quoted one."""
+    return key if _BARE_KEY.fullmatch(str(key)) else toml_string(str(key))
 
 
 def toml_value(value: Any) -> str:
@@ -402,5 +420,4 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+    return toml_string(str(value))

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.data.mix import ORDER as MIX_ORDER
 from trainer.data.mix import MixtureSource
 from trainer.data.shards import DataError
 from trainer.data.sources import DefaultTextSource, SampleSource, ShardSource, StdlibTextSource, SyntheticSource
@@ -90,7 +91,7 @@ class TokenDataLoader:
                  "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
                  "num_samples": self.num_samples}
         if isinstance(self.source, MixtureSource):
-            state["mix"] = self.source.identity()
+            state["mix"], state["mix_order"] = self.source.identity(), MIX_ORDER
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -103,6 +104,11 @@ class TokenDataLoader:
                     return "unreadable"
             raise DataError(f"cannot resume data loader: the checkpoint's data mixture is {said(state.get('mix'))} but "
                             f"this run's is {said(mix)}; resume with the same data.mix, or set "
+                            "checkpoint.restart_data=true to start the data over")
+        if mix is not None and state.get("mix_order") != MIX_ORDER:
+            raise DataError(f"cannot resume data loader: the checkpoint's data mixture was drawn in "
+                            f"{str(state.get('mix_order', 'the stride order of earlier versions'))[:80]}, this trainer "
+                            f"draws it in {MIX_ORDER} (the same position holds other samples); set "
                             "checkpoint.restart_data=true to start the data over")
         # The global batch size may change on resume: the position is counted in samples.
         # Anything that changes which sample a position maps to would silently repeat or skip data.

@@ -1,17 +1,22 @@
 """Weighted mixtures of sample sources ([[data.mix]]): Megatron's blend, in closed form.
 
-The loader (trainer/data/loader.py) asks for global sample positions; a `MixtureSource` maps position p to
-one of its sources by stride scheduling. The weights become integers W_i (to 1 part in RESOLUTION, reduced by
-their gcd), S = sum W_i. In each period of S positions, source i's k-th sample (k < W_i) arrives at time
-(2k + 1) / (2 W_i); the S arrivals in time order (ties: the lower source index first) are the period's pattern:
-`pattern[r]` the source of offset r, `rank[r]` its arrival's k. Position p = m S + r is then sample
+The loader (trainer/data/loader.py) asks for global sample positions; a `MixtureSource` maps position p to one of its
+sources by a schedule of one period, repeated. The weights become integers W_i: their proportions as written where
+those sum to at most RESOLUTION (0.7, 0.2, 0.1: 7, 2, 1), else each source's share to 1 part in RESOLUTION
+(trainer.config.checks refuses a share below that); S = sum W_i. In each period of S positions, source i's k-th
+sample (k < W_i) must take an offset in [floor(k S / W_i), ceil((k + 1) S / W_i) - 1]: exactly the offsets that keep
+source i's count in every prefix of t positions within one sample of t W_i / S. Filling the offsets in order, each
+with the waiting sample of the earliest last offset (ties: the lower source index), meets every window (earliest
+deadline first is optimal for unit jobs, and a schedule within one sample exists: Tijdeman's chairman assignment
+theorem). `pattern[r]` is the source of offset r, `rank[r]` its sample's k. Position p = m S + r is then sample
 m W_s + rank[r] of source s = pattern[r]. So:
 
-- every prefix of the order holds each source's share to within one sample (the arrivals' spacing), and a
-  step of G samples draws them in proportion however G is split over ranks and microbatches;
+- every prefix of the order holds each source's share to within one sample, whatever the number of sources, and a
+  step of G samples draws them in proportion however G is split over ranks and microbatches; integers only (no
+  common multiple of the weights, which overflows 64 bits for 16 sources of prime weights);
 - any rank computes any position from (seed, position) alone: rank-disjoint as the loader slices positions,
-  and a resume needs only the loader's position (what is checked on resume: the names, integer weights and
-  samples of every source, unless checkpoint.restart_data);
+  and a resume needs only the loader's position (what is checked on resume: this order's name `ORDER`, the names,
+  integer weights and samples of every source, unless checkpoint.restart_data);
 - source i's j-th sample is its sample `perm[j % N_i]` of epoch j // N_i, with perm from
   np.random.default_rng([seed, i, epoch]) (identity without data.shuffle): a source its share exhausts starts
   another epoch in a new order, logged once per epoch.
@@ -20,39 +25,58 @@ m W_s + rank[r] of source s = pattern[r]. So:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import reduce
 
 import numpy as np
 
+from trainer.config.checks import MIX_RESOLUTION, mix_shares
 from trainer.data.sources import SampleSource
 from trainer.hooks import StepHook
 
 logger = logging.getLogger(__name__)
 
-RESOLUTION = 10_000
-"""Weights are rounded to 1 part in this many (a share of 1e-4 or more keeps at least one sample per period)."""
+RESOLUTION = MIX_RESOLUTION
+"""Weights are rounded to 1 part in this many (the config checks refuse a share below it)."""
+ORDER = "deadline-v1"
+"""The name of this module's order, kept in a checkpoint's data position: an order made another way (the stride order
+before it) maps the same position to other samples, so its position cannot be resumed here."""
 
 
 def integer_weights(weights: list[float]) -> list[int]:
-    """The weights as the smallest integers in the same proportions, to 1 part in RESOLUTION (each at least 1)."""
-    total = sum(weights)
-    ints = [max(1, round(w / total * RESOLUTION)) for w in weights]
+    """The smallest integers in the proportions of the weights as written (0.7, 0.2, 0.1: 7, 2, 1; primes: themselves)
+    where those sum to at most RESOLUTION, else of their shares rounded to 1 part in RESOLUTION (each at least 1)."""
+    written = [Fraction(repr(float(w))) for w in weights]  # the shortest decimal that reads back as the float
+    scale = reduce(math.lcm, (f.denominator for f in written))
+    ints = [int(f * scale) for f in written]
+    if sum(ints) // reduce(math.gcd, ints) > RESOLUTION:
+        ints = [max(1, round(share * RESOLUTION)) for share in mix_shares(weights)]
     g = reduce(math.gcd, ints)
     return [w // g for w in ints]
 
 
 def period_pattern(weights: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(source, rank) of each offset of one period: the sources' arrivals (2k + 1) / (2 W_i) in time order."""
-    lcm = reduce(math.lcm, weights)
-    # Arrival (i, k) at (2k + 1) / (2 W_i) = (2k + 1) (lcm / W_i) / (2 lcm): integer keys, compared exactly.
-    keys = np.concatenate([(2 * np.arange(w, dtype=np.int64) + 1) * (lcm // w) for w in weights])
-    sources = np.concatenate([np.full(w, i, dtype=np.int64) for i, w in enumerate(weights)])
-    ranks = np.concatenate([np.arange(w, dtype=np.int64) for w in weights])
-    order = np.lexsort((sources, keys))  # by time, then by source index
-    return sources[order], ranks[order]
+    """(source, rank) of each offset of one period: each source's k-th sample at the free offset of the earliest
+    deadline among those released (module docstring); integer arithmetic, no common multiple."""
+    period = sum(weights)
+    # (release, deadline, source, k): source i's k-th sample may take offsets floor(k S / W_i) to
+    # ceil((k + 1) S / W_i) - 1.
+    jobs = sorted((k * period // w, -(-(k + 1) * period // w) - 1, i, k)
+                  for i, w in enumerate(weights) for k in range(w))
+    sources, ranks = np.empty(period, dtype=np.int64), np.empty(period, dtype=np.int64)
+    waiting: list[tuple[int, int, int]] = []
+    j = 0
+    for r in range(period):
+        while j < len(jobs) and jobs[j][0] <= r:
+            heapq.heappush(waiting, jobs[j][1:])
+            j += 1
+        deadline, sources[r], ranks[r] = heapq.heappop(waiting)
+        assert deadline >= r, (weights, r)  # a schedule within one sample exists, and EDF finds it
+    return sources, ranks
 
 
 @dataclass(frozen=True)

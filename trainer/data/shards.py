@@ -138,14 +138,16 @@ def open_shard(path: str | os.PathLike) -> ShardInfo:
                      tokenizer_fingerprint=fingerprint.decode("ascii"), tokens=tokens)
 
 
-def scan_shard_tokens(shard: ShardInfo, *, chunk_tokens: int = 1 << 26) -> None:
-    """Check the tokens against the header's max_token_id, reading the memory map in chunks.
+def scan_shard_tokens(shard: ShardInfo, *, chunk_tokens: int = 1 << 26) -> int:
+    """Check the tokens against the header's max_token_id, reading the memory map in chunks; returns the tokens'
+    checksum in the same pass: their bytes as little-endian 64-bit words (the tail zero-padded), summed modulo 2**64.
 
     A header can lie (a bad writer, a dtype switched with the size kept consistent): the
     first batch would then index past the embedding table. At ~1 GB/s of page cache this
-    costs well under a second per GB of tokens, once, before training starts.
+    costs well under a second per GB of tokens, once, before training starts. The checksum (a shard's fingerprint,
+    trainer.data.sources) changes with any byte changed anywhere in the file; it misses whole words trading places.
     """
-    tokens = shard.tokens
+    tokens, checksum = shard.tokens, 0
     for start in range(0, len(tokens), chunk_tokens):
         chunk = tokens[start:start + chunk_tokens]
         if int(chunk.max()) > shard.max_token_id:
@@ -155,3 +157,12 @@ def scan_shard_tokens(shard: ShardInfo, *, chunk_tokens: int = 1 << 26) -> None:
                 f"max_token_id={shard.max_token_id} its header declares: the shard is corrupt; re-run "
                 "scripts/prepare_data.py"
             )
+        checksum += word_sum(np.asarray(chunk).view(np.uint8))
+    return checksum % 2**64
+
+
+def word_sum(data: np.ndarray) -> int:
+    """The bytes `data` (uint8) as little-endian 64-bit words, the last zero-padded, summed (numpy wraps the sum
+    modulo 2**64, as the caller reduces it)."""
+    whole = len(data) // 8 * 8
+    return int(data[:whole].view("<u8").sum(dtype=np.uint64)) + int.from_bytes(data[whole:].tobytes(), "little")

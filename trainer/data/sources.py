@@ -43,15 +43,40 @@ def _window(tokens: np.ndarray, k: int, seq_len: int) -> np.ndarray:
 
 
 def _hash(*parts) -> str:
+    """A digest of `parts`: arrays by their bytes (every element: an array's repr elides all but six), tuples and
+    lists by their items, anything else by its repr; each part's length first, so no two sequences of parts meet."""
     h = hashlib.sha256()
-    for part in parts:
-        h.update(part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode())
+
+    def add(part) -> None:
+        if isinstance(part, (tuple, list)):
+            h.update(f"({len(part)}:".encode())
+            for item in part:
+                add(item)
+            return
+        data = part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode()
+        h.update(f"{len(data)}:".encode() + data)
+
+    add(parts)
     return h.hexdigest()[:16]
 
 
-# A shard's fingerprint reads this many tokens at each end (its whole length is in the header): a shard
-# rewritten or truncated on one node changes them, and startup reads 2 x 8 KiB per shard, not terabytes.
-_FINGERPRINT_EDGE = 4096
+# A shard's fingerprint (`ShardSource.fingerprint`): its header's facts, its size, the checksum of every byte that the
+# token-id scan computes in the pass over the file it makes anyway (shards.scan_shard_tokens), and FINGERPRINT_WINDOWS
+# windows of FINGERPRINT_WINDOW_BYTES spread evenly from its first byte to its last (the middle one among them),
+# hashed: a byte changed anywhere changes the checksum, tokens reordered (another shuffle) change the windows. The
+# cost, from the page cache on the 2-core CI machine (1 GiB shard): the scan 100-150 s per TB, the checksum 70-120 s
+# per TB more, the windows 0.3 ms a shard (docs/distributed.md, "Every rank runs the same job").
+FINGERPRINT_WINDOWS = 65
+FINGERPRINT_WINDOW_BYTES = 4096
+
+
+def _windows(tokens: np.ndarray) -> list[np.ndarray]:
+    """FINGERPRINT_WINDOWS windows of the token array, evenly spaced from its start to its end (all of it if short)."""
+    width = max(1, FINGERPRINT_WINDOW_BYTES // tokens.itemsize)
+    if len(tokens) <= width * FINGERPRINT_WINDOWS:
+        return [np.asarray(tokens)]
+    last = len(tokens) - width
+    return [np.asarray(tokens[k * last // (FINGERPRINT_WINDOWS - 1):][:width]) for k in range(FINGERPRINT_WINDOWS)]
 
 
 def _check_index(index: int, num_samples: int) -> None:
@@ -68,8 +93,9 @@ class ShardSource:
         if not paths:
             raise DataError("ShardSource needs at least one shard path")
         self.shards = [open_shard(p) for p in sorted(map(Path, paths))]
+        self._checksums = []
         for shard in self.shards:
-            scan_shard_tokens(shard)
+            self._checksums.append(scan_shard_tokens(shard))
             if shard.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise DataError(f"shard {shard.path} was written with tokenizer {shard.tokenizer_fingerprint} "
                                 f"but data.tokenizer is {tokenizer_fingerprint}; re-run scripts/prepare_data.py "
@@ -103,10 +129,10 @@ class ShardSource:
         return _window(self.shards[i].tokens, local, seq_len)
 
     def fingerprint(self) -> str:
-        """The shards' names, token counts, tokenizer and the tokens at both ends of each."""
-        e = _FINGERPRINT_EDGE
-        return "shards:" + _hash(*((s.path.name, s.num_tokens, s.tokenizer_fingerprint, np.asarray(s.tokens[:e]),
-                                    np.asarray(s.tokens[-e:])) for s in self.shards))
+        """Each shard's name, token count, tokenizer, checksum of every byte and evenly spaced windows (the comment
+        on FINGERPRINT_WINDOWS)."""
+        return "shards:" + _hash(*((s.path.name, s.num_tokens, s.tokenizer_fingerprint, checksum, *_windows(s.tokens))
+                                   for s, checksum in zip(self.shards, self._checksums)))
 
     def __repr__(self) -> str:
         folders = sorted({str(s.path.parent) for s in self.shards})

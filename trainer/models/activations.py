@@ -24,6 +24,13 @@ op graph on a GPU: tests/unit/test_memory_plan_graphs.py) and confirmed against 
 An MoE block adds, per routed row (top_k rows per token), 6d + 6 moe_ffn_dim compiled (the permuted and padded
 inputs, both expert GEMMs' outputs, their product, the down projection's output), 6d + 8 moe_ffn_dim eager, and
 2d + 4 moe_ffn_dim under selective AC; its shared experts are a dense MLP that never runs in FP8.
+
+The bytes above are a bf16 (or fp8) run's, whose activations are 2-byte; an fp32 run's (every CPU run's default)
+are twice them (the fp32 rstd and logsumexp counted twice: a few bytes). Document masking on a CPU adds s x c
+bytes per token to every block, s = seq_len and c the activation's bytes: scaled_dot_product_attention converts the
+dense boolean mask [batch, 1, s, s] (trainer.models.documents) to the compute dtype and saves that copy for backward,
+in every block (measured on the debug model: s x 4 + 32 bytes in fp32, s x 2 + 128 in bf16; a GPU's
+FlexAttention BlockMask is a few bytes per token).
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ class ActivationPolicy:
     """The dense MLP's projections in FP8 (shared and routed experts never are, as Linears)."""
     fp8_delayed: bool = False
     """float8.scaling='delayed' (with fp8_attention): q, k and v keep their three fp8 casts."""
+    compute_bytes: int = 2
+    """An activation's bytes: 2 (bf16 and fp8 runs) or 4 (fp32 runs)."""
+    dense_mask_seq: int = 0
+    """Document masking on a CPU: the sequence length of the dense mask each block's attention saves (module
+    docstring); 0 without (a GPU's BlockMask, or no document masking)."""
 
 
 def block_activation_bytes(args: ModelArgs, policy: ActivationPolicy, *, ffn_dim: int, fp8_mlp: bool,
@@ -70,8 +82,12 @@ def block_activation_bytes(args: ModelArgs, policy: ActivationPolicy, *, ffn_dim
     # A block's backward allocates its MLP's three gradients (of the gate, up and their product: compute dtype) on
     # top of what it finds saved; only the loss's transient hid them until long sequences (1x H200, 32K-128K).
     grads = 6 * f + rows * 6 * hidden
+    mask = policy.dense_mask_seq * 2  # in bf16 units, as every count here: scaled below
+    full += mask
     if policy.ac == "full":
-        return 2 * d, full + grads
-    if policy.ac == "selective":  # the GEMMs' and attention's outputs
-        return min(full, 4 * d + sdpa + 4 * f + rows * (2 * d + 4 * hidden)), grads
-    return full, grads
+        saved, backward = 2 * d, full + grads
+    elif policy.ac == "selective":  # the GEMMs' and attention's outputs (and attention's inputs, the mask among them)
+        saved, backward = min(full, 4 * d + sdpa + 4 * f + rows * (2 * d + 4 * hidden) + mask), grads
+    else:
+        saved, backward = full, grads
+    return saved * policy.compute_bytes // 2, backward * policy.compute_bytes // 2

@@ -78,6 +78,13 @@ def _latest_checkpoint_step(cfg: JobConfig) -> int:
     return max(complete, default=0)
 
 
+def validate_run(cfg: JobConfig, *, world_size: int) -> tuple[PrecisionSchedule | None, ResolvedJob | None]:
+    """(the schedule, None) with train.precision_schedule (one validated job per phase), else (None, the job)."""
+    if cfg.train.precision_schedule:
+        return PrecisionSchedule(cfg, world_size=world_size), None
+    return None, validate_job(cfg, world_size=world_size)
+
+
 class PrecisionSchedule:
     """The phases of one run and each phase's job, validated (`resolve_phases`) before the process group exists."""
 

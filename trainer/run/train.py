@@ -24,6 +24,7 @@ from trainer.checkpoint import CheckpointManager, CheckpointState, DelayedScalin
 from trainer.config import JobConfig
 from trainer.data import DataPosition, build_data_loader
 from trainer.data.mix import MixtureTokens
+from trainer.errors import UserError
 from trainer.distributed import (
     DistEnv, describe_device, destroy_distributed, init_distributed, set_determinism, world_size_from_env,
 )
@@ -45,14 +46,12 @@ from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.run.evaluate import Evaluator
 from trainer.run.lock import check_writable, lock_run_folders, output_folders, release_all
-from trainer.run.precision_schedule import PrecisionSchedule, free_memory
+from trainer.run.precision_schedule import PrecisionSchedule, free_memory, validate_run
 from trainer.run.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep
-from trainer.run.train_state import (
-    PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState, note_torchrun_exit,
-)
+from trainer.run.train_state import PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState, note_torchrun_exit
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.plan import human_size
-from trainer.validate.ranks import check_ranks_agree
+from trainer.validate.ranks import agree_to_start, check_ranks_agree
 from trainer.validate.run_files import (
     cpu_precision_hint, describe_documents, describe_precision, run_config, write_run_files,
 )
@@ -423,19 +422,20 @@ class _Interval:
 
 def train(cfg: JobConfig) -> TrainState:
     """Validate, build everything, train, and always tear down (writers, process group)."""
-    # The one validation pass, before the process group or any tensor exists.
-    # With train.precision_schedule: one validated job per phase (the schedule overrides train.mixed_precision).
-    schedule = PrecisionSchedule(cfg, world_size=world_size_from_env()) if cfg.train.precision_schedule else None
-    job = None if schedule else validate_job(cfg, world_size=world_size_from_env())
-    folders = {key: folder for folder, key in output_folders(cfg)}
-    for key, folder in folders.items():
-        check_writable(folder, key=key)
-    check_run_files(cfg.job.dump_folder, wandb=cfg.metrics.wandb)  # what a resume reads back: a FIFO would hang it
-    # Global rank 0 owns the dump folder (and a checkpoint folder outside it) before any rank writes to it.
-    locks = (lock_run_folders(cfg.job.dump_folder, folders.get("checkpoint.folder"))
-             if int(os.environ.get("RANK", "0")) == 0 else [])
-    trainer, ok = None, False
+    locks, trainer, ok = [], None, False
     try:
+        try:  # the one validation pass, before the process group or any tensor exists
+            schedule, job = validate_run(cfg, world_size=world_size_from_env())
+            folders = {key: folder for folder, key in output_folders(cfg)}
+            for key, folder in folders.items():
+                check_writable(folder, key=key)
+            check_run_files(cfg.job.dump_folder, wandb=cfg.metrics.wandb)  # what a resume reads back: a FIFO hangs it
+            if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 owns the run's folders before any rank writes
+                locks = lock_run_folders(cfg.job.dump_folder, folders.get("checkpoint.folder"))
+            error = None
+        except UserError as e:  # every rank hears of it before any stops; printed by the rank that found it
+            schedule, job, error = None, None, e
+        agree_to_start(error, timeout_seconds=cfg.distributed.init_timeout_seconds)
         if schedule:
             state = run_schedule(schedule)
         else:

@@ -7,7 +7,8 @@ or override fails while parsing, without importing torch); this pass adds the re
     initial.py         checkpoint.initial_load_path's checkpoint.json gives the model's shape ([model], [moe])
     layout.py          degrees x world size x model shapes; the pipeline's stages and schedule
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
-    plan.py            the per-GPU memory plan (peak estimate) the dry run prints; a warning when it exceeds the device
+    plan.py            the per-rank memory plan (peak estimate) the dry run prints; over a GPU a warning, over a CPU run's
+                       share of the host a refusal
     resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
     options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
                        checkpoint): the Trainer reads no JobConfig
@@ -35,6 +36,7 @@ from trainer.checkpoint.options import CheckpointOptions
 from trainer.config import JobConfig
 from trainer.data.mix import HeldOutMixture
 from trainer.data.sources import SampleSource
+from trainer.errors import ConfigError
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.pipeline_layout import PipelineOptions
@@ -45,7 +47,7 @@ from trainer.validate.options import (
     MetricsOptions, OptimizerOptions, ProfilingOptions, RunOptions, SchedulerOptions, ValidationOptions,
     resolve_options,
 )
-from trainer.validate.plan import MemoryPlan, human_size, plan_memory
+from trainer.validate.plan import LOWER_THE_PEAK, MemoryPlan, human_size, plan_memory
 from trainer.validate.precision import resolve_auto_precision
 from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices, resolve_build, resolve_data, resolve_float8,
                                       resolve_fsdp, resolve_model_args)
@@ -115,7 +117,8 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     if not cfg.train.is_fp8:
         check_float8_exclusions(cfg, args)
     build = resolve_build(cfg, pd, float8, cuda=target.device_type == "cuda", ranks_per_node=target.ranks_per_node)
-    plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
+    cpu = target.device_type == "cpu"
+    plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers, cpu=cpu)
     if (cfg.distributed.reshard_after_forward == "default" and pd.fsdp_shard > 1 and not build.fsdp.reshard_after_forward
             and target.memory and plan.peak_bytes > GATHERED_FITS * target.memory[0]):
         # The default keeps gathered weights where they fit (with the plan's error to spare: docs/benchmarks.md holds
@@ -123,11 +126,14 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
         build = dataclasses.replace(build, fsdp=resolve_fsdp(cfg, pd, bf16_master=build.fsdp.master_dtype == torch.bfloat16,
                                                              ranks_per_node=target.ranks_per_node,
                                                              keep_gathered_fits=False))
-        plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers)
+        plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers, cpu=cpu)
     if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:
-        logger.warning("memory plan: about %s per rank at its peak (%s), more than the %s of %s: the run "
-                       "may run out of memory; `scripts/train.py --config ... --dry-run` prints where it goes",
-                       human_size(plan.peak_bytes), plan.peak_at, human_size(target.memory[0]), target.memory[1])
+        over = (f"memory plan: about {human_size(plan.peak_bytes)} per rank at its peak ({plan.peak_at}), more than "
+                f"the {human_size(target.memory[0])} of {target.memory[1]}")
+        if target.host_memory:  # the host's memory is the device: past it the host swaps or the kernel kills one
+            raise ConfigError(f"{over}; {LOWER_THE_PEAK} (`--dry-run` prints where it goes)")
+        logger.warning("%s: the run may run out of memory; `scripts/train.py --config ... --dry-run` prints where it "
+                       "goes", over)
     # A dry run names the shards that are not on this machine instead of refusing them (the run checks them).
     unchecked = tuple(absent_shards(cfg)) if target.planning else ()
     source, validation = (None, None) if unchecked else resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)

@@ -12,7 +12,8 @@ optimizer.bf16_update='kahan'.
 That is a lower bound: no activations, no gathered compute-dtype weights, no padding or
 allocator slack, replicated norms counted as sharded and the average pipeline stage rather than
 the largest. So a refusal means the run cannot fit, never that it might not; on a GPU the bound
-is held against the whole memory of the device (not what is free), on a CPU against the host's RAM.
+is held against the whole memory of the device (not what is free), on a CPU against each rank's share of the host's
+RAM (the ranks of a host train in it side by side).
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class Target:
     """This rank's GPU's compute capability (train.mixed_precision='auto'); None: a dry run's planned GPUs."""
     name: str = ""
     """The GPU, for messages."""
+    host_memory: bool = False
+    """`memory` is the host's RAM (this machine without a GPU): a memory plan over it is refused, not warned as over a
+    GPU, since past it the host swaps or the kernel kills a process (trainer.validate)."""
     ranks_per_node: int = 8
     """Ranks on one machine (torchrun's LOCAL_WORLD_SIZE): FSDP's automatic choices depend on whether a shard group
     crosses machines (trainer.validate.resolve.resolve_fsdp). A dry run plans for 8-GPU machines."""
@@ -91,7 +95,7 @@ class Target:
 def this_machine() -> Target:
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if not torch.cuda.is_available():
-        return Target(device_type="cpu", memory=device_memory(), ranks_per_node=ranks_per_node)
+        return Target(device_type="cpu", memory=device_memory(), ranks_per_node=ranks_per_node, host_memory=True)
     index = min(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count() - 1)
     return Target(device_type="cuda", memory=device_memory(), capability=torch.cuda.get_device_capability(index),
                   name=f"GPU {index} ({torch.cuda.get_device_name(index)})", ranks_per_node=ranks_per_node)
@@ -136,7 +140,8 @@ def check_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory:
 
 def device_memory() -> tuple[int, str] | None:
     """(bytes, what) of the memory this rank will train in, by init_distributed's rule: GPU LOCAL_RANK's whole
-    memory when CUDA is available, else the host's RAM; None when it cannot be told."""
+    memory when CUDA is available, else its share of the host's RAM (every rank on this host trains in it: torchrun's
+    LOCAL_WORLD_SIZE); None when it cannot be told."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():
@@ -144,9 +149,13 @@ def device_memory() -> tuple[int, str] | None:
         props = torch.cuda.get_device_properties(local_rank)
         return props.total_memory, f"GPU {local_rank} ({props.name})"
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory (a CPU run)"
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX host
         return None
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if ranks == 1:
+        return host, "host memory (a CPU run)"
+    return host // ranks, f"this rank's 1/{ranks} of the {host / GIB:.1f} GiB of host memory (a CPU run, {ranks} ranks)"
 
 
 def check_step_fits_device(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, memory: tuple[int, str] | None) -> None:

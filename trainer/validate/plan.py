@@ -1,7 +1,8 @@
 """The per-GPU memory plan: what one rank holds at its peak, in closed form from the resolved job (nothing is built).
 
-`scripts/train.py --dry-run` prints it; the validation pass warns when it exceeds the device (memory.py still
-refuses only what cannot fit, the training state alone). Bytes, per rank:
+`scripts/train.py --dry-run` prints it; the validation pass warns when it exceeds a GPU (memory.py refuses what
+cannot fit, the training state alone) and refuses a CPU run it does not fit: there the device is the host's memory,
+shared with the system, and past it the machine swaps or the kernel kills a process. Bytes, per rank:
 
     resident     master weights, AdamW's two moments (and the Kahan buffer): sharded over dp_shard x cp x tp
                  (pp: this rank's stages); gradients exist in full only from the end of backward to the step
@@ -9,7 +10,9 @@ refuses only what cannot fit, the training state alone). Bytes, per rank:
                  from forward to backward (one shard group, or pipeline stages), else the root (final norm, head)
                  and the two blocks a backward step holds (the running one and the prefetched one)
     activations  what a block saves for backward, per token, by AC mode (its family's, below), times this rank's tokens in
-                 flight (a microbatch; under pp the schedule's microbatches in flight at this rank)
+                 flight (a microbatch; under pp the schedule's microbatches in flight at this rank); in the compute
+                 dtype (an fp32 run's twice a bf16 one's), and on a CPU with document masking each block's copy of
+                 the dense [batch, 1, seq, seq] mask (trainer/models/activations.py)
     loss         the largest transient: the logits and what the head's backward makes of them
 
 The peak is the larger of two moments: the start of backward (resident + gathered + activations + the larger of
@@ -46,9 +49,9 @@ from trainer.parallel.pipeline_layout import PipelineOptions
 
 GIB = 2**30
 
-# What lowers the peak, for a plan over the GPU's memory.
-LOWER_THE_PEAK = ("lower train.batch_size, set train.activation_checkpointing or train.loss_chunk_tokens, or shard over "
-                  "more ranks")
+# What lowers the peak, for a plan over the device's memory.
+LOWER_THE_PEAK = ("lower train.batch_size or train.seq_len, set train.activation_checkpointing or "
+                  "train.loss_chunk_tokens, or shard over more ranks")
 
 
 @dataclass(frozen=True)
@@ -111,17 +114,20 @@ def _dtype_bytes(dtype: torch.dtype | None, default: int) -> int:
 
 
 def plan_memory(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
-                pipeline: PipelineOptions | None, float8_layers: dict[str, str] | None) -> MemoryPlan:
-    """The memory plan of the rank that holds the most (every pipeline rank is planned; one without pp)."""
-    return max(plan_ranks(cfg, args, pd, build, pipeline, float8_layers), key=lambda p: p.peak_bytes)
+                pipeline: PipelineOptions | None, float8_layers: dict[str, str] | None, *,
+                cpu: bool = False) -> MemoryPlan:
+    """The memory plan of the rank that holds the most (every pipeline rank is planned; one without pp). cpu: the
+    run trains on a CPU (document masking's dense mask, trainer/models/activations.py)."""
+    return max(plan_ranks(cfg, args, pd, build, pipeline, float8_layers, cpu=cpu), key=lambda p: p.peak_bytes)
 
 
 def plan_ranks(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions,
-               pipeline: PipelineOptions | None, float8_layers: dict[str, str] | None) -> list[MemoryPlan]:
+               pipeline: PipelineOptions | None, float8_layers: dict[str, str] | None, *,
+               cpu: bool = False) -> list[MemoryPlan]:
     """The memory plan of each pipeline rank (one without pp)."""
     fp8 = _Fp8.of(float8_layers)
     stages = _stages(args, pd, pipeline)
-    return [_plan_rank(cfg, args, pd, build, fp8, stage, pp_rank=r) for r, stage in enumerate(stages)]
+    return [_plan_rank(cfg, args, pd, build, fp8, stage, pp_rank=r, cpu=cpu) for r, stage in enumerate(stages)]
 
 
 def _stages(args: ModelArgs, pd: ParallelDims, pipeline: PipelineOptions | None) -> list[_Stage]:
@@ -168,12 +174,15 @@ class _Fp8:
                    head=any(f.startswith("output_head.") for f in converted))
 
 
-def _policy(build: BuildOptions, fp8: _Fp8) -> ActivationPolicy:
+def _policy(build: BuildOptions, fp8: _Fp8, *, compute: int, cpu: bool) -> ActivationPolicy:
     """What decides the bytes a block saves, from the build: full AC on every `selective_every`-th block is counted
-    as blocks without AC and blocks with full AC (`_activations`)."""
+    as blocks without AC and blocks with full AC (`_activations`); activations of `compute` bytes; on a CPU,
+    document masking's dense mask."""
     ac = build.ac.mode if build.ac.mode == "full" or not build.ac.selective_every else "none"
     return ActivationPolicy(compiled=build.compile, ac=ac, fp8_attention=fp8.attention, fp8_mlp=fp8.mlp,
-                            fp8_delayed=build.float8 is not None and build.float8.delayed is not None)
+                            fp8_delayed=build.float8 is not None and build.float8.delayed is not None,
+                            compute_bytes=compute,
+                            dense_mask_seq=build.seq_len if cpu and build.document_eos is not None else 0)
 
 
 def _run_activations(args: ModelArgs, policy: ActivationPolicy) -> list[tuple[int, int]]:
@@ -191,7 +200,7 @@ def _moment_bytes(cfg: JobConfig, *, bf16_master: bool) -> dict[str, float]:
 
 
 def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp8, stage: _Stage,
-               *, pp_rank: int) -> MemoryPlan:
+               *, pp_rank: int, cpu: bool) -> MemoryPlan:
     fsdp = build.fsdp
     master = _dtype_bytes(fsdp.master_dtype, 4)
     compute = _dtype_bytes(fsdp.param_dtype, master)
@@ -208,7 +217,8 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
                       + (" + the 2 B Kahan buffer" if kahan else "")),
             _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
     tokens = microbatch_tokens(cfg) / pd.cp
-    activations, recompute = _activations(args, pd, build, fp8, stage, tokens=tokens)
+    policy = _policy(build, fp8, compute=compute, cpu=cpu)
+    activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
     rows.append(activations)
     loss = _loss_bytes(args, pd, build, fp8, tokens=tokens, compute=compute) if stage.head else 0
     if stage.head:
@@ -221,7 +231,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
                               ("one block's activations again and " if full_ac else "")
                               + "its MLP's gradients in its backward, beyond the loss's transient"))
     optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan))
-    notes = (_SELECTIVE_KEEPS_ALL,) if _selective_saves_nothing(args, build, fp8) else ()
+    notes = (_SELECTIVE_KEEPS_ALL,) if _selective_saves_nothing(args, build, policy) else ()
     start_of_backward = sum(r.bytes for r in rows)
     if optimizer_step >= start_of_backward:
         rows = rows[:2] + [MemoryRow("gradients", local * master,
@@ -242,14 +252,13 @@ _SELECTIVE_KEEPS_ALL = (
     "which is what selective AC keeps; train.selective_ac_every=N or full AC saves activations")
 
 
-def _selective_saves_nothing(args: ModelArgs, build: BuildOptions, fp8: _Fp8) -> bool:
+def _selective_saves_nothing(args: ModelArgs, build: BuildOptions, policy: ActivationPolicy) -> bool:
     """Per-op selective AC whose saved activations are within a few bytes per token of no AC's (the norms' rstd)."""
     if build.ac.mode != "selective" or build.ac.selective_every:
         return False
-    policy = _policy(build, fp8)
     none = _run_activations(args, dataclasses.replace(policy, ac="none"))
     selective = _run_activations(args, policy)
-    return all(a[0] - b[0] <= 8 for a, b in zip(none, selective))  # 8: the two norms' fp32 rstd
+    return all(a[0] - b[0] <= 4 * policy.compute_bytes for a, b in zip(none, selective))  # the norms' fp32 rstd
 
 
 def _run_params(args: ModelArgs) -> list[tuple[int, int]]:
@@ -284,17 +293,17 @@ def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bo
     return MemoryRow("gathered weights", n // pd.tp * compute, f"{_name(compute)} copies of {how}")
 
 
-def _activations(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp8, stage: _Stage, *,
+def _activations(args: ModelArgs, pd: ParallelDims, build: BuildOptions, policy: ActivationPolicy, stage: _Stage, *,
                  tokens: float) -> tuple[MemoryRow, int]:
     """(the saved activations' row, the bytes a block's backward adds: a checkpointed block's activations again,
     its MLP's gradients)."""
-    runs = _run_activations(args, _policy(build, fp8))
+    runs = _run_activations(args, policy)
     blocks = sum(stage.blocks)
     per_token = sum(k * saved for k, (saved, _) in zip(stage.blocks, runs))
     again = [backward for _, backward in runs]
     every = build.ac.selective_every if build.ac.mode == "selective" else 0
     if every:  # full AC on every `every`-th block (which keeps its input: the bf16 residual stream), the others all
-        per_token = per_token * (1 - 1 / every) + blocks / every * 2 * args.dim
+        per_token = per_token * (1 - 1 / every) + blocks / every * policy.compute_bytes * args.dim
         again = [saved + backward for saved, backward in runs]
     per_token /= pd.tp
     in_flight = stage.microbatches_in_flight
