@@ -9,8 +9,8 @@ the values once DCP has loaded them, before any part takes them (`value_problems
 and locates the values that break a rule. The same check keeps a save from publishing weights that are not finite.
 
 Each problem is one phrase naming the tensor's checkpoint key: `optimizer.state.{fqn}.exp_avg_sq holds 3 of 4,096
-values outside [0, inf) (first at [0, 7]: -0.25; AdamW's second moment is a mean of squares)`; the caller puts the
-checkpoint's path before them and what to do after, in one line of its own error type. A leaf: torch, and the plain
+values outside the allowed [0, inf) (first at [0, 7]: -0.25; AdamW's second moment, a mean of squares)`; the caller
+puts the checkpoint's path before them and what to do after, in one line of its own error type. A leaf: torch, and the plain
 tensor under a DTensor (trainer.distributed).
 """
 
@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from trainer.distributed import Layout, plain_tensor
 
-# float8 e4m3fn has no Inf and its finite values lie in +-448: NaN is the one value it can hold wrongly (torch has no
-# min/max reduction of it either).
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# float8 e4m3fn (an fp8 AdamW first moment) has no Inf and its finite values lie in +-448: NaN is the one value it can
+# hold wrongly, and torch has no min/max reduction of it. Other float8 dtypes are reduced in fp32.
+_E4M3 = torch.float8_e4m3fn
 SHOWN = 3  # problems a line names; the rest are counted
 
 
@@ -121,9 +121,11 @@ def _broken(rules: dict[str, tuple[torch.Tensor, TensorRule]]) -> dict[str, tupl
 def _stats(t: torch.Tensor, *, integral: bool) -> torch.Tensor:
     """float64 [min, max, largest fractional part] of a floating tensor; NaN propagates into min and max."""
     zero = torch.zeros((), dtype=torch.float64, device=t.device)
-    if t.dtype in _FLOAT8:
+    if t.dtype == _E4M3:
         value = torch.where(t.isnan().any(), math.nan, zero)
         return torch.stack([value, value, zero])
+    if t.dtype.itemsize == 1:  # another float8 dtype
+        t = t.float()
     low, high = torch.aminmax(t)
     fraction = (t - t.trunc()).abs().amax().double().nan_to_num(0.0) if integral else zero
     return torch.stack([low.double(), high.double(), fraction])
@@ -132,7 +134,7 @@ def _stats(t: torch.Tensor, *, integral: bool) -> torch.Tensor:
 def _locate(key: str, t: torch.Tensor, rule: TensorRule) -> dict[str, Any]:
     """The error path: how many of this rank's values break the rule, and the first of them by global index."""
     local, layout = plain_tensor(t, local=True), Layout.of(t)
-    x = local.detach().float() if local.dtype in _FLOAT8 else local.detach()
+    x = local.detach().float() if local.dtype.itemsize == 1 else local.detach()
     nan, inf = x.isnan(), x.isinf()
     record: dict[str, Any] = {"key": key, "offsets": layout.offsets, "numel": t.numel(), "nan": int(nan.sum()),
                               "inf": int(inf.sum()), "allowed": rule.describe(), "why": rule.why}
