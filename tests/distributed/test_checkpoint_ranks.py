@@ -107,3 +107,38 @@ def test_a_rank_stopped_during_a_save_fails_the_others_after_the_timeout(tmp_pat
     """The checkpoint group used torch's 30-minute default, ignoring distributed.init_timeout_seconds."""
     waited, _ = run_distributed(_save_alone, world_size=2, args=(str(tmp_path), 3), timeout=120)
     assert 3 <= waited < 11, waited  # the timeout, and at most one more (the error's broadcast)
+
+
+def _value_problems_on_two_ranks() -> list[str]:
+    """value_problems of tensors shaped as a resume holds them: a DTensor sharded over the 2 ranks with bad values in
+    both shards, one replicated over them and a plain tensor every rank holds whole (staged block scales, FP8
+    histories, RNG states), each with one bad value."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from trainer.tensor_values import FINITE, TensorRule, value_problems
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    whole = torch.zeros(4, 6)
+    whole[1, 4], whole[2, 1], whole[3, 3] = math.inf, math.nan, math.nan  # rank 0 holds rows 0-1, rank 1 rows 2-3
+    sharded = distribute_tensor(whole, mesh, [Shard(0)])
+    replicated = distribute_tensor(torch.tensor([1.0, -2.0, 3.0]), mesh, [Replicate()])
+    plain = torch.tensor([0.5, 0.0])
+    return value_problems({"sharded": (sharded, FINITE), "replicated": (replicated, TensorRule(low=0)),
+                           "plain": (plain, TensorRule(low=0, low_open=True))}, group=dist.group.WORLD)
+
+
+def test_value_problems_count_each_shard_once_and_name_the_global_index() -> None:
+    """A bad value is located by its index in the whole tensor and counted once however many ranks hold it; every
+    rank gets the same list (the one line each raises is the same)."""
+    rank0, rank1 = run_distributed(_value_problems_on_two_ranks, world_size=2, timeout=120)
+    assert rank0 == rank1 == [
+        "plain holds 1 of 2 values outside the allowed (0, inf) (first at [1]: 0)",
+        "replicated holds 1 of 3 values outside the allowed [0, inf) (first at [1]: -2)",
+        "sharded holds 3 non-finite values (2 NaN, 1 Inf of 24; first at [1, 4])",
+    ]

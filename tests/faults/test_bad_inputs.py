@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import DEBUG_CONFIG, REPO, launch
+from tests.helpers import DEBUG_CONFIG, REPO, launch, run_cli_cases
 from trainer.config import load_job_config
 from trainer.data import DataError, open_shard, write_shard
 from trainer.data.tokenizer import ByteTokenizer
@@ -202,6 +202,33 @@ def test_cli_refuses_a_huge_model_in_one_line_within_seconds(tmp_path: Path) -> 
     assert len(lines) == 1 and lines[0].startswith("config error: model.n_layers=100000000"), proc.stderr
     assert not (tmp_path / "run").exists()
 
+
+
+@pytest.mark.slow
+def test_data_with_no_label_to_learn_from_exits_2_in_one_line(tmp_path: Path) -> None:
+    """data.eod_mask_loss on end-of-document tokens alone (issue 51, item 6): training logged loss 0.0000 and exited
+    0; a held-out set of them reported val_loss 0. Now each is one line, exit 2: step 1 stops, or the run stops
+    before its first step."""
+    eos, text = tmp_path / "eos", tmp_path / "text"
+    for folder, tokens in ((eos, np.full(4_000, ByteTokenizer.eos_id)), (text, np.arange(4_000) % 256)):
+        folder.mkdir()
+        write_shard(folder / "a.bin", tokens, vocab_size=ByteTokenizer.vocab_size,
+                    tokenizer_fingerprint=ByteTokenizer.fingerprint)
+    common = ["--config", DEBUG_CONFIG, "--train.steps=2", "--train.seq_len=32", "--data.source=shards",
+              "--data.eod_mask_loss=true", "--metrics.enable_tensorboard=false"]
+    results = run_cli_cases({
+        "train": [*common, f"--data.path={eos}", f"--job.dump_folder={tmp_path / 'a'}"],
+        "validation": [*common, f"--data.path={text}", "--validation.enable=true", f"--validation.path={eos}",
+                       f"--job.dump_folder={tmp_path / 'b'}"],
+    })
+    for name, says in (("train", "): step 1 has nothing to learn from: every label of its global batch"),
+                       ("validation", "): validation: the held-out data (")):
+        result = results[name]
+        out = result["stdout"] + result["stderr"]
+        errors = [line for line in out.splitlines() if line.startswith("error")]
+        assert result["rc"] == 2 and "Traceback" not in out and "loss 0.0000" not in out, out[-3000:]
+        assert len(errors) == 1 and errors[0].startswith("error (rank 0") and says in errors[0], out[-3000:]
+    assert "step 1 " not in results["validation"]["stdout"] + results["validation"]["stderr"]  # before any step
 
 
 # -- quietly accepted (issue 36, item 7) ----------------------------------------------------------------------------

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+
 import numpy as np
 import pytest
+import torch
 
 from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
+from trainer.data import DataError
 from trainer.data.loader import build_source
+from trainer.data.mix import HeldOutMixture, MixEntry
 from trainer.data.sources import HELD_OUT_BLOCK, HELD_OUT_EVERY, _default_tokens
 from trainer.errors import ConfigError
+from trainer.loss import IGNORE_INDEX
+from trainer.run.evaluate import Evaluator
 from trainer.validate import validate_job
 
 
@@ -57,3 +64,55 @@ def test_too_few_held_out_samples_names_the_keys(tmp_path: Path):
     with pytest.raises(Exception, match="no shard files found at validation.path='/nonexistent'"):
         validate_job(load_job_config(["--config", DEBUG_CONFIG, "--validation.enable=true",
                                       "--validation.path=/nonexistent"]), world_size=1)
+
+
+class _Tokens:
+    """A held-out source whose every sample is `row` (seq_len + 1 tokens)."""
+
+    def __init__(self, row: list[int]):
+        self.row = np.array(row)
+
+    def num_samples(self, seq_len: int) -> int:
+        return 100
+
+    def get_sample(self, index: int, seq_len: int) -> np.ndarray:
+        return self.row[:seq_len + 1]
+
+
+def _evaluator(source, **kwargs):
+    """An Evaluator of `source` (eod id 257) whose loss is 2 per valid label."""
+    def batch_loss(inputs, labels):
+        valid = int((labels != IGNORE_INDEX).sum())
+        return torch.tensor(2.0 * valid), valid
+
+    return Evaluator(source, model=torch.nn.Linear(1, 1), batch_loss=batch_loss, seq_len=4, batch_size=2, steps=2,
+                     freq=10, last_step=10, dp_rank=0, dp_degree=1, device=torch.device("cpu"), eod_mask_id=257,
+                     **kwargs)
+
+
+TEXT, EOS_ONLY = _Tokens([1, 2, 257, 3, 4]), _Tokens([257] * 5)
+
+
+def test_a_held_out_source_with_no_valid_label_is_left_out_of_val_loss_in_one_warning(caplog) -> None:
+    """A mixture's held-out source of end-of-document tokens alone, under data.eod_mask_loss: its loss was averaged in
+    as 0 (halving val_loss here); now it is left out, named once when the run starts."""
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        evaluator = _evaluator(HeldOutMixture((MixEntry("web", 0.5, TEXT), MixEntry("code", 0.5, EOS_ONLY))))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "validation: held-out source(s) 'code' have no valid label (2 batch(es) of 2 x 1 rank(s), every label masked "
+        "by data.eod_mask_loss"), warnings
+    assert "left out of val_loss, the weighted mean of the other sources" in warnings[0]
+    result = evaluator.evaluate(evaluator.model)
+    assert result["loss"] == 2.0 and result["by_source"] == {"web": 2.0}  # not (2.0 + 0) / 2
+    assert evaluator.on_log(10).keys() == {"val_loss", "val_ppl", "val/loss/web"}
+
+
+def test_a_held_out_set_with_no_valid_label_stops_the_run_before_its_first_step() -> None:
+    with pytest.raises(DataError, match=r"^validation: the held-out data \(.*\) has no valid label to compute a loss "
+                                        r"on \(2 batch\(es\) of 2 x 1 rank\(s\), every label masked by "
+                                        r"data.eod_mask_loss .*\); .* or set validation.enable=false$"):
+        _evaluator(EOS_ONLY)
+    with pytest.raises(DataError, match=r"^validation: the held-out data"):
+        _evaluator(HeldOutMixture((MixEntry("web", 0.5, EOS_ONLY), MixEntry("code", 0.5, EOS_ONLY))))
+    assert _evaluator(TEXT).evaluate(torch.nn.Linear(1, 1))["loss"] == 2.0  # a held-out set with labels: as before

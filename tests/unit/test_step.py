@@ -12,6 +12,7 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from torch import nn
 
 from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
+from trainer.data import DataError, write_shard
+from trainer.data.tokenizer import ByteTokenizer
 from trainer.distributed import destroy_distributed
 from trainer.optim.adamw import AdamW
 from trainer.run.step import LossScaler, NonFiniteError, StepResult, TrainStep, grad_norm
@@ -174,18 +177,71 @@ def test_a_non_finite_gradient_skips_the_whole_update(fused: bool) -> None:
 def test_check_finite_stops_naming_the_step_or_skips_and_counts(caplog) -> None:
     model = _model()
     step = _step(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    step._pending_norms[:] = [(1, torch.tensor(2.0)), (2, torch.tensor(float("inf"))), (3, torch.tensor(1.0))]
+    one = torch.tensor(1.0)  # the step's valid labels
+    step._pending_norms[:] = [(1, torch.tensor(2.0), one), (2, torch.tensor(float("inf")), one),
+                              (3, torch.tensor(1.0), one)]
     with pytest.raises(NonFiniteError, match=r"^non-finite loss or gradient at step 2 \(grad_norm=inf\).*"
                                              r"train.on_nonfinite='skip'"):
         step.check_finite(on_nonfinite="stop", record=lambda: None)
     counted = []
-    step._pending_norms[:] = [(4, torch.tensor(float("nan"))), (5, torch.tensor(1.0)), (6, torch.tensor(-math.inf))]
+    step._pending_norms[:] = [(4, torch.tensor(float("nan")), one), (5, torch.tensor(1.0), one),
+                              (6, torch.tensor(-math.inf), one)]
     with caplog.at_level(logging.WARNING, logger="trainer"):
         assert step.check_finite(on_nonfinite="skip", record=lambda: counted.append(1)) == 2
     assert len(counted) == 2
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         "non-finite loss or gradient at step 4", "non-finite loss or gradient at step 6"]
     assert step.check_finite(on_nonfinite="stop", record=lambda: None) == 0  # the pending norms were read once
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_with_no_valid_label_is_skipped_and_stops_the_run(fused: bool) -> None:
+    """Every label masked (data.eod_mask_loss on end-of-document tokens alone): the loss reads 0 and AdamW would still
+    move every weight by its momentum and weight decay. The step is skipped on the device like a non-finite one (the
+    weights and moments stay), and the next check stops the run in one line naming it; a microbatch with no label
+    beside one with labels trains as before."""
+    model = _model()
+    opt_cls = functools.partial(AdamW, implementation="fused") if fused else torch.optim.AdamW
+    step = _step(model, opt_cls(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+                 fused=fused)
+    inputs, labels = _batch(4, seed=2)
+    masked = torch.full_like(labels, -100)
+    step([(inputs, masked), _batch(4)], 1)  # one microbatch without labels, one with: a step like any other
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: v.clone() for k, v in step.optimizer.state[model[1].weight].items()}
+    result = step([(inputs, masked)], 2)
+    assert bool(result.found_inf) and result.loss.item() == 0.0
+    assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+    assert all(torch.equal(step.optimizer.state[model[1].weight][k], v) for k, v in state_before.items())
+    with pytest.raises(DataError, match=r"^step 2 has nothing to learn from: every label of its global batch is "
+                                        r"masked \(IGNORE_INDEX; data.eod_mask_loss .*\), and it was skipped; check "
+                                        r"the data and data.eod_mask_loss"):
+        step.check_finite(on_nonfinite="skip", record=lambda: None)
+    assert step.check_finite(on_nonfinite="stop", record=lambda: None) == 0  # read once
+
+
+def test_a_run_on_end_of_document_tokens_alone_stops_at_step_1(tmp_path: Path) -> None:
+    """data.eod_mask_loss on shards of EOS tokens only: the run logged loss 0.0000 for every step and exited 0; now
+    step 1 stops it with the DataError (exit 2 on the command line), before any metric or checkpoint is written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "a.bin", np.full(4_000, ByteTokenizer.eos_id), vocab_size=ByteTokenizer.vocab_size,
+                tokenizer_fingerprint=ByteTokenizer.fingerprint)
+    cfg = load_job_config(["--config", DEBUG_CONFIG, "--train.steps=3", "--train.seq_len=32", "--data.source=shards",
+                           f"--data.path={data}", "--data.eod_mask_loss=true", "--checkpoint.enable=true",
+                           "--checkpoint.interval=1", f"--job.dump_folder={tmp_path / 'run'}",
+                           "--metrics.enable_tensorboard=false"])
+    trainer = build_trainer(cfg)
+    try:
+        before = trainer.model.tok_embeddings.weight.to_local().clone()
+        with pytest.raises(DataError, match=r"^step 1 has nothing to learn from"):
+            trainer.run()
+        assert torch.equal(before, trainer.model.tok_embeddings.weight.to_local())
+    finally:
+        trainer.close()
+        destroy_distributed()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+    assert not (tmp_path / "run" / "checkpoint").exists() or not any((tmp_path / "run" / "checkpoint").iterdir())
 
 
 def test_fp16_overflow_halves_the_scale_and_is_not_counted_as_non_finite(caplog) -> None:
@@ -205,7 +261,7 @@ def test_fp16_overflow_halves_the_scale_and_is_not_counted_as_non_finite(caplog)
     assert norm.item() == pytest.approx(hand, rel=1e-6)  # reported without the loss scale
     for p, p0, r in zip(model.parameters(), before, _grads(reference)):  # the update used unscaled gradients
         torch.testing.assert_close(p0 - p.detach(), r, **MOVE)
-    step._pending_norms[:] = [(2, torch.tensor(float("inf")))]
+    step._pending_norms[:] = [(2, torch.tensor(float("inf")), torch.tensor(1.0))]
     scaler.update(torch.tensor(True))
     counted = []
     with caplog.at_level(logging.WARNING, logger="trainer"):

@@ -48,12 +48,13 @@ from trainer.checkpoint.space import (
 from trainer.checkpoint.staging import RunStager
 from trainer.checkpoint.state import RunInfo, describe_layout, merge_tensors, model_state_dict, split_tensors
 from trainer.checkpoint.tokenizer import remember_tokenizer, write_tokenizer
-from trainer.checkpoint.values import nonfinite_counts, nonfinite_line
+from trainer.checkpoint.values import EDITED
 from trainer.checkpoint.verify import (
     check_every_rank_wrote, incomplete_reason, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
 )
 from trainer.errors import on_every_rank
 from trainer.files.publish import PARTIAL, clear_partial, publish, remove_partial, start_partial
+from trainer.tensor_values import FINITE, dtype_problems, problems_line, value_problems
 
 logger = logging.getLogger("trainer.checkpoint")
 
@@ -213,21 +214,15 @@ class CheckpointManager:
                                     allow_unverified=self.allow_unverified, model_only=model_only,
                                     raise_corrupt=raise_corrupt)
 
-    def _check_finite(self, weights: dict[str, Any], path: Path, *, hint: str) -> None:
-        """Refuse weights holding NaN or Inf on every rank (each checks its shards): a run from them only skips steps
-        or trains NaN. One collective of the ranks' lists of non-finite tensors."""
-        local = nonfinite_counts({fqn: t.to_local() if hasattr(t, "to_local") else t for fqn, t in weights.items()})
-        every: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(every, sorted(local), group=self.pg)
-        names = sorted({fqn for rank_names in every for fqn in rank_names})
-        if not names:
-            return
-        # The error path only: the counts of the tensors the line names, from their whole (a collective for a DTensor).
-        named = {fqn: weights[fqn].full_tensor() if hasattr(weights[fqn], "full_tensor") else weights[fqn]
-                 for fqn in names[:3]}
-        counts = nonfinite_counts(named) | {fqn: (0, 0) for fqn in names[3:]}
-        line = nonfinite_line(counts, {fqn: t.numel() for fqn, t in weights.items()}, where=str(path))
-        raise on_every_rank(CheckpointError(f"{line}; {hint}"))
+    def _check_values(self, rules: dict[str, Any], path: Path, *, hint: str, stored: dict | None = None) -> None:
+        """Refuse, in one line naming the checkpoint and the keys, tensors whose values break their part's rule
+        (trainer/tensor_values.py): with `stored` (the index's entries) their stored dtypes, before anything is read;
+        else their loaded values on every rank (each checks its shards; one collective)."""
+        if stored is not None and (problems := dtype_problems(rules, stored)):
+            raise on_every_rank(CheckpointError(f"{path}: {problems_line(problems)} ({EDITED}); {hint}"))
+        if stored is None and (problems := value_problems(rules, group=self.pg)):
+            raise on_every_rank(CheckpointError(f"{path}: {problems_line(problems)} ({EDITED}, or a run that "
+                                                f"diverged); {hint}"))
 
     def _load(self, path: Path, verified: tuple, *, model_only: bool) -> None:
         start = time.perf_counter()
@@ -239,11 +234,13 @@ class CheckpointManager:
             for note in self.state.reconcile(sd, metadata.state_dict_metadata):
                 logger.info("%s", note)
         tensors, _ = split_tensors(sd)
-        # state.json's values are checked before any tensor is read.
+        # state.json's values and the stored dtypes are checked before any tensor is read, the values once loaded.
         rest = None if model_only else read_state_json(path, info)
+        rules = self.state.tensor_rules(tensors, step=info.get("step", 0))
+        hint = "start from other weights" if model_only else "resume an earlier checkpoint with checkpoint.load_step=N"
+        self._check_values(rules, path, hint=hint, stored=metadata.state_dict_metadata)
         safe_load(tensors, path, what=what, process_group=self.pg)
-        self._check_finite(tensors["model"], path, hint="start from other weights" if model_only else
-                           "resume an earlier checkpoint with checkpoint.load_step=N")
+        self._check_values(rules, path, hint=hint)
         if model_only:
             set_model_state_dict(self.state.model, tensors["model"])
             logger.info("loaded model weights from %s (step %s of its run, saved with mixed_precision=%s) in %.1f s; "
@@ -298,6 +295,7 @@ class CheckpointManager:
         start = time.perf_counter()
         tmp = self.folder / f"step-{step}.tmp"
         tensors, rest = split_tensors(self.state.state_dict())
+        self._refuse_nonfinite_weights(step, tensors["model"])
         if self._nbytes is None:  # shapes do not change during a run: one collective, at the first save
             self._nbytes = checkpoint_bytes(tensors, group=self.pg)
         nbytes = self._nbytes
@@ -351,6 +349,16 @@ class CheckpointManager:
         logger.info("checkpoint step-%d: blocked training %.2f s (previous save %.2f s, preparing %.2f s, staging "
                     "%.2f s); writing in the background", step, now - blocked_since, start - blocked_since,
                     staging_since - start, now - staging_since)
+
+    def _refuse_nonfinite_weights(self, step: int, weights: dict[str, Any]) -> None:
+        """Weights that are not finite are never published (collective; before anything is written): one line, and
+        the latest checkpoint stays the latest."""
+        if problems := value_problems({f"model.{k}": (t, FINITE) for k, t in weights.items()}, group=self.pg):
+            latest = (f"step-{self.last_saved_step} stays the latest checkpoint" if self.last_saved_step >= 0
+                      else "there is no earlier checkpoint")
+            raise on_every_rank(CheckpointError(
+                f"checkpoint step-{step} was not saved: the weights are not finite: {problems_line(problems)}; "
+                f"{latest} (the run diverged: resume it with a lower optimizer.lr or more scheduler.warmup_steps)"))
 
     def _broadcast_error(self, error: BaseException | None) -> BaseException | None:
         """Rank 0's error, or None, on every rank (collective on pg), so all ranks take the same branch."""

@@ -21,6 +21,13 @@ metadata}). It may change `sd` to ask only for what it can take (stage an entry 
 the checkpoint lacks; emptied, the part loads nothing and its `load_state_dict` is not called) and returns a line
 for the log. Its `load_state_dict` then gets what was loaded, and finishes what `reconcile` started.
 
+Every value a part loads is checked before any part takes it (trainer/tensor_values.py): a floating tensor must be
+finite, and a part may say more of each tensor with `tensor_rule(key, *, step) -> TensorRule | None` (`key` after
+"{name}.", `step` the checkpoint's): a range (AdamW's second moment >= 0, its step a whole number up to the
+checkpoint's), the dtypes its file may hold, a generator state torch takes. The manager checks the stored dtypes
+against the index before any tensor is read and the values once DCP has loaded them, and names the checkpoint and
+the key in one line.
+
 What the index check expects of each DCP entry is the checkpoint's format (trainer/checkpoint/format.py), so a
 checkpoint is checked the same with or without the run that wrote it: model entries have the model's shapes;
 per-parameter state (`{name}.state.{fqn}.{key}`) is a scalar `step`, a tensor of its parameter's shape, or the block
@@ -38,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint.state import model_state_dict
+from trainer.tensor_values import FINITE, TensorRule
 
 
 @runtime_checkable
@@ -45,6 +53,13 @@ class Reconciles(Protocol):
     """A part that reconciles a resume across configs (see the module docstring)."""
 
     def reconcile(self, sd: dict[str, Any], saved: dict[str, TensorStorageMetadata]) -> str | None: ...
+
+
+@runtime_checkable
+class ValueRules(Protocol):
+    """A part that says what its loaded tensors' values must be (see the module docstring)."""
+
+    def tensor_rule(self, key: str, *, step: int) -> TensorRule | None: ...
 
 
 class StepPart(Protocol):
@@ -86,10 +101,30 @@ class CheckpointState(Stateful):
                 sd.pop(name, None)
         return notes
 
+    def tensor_rules(self, tensors: dict[str, Any], *, step: int) -> dict[str, tuple[torch.Tensor, TensorRule]]:
+        """{DCP key: (tensor, its rule)} of the tensors about to be loaded (`tensors`: split_tensors' nested dicts by
+        part name): each part's rule, else finite for a floating tensor (module docstring)."""
+        rules = {}
+        for name, part_tensors in tensors.items():
+            part = self.parts[name]
+            for key, t in _flat(part_tensors):
+                rule = part.tensor_rule(key, step=step) if isinstance(part, ValueRules) else FINITE
+                if rule is not None:
+                    rules[f"{name}.{key}"] = (t, rule)
+        return rules
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for name, part in self.parts.items():
             if name in sd:
                 part.load_state_dict(sd[name])
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(dotted key, tensor) of nested dicts of tensors: DCP's keys of them."""
+    out = []
+    for key, value in tree.items():
+        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return out
 
 
 class ModelPart:
@@ -120,10 +155,30 @@ class RngPart:
             sd.pop("cuda", None)  # saved on a machine without CUDA
         return None
 
+    def tensor_rule(self, key: str, *, step: int) -> TensorRule:
+        """A byte tensor the generator of its device takes (torch refuses an all-zero mt19937 state with a
+        traceback, and DCP would cast another dtype into the bytes)."""
+        return TensorRule(dtypes=(torch.uint8,), accepts=_generator_takes_cuda if key == "cuda" else _generator_takes,
+                          why=f"the {key.upper()} random generator's state")
+
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(sd["cpu"])
         if "cuda" in sd and torch.cuda.is_available():
             torch.cuda.set_rng_state(sd["cuda"])
+
+
+def _generator_takes(state: torch.Tensor, device: str = "cpu") -> str | None:
+    """What a fresh generator of `device` says of `state`, or None when it takes it (nothing global changes)."""
+    try:
+        torch.Generator(device=device).set_state(state.cpu())
+    except (RuntimeError, TypeError, ValueError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def _generator_takes_cuda(state: torch.Tensor) -> str | None:
+    """A CUDA generator's answer; None without CUDA (the state is then not loaded: RngPart.load_state_dict)."""
+    return _generator_takes(state, "cuda") if torch.cuda.is_available() else None
 
 
 class DelayedScalingPart:
@@ -152,6 +207,10 @@ class DelayedScalingPart:
                "has them for other layers or another float8.amax_history_len")
         return (f"float8.scaling: the checkpoint {why}: float8.scaling='delayed' starts its amax histories afresh, "
                 "the first resumed step scaled by each tensor's own amax")
+
+    def tensor_rule(self, key: str, *, step: int) -> TensorRule | None:
+        """The hook's rule for its histories and scales (trainer.parallel.float8.delayed), else finite."""
+        return self.scaling.tensor_rule(key, step=step) if isinstance(self.scaling, ValueRules) else FINITE
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         assert self.scaling is not None

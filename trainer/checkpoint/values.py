@@ -121,9 +121,16 @@ def check_index_entries(metadata: Metadata, shapes: dict[str, tuple[int, ...]], 
         if want is not None and tuple(md.size) != tuple(want):
             raise CheckpointError(f"{file}: {key} has shape {list(md.size)} in the checkpoint but "
                                   f"{list(want)} in this model ({EDITED}, or another model's)")
+        if md.properties.dtype == E4M3 and not scaled and PER_PARAMETER.match(key):
+            raise CheckpointError(f"{file}: {key} is stored as {E4M3} without its block scales ({key}{SCALE_SUFFIX} "
+                                  f"is missing) ({EDITED})")
         if md.properties.dtype not in INDEX_DTYPES and not (scaled and md.properties.dtype == E4M3):
             raise CheckpointError(f"{file}: {key} is stored as {md.properties.dtype}, not one of "
                                   f"{', '.join(map(str, INDEX_DTYPES))} ({EDITED})")
+        base = entries.get(key[:-len(SCALE_SUFFIX)]) if key.endswith(SCALE_SUFFIX) else None
+        if base is not None and getattr(base.properties, "dtype", None) != E4M3:
+            raise CheckpointError(f"{file}: {key} holds block scales of {key[:-len(SCALE_SUFFIX)]}, which is stored "
+                                  f"as {getattr(base.properties, 'dtype', None)}, not {E4M3} ({EDITED})")
 
 
 def check_entry_count(metadata: Metadata, args: ModelArgs, *, path: Path) -> None:

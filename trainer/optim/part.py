@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from trainer.distributed import plain_tensor
 from trainer.optim.states import SCALE_KEY, convert_moment, dtype_name
+from trainer.tensor_values import FINITE, TensorRule
 
 logger = logging.getLogger("trainer.optim")
 
@@ -50,6 +51,18 @@ class OptimizerPart:
                                                        if k.startswith("state.")})
         return ("checkpoint has no Kahan compensation buffers (optimizer.bf16_update was not 'kahan'): starting them "
                 "at zero") if fresh_kahan else None
+
+    def tensor_rule(self, key: str, *, step: int) -> TensorRule:
+        """What each loaded state tensor must hold (`key`: "state.{fqn}.{name}"): checked before the conversions
+        below or the optimizer see it (trainer/tensor_values.py)."""
+        name = key.rpartition(".")[2]
+        if name == "step":  # bias correction divides by 1 - beta ** step; skipped steps count in ours, not in torch's
+            return TensorRule(low=0, high=step, integral=True, why="AdamW's step count, at most the checkpoint's")
+        if name == "exp_avg_sq":
+            return TensorRule(low=0, why="AdamW's second moment, a mean of squares")
+        if name == SCALE_KEY:
+            return TensorRule(low=0, low_open=True, why="the fp8 first moment's block scales")
+        return FINITE
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         staged, self._staged = self._staged, {}

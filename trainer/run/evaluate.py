@@ -7,6 +7,11 @@ model as it trains (FSDP2/TP sharding, FP8 linears, compiled), under no_grad; wi
 `validation.mixed_precision = "bf16"` an fp8 run's matmuls run in bf16 for it. A data mixture
 with a held-out set per source (trainer.data.mix.HeldOutMixture) gets that mean per source
 (`val/loss/NAME`, `steps` batches each) and, as `val_loss`, their mean weighted as the mixture is.
+
+A source whose held-out batches hold no valid label (every label masked by data.eod_mask_loss) has no loss to report:
+its labels are counted once when the evaluator is built (only under data.eod_mask_loss: without it every label is
+valid), and it is left out of `val_loss` and the metrics with one warning line naming it; a held-out set with no
+valid label at all stops the run before its first step (a DataError), rather than report a loss of 0.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainer.data.loader import split_rows
 from trainer.data.mix import HeldOutMixture, MixEntry
+from trainer.data.shards import DataError
+from trainer.errors import on_every_rank
 from trainer.hooks import StepHook
-from trainer.loss import local_loss
+from trainer.loss import IGNORE_INDEX, local_loss
 from trainer.parallel.float8 import Float8Report, bf16_matmuls as matmuls_in_bf16
 
 logger = logging.getLogger(__name__)
@@ -52,6 +59,8 @@ class Evaluator(StepHook):
         self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
         self.batch_loss = batch_loss
         self.eod_mask_id, self.bf16_matmuls = eod_mask_id, bf16_matmuls
+        if eod_mask_id is not None:
+            self.parts = self._parts_with_labels(source)
         self.tokens = len(self.parts) * steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
 
     def log_due(self, step: int) -> bool:
@@ -70,6 +79,27 @@ class Evaluator(StepHook):
             start = (b * self.dp_degree + self.dp_rank) * self.batch_size
             rows = np.stack([source.get_sample(i, self.seq_len) for i in range(start, start + self.batch_size)])
             yield split_rows(rows, eod_mask_id=self.eod_mask_id)
+
+    def _parts_with_labels(self, source) -> list[MixEntry]:
+        """The parts whose held-out batches hold a valid label on some rank (one all-reduce of the counts); a warning
+        naming the others, a DataError when none has one (module docstring)."""
+        valid = torch.tensor([sum(int((labels != IGNORE_INDEX).sum()) for _, labels in self.batches(part.source))
+                              for part in self.parts], dtype=torch.float64, device=self.device)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(valid, op=dist.ReduceOp.SUM, group=self.dp_group)
+        counts = valid.tolist()  # note: a host sync, once
+        empty = [part for part, count in zip(self.parts, counts) if count == 0]
+        what = (f"{self.steps} batch(es) of {self.batch_size} x {self.dp_degree} rank(s), every label masked by "
+                "data.eod_mask_loss (the label after each end-of-document token)")
+        if len(empty) == len(self.parts):
+            raise on_every_rank(DataError(
+                f"validation: the held-out data ({source!r}) has no valid label to compute a loss on ({what}); "
+                "point validation at held-out text with more than end-of-document tokens, or set "
+                "validation.enable=false"))
+        if empty:
+            logger.warning("validation: held-out source(s) %s have no valid label (%s): left out of val_loss, the "
+                           "weighted mean of the other sources", ", ".join(repr(p.name) for p in empty), what)
+        return [part for part in self.parts if part not in empty]
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:

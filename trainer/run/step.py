@@ -16,6 +16,13 @@ steps), injected through autograd (`trainer.models.moe.attach_aux_loss`).
 A non-finite gradient norm (or an fp16 overflow) skips the optimizer step on the device:
 the fused AdamW kernel takes `found_inf`, and the hooks (trainer/hooks.py) get it to mask
 their own updates. `check_finite` reads the norms on the host, at log steps only.
+
+A step whose global batch holds no valid label (every label masked: data.eod_mask_loss on data of end-of-document
+tokens only) has nothing to learn from: its loss would read 0 and AdamW would still move every weight by its
+momentum and weight decay. It is skipped on the device like a non-finite one, and `check_finite` stops the run
+with one line (a DataError): as in Megatron-LM and torchtitan, whose mean over the valid tokens divides by zero
+there and stops (or ruins) the run, a batch with nothing to learn from is a data pipeline to fix, not one to skip
+past silently.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 
-from trainer.errors import UserError
+from trainer.data.shards import DataError
+from trainer.errors import UserError, on_every_rank
 from trainer.loss import IGNORE_INDEX, LossFn, local_loss
 from trainer.models.moe import MoE, set_aux_loss_scale
 from trainer.run.train_state import TrainState
@@ -165,7 +173,8 @@ class TrainStep:
         self.loss_context = loss_context
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
-        self._pending_norms: list[tuple[int, torch.Tensor]] = []
+        self._pending_norms: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, grad norm, valid labels)
+        self._valid_labels = torch.ones((), device=device)  # the last forward_backward's, over the dp x cp ranks
 
     def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> StepResult:
         """Forward/backward over the microbatches and one optimizer step, without a host sync."""
@@ -179,12 +188,13 @@ class TrainStep:
         norm = grad_norm(self.params, pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
         if self.scaler.enabled:
             norm = norm / self.scaler.scale
-        found_inf = ~torch.isfinite(norm)
+        overflow = ~torch.isfinite(norm)
+        found_inf = overflow | (self._valid_labels == 0)  # nothing to learn from: skipped too (module docstring)
         self._optimizer_step(norm, found_inf)
-        self.scaler.update(found_inf)
+        self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self._pending_norms.append((step, norm))
+        self._pending_norms.append((step, norm, self._valid_labels))
         return norm, found_inf
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -194,22 +204,26 @@ class TrainStep:
         per_batch = self.pipeline.num_microbatches if self.pipeline is not None else 1
         scale = self.scaler.scale if self.scaler.enabled else 1.0  # fp16's loss scale
         set_aux_loss_scale(self.moe_layers, scale / (len(microbatches) * per_batch))
-        factor = scale * self._per_valid_token(microbatches)
+        self._valid_labels = self._count_valid(microbatches)
+        factor = scale * self._ranks / self._valid_labels.clamp(min=1.0)  # no valid label: zero loss, and skipped
         if self.pipeline is not None:
             return self.pipeline.forward_backward(microbatches, loss_factor=factor, loss_scale=scale,
                                                   loss_context=self.loss_context)
         return self._forward_backward(microbatches, factor) / scale
 
-    def _per_valid_token(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """D / N (module docstring) as a device tensor: N counted on the host from this rank's labels, then
-        summed over the dp x cp ranks (an asynchronous all-reduce of one number; no host sync)."""
+    @property
+    def _ranks(self) -> int:
+        """D (module docstring): the ranks whose gradients FSDP2 averages."""
+        return dist.get_world_size(self.dp_cp_group) if self.dp_cp_group is not None else 1
+
+    def _count_valid(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """N (module docstring) as a device tensor: counted on the host from this rank's labels, then summed over
+        the dp x cp ranks (an asynchronous all-reduce of one number; no host sync)."""
         valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         count = torch.tensor(float(valid), device=self.device)
-        ranks = 1
         if self.dp_cp_group is not None:
             dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
-            ranks = dist.get_world_size(self.dp_cp_group)
-        return ranks / count.clamp(min=1.0)  # a step with no valid label: zero loss and gradients
+        return count
 
     def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
                           factor: torch.Tensor) -> torch.Tensor:
@@ -261,9 +275,15 @@ class TrainStep:
         """
         if not self._pending_norms:
             return 0
-        steps = [s for s, _ in self._pending_norms]
-        norms = torch.stack([n for _, n in self._pending_norms]).tolist()
+        steps = [s for s, _, _ in self._pending_norms]
+        norms, counts = torch.stack([torch.stack([n.float(), c.float()]) for _, n, c in self._pending_norms]).T.tolist()
         self._pending_norms.clear()
+        if empty := [s for s, count in zip(steps, counts) if count == 0]:
+            raise on_every_rank(DataError(
+                f"step {empty[0]} has nothing to learn from: every label of its global batch is masked (IGNORE_INDEX; "
+                "data.eod_mask_loss masks the label after each end-of-document token, so data of such tokens alone "
+                f"has none), and it was skipped{f' (so were {len(empty) - 1} more since)' if len(empty) > 1 else ''}"
+                "; check the data and data.eod_mask_loss (docs/data.md#the-loss-a-mean-over-the-steps-valid-tokens)"))
         bad = [(s, x) for s, x in zip(steps, norms) if not math.isfinite(x)]
         for step, value in bad:
             if self.scaler.enabled:

@@ -22,6 +22,7 @@ checkpoints as `float8_scaling.{fqn}.{amax_history,scale}` (trainer.checkpoint),
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -31,10 +32,15 @@ from torch import nn
 from trainer.hooks import StepHook
 from trainer.models.layers import clean_fqn
 from trainer.parallel.float8.tensorwise import E4M3, OPERANDS, Float8TensorwiseLinear
+from trainer.tensor_values import TensorRule
 
 logger = logging.getLogger(__name__)
 
 EPS = 1e-12  # torchao.float8.float8_utils.EPS: the scale formula's floor on amax
+# The largest amax a checkpoint's history may hold: the mirror of EPS. A Linear's input, weight or output gradient
+# whose |value| passes 1e12 is a run that diverged; and one crafted amax of 1e30 would scale that operand by 448 /
+# 1e30 for amax_history_len steps, flushing every ordinary value to zero in FP8 without a word.
+AMAX_CEILING = 1e12
 
 
 def delayed_modules(model: nn.Module) -> dict[str, Float8TensorwiseLinear]:
@@ -106,6 +112,19 @@ class DelayedScaling(StepHook):
         The same on every rank of a stage after the reduce, so any layout can load them."""
         return {fqn: {"amax_history": self.history[i], "scale": m.scale}
                 for i, (fqn, m) in enumerate(self.modules.items())}
+
+    def tensor_rule(self, key: str, *, step: int) -> TensorRule:
+        """What a checkpoint's `{fqn}.amax_history` and `{fqn}.scale` may hold: fp32 as saved, amaxes in
+        [0, AMAX_CEILING], scales in the range the formula gives from them with this run's margin (1 before any)."""
+        if key.endswith(".amax_history"):
+            return TensorRule(low=0, high=AMAX_CEILING, dtypes=(torch.float32,),
+                              why=f"an amax above {AMAX_CEILING:g} would flush the operand to zero in FP8 for "
+                                  "float8.amax_history_len steps")
+        # fp8_max / amax / 2**margin for an amax in [EPS, AMAX_CEILING]; e5m2's fp8_max (gradients) is the larger.
+        low = math.ldexp(torch.finfo(E4M3).max / AMAX_CEILING, -self.margin)  # 2.0 ** margin could overflow
+        return TensorRule(low=low, low_open=True, high=torch.finfo(torch.float8_e5m2).max / EPS,
+                          dtypes=(torch.float32,), why=f"fp8_max / amax / 2**float8.margin for an amax in "
+                                                       f"[{EPS:g}, {AMAX_CEILING:g}]")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """After DCP loaded the tensors in place: the casts use the loaded scales from the first resumed step."""
