@@ -19,6 +19,8 @@
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
+#   bash scripts/gpu_checks.sh moe_dispatch  (2 GPUs: moe_16b x 8 layers, ep=2, fp8: moe.dispatch_dtype bf16 vs fp8, with
+#       the experts bf16 and FP8 rowwise; tokens/s per GPU and the all-to-all's share of a profiled step; docs/moe.md)
 #   bash scripts/gpu_checks.sh memplan    (1 GPU: the dry run's memory estimate against the measured peak, other shapes)
 #   bash scripts/gpu_checks.sh memory_peak  (1 GPU: 8B-shape and moe_16b peaks and what is live at them: scripts/memory_peak.py)
 #   bash scripts/gpu_checks.sh docmask    (1 GPU: document masking's GPU test, then 8B shapes x 8 layers on the stdlib text
@@ -211,6 +213,18 @@ for s in $STEPS; do case $s in
       --train.steps=30 --metrics.log_freq=10 --job.dump_folder=/tmp/moe_run 2>&1 \
       | shown "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
     [ -n "$DRY" ] || cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
+  moe_dispatch)  # FP8 token dispatch (issue 50 item 3): moe_16b x 8 layers, ep=2 on 2 GPUs, batch 2 x 4096 per GPU, compile,
+    # no AC, fp8: moe.dispatch_dtype bf16 vs fp8, experts off (bf16) and rowwise; one sitting, profiles for the all-to-all
+    for mode in off rowwise; do
+      for dispatch in bf16 fp8; do
+        launch 2 scripts/benchmark.py --json $OUT/bench.jsonl \
+          --label "moe_16b x 8 layers, ep=2, batch 2, seq 4096, moe.dispatch_dtype=$dispatch, float8.moe_experts=$mode" \
+          --precisions fp8 --warmup 6 --steps 10 --profile-dir /tmp/prof_dispatch_${dispatch}_$mode \
+          --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 --distributed.ep=2 --data.source=synthetic \
+          --moe.dispatch_dtype=$dispatch --float8.moe_experts=$mode ${MOE_ARGS:-} 2>&1 \
+          | tee "$OUT/bench_moe_dispatch_${dispatch}_$mode.log" | grep -E "^precision|^fp8|dispatched|Error|error"
+      done
+    done ;;
   moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8
     # layers on one GPU (ep=1, batch 2 x 4096, compile, no AC): bf16, fp8 with the experts off, fp8 with rowwise: tokens/s, peak memory
     python3 -m pytest -q -m gpu tests/gpu/test_moe_fp8_gpu.py -s 2>&1 | tee "$OUT/moe_fp8_tests.log" | tail -20

@@ -109,6 +109,11 @@ _FLAVOR_DOC = "Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b,
 ModelSection = shape_section(
     "ModelSection", ModelArgs, list(dataclasses.fields(ModelArgs)), first=(("flavor", str, "debug", _FLAVOR_DOC),),
     doc="The model's shapes: a flavor is a preset, and every key set here replaces its value.")
+_DISPATCH_DOC = ('What token rows cross the expert-parallel dispatch all-to-all as (ep > 1): "bf16", or "fp8": e4m3 '
+                 "with one fp32 scale per 1x128 block (DeepSeek-V3's dispatch; needs train.mixed_precision='fp8' and "
+                 "a dim that is a multiple of 128); the combine stays bf16 (docs/moe.md).")
+
 MoESection = shape_section(
     "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],
+    first=(("dispatch_dtype", Literal["bf16", "fp8"], "bf16", _DISPATCH_DOC),),
     doc="Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value.")

@@ -71,6 +71,8 @@ class BuildOptions:
     vocabulary-parallel loss runs eagerly, nor with a tied head (its FSDP2 unit's hooks break the graph)."""
     attention_backends: tuple[str, ...] = ()
     """SDPA's kernels in order of preference (SDPBackend names: "CUDNN_ATTENTION", ...); () = torch's choice."""
+    moe_dispatch_dtype: str = "bf16"
+    """moe.dispatch_dtype: what token rows cross the expert-parallel dispatch as, "bf16" or "fp8" (ep > 1 only)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def build_parallel_model(
 
     # EP next: routed experts become DTensors over the ep axis, which FSDP2 shards further.
     if pd.ep > 1:
-        logger.info(apply_ep(model, pd.mesh("ep")))
+        logger.info(apply_ep(model, pd.mesh("ep"), dispatch_dtype=o.moe_dispatch_dtype))
 
     # FP8 swaps nn.Linear classes and the experts' kernels, so it comes before AC/compile/FSDP wrap them.
     report = None

@@ -10,7 +10,10 @@ checkpoints keep the global view (DCP reshards them to any ep). It then installs
 
 Token counts per expert are exchanged first (a small all-to-all, then one host sync for
 the split sizes); the token all-to-alls are differentiable
-(`all_to_all_single_autograd`), so backward sends the gradients the reverse way.
+(`all_to_all_single_autograd`), so backward sends the gradients the reverse way. With
+`moe.dispatch_dtype = "fp8"` the dispatch moves the rows as e4m3 with one fp32 scale per 1x128 block and the
+receiver dequantizes them (`trainer.models.moe_dispatch`: bytes, rounding, the straight-through backward); the
+combine stays in the compute dtype.
 FSDP2 later shards the expert weights over `expert_fsdp` (dp_shard / ep ranks), see
 `trainer.parallel.fsdp.apply_fsdp`.
 """
@@ -23,6 +26,7 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from trainer.models.moe_dispatch import BLOCK, fp8_all_to_all, fp8_bytes_per_token
 from trainer.models.moe_experts import ExpertDispatcher, ExpertRows
 from trainer.models.moe_permute import inverse_permutation, permute_rows, tokens_to_experts
 
@@ -30,19 +34,25 @@ from trainer.models.moe_permute import inverse_permutation, permute_rows, tokens
 class AllToAllDispatcher(ExpertDispatcher):
     """Moves expert-sorted rows to the rank that holds their expert (dispatch) and back (combine)."""
 
-    def __init__(self, ep_mesh: DeviceMesh, n_experts: int):
+    def __init__(self, ep_mesh: DeviceMesh, n_experts: int, *, dispatch_dtype: str = "bf16"):
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
         assert n_experts % self.ep == 0, (n_experts, self.ep)  # trainer.validate checked it
+        assert dispatch_dtype in ("bf16", "fp8"), dispatch_dtype
         self.n_local = n_experts // self.ep
+        self.fp8 = dispatch_dtype == "fp8"
 
     def dispatch(self, x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
                  k: int) -> tuple[ExpertRows, tuple]:
         """Tokens x [T, dim], their copies sorted by global expert (`order`, counts [n_experts]) -> (the rows for
         this rank's experts as received, with the gather that sorts them by local expert; what combine needs).
 
-        The bf16 copies cross the all-to-all; an FP8 kernel quantizes the received rows once, before that gather
-        (trainer/models/moe_fp8.py)."""
+        The copies cross the all-to-all in the compute dtype, or as e4m3 + 1x128 block scales with fp8 dispatch,
+        dequantized on arrival. An FP8 kernel then quantizes the received rows once per row, before that gather
+        (trainer/models/moe_fp8.py): with power-of-two scales that equals requantizing the blockwise data
+        rowwise (exact, but for elements of a block far below its row's amax that fall into e4m3's subnormals).
+        What the GPU path should become (docs/moe.md): the kernel takes the received e4m3 bytes and block scales
+        (a fused 1-byte-in, 1-byte-out rowwise requantization, or a 1x128-scaled grouped GEMM), not a bf16 copy."""
         rows = tokens_to_experts(x, order, inverse, k)
         received, perm, perm_inverse, local_counts, ctx = self._exchange(rows, counts)
         return ExpertRows(received, perm, perm_inverse, local_counts, k=1), ctx
@@ -58,7 +68,10 @@ class AllToAllDispatcher(ExpertDispatcher):
         # note: a host sync: the split sizes of the token all-to-all must be known on the host.
         sizes = torch.stack([counts.view(ep, n_local).sum(1), recv.sum(1)]).tolist()
         send_splits, recv_splits = sizes
-        x_recv = all_to_all_single_autograd(x, recv_splits, send_splits, group=self.group)
+        if self.fp8:
+            x_recv = fp8_all_to_all(x, recv_splits, send_splits, self.group)
+        else:
+            x_recv = all_to_all_single_autograd(x, recv_splits, send_splits, group=self.group)
         # Received rows are grouped by (source rank, local expert); the grouped GEMM wants them by expert.
         segment = torch.repeat_interleave(
             torch.arange(ep * n_local, device=x.device), recv.flatten(), output_size=x_recv.shape[0]
@@ -75,8 +88,10 @@ class AllToAllDispatcher(ExpertDispatcher):
         return all_to_all_single_autograd(y_recv_order, send_splits, recv_splits, group=self.group)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> str:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf16") -> str:
     """Shard every MoE layer's routed experts over ep_mesh and install the all-to-all dispatcher, in place.
+    dispatch_dtype: moe.dispatch_dtype, what the token rows cross the dispatch all-to-all as ("bf16": the compute
+    dtype; "fp8": e4m3 with 1x128 block scales).
 
     Runs on the meta-device model right after TP and before FP8/AC/compile/FSDP2, which
     see the expert weights as the DTensors they will shard further.
@@ -95,9 +110,15 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> str:
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
                                     stride=param.stride())
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        experts.use(dispatcher=AllToAllDispatcher(ep_mesh, n_experts))
+        experts.use(dispatcher=AllToAllDispatcher(ep_mesh, n_experts, dispatch_dtype=dispatch_dtype))
         n_layers += 1
     assert n_layers, "apply_ep on a model without MoE layers (trainer.validate refuses ep > 1 on dense flavors)"
-    return (f"expert parallel: ep={ep}, {n_experts // ep} of {n_experts} routed experts per rank in "
+    line = (f"expert parallel: ep={ep}, {n_experts // ep} of {n_experts} routed experts per rank in "
             f"{n_layers} MoE layers, all-to-all dispatch over {ep_mesh.mesh_dim_names}")
+    if dispatch_dtype == "fp8":
+        dim = model.args.dim
+        assert dim % BLOCK == 0, dim  # trainer.validate checked it
+        line += (f"; tokens dispatched in fp8 (e4m3, 1x{BLOCK} block scales): {fp8_bytes_per_token(dim)} bytes per "
+                 f"token instead of {2 * dim} (bf16), the combine in bf16")
+    return line
 

@@ -82,7 +82,11 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                 f"distributed.ep={pd.ep} needs an MoE model, but model.flavor={m.flavor!r} is dense; "
                 "set distributed.ep=1 or an MoE flavor (debug_moe, moe_small, moe_16b)"
             )
-        changed = [f for f in MoESection.__dataclass_fields__ if getattr(cfg.moe, f) is not None]
+        if cfg.moe.dispatch_dtype == "fp8":
+            raise ConfigError(f"moe.dispatch_dtype='fp8' needs an MoE model, but model.flavor={m.flavor!r} is dense; "
+                              "set moe.dispatch_dtype='bf16' or an MoE flavor (debug_moe, moe_small, moe_16b)")
+        changed = [f for f in MoESection.__dataclass_fields__
+                   if f != "dispatch_dtype" and getattr(cfg.moe, f) is not None]
         if changed:
             raise ConfigError(
                 f"moe.{changed[0]}={getattr(cfg.moe, changed[0])} has no effect: model.flavor={m.flavor!r} is dense; "
@@ -93,6 +97,12 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
         raise ConfigError(
             f"distributed.ep={pd.ep} must divide the {args.n_experts} routed experts of model.flavor={m.flavor!r}"
         )
+    if cfg.moe.dispatch_dtype == "fp8" and pd.ep == 1:
+        raise ConfigError("moe.dispatch_dtype='fp8' needs distributed.ep > 1: at ep=1 no token crosses an all-to-all; "
+                          "set distributed.ep or moe.dispatch_dtype='bf16'")
+    if cfg.moe.dispatch_dtype == "fp8" and args.dim % 128:
+        raise ConfigError(f"moe.dispatch_dtype='fp8' needs model.dim a multiple of 128 (one scale per 1x128 block of "
+                          f"each token row), but it is {args.dim}; set moe.dispatch_dtype='bf16'")
     for key, degree in (("tp", pd.tp), ("cp", pd.cp)):
         if degree > 1 and args.capacity_factor > 0:
             raise ConfigError(
