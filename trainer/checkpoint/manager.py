@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter,
-    CorruptCheckpointError, collect_checksums, file_digest, first_line, publish, root_cause, write_json,
+    CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, CorruptCheckpointError,
+    file_digest, first_line, publish, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
 from trainer.checkpoint.options import CheckpointOptions
@@ -50,6 +50,7 @@ from trainer.checkpoint.values import nonfinite_counts, nonfinite_line
 from trainer.checkpoint.verify import (
     check_every_rank_wrote, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
 )
+from trainer.checkpoint.writer import ChecksummedWriter, collect_checksums, describe_writes
 from trainer.errors import on_every_rank
 
 logger = logging.getLogger("trainer.checkpoint")
@@ -422,7 +423,7 @@ class CheckpointManager:
         if self.rank != 0:
             return
         check_every_rank_wrote(tmp, world_size=self.world_size)
-        files = collect_checksums(tmp)
+        files, writes = collect_checksums(tmp)
         files[STATE_JSON] = file_digest(tmp / STATE_JSON)
         files.update(write_tokenizer(self.run.tokenizer, self.run.tokenizer_fingerprint, tmp))
         info = {
@@ -441,7 +442,8 @@ class CheckpointManager:
         final = self.folder / f"step-{step}"
         publish(tmp, final)
         size = sum(f["bytes"] for f in files.values())
-        logger.info("saved checkpoint %s (%.1f MiB, %.2f s)", final, size / 2**20, time.perf_counter() - start)
+        logger.info("saved checkpoint %s (%.1f MiB, %.2f s); %s", final, size / 2**20, time.perf_counter() - start,
+                    describe_writes(writes))
         self._prune(step)
 
     def _move_abandoned_aside(self) -> None:
