@@ -400,8 +400,14 @@ class CheckpointManager:
             "them"))
 
     def _poll(self) -> None:
+        """Make a background save that has finished complete: rank 0 publishes it (checkpoint.json, the rename,
+        pruning), in the training loop, so that time blocks training too and is logged."""
         if self._pending is not None and self._pending.future.done():
+            step, start = self._pending.step, time.perf_counter()
             self.wait()
+            if self.rank == 0 and self.last_saved_step == step:  # published (a failed save said so instead)
+                logger.info("checkpoint step-%d: publishing blocked training %.2f s (checkpoint.json, the rename, "
+                            "pruning)", step, time.perf_counter() - start)
 
     def wait(self) -> None:
         """Block until the background save (if any) is written, then make it complete."""
