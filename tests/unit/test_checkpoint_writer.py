@@ -1,11 +1,13 @@
-"""trainer/checkpoint/writer.py: a rank's shards written by several threads load exactly as one thread's, the size and
-crc32 taken while writing are the files' own (a flipped byte is still caught), a failing writer thread fails the save,
-and the thread count follows the bytes."""
+"""trainer/checkpoint/writer.py: a rank's shards written by several threads load exactly as one thread's (and a run
+resumed from them continues bit for bit), the size and crc32 taken while writing are the files' own (a flipped byte is
+still caught), a failing writer thread fails the save, and the thread count follows the bytes."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import threading
 import warnings
 from pathlib import Path
@@ -16,13 +18,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from tests.helpers import DEBUG_CONFIG
 from trainer.checkpoint import writer as writer_module
 from trainer.checkpoint.format import METADATA, disk_error, file_digest
-from trainer.checkpoint.verify import check_file, safe_load
+from trainer.checkpoint.verify import check_file, load_dcp_metadata, safe_load
 from trainer.checkpoint.writer import (
     BYTES_PER_WRITE_THREAD, MAX_WRITE_THREADS, ChecksummedWriter, collect_checksums, describe_writes, read_sidecar,
     sidecar_name, write_threads,
 )
+from trainer.config import load_job_config
+from trainer.run.train import train
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -137,3 +142,38 @@ def test_the_thread_count_follows_the_bytes_the_tensors_and_the_cores() -> None:
     assert write_threads([_item("t", BYTES_PER_WRITE_THREAD * 3)] * 2, cores=16) == 2  # a thread per tensor at most
     assert write_threads([_item(f"t{i}", 2**20) for i in range(50)], cores=16) == 1  # 50 MiB: one file
     assert write_threads([_item("big", 2**30), _item("empty", 0)] * 1, cores=16) == 1  # empty tensors do not count
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_run_resumed_from_a_checkpoint_written_by_8_threads_continues_bit_for_bit(tmp_path, monkeypatch,
+                                                                                   async_mode) -> None:
+    """The debug model trained 4 steps with a checkpoint every 2, each rank's shards written by 8 threads (one per
+    4 KiB here); a copy of step-2 resumed in another folder trains steps 3-4 to the same weights and optimizer state,
+    bit for bit."""
+    monkeypatch.setattr(writer_module, "BYTES_PER_WRITE_THREAD", 4096)
+    monkeypatch.setattr(writer_module, "rank_cores", lambda: 8)
+    args = ["--config", DEBUG_CONFIG, "--train.seq_len=32", "--train.steps=4", "--train.mixed_precision=fp32",
+            "--checkpoint.enable=true", "--checkpoint.interval=2", f"--checkpoint.async_mode={async_mode}",
+            "--metrics.enable_tensorboard=false"]
+    train(load_job_config([*args, f"--job.dump_folder={tmp_path / 'straight'}"]))
+    straight = tmp_path / "straight" / "checkpoint"
+    assert len(list((straight / "step-2").glob("__0_*.distcp"))) == 8
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(straight / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    train(load_job_config([*args, f"--job.dump_folder={tmp_path / 'resumed'}"]))
+    metrics = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [3, 4]  # it resumed step-2: it did not start over
+    ends = [tmp_path / run / "checkpoint" / "step-4" for run in ("straight", "resumed")]
+    every = [_every_tensor(end) for end in ends]
+    assert every[0].keys() == every[1].keys() and any(k.startswith("optimizer.") for k in every[0])
+    assert _same(every[0], every[1])
+
+
+def _every_tensor(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, read as saved (through the safe reader)."""
+    metadata = load_dcp_metadata(path / METADATA)
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        safe_load(state, path, no_dist=True)
+    return state
