@@ -1,13 +1,13 @@
 """How a rank writes its shards: at the disk's speed, recording the size and crc32 of every file as it is written.
 
 DCP's FileSystemWriter writes a rank's tensors with `torch.save` into `__{rank}_{i}.distcp` files and fsyncs each;
-checkpoint.json lists the size and crc32 of every file, which a load verifies. Three things held a save to 0.4-0.7
-GB/s per rank on an H200 host, into tmpfs as into a disk (docs/benchmarks/2026-11-26-h200-whole-8b-checkpoint-stall-
-long-context.md):
-- one writer thread per rank (DCP's `thread_count=1`);
-- the crc32 torch.save computes for every record of its zip format, one thread, holding the GIL, which nothing
-  reads: torch.load never checks it, and the crc32 of the whole file in checkpoint.json is what a load verifies;
-- reading every file back afterwards for that crc32.
+checkpoint.json lists the size and crc32 of every file, which a load verifies. A save ran at 0.4-0.7 GB/s per rank on
+an H200 host, into tmpfs as into a disk (docs/benchmarks/2026-11-26-h200-whole-8b-checkpoint-stall-long-context.md):
+one thread per rank (DCP's `thread_count=1`) passed over every byte four times, in turn:
+- the crc32 torch.save computes for every record of its zip format, which nothing reads (torch.load never checks it;
+  the crc32 of the whole file in checkpoint.json is what a load verifies);
+- the write;
+- reading every file back afterwards, and its crc32.
 
 Here a rank writes with several threads, one file each (`write_threads`: DCP deals the tensors out by size, so the
 files are about equal), torch.save's record crc32 is off for the write (`torch.serialization.set_crc32_options`,
