@@ -37,7 +37,7 @@
 #       blocked training, beside dd of as many bytes per rank into the same folder, and what allocating the host buffers
 #       in the background cost the steps beside it; the whole 8B by default: CKPT_ARGS="--model.n_layers=8" on one GPU or
 #       a small disk; CKPT_DIR the folder (the disk measured; 2 checkpoints: 96 GB for the whole 8B), CKPT_STEPS,
-#       CKPT_INTERVAL, CKPT_MODE=async / disabled)
+#       CKPT_INTERVAL, CKPT_MODE=async / disabled; a baseline: the same step with an older trainer/checkpoint checked out)
 #   bash scripts/gpu_checks.sh pp         (4: 4 GPUs: dp_shard=4 against pp=2 x dp_shard=2, 1F1B and Interleaved1F1B)
 #   bash scripts/gpu_checks.sh moe16b recipe7b   (5: moe_16b with ep = every GPU; the 16-GPU fp8 recipe under its cap)
 #   bash scripts/gpu_checks.sh cp         (6: 8B shapes at 32K and 128K tokens with distributed.cp = every GPU: tokens/s

@@ -24,10 +24,11 @@ from fp8_parity import read_curves
 
 AG_OFF = "--float8.enable_fsdp_float8_all_gather=false"
 PREFIX = r"\[rank0\s+([\d.]+)s\] "  # the log prefix: rank and seconds since the start
-SAVED = re.compile(r"saved checkpoint \S+/step-(\d+) \([\d.]+ MiB, [\d.]+ s\); written at ([\d.]+) GB/s per rank "
-                   r"\(the slowest: ([\d.]+) GB in ([\d.]+) s, (\d+) threads\)")
-ALLOCATED = re.compile(PREFIX + r"checkpoint: host buffers for ([\d.]+) GiB allocated in the background after the "
-                       r"first step in ([\d.]+) s \(pages touched in ([\d.]+) s(?:, pinned in ([\d.]+) s)?")
+# A checkout before trainer/checkpoint/writer.py logs neither the write's speed nor the allocation's parts (a baseline).
+SAVED = re.compile(r"saved checkpoint \S+/step-(\d+) \(([\d.]+) MiB, ([\d.]+) s\)(?:; written at [\d.]+ GB/s per rank "
+                   r"\(the slowest: ([\d.]+) GB in ([\d.]+) s, (\d+) threads\))?")
+ALLOCATED = re.compile(PREFIX + r"checkpoint: host buffers for ([\d.]+) GiB allocated in the background(?: after the "
+                       r"first step)? in ([\d.]+) s(?: \(pages touched in ([\d.]+) s(?:, pinned in ([\d.]+) s)?)?")
 STEP = re.compile(PREFIX + r"step +(\d+)/\d+ .*?\| tps ([\d,]+)")
 PUBLISHED = re.compile(r"checkpoint step-(\d+): publishing blocked training ([\d.]+) s")
 DD = re.compile(r"^(\d+) bytes .* copied, ([\d.]+) s", re.MULTILINE)
@@ -91,25 +92,42 @@ def stall_table(log: str) -> str:
 
 def speed_table(log: str, dd: str) -> str:
     """Each save's write speed per rank (its slowest rank's, from the line rank 0 logs when it publishes) and how long
-    it blocked training (the save itself: staging; rank 0 publishing it, the next collective waiting), the dd of the same bytes per rank into the same folder (one per rank at once), and what the
-    background allocation of the host buffers cost the steps it ran beside."""
-    saves = {int(m[1]): m for m in SAVED.finditer(log)}
+    it blocked training (the save itself: staging; rank 0 publishing it, the next collective waiting), the dd of the
+    same bytes per rank into the same folder (one per rank at once), and what the background allocation of the host
+    buffers cost the steps it ran beside."""
+    saves = written(log)
     if not saves:
-        return "no 'saved checkpoint ... written at' line in the log"
+        return "no 'saved checkpoint' line in the log"
     blocked = blocked_saves(log)
     published = {int(step): float(seconds) for step, seconds in PUBLISHED.findall(log)}
     lines = ["| save | GB per rank | write s (slowest rank) | GB/s per rank | threads | blocked training s | staging s | "
              "publishing s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for step, m in sorted(saves.items()):
+    for step, (gb, seconds, threads) in sorted(saves.items()):
         _, stalled, _, _, staging = blocked.get(step, (step, None, None, None, None))
-        lines.append(f"| step-{step} | {float(m[3]):.2f} | {float(m[4]):.2f} | {float(m[2]):.2f} | {m[5]} | " + " | ".join(
-            "" if v is None else f"{v:.2f}" for v in (stalled, staging, published.get(step))) + " |")
+        lines.append(f"| step-{step} | {gb:.2f} | {seconds:.2f}{'' if threads else '*'} | {gb / seconds:.2f} | "
+                     f"{threads or ''} | " + " | ".join("" if v is None else f"{v:.2f}"
+                                                      for v in (stalled, staging, published.get(step))) + " |")
+    if not all(threads for _, _, threads in saves.values()):
+        lines.append("\n\\* the whole save, from its start to its publishing (this checkout logs no write time)")
     runs = [(int(n), float(sec)) for n, sec in DD.findall(dd) if int(n) and float(sec)]
     if runs:
         slowest = max(runs, key=lambda r: r[1])
         lines.append(f"\ndd of {slowest[0] / 1e9:.2f} GB per rank, {len(runs)} at once into the same folder "
                      f"(conv=fdatasync): {slowest[0] / slowest[1] / 1e9:.2f} GB/s each (the slowest)")
     return "\n".join(lines + [allocation_cost(log)])
+
+
+def written(log: str) -> dict[int, tuple[float, float, int | None]]:
+    """{step: (GB per rank, seconds, threads)} of each save: its slowest rank's write; where the line does not say (a
+    checkout before writer.py), the checkpoint's bytes over the ranks that logged, in the whole save's seconds."""
+    ranks = len(set(re.findall(r"^\[rank(\d+)", log, re.MULTILINE))) or 1
+    saves = {}
+    for m in SAVED.finditer(log):
+        if m[4] is None:
+            saves[int(m[1])] = (float(m[2]) * 2**20 / 1e9 / ranks, float(m[3]), None)
+        else:
+            saves[int(m[1])] = (float(m[4]), float(m[5]), int(m[6]))
+    return saves
 
 
 def allocation_cost(log: str) -> str:
@@ -123,9 +141,9 @@ def allocation_cost(log: str) -> str:
     plain = [(t, n, tps) for t, n, tps in steps if n > 1 and n not in saved and n - 1 not in saved]
     during = [tps for t, n, tps in plain if t <= float(done[1])]
     after = [tps for t, n, tps in plain if t > float(done[1])]
-    pinned = f", pinned in {done[5]} s" if done[5] else ""
-    line = (f"host buffers: {done[2]} GiB allocated in the background in {done[3]} s (pages touched in {done[4]} s"
-            f"{pinned})")
+    parts = "" if done[4] is None else f" (pages touched in {done[4]} s" + (
+        f", pinned in {done[5]} s)" if done[5] else ")")
+    line = f"host buffers: {done[2]} GiB allocated in the background in {done[3]} s{parts}"
     if during and after:
         line += (f"; tokens/s of the steps beside it {statistics.median(during):,.0f} (median of {len(during)}), "
                  f"of the others {statistics.median(after):,.0f} (median of {len(after)})")
@@ -134,7 +152,7 @@ def allocation_cost(log: str) -> str:
 
 def rank_bytes(log: str) -> int:
     """The most bytes a rank wrote in one save (for the dd beside it)."""
-    return int(max(float(m[3]) for m in SAVED.finditer(log)) * 1e9)
+    return int(max(gb for gb, _, _ in written(log).values()) * 1e9)
 
 
 def loss_comparison(ref: Path, other: Path) -> str:

@@ -114,4 +114,25 @@ def test_speed_table_reads_the_managers_and_dds_lines(tables) -> None:
                          "in 2.1 s); tokens/s of the steps beside it 7,050 (median of 2), of the others 8,100 (median of "
                          "3)")
     assert tables.rank_bytes(log) == 24_080_000_000
-    assert tables.speed_table("no saves", "") == "no 'saved checkpoint ... written at' line in the log"
+    assert tables.speed_table("no saves", "") == "no 'saved checkpoint' line in the log"
+
+
+def test_speed_table_reads_a_checkout_from_before_the_writer_as_a_baseline(tables) -> None:
+    """Lines of a run before trainer/checkpoint/writer.py (no write speed, no allocation parts): the checkpoint's bytes
+    over the ranks that logged, in the whole save's seconds, marked as such."""
+    log = "\n".join([
+        "[rank0    20.0s] step      2/30 | loss  7.0000 | grad_norm   1.000 | lr 3.00e-04 | tps 3,000 | mem",
+        "[rank1    20.0s] step      2/30 | loss  7.0000 | grad_norm   1.000 | lr 3.00e-04 | tps 3,000 | mem",
+        "[rank0    30.0s] checkpoint: host buffers for 22.4 GiB allocated in the background in 8.8 s (every save "
+        "copies into them)",
+        "[rank0    40.0s] step      3/30 | loss  7.0000 | grad_norm   1.000 | lr 3.00e-04 | tps 8,000 | mem",
+        "[rank0    50.0s] checkpoint step-5: blocked training 0.60 s (previous save 0.00 s, preparing 0.05 s, staging "
+        "0.55 s); writing in the background",
+        "[rank0    90.0s] saved checkpoint /tmp/ckpt_speed/checkpoint/step-5 (45929.6 MiB, 40.00 s)",
+    ])
+    table = tables.speed_table(log, "").splitlines()
+    assert "| step-5 | 24.08 | 40.00* | 0.60 |  | 0.60 | 0.55 |  |" in table  # 45,929.6 MiB over 2 ranks in 40 s
+    assert "\\* the whole save, from its start to its publishing (this checkout logs no write time)" in table
+    assert table[-1] == ("host buffers: 22.4 GiB allocated in the background in 8.8 s; tokens/s of the steps beside "
+                         "it 3,000 (median of 1), of the others 8,000 (median of 1)")
+    assert tables.rank_bytes(log) == int(45929.6 * 2**20 / 2)
