@@ -449,7 +449,7 @@ PY
     if [ -z "$DRY" ]; then
       rm -rf "$S/checkpoint"; n=$(python3 scripts/multigpu_tables.py rank_bytes "$OUT/ckpt_speed.log") || n=0
       for r in $(seq 0 $((NGPU - 1))); do  # one dd per rank, at once, as the ranks write
-        dd if=/dev/zero of="$S/dd_$r" bs=64M count=$(( (n + 2**26 - 1) / 2**26 )) conv=fdatasync 2>&1 | tail -1 &
+        dd if=/dev/zero of="$S/dd_$r" bs=16M count=$(( (n + 2**24 - 1) / 2**24 )) conv=fdatasync 2>&1 | tail -1 &
       done > "$OUT/ckpt_speed_dd.log"; wait
       python3 scripts/multigpu_tables.py speed "$OUT/ckpt_speed.log" "$OUT/ckpt_speed_dd.log" | tee "$OUT/ckpt_speed_table.md"
     fi

@@ -26,7 +26,7 @@ AG_OFF = "--float8.enable_fsdp_float8_all_gather=false"
 PREFIX = r"\[rank0\s+([\d.]+)s\] "  # the log prefix: rank and seconds since the start
 # A checkout before trainer/checkpoint/writer.py logs neither the write's speed nor the allocation's parts (a baseline).
 SAVED = re.compile(r"saved checkpoint \S+/step-(\d+) \(([\d.]+) MiB, ([\d.]+) s\)(?:; written at [\d.]+ GB/s per rank "
-                   r"\(the slowest: ([\d.]+) GB in ([\d.]+) s, (\d+) threads\))?")
+                   r"\(the slowest: ([\d.]+) GB in ([\d.]+) s, (\d+) threads?\))?")
 ALLOCATED = re.compile(PREFIX + r"checkpoint: host buffers for ([\d.]+) GiB allocated in the background(?: after the "
                        r"first step)? in ([\d.]+) s(?: \(pages touched in ([\d.]+) s(?:, pinned in ([\d.]+) s)?)?")
 STEP = re.compile(PREFIX + r"step +(\d+)/\d+ .*?\| tps ([\d,]+)")

@@ -88,6 +88,9 @@ def test_the_checksums_taken_while_writing_are_the_files_own(tmp_path) -> None:
     assert files[METADATA] == file_digest(folder / METADATA) and not (folder / sidecar_name(0)).exists()
     assert writes == [{k: sidecar[k] for k in ("bytes", "seconds", "threads")}]
     assert describe_writes(writes).startswith("written at ") and "3 threads" in describe_writes(writes)
+    assert describe_writes([{"bytes": 10**9, "seconds": 0.5, "threads": 1}, {"bytes": 10**9, "seconds": 0.25,
+                                                                          "threads": 1}]) == (
+        "written at 2.00 GB/s per rank (the slowest: 1.00 GB in 0.50 s, 1 thread)")
 
 
 def test_a_flipped_byte_in_a_threads_file_fails_its_crc32(tmp_path) -> None:

@@ -204,5 +204,6 @@ def describe_writes(writes: list[dict[str, Any]]) -> str:
         return "nothing written"
     slowest = max(writes, key=lambda w: w["seconds"])
     speed = slowest["bytes"] / max(slowest["seconds"], 1e-9) / 1e9
+    threads = slowest["threads"]
     return (f"written at {speed:.2f} GB/s per rank (the slowest: {slowest['bytes'] / 1e9:.2f} GB in "
-            f"{slowest['seconds']:.2f} s, {slowest['threads']} threads)")
+            f"{slowest['seconds']:.2f} s, {threads} thread{'s' if threads != 1 else ''})")
