@@ -38,6 +38,11 @@
 #   bash scripts/gpu_checks.sh ckpt_stall (3: the whole 8B on all GPUs, async pinned-memory checkpoints every 30 steps:
 #       how long each save blocks training, the first save and the rest; STALL_ARGS: more overrides, STALL_STEPS and
 #       STALL_INTERVAL the run's length and checkpoint.interval, STALL_DIR its folder)
+#   bash scripts/gpu_checks.sh ckpt_speed (1 or more GPUs: each async save's write speed in GB/s per rank and how long it
+#       blocked training, beside dd of as many bytes per rank into the same folder, and what allocating the host buffers
+#       in the background cost the steps beside it; the whole 8B by default: CKPT_ARGS="--model.n_layers=8" on one GPU or
+#       a small disk; CKPT_DIR the folder (the disk measured; 2 checkpoints: 96 GB for the whole 8B), CKPT_STEPS,
+#       CKPT_INTERVAL, CKPT_MODE=async / disabled; a baseline: the same step with an older trainer/checkpoint checked out)
 #   bash scripts/gpu_checks.sh pp         (4: 4 GPUs: dp_shard=4 against pp=2 x dp_shard=2, 1F1B and Interleaved1F1B)
 #   bash scripts/gpu_checks.sh moe16b recipe7b   (5: moe_16b with ep = every GPU; the 16-GPU fp8 recipe under its cap)
 #   bash scripts/gpu_checks.sh cp         (6: 8B shapes at 32K and 128K tokens with distributed.cp = every GPU: tokens/s
@@ -479,6 +484,25 @@ PY
       | tee "$OUT/ckpt_stall.log" | shown "step +[0-9]+/|checkpoint|Error|error" | grep -v "^\[rank[1-9]" | cut -c1-220
     [ -n "$DRY" ] || python3 scripts/multigpu_tables.py stall "$OUT/ckpt_stall.log" | tee "$OUT/ckpt_stall_table.md"
     rm -rf "$S" ;;
+  ckpt_speed)  # checkpoint writes at disk speed: the ckpt_stall job saving every CKPT_INTERVAL steps (one kept besides
+    # the new one); the table: GB/s per rank of each save (its slowest rank's write, fsync included) and what it blocked,
+    # then one dd per rank at once of the bytes a rank wrote, into the same folder, then the steps beside the buffers'
+    # background allocation against the others
+    S=${CKPT_DIR:-/tmp/ckpt_speed}; rm -rf "$S"
+    launch $NGPU scripts/train.py --config configs/train/llama3_8b.toml --train.batch_size=4 --train.seq_len=4096 \
+      --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --train.steps=${CKPT_STEPS:-40} \
+      --checkpoint.enable=true --checkpoint.interval=${CKPT_INTERVAL:-10} --checkpoint.keep_latest_k=1 \
+      --checkpoint.async_mode=${CKPT_MODE:-async_with_pinned_mem} --metrics.log_freq=1 --metrics.enable_tensorboard=false \
+      --job.dump_folder="$S" ${CKPT_ARGS:-} 2>&1 | tee "$OUT/ckpt_speed.log" | shown "checkpoint|Error|error" \
+      | grep -v "^\[rank[1-9]" | cut -c1-250
+    if [ -z "$DRY" ]; then
+      rm -rf "$S/checkpoint"; n=$(python3 scripts/multigpu_tables.py rank_bytes "$OUT/ckpt_speed.log") || n=0
+      for r in $(seq 0 $((NGPU - 1))); do  # one dd per rank, at once, as the ranks write
+        dd if=/dev/zero of="$S/dd_$r" bs=16M count=$(( (n + 2**24 - 1) / 2**24 )) conv=fdatasync 2>&1 | tail -1 &
+      done > "$OUT/ckpt_speed_dd.log"; wait
+      python3 scripts/multigpu_tables.py speed "$OUT/ckpt_speed.log" "$OUT/ckpt_speed_dd.log" | tee "$OUT/ckpt_speed_table.md"
+    fi
+    rm -rf "$S" ;;
   cp)  # table 6: 8B at 32K and 128K tokens per sequence, distributed.cp = every GPU (configs/train/llama3_8b_128k_cp8.toml:
     # full AC, chunked loss, batch 1), 20 steps of synthetic tokens: tokens/s and peak memory from the log line; then
     # cp=1 on one GPU where its dry run says it fits, and the two runs' losses step by step
@@ -518,6 +542,6 @@ for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -
 [ -f "$OUT/moe_fp8_micro.log" ] && cat "$OUT/moe_fp8_micro.log"
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 [ -f "$OUT/coldstart.log" ] && cat "$OUT/coldstart.log"
-for f in peer8b.log scaling_table.md ckpt_stall_table.md cp.log; do [ -f "$OUT/$f" ] && cat "$OUT/$f"; done
+for f in peer8b.log scaling_table.md ckpt_stall_table.md ckpt_speed_table.md cp.log; do [ -f "$OUT/$f" ] && cat "$OUT/$f"; done
 if [ ${#FAILED[@]} -gt 0 ]; then echo "== FAILED steps: ${FAILED[*]} =="; exit 1; fi
 exit 0

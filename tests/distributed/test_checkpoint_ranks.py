@@ -1,8 +1,10 @@
 """What one rank does that the others cannot see, on 2 spawned gloo ranks (issue 39): a checkpoint folder that
-resolves elsewhere on one rank, a rank stopped during a save, an error only one rank raises."""
+resolves elsewhere on one rank, a rank stopped during a save, an error only one rank raises; and each rank writing its
+shards with several threads."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -142,3 +144,53 @@ def test_value_problems_count_each_shard_once_and_name_the_global_index() -> Non
         "replicated holds 1 of 3 values outside the allowed [0, inf) (first at [1]: -2)",
         "sharded holds 3 non-finite values (2 NaN, 1 Inf of 24; first at [1, 4])",
     ]
+
+
+def _train_writing_with_4_threads(argv: list[str]) -> int:
+    """trainer.cli.main with each rank writing its shards with 4 threads (one per 4 KiB: the debug model's shards are
+    far below one thread's share)."""
+    from trainer.checkpoint import writer
+    from trainer.cli import main
+
+    writer.BYTES_PER_WRITE_THREAD = 4096
+    writer.rank_cores = lambda: 4
+    return main(argv)
+
+
+def _every_tensor(path: Path) -> dict:
+    import warnings
+
+    import torch
+
+    from trainer.checkpoint import load_dcp_metadata
+    from trainer.checkpoint.verify import safe_load
+
+    metadata = load_dcp_metadata(path / ".metadata")
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        safe_load(state, path, no_dist=True)  # every rank's shards, whole
+    return state
+
+
+def test_two_ranks_writing_with_4_threads_each_resume_bit_for_bit(tmp_path: Path) -> None:
+    """2 FSDP ranks, each writing its shards into 4 files: rank 0 finds every rank's 4 files listed before it publishes,
+    and a copy of step-2 resumed by 2 ranks trains to the same step-4 checkpoint, every tensor bit for bit."""
+    import shutil
+
+    import torch
+
+    args = [*FAST, "--train.steps=4", "--train.seq_len=32", "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_distributed(_train_writing_with_4_threads, world_size=2, timeout=300,
+                           args=([*args, f"--job.dump_folder={straight}"],)) == [0, 0]
+    step2 = straight / "checkpoint" / "step-2"
+    assert sorted(p.name for p in step2.glob("*.distcp")) == [f"__{r}_{i}.distcp" for r in (0, 1) for i in range(4)]
+    shutil.copytree(step2, resumed / "checkpoint" / "step-2")
+    assert run_distributed(_train_writing_with_4_threads, world_size=2, timeout=300,
+                           args=([*args, f"--job.dump_folder={resumed}"],)) == [0, 0]
+    metrics = (resumed / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [3, 4]  # it resumed step-2: it did not start over
+    a, b = (_every_tensor(run / "checkpoint" / "step-4") for run in (straight, resumed))
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    assert all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)

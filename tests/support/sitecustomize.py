@@ -64,7 +64,7 @@ def _maybe_fail(root: str, step: int) -> None:
 
 
 def _patch(module) -> None:
-    manager, writer = module.CheckpointManager, module.ChecksummedWriter  # the writer class lives in format.py
+    manager, writer = module.CheckpointManager, module.ChecksummedWriter  # the writer class lives in writer.py
     maybe_save, write_data = manager.maybe_save, writer.write_data
 
     def paused_maybe_save(self, step, **kwargs):

@@ -78,3 +78,61 @@ def test_losses_compare_two_runs_step_by_step(tables, tmp_path: Path) -> None:
             "".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses)))
     assert tables.loss_comparison(tmp_path / "ref", tmp_path / "other") == (
         "3 common steps; largest difference at step 2: 8.0000 vs 8.0400 (+0.500%); step 3: 6.0000 vs 6.0060 (+0.100%)")
+
+
+def test_speed_table_reads_the_managers_and_dds_lines(tables) -> None:
+    # The lines trainer/checkpoint/manager.py, staging.py and the metrics logger print, and dd's last line per rank.
+    def step(t: float, n: int, tps: int) -> str:
+        return f"[rank0   {t:6.1f}s] step {n:6d}/30 | loss  7.0000 | grad_norm   1.000 | lr 3.00e-04 | tps {tps:,} | mem"
+
+    def blocked(rank: int, n: int, staging: float) -> str:
+        return (f"[rank{rank}   70.0s] checkpoint step-{n}: blocked training {staging + 0.05:.2f} s (previous save 0.00 "
+                f"s, preparing 0.05 s, staging {staging:.2f} s); writing in the background")
+
+    def saved(n: int, gb: float, seconds: float) -> str:
+        return (f"[rank0   80.0s] saved checkpoint /tmp/ckpt_speed/checkpoint/step-{n} (45000.0 MiB, 11.00 s); written "
+                f"at {gb / seconds:.2f} GB/s per rank (the slowest: {gb:.2f} GB in {seconds:.2f} s, 8 threads)")
+
+    log = "\n".join([
+        step(40.0, 1, 900), step(42.0, 2, 7000), step(44.0, 3, 7100),
+        "[rank0    45.0s] checkpoint: host buffers for 22.4 GiB allocated in the background after the first step in "
+        "6.1 s (pages touched in 4.0 s, pinned in 2.1 s; every save copies into them)",
+        step(46.0, 4, 8000), step(48.0, 5, 8100), step(50.0, 6, 8200), blocked(0, 6, 0.55), blocked(1, 6, 0.61),
+        step(52.0, 7, 6000), step(54.0, 8, 8150), saved(6, 24.08, 9.8),
+        "[rank0    55.0s] checkpoint step-6: publishing blocked training 0.12 s (checkpoint.json, the rename, pruning)",
+        step(56.0, 9, 8050), blocked(0, 9, 0.5), saved(9, 24.08, 10.4),
+    ])
+    dd = ("25769803776 bytes (26 GB, 24 GiB) copied, 8.6 s, 3.0 GB/s\n"
+          "25769803776 bytes (26 GB, 24 GiB) copied, 10.31 s, 2.5 GB/s\n")
+    table = tables.speed_table(log, dd).splitlines()
+    assert "| step-6 | 24.08 | 9.80 | 2.46 | 8 | 0.66 | 0.61 | 0.12 |" in table  # the slowest rank's stall
+    assert "| step-9 | 24.08 | 10.40 | 2.32 | 8 | 0.55 | 0.50 |  |" in table  # the last: published at the exit
+    assert "dd of 25.77 GB per rank, 2 at once into the same folder (conv=fdatasync): 2.50 GB/s each (the slowest)" \
+        in table
+    # Steps 2 and 3 ran beside the allocation; the saves' steps and the step after each are left out.
+    assert table[-1] == ("host buffers: 22.4 GiB allocated in the background in 6.1 s (pages touched in 4.0 s, pinned "
+                         "in 2.1 s); tokens/s of the steps beside it 7,050 (median of 2), of the others 8,100 (median of "
+                         "3)")
+    assert tables.rank_bytes(log) == 24_080_000_000
+    assert tables.speed_table("no saves", "") == "no 'saved checkpoint' line in the log"
+
+
+def test_speed_table_reads_a_checkout_from_before_the_writer_as_a_baseline(tables) -> None:
+    """Lines of a run before trainer/checkpoint/writer.py (no write speed, no allocation parts): the checkpoint's bytes
+    over the ranks that logged, in the whole save's seconds, marked as such."""
+    log = "\n".join([
+        "[rank0    20.0s] step      2/30 | loss  7.0000 | grad_norm   1.000 | lr 3.00e-04 | tps 3,000 | mem",
+        "[rank1    20.0s] step      2/30 | loss  7.0000 | grad_norm   1.000 | lr 3.00e-04 | tps 3,000 | mem",
+        "[rank0    30.0s] checkpoint: host buffers for 22.4 GiB allocated in the background in 8.8 s (every save "
+        "copies into them)",
+        "[rank0    40.0s] step      3/30 | loss  7.0000 | grad_norm   1.000 | lr 3.00e-04 | tps 8,000 | mem",
+        "[rank0    50.0s] checkpoint step-5: blocked training 0.60 s (previous save 0.00 s, preparing 0.05 s, staging "
+        "0.55 s); writing in the background",
+        "[rank0    90.0s] saved checkpoint /tmp/ckpt_speed/checkpoint/step-5 (45929.6 MiB, 40.00 s)",
+    ])
+    table = tables.speed_table(log, "").splitlines()
+    assert "| step-5 | 24.08 | 40.00* | 0.60 |  | 0.60 | 0.55 |  |" in table  # 45,929.6 MiB over 2 ranks in 40 s
+    assert "\\* the whole save, from its start to its publishing (this checkout logs no write time)" in table
+    assert table[-1] == ("host buffers: 22.4 GiB allocated in the background in 8.8 s; tokens/s of the steps beside "
+                         "it 3,000 (median of 1), of the others 8,000 (median of 1)")
+    assert tables.rank_bytes(log) == int(45929.6 * 2**20 / 2)

@@ -1,11 +1,13 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): save, resume, verify, prune, export, load a model.
 
-    format.py    file names, format constants, CheckpointError, checksummed writing
+    format.py    file names, format constants, CheckpointError, checksums
+    writer.py    a rank's shards written at disk speed (several threads), with each file's size and crc32
     parts.py     CheckpointState (the one Stateful a resume loads): a dict of parts, each owning its state
     state.py     RunInfo, the tensor/JSON split, the model's plain tensors
     verify.py    scan, checksums, checkpoint.json, model/key checks, reading DCP's index without running code
     options.py   CheckpointOptions: what the manager needs of the config, resolved once by trainer.validate
     manager.py   CheckpointManager: resume (falling back past corrupt checkpoints), save (sync/async), prune, export
+    staging.py   async saves' host buffers, allocated (and pinned) in the background after step 1
     space.py     a checkpoint's size, free space (a warning before a save), pruning, a full disk in one line
     offline.py   one process, no process group: load_model, load_full_model_weights, save_model_only
 

@@ -1,4 +1,4 @@
-"""What a checkpoint folder looks like on disk: names, constants, error types, checksummed writing.
+"""What a checkpoint folder looks like on disk: names, constants, error types, checksums.
 
 Layout under `{job.dump_folder}/{checkpoint.folder}/`:
 
@@ -31,12 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.errors import UserError
-from trainer.files.confine import special_file_problem
-from trainer.files.json_object import read_json_object
 
 CHECKPOINT_JSON = "checkpoint.json"
 STATE_JSON = "state.json"
@@ -91,70 +88,12 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def file_digest(path: Path, chunk_bytes: int = 16 * 2**20) -> dict[str, Any]:
-    """Size and crc32 of a file (read in chunks; zlib is ~1 GB/s)."""
+    """Size and crc32 of a file, read in chunks (a save takes its shards' while writing them: writer.py)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
             crc = zlib.crc32(chunk, crc)
     return {"bytes": path.stat().st_size, "crc32": f"{crc:08x}"}
-
-
-class ChecksummedWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that also records size and crc32 of the files this rank wrote.
-
-    They go to `__{rank}_checksums.json` (read back from the page cache right
-    after the write), which rank 0 merges into checkpoint.json.
-    """
-
-    def __init__(self, path: Path, *, step: int):
-        super().__init__(str(path), single_file_per_rank=True, sync_files=True)
-        self.step = step
-
-    def write_data(self, plan, planner):
-        try:
-            future = super().write_data(plan, planner)
-        except Exception as e:
-            # torch.save reports a full disk as "unexpected pos 704 vs 598" with the OSError only in __context__,
-            # which DCP's pickling to rank 0 drops: raise the OSError itself, its errno survives.
-            disk = disk_error(e)
-            if disk is None or disk is e:
-                raise
-            raise disk from e
-        results = future.value()  # FileSystemWriter writes synchronously; the future is already done
-        root = Path(self.path)
-        files = sorted({r.storage_data.relative_path for r in results})
-        digests = {name: file_digest(root / name) for name in files}
-        sidecar = root / f"{plan.storage_data.prefix}checksums.json"  # DCP's prefix is __{rank}_: sidecar_name
-        with open(sidecar, "w") as f:
-            json.dump(digests, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return future
-
-
-def sidecar_name(rank: int | str) -> str:
-    """The file where rank `rank` records the size and crc32 of the files it wrote (ChecksummedWriter)."""
-    return f"__{rank}_checksums.json"
-
-
-def read_sidecar(path: Path) -> dict[str, Any]:
-    """A rank's checksum sidecar, read back as untrusted data (trainer/files): one CheckpointError line if it is not a
-    small regular file holding a JSON object."""
-    if problem := special_file_problem(path, max_bytes=MAX_SIDECAR_BYTES, what="checksum list"):
-        raise CheckpointError(problem)
-    return read_json_object(path, what="a checksum list", error=CheckpointError)
-
-
-def collect_checksums(tmp: Path) -> dict[str, dict[str, Any]]:
-    """Merge (and remove) every rank's checksum sidecar; add .metadata's."""
-    files: dict[str, dict[str, Any]] = {}
-    sidecars = sorted(tmp.glob(sidecar_name("*")))
-    for sidecar in sidecars:
-        files.update(read_sidecar(sidecar))
-    files[METADATA] = file_digest(tmp / METADATA)
-    for sidecar in sidecars:
-        sidecar.unlink()
-    return files
 
 
 def root_cause(e: BaseException) -> BaseException:

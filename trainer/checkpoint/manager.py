@@ -1,20 +1,16 @@
 """CheckpointManager: resume (with fallback past a corrupt newest), save (sync or async), prune, export.
 
-Every rank writes its shards into `step-{N}.tmp/`. DCP gathers all ranks' write
-results before rank 0 writes `.metadata`, so once rank 0's save returns, every rank
-has finished; only then does rank 0 add `checkpoint.json` and rename the folder.
-"Latest" is therefore always a checkpoint that every rank finished, and a process
-killed mid-save leaves the previous one as latest. Before publishing, rank 0 checks that
-every rank's shards and checksums are in the folder it publishes (a relative or
-node-local path can send a rank's writes elsewhere). Pruning never removes the
-checkpoint just written nor the one the run resumed from; a run pinned to an earlier
-`load_step` moves the later trajectory's checkpoints aside (`step-N.abandoned`) at its
-first save, so they are never resumed by mistake and never deleted; so is a `step-N` folder that the scan calls
-incomplete once a save takes its name (`step-N.incomplete`). Only a folder holding the marker a save writes first
-(trainer/files/publish.py) is ever removed as partial. A save that fails (disk full, a folder removed) leaves no
-partial folder and never touches the previous checkpoints;
-space.py says how big a checkpoint is, warns before a save that will not fit, and words
-a full disk.
+Every rank writes its shards into `step-{N}.tmp/`. DCP gathers all ranks' write results before rank 0 writes
+`.metadata`, so once rank 0's save returns, every rank has finished; only then does rank 0 add `checkpoint.json` and
+rename the folder. "Latest" is therefore always a checkpoint that every rank finished, and a process killed mid-save
+leaves the previous one as latest. Before publishing, rank 0 checks that every rank's shards and checksums are in the
+folder it publishes (a relative or node-local path can send a rank's writes elsewhere). Pruning never removes the
+checkpoint just written nor the one the run resumed from; a run pinned to an earlier `load_step` moves the later
+trajectory's checkpoints aside (`step-N.abandoned`) at its first save, so they are never resumed by mistake and never
+deleted; so is a `step-N` folder that the scan calls incomplete once a save takes its name (`step-N.incomplete`). Only
+a folder holding the marker a save writes first (trainer/files/publish.py) is ever removed as partial. A save that
+fails (disk full, a folder removed) leaves no partial folder and never touches the previous checkpoints; space.py says
+how big a checkpoint is, warns before a save that will not fit, and words a full disk.
 """
 
 from __future__ import annotations
@@ -36,8 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter,
-    CorruptCheckpointError, collect_checksums, file_digest, first_line, root_cause, write_json,
+    CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, CorruptCheckpointError,
+    file_digest, first_line, root_cause, write_json,
 )
 from trainer.checkpoint.gather import export_gathered, prepare_export
 from trainer.checkpoint.options import CheckpointOptions
@@ -52,6 +48,7 @@ from trainer.checkpoint.values import EDITED
 from trainer.checkpoint.verify import (
     check_every_rank_wrote, incomplete_reason, read_state_json, safe_load, scan_checkpoints, verify_on_every_rank,
 )
+from trainer.checkpoint.writer import ChecksummedWriter, collect_checksums, describe_writes
 from trainer.errors import on_every_rank
 from trainer.files.publish import PARTIAL, clear_partial, publish, remove_partial, start_partial
 from trainer.tensor_values import FINITE, dtype_problems, problems_line, value_problems
@@ -351,8 +348,7 @@ class CheckpointManager:
                     staging_since - start, now - staging_since)
 
     def _refuse_nonfinite_weights(self, step: int, weights: dict[str, Any]) -> None:
-        """Weights that are not finite are never published (collective; before anything is written): one line, and
-        the latest checkpoint stays the latest."""
+        """Non-finite weights are never published (collective, before anything is written): one line; latest stays."""
         if problems := value_problems({f"model.{k}": (t, FINITE) for k, t in weights.items()}, group=self.pg):
             latest = (f"step-{self.last_saved_step} stays the latest checkpoint" if self.last_saved_step >= 0
                       else "there is no earlier checkpoint")
@@ -362,8 +358,7 @@ class CheckpointManager:
 
     def _broadcast_error(self, error: BaseException | None) -> BaseException | None:
         """Rank 0's error, or None, on every rank (collective on pg), so all ranks take the same branch."""
-        box: list[Any] = [None if error is None else (type(error).__name__, first_line(error),
-                                                      getattr(error, "errno", None))]
+        box: list[Any] = [error and (type(error).__name__, first_line(error), getattr(error, "errno", None))]
         dist.broadcast_object_list(box, src=0, group=self.pg)
         if box[0] is None:
             return None
@@ -412,8 +407,14 @@ class CheckpointManager:
             "them"))
 
     def _poll(self) -> None:
+        """Make a background save that has finished complete: rank 0 publishes it (checkpoint.json, the rename,
+        pruning), in the training loop, so that time blocks training too and is logged."""
         if self._pending is not None and self._pending.future.done():
+            step, start = self._pending.step, time.perf_counter()
             self.wait()
+            if self.rank == 0 and self.last_saved_step == step:  # published (a failed save said so instead)
+                logger.info("checkpoint step-%d: publishing blocked training %.2f s (checkpoint.json, the rename, "
+                            "pruning)", step, time.perf_counter() - start)
 
     def wait(self) -> None:
         """Block until the background save (if any) is written, then make it complete."""
@@ -435,7 +436,7 @@ class CheckpointManager:
         if self.rank != 0:
             return
         check_every_rank_wrote(tmp, world_size=self.world_size)
-        files = collect_checksums(tmp)
+        files, writes = collect_checksums(tmp)
         files[STATE_JSON] = file_digest(tmp / STATE_JSON)
         files.update(write_tokenizer(self.run.tokenizer, self.run.tokenizer_fingerprint, tmp))
         info = {
@@ -458,7 +459,8 @@ class CheckpointManager:
                            "delete it when done)", final, aside.name, why or "a checkpoint that appeared during this "
                            "run", step)
         size = sum(f["bytes"] for f in files.values())
-        logger.info("saved checkpoint %s (%.1f MiB, %.2f s)", final, size / 2**20, time.perf_counter() - start)
+        logger.info("saved checkpoint %s (%.1f MiB, %.2f s); %s", final, size / 2**20, time.perf_counter() - start,
+                    describe_writes(writes))
         self._prune(step)
 
     def _move_abandoned_aside(self) -> None:

@@ -30,8 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, ChecksummedWriter, CorruptCheckpointError,
-    collect_checksums, write_json,
+    CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, CorruptCheckpointError, write_json,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.tokenizer import write_tokenizer
@@ -41,6 +40,7 @@ from trainer.checkpoint.values import (
 from trainer.checkpoint.verify import (
     check_files, data_files, read_checkpoint_json, read_dcp_metadata, safe_load, scan_checkpoints,
 )
+from trainer.checkpoint.writer import ChecksummedWriter, collect_checksums
 from trainer.hf import ExportError, open_hf_folder
 from trainer.hf.output_folder import IMPORT, prepare_output, publish_output
 from trainer.model_values import param_count
@@ -70,7 +70,7 @@ def save_model_only(
     tmp = prepare_output(path, kind=IMPORT)
     with _single_process():
         dcp.save({"model": weights}, storage_writer=ChecksummedWriter(tmp, step=step), no_dist=True)
-    files = collect_checksums(tmp) | write_tokenizer(run.tokenizer, run.tokenizer_fingerprint, tmp)
+    files = collect_checksums(tmp)[0] | write_tokenizer(run.tokenizer, run.tokenizer_fingerprint, tmp)
     write_json(tmp / CHECKPOINT_JSON, {
         "format": FORMAT, "kind": "model_only", "step": step, "model": run.model_json(),
         "mixed_precision": run.mixed_precision, "layout": run.layout, "tokenizer": run.tokenizer_json(),

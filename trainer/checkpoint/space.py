@@ -3,7 +3,7 @@
 A write that runs out of space fails deep inside torch: `torch.save` reports the short write as
 `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`, with the
 OSError (ENOSPC, or EFBIG past `ulimit -f`) only in its `__context__`, and DCP pickles a rank's
-error to the other ranks, which drops that context. So the writer (format.ChecksummedWriter)
+error to the other ranks, which drops that context. So the writer (writer.ChecksummedWriter)
 raises the OSError itself, and the manager turns it into the line docs/checkpointing.md shows:
 `no space left on device (this checkpoint needs about X MiB; Y MiB free)`.
 

@@ -39,10 +39,11 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
-    CorruptCheckpointError, file_digest, first_line, read_sidecar, root_cause, sidecar_name,
+    CorruptCheckpointError, file_digest, first_line, root_cause,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json, model_state_dict
 from trainer.checkpoint.values import CHECKPOINT_FIELDS, check_fields, check_index_entries, check_state_values
+from trainer.checkpoint.writer import read_sidecar, sidecar_name
 from trainer.errors import on_every_rank
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.files.json_object import read_json_object
@@ -396,7 +397,7 @@ def check_every_rank_wrote(tmp: Path, *, world_size: int) -> None:
     for rank in range(world_size):
         sidecar = tmp / sidecar_name(rank)
         if sidecar.is_file():
-            listed.update(read_sidecar(sidecar))
+            listed.update(read_sidecar(sidecar)["files"])
         else:
             absent.add(rank)
     unlisted = sorted(set(data_files(load_dcp_metadata(tmp / METADATA))) - listed)
