@@ -29,6 +29,7 @@ from trainer.metrics.logger import RunFileError, check_run_files, truncate_jsonl
 from trainer.metrics.wandb_run import RUN_FILE, _saved_id
 from trainer.run.lock import LOCK_NAME, RunLock, RunLockError, lock_run_folders, release_all
 from trainer.run.train import train
+from trainer.run.train_state import PREEMPTED_MARKER
 
 TAIL = "(a relaunch reads {name} back and writes it again): move it away, or use another job.dump_folder"
 
@@ -82,6 +83,10 @@ def test_run_files_that_are_no_regular_files_are_one_line_before_anything_is_bui
             with pytest.raises(RunFileError):
                 truncate_jsonl(folder / name, after_step=1)
     check_run_files(tmp_path / f"{RUN_FILE}-fifo", wandb=False)  # W&B's file is not read without metrics.wandb
+    marker = tmp_path / "marker"  # preempted.json: a relaunch removes it at its first step (a directory: a traceback)
+    (marker / PREEMPTED_MARKER).mkdir(parents=True)
+    with pytest.raises(RunFileError, match=f"{PREEMPTED_MARKER} is a directory, not a regular file"):
+        check_run_files(marker, wandb=False, markers=(PREEMPTED_MARKER,))
     big = tmp_path / "big"
     big.mkdir()
     (big / RUN_FILE).write_bytes(b" " * 2**17)

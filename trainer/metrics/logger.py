@@ -339,11 +339,11 @@ def _run_file_line(problem: str, path: Path) -> str:
             "job.dump_folder")
 
 
-def check_run_files(dump_folder: str | Path, *, wandb: bool) -> None:
-    """Before anything is built: each file of READ_BACK in the run's folder is absent or a regular file of a bounded
-    size, else one RunFileError line (a FIFO would hang a resume, a directory stop it with a traceback, /dev/zero fill
-    the memory)."""
-    for name, max_bytes in READ_BACK.items():
+def check_run_files(dump_folder: str | Path, *, wandb: bool, markers: tuple[str, ...] = ()) -> None:
+    """Before anything is built: each file of READ_BACK in the run's folder, and each of `markers` (small files a
+    relaunch removes and writes again: preempted.json), is absent or a regular file of a bounded size, else one
+    RunFileError line (a FIFO would hang a resume, a directory stop it with a traceback, /dev/zero fill the memory)."""
+    for name, max_bytes in {**READ_BACK, **dict.fromkeys(markers, MAX_RUN_FILE_BYTES)}.items():
         if name == RUN_FILE and not wandb:
             continue
         path = Path(dump_folder) / name

@@ -429,7 +429,7 @@ def train(cfg: JobConfig) -> TrainState:
             folders = {key: folder for folder, key in output_folders(cfg)}
             for key, folder in folders.items():
                 check_writable(folder, key=key)
-            check_run_files(cfg.job.dump_folder, wandb=cfg.metrics.wandb)  # what a resume reads back: a FIFO hangs it
+            check_run_files(cfg.job.dump_folder, wandb=cfg.metrics.wandb, markers=(PREEMPTED_MARKER,))
             if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 owns the run's folders before any rank writes
                 locks = lock_run_folders(cfg.job.dump_folder, folders.get("checkpoint.folder"))
             error = None
