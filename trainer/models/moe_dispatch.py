@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)
+from trainer.models.moe_fp8 import E4M3, _dequantize, _quantize
+
 BLOCK = 128
-AMAX_EPS = 1e-12  # an all-zero block gets a finite scale (the FP8 experts' floor)
 SCALE_BYTES = 4  # one fp32 per block
 
 
@@ -38,18 +37,15 @@ def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] (D a multiple of 128) -> (e4m3 [N, D], fp32 dequantization scales [N, D / 128]): power-of-two
     scales, one per 1x128 block, x ~= data * scale repeated over each block."""
     n, d = x.shape
-    blocks = x.float().view(n, d // BLOCK, BLOCK)
-    scale = E4M3_MAX / blocks.abs().amax(dim=-1).clamp(min=AMAX_EPS)
-    scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)  # rounded down to a power of two
-    data = (blocks * scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return data.view(n, d), scale.reciprocal()
+    data, scale = _quantize(x.view(n, d // BLOCK, BLOCK))  # the FP8 experts' rowwise quantization, a block a row
+    return data.view(n, d), scale
 
 
 def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """quantize_blocks' inverse: data [N, D] e4m3, scale [N, D / 128] -> [N, D] in dtype (exact in bf16 and fp32:
     an e4m3 value times a power of two)."""
     n, d = data.shape
-    return (data.float().view(n, d // BLOCK, BLOCK) * scale.unsqueeze(-1)).view(n, d).to(dtype)
+    return _dequantize(data.view(n, d // BLOCK, BLOCK), scale, dtype).view(n, d)
 
 
 def pack_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
