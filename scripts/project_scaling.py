@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_job_config  # noqa: E402
-from trainer.models import family_of, pipeline_costs  # noqa: E402
+from trainer.models import family_of, flops_per_token, pipeline_costs  # noqa: E402
 from trainer.validate import ResolvedJob, validate_job  # noqa: E402
 from trainer.validate.memory import planned_gpus  # noqa: E402
 from trainer.validate.resolve import shard_group_on_one_node  # noqa: E402
@@ -107,7 +107,7 @@ def project(job: ResolvedJob, *, tflops: float, share: float, optimizer_share: f
     optimizer = optimizer_share * _one_gpu_step(job, tflops) / n
     step = compute + optimizer + sum(exposed.values())
     tokens = run.batch_size * run.seq_len * m
-    flops = sum(pipeline_costs(job.model_args, run.seq_len)[1]) + pipeline_costs(job.model_args, run.seq_len)[2]
+    flops = flops_per_token(job.model_args, run.seq_len)
     return {"step_s": step, "compute_s": compute, "optimizer_s": optimizer, "exposed": exposed, "moved": moved,
             "tokens_per_s": tokens / step, "tflops": flops * tokens / step / 1e12, "n": n}
 
@@ -115,8 +115,8 @@ def project(job: ResolvedJob, *, tflops: float, share: float, optimizer_share: f
 def _one_gpu_step(job: ResolvedJob, tflops: float) -> float:
     """The seconds one GPU would take for this rank's tokens at the measured rate (the optimizer's share scales)."""
     run = job.run
-    _, blocks, head = pipeline_costs(job.model_args, run.seq_len)
-    return (sum(blocks) + head) * run.batch_size * run.seq_len * run.grad_accum_steps / (tflops * 1e12)
+    tokens = run.batch_size * run.seq_len * run.grad_accum_steps
+    return flops_per_token(job.model_args, run.seq_len) * tokens / (tflops * 1e12)
 
 
 def main(argv: list[str] | None = None) -> int:
