@@ -112,7 +112,7 @@ class MoEArgs(ModelArgs):
     n_dense_layers: int = 0
     """Leading blocks that are dense (an MLP of dense_ffn_dim) instead of MoE."""
     sparse_step: int = 1
-    """Every sparse_step-th block is MoE (blocks i with (i + 1) % sparse_step = 0), the others dense (Qwen3-MoE's decoder_sparse_step)."""
+    """Block i is MoE where (i + 1) % sparse_step = 0, the others dense (Qwen3-MoE's decoder_sparse_step)."""
     dense_layers: tuple[int, ...] = ()
     """More dense blocks, by index from 0, wherever they are (Qwen3-MoE's mlp_only_layers)."""
     dense_ffn_dim: int = 0

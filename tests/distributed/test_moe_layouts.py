@@ -18,7 +18,8 @@ from tests.distributed.spawn import gradients_of_one_step, run_distributed, trai
 from tests.helpers import REPO, column, read_metrics, train
 
 MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
-RUN = ["--train.seq_len=64", "--train.mixed_precision=fp32", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false"]
+RUN = ["--train.seq_len=64", "--train.mixed_precision=fp32", "--metrics.log_freq=1",
+       "--metrics.enable_tensorboard=false"]
 ARGS = ["--config", MOE_CONFIG, *RUN]
 # The model of each case: its config and run settings, and the blocks that route (the per-layer metrics name them).
 MODELS = {"debug_moe": ARGS, "qwen3_moe": ["--config", str(REPO / "configs" / "train" / "qwen3_moe_debug.toml"), *RUN]}

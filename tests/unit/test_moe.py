@@ -576,6 +576,40 @@ def test_checkpoint_of_the_other_family_is_a_shape_mismatch(tmp_path) -> None:
     check_model_matches({"model": moe.model_json()}, moe, path=tmp_path)  # same model: no error
 
 
+def test_a_checkpoint_keeps_which_blocks_route(tmp_path) -> None:
+    """checkpoint.json holds sparse_step and dense_layers (a JSON list): the model loads back with the same blocks and
+    logits, a run with another rule is a shape mismatch naming it, and a checkpoint written before the keys existed
+    means the rule it had then (every block after n_dense_layers)."""
+    import json
+    from dataclasses import replace
+
+    from trainer.checkpoint import CheckpointError, RunInfo, load_model, save_model_only
+    from trainer.checkpoint.verify import check_model_matches
+
+    args = replace(MOE_FLAVORS["qwen3_moe_debug"], n_layers=5, dense_layers=(3,), max_seq_len=32)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    run = RunInfo(flavor="qwen3_moe_debug", model_args=args, mixed_precision="fp32")
+    ckpt = save_model_only(tmp_path / "ckpt", model.state_dict(), run=run, source="test")
+    saved = json.loads((ckpt / "checkpoint.json").read_text())["model"]
+    assert (saved["sparse_step"], saved["dense_layers"]) == (2, [3])
+    loaded = load_model(ckpt)
+    assert loaded.args == args and args.n_moe_layers == 1  # block 1 only: 3 is listed dense
+    tokens = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(tokens), model.eval().logits(tokens))
+    other = RunInfo(flavor="qwen3_moe_debug", model_args=replace(args, dense_layers=()), mixed_precision="fp32")
+    with pytest.raises(CheckpointError, match=r"dense_layers=\[3\] \(this run: \[\]\)"):
+        check_model_matches({"model": saved}, other, path=tmp_path)
+    old = RunInfo(flavor="debug_moe", model_args=model_args_for("debug_moe"), mixed_precision="fp32").model_json()
+    for key in ("sparse_step", "dense_layers"):
+        del old[key]
+    check_model_matches({"model": old}, RunInfo(flavor="debug_moe", model_args=model_args_for("debug_moe"),
+                                                mixed_precision="fp32"), path=tmp_path)
+
+
 def _moe_trainer(tmp_path, *args: str):
     from trainer.config import load_job_config
     from trainer.run.train import build_trainer

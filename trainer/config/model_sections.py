@@ -108,8 +108,8 @@ def section_values(args: ModelArgs, section_cls: type) -> dict[str, Any]:
     return values
 
 
-_FLAVOR_DOC = ("Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, moe_16b, "
-               "qwen3_moe_debug, qwen3_30b_a3b.")
+_FLAVOR_DOC = ("Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, "
+               "moe_16b, qwen3_moe_debug, qwen3_30b_a3b.")
 
 ModelSection = shape_section(
     "ModelSection", ModelArgs, list(dataclasses.fields(ModelArgs)), first=(("flavor", str, "debug", _FLAVOR_DOC),),
