@@ -185,6 +185,14 @@ def test_import_checks_which_blocks_route_against_the_flavor(tmp_path):
     with pytest.raises(ExportError, match="model_type='qwen3_moe', but the trainer model scores experts with "
                                           "softmax, whose layout is 'ernie4_5_moe'"):
         read_hf_weights(out, args=MOE_FLAVORS["debug_moe"])
+    # An Ernie folder read as a model with Qwen3-MoE's rule but no q/k norms: the rule is what it cannot hold.
+    ernie = replace(MOE_FLAVORS["debug_moe"], max_seq_len=64)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in MoETransformer(ernie).state_dict().items()}
+    folder = _export({k: torch.zeros(s) for k, s in shapes.items()}, ernie, tmp_path / "ernie")
+    with pytest.raises(ExportError, match=r"the trainer model has moe.sparse_step=2 and moe.dense_layers=\[\], "
+                                          "which ernie4_5_moe has no place for"):
+        read_hf_weights(folder, args=replace(ernie, sparse_step=2))
 
 
 def test_qwen3_30b_a3b_config_is_the_published_one():

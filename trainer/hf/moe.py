@@ -303,6 +303,10 @@ def check_hf_config(config: dict, args: MoEArgs, *, where: str) -> None:
                           f"layout is {expected!r}")
     if expected == QWEN3:
         return qwen3.check_hf_config(config, args, where=where)
+    if args.sparse_step != 1 or args.dense_layers:
+        raise ExportError(f"{where}: the trainer model has moe.sparse_step={args.sparse_step} and moe.dense_layers="
+                          f"{list(args.dense_layers)}, which {expected} has no place for (its MoE blocks are all "
+                          "those after the first dense ones)")
     theirs = args_from_hf_config(config, where=where)
     keys = {**_COMMON_KEYS, **_KEYS[expected]}
     for field in _SHAPE_FIELDS:
