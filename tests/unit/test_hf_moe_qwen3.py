@@ -167,6 +167,9 @@ def _edited(out: Path, **changes) -> Path:
     (dict(decoder_sparse_step=0), "decoder_sparse_step=0 must be an integer in [1,"),
     (dict(num_local_experts=4), "num_experts=8 but num_local_experts=4 (two names of one count)"),
     (dict(use_sliding_window=True), "use_sliding_window=True has no equivalent"),
+    # Qwen3's long-context setting: refused, not read as plain RoPE.
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+     "rope_type='yarn' has no equivalent in this trainer"),
 ])
 def test_a_config_json_ours_cannot_hold_is_one_line_naming_the_key(changes, message, tmp_path):
     out = _edited(_export(_weights(_random_qwen3_moe(BASE)), BASE, tmp_path / "hf"), **changes)

@@ -126,6 +126,7 @@ def args_from_hf_config(config: dict, *, where: str) -> MoEArgs:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{where}: not a {MODEL_TYPE} config ({type(e).__name__}: {e})") from None
+    check_rope(config, args, where=where)  # a RoPE ours has not (Qwen3's long-context "yarn") is refused, not dropped
     return args
 
 
