@@ -1,8 +1,8 @@
 """Convert between our DCP checkpoints and Hugging Face folders (one process, no GPU needed).
 
 Export a training checkpoint's model weights (safetensors + config.json, loadable by
-transformers' AutoModelForCausalLM: LlamaForCausalLM for dense flavors, Ernie4_5_MoeForCausalLM
-or Glm4MoeForCausalLM for MoE flavors; docs/checkpointing.md#exporting-weights-hugging-face),
+transformers' AutoModelForCausalLM: LlamaForCausalLM for dense flavors, Ernie4_5_MoeForCausalLM,
+Glm4MoeForCausalLM or Qwen3MoeForCausalLM for MoE flavors; docs/checkpointing.md#exporting-weights-hugging-face),
 with the run's tokenizer when checkpoint.json records one:
 
     python scripts/convert_checkpoint.py export outputs/run/checkpoint/step-1000 outputs/run/hf \\
@@ -11,7 +11,7 @@ with the run's tokenizer when checkpoint.json records one:
     (a checkpoint folder instead of a step-N folder means its latest complete checkpoint)
 
 Import Hugging Face weights (one of our exports, a Llama-family or Qwen3 model of any shape, or an
-Ernie4_5_Moe / Glm4Moe one) as a model-only checkpoint for checkpoint.initial_load_path. The shape
+Ernie4_5_Moe / Glm4Moe / Qwen3Moe one) as a model-only checkpoint for checkpoint.initial_load_path. The shape
 comes from its config.json and is recorded in the checkpoint, so a run started from it takes the shape
 (and vocabulary) from there, with a config that sets no [model] keys:
 

@@ -234,8 +234,8 @@ def fp8_linear_counts(args) -> tuple[int, int]:
     """(Linear layers FP8 converts by default, all Linear layers) of a flavor: attention's four projections, a
     dense MLP's three and the output head convert; an MoE block's router gate and shared-expert MLP (three
     Linears, when the flavor has shared experts) stay in high precision; routed experts are no Linears."""
-    n_dense = getattr(args, "n_dense_layers", args.n_layers)
-    n_moe = args.n_layers - n_dense
+    n_moe = getattr(args, "n_moe_layers", 0)
+    n_dense = args.n_layers - n_moe
     shared = 3 if getattr(args, "n_shared_experts", 0) else 0
     converted = 4 * args.n_layers + 3 * n_dense + 1
     # torch._scaled_mm needs every GEMM dim divisible by 16: then no converted layer is left out for its shape.

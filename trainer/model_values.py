@@ -98,8 +98,8 @@ class ModelArgs:
 
 @dataclass(frozen=True)
 class MoEArgs(ModelArgs):
-    """The MoE family's shape and routing (trainer/models/moe.py): a decoder whose blocks after the first
-    n_dense_layers route each token to top_k of n_experts."""
+    """The MoE family's shape and routing (trainer/models/moe.py): a decoder whose MoE blocks (`is_moe_layer`: after
+    the first n_dense_layers, every sparse_step-th, none of dense_layers) route each token to top_k of n_experts."""
 
     n_experts: int = 8
     """Routed experts per MoE block."""
@@ -111,6 +111,10 @@ class MoEArgs(ModelArgs):
     """Shared experts every token passes through (0 = none), run as one MLP of n_shared_experts x moe_ffn_dim."""
     n_dense_layers: int = 0
     """Leading blocks that are dense (an MLP of dense_ffn_dim) instead of MoE."""
+    sparse_step: int = 1
+    """Block i is MoE where (i + 1) % sparse_step = 0, the others dense (Qwen3-MoE's decoder_sparse_step)."""
+    dense_layers: tuple[int, ...] = ()
+    """More dense blocks, by index from 0, wherever they are (Qwen3-MoE's mlp_only_layers)."""
     dense_ffn_dim: int = 0
     """Hidden width of the dense blocks' MLP; 0 = Llama's rule from dim."""
     score_func: Literal["softmax", "sigmoid"] = "softmax"
@@ -125,14 +129,28 @@ class MoEArgs(ModelArgs):
     """Per-sequence expert capacity as a multiple of the balanced share; tokens over it are dropped (0 = none)."""
 
     weight_fields: ClassVar[tuple[str, ...]] = ModelArgs.weight_fields + (
-        "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers", "dense_ffn_dim")
+        "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers", "dense_ffn_dim", "sparse_step",
+        "dense_layers")
+
+    def __post_init__(self) -> None:
+        # A TOML or JSON list becomes a tuple (the args stay hashable and compare equal whatever their source), in
+        # order; its values were checked by RULES before the args were made.
+        object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
 
     @property
     def ffn_dim(self) -> int:
         return self.dense_ffn_dim or super().ffn_dim
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.n_dense_layers
+        """The one rule of which blocks route (transformers' Qwen3MoeDecoderLayer's, with the leading dense ones)."""
+        return i >= self.n_dense_layers and (i + 1) % self.sparse_step == 0 and i not in self.dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        """How many blocks `is_moe_layer`, in closed form (no loop over n_layers: a crafted one costs nothing)."""
+        first, step = min(self.n_dense_layers, self.n_layers), self.sparse_step
+        stepped = self.n_layers // step - first // step  # the i in [first, n_layers) with (i + 1) % step == 0
+        return stepped - sum(1 for i in set(self.dense_layers) if first <= i < self.n_layers and (i + 1) % step == 0)
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,8 @@ class Rule:
     optional: bool = False
     """None is allowed (ffn_dim_multiplier, rope_scaling)."""
     choices: tuple[str, ...] = ()
+    items: Rule | None = None
+    """For "list": the rule of each item."""
 
 
 RULES: dict[str, Rule] = {
@@ -177,6 +197,8 @@ RULES: dict[str, Rule] = {
     "moe_ffn_dim": Rule("int"),
     "n_shared_experts": Rule("int", low=0),
     "n_dense_layers": Rule("int", low=0),
+    "sparse_step": Rule("int"),
+    "dense_layers": Rule("list", high=100_000, items=Rule("int", low=0)),
     "dense_ffn_dim": Rule("int", low=0),
     "score_func": Rule("choice", choices=("softmax", "sigmoid")),
     "route_norm": Rule("bool"),
@@ -240,13 +262,16 @@ def rule_problem(rule: Rule, value: Any, *, key: str, zero_keeps: str = "") -> s
     if value is None and rule.optional:
         return None
     if rule.kind in ("str", "list", "dict"):
-        kind = {"str": str, "list": list, "dict": dict}[rule.kind]
+        kind = {"str": str, "list": (list, tuple), "dict": dict}[rule.kind]
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         if not isinstance(value, kind):
             what = {"str": "a string", "list": "a list", "dict": "an object"}[rule.kind]
             return f"{key}={shown} must be {what}" + (" (or null)" if rule.optional else "")
         if rule.kind != "dict" and len(value) > rule.high:
             return f"{key} has {len(value):,} {'characters' if rule.kind == 'str' else 'items'}, more than {rule.high:,g}"
+        if rule.items is not None:
+            return next(filter(None, (rule_problem(rule.items, v, key=f"{key}[{i}]") for i, v in enumerate(value))),
+                        None)
         return None
     if rule.kind == "bool":
         return None if isinstance(value, bool) else f"{key}={value!r} must be true or false"
@@ -306,6 +331,12 @@ def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str |
         return f"{name('top_k')} must be at most {name('n_experts')}"
     if {"n_dense_layers", "n_layers"} <= v.keys() and v["n_dense_layers"] > v["n_layers"]:
         return f"{name('n_dense_layers')} must be at most {name('n_layers')}"
+    if {"dense_layers", "n_layers"} <= v.keys():
+        listed = list(v["dense_layers"])
+        if (bad := next((i for i in listed if i >= v["n_layers"]), None)) is not None:
+            return f"{keys.get('dense_layers', 'dense_layers')} holds {bad}, not a block of {name('n_layers')}"
+        if len(set(listed)) < len(listed):
+            return f"{keys.get('dense_layers', 'dense_layers')}={listed} names a block twice"
     return None
 
 
@@ -333,8 +364,8 @@ def param_count(args: ModelArgs) -> int:
     n_experts = getattr(args, "n_experts", None)
     if n_experts is None:
         return total + args.n_layers * dense
-    n_dense = min(args.n_dense_layers, args.n_layers)
-    return total + n_dense * dense + (args.n_layers - n_dense) * (shared + routed + n_experts)
+    n_moe = args.n_moe_layers
+    return total + (args.n_layers - n_moe) * dense + n_moe * (shared + routed + n_experts)
 
 
 # The smallest dtype a model's weights are stored in (bfloat16, float16): its files hold at least 2 bytes per parameter.
@@ -371,9 +402,9 @@ def num_tensors(args: ModelArgs) -> int:
     norms = 2 if args.qk_norm else 0  # a tied head is still its own entry
     if n_experts is None:
         return 3 + (9 + norms) * args.n_layers
-    n_dense = min(args.n_dense_layers, args.n_layers)
+    n_moe = args.n_moe_layers
     per_moe = 6 + 5 + (3 if args.n_shared_experts else 0) + norms
-    return 3 + (9 + norms) * n_dense + per_moe * (args.n_layers - n_dense)
+    return 3 + (9 + norms) * (args.n_layers - n_moe) + per_moe * n_moe
 
 
 def num_params_for(args: ModelArgs) -> tuple[int, int]:
@@ -382,5 +413,5 @@ def num_params_for(args: ModelArgs) -> tuple[int, int]:
     total = param_count(args)
     n_experts = getattr(args, "n_experts", None)
     if n_experts is not None:
-        total -= (args.n_layers - min(args.n_dense_layers, args.n_layers)) * n_experts
+        total -= args.n_moe_layers * n_experts
     return total, total - args.vocab_size * args.dim

@@ -121,3 +121,29 @@ def test_generate_script_samples_from_checkpoint_and_export(trained_moe, tmp_pat
         (bare / name).write_bytes((trained_moe / "step-3-hf" / name).read_bytes())
     bad = generate(str(bare))
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--tokenizer=byte" in bad.stderr
+
+
+@pytest.mark.slow
+def test_trained_qwen3_moe_exports_as_qwen3_moe_with_our_logits(tmp_path):
+    """qwen3_moe_debug trained 3 steps (the aux loss moves the routers; no expert bias): the run's final export is a
+    Qwen3MoeForCausalLM whose logits are the checkpoint's, and scripts/generate.py samples from it."""
+    proc = launch(["--config", str(REPO / "configs" / "train" / "qwen3_moe_debug.toml"), "--train.steps=3",
+                   "--train.seq_len=32", "--train.batch_size=2", "--metrics.enable_tensorboard=false",
+                   "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.model_only=true",
+                   f"--job.dump_folder={tmp_path}"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    final = tmp_path / "checkpoint" / "step-3-hf"
+    config = json.loads((final / "config.json").read_text())
+    assert (config["architectures"], config["decoder_sparse_step"], config["mlp_only_layers"]) == (
+        ["Qwen3MoeForCausalLM"], 2, [])
+    # The export holds the checkpoint's weights rounded to bf16, and transformers gives its logits.
+    trained, exported = load_model(tmp_path / "checkpoint" / "step-3").state_dict(), load_model(final).state_dict()
+    assert sorted(trained) == sorted(exported)
+    assert all(torch.equal(exported[k].float(), v.to(torch.bfloat16).float()) for k, v in trained.items())
+    assert _relative(_logits(load_model(final), _TOKENS), _logits(_hf(final), _TOKENS)) < 1e-4
+    sample = subprocess.run([sys.executable, GENERATE, str(final), "--prompt=The ", "--max-new-tokens=8",
+                             "--temperature=0"], capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
+    assert sample.returncode == 0 and sample.stdout.startswith("The "), sample.stderr[-2000:]
+
+
+_TOKENS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))

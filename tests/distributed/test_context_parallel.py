@@ -27,6 +27,8 @@ VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=2"
 CP2 = ["--distributed.cp=2"]
 MOE = ["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--train.seq_len=64",
        "--train.mixed_precision=fp32", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false"]
+# Qwen3-MoE's shapes: q/k norms before the rotation of each chunk's positions, every other block MoE.
+QWEN3_MOE = ["--config", str(REPO / "configs" / "train" / "qwen3_moe_debug.toml"), *MOE[2:]]
 
 
 def assert_same_run(got: list[dict], ref: list[dict], *, rel: float = 1e-5, moe: bool = False) -> None:
@@ -93,17 +95,19 @@ def test_every_cp_gradient_matches_single_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "nproc, args",
+    "model, nproc, args",
     [
-        (2, [*CP2, "--train.batch_size=4"]),
+        (MOE, 2, [*CP2, "--train.batch_size=4"]),
         # ep carved out of dp_shard x cp: the two cp ranks of one sequence hold 4 experts each.
-        (2, [*CP2, "--distributed.ep=2", "--train.batch_size=4"]),
+        (MOE, 2, [*CP2, "--distributed.ep=2", "--train.batch_size=4"]),
+        (QWEN3_MOE, 2, [*CP2, "--train.batch_size=4"]),
+        (QWEN3_MOE, 2, [*CP2, "--distributed.ep=2", "--train.batch_size=4"]),
     ],
-    ids=["moe-cp2", "moe-cp2-x-ep2"],
+    ids=["moe-cp2", "moe-cp2-x-ep2", "qwen3-moe-cp2", "qwen3-moe-cp2-x-ep2"],
 )
-def test_moe_under_cp_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
-    ref = train([*MOE, *STEPS, "--train.batch_size=4"], tmp_path / "ref")
-    assert_same_run(_spawned(nproc, [*MOE, *STEPS, *args], tmp_path / "cp"), ref, moe=True)
+def test_moe_under_cp_matches_single_process(model: list[str], nproc: int, args: list[str], tmp_path: Path) -> None:
+    ref = train([*model, *STEPS, "--train.batch_size=4"], tmp_path / "ref")
+    assert_same_run(_spawned(nproc, [*model, *STEPS, *args], tmp_path / "cp"), ref, moe=True)
 
 
 def test_every_moe_gradient_matches_single_process_under_cp2_x_ep2(tmp_path: Path) -> None:

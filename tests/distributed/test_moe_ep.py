@@ -21,6 +21,8 @@ MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
 ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.steps=4", "--metrics.log_freq=1",
         "--metrics.enable_tensorboard=false"]
 FP32 = ["--train.mixed_precision=fp32"]
+# Qwen3-MoE's shapes (q/k norms, no shared experts, blocks 1 and 3 MoE) in place of debug_moe's.
+QWEN3_MOE_CONFIG = str(REPO / "configs" / "train" / "qwen3_moe_debug.toml")
 CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2"]
 # Held-out loss at steps 2 and 4 over 8 samples (validation.steps x batch_size x dp ranks = 8 where used).
 VAL = ["--validation.enable=true", "--validation.freq=2", "--validation.steps=2"]
@@ -80,22 +82,27 @@ def test_ep2_equals_single_process_in_float64_for_50_steps(tmp_path: Path) -> No
 # not catch a wrongly scaled expert gradient: compare every gradient after one backward.
 
 
-def _grads(tmp_path: Path, name: str, nproc: int, args: list[str]) -> dict[str, torch.Tensor]:
-    return run_distributed(gradients_of_one_step, world_size=nproc, args=([*ARGS, *FP32, *args], str(tmp_path / name)))[0]
+def _grads(tmp_path: Path, name: str, nproc: int, args: list[str], *, config: str = MOE_CONFIG
+           ) -> dict[str, torch.Tensor]:
+    argv = ["--config", config, *ARGS[2:], *FP32, *args]  # ARGS with another config
+    return run_distributed(gradients_of_one_step, world_size=nproc, args=(argv, str(tmp_path / name)))[0]
 
 
 @pytest.mark.parametrize(
-    "nproc, args",
+    "config, nproc, args",
     [
-        (2, ["--train.batch_size=2", "--distributed.ep=2"]),
-        (4, ["--train.batch_size=1", "--distributed.ep=2"]),
-        (4, ["--train.batch_size=1", "--distributed.ep=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=2"]),
+        (MOE_CONFIG, 2, ["--train.batch_size=2", "--distributed.ep=2"]),
+        (MOE_CONFIG, 4, ["--train.batch_size=1", "--distributed.ep=2"]),
+        (MOE_CONFIG, 4, ["--train.batch_size=1", "--distributed.ep=2", "--distributed.dp_replicate=2",
+                 "--distributed.dp_shard=2"]),
+        (QWEN3_MOE_CONFIG, 2, ["--train.batch_size=2", "--distributed.ep=2"]),
+        (QWEN3_MOE_CONFIG, 4, ["--train.batch_size=1", "--distributed.ep=4"]),  # 2 experts per rank
     ],
-    ids=["ep2", "ep2-x-dp_shard2", "hsdp2-x-ep2"],
+    ids=["ep2", "ep2-x-dp_shard2", "hsdp2-x-ep2", "qwen3-ep2", "qwen3-ep4"],
 )
-def test_every_ep_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
-    ref = _grads(tmp_path, "ref", 1, ["--train.batch_size=4"])
-    got = _grads(tmp_path, "ep", nproc, args)
+def test_every_ep_gradient_matches_single_process(config: str, nproc: int, args: list[str], tmp_path: Path) -> None:
+    ref = _grads(tmp_path, "ref", 1, ["--train.batch_size=4"], config=config)
+    got = _grads(tmp_path, "ep", nproc, args, config=config)
     assert got.keys() == ref.keys()
     for fqn, g in ref.items():
         err = ((got[fqn] - g).norm() / g.norm()).item()

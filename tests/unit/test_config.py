@@ -109,6 +109,7 @@ SHIPPED = {
     "llama3_8b.toml": [(8, (8, 1, 1, 1))],
     "llama3_8b_128k_cp8.toml": [(8, (1, 1, 1, 1)), (16, (2, 1, 1, 1))],  # cp=8 takes the rest of the shard group
     "moe_16b_4gpu_fp8.toml": [(4, (4, 1, 4, 1))],
+    "qwen3_moe_debug.toml": [(1, (1, 1, 1, 1)), (2, (2, 1, 1, 1))],
 }
 
 

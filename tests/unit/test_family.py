@@ -44,13 +44,20 @@ def test_tp_plan_names_existing_modules_and_covers_the_linears(name, args, loss_
     assert plan.sequence_modules == moe_layers and bool(plan.summary) == bool(moe_layers)
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug_moe", "moe_16b"])
-def test_block_params_count_each_block_and_alike_runs_cover_the_model(flavor: str) -> None:
+@pytest.mark.parametrize("flavor, n_layers, changes", [
+    ("debug", 3, {}), ("debug_moe", 3, {}), ("moe_16b", 3, {}),
+    # Qwen3-MoE's rule: every other block MoE (1, 3), then with block 3 listed dense too, then a lone dense block
+    # among MoE ones (the dense kind's first block is not block 0).
+    ("qwen3_moe_debug", 5, {}), ("qwen3_moe_debug", 5, {"dense_layers": (3,)}),
+    ("qwen3_moe_debug", 5, {"sparse_step": 1, "dense_layers": (2,)}),
+])
+def test_block_params_count_each_block_and_alike_runs_cover_the_model(flavor: str, n_layers: int, changes: dict
+                                                                      ) -> None:
     """The memory plan's facts of a family (trainer/validate/plan.py): each block's parameters and routed experts' as
-    the built block has them, and runs of alike blocks that cover every block in order."""
+    the built block has them, and runs of alike blocks that cover every block, each once."""
     from trainer.models.activations import ActivationPolicy
 
-    args = replace(FLAVORS[flavor], n_layers=3)
+    args = replace(FLAVORS[flavor], n_layers=n_layers, **changes)
     family = family_of(args)
     with torch.device("meta"):
         model = build_model(args)
@@ -59,9 +66,12 @@ def test_block_params_count_each_block_and_alike_runs_cover_the_model(flavor: st
         routed = sum(p.numel() for name, p in params.items() if name.startswith(("moe.experts.", "moe.router.")))
         assert family.block_params(args, int(i)) == (sum(p.numel() for p in params.values()), routed)
     runs = family.block_runs(args)
-    assert [i for run in runs for i in run] == list(range(args.n_layers))
+    assert sorted(i for run in runs for i in run) == list(range(args.n_layers))
     policy = ActivationPolicy(compiled=True)
     for run in runs:
+        # What the plan asks of a run (trainer/validate/plan.py): its size, its first block, which blocks are in it.
+        assert (len(run), run[0]) == (len(list(run)), list(run)[0])
+        assert all((i in run) == (i in list(run)) for i in range(-1, args.n_layers + 1))
         assert len({(family.block_params(args, i), family.activation_bytes(args, i, policy)) for i in run}) == 1
 
 
@@ -73,4 +83,4 @@ def test_every_family_has_its_hf_mapping_and_flavors() -> None:
     assert set(FAMILIES) == {"llama", "moe"}
     # Each config.json layout is one family's (trainer.hf picks the family by it).
     model_types = [t for f in FAMILIES.values() for t in trainer.hf.mapping(f).MODEL_TYPES]
-    assert len(model_types) == len(set(model_types)) == 4
+    assert len(model_types) == len(set(model_types)) == 5

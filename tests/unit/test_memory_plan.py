@@ -40,7 +40,9 @@ def meta_params(job) -> int:
 @pytest.mark.parametrize("argv", [
     ["--model.flavor=debug"], ["--model.flavor=debug_moe"], ["--config", "configs/train/llama3_8b.toml"],
     ["--config", "configs/train/moe_16b_4gpu_fp8.toml"], QWEN3_0_6B,
-], ids=["debug", "debug_moe", "8b", "moe_16b", "qwen3-0.6b-tied"])
+    ["--model.flavor=qwen3_moe_debug"],
+    ["--model.flavor=qwen3_30b_a3b", "--model.n_layers=8", "--moe.sparse_step=2", "--moe.dense_layers=4,6"],
+], ids=["debug", "debug_moe", "8b", "moe_16b", "qwen3-0.6b-tied", "qwen3_moe_debug", "qwen3_30b_a3b-8l-rule"])
 @pytest.mark.parametrize("world_size", [1, 16])
 def test_weights_and_optimizer_rows_count_the_models_parameters(argv: list[str], world_size: int) -> None:
     extra = ["--distributed.ep=1"] if "moe_16b" in " ".join(argv) else []
@@ -61,6 +63,22 @@ def test_pipeline_ranks_split_the_parameters_and_rank_0_holds_the_most_microbatc
     # v=2; each rank's two stages hold 2 of the 4 blocks.
     assert act[0] * 3 == act[1] * 5
     assert all(any(r.what == "gradients" for r in p.rows) for p in ranks)  # microbatches sum into them
+
+
+@pytest.mark.parametrize("rule", [[], ["--moe.sparse_step=1"], ["--moe.sparse_step=1", "--moe.dense_layers=0,3"],
+                                  ["--moe.sparse_step=3", "--model.n_layers=6"]])
+def test_pipeline_ranks_count_the_blocks_qwen3_moes_rule_makes_moe(rule: list[str]) -> None:
+    """Each pipeline rank's blocks counted by kind (the MoE family's block_runs, wherever the MoE blocks lie): the
+    ranks' parameters sum to the model's, and a rank holds the parameters of the blocks it builds."""
+    argv = ["--config", "configs/train/qwen3_moe_debug.toml", "--distributed.pp=2", "--train.batch_size=4", *rule]
+    job, _ = plan_of(argv, world_size=2)
+    ranks = plan_ranks(load_job_config([*argv, "--data.source=synthetic"]), job.model_args, job.parallel_dims,
+                       job.build, job.pipeline, job.float8_layers)
+    with torch.device("meta"):
+        model = build_model(job.model_args)
+    for plan, fqns in zip(ranks, job.pipeline.stage_fqns, strict=True):
+        assert plan.params_per_rank == sum(p.numel() for n, p in model.named_parameters() if n.startswith(fqns))
+    assert sum(p.params_per_rank for p in ranks) == meta_params(job)
 
 
 def test_full_ac_keeps_each_blocks_input_and_the_peak_moves_to_the_optimizer_step() -> None:

@@ -56,16 +56,23 @@ def test_a_flavor_given_as_numbers_is_that_flavor(base: str, target: str, number
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("flavor, other", [("8b", "debug"), ("moe_16b", "debug_moe")])
-def test_resolved_values_rebuild_the_model_from_any_flavor_of_its_family(flavor: str, other: str) -> None:
+@pytest.mark.parametrize("flavor, other, more", [
+    ("8b", "debug", []), ("moe_16b", "debug_moe", []),
+    # Qwen3-MoE's rule, a list key among them (given back as --moe.dense_layers=1,3; none as an empty list).
+    ("qwen3_30b_a3b", "debug_moe", ["--model.n_layers=5", "--moe.sparse_step=1", "--moe.dense_layers=1,3"]),
+    ("qwen3_moe_debug", "debug_moe", []),
+])
+def test_resolved_values_rebuild_the_model_from_any_flavor_of_its_family(flavor: str, other: str, more: list[str]
+                                                                         ) -> None:
     """resolved.toml's [model] (and [moe]) hold every value in effect: given to another flavor, they rebuild it."""
-    args = _args(f"--model.flavor={flavor}", "--model.n_layers=2", "--model.head_dim=96", "--model.qk_norm=true")
+    args = _args(f"--model.flavor={flavor}", "--model.n_layers=2", "--model.head_dim=96", "--model.qk_norm=true",
+                 *more)
     keys = [k for k in model_keys(args) if not k.startswith("--model.flavor=")]
-    if flavor.startswith("moe"):  # the balancing keys too (model_keys leaves them to the run)
+    if other == "debug_moe":  # the balancing keys too (model_keys leaves them to the run)
         keys += [f"--moe.{k}={getattr(args, k)}" for k in ("aux_loss_coef", "bias_update_rate")]
     again = _args(f"--model.flavor={other}", *keys)
     assert _effective(again) == _effective(args)
-    assert args.head_dim == 96 and args.qk_norm and again.n_layers == 2
+    assert args.head_dim == 96 and args.qk_norm and again.n_layers == args.n_layers
 
 
 @pytest.mark.parametrize("argv, world_size, message", [

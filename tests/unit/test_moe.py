@@ -204,6 +204,60 @@ def test_moe_16b_parameter_counts_and_flops() -> None:
         assert 0 < a < t
 
 
+@pytest.mark.parametrize("n_layers, n_dense_layers, sparse_step, dense_layers", [
+    (4, 0, 1, ()), (4, 1, 1, ()), (5, 0, 2, ()), (6, 0, 3, (2,)), (6, 1, 2, (3, 4)), (5, 0, 1, (0, 4)),
+    (3, 3, 1, ()), (4, 0, 5, ()),  # no MoE block at all
+])
+def test_which_blocks_route_is_transformers_rule_counted_in_closed_form(n_layers, n_dense_layers, sparse_step,
+                                                                        dense_layers) -> None:
+    """Qwen3MoeDecoderLayer's rule (modeling_qwen3_moe.py): block i is sparse when i is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0; our leading n_dense_layers are more mlp_only_layers. The built model, the
+    closed-form counts (parameters, tensors, the log's count) and the memory plan's runs all follow it."""
+    from dataclasses import replace
+
+    from trainer.model_values import num_params_for, num_tensors, param_count
+    from trainer.models.moe import MoEBlock, block_runs
+
+    args = replace(MOE_FLAVORS["qwen3_moe_debug"], n_layers=n_layers, n_dense_layers=n_dense_layers,
+                   sparse_step=sparse_step, dense_layers=dense_layers)
+    mlp_only = set(range(n_dense_layers)) | set(dense_layers)
+    sparse = [i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(n_layers)]
+    with torch.device("meta"):
+        model = build_model(args)
+    assert [isinstance(block, MoEBlock) for block in model.layers.values()] == sparse
+    assert args.n_moe_layers == sum(sparse)
+    assert (num_params(model), len(model.state_dict())) == (num_params_for(args)[0], num_tensors(args))
+    assert param_count(args) == num_params(model) + sum(sparse) * args.n_experts  # + the expert-bias buffers
+    assert [sorted(run) for run in block_runs(args)] == [r for r in (
+        [i for i in range(n_layers) if not sparse[i]], [i for i in range(n_layers) if sparse[i]]) if r]
+
+
+def test_a_crafted_depth_costs_nothing_to_count() -> None:
+    """No loop over n_layers: a config or checkpoint.json may say 2**40 before anything is checked against files."""
+    from dataclasses import replace
+
+    from trainer.models.moe import block_runs
+
+    args = replace(MOE_FLAVORS["qwen3_moe_debug"], n_layers=2**40, sparse_step=3, dense_layers=(2, 5, 6))
+    assert args.n_moe_layers == 2**40 // 3 - 2  # blocks 2 and 5 would route; 6 does not anyway
+    dense, moe = block_runs(args)
+    assert (len(dense), dense[0], len(moe), moe[0]) == (2**40 - args.n_moe_layers, 0, args.n_moe_layers, 8)
+    assert 2**40 - 1 - 1 in moe and 2**40 - 1 in dense and 5 in dense
+
+
+def test_qwen3_30b_a3b_has_the_published_shape() -> None:
+    """Qwen/Qwen3-30B-A3B's config.json: 48 blocks, all MoE, 128 experts top-8 of width 768, 32 / 4 heads of 128;
+    30.5B parameters, 3.3B active as Qwen counts them (with the embeddings)."""
+    args = FLAVORS["qwen3_30b_a3b"]
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim) == (2048, 48, 32, 4, 128)
+    assert (args.n_experts, args.top_k, args.moe_ffn_dim, args.n_shared_experts, args.n_moe_layers) == (
+        128, 8, 768, 0, 48)
+    assert (args.vocab_size, args.ffn_dim, args.qk_norm, args.route_norm) == (151936, 6144, True, True)
+    total, active = param_counts(args)
+    assert total / 1e9 == pytest.approx(30.53, abs=0.01)
+    assert (active + args.vocab_size * args.dim) / 1e9 == pytest.approx(3.35, abs=0.01)
+
+
 def test_init_is_layout_free_and_depth_scaled() -> None:
     args = model_args_for("debug_moe")
     a, b = build_model(args), build_model(args)
@@ -413,6 +467,11 @@ MOE_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "co
                                "and [moe] keys set)"),
         (1, ["--moe.n_experts=4", "--moe.top_k=6"], "moe.top_k=6 must be at most moe.n_experts=4"),
         (1, ["--moe.n_dense_layers=5"], "moe.n_dense_layers=5 must be at most model.n_layers=4"),
+        (1, ["--moe.dense_layers=1,4"], "moe.dense_layers holds 4, not a block of model.n_layers=4"),
+        (1, ["--moe.dense_layers=2,2"], "moe.dense_layers=[2, 2] names a block twice"),
+        (1, ["--moe.dense_layers=-1"], "moe.dense_layers[0]=-1 must be an integer in [0, 1099511627776]"),
+        (1, ["--moe.sparse_step=0"], "moe.sparse_step=0 must be an integer in [1, 1099511627776] (leave "
+                                     "moe.sparse_step out for the flavor's own)"),
         (1, ["--moe.top_k=0"], "moe.top_k=0 must be an integer in [1, 1099511627776] (leave moe.top_k out for the "
                                "flavor's own)"),
         (1, ["--moe.capacity_factor=-0.5"], "moe.capacity_factor=-0.5 must be in [0, 1e+06] (leave "
@@ -515,6 +574,40 @@ def test_checkpoint_of_the_other_family_is_a_shape_mismatch(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"the checkpoint is moe debug_moe with n_experts=8 \(this run: None\)"):
         check_model_matches({"model": moe.model_json()}, dense, path=tmp_path)
     check_model_matches({"model": moe.model_json()}, moe, path=tmp_path)  # same model: no error
+
+
+def test_a_checkpoint_keeps_which_blocks_route(tmp_path) -> None:
+    """checkpoint.json holds sparse_step and dense_layers (a JSON list): the model loads back with the same blocks and
+    logits, a run with another rule is a shape mismatch naming it, and a checkpoint written before the keys existed
+    means the rule it had then (every block after n_dense_layers)."""
+    import json
+    from dataclasses import replace
+
+    from trainer.checkpoint import CheckpointError, RunInfo, load_model, save_model_only
+    from trainer.checkpoint.verify import check_model_matches
+
+    args = replace(MOE_FLAVORS["qwen3_moe_debug"], n_layers=5, dense_layers=(3,), max_seq_len=32)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    run = RunInfo(flavor="qwen3_moe_debug", model_args=args, mixed_precision="fp32")
+    ckpt = save_model_only(tmp_path / "ckpt", model.state_dict(), run=run, source="test")
+    saved = json.loads((ckpt / "checkpoint.json").read_text())["model"]
+    assert (saved["sparse_step"], saved["dense_layers"]) == (2, [3])
+    loaded = load_model(ckpt)
+    assert loaded.args == args and args.n_moe_layers == 1  # block 1 only: 3 is listed dense
+    tokens = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(tokens), model.eval().logits(tokens))
+    other = RunInfo(flavor="qwen3_moe_debug", model_args=replace(args, dense_layers=()), mixed_precision="fp32")
+    with pytest.raises(CheckpointError, match=r"dense_layers=\[3\] \(this run: \[\]\)"):
+        check_model_matches({"model": saved}, other, path=tmp_path)
+    old = RunInfo(flavor="debug_moe", model_args=model_args_for("debug_moe"), mixed_precision="fp32").model_json()
+    for key in ("sparse_step", "dense_layers"):
+        del old[key]
+    check_model_matches({"model": old}, RunInfo(flavor="debug_moe", model_args=model_args_for("debug_moe"),
+                                                mixed_precision="fp32"), path=tmp_path)
 
 
 def _moe_trainer(tmp_path, *args: str):

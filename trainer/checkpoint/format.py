@@ -46,8 +46,10 @@ OLD_FORMATS = ("trainer-dcp-1",)
 STEP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")
 # Shape-determining model args: a mismatch in any of them is an error before loading.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "qk_norm",
-              "tie_word_embeddings",
-              "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers")  # the last four: MoE only
+              "tie_word_embeddings",  # then the MoE family's:
+              "n_experts", "moe_ffn_dim", "n_shared_experts", "n_dense_layers", "sparse_step", "dense_layers")
+# What an MoE checkpoint written before a shape argument existed meant by its absence.
+MOE_SHAPE_DEFAULTS = {"sparse_step": 1, "dense_layers": []}
 # Same shapes, different function: loaded, with a warning.
 FUNCTION_KEYS = ("norm_eps", "rope_theta", "rope_scaling")
 # Per-parameter state (DCP's optimizer layout; trainer/checkpoint/parts.py): `{part}.state.{fqn}.{name}` holds

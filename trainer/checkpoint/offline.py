@@ -140,7 +140,7 @@ def load_model(
     """Our model (Llama or MoETransformer) with the weights of a DCP checkpoint or a Hugging Face export, in eval mode.
 
     `path`: a step-N folder, a checkpoint folder (its latest complete checkpoint) or an export
-    folder (Llama, Ernie4_5_Moe or Glm4Moe layout). The model's arguments come from the
+    folder (Llama, Qwen3, Ernie4_5_Moe, Glm4Moe or Qwen3Moe layout). The model's arguments come from the
     checkpoint's checkpoint.json (or the export's config.json); `max_seq_len` overrides the
     length of the RoPE table (default: the training run's sequence length, or the export's
     max_position_embeddings). Every file is verified (checksums for DCP, names and shapes

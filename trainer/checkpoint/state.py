@@ -94,7 +94,8 @@ class RunInfo:
     tokenizer_fingerprint: str = ""
 
     def model_json(self) -> dict[str, Any]:
-        args = asdict(self.model_args)
+        # A tuple (dense_layers) as the list JSON reads back, so a checkpoint's saved arguments compare equal.
+        args = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.model_args).items()}
         # The run's sequence length (the rope table's size) is recorded but is not part of the weights.
         name = "moe" if "n_experts" in args else "llama3"
         return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim,

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, OLD_FORMATS, SHAPE_KEYS, STATE_JSON, STEP_DIR, CheckpointError,
-    CorruptCheckpointError, file_digest, first_line, root_cause,
+    CHECKPOINT_JSON, FORMAT, FUNCTION_KEYS, METADATA, MOE_SHAPE_DEFAULTS, OLD_FORMATS, SHAPE_KEYS, STATE_JSON,
+    STEP_DIR, CheckpointError, CorruptCheckpointError, file_digest, first_line, root_cause,
 )
 from trainer.checkpoint.state import RunInfo, args_from_json, model_state_dict
 from trainer.checkpoint.values import CHECKPOINT_FIELDS, check_fields, check_index_entries, check_state_values
@@ -347,7 +347,7 @@ def check_model_matches(info: dict[str, Any], run: RunInfo, *, path: Path) -> No
     if isinstance(saved.get("dim"), int) and isinstance(saved.get("n_heads"), int) and saved["n_heads"] > 0:
         # Written before these arguments existed: what they meant then.
         saved = {"head_dim": saved["dim"] // saved["n_heads"], "qk_norm": False, "tie_word_embeddings": False,
-                 **saved}
+                 **(MOE_SHAPE_DEFAULTS if saved.get("name") == "moe" else {}), **saved}
     if saved.get("vocab_size") != ours["vocab_size"]:
         raise CheckpointError(
             f"{file}: vocab mismatch: the checkpoint has vocab_size={saved.get('vocab_size')}, this run has "

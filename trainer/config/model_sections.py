@@ -35,7 +35,10 @@ def _keys(args_cls: type, fields: list[dataclasses.Field]) -> list[tuple[str, An
     for f in fields:
         nested = _nested(hints[f.name])
         if nested is None:
-            keys.append((f.name.removeprefix("explicit_"), hints[f.name], {"field": f.name, "doc": docs[f.name]}))
+            tp = hints[f.name]
+            if typing.get_origin(tp) is tuple:  # tuple[int, ...] (dense_layers) is a TOML list; the args make it a tuple
+                tp = list[typing.get_args(tp)[0]]
+            keys.append((f.name.removeprefix("explicit_"), tp, {"field": f.name, "doc": docs[f.name]}))
             continue
         keys.append((f.name, Literal[NONE, nested.kind], {"field": f.name, "choice": nested, "doc": docs[f.name]}))
         inner_hints, inner_docs = typing.get_type_hints(nested), field_docs(nested)
@@ -99,12 +102,14 @@ def section_values(args: ModelArgs, section_cls: type) -> dict[str, Any]:
             value = None if have is None else getattr(have, meta["sub"])
         else:
             value = getattr(args, f.name)
+            value = list(value) if isinstance(value, tuple) else value  # a TOML list (dense_layers)
         if value is not None:
             values[f.name] = value
     return values
 
 
-_FLAVOR_DOC = "Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, moe_16b."
+_FLAVOR_DOC = ("Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, "
+               "moe_16b, qwen3_moe_debug, qwen3_30b_a3b.")
 
 ModelSection = shape_section(
     "ModelSection", ModelArgs, list(dataclasses.fields(ModelArgs)), first=(("flavor", str, "debug", _FLAVOR_DOC),),

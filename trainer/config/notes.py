@@ -7,10 +7,10 @@ from __future__ import annotations
 NOTES: dict[str, str] = {
     "model.flavor": (
         "Size preset, which also picks the family: dense debug, 1b, 3b, 8b, 70b, 405b (trainer/models/llama.py); MoE "
-        "debug_moe, moe_small, moe_16b (trainer/models/moe.py). Every other [model] (and, for an MoE flavor, [moe]) "
+        "debug_moe, moe_small, moe_16b, qwen3_moe_debug, qwen3_30b_a3b (trainer/models/moe.py). Every other [model] (and, for an MoE flavor, [moe]) "
         "key set replaces the flavor's value; a key left out keeps it."),
     "model.vocab_size": "Vocabulary size (128256 for the Llama 3 sizes, 512 for debug).",
-    "model.norm_eps": "RMSNorm epsilon (1e-5 for every flavor).",
+    "model.norm_eps": "RMSNorm epsilon (1e-5 for every flavor but the Qwen3-MoE ones: 1e-6).",
     "model.rope_theta": "RoPE base frequency (500000 for Llama 3, 1e6 for Qwen3).",
     "model.rope_scaling": (
         '"llama3": Llama 3.1\'s long-context frequency scaling (the rope_scaling_* keys; one of them set on a flavor '
@@ -33,7 +33,7 @@ NOTES: dict[str, str] = {
         "with pipeline or tensor parallel."),
     "model.qk_norm": (
         "RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): steadier attention logits; no flavor has it."),
-    "moe.route_norm": "Renormalize the chosen top_k scores to sum to 1 (no flavor does).",
+    "moe.route_norm": "Renormalize the chosen top_k scores to sum to 1 (the Qwen3-MoE flavors do, Qwen3-MoE's norm_topk_prob).",
     "job.dump_folder": (
         "Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler "
         "traces. Not empty (\".\" for the current directory)."),

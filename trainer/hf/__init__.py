@@ -5,7 +5,8 @@ config.json.
                   reading only safetensors and JSON; the tensors' headers (names, dtypes, shapes) before their data
     config_values.py  every config.json value read, checked by type and range; the two RoPE spellings agree
     llama.py      dense Llama <-> LlamaForCausalLM (Qwen3ForCausalLM with qk_norm), names one to one
-    moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores)
+    moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores), or
+                  Qwen3MoeForCausalLM for a model with q/k norms (moe_qwen3.py: its config.json and what differs)
     tokenizer.py  the run's tokenizer (tokenizer.json, BOS/EOS ids) in the export
     output_folder.py  where an export or an import (trainer/checkpoint/offline.py) writes: a new, empty or earlier
                   output folder, published whole
@@ -192,7 +193,8 @@ def _own_head(folder: Path, headers: dict[str, Header], *, where: str) -> str:
 
 
 def read_hf_config(folder: str | os.PathLike) -> ModelArgs:
-    """ModelArgs of a Hugging Face folder (Llama, Qwen3, Ernie4_5_Moe or Glm4Moe), checked against its weights."""
+    """ModelArgs of a Hugging Face folder (Llama, Qwen3, Ernie4_5_Moe, Glm4Moe or Qwen3Moe), checked against its
+    weights."""
     return open_hf_folder(folder).args
 
 

@@ -1,4 +1,5 @@
-"""The MoE family in Hugging Face layouts: `Ernie4_5_MoeForCausalLM` (softmax scores), `Glm4MoeForCausalLM` (sigmoid).
+"""The MoE family in Hugging Face layouts: `Ernie4_5_MoeForCausalLM` (softmax scores), `Glm4MoeForCausalLM` (sigmoid),
+and for a model with q/k norms `Qwen3MoeForCausalLM` (its config.json and what differs: trainer/hf/moe_qwen3.py).
 
 Checked line by line against transformers' modeling code, and by logits (tests/unit/test_hf_moe.py):
 
@@ -25,6 +26,7 @@ from dataclasses import replace
 
 import torch
 
+from trainer.hf import moe_qwen3 as qwen3
 from trainer.hf.config_values import CONFIG_KEYS, CONFIG_RULES, check_config_values, rope_fields
 from trainer.hf.folder import ExportError, Spec, rename
 from trainer.hf.llama import (
@@ -33,11 +35,11 @@ from trainer.hf.llama import (
 from trainer.model_values import Rule
 from trainer.models.moe import MOE_FLAVORS, MoEArgs
 
-ERNIE, GLM = "ernie4_5_moe", "glm4_moe"
+ERNIE, GLM, QWEN3 = "ernie4_5_moe", "glm4_moe", qwen3.MODEL_TYPE
 _BY_SCORES = {"softmax": ERNIE, "sigmoid": GLM}
-MODEL_TYPES = tuple(_BY_SCORES.values())  # the config.json layouts this family reads (trainer.hf picks the family by them)
+MODEL_TYPES = (*_BY_SCORES.values(), QWEN3)  # the config.json layouts this family reads (trainer.hf picks the family)
 KIND = "MoE"
-_ARCHITECTURES = {ERNIE: "Ernie4_5_MoeForCausalLM", GLM: "Glm4MoeForCausalLM"}
+_ARCHITECTURES = {ERNIE: "Ernie4_5_MoeForCausalLM", GLM: "Glm4MoeForCausalLM", QWEN3: qwen3.ARCHITECTURE}
 # transformers' defaults for keys a foreign config.json may leave out (ours writes them all).
 _DEFAULTS = {
     ERNIE: {"moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
@@ -46,6 +48,7 @@ _DEFAULTS = {
     GLM: {"num_experts_per_tok": 8, "n_routed_experts": 128, "n_shared_experts": 1, "first_k_dense_replace": 1,
           "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
           "use_qk_norm": False, "attention_bias": False, "partial_rotary_factor": 0.5, "tie_word_embeddings": False},
+    QWEN3: qwen3.DEFAULTS,
 }
 # Our MoEArgs field -> its config.json key, per target (for one-line mismatch messages).
 _KEYS = {
@@ -73,7 +76,7 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def model_type(args: MoEArgs) -> str:
-    return _BY_SCORES[args.score_func]
+    return QWEN3 if args.qk_norm else _BY_SCORES[args.score_func]
 
 
 def architecture(args: MoEArgs) -> str:
@@ -82,14 +85,10 @@ def architecture(args: MoEArgs) -> str:
 
 def check_exportable(args: MoEArgs) -> list[str]:
     """Raise a one-line ExportError for routing options without an exact target; return what to warn about."""
-    for field, value, default in (("qk_norm", args.qk_norm, False), ("tie_word_embeddings", args.tie_word_embeddings,
-                                                                     False),
-                                  ("head_dim", args.head_dim, args.dim // args.n_heads)):
-        if value != default:
-            raise ExportError(f"model.{field}={str(value).lower() if isinstance(value, bool) else value} has no "
-                              f"mapping in this trainer's MoE export ({architecture(args)}): train with "
-                              f"model.{field}={str(default).lower() if isinstance(default, bool) else default} to "
-                              "export")
+    if model_type(args) == QWEN3:
+        qwen3.check_exportable(args)
+    else:
+        _check_ernie_glm_exportable(args)
     if args.score_func == "sigmoid" and args.n_experts < 2:
         raise ExportError(f"score_func='sigmoid' with n_experts={args.n_experts} has no Hugging Face target: "
                           "Glm4MoeForCausalLM's router takes the best 2 scores of its expert group")
@@ -99,6 +98,19 @@ def check_exportable(args: MoEArgs) -> list[str]:
                      f"{architecture(args)}: the export routes every token, so its logits equal this model's "
                      "with capacity_factor=0")
     return notes
+
+
+def _check_ernie_glm_exportable(args: MoEArgs) -> None:
+    """What Ernie4_5_Moe and Glm4Moe, the layouts of a model without q/k norms, have no place for."""
+    for key, value, default in (("model.tie_word_embeddings", args.tie_word_embeddings, False),
+                                ("model.head_dim", args.head_dim, args.dim // args.n_heads),
+                                ("moe.sparse_step", args.sparse_step, 1),
+                                ("moe.dense_layers", list(args.dense_layers), [])):
+        if value != default:
+            shown, fix = (str(v).lower() if isinstance(v, bool) else v for v in (value, default))
+            raise ExportError(f"{key}={shown} has no mapping in this trainer's MoE export ({architecture(args)}): "
+                              f"train with {key}={fix} to export (or with model.qk_norm=true, whose export is "
+                              f"{qwen3.ARCHITECTURE})")
 
 
 def expected_shapes(args: MoEArgs) -> dict[str, tuple[int, ...]]:
@@ -160,6 +172,8 @@ def spec(fqn: str, args: MoEArgs) -> Spec:
                         lambda ts: ts[0])
         return rename(f"{mlp}.gate.weight")
     if rest == "moe.router.expert_bias":
+        if target == QWEN3:
+            return qwen3.expert_bias_spec(args)
         if target == ERNIE:
             return Spec((f"{mlp}.moe_statics.e_score_correction_bias",), lambda t: [t.reshape(1, -1)],
                         lambda ts: ts[0].reshape(-1), keep_fp32=True)
@@ -176,6 +190,8 @@ def spec(fqn: str, args: MoEArgs) -> Spec:
 def hf_config(args: MoEArgs, *, dtype: torch.dtype) -> dict:
     """config.json of the target architecture (keys read by transformers 4.x and 5.x)."""
     target = model_type(args)
+    if target == QWEN3:
+        return qwen3.hf_config(args, dtype=dtype)
     config = {
         "architectures": [architecture(args)],
         "model_type": target,
@@ -239,11 +255,14 @@ def _route_norm(config: dict, *, where: str) -> bool:
 
 
 def args_from_hf_config(config: dict, *, where: str) -> MoEArgs:
-    """MoEArgs of an Ernie4_5_Moe or Glm4Moe config.json; ExportError for settings ours has no equivalent of."""
+    """MoEArgs of an Ernie4_5_Moe, Glm4Moe or Qwen3Moe config.json; ExportError for settings ours has no equivalent
+    of."""
     target = config.get("model_type")
     if target not in _ARCHITECTURES:
         raise ExportError(f"{where}: model_type={target!r} is not an MoE layout this trainer reads "
                           f"({', '.join(map(repr, _ARCHITECTURES))})")
+    if target == QWEN3:
+        return qwen3.args_from_hf_config(config, where=where)
     keys = {**CONFIG_KEYS, "moe_ffn_dim": "moe_intermediate_size", **_KEYS[target]}
     check_config_values({**config, **{key: _get(config, key) for key in _KEYS[target].values()}}, keys, where=where,
                         rules=_CONFIG_RULES)
@@ -279,8 +298,15 @@ def check_hf_config(config: dict, args: MoEArgs, *, where: str) -> None:
     """
     expected = model_type(args)
     if config.get("model_type") != expected:
-        raise ExportError(f"{where}: model_type={config.get('model_type')!r}, but the trainer model scores experts "
-                          f"with {args.score_func}, whose layout is {expected!r}")
+        has = "has per-head q/k norms" if args.qk_norm else f"scores experts with {args.score_func}"
+        raise ExportError(f"{where}: model_type={config.get('model_type')!r}, but the trainer model {has}, whose "
+                          f"layout is {expected!r}")
+    if expected == QWEN3:
+        return qwen3.check_hf_config(config, args, where=where)
+    if args.sparse_step != 1 or args.dense_layers:
+        raise ExportError(f"{where}: the trainer model has moe.sparse_step={args.sparse_step} and moe.dense_layers="
+                          f"{list(args.dense_layers)}, which {expected} has no place for (its MoE blocks are all "
+                          "those after the first dense ones)")
     theirs = args_from_hf_config(config, where=where)
     keys = {**_COMMON_KEYS, **_KEYS[expected]}
     for field in _SHAPE_FIELDS:

@@ -15,7 +15,7 @@ Everything else (attention, norms, the dense MLP, the head, init, the block) is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from torch import nn
@@ -38,9 +38,10 @@ class ModelFamily:
     """(total, active): active = what one token's forward passes through, without the embedding table."""
     ffn_params: Callable[[ModelArgs, int], int]
     """Matmul parameters a token passes through in block i's feed-forward (the pipeline split's costs)."""
-    block_runs: Callable[[ModelArgs], tuple[range, ...]]
-    """The blocks in runs of alike ones (the same parameters and activations): what the memory plan counts in
-    closed form, one block of each run standing for the run."""
+    block_runs: Callable[[ModelArgs], tuple[Collection[int], ...]]
+    """The blocks in runs of alike ones (the same parameters and activations; a range, or the MoE family's blocks of
+    one kind wherever they lie): what the memory plan counts in closed form, one block of each run (`run[0]`)
+    standing for the run."""
     block_params: Callable[[ModelArgs, int], tuple[int, int]]
     """(parameters of block i, of which routed experts': split over ep, never gathered over it)."""
     activation_bytes: Callable[[ModelArgs, int, ActivationPolicy], tuple[int, int]]
@@ -75,7 +76,7 @@ def _describe_moe(args: moe.MoEArgs) -> str:
         "MoE: %s active parameters per token (MFU counts these); %d routed experts top-%d (%s scores%s), "
         "%d shared, %d dense layers; aux_loss_coef=%g, bias_update_rate=%g, capacity_factor=%g" % (
             f"{moe.param_counts(args)[1]:,}", args.n_experts, args.top_k, args.score_func,
-            ", renormalized" if args.route_norm else "", args.n_shared_experts, args.n_dense_layers,
+            ", renormalized" if args.route_norm else "", args.n_shared_experts, args.n_layers - args.n_moe_layers,
             args.aux_loss_coef, args.bias_update_rate, args.capacity_factor,
         )
     )

@@ -8,7 +8,8 @@ feed-forward. Module names are a contract (FP8 filter, FSDP, EP, checkpoints, te
     layers.{i}.moe.experts.{w1,w2,w3}           3-D parameters [n_experts, ...] (SwiGLU gate, down, up)
     layers.{i}.moe.shared_expert.{gate,up,down}_proj   the shared expert(s) as one dense MLP
 
-The first `n_dense_layers` blocks are dense Llama blocks (`layers.{i}.mlp.*`).
+The other blocks are dense Llama blocks (`layers.{i}.mlp.*`, dense_ffn_dim wide): the first `n_dense_layers`, those
+between every `sparse_step`-th and those `dense_layers` lists (`MoEArgs.is_moe_layer`, Qwen3-MoE's rule).
 
 Routed experts (`trainer.models.moe_experts.GroupedExperts`) run as one grouped GEMM over
 tokens sorted by expert, as dispatch -> kernel -> combine: expert parallelism
@@ -37,7 +38,8 @@ sequence (the earliest positions), again independent of the layout.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,7 +58,10 @@ from trainer.models.moe_permute import experts_to_tokens, inverse_permutation
 
 
 # `debug_moe` trains on a CPU in seconds; `moe_small` fits one GPU; `moe_16b` has
-# DeepSeek-MoE-16B shapes (GQA attention instead of MHA) and fits 4x H200 with ep=4.
+# DeepSeek-MoE-16B shapes (GQA attention instead of MHA) and fits 4x H200 with ep=4. The Qwen3-MoE ones
+# (Qwen3MoeForCausalLM: q/k norms, softmax top-k renormalized, no shared experts, no expert bias): `qwen3_moe_debug`
+# on a CPU in seconds (every other block MoE, head_dim apart from dim / n_heads), `qwen3_30b_a3b` the published
+# Qwen3-30B-A3B's shapes (30.5B parameters; 3.3B active with the embeddings, as Qwen counts, 3.0B without).
 MOE_FLAVORS: dict[str, MoEArgs] = {
     "debug_moe": MoEArgs(
         dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=64, rope_theta=10000.0,
@@ -72,6 +77,16 @@ MOE_FLAVORS: dict[str, MoEArgs] = {
         dim=2048, n_layers=27, n_heads=16, n_kv_heads=8, vocab_size=102400, rope_theta=10000.0, max_seq_len=4096,
         n_experts=64, top_k=6, moe_ffn_dim=1408, n_shared_experts=2, n_dense_layers=1, dense_ffn_dim=10944,
         aux_loss_coef=1e-3, bias_update_rate=1e-3,
+    ),
+    "qwen3_moe_debug": MoEArgs(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, explicit_head_dim=48, vocab_size=512, norm_eps=1e-6,
+        rope_theta=1000000.0, qk_norm=True, n_experts=8, top_k=2, moe_ffn_dim=64, dense_ffn_dim=192, sparse_step=2,
+        route_norm=True, aux_loss_coef=0.01,
+    ),
+    "qwen3_30b_a3b": MoEArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, explicit_head_dim=128, vocab_size=151936, norm_eps=1e-6,
+        rope_theta=1000000.0, max_seq_len=40960, qk_norm=True, n_experts=128, top_k=8, moe_ffn_dim=768,
+        dense_ffn_dim=6144, route_norm=True, aux_loss_coef=1e-3,
     ),
 }
 
@@ -274,7 +289,7 @@ class MoEBlock(TransformerBlock):
 
 
 class MoETransformer(Decoder):
-    """Dense blocks for the first n_dense_layers, MoE blocks after; `Decoder.forward` runs them."""
+    """MoE blocks where `args.is_moe_layer(i)`, dense ones elsewhere; `Decoder.forward` runs them."""
 
     def __init__(self, args: MoEArgs):
         blocks = [MoEBlock(args) if args.is_moe_layer(i) else TransformerBlock(args) for i in range(args.n_layers)]
@@ -321,17 +336,44 @@ def param_counts(args: MoEArgs) -> tuple[int, int]:
     """(total, active) parameters. Active = what one token passes through: all but the
     n_experts - top_k routed experts it does not choose, and without the embedding table
     (a lookup, no matmul)."""
-    n_moe = args.n_layers - args.n_dense_layers
+    n_moe = args.n_moe_layers
     total = param_count(args) - n_moe * args.n_experts  # param_count also counts the expert-bias buffers
     # Active: less the embedding table and the routed experts a token does not choose.
     unchosen = n_moe * (args.n_experts - args.top_k) * 3 * args.dim * args.moe_ffn_dim  # 3 matrices per expert
     return total, total - args.vocab_size * args.dim - unchosen
 
 
-def block_runs(args: MoEArgs) -> tuple[range, ...]:
-    """The blocks in runs of alike ones: the dense blocks, then the MoE blocks (each run that has any)."""
-    n_dense = min(args.n_dense_layers, args.n_layers)
-    return tuple(r for r in (range(n_dense), range(n_dense, args.n_layers)) if r)
+@dataclass(frozen=True)
+class LayerKind:
+    """The dense or the MoE blocks of a model (`MoEArgs.is_moe_layer`), as the memory plan reads a run of alike
+    blocks: how many, the first, which; in closed form, wherever they lie (no loop over n_layers)."""
+
+    args: MoEArgs
+    moe: bool
+
+    def __len__(self) -> int:
+        return self.args.n_moe_layers if self.moe else self.args.n_layers - self.args.n_moe_layers
+
+    def __contains__(self, i: object) -> bool:
+        return isinstance(i, int) and 0 <= i < self.args.n_layers and self.args.is_moe_layer(i) == self.moe
+
+    def __getitem__(self, k: int) -> int:
+        assert k == 0 and len(self), (k, self)  # the plan asks the first block of a kind that has any
+        a = self.args
+        if not self.moe:  # block 0, unless every block from 0 routes but the listed ones
+            return 0 if a.n_dense_layers or a.sparse_step > 1 else min(a.dense_layers)
+        i = (min(a.n_dense_layers, a.n_layers) // a.sparse_step + 1) * a.sparse_step - 1  # the first (i + 1) % step = 0
+        while i in a.dense_layers:  # at most len(dense_layers) steps
+            i += a.sparse_step
+        return i
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i in range(self.args.n_layers) if self.args.is_moe_layer(i) == self.moe)
+
+
+def block_runs(args: MoEArgs) -> tuple[LayerKind, ...]:
+    """The blocks of each kind that has any: the dense ones, then the MoE ones."""
+    return tuple(kind for kind in (LayerKind(args, moe=False), LayerKind(args, moe=True)) if len(kind))
 
 
 def block_params(args: MoEArgs, i: int) -> tuple[int, int]:

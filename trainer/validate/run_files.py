@@ -78,8 +78,14 @@ def model_keys(args: ModelArgs) -> list[str]:
         values |= {f"moe.{k}": v for k, v in section_values(args, MoESection).items()
                    if k not in ("aux_loss_coef", "bias_update_rate", "capacity_factor")}
     flavor = next(iter(family_of(args).flavors))
-    return [f"--model.flavor={flavor}"] + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
-                                           for k, v in values.items()]
+    return [f"--model.flavor={flavor}"] + [f"--{k}={_flag_value(v)}" for k, v in values.items()]
+
+
+def _flag_value(value: Any) -> str:
+    """A value as the command line reads it back: true/false, a list as 1,3 (trainer.config.load)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: BuildOptions,
