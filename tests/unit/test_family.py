@@ -44,7 +44,7 @@ def test_tp_plan_names_existing_modules_and_covers_the_linears(name, args, loss_
     assert plan.sequence_modules == moe_layers and bool(plan.summary) == bool(moe_layers)
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug_moe", "moe_16b"])
+@pytest.mark.parametrize("flavor", ["debug", "debug_moe", "moe_16b", "debug_deepseek_v3", "deepseek_v3_16b"])
 def test_block_params_count_each_block_and_alike_runs_cover_the_model(flavor: str) -> None:
     """The memory plan's facts of a family (trainer/validate/plan.py): each block's parameters and routed experts' as
     the built block has them, and runs of alike blocks that cover every block in order."""
@@ -59,7 +59,7 @@ def test_block_params_count_each_block_and_alike_runs_cover_the_model(flavor: st
         routed = sum(p.numel() for name, p in params.items() if name.startswith(("moe.experts.", "moe.router.")))
         assert family.block_params(args, int(i)) == (sum(p.numel() for p in params.values()), routed)
     runs = family.block_runs(args)
-    assert [i for run in runs for i in run] == list(range(args.n_layers))
+    assert [i for run in runs for i in run] == list(range(len(model.layers)))  # DeepSeek-V3's MTP modules too
     policy = ActivationPolicy(compiled=True)
     for run in runs:
         assert len({(family.block_params(args, i), family.activation_bytes(args, i, policy)) for i in run}) == 1
@@ -70,7 +70,7 @@ def test_every_family_has_its_hf_mapping_and_flavors() -> None:
         family = family_of(args)
         assert flavor in family.flavors
         assert trainer.hf.family(args).__name__ == f"trainer.hf.{family.name}"
-    assert set(FAMILIES) == {"llama", "moe"}
+    assert set(FAMILIES) == {"llama", "moe", "deepseek_v3"}
     # Each config.json layout is one family's (trainer.hf picks the family by it).
     model_types = [t for f in FAMILIES.values() for t in trainer.hf.mapping(f).MODEL_TYPES]
-    assert len(model_types) == len(set(model_types)) == 4
+    assert len(model_types) == len(set(model_types)) == 5

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -21,6 +22,10 @@ def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_s
     """A flavor's shapes with optional overrides (0 keeps the flavor's value); `moe` keys only for MoE flavors."""
     if flavor in MOE_FLAVORS:
         return moe_args_for(flavor, vocab_size=vocab_size, n_layers=n_layers, max_seq_len=max_seq_len, **moe)
+    if isinstance(FLAVORS.get(flavor), MoEArgs):  # another routed family's flavor (deepseek_v3)
+        args = replace(FLAVORS[flavor], **{k: v for k, v in {"vocab_size": vocab_size, "n_layers": n_layers}.items()
+                                           if v}, **moe)
+        return replace(args, max_seq_len=max(max_seq_len, args.max_seq_len))
     if flavor not in FLAVORS:
         raise ValueError(f"model.flavor={flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
     assert not moe, f"MoE options {sorted(moe)} given for the dense flavor {flavor!r}"
