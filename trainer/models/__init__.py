@@ -13,6 +13,7 @@ from trainer.models.family import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import Llama, ModelArgs, num_params
 from trainer.models.llama import model_args_for as llama_args_for
 from trainer.models.moe import MOE_FLAVORS, MoEArgs, MoETransformer, moe_args_for
+from trainer.models.mtp import MTPLossMetrics, mtp_or_plain_loss_fn
 
 FLAVORS: dict[str, ModelArgs] = {name: args for family in FAMILIES.values() for name, args in family.flavors.items()}
 
@@ -66,6 +67,7 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
 
 
 __all__ = [
-    "FAMILIES", "FLAVORS", "Llama", "MoEArgs", "MoETransformer", "ModelArgs", "ModelFamily", "build_model",
-    "family_of", "flops_per_token", "is_moe", "model_args_for", "num_params", "param_counts", "pipeline_costs",
+    "FAMILIES", "FLAVORS", "Llama", "MTPLossMetrics", "MoEArgs", "MoETransformer", "ModelArgs", "ModelFamily",
+    "build_model", "family_of", "flops_per_token", "is_moe", "model_args_for", "mtp_or_plain_loss_fn", "num_params",
+    "param_counts", "pipeline_costs",
 ]

@@ -140,14 +140,16 @@ class DeepseekV3(MoETransformer):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last main block [batch, seq, dim]; in training with MTP modules, every depth's
         states for trainer.models.mtp.MTPLossFn: [(1 + mtp_layers) x batch, seq, dim], the main ones first."""
-        h, rope, mask = self._embed(tokens)
+        emb, rope, mask = self._embed(tokens)
+        h = emb
         main = [layer for name, layer in self.layers.items() if int(name) < self.args.n_layers]
         for layer in main:
             h = layer(h, rope, *mask)
         mtp = [layer for name, layer in self.layers.items() if int(name) >= self.args.n_layers]
         if not (self.training and mtp):
             return h
-        return mtp_forward(mtp, h, tokens, self.tok_embeddings, rope, mask)
+        # The embeddings of this forward, not a second call: their FSDP2 unit runs once per step.
+        return mtp_forward(mtp, h, emb, rope, mask)
 
     def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[BlockMask | torch.Tensor, ...]]:
         """(embeddings, RoPE table, the blocks' document mask if any), as Decoder.forward makes them."""

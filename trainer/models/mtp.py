@@ -17,15 +17,21 @@ mean to within that factor. Each depth's mean is kept for the log (`mtp_loss_1`,
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
-from trainer.loss import IGNORE_INDEX, LossFn, chunked_cross_entropy, local_loss
-from trainer.model_values import DeepseekV3Args
+from trainer.hooks import StepHook
+from trainer.loss import IGNORE_INDEX, LossFn, build_loss_fn, chunked_cross_entropy, local_loss
+from trainer.model_values import DeepseekV3Args, ModelArgs
 from trainer.models.layers import RMSNorm
+
+logger = logging.getLogger(__name__)
 
 
 class MTPLayer(nn.Module):
@@ -47,10 +53,10 @@ class MTPLayer(nn.Module):
         return out, self.shared_head_norm(out)
 
 
-def mtp_forward(layers: list[nn.Module], h: torch.Tensor, tokens: torch.Tensor, embeddings: nn.Module,
-                rope: torch.Tensor, mask: tuple) -> torch.Tensor:
-    """Every depth's states after the main ones: [(1 + D) x batch, seq, dim] (main h, then each depth's normed h)."""
-    emb = embeddings(tokens)
+def mtp_forward(layers: list[nn.Module], h: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor, mask: tuple
+                ) -> torch.Tensor:
+    """Every depth's states after the main ones: [(1 + D) x batch, seq, dim] (main h, then each depth's normed h);
+    `emb` the tokens' embeddings [batch, seq, dim]."""
     outs, prev = [h], h
     for k, layer in enumerate(layers, 1):
         shifted = torch.cat([emb[:, k:], emb.new_zeros(emb.shape[0], k, emb.shape[2])], dim=1)  # Emb(t_{i+k})
@@ -105,10 +111,40 @@ class MTPLossFn(LossFn):
         return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum",
                                ignore_index=IGNORE_INDEX)
 
-    def pop_metrics(self) -> dict[str, float]:
-        """Each depth's mean loss since the last call (`mtp_loss_1`, ...: this rank's tokens); resets them.
-        note: a host sync."""
-        sums, counts = self.sums.tolist(), self.counts.tolist()
+    def pop_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """Each depth's mean loss since the last call (`mtp_loss_1`, ...), over the tokens of `group`'s ranks (None:
+        this rank's); resets them. note: a host sync, and a collective over `group`."""
+        totals = torch.stack([self.sums, self.counts])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(totals, group=group)
         self.sums.zero_()
         self.counts.zero_()
+        sums, counts = totals.tolist()
         return {f"mtp_loss_{k}": s / c for k, (s, c) in enumerate(zip(sums, counts), 1) if c}
+
+
+def mtp_or_plain_loss_fn(model: nn.Module, args: ModelArgs, *, chunk_tokens: int, compile: bool) -> LossFn:
+    """The loss of `model` (or the last pipeline stage): with args.mtp_layers MTP modules (DeepSeek-V3), the
+    MTPLossFn; else trainer.loss.build_loss_fn's."""
+    if not (depths := getattr(args, "mtp_layers", 0)):
+        return build_loss_fn(model, chunk_tokens=chunk_tokens, compile=compile)
+    logger.info("multi-token prediction: %d MTP modules, each predicting one token further; loss + %g x their mean "
+                "(mtp_loss_1, ... in the metrics)", depths, args.mtp_loss_weight)
+    return MTPLossFn(model.norm, model.output_head, depths=depths, weight=args.mtp_loss_weight,
+                     chunk_tokens=chunk_tokens, compile=compile)
+
+
+class MTPLossMetrics(StepHook):
+    """The step hook (trainer/hooks.py) that logs each MTP depth's mean loss since the last log line, over the
+    data-parallel ranks (`group`): `mtp_loss_1`, ... in the metrics."""
+
+    def __init__(self, loss_fn: MTPLossFn, *, group: dist.ProcessGroup | None):
+        self.loss_fn, self.group = loss_fn, group
+
+    @classmethod
+    def of(cls, loss_fn: LossFn | None, *, group: dist.ProcessGroup | None) -> list[MTPLossMetrics]:
+        """The hook where the loss is an MTPLossFn (on every rank of a job with MTP; at pp=1 only), else none."""
+        return [cls(loss_fn, group=group)] if isinstance(loss_fn, MTPLossFn) else []
+
+    def on_log(self, step: int) -> dict[str, float]:
+        return self.loss_fn.pop_metrics(self.group)

@@ -1,0 +1,58 @@
+"""What a DeepSeek-V3 flavor allows of the layout and the config, and the [deepseek_v3] keys on other flavors: one
+line each, before any process group (trainer.validate.layout.check_model_layout calls this).
+
+Covered layouts: one process, FSDP2 (dp_shard, HSDP), expert parallelism (ep), activation checkpointing and compile
+(tests/distributed/test_moe_layouts.py runs them against one process). Refused until MLA and MTP have their plans:
+tensor parallel (MLA's projections have no plan yet), pipeline parallel (the MTP modules and their loss need the
+main model's last states, embeddings and head on one stage) and context parallel (no test of MLA's ring attention
+yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.model_values import DeepseekV3Args, ModelArgs
+from trainer.parallel import ParallelDims
+
+_WHY = {
+    "tp": "MLA's projections have no tensor-parallel plan yet",
+    "pp": "the MTP modules and their loss need the main model's last states, embeddings and head on one stage",
+    "cp": "MLA has no context-parallel test yet",
+}
+
+
+def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
+    """ConfigError for a [deepseek_v3] key set on another family's flavor, and for what a DeepSeek-V3 model refuses."""
+    if not isinstance(args, DeepseekV3Args):
+        changed = [f.name for f in dataclasses.fields(cfg.deepseek_v3) if getattr(cfg.deepseek_v3, f.name) is not None]
+        if changed:
+            raise ConfigError(f"deepseek_v3.{changed[0]}={getattr(cfg.deepseek_v3, changed[0])} has no effect: "
+                              f"model.flavor={cfg.model.flavor!r} is not a DeepSeek-V3 flavor; remove it or pick one "
+                              "(debug_deepseek_v3, deepseek_v3_16b)")
+        return
+    for key, degree in (("tp", pd.tp), ("pp", pd.pp), ("cp", pd.cp)):
+        if degree > 1:
+            raise ConfigError(f"distributed.{key}={degree} with the DeepSeek-V3 flavor {cfg.model.flavor!r}: {_WHY[key]};"
+                              f" set distributed.{key}=1 (FSDP and expert parallelism are supported)")
+    if args.rope_scaling is not None:
+        raise ConfigError(f"model.rope_scaling={args.rope_scaling.kind!r} with the DeepSeek-V3 flavor "
+                          f"{cfg.model.flavor!r}: its RoPE is plain here (YaRN, whose mscale changes the softmax scale, "
+                          "is not implemented); set model.rope_scaling='none'")
+    # resolved.toml writes head_dim as the value in effect, qk_rope_head_dim (the RoPE table's width): that one is no
+    # other setting.
+    head_dim = args.explicit_head_dim not in (0, args.qk_rope_head_dim)
+    for key, value, ignored, fix in (
+            ("model.head_dim", args.explicit_head_dim, head_dim, "deepseek_v3.qk_nope_head_dim and qk_rope_head_dim"),
+            ("model.n_kv_heads", args.n_kv_heads, args.n_kv_heads != args.n_heads, f"model.n_kv_heads={args.n_heads}"),
+            ("model.qk_norm", "true", args.qk_norm, "model.qk_norm=false")):
+        if ignored:
+            raise ConfigError(f"{key}={value} with the DeepSeek-V3 flavor {cfg.model.flavor!r}: MLA has no such "
+                              "setting (each head's widths are deepseek_v3 keys, every head has its own keys and "
+                              f"values from the latent, no q/k norm); set {fix} instead")
+    if args.score_func != "sigmoid":
+        raise ConfigError(f"moe.score_func={args.score_func!r} with the DeepSeek-V3 flavor {cfg.model.flavor!r}: its "
+                          "groups are ranked by sigmoid scores (DeepseekV3ForCausalLM's router); set "
+                          "moe.score_func='sigmoid'")
