@@ -75,3 +75,17 @@ def test_a_checkpoint_of_a_deepseek_v3_model_loads_with_its_mtp_modules(tmp_path
     loaded = load_model(tmp_path / "ckpt")
     assert isinstance(loaded, DeepseekV3) and loaded.args == args
     assert all(torch.equal(v, weights[k]) for k, v in loaded.state_dict().items())
+
+
+def test_the_memory_plan_holds_each_mtp_depths_logits() -> None:
+    """Each MTP depth's eager logits (12 bytes per token and vocabulary entry, as the eager LM loss counts) and its
+    states stay with the main loss's until backward."""
+    def loss_bytes(*argv: str) -> int:
+        cfg = load_job_config(["--model.flavor=debug_deepseek_v3", "--train.seq_len=64", "--train.batch_size=2",
+                               "--train.mixed_precision=fp32", *argv])
+        plan = validate_job(cfg, world_size=1).memory_plan
+        return next(r.bytes for r in plan.rows if r.what == "logits and loss")
+
+    tokens, vocab, dim = 2 * 64, 512, 128
+    per_depth = 12 * tokens * vocab + 2 * tokens * dim * 4
+    assert loss_bytes("--deepseek_v3.mtp_layers=2") - loss_bytes("--deepseek_v3.mtp_layers=0") == 2 * per_depth
