@@ -27,11 +27,9 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
 
 from trainer.model_values import DeepseekV3Args, layer_param_counts, param_count
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
-from trainer.models.documents import attention_mask, document_ids
 from trainer.models.layers import Decoder, TPPlan, TransformerBlock
 from trainer.models.mla import MLA
 from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router
@@ -138,28 +136,20 @@ class DeepseekV3(MoETransformer):
         Decoder.__init__(self, args, [_block(args, i) for i in range(args.n_layers + args.mtp_layers)])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the last main block [batch, seq, dim]; in training with MTP modules, every depth's
-        states for trainer.models.mtp.MTPLossFn: [(1 + mtp_layers) x batch, seq, dim], the main ones first."""
-        emb, rope, mask = self._embed(tokens)
+        """Hidden states after the last main block [batch, seq, dim] (of this pipeline stage's blocks); in training
+        with MTP modules, every depth's states for trainer.models.mtp.MTPLossFn: [(1 + mtp_layers) x batch, seq,
+        dim], the main ones first."""
+        emb, rope, mask = self.embed(tokens)
         h = emb
-        main = [layer for name, layer in self.layers.items() if int(name) < self.args.n_layers]
-        for layer in main:
-            h = layer(h, rope, *mask)
+        for name, layer in self.layers.items():
+            if int(name) < self.args.n_layers:
+                h = layer(h, rope, *mask)
         mtp = [layer for name, layer in self.layers.items() if int(name) >= self.args.n_layers]
         if not (self.training and mtp):
             return h
-        # The embeddings of this forward, not a second call: their FSDP2 unit runs once per step.
+        # The embeddings of this forward, not a second call: their FSDP2 unit runs once per step. (MTP runs with
+        # the whole sequence and the whole model on one rank: trainer.validate refuses pp and cp with it.)
         return mtp_forward(mtp, h, emb, rope, mask)
-
-    def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[BlockMask | torch.Tensor, ...]]:
-        """(embeddings, RoPE table, the blocks' document mask if any), as Decoder.forward makes them."""
-        assert self.cp is None, "context parallelism is refused for deepseek_v3 (trainer.validate)"
-        h = self.tok_embeddings(tokens)
-        rope, mask = self.rope, ()
-        if self.document_eos is not None:
-            docs, positions = document_ids(tokens, self.document_eos)
-            rope, mask = self.rope[positions], (attention_mask(docs),)
-        return h, rope, mask
 
 
 def tp_plan(model: DeepseekV3, *, loss_parallel: bool) -> TPPlan:

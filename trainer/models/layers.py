@@ -255,6 +255,14 @@ class Decoder(nn.Module):
         without tok_embeddings it takes the previous stage's hidden states instead of tokens.
         Under context parallelism the tokens are this rank's chunks, and RoPE takes their global positions.
         """
+        h, rope, mask = self.embed(tokens)
+        for layer in self.layers.values():
+            h = layer(h, rope, *mask)
+        return h
+
+    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[BlockMask | torch.Tensor, ...]]:
+        """(the first block's input, the RoPE table its tokens take, the blocks' document mask or ()): the
+        embeddings, or a pipeline stage's input as it is."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if isinstance(h, DTensor):  # tensor parallel: the embeddings' sequence shard
             # Unwrapped here, not by the embeddings' own output hook, so that their FSDP2 unit returns no
@@ -265,9 +273,7 @@ class Decoder(nn.Module):
         if self.document_eos is not None:
             docs, positions = document_ids(tokens, self.document_eos)
             rope, mask = self.rope[positions], (attention_mask(docs),)
-        for layer in self.layers.values():
-            h = layer(h, rope, *mask)
-        return h
+        return h, rope, mask
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for evaluation and generation: forward, final norm, output head."""

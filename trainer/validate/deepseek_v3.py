@@ -1,11 +1,12 @@
 """What a DeepSeek-V3 flavor allows of the layout and the config, and the [deepseek_v3] keys on other flavors: one
 line each, before any process group (trainer.validate.layout.check_model_layout calls this).
 
-Covered layouts: one process, FSDP2 (dp_shard, HSDP), expert parallelism (ep), activation checkpointing and compile
-(tests/distributed/test_moe_layouts.py runs them against one process). Refused until MLA and MTP have their plans:
-tensor parallel (MLA's projections have no plan yet), pipeline parallel (the MTP modules and their loss need the
-main model's last states, embeddings and head on one stage) and context parallel (no test of MLA's ring attention
-yet).
+Covered layouts (tests/distributed/test_deepseek_v3_layouts.py, against one process): FSDP2 (dp_shard, HSDP), expert
+parallelism (ep), activation checkpointing; pipeline and context parallelism without MTP modules. Refused: tensor
+parallel (MLA's projections have no plan yet: q_a_proj and kv_a_proj_with_mqa feed norms over their whole width, so
+they would stay replicated with gradients summed over tp, which no plan here does), and pipeline or context parallel
+with MTP modules (an MTP module needs the main model's last states, the embeddings and the head on one stage, and the
+embedding k tokens ahead, which under cp another rank's chunk holds).
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from trainer.errors import ConfigError
 from trainer.model_values import DeepseekV3Args, ModelArgs
 from trainer.parallel import ParallelDims
 
-_WHY = {
-    "tp": "MLA's projections have no tensor-parallel plan yet",
+_MTP_WHY = {
     "pp": "the MTP modules and their loss need the main model's last states, embeddings and head on one stage",
-    "cp": "MLA has no context-parallel test yet",
+    "cp": "an MTP module reads the embedding k tokens ahead, which another rank's chunk holds",
 }
 
 
@@ -33,10 +33,14 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                               f"model.flavor={cfg.model.flavor!r} is not a DeepSeek-V3 flavor; remove it or pick one "
                               "(debug_deepseek_v3, deepseek_v3_16b)")
         return
-    for key, degree in (("tp", pd.tp), ("pp", pd.pp), ("cp", pd.cp)):
-        if degree > 1:
-            raise ConfigError(f"distributed.{key}={degree} with the DeepSeek-V3 flavor {cfg.model.flavor!r}: {_WHY[key]};"
-                              f" set distributed.{key}=1 (FSDP and expert parallelism are supported)")
+    if pd.tp > 1:
+        raise ConfigError(f"distributed.tp={pd.tp} with the DeepSeek-V3 flavor {cfg.model.flavor!r}: MLA's "
+                          "projections have no tensor-parallel plan yet; set distributed.tp=1 (FSDP, expert, pipeline "
+                          "and context parallelism are supported)")
+    for key, degree in (("pp", pd.pp), ("cp", pd.cp)):
+        if degree > 1 and args.mtp_layers:
+            raise ConfigError(f"distributed.{key}={degree} with deepseek_v3.mtp_layers={args.mtp_layers}: "
+                              f"{_MTP_WHY[key]}; set deepseek_v3.mtp_layers=0 or distributed.{key}=1")
     if args.rope_scaling is not None:
         raise ConfigError(f"model.rope_scaling={args.rope_scaling.kind!r} with the DeepSeek-V3 flavor "
                           f"{cfg.model.flavor!r}: its RoPE is plain here (YaRN, whose mscale changes the softmax scale, "
