@@ -215,3 +215,13 @@ def test_yarn_is_refused_in_one_line():
 
     with pytest.raises(ValueError, match="model.rope_scaling: DeepSeek-V3 flavors take plain RoPE here"):
         DeepseekV3(replace(DEBUG, rope_scaling=RopeScaling()))
+
+
+def test_the_pipeline_split_costs_sum_to_the_flops_per_token():
+    from trainer.models import pipeline_costs
+
+    for name in FLAVORS:  # pipeline parallel runs without MTP modules (trainer.validate refuses them there)
+        args = replace(FLAVORS[name], mtp_layers=0)
+        embedding, blocks, head = pipeline_costs(args, 256)
+        assert embedding + sum(blocks) + head == pytest.approx(flops_per_token(args, 256), rel=1e-12), name
+        assert blocks[0] != blocks[-1]  # a dense block and an MoE block cost apart

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from trainer.model_values import DeepseekV3Args, mla_param_count
 from trainer.models.family import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import Llama, ModelArgs, num_params
 from trainer.models.llama import model_args_for as llama_args_for
@@ -60,6 +61,8 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
     lookup, 0 FLOPs."""
     attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
     attention = 12 * args.n_heads * args.head_dim * seq_len
+    if isinstance(args, DeepseekV3Args):  # MLA: its projections; QK^T over qk_head_dim, AV over v_head_dim
+        attn, attention = mla_param_count(args), 6 * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     norms = 2 * args.dim
     ffn_params = family_of(args).ffn_params
     blocks = [6.0 * (attn + ffn_params(args, i) + norms) + attention for i in range(args.n_layers)]
