@@ -225,3 +225,14 @@ def test_the_pipeline_split_costs_sum_to_the_flops_per_token():
         embedding, blocks, head = pipeline_costs(args, 256)
         assert embedding + sum(blocks) + head == pytest.approx(flops_per_token(args, 256), rel=1e-12), name
         assert blocks[0] != blocks[-1]  # a dense block and an MoE block cost apart
+
+
+def test_the_attention_backends_reach_mla():
+    from torch.nn.attention import SDPBackend
+
+    from trainer.parallel.apply import apply_attention_backends
+
+    model = _model(replace(DEBUG, n_layers=2))
+    apply_attention_backends(model, ("MATH",))
+    mla = [m for m in model.modules() if isinstance(m, MLA)]
+    assert len(mla) == 3 and all(m.sdpa_backends == [SDPBackend.MATH] for m in mla)  # the MTP module's too
