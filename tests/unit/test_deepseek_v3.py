@@ -236,3 +236,19 @@ def test_the_attention_backends_reach_mla():
     apply_attention_backends(model, ("MATH",))
     mla = [m for m in model.modules() if isinstance(m, MLA)]
     assert len(mla) == 3 and all(m.sdpa_backends == [SDPBackend.MATH] for m in mla)  # the MTP module's too
+
+
+def test_the_chunked_mtp_loss_equals_the_whole_one():
+    args = replace(DEBUG, mtp_layers=2, n_layers=2)
+    model = _model(args).train()
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    h = model(tokens)
+    whole = MTPLossFn(model.norm, model.output_head, depths=2, weight=0.3)
+    chunked = MTPLossFn(model.norm, model.output_head, depths=2, weight=0.3, chunk_tokens=7)
+    a, b = whole.sum(h, labels), chunked.sum(h, labels)
+    assert torch.allclose(a, b, rtol=1e-5)
+    assert whole.pop_metrics() == pytest.approx(chunked.pop_metrics(), rel=1e-5)
+    (ga,) = torch.autograd.grad(a, model.layers["3"].eh_proj.weight, retain_graph=True)
+    (gb,) = torch.autograd.grad(b, model.layers["3"].eh_proj.weight)
+    assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-7)
