@@ -14,11 +14,11 @@ from trainer.errors import ConfigError
 from trainer.hf import ExportError, check_exportable
 from trainer.models import ModelArgs, family_of, pipeline_costs
 from trainer.parallel import ParallelDims
-from trainer.validate.deepseek_v3 import check_deepseek_v3
 from trainer.parallel.pipeline_layout import (
     SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineOptions, cost_split, default_stages_per_rank,
     parse_split_point, split_at, stage_module_fqns,
 )
+from trainer.validate.deepseek_v3 import check_deepseek_v3
 
 logger = logging.getLogger(__name__)
 
