@@ -26,6 +26,7 @@ Needs safetensors (pip install -e '.[hf]'). Errors are one line, naming the file
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import sys
@@ -117,6 +118,10 @@ def import_hf(args: argparse.Namespace) -> None:
     warn_nonfinite(weights, where=str(args.hf_folder))
     if family_of(model_args).has_router and args.flavor:
         model_args = _routing_of_folder(model_args, Path(args.hf_folder))
+    if getattr(model_args, "mtp_layers", 0):  # a DeepSeek-V3 flavor's MTP modules: no weights in the folder
+        logger.info("the imported model has no MTP modules (the flavor's deepseek_v3.mtp_layers=%d): transformers' "
+                    "export holds none, so the checkpoint records deepseek_v3.mtp_layers=0", model_args.mtp_layers)
+        model_args = dataclasses.replace(model_args, mtp_layers=0)
     run = RunInfo(flavor=args.flavor or "imported", model_args=model_args, mixed_precision="hf-import", **tokenizer)
     out = save_model_only(Path(args.out), weights, run=run, source=str(Path(args.hf_folder).resolve()))
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
@@ -129,11 +134,11 @@ def import_hf(args: argparse.Namespace) -> None:
 def _routing_of_folder(model_args, folder: Path):
     """The flavor's MoE args with the folder's top_k and route_norm (recorded in the checkpoint; a run routes with
     its own [moe] settings, and says so when they differ)."""
+    from trainer.hf import family
     from trainer.hf.folder import read_config
-    from trainer.hf.moe import with_routing_of
 
     where = str(folder / "config.json")
-    routed = with_routing_of(model_args, read_config(folder), where=where)
+    routed = family(model_args).with_routing_of(model_args, read_config(folder), where=where)
     if (routed.top_k, routed.route_norm) != (model_args.top_k, model_args.route_norm):
         logger.info("%s routes top-%d (route_norm=%s), the flavor top-%d (route_norm=%s): recorded as the folder's; "
                     "a run started from it routes so too, unless its config sets moe.top_k or moe.route_norm", where,

@@ -16,7 +16,7 @@ config check the key by the same rule, so a run never saves a checkpoint that it
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -154,6 +154,52 @@ class MoEArgs(ModelArgs):
 
 
 @dataclass(frozen=True)
+class DeepseekV3Args(MoEArgs):
+    """DeepSeek-V3's shape (trainer/models/deepseek_v3.py): MoE blocks with multi-head latent attention (MLA), routing
+    by sigmoid scores within the best expert groups, and multi-token prediction modules after the last block.
+
+    `head_dim` is the RoPE width, qk_rope_head_dim (as transformers' DeepseekV3Config.head_dim): the RoPE table's; a
+    query head is qk_nope_head_dim + qk_rope_head_dim wide, a value head v_head_dim. n_kv_heads is n_heads (every
+    head has its own keys and values, expanded from the shared latent)."""
+
+    score_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    """Router scores: softmax over experts (DeepSeek-MoE) or a sigmoid per expert (DeepSeek-V3)."""
+    route_norm: bool = True
+    """Renormalize the chosen top_k scores to sum to 1 (norm_topk_prob)."""
+    q_lora_rank: int = 0
+    """Rank of the query's low-rank projection (q_a_proj, q_a_layernorm, q_b_proj); 0 = one plain q_proj."""
+    kv_lora_rank: int = 512
+    """Rank of the compressed key/value latent (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj)."""
+    qk_nope_head_dim: int = 128
+    """Each query/key head's width without RoPE (from the latent)."""
+    qk_rope_head_dim: int = 64
+    """Each query head's RoPE part, and the RoPE key's width (one key shared by every head)."""
+    v_head_dim: int = 128
+    """Each value head's width."""
+    n_group: int = 1
+    """Expert groups of the group-limited routing (n_experts a multiple of it; 1 = plain top-k)."""
+    topk_group: int = 1
+    """Groups each token routes within: those with the highest sum of their best two biased scores."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' weights (after route_norm)."""
+    mtp_layers: int = 0
+    """Multi-token prediction modules (DeepSeek-V3 section 2.2): module k predicts the token k + 1 ahead (0 = off)."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the MTP losses' mean over depths, added to the training loss."""
+
+    weight_fields: ClassVar[tuple[str, ...]] = MoEArgs.weight_fields + (
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class Rule:
     kind: str  # "int", "float", "bool", "choice"; for the checkpoint files' tables also "str", "list", "dict"
     low: float = 1
@@ -205,6 +251,17 @@ RULES: dict[str, Rule] = {
     "aux_loss_coef": Rule("float", low=0, high=1e6),
     "bias_update_rate": Rule("float", low=0, high=1e6),
     "capacity_factor": Rule("float", low=0, high=1e6),
+    # DeepseekV3Args
+    "q_lora_rank": Rule("int", low=0),
+    "kv_lora_rank": Rule("int"),
+    "qk_nope_head_dim": Rule("int"),
+    "qk_rope_head_dim": Rule("int"),
+    "v_head_dim": Rule("int"),
+    "n_group": Rule("int"),
+    "topk_group": Rule("int"),
+    "routed_scaling_factor": Rule("float", low=0, high=1e6, open_low=True),
+    "mtp_layers": Rule("int", low=0),
+    "mtp_loss_weight": Rule("float", low=0, high=1e6),
 }
 
 
@@ -319,7 +376,10 @@ def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str |
     def name(field: str) -> str:
         return f"{keys.get(field, field)}={v[field]}"
 
-    if v.get("explicit_head_dim"):
+    if "qk_rope_head_dim" in v:  # MLA: the heads' widths are their own keys (DeepseekV3Args)
+        if problem := _mla_problem(v, name):
+            return problem
+    elif v.get("explicit_head_dim"):
         if v["explicit_head_dim"] % 2:
             return f"{name('explicit_head_dim')} must be even (RoPE rotates pairs of dimensions)"
     elif {"dim", "n_heads"} <= v.keys() and (v["dim"] % v["n_heads"] or (v["dim"] // v["n_heads"]) % 2):
@@ -340,6 +400,32 @@ def _combination_problem(v: Mapping[str, Any], keys: Mapping[str, str]) -> str |
     return None
 
 
+def _mla_problem(v: Mapping[str, Any], name: Callable[[str], str]) -> str | None:
+    """The combinations of DeepseekV3Args' own fields (MLA, group-limited routing)."""
+    if v["qk_rope_head_dim"] % 2:
+        return f"{name('qk_rope_head_dim')} must be even (RoPE rotates pairs of dimensions)"
+    if {"n_experts", "n_group", "topk_group"} <= v.keys():
+        if v["n_experts"] % v["n_group"] or (v["n_group"] > 1 and v["n_experts"] // v["n_group"] < 2):
+            return (f"{name('n_experts')} must be a multiple of {name('n_group')} with at least 2 experts per group "
+                    "(a group is ranked by its best two scores)")
+        if v["topk_group"] > v["n_group"]:
+            return f"{name('topk_group')} must be at most {name('n_group')}"
+        if "top_k" in v and v["top_k"] > v["topk_group"] * (v["n_experts"] // v["n_group"]):
+            return (f"{name('top_k')} must be at most the experts of {name('topk_group')} groups "
+                    f"({v['topk_group'] * (v['n_experts'] // v['n_group'])})")
+    return None
+
+
+def mla_param_count(args: DeepseekV3Args) -> int:
+    """One MLA attention's parameters (without the block's norms)."""
+    d, h = args.dim, args.n_heads
+    q = d * h * args.qk_head_dim if not args.q_lora_rank else (
+        d * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * h * args.qk_head_dim)
+    kv = d * (args.kv_lora_rank + args.qk_rope_head_dim) + args.kv_lora_rank
+    kv += args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
+    return q + kv + h * args.v_head_dim * d
+
+
 def layer_param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
     """Parameters of one block's parts: (attention with both norms, a dense MLP, an MoE layer's shared experts,
     its router gate and routed experts); the last two are 0 for a dense model. An MoE model's ffn_dim is its dense
@@ -347,6 +433,8 @@ def layer_param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
     d, hd = args.dim, args.head_dim
     attention = 2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 2 * d  # q, o; k, v; two norms
     attention += 2 * hd if args.qk_norm else 0
+    if isinstance(args, DeepseekV3Args):
+        attention = mla_param_count(args) + 2 * d
     n_experts = getattr(args, "n_experts", None)
     if n_experts is None:
         return attention, 3 * d * args.ffn_dim, 0, 0
@@ -365,7 +453,13 @@ def param_count(args: ModelArgs) -> int:
     if n_experts is None:
         return total + args.n_layers * dense
     n_moe = args.n_moe_layers
-    return total + (args.n_layers - n_moe) * dense + n_moe * (shared + routed + n_experts)
+    total += (args.n_layers - n_moe) * dense + n_moe * (shared + routed + n_experts)
+    if isinstance(args, DeepseekV3Args) and args.mtp_layers:
+        # Each MTP module: two input norms, the projection of their concatenation, a block like the last one,
+        # and the norm before the shared head.
+        last = shared + routed + n_experts if args.is_moe_layer(args.n_layers - 1) else dense
+        total += args.mtp_layers * (3 * d + 2 * d * d + attention + last)
+    return total
 
 
 # The smallest dtype a model's weights are stored in (bfloat16, float16): its files hold at least 2 bytes per parameter.
@@ -403,8 +497,15 @@ def num_tensors(args: ModelArgs) -> int:
     if n_experts is None:
         return 3 + (9 + norms) * args.n_layers
     n_moe = args.n_moe_layers
-    per_moe = 6 + 5 + (3 if args.n_shared_experts else 0) + norms
-    return 3 + (9 + norms) * (args.n_layers - n_moe) + per_moe * n_moe
+    attention = 4  # q, k, v, o
+    if isinstance(args, DeepseekV3Args):  # (q, or q_a, its norm and q_b), kv_a, its norm, kv_b, o
+        attention = (3 if args.q_lora_rank else 1) + 4
+    per_moe = attention + 2 + 5 + (3 if args.n_shared_experts else 0) + norms
+    per_dense = attention + 2 + 3 + norms
+    total = 3 + per_dense * (args.n_layers - n_moe) + per_moe * n_moe
+    if isinstance(args, DeepseekV3Args):  # each MTP module: 3 norms, eh_proj and a block like the last one
+        total += args.mtp_layers * (4 + (per_moe if args.is_moe_layer(args.n_layers - 1) else per_dense))
+    return total
 
 
 def num_params_for(args: ModelArgs) -> tuple[int, int]:
@@ -413,5 +514,8 @@ def num_params_for(args: ModelArgs) -> tuple[int, int]:
     total = param_count(args)
     n_experts = getattr(args, "n_experts", None)
     if n_experts is not None:
-        total -= args.n_moe_layers * n_experts
+        n_moe = args.n_moe_layers
+        if isinstance(args, DeepseekV3Args) and args.is_moe_layer(args.n_layers - 1):
+            n_moe += args.mtp_layers  # MTP blocks like the last one: MoE, with an expert bias each
+        total -= n_moe * n_experts
     return total, total - args.vocab_size * args.dim

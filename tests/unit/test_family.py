@@ -45,7 +45,8 @@ def test_tp_plan_names_existing_modules_and_covers_the_linears(name, args, loss_
 
 
 @pytest.mark.parametrize("flavor, n_layers, changes", [
-    ("debug", 3, {}), ("debug_moe", 3, {}), ("moe_16b", 3, {}),
+    ("debug", 3, {}), ("debug_moe", 3, {}), ("moe_16b", 3, {}), ("debug_deepseek_v3", 3, {}),
+    ("deepseek_v3_16b", 3, {}),
     # Qwen3-MoE's rule: every other block MoE (1, 3), then with block 3 listed dense too, then a lone dense block
     # among MoE ones (the dense kind's first block is not block 0).
     ("qwen3_moe_debug", 5, {}), ("qwen3_moe_debug", 5, {"dense_layers": (3,)}),
@@ -66,7 +67,7 @@ def test_block_params_count_each_block_and_alike_runs_cover_the_model(flavor: st
         routed = sum(p.numel() for name, p in params.items() if name.startswith(("moe.experts.", "moe.router.")))
         assert family.block_params(args, int(i)) == (sum(p.numel() for p in params.values()), routed)
     runs = family.block_runs(args)
-    assert sorted(i for run in runs for i in run) == list(range(args.n_layers))
+    assert sorted(i for run in runs for i in run) == list(range(len(model.layers)))  # DeepSeek-V3's MTP modules too
     policy = ActivationPolicy(compiled=True)
     for run in runs:
         # What the plan asks of a run (trainer/validate/plan.py): its size, its first block, which blocks are in it.
@@ -80,7 +81,7 @@ def test_every_family_has_its_hf_mapping_and_flavors() -> None:
         family = family_of(args)
         assert flavor in family.flavors
         assert trainer.hf.family(args).__name__ == f"trainer.hf.{family.name}"
-    assert set(FAMILIES) == {"llama", "moe"}
+    assert set(FAMILIES) == {"llama", "moe", "deepseek_v3"}
     # Each config.json layout is one family's (trainer.hf picks the family by it).
     model_types = [t for f in FAMILIES.values() for t in trainer.hf.mapping(f).MODEL_TYPES]
-    assert len(model_types) == len(set(model_types)) == 5
+    assert len(model_types) == len(set(model_types)) == 6

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from trainer.checkpoint.format import TOKENIZER_FILE, CheckpointError
 from trainer.data.tokenizer import tokenizer_fingerprint
 from trainer.distributed import plain_tensor
-from trainer.model_values import values_problem
+from trainer.model_values import DeepseekV3Args, values_problem
 from trainer.models.llama import ModelArgs, RopeScaling
 from trainer.models.moe import MoEArgs
 
@@ -97,7 +97,7 @@ class RunInfo:
         # A tuple (dense_layers) as the list JSON reads back, so a checkpoint's saved arguments compare equal.
         args = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.model_args).items()}
         # The run's sequence length (the rope table's size) is recorded but is not part of the weights.
-        name = "moe" if "n_experts" in args else "llama3"
+        name = "deepseek_v3" if "kv_lora_rank" in args else "moe" if "n_experts" in args else "llama3"
         return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim,
                 "head_dim": self.model_args.head_dim}
 
@@ -131,9 +131,11 @@ def args_from_json(model: dict[str, Any], *, where: str = "checkpoint.json") -> 
     (`trainer.model_values`) first: a CheckpointError naming the file (`where`) and the field.
     """
     edited = "not as this trainer writes it: an edited or foreign file"
-    if model.get("name", "llama3") not in ("llama3", "moe"):
-        raise CheckpointError(f"{where}: model.name={model.get('name')!r} must be 'llama3' or 'moe' ({edited})")
-    cls = MoEArgs if model.get("name") == "moe" else ModelArgs
+    classes = {"llama3": ModelArgs, "moe": MoEArgs, "deepseek_v3": DeepseekV3Args}
+    if model.get("name", "llama3") not in classes:
+        raise CheckpointError(f"{where}: model.name={model.get('name')!r} must be 'llama3', 'moe' or 'deepseek_v3' "
+                              f"({edited})")
+    cls = classes[model.get("name", "llama3")]
     known = {*cls.__dataclass_fields__, "name", "flavor", "ffn_dim", "head_dim"}
     unknown = sorted(k for k in model if k not in known)
     missing = [k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size") if k not in model]

@@ -112,9 +112,9 @@ def _check_saved_values(cfg: Sections) -> None:
 
 
 def _check_model_values(cfg: Sections) -> None:
-    """Every [model] and [moe] key set by the rules of the model argument it sets (trainer.model_values: the same for
-    a checkpoint's and a config.json's); a key left out keeps the flavor's value."""
-    for section in ("model", "moe"):
+    """Every [model], [moe] and [deepseek_v3] key set by the rules of the model argument it sets (trainer.model_values:
+    the same for a checkpoint's and a config.json's); a key left out keeps the flavor's value."""
+    for section in ("model", "moe", "deepseek_v3"):
         values = getattr(cfg, section)
         for f in dataclasses.fields(values):
             value, arg = getattr(values, f.name), f.metadata.get("sub", f.metadata.get("field"))

@@ -15,7 +15,7 @@ import typing
 from typing import Any, Literal
 
 from trainer.config.docstrings import field_docs
-from trainer.model_values import ModelArgs, MoEArgs
+from trainer.model_values import DeepseekV3Args, ModelArgs, MoEArgs
 
 NONE = "none"
 """The choice key's value for no nested dataclass (rope_scaling = "none": plain RoPE)."""
@@ -109,7 +109,7 @@ def section_values(args: ModelArgs, section_cls: type) -> dict[str, Any]:
 
 
 _FLAVOR_DOC = ("Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, "
-               "moe_16b, qwen3_moe_debug, qwen3_30b_a3b.")
+               "moe_16b, qwen3_moe_debug, qwen3_30b_a3b; DeepSeek-V3 debug_deepseek_v3, deepseek_v3_16b.")
 
 ModelSection = shape_section(
     "ModelSection", ModelArgs, list(dataclasses.fields(ModelArgs)), first=(("flavor", str, "debug", _FLAVOR_DOC),),
@@ -122,3 +122,9 @@ MoESection = shape_section(
     "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],
     first=(("dispatch_dtype", Literal["bf16", "fp8"], "bf16", _DISPATCH_DOC),),
     doc="Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value.")
+
+DeepseekV3Section = shape_section(
+    "DeepseekV3Section", DeepseekV3Args,
+    [f for f in dataclasses.fields(DeepseekV3Args) if f.name not in MoEArgs.__dataclass_fields__],
+    doc="Multi-head latent attention, group-limited routing and multi-token prediction of DeepSeek-V3 flavors "
+        "(docs/models.md); every key set replaces the flavor's value.")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config.docstrings import field_docs
-from trainer.config.model_sections import ModelSection, MoESection
+from trainer.config.model_sections import DeepseekV3Section, ModelSection, MoESection
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
@@ -317,6 +317,8 @@ class Sections:
     """model flavor (size preset) and shape overrides"""
     moe: MoESection = field(default_factory=MoESection)
     """routing and load balancing of MoE flavors"""
+    deepseek_v3: DeepseekV3Section = field(default_factory=DeepseekV3Section)
+    """multi-head latent attention, group-limited routing and multi-token prediction of DeepSeek-V3 flavors"""
     train: TrainSection = field(default_factory=TrainSection)
     """steps, batch, sequence length, precision, AC, compile"""
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
@@ -347,10 +349,10 @@ class Sections:
         """profiling.trace_dir, or the run's own folder for traces when it is empty."""
         return self.profiling.trace_dir or str(Path(self.job.dump_folder) / "profiler_traces")
 
-    def shape_sections(self) -> list[tuple[str, ModelSection | MoESection]]:
-        """(name, section) of the sections generated from a model dataclass: [model], then [moe]; each applies to the
-        flavors whose args are its `args_class`."""
-        return [("model", self.model), ("moe", self.moe)]
+    def shape_sections(self) -> list[tuple[str, Any]]:
+        """(name, section) of the sections generated from a model dataclass: [model], then [moe], then [deepseek_v3];
+        each applies to the flavors whose args are its `args_class`."""
+        return [("model", self.model), ("moe", self.moe), ("deepseek_v3", self.deepseek_v3)]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -7,6 +7,7 @@ config.json.
     llama.py      dense Llama <-> LlamaForCausalLM (Qwen3ForCausalLM with qk_norm), names one to one
     moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores), or
                   Qwen3MoeForCausalLM for a model with q/k norms (moe_qwen3.py: its config.json and what differs)
+    deepseek_v3.py  DeepSeek-V3 (MLA, group-limited routing) <-> DeepseekV3ForCausalLM; MTP modules not exported
     tokenizer.py  the run's tokenizer (tokenizer.json, BOS/EOS ids) in the export
     output_folder.py  where an export or an import (trainer/checkpoint/offline.py) writes: a new, empty or earlier
                   output folder, published whole
@@ -151,6 +152,8 @@ def open_hf_folder(folder: str | os.PathLike, *, args: ModelArgs | None = None) 
     if problem := files_fit_problem(theirs, data_bytes=data_bytes, files=files, tied=config_tied):
         raise ExportError(f"{where}: {problem}")  # before anything of n_layers' size is built
     headers = read_headers(folder)
+    if skip := getattr(family(theirs), "skip_headers", None):  # tensors the family's model does not hold (MTP)
+        headers = skip(headers, theirs, where=where)
     own_head = _own_head(folder, headers, where=where) if config_tied else ""
     one_table = config_tied and not own_head
     if args is None:

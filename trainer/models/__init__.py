@@ -4,14 +4,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
+from trainer.model_values import DeepseekV3Args, mla_param_count
 from trainer.models.family import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import Llama, ModelArgs, num_params
 from trainer.models.llama import model_args_for as llama_args_for
 from trainer.models.moe import MOE_FLAVORS, MoEArgs, MoETransformer, moe_args_for
+from trainer.models.mtp import MTPLossMetrics, mtp_or_plain_loss_fn
 
 FLAVORS: dict[str, ModelArgs] = {name: args for family in FAMILIES.values() for name, args in family.flavors.items()}
 
@@ -21,6 +24,10 @@ def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_s
     """A flavor's shapes with optional overrides (0 keeps the flavor's value); `moe` keys only for MoE flavors."""
     if flavor in MOE_FLAVORS:
         return moe_args_for(flavor, vocab_size=vocab_size, n_layers=n_layers, max_seq_len=max_seq_len, **moe)
+    if isinstance(FLAVORS.get(flavor), MoEArgs):  # another routed family's flavor (deepseek_v3)
+        args = replace(FLAVORS[flavor], **{k: v for k, v in {"vocab_size": vocab_size, "n_layers": n_layers}.items()
+                                           if v}, **moe)
+        return replace(args, max_seq_len=max(max_seq_len, args.max_seq_len))
     if flavor not in FLAVORS:
         raise ValueError(f"model.flavor={flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
     assert not moe, f"MoE options {sorted(moe)} given for the dense flavor {flavor!r}"
@@ -54,6 +61,8 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
     lookup, 0 FLOPs."""
     attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
     attention = 12 * args.n_heads * args.head_dim * seq_len
+    if isinstance(args, DeepseekV3Args):  # MLA: its projections; QK^T over qk_head_dim, AV over v_head_dim
+        attn, attention = mla_param_count(args), 6 * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     norms = 2 * args.dim
     ffn_params = family_of(args).ffn_params
     blocks = [6.0 * (attn + ffn_params(args, i) + norms) + attention for i in range(args.n_layers)]
@@ -61,6 +70,7 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
 
 
 __all__ = [
-    "FAMILIES", "FLAVORS", "Llama", "MoEArgs", "MoETransformer", "ModelArgs", "ModelFamily", "build_model",
-    "family_of", "flops_per_token", "is_moe", "model_args_for", "num_params", "param_counts", "pipeline_costs",
+    "FAMILIES", "FLAVORS", "Llama", "MTPLossMetrics", "MoEArgs", "MoETransformer", "ModelArgs", "ModelFamily",
+    "build_model", "family_of", "flops_per_token", "is_moe", "model_args_for", "mtp_or_plain_loss_fn", "num_params",
+    "param_counts", "pipeline_costs",
 ]

@@ -23,6 +23,7 @@ from torch import nn
 from trainer.model_values import param_count
 from trainer.models.activations import ActivationPolicy
 from trainer.models.layers import ModelArgs, TPPlan
+import trainer.models.deepseek_v3 as deepseek_v3
 import trainer.models.llama as llama  # the modules, not `from trainer.models import`: the package imports this one
 import trainer.models.moe as moe
 
@@ -30,7 +31,7 @@ import trainer.models.moe as moe
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
-    """"llama" or "moe"; also the name of its export mapping, trainer/hf/<name>.py."""
+    """"llama", "moe" or "deepseek_v3"; also the name of its export mapping, trainer/hf/<name>.py."""
     flavors: dict[str, ModelArgs]
     build: Callable[[ModelArgs], nn.Module]
     flops_per_token: Callable[[ModelArgs, int], float]
@@ -94,9 +95,19 @@ MOE = ModelFamily(
     block_params=moe.block_params, activation_bytes=moe.activation_bytes, tp_plan=moe.tp_plan,
     describe=_describe_moe, has_router=True,
 )
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE)}
+DEEPSEEK_V3 = ModelFamily(
+    name="deepseek_v3", flavors=deepseek_v3.FLAVORS, build=deepseek_v3.DeepseekV3,
+    flops_per_token=deepseek_v3.flops_per_token, param_counts=deepseek_v3.param_counts,
+    ffn_params=_moe_ffn_params, block_runs=deepseek_v3.block_runs, block_params=deepseek_v3.block_params,
+    activation_bytes=deepseek_v3.activation_bytes, tp_plan=deepseek_v3.tp_plan, describe=deepseek_v3.describe,
+    has_router=True,
+)
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE, DEEPSEEK_V3)}
 
 
 def family_of(args: ModelArgs) -> ModelFamily:
-    """The family of these args: MoEArgs are the MoE family's, plain ModelArgs dense Llama's."""
+    """The family of these args: DeepseekV3Args are DeepSeek-V3's, other MoEArgs the MoE family's, plain ModelArgs
+    dense Llama's."""
+    if isinstance(args, deepseek_v3.DeepseekV3Args):
+        return DEEPSEEK_V3
     return MOE if isinstance(args, moe.MoEArgs) else LLAMA

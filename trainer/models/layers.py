@@ -84,7 +84,33 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
-class Attention(nn.Module):
+class AttentionCore(nn.Module):
+    """What every attention module shares: causal SDPA over (q, k, v), or a document mask, or another layout's core
+    (context parallel), with the build's SDPA backends. Llama's `Attention` and DeepSeek-V3's MLA
+    (trainer.models.mla) project their q, k, v and call `attend`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (q, k, v) -> output for another layout of the sequence (context parallel sets it:
+        # trainer.parallel.context_parallel); None = causal SDPA over the whole local sequence.
+        self.attention_core = None
+        # SDPA's kernels in order of preference (train.attention_backend, set by the build); None = torch's choice.
+        self.sdpa_backends: list[SDPBackend] | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None
+               ) -> torch.Tensor:
+        """q, k, v [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]."""
+        if mask is not None:
+            return masked_attention(q, k, v, mask)
+        if self.attention_core is not None:
+            return self.attention_core(q, k, v)
+        if self.sdpa_backends is not None:
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(AttentionCore):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
@@ -96,11 +122,6 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.qk_norm = args.qk_norm
-        # (q, k, v) -> output for another layout of the sequence (context parallel sets it:
-        # trainer.parallel.context_parallel); None = causal SDPA over the whole local sequence.
-        self.attention_core = None
-        # SDPA's kernels in order of preference (train.attention_backend, set by the build); None = torch's choice.
-        self.sdpa_backends: list[SDPBackend] | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: BlockMask | torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -116,15 +137,7 @@ class Attention(nn.Module):
         if rope.dim() == 3:  # one table for every row; else each token's own position (document masking)
             rope = rope[:seq_len]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if mask is not None:
-            out = masked_attention(q, k, v, mask)
-        elif self.attention_core is not None:
-            out = self.attention_core(q, k, v)
-        elif self.sdpa_backends is not None:
-            with sdpa_kernel(self.sdpa_backends, set_priority=True):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -155,9 +168,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = self.build_attention(args)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         setattr(self, self.ffn_name, self.build_ffn(args))
+
+    def build_attention(self, args: ModelArgs) -> nn.Module:
+        return Attention(args)
 
     def build_ffn(self, args: ModelArgs) -> nn.Module:
         return MLP(args)
@@ -239,6 +255,14 @@ class Decoder(nn.Module):
         without tok_embeddings it takes the previous stage's hidden states instead of tokens.
         Under context parallelism the tokens are this rank's chunks, and RoPE takes their global positions.
         """
+        h, rope, mask = self.embed(tokens)
+        for layer in self.layers.values():
+            h = layer(h, rope, *mask)
+        return h
+
+    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[BlockMask | torch.Tensor, ...]]:
+        """(the first block's input, the RoPE table its tokens take, the blocks' document mask or ()): the
+        embeddings, or a pipeline stage's input as it is."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if isinstance(h, DTensor):  # tensor parallel: the embeddings' sequence shard
             # Unwrapped here, not by the embeddings' own output hook, so that their FSDP2 unit returns no
@@ -249,9 +273,7 @@ class Decoder(nn.Module):
         if self.document_eos is not None:
             docs, positions = document_ids(tokens, self.document_eos)
             rope, mask = self.rope[positions], (attention_mask(docs),)
-        for layer in self.layers.values():
-            h = layer(h, rope, *mask)
-        return h
+        return h, rope, mask
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for evaluation and generation: forward, final norm, output head."""

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend
 
-from trainer.models.layers import Attention
+from trainer.models.layers import AttentionCore
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
@@ -89,7 +89,7 @@ def apply_attention_backends(model: nn.Module, names: tuple[str, ...]) -> str:
     """Every attention's SDPA kernels, in order of preference (train.attention_backend)."""
     backends = [getattr(SDPBackend, name) for name in names]
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, AttentionCore):
             module.sdpa_backends = backends
     return f"attention: scaled_dot_product_attention with {' > '.join(n.split('_')[0].lower() for n in names)}"
 

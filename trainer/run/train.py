@@ -30,11 +30,11 @@ from trainer.distributed import (
 )
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
-from trainer.loss import LossFn, build_loss_fn
+from trainer.loss import LossFn
 from trainer.metrics.logger import MetricsLogger, StepStats, check_run_files, device_peak_flops
 from trainer.metrics.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.model_values import num_params_for
-from trainer.models import family_of, flops_per_token
+from trainer.models import MTPLossMetrics, family_of, flops_per_token, mtp_or_plain_loss_fn
 from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import (
     OptimizerPart, SchedulerPart, build_lr_scheduler, build_optimizer, describe_optimizer_state, describe_param_groups,
@@ -130,10 +130,10 @@ class Trainer:
     def _build_model(self, job: ResolvedJob) -> BuiltModel:
         """This rank's model, parallelized, materialized and initialized (trainer.parallel.build), and its loss;
         under pp the pipeline builds this rank's stages with the same builder."""
-        seed, build = job.run.seed, job.build
+        seed, build, args = job.run.seed, job.build, self.model_args
 
-        def build_loss(last: nn.Module) -> LossFn:
-            return build_loss_fn(last, chunk_tokens=build.loss_chunk_tokens, compile=build.compile_loss)
+        def build_loss(last: nn.Module) -> LossFn:  # with MTP modules (DeepSeek-V3), their losses too
+            return mtp_or_plain_loss_fn(last, args, chunk_tokens=build.loss_chunk_tokens, compile=build.compile_loss)
 
         if job.pipeline is not None:
             pipeline = Pipeline(self.model_args, self.parallel_dims, options=job.pipeline, build=build,
@@ -201,6 +201,7 @@ class Trainer:
         hooks += float8_step_hooks(self.model, self.float8, stats_freq=job.metrics.fp8_stats_freq,
                                    amax_group=self.parallel_dims.mesh("dp_cp").get_group())
         hooks += MixtureTokens.of(self.data_loader)  # a data mixture's tokens per source
+        hooks += MTPLossMetrics.of(self.loss_fn, group=self.parallel_dims.mesh("dp_cp").get_group())  # per depth
         if job.validation_source is not None:
             v = job.validation
             evaluator = Evaluator(

@@ -18,6 +18,7 @@ from trainer.parallel.pipeline_layout import (
     SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineOptions, cost_split, default_stages_per_rank,
     parse_split_point, split_at, stage_module_fqns,
 )
+from trainer.validate.deepseek_v3 import check_deepseek_v3
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
                           "is not supported yet: each chunk's recompute in backward ran the tied head with its "
                           "FSDP2 unit already resharded (an H100 run failed); set train.loss_chunk_tokens=0")
     _check_moe_layout(cfg, args, pd)
+    check_deepseek_v3(cfg, args, pd)
 
 
 def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:

@@ -336,7 +336,10 @@ def _loss_bytes(args: ModelArgs, pd: ParallelDims, build: BuildOptions, fp8: _Fp
         logits, extra = compute * chunk * v, 2 * chunk * v if fp8.head else head_grad
     if build.loss_chunk_tokens:
         extra += head_grad  # each chunk's head-weight gradient, added to the running one
-    return int(logits + extra + tokens * d * compute)
+    # DeepSeek-V3's MTP depths (trainer.models.mtp): each depth's logits, eager, held with the main ones until the
+    # backward of their sum, and its states (its share of the model's output and its head norm's).
+    mtp = getattr(args, "mtp_layers", 0) * (12 * chunk * v + 2 * tokens * d * compute)
+    return int(logits + extra + tokens * d * compute + mtp)
 
 
 def _loss_how(build: BuildOptions) -> str:

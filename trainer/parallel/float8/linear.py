@@ -38,8 +38,14 @@ OWN_TENSORWISE_LINEAR = False
 # Blockwise scales cover 1x128 tiles and 128x128 blocks: both GEMM dims of a converted Linear must be multiples.
 BLOCKWISE_EXCLUDED = "dims not multiples of 128 (blockwise)"
 
-# Converted: attention and dense-MLP projections, and the output head.
-_CONVERT = re.compile(r"(^|\.)(attention\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj|output_head\.proj)$")
+# Converted: attention and dense-MLP projections, and the output head. DeepSeek-V3's MLA projections are plain Linears
+# and all convert, as DeepSeek-V3 trained every GEMM but the embedding, head, gating, norms and attention core in FP8
+# (its section 3.3): q_proj (or q_a_proj -> q_b_proj), kv_a_proj_with_mqa, kv_b_proj, o_proj, and an MTP module's
+# eh_proj. Their low-rank widths decide: a q_lora_rank, kv_lora_rank + qk_rope_head_dim or kv_lora_rank that is not a
+# multiple of 16 keeps that GEMM bf16 (the shape rule below; 128 under blockwise: kv_a's 512 + 64 = 576 stays bf16
+# there). The latents' norms, the shared RoPE key and the attention core are no Linears.
+_CONVERT = re.compile(r"(^|\.)(attention\.(q|k|v|o|q_a|q_b|kv_b)_proj|attention\.kv_a_proj_with_mqa|"
+                      r"mlp\.(gate|up|down)_proj|eh_proj|output_head\.proj)$")
 # Never converted, even when the pattern above matches, with the reason the log line gives:
 # the router (tiny, and routing decisions are sensitive to precision), shared experts (small
 # GEMMs next to the routed ones; kept bf16 like the routed experts until measured to pay) and

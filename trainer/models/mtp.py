@@ -1,0 +1,150 @@
+"""Multi-token prediction (DeepSeek-V3 section 2.2): module k (1..D) predicts the token k + 1 ahead.
+
+    h'_i^k = eh_proj([enorm(Emb(t_{i+k})); hnorm(h_i^{k-1})])     (the embedding first, as DeepSeek's published
+    h_i^k  = Block_k(h'_i^k)                                       weights and vLLM's deepseek_mtp concatenate them)
+    logits = output_head(shared_head_norm(h_i^k))                  -> t_{i+k+1}
+
+h^0 is the main model's last hidden states (before its final norm); the embeddings and the output head are the main
+model's. Module k's states at positions i >= seq - k have no input token t_{i+k} (their rows get zeros) and no
+target: `mtp_labels` ignores them, and every target whose span crosses an ignored main label (a document boundary
+under data.eod_mask_loss), so no depth trains across a boundary the main loss does not.
+
+The loss (`MTPLossFn`): the main summed loss plus mtp_loss_weight / D x the sum over depths of each depth's summed
+loss. The step divides the sum by the main loss's valid labels of the global batch (trainer/run/step.py), so a
+depth's term is its mean loss times (its valid targets / the main's): (seq - k) / seq of it without masking, DeepSeek's
+mean to within that factor. Each depth's mean is kept for the log (`mtp_loss_1`, ...: `MTPLossFn.pop_metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+from torch.utils.checkpoint import checkpoint
+
+from trainer.hooks import StepHook
+from trainer.loss import IGNORE_INDEX, LossFn, build_loss_fn, chunked_cross_entropy, local_loss
+from trainer.model_values import DeepseekV3Args, ModelArgs
+from trainer.models.layers import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+
+class MTPLayer(nn.Module):
+    """Mixed in before a block class (trainer.models.deepseek_v3): the block's attention and feed-forward, plus
+    `enorm`, `hnorm`, `eh_proj` and `shared_head_norm` (fqns `layers.{n_layers + k - 1}.*`)."""
+
+    def add_mtp_modules(self, args: DeepseekV3Args) -> None:
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.shared_head_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor,
+                mask: BlockMask | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h^{k-1}, Emb(t_{i+k})) -> (h^k for the next depth, shared_head_norm(h^k) for the head). The head norm
+        runs here, inside this module's FSDP unit, whose weights are resharded once its forward returns."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        out = super().forward(x, rope, mask)
+        return out, self.shared_head_norm(out)
+
+
+def mtp_forward(layers: list[nn.Module], h: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor, mask: tuple
+                ) -> torch.Tensor:
+    """Every depth's states after the main ones: [(1 + D) x batch, seq, dim] (main h, then each depth's normed h);
+    `emb` the tokens' embeddings [batch, seq, dim]."""
+    outs, prev = [h], h
+    for k, layer in enumerate(layers, 1):
+        shifted = torch.cat([emb[:, k:], emb.new_zeros(emb.shape[0], k, emb.shape[2])], dim=1)  # Emb(t_{i+k})
+        prev, normed = layer(prev, shifted, rope, *mask)
+        outs.append(normed)
+    return torch.cat(outs, dim=0)
+
+
+def mtp_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Depth k's targets [batch, seq]: position i's is labels[i + k] (= t_{i+k+1}); IGNORE_INDEX for the last k
+    positions and wherever labels[i..i+k] holds an IGNORE_INDEX (a boundary the main loss does not cross)."""
+    ignored = F.pad((labels == IGNORE_INDEX).to(torch.int32), (0, k), value=1)
+    crossed = ignored.unfold(1, k + 1, 1).amax(dim=-1).bool()  # any ignored label in the window [i, i + k]
+    shifted = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
+    return shifted.masked_fill(crossed, IGNORE_INDEX)
+
+
+class MTPLossFn(LossFn):
+    """The LM loss plus the MTP losses (module docstring); on main states alone (evaluation), the LM loss."""
+
+    def __init__(self, norm: nn.Module, output_head: nn.Module, *, depths: int, weight: float, chunk_tokens: int = 0,
+                 compile: bool = False):
+        super().__init__(norm, output_head, chunk_tokens=chunk_tokens, compile=compile)
+        self.depths, self.weight = depths, weight
+        self.sums = torch.zeros(depths)  # since the last pop_metrics: each depth's summed loss and its targets
+        self.counts = torch.zeros(depths)
+
+    def sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] == labels.shape[0]:
+            return super().sum(h, labels)
+        parts = h.chunk(1 + self.depths, dim=0)
+        total = super().sum(parts[0], labels)
+        for k, part in enumerate(parts[1:], 1):
+            target = mtp_labels(labels, k)
+            if self.chunk_tokens:
+                depth = chunked_cross_entropy(self._chunk_head_only, part, target, chunk_tokens=self.chunk_tokens)
+            else:
+                depth = self._head_only_sum(part, target)
+            if self.sums.device != depth.device:
+                self.sums, self.counts = self.sums.to(depth.device), self.counts.to(depth.device)
+            self.sums[k - 1] += local_loss(depth).detach().float()
+            self.counts[k - 1] += (target != IGNORE_INDEX).sum()
+            total = total + (self.weight / self.depths) * depth
+        return total
+
+    def _chunk_head_only(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._head_only_sum, h, labels, use_reentrant=False)
+
+    def _head_only_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed loss of states already normed by their MTP module's shared_head_norm."""
+        logits = self.output_head(h)
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
+    def pop_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """Each depth's mean loss since the last call (`mtp_loss_1`, ...), over the tokens of `group`'s ranks (None:
+        this rank's); resets them. note: a host sync, and a collective over `group`."""
+        totals = torch.stack([self.sums, self.counts])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(totals, group=group)
+        self.sums.zero_()
+        self.counts.zero_()
+        sums, counts = totals.tolist()
+        return {f"mtp_loss_{k}": s / c for k, (s, c) in enumerate(zip(sums, counts), 1) if c}
+
+
+def mtp_or_plain_loss_fn(model: nn.Module, args: ModelArgs, *, chunk_tokens: int, compile: bool) -> LossFn:
+    """The loss of `model` (or the last pipeline stage): with args.mtp_layers MTP modules (DeepSeek-V3), the
+    MTPLossFn; else trainer.loss.build_loss_fn's."""
+    if not (depths := getattr(args, "mtp_layers", 0)):
+        return build_loss_fn(model, chunk_tokens=chunk_tokens, compile=compile)
+    logger.info("multi-token prediction: %d MTP modules, each predicting one token further; loss + %g x their mean "
+                "(mtp_loss_1, ... in the metrics)", depths, args.mtp_loss_weight)
+    return MTPLossFn(model.norm, model.output_head, depths=depths, weight=args.mtp_loss_weight,
+                     chunk_tokens=chunk_tokens, compile=compile)
+
+
+class MTPLossMetrics(StepHook):
+    """The step hook (trainer/hooks.py) that logs each MTP depth's mean loss since the last log line, over the
+    data-parallel ranks (`group`): `mtp_loss_1`, ... in the metrics."""
+
+    def __init__(self, loss_fn: MTPLossFn, *, group: dist.ProcessGroup | None):
+        self.loss_fn, self.group = loss_fn, group
+
+    @classmethod
+    def of(cls, loss_fn: LossFn | None, *, group: dist.ProcessGroup | None) -> list[MTPLossMetrics]:
+        """The hook where the loss is an MTPLossFn (on every rank of a job with MTP; at pp=1 only), else none."""
+        return [cls(loss_fn, group=group)] if isinstance(loss_fn, MTPLossFn) else []
+
+    def on_log(self, step: int) -> dict[str, float]:
+        return self.loss_fn.pop_metrics(self.group)
