@@ -64,7 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer.config import ConfigError, load_job_config  # noqa: E402
-from trainer.model_values import param_count  # noqa: E402
+from trainer.models.counts import param_count  # noqa: E402
 
 REFERENCE, NOISE = "bf16", "bf16-seed2"
 PALETTE = [(214, 39, 40), (255, 127, 14), (44, 160, 44), (148, 103, 189), (140, 86, 75), (227, 119, 194),

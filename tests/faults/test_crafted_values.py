@@ -226,7 +226,7 @@ def test_sizes_in_closed_form_match_the_model(flavor):
     """param_count and num_tensors (what a crafted n_layers is checked with, before any model is built) count
     exactly what the meta-device model holds."""
     from trainer.checkpoint.values import model_shapes
-    from trainer.model_values import num_tensors, param_count
+    from trainer.models.counts import num_tensors, param_count
     from trainer.models import FLAVORS
 
     shapes = model_shapes(FLAVORS[flavor])

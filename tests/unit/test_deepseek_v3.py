@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.loss import IGNORE_INDEX
-from trainer.model_values import DeepseekV3Args, num_params_for, num_tensors, param_count, values_problem
+from trainer.model_values import DeepseekV3Args, values_problem
+from trainer.models.counts import num_params_for, num_tensors, param_count
 from trainer.models import build_model, family_of, flops_per_token, param_counts
 from trainer.models.deepseek_v3 import FLAVORS, DeepseekV3, GroupRouter
 from trainer.models.documents import attention_mask, document_ids

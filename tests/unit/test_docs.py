@@ -358,7 +358,7 @@ def test_the_1b_rows_say_what_the_flavor_is() -> None:
     published tied model's, from the shapes (the docs once said "Llama 3.2 1B shapes" of a 1.50B model)."""
     import dataclasses
 
-    from trainer.model_values import num_params_for
+    from trainer.models.counts import num_params_for
     from trainer.models import FLAVORS
 
     untied, _ = num_params_for(FLAVORS["1b"])

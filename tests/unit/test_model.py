@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.loss import LossFn
-from trainer.model_values import num_params_for, param_count
+from trainer.models.counts import num_params_for, param_count
 from trainer.models import FLAVORS, Llama, build_model, flops_per_token, model_args_for, num_params
 from trainer.models.llama import ModelArgs, RopeScaling, rope_inv_freq
 

@@ -215,7 +215,7 @@ def test_which_blocks_route_is_transformers_rule_counted_in_closed_form(n_layers
     closed-form counts (parameters, tensors, the log's count) and the memory plan's runs all follow it."""
     from dataclasses import replace
 
-    from trainer.model_values import num_params_for, num_tensors, param_count
+    from trainer.models.counts import num_params_for, num_tensors, param_count
     from trainer.models.moe import MoEBlock, block_runs
 
     args = replace(MOE_FLAVORS["qwen3_moe_debug"], n_layers=n_layers, n_dense_layers=n_dense_layers,

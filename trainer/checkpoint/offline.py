@@ -43,7 +43,7 @@ from trainer.checkpoint.verify import (
 from trainer.checkpoint.writer import ChecksummedWriter, collect_checksums
 from trainer.hf import ExportError, open_hf_folder
 from trainer.hf.output_folder import IMPORT, prepare_output, publish_output
-from trainer.model_values import param_count
+from trainer.models.counts import param_count
 from trainer.models import build_model as family_model
 from trainer.models.layers import Decoder, rope_table_bytes
 from trainer.models.llama import ModelArgs, rope_cache

@@ -26,9 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, E4M3, PER_PARAMETER, SCALE_SUFFIX, STATE_BLOCK, STEP_KEY, CheckpointError,
 )
-from trainer.model_values import (
-    EDITED, MAX_COUNTER, SAVED_INTEGERS, ModelArgs, Rule, files_fit_problem, num_tensors, rule_problem, size_text,
-)
+from trainer.model_values import EDITED, MAX_COUNTER, SAVED_INTEGERS, ModelArgs, Rule, rule_problem, size_text
+from trainer.models.counts import files_fit_problem, num_tensors
 from trainer.models import build_model
 from trainer.seeds import MAX_DATA_SEED
 

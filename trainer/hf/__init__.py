@@ -47,7 +47,7 @@ from trainer.hf.folder import (
 )
 from trainer.hf.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
 from trainer.hf.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
-from trainer.model_values import files_fit_problem
+from trainer.models.counts import files_fit_problem
 from trainer.models import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import ModelArgs
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from trainer.model_values import DeepseekV3Args, mla_param_count
+from trainer.model_values import DeepseekV3Args
+from trainer.models.counts import mla_param_count
 from trainer.models.family import FAMILIES, ModelFamily, family_of
 from trainer.models.llama import Llama, ModelArgs, num_params
 from trainer.models.llama import model_args_for as llama_args_for

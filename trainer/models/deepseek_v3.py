@@ -28,7 +28,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from trainer.model_values import DeepseekV3Args, layer_param_counts, param_count
+from trainer.model_values import DeepseekV3Args
+from trainer.models.counts import layer_param_counts, param_count
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import Decoder, TPPlan, TransformerBlock
 from trainer.models.mla import MLA

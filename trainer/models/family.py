@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from trainer.model_values import param_count
+from trainer.models.counts import param_count
 from trainer.models.activations import ActivationPolicy
 from trainer.models.layers import ModelArgs, TPPlan
 import trainer.models.deepseek_v3 as deepseek_v3

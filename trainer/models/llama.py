@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from trainer.model_values import layer_param_counts
+from trainer.models.counts import layer_param_counts
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import (  # noqa: F401  (re-exported: `from trainer.models.llama import ...`)
     MLP,

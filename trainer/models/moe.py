@@ -49,7 +49,8 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from trainer.distributed import all_reduce_sum_identity_backward
-from trainer.model_values import MoEArgs, RopeScaling, layer_param_counts, param_count
+from trainer.model_values import MoEArgs, RopeScaling
+from trainer.models.counts import layer_param_counts, param_count
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import (MLP, Decoder, TPPlan, TransformerBlock, block_tp_plan, decoder_tp_plan, mlp_tp_plan,
                                    prefixed)

@@ -13,7 +13,7 @@ and exit 3 (EXIT_DOES_NOT_FIT), so a script that books GPUs can read the exit st
 from __future__ import annotations
 
 from trainer.config import JobConfig
-from trainer.model_values import num_params_for
+from trainer.models.counts import num_params_for
 from trainer.models import family_of
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.memory import planned_gpus

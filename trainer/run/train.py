@@ -33,7 +33,7 @@ from trainer.log import EVERY_RANK
 from trainer.loss import LossFn
 from trainer.metrics.logger import MetricsLogger, StepStats, check_run_files, device_peak_flops
 from trainer.metrics.profiling import maybe_enable_profiling, maybe_record_memory_history
-from trainer.model_values import num_params_for
+from trainer.models.counts import num_params_for
 from trainer.models import MTPLossMetrics, family_of, flops_per_token, mtp_or_plain_loss_fn
 from trainer.models.moe_balancer import MoEBalancer
 from trainer.optim import (

@@ -25,7 +25,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
-from trainer.model_values import param_count
+from trainer.models.counts import param_count
 from trainer.models import ModelArgs
 from trainer.models.layers import rope_table_bytes
 from trainer.optim.states import StateDtypes
