@@ -9,6 +9,8 @@ from typing import Any
 from torch import nn
 
 from trainer.models.family import FAMILIES, ModelFamily, family_of
+from trainer.models.gpt_oss import FLAVORS as GPT_OSS_FLAVORS
+from trainer.models.gpt_oss import gpt_oss_args_for
 from trainer.models.llama import Llama, ModelArgs, num_params
 from trainer.models.llama import model_args_for as llama_args_for
 from trainer.models.moe import MOE_FLAVORS, MoEArgs, MoETransformer, moe_args_for
@@ -21,6 +23,8 @@ def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_s
     """A flavor's shapes with optional overrides (0 keeps the flavor's value); `moe` keys only for MoE flavors."""
     if flavor in MOE_FLAVORS:
         return moe_args_for(flavor, vocab_size=vocab_size, n_layers=n_layers, max_seq_len=max_seq_len, **moe)
+    if flavor in GPT_OSS_FLAVORS:
+        return gpt_oss_args_for(flavor, vocab_size=vocab_size, n_layers=n_layers, max_seq_len=max_seq_len, **moe)
     if flavor not in FLAVORS:
         raise ValueError(f"model.flavor={flavor!r} is not one of {', '.join(repr(f) for f in FLAVORS)}")
     assert not moe, f"MoE options {sorted(moe)} given for the dense flavor {flavor!r}"

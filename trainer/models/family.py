@@ -23,6 +23,7 @@ from torch import nn
 from trainer.model_values import param_count
 from trainer.models.activations import ActivationPolicy
 from trainer.models.layers import ModelArgs, TPPlan
+import trainer.models.gpt_oss as gpt_oss
 import trainer.models.llama as llama  # the modules, not `from trainer.models import`: the package imports this one
 import trainer.models.moe as moe
 
@@ -30,7 +31,7 @@ import trainer.models.moe as moe
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
-    """"llama" or "moe"; also the name of its export mapping, trainer/hf/<name>.py."""
+    """"llama", "moe" or "gpt_oss"; also the name of its export mapping, trainer/hf/<name>.py."""
     flavors: dict[str, ModelArgs]
     build: Callable[[ModelArgs], nn.Module]
     flops_per_token: Callable[[ModelArgs, int], float]
@@ -93,9 +94,20 @@ MOE = ModelFamily(
     block_params=moe.block_params, activation_bytes=moe.activation_bytes, tp_plan=moe.tp_plan,
     describe=_describe_moe, has_router=True,
 )
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE)}
+GPT_OSS = ModelFamily(
+    name="gpt_oss", flavors=gpt_oss.FLAVORS, build=gpt_oss.GptOssTransformer, flops_per_token=gpt_oss.flops_per_token,
+    param_counts=gpt_oss.param_counts, ffn_params=gpt_oss.ffn_params, block_runs=gpt_oss.block_runs,
+    block_params=gpt_oss.block_params, activation_bytes=gpt_oss.activation_bytes, tp_plan=gpt_oss.tp_plan,
+    describe=lambda args: "GPT-OSS: sliding window %d on %d of %d layers, attention sinks; " % (
+        args.sliding_window, sum(map(args.is_sliding, range(args.n_layers))), args.n_layers) + _describe_moe(args),
+    has_router=True,
+)
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE, GPT_OSS)}
 
 
 def family_of(args: ModelArgs) -> ModelFamily:
-    """The family of these args: MoEArgs are the MoE family's, plain ModelArgs dense Llama's."""
+    """The family of these args: GptOssArgs are GPT-OSS's, other MoEArgs the MoE family's, plain ModelArgs dense
+    Llama's."""
+    if isinstance(args, gpt_oss.GptOssArgs):
+        return GPT_OSS
     return MOE if isinstance(args, moe.MoEArgs) else LLAMA
