@@ -58,7 +58,13 @@ def tied_by_default(config: dict) -> bool:
 
 
 def check_exportable(args: GptOssArgs) -> list[str]:
-    """Every GPT-OSS model has its target (the balancing bias is checked on the weights: `spec`); what to warn of."""
+    """A one-line ExportError for routing GptOssForCausalLM has not (the balancing bias is checked on the weights:
+    `spec`); what to warn of."""
+    if (args.score_func, args.route_norm, args.n_shared_experts, args.n_dense_layers) != ("softmax", True, 0, 0):
+        raise ExportError(f"score_func={args.score_func!r}, route_norm={args.route_norm}, n_shared_experts="
+                          f"{args.n_shared_experts}, n_dense_layers={args.n_dense_layers}: {ARCHITECTURE} routes by "
+                          "softmax over the top-k logits to routed experts only; set moe.score_func='softmax', "
+                          "moe.route_norm=true and no shared experts or dense layers to export")
     if args.capacity_factor > 0:
         return [f"capacity_factor={args.capacity_factor} (token dropping) has no counterpart in {ARCHITECTURE}: the "
                 "export routes every token, so its logits equal this model's with capacity_factor=0"]

@@ -108,15 +108,20 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     x_pad = x.new_zeros(rows, x.shape[1]).index_copy(0, dst, x)
     gate, up = _grouped_mm(x_pad, w1, offs), _grouped_mm(x_pad, w3, offs)
     if biases is not None:
-        # Each padded row's expert, without a host sync; the padding rows' sums are never read, so get no gradient.
+        # Each padded row's expert, without a host sync: n_experts for the rows past offs[-1], which get a zero bias
+        # row of their own. The kernel leaves those rows unwritten (forward and backward): whatever they hold must
+        # not reach an expert's bias gradient. Padding rows inside a group get a zero gradient (never read).
         expert = torch.searchsorted(offs, torch.arange(rows, device=x.device, dtype=offs.dtype), right=True)
-        expert = expert.clamp_(max=counts.shape[0] - 1)
-        gate, up = gate + biases[0][expert], up + biases[2][expert]
+
+        def per_row(bias: torch.Tensor) -> torch.Tensor:
+            return F.pad(bias, (0, 0, 0, 1))[expert]
+
+        gate, up = gate + per_row(biases[0]), up + per_row(biases[2])
     h = F.silu(gate) * up if glu is None else glu(gate, up)
     # Rows past offs[-1] belong to no group (the kernel leaves them unwritten); they are never read.
     out = _grouped_mm(h, w2, offs)
     if biases is not None:
-        out = out + biases[1][expert]
+        out = out + per_row(biases[1])
     return select_unique_rows(out, dst)
 
 

@@ -12,6 +12,7 @@ import math
 from trainer.config import JobConfig, MoESection
 from trainer.errors import ConfigError
 from trainer.hf import ExportError, check_exportable
+from trainer.model_values import GptOssArgs
 from trainer.models import ModelArgs, family_of, pipeline_costs
 from trainer.parallel import ParallelDims
 from trainer.parallel.pipeline_layout import (
@@ -71,6 +72,28 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
                           "is not supported yet: each chunk's recompute in backward ran the tied head with its "
                           "FSDP2 unit already resharded (an H100 run failed); set train.loss_chunk_tokens=0")
     _check_moe_layout(cfg, args, pd)
+    if isinstance(args, GptOssArgs):
+        _check_gpt_oss_layout(cfg, args, pd)
+
+
+def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs, pd: ParallelDims) -> None:
+    """What GPT-OSS (trainer/models/gpt_oss.py) does not run yet, each refused in one line: FSDP, HSDP and EP do."""
+    flavor = f"model.flavor={cfg.model.flavor!r} (GPT-OSS)"
+    why = {"tp": "its attention sinks have no tensor-parallel plan (they would shard with their heads)",
+           "cp": "attention with sinks and sliding windows has no context-parallel path",
+           "pp": "its pipeline stages are not tested yet"}
+    for key, degree in (("tp", pd.tp), ("cp", pd.cp), ("pp", pd.pp)):
+        if degree > 1:
+            raise ConfigError(f"{flavor} with distributed.{key}={degree}: {why[key]}; set distributed.{key}=1 "
+                              "(FSDP and distributed.ep shard GPT-OSS)")
+    if cfg.float8.moe_experts != "off":
+        raise ConfigError(f"{flavor} with float8.moe_experts='{cfg.float8.moe_experts}': the FP8 grouped GEMM takes "
+                          "no expert biases or clamped SwiGLU; set float8.moe_experts='off' (the attention "
+                          "projections still run in FP8)")
+    for field, value in (("n_dense_layers", args.n_dense_layers), ("n_shared_experts", args.n_shared_experts)):
+        if value:
+            raise ConfigError(f"moe.{field}={value} with {flavor}: every GPT-OSS block is routed experts only; "
+                              f"set moe.{field}=0")
 
 
 def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
