@@ -129,11 +129,11 @@ def import_hf(args: argparse.Namespace) -> None:
 def _routing_of_folder(model_args, folder: Path):
     """The flavor's MoE args with the folder's top_k and route_norm (recorded in the checkpoint; a run routes with
     its own [moe] settings, and says so when they differ)."""
+    from trainer.hf import family
     from trainer.hf.folder import read_config
-    from trainer.hf.moe import with_routing_of
 
     where = str(folder / "config.json")
-    routed = with_routing_of(model_args, read_config(folder), where=where)
+    routed = family(model_args).with_routing_of(model_args, read_config(folder), where=where)
     if (routed.top_k, routed.route_norm) != (model_args.top_k, model_args.route_norm):
         logger.info("%s routes top-%d (route_norm=%s), the flavor top-%d (route_norm=%s): recorded as the folder's; "
                     "a run started from it routes so too, unless its config sets moe.top_k or moe.route_norm", where,

@@ -209,7 +209,7 @@ LAZY_IMPORTS: dict[str, dict[str, str]] = {
     "scripts.build_tokenizer": {"tokenizers": _optional("tokenizers", "tokenizers")},
     "scripts.convert_checkpoint": {name: SCRIPT_HELP for name in (
         "torch", "trainer.checkpoint", "trainer.checkpoint.tokenizer", "trainer.checkpoint.values", "trainer.hf",
-        "trainer.hf.folder", "trainer.hf.moe", "trainer.hf.output_folder", "trainer.hf.tokenizer", "trainer.models",
+        "trainer.hf.folder", "trainer.hf.output_folder", "trainer.hf.tokenizer", "trainer.models",
     )},
     "scripts.fp8_parity": {
         "torch": SCRIPT_HELP, "trainer.validate.resolve": SCRIPT_HELP,
