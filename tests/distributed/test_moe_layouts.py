@@ -121,3 +121,30 @@ def test_one_process_checkpoint_resumes_at_pp2_x_ep2(reference, tmp_path: Path) 
     want = {r["step"]: r["loss"] for r in reference["metrics"]}
     assert sorted(losses) == [3, 4]
     assert [losses[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5)
+
+
+# GPT-OSS (trainer/models/gpt_oss.py): every block is MoE, with attention sinks and sliding windows (tensor and
+# context parallel are refused for it; FSDP, HSDP and EP: tests/distributed/test_moe_ep.py).
+GPT_OSS = ["--model.flavor=debug_gpt_oss"]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_gpt_oss_pipeline_matches_single_process(schedule: str, tmp_path: Path) -> None:
+    ref = run_distributed(train_and_read_metrics, world_size=1, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, "--train.batch_size=4"], str(tmp_path / "ref")))[0]
+    got = run_distributed(train_and_read_metrics, world_size=2, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, *PP2, f"--distributed.pipeline_schedule={schedule}", "--train.batch_size=4"],
+        str(tmp_path / "pp")))[0]
+    assert_same_run(got, ref)
+
+
+def test_gpt_oss_pp2_x_ep2_gradients_match_single_process(tmp_path: Path) -> None:
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, *GPT_OSS, "--train.batch_size=4"],
+                                                                      str(tmp_path / "ref")))[0]
+    got = run_distributed(gradients_of_one_step, world_size=4, args=(
+        [*ARGS, *GPT_OSS, *PP2, "--distributed.ep=2", "--train.batch_size=2"], str(tmp_path / "got")))[0]
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn] - g).norm() / g.norm()).item()
+        assert err < 1e-5, (fqn, err)
+    assert ref["layers.3.attention.sinks"].norm() > 0 and ref["layers.0.moe.experts.b13"].norm() > 0
