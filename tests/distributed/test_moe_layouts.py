@@ -148,3 +148,27 @@ def test_gpt_oss_pp2_x_ep2_gradients_match_single_process(tmp_path: Path) -> Non
         err = ((got[fqn] - g).norm() / g.norm()).item()
         assert err < 1e-5, (fqn, err)
     assert ref["layers.3.attention.sinks"].norm() > 0 and ref["layers.0.moe.experts.b13"].norm() > 0
+
+
+@pytest.mark.parametrize("nproc, args", [
+    (2, ["--distributed.tp=2", "--train.batch_size=4"]),
+    (4, [*PP2, "--distributed.tp=2", "--train.batch_size=4"]),
+], ids=["tp2", "pp2-x-tp2"])
+def test_gpt_oss_tensor_parallel_gradients_match_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
+    """The sinks sharded with their heads, q/k/v's biases column-wise, o's bias replicated (added once)."""
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, *GPT_OSS, "--train.batch_size=4"],
+                                                                      str(tmp_path / "ref")))[0]
+    got = run_distributed(gradients_of_one_step, world_size=nproc, args=([*ARGS, *GPT_OSS, *args],
+                                                                         str(tmp_path / "got")))[0]
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn] - g).norm() / g.norm()).item()
+        assert err < 1e-5, (fqn, err)
+
+
+def test_gpt_oss_tp2_run_matches_single_process(tmp_path: Path) -> None:
+    ref = run_distributed(train_and_read_metrics, world_size=1, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, "--train.batch_size=4"], str(tmp_path / "ref")))[0]
+    got = run_distributed(train_and_read_metrics, world_size=2, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, "--distributed.tp=2", "--train.batch_size=4"], str(tmp_path / "tp")))[0]
+    assert_same_run(got, ref)

@@ -145,10 +145,8 @@ MOE_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "train" / "de
 
 
 @pytest.mark.parametrize("world_size, args, message", [
-    (2, ["--distributed.tp=2"], "model.flavor='debug_gpt_oss' (GPT-OSS) with distributed.tp=2: its attention sinks "
-                                "have no tensor-parallel plan"),
-    (2, ["--distributed.cp=2"], "with distributed.cp=2: attention with sinks and sliding windows has no "
-                                "context-parallel path; set distributed.cp=1"),
+    (2, ["--distributed.cp=2"], "model.flavor='debug_gpt_oss' (GPT-OSS) with distributed.cp=2: attention with sinks "
+                                "and sliding windows has no context-parallel path; set distributed.cp=1"),
     (1, ["--train.mixed_precision=fp8", "--float8.moe_experts=rowwise", "--float8.emulate=true"],
      "float8.moe_experts='rowwise': the FP8 grouped GEMM takes no expert biases or clamped SwiGLU"),
     (1, ["--moe.n_shared_experts=1"], "moe.n_shared_experts=1 with model.flavor='debug_gpt_oss' (GPT-OSS): every "

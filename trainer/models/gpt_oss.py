@@ -27,10 +27,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from trainer.model_values import GptOssArgs, YarnScaling, layer_param_counts, param_count
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import Attention, Decoder, TPPlan
+import trainer.models.moe as moe
 from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router
 from trainer.models.moe_experts import GroupedExperts, _local
 from trainer.models.sink_attention import sink_attention
@@ -119,9 +123,10 @@ class GptOssAttention(Attention):
         self.window = window
 
     def attend(self, q, k, v, mask):
-        # Context parallel (attention_core) and TP (the sinks' heads) are refused for GPT-OSS by trainer.validate.
+        # Context parallel (attention_core) is refused for GPT-OSS by trainer.validate.
         assert self.attention_core is None, "GPT-OSS under context parallelism"
-        return sink_attention(q, k, v, self.sinks, window=self.window, mask=mask)
+        # Under tensor parallel, this rank's heads' sinks (tp_plan shards them with the heads).
+        return sink_attention(q, k, v, _local(self.sinks), window=self.window, mask=mask)
 
 
 class GptOssBlock(MoEBlock):
@@ -152,10 +157,30 @@ class GptOssTransformer(MoETransformer):
                     param.zero_()
 
 
+class _AttentionWithSinks(ParallelStyle):
+    """The block plan's style for the attention (its input: the gathered sequence), after which the attention's
+    sinks are sharded with its heads: Shard(0) over tp, as the column-parallel q/k/v give each rank its heads."""
+
+    def __init__(self, inputs: ParallelStyle):
+        super().__init__()
+        self.inputs = inputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        sinks = module.sinks
+        module.register_parameter("sinks", nn.Parameter(distribute_tensor(sinks.detach(), device_mesh, [Shard(0)]),
+                                                        requires_grad=sinks.requires_grad))
+        return self.inputs._apply(module, device_mesh)
+
+
 def tp_plan(model: GptOssTransformer, *, loss_parallel: bool) -> TPPlan:
-    """None yet: trainer.validate refuses distributed.tp > 1 for GPT-OSS before any build (the sinks would need
-    sharding with their heads)."""
-    raise AssertionError("GPT-OSS has no tensor-parallel plan (trainer.validate refuses tp > 1)")
+    """The MoE family's plan (Megatron-style attention, its biases sharded with their Linears' outputs: q/k/v's
+    column-wise, o's replicated; routed experts whole, each tp rank routing its sequence slice), with each
+    attention's sinks sharded with its heads."""
+    plan = moe.tp_plan(model, loss_parallel=loss_parallel)
+    for block in plan.blocks.values():
+        block["attention"] = _AttentionWithSinks(block["attention"])
+    plan.summary += "; attention sinks sharded with their heads"
+    return plan
 
 
 # ---------------------------------------------------------------------------

@@ -77,15 +77,13 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
 
 
 def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs, pd: ParallelDims) -> None:
-    """What GPT-OSS (trainer/models/gpt_oss.py) does not run yet, each refused in one line: FSDP, HSDP, EP and PP
-    do (tests/distributed/test_moe_ep.py, test_moe_layouts.py)."""
+    """What GPT-OSS (trainer/models/gpt_oss.py) does not run yet, each refused in one line: FSDP, HSDP, EP, PP and
+    TP do (tests/distributed/test_moe_ep.py, test_moe_layouts.py)."""
     flavor = f"model.flavor={cfg.model.flavor!r} (GPT-OSS)"
-    why = {"tp": "its attention sinks have no tensor-parallel plan (they would shard with their heads)",
-           "cp": "attention with sinks and sliding windows has no context-parallel path"}
-    for key, degree in (("tp", pd.tp), ("cp", pd.cp)):
-        if degree > 1:
-            raise ConfigError(f"{flavor} with distributed.{key}={degree}: {why[key]}; set distributed.{key}=1 "
-                              "(FSDP, distributed.ep and distributed.pp split GPT-OSS)")
+    if pd.cp > 1:
+        raise ConfigError(f"{flavor} with distributed.cp={pd.cp}: attention with sinks and sliding windows has no "
+                          "context-parallel path; set distributed.cp=1 (FSDP, distributed.tp, ep and pp split "
+                          "GPT-OSS)")
     if cfg.float8.moe_experts != "off":
         raise ConfigError(f"{flavor} with float8.moe_experts='{cfg.float8.moe_experts}': the FP8 grouped GEMM takes "
                           "no expert biases or clamped SwiGLU; set float8.moe_experts='off' (the attention "
