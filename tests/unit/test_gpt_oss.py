@@ -50,6 +50,28 @@ def test_sink_attention_dense_and_flex_paths_equal_the_reference():
         assert torch.allclose(sink_attention(q, k, v, sinks, window=window, mask=same_doc), expected, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_context_parallel_chunks_attend_as_the_whole_sequence():
+    """A cp rank's two query chunks (of 2 x cp) against the whole sequence's keys give those rows of the whole
+    sequence's attention, window and sinks included; the GPU's FlexAttention path (forward on a CPU) too."""
+    from trainer.models.sink_attention import block_mask_for, chunk_sink_attention, flex_sink_attention
+
+    q, k, v, sinks = _qkv(seq=48)
+    for window in (0, 8):
+        whole = sink_attention(q, k, v, sinks, window=window, mask=None)
+        for chunks in ((0, 3), (1, 2)):  # cp=2's two ranks, chunks of 12
+            rows = torch.cat([torch.arange(j * 12, (j + 1) * 12) for j in chunks])
+            local = chunk_sink_attention(q[:, :, rows], k, v, sinks, window=window, chunks=chunks)
+            assert torch.allclose(local, whole[:, :, rows], atol=1e-5)
+        # The GPU's path for the same chunk (FlexAttention, forward on a CPU): chunk 2 of 4, its keys before it.
+        flex_mask = block_mask_for(None, 12, 36, window, q.device, q_offset=24)
+        expected = _reference(q[:, :, 24:36], k[:, :, :36], v[:, :, :36], sinks,
+                              dense_window_mask(12, window, q.device, kv_len=36, q_offset=24))
+        got = flex_sink_attention(q[:, :, 24:36], k[:, :, :36], v[:, :, :36], sinks, flex_mask)
+        assert torch.allclose(got, expected, atol=1e-5)
+        assert torch.allclose(got, whole[:, :, 24:36], atol=1e-5)
+
+
 def test_document_masking_composes_with_the_window():
     """A packed row of two documents gives each document's logits as if it were alone (window and all)."""
     args = replace(FLAVORS["debug_gpt_oss"], n_layers=2, sliding_window=6, max_seq_len=64)
@@ -145,8 +167,6 @@ MOE_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "train" / "de
 
 
 @pytest.mark.parametrize("world_size, args, message", [
-    (2, ["--distributed.cp=2"], "model.flavor='debug_gpt_oss' (GPT-OSS) with distributed.cp=2: attention with sinks "
-                                "and sliding windows has no context-parallel path; set distributed.cp=1"),
     (1, ["--train.mixed_precision=fp8", "--float8.moe_experts=rowwise", "--float8.emulate=true"],
      "float8.moe_experts='rowwise': the FP8 grouped GEMM takes no expert biases or clamped SwiGLU"),
     (1, ["--moe.n_shared_experts=1"], "moe.n_shared_experts=1 with model.flavor='debug_gpt_oss' (GPT-OSS): every "

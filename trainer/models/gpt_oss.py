@@ -37,7 +37,7 @@ from trainer.models.layers import Attention, Decoder, TPPlan
 import trainer.models.moe as moe
 from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router
 from trainer.models.moe_experts import GroupedExperts, _local
-from trainer.models.sink_attention import sink_attention
+from trainer.models.sink_attention import chunk_sink_attention, sink_attention
 
 # `debug_gpt_oss` trains on a CPU in seconds (its YaRN and window matter at its sequence lengths);
 # `gpt_oss_20b` is openai/gpt-oss-20b's published shape (20.9B parameters, 3.6B active).
@@ -123,10 +123,12 @@ class GptOssAttention(Attention):
         self.window = window
 
     def attend(self, q, k, v, mask):
-        # Context parallel (attention_core) is refused for GPT-OSS by trainer.validate.
-        assert self.attention_core is None, "GPT-OSS under context parallelism"
-        # Under tensor parallel, this rank's heads' sinks (tp_plan shards them with the heads).
-        return sink_attention(q, k, v, _local(self.sinks), window=self.window, mask=mask)
+        sinks = _local(self.sinks)  # under tensor parallel, this rank's heads' (tp_plan shards them with the heads)
+        core = self.attention_core
+        if core is not None:  # context parallel (trainer.parallel.context_parallel.CPAttention): the whole K, V
+            k, v = core.gather(k, v)
+            return chunk_sink_attention(q, k, v, sinks, window=self.window, chunks=core.cp.chunks())
+        return sink_attention(q, k, v, sinks, window=self.window, mask=mask)
 
 
 class GptOssBlock(MoEBlock):

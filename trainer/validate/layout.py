@@ -73,17 +73,13 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
                           "FSDP2 unit already resharded (an H100 run failed); set train.loss_chunk_tokens=0")
     _check_moe_layout(cfg, args, pd)
     if isinstance(args, GptOssArgs):
-        _check_gpt_oss_layout(cfg, args, pd)
+        _check_gpt_oss_layout(cfg, args)
 
 
-def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs, pd: ParallelDims) -> None:
-    """What GPT-OSS (trainer/models/gpt_oss.py) does not run yet, each refused in one line: FSDP, HSDP, EP, PP and
-    TP do (tests/distributed/test_moe_ep.py, test_moe_layouts.py)."""
+def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs) -> None:
+    """What GPT-OSS (trainer/models/gpt_oss.py) does not run yet, each refused in one line: every parallelism runs it
+    (tests/distributed/test_moe_ep.py, test_moe_layouts.py)."""
     flavor = f"model.flavor={cfg.model.flavor!r} (GPT-OSS)"
-    if pd.cp > 1:
-        raise ConfigError(f"{flavor} with distributed.cp={pd.cp}: attention with sinks and sliding windows has no "
-                          "context-parallel path; set distributed.cp=1 (FSDP, distributed.tp, ep and pp split "
-                          "GPT-OSS)")
     if cfg.float8.moe_experts != "off":
         raise ConfigError(f"{flavor} with float8.moe_experts='{cfg.float8.moe_experts}': the FP8 grouped GEMM takes "
                           "no expert biases or clamped SwiGLU; set float8.moe_experts='off' (the attention "
