@@ -216,10 +216,10 @@ def block_params(args: GptOssArgs, i: int) -> tuple[int, int]:
 
 def activation_bytes(args: GptOssArgs, i: int, policy: ActivationPolicy) -> tuple[int, int]:
     """(saved, backward) bytes per token of block i: an MoE block without shared experts, and the sink's fp32 output
-    product (4 x n_heads x head_dim + 4 x n_heads, the GPU path's; estimated, not yet measured)."""
+    product (4 x n_heads x head_dim + 8 x n_heads, the GPU path's; estimated, not yet measured)."""
     saved, backward = block_activation_bytes(args, policy, ffn_dim=0, fp8_mlp=False, routed_rows=args.top_k,
                                              routed_dim=args.moe_ffn_dim)
-    sink = 4 * args.n_heads * args.head_dim + 4 * args.n_heads
+    sink = 4 * args.n_heads * args.head_dim + 8 * args.n_heads  # out.float() [fp32], sigmoid(lse - sink) twice
     return (saved if policy.ac == "full" else saved + sink), backward + (sink if policy.ac == "full" else 0)
 
 
