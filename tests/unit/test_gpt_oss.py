@@ -192,3 +192,44 @@ def test_ep_and_fsdp_layouts_validate():
     job = validate_job(load_job_config(["--config", MOE_CONFIG, "--model.flavor=debug_gpt_oss",
                                         "--distributed.ep=2"]), world_size=2)
     assert job.model_args.rope_yarn is not None and job.model_args.sliding_window == 16
+
+
+def test_gpt_oss_keys_apply_to_gpt_oss_flavors_only():
+    from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+    from trainer.validate import validate_job
+
+    job = validate_job(load_job_config(["--config", MOE_CONFIG, "--model.flavor=debug_gpt_oss",
+                                        "--gpt_oss.sliding_window=8", "--gpt_oss.full_attention_interval=3",
+                                        "--gpt_oss.rope_yarn_factor=8"]), world_size=1)
+    args = job.model_args
+    assert (args.sliding_window, args.full_attention_interval, args.rope_yarn.factor) == (8, 3, 8.0)
+    assert args.rope_yarn.original_max_seq_len == FLAVORS["debug_gpt_oss"].rope_yarn.original_max_seq_len
+    with pytest.raises(ConfigError) as e:
+        validate_job(load_job_config(["--config", MOE_CONFIG, "--gpt_oss.sliding_window=8"]), world_size=1)
+    assert "gpt_oss.sliding_window=8 has no effect: model.flavor='debug_moe' is not GPT-OSS" in str(e.value)
+
+
+def test_a_checkpoint_gives_a_run_its_windows_and_yarn(tmp_path):
+    """checkpoint.initial_load_path: the run's GPT-OSS values are the checkpoint's, not its flavor's ([gpt_oss] of the
+    checkpoint's model); a key the config sets replaces the checkpoint's (what the model computes, not a shape)."""
+    from trainer.checkpoint import RunInfo, save_model_only
+    from trainer.config import load_job_config
+    from trainer.model_values import YarnScaling
+    from trainer.validate import validate_job
+
+    args = replace(FLAVORS["debug_gpt_oss"], n_layers=2, sliding_window=8, full_attention_interval=3,
+                   rope_yarn=YarnScaling(factor=2.0, original_max_seq_len=64, truncate=True), swiglu_limit=5.0)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_model_only(tmp_path / "ckpt", weights, run=RunInfo(flavor="imported", model_args=args,
+                                                            mixed_precision="fp32"), source="test")
+    start = ["--config", MOE_CONFIG, "--model.flavor=debug_gpt_oss", f"--checkpoint.initial_load_path={tmp_path}/ckpt"]
+    got = validate_job(load_job_config(start), world_size=1).model_args
+    # (head_dim comes back as the value in effect: explicit, the same width)
+    assert got == replace(args, explicit_head_dim=args.head_dim, max_seq_len=got.max_seq_len)
+    got = validate_job(load_job_config([*start, "--gpt_oss.sliding_window=4"]), world_size=1).model_args
+    assert got.sliding_window == 4 and got.rope_yarn == args.rope_yarn

@@ -1,5 +1,5 @@
-"""[model] and [moe], generated from the model's dataclasses (trainer.model_values: `ModelArgs`, `MoEArgs`), so the
-model's shape is written once.
+"""[model], [moe] and [gpt_oss], generated from the model's dataclasses (trainer.model_values: `ModelArgs`, `MoEArgs`,
+`GptOssArgs`), so the model's shape is written once.
 
 A key per field, of the field's type, None (left out) = the flavor's value; the field's docstring is the key's.
 Two rules name the keys: an `explicit_X` field is the key `X` (0 there means "derived", as in the dataclass), and an
@@ -15,7 +15,7 @@ import typing
 from typing import Any, Literal
 
 from trainer.config.docstrings import field_docs
-from trainer.model_values import ModelArgs, MoEArgs
+from trainer.model_values import GptOssArgs, ModelArgs, MoEArgs
 
 NONE = "none"
 """The choice key's value for no nested dataclass (rope_scaling = "none": plain RoPE)."""
@@ -104,7 +104,8 @@ def section_values(args: ModelArgs, section_cls: type) -> dict[str, Any]:
     return values
 
 
-_FLAVOR_DOC = "Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, moe_16b."
+_FLAVOR_DOC = ("Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, "
+               "moe_16b; GPT-OSS debug_gpt_oss, gpt_oss_20b.")
 
 ModelSection = shape_section(
     "ModelSection", ModelArgs, list(dataclasses.fields(ModelArgs)), first=(("flavor", str, "debug", _FLAVOR_DOC),),
@@ -117,3 +118,9 @@ MoESection = shape_section(
     "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],
     first=(("dispatch_dtype", Literal["bf16", "fp8"], "bf16", _DISPATCH_DOC),),
     doc="Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value.")
+
+GptOssSection = shape_section(
+    "GptOssSection", GptOssArgs,
+    [f for f in dataclasses.fields(GptOssArgs) if f.name not in MoEArgs.__dataclass_fields__],
+    doc="Attention windows, the experts' clamped SwiGLU and YaRN RoPE of GPT-OSS flavors (docs/models.md#gpt-oss); "
+        "every key set replaces the flavor's value.")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config.docstrings import field_docs
-from trainer.config.model_sections import ModelSection, MoESection
+from trainer.config.model_sections import GptOssSection, ModelSection, MoESection
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
@@ -317,6 +317,8 @@ class Sections:
     """model flavor (size preset) and shape overrides"""
     moe: MoESection = field(default_factory=MoESection)
     """routing and load balancing of MoE flavors"""
+    gpt_oss: GptOssSection = field(default_factory=GptOssSection)
+    """attention windows, clamped SwiGLU and YaRN RoPE of GPT-OSS flavors"""
     train: TrainSection = field(default_factory=TrainSection)
     """steps, batch, sequence length, precision, AC, compile"""
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
@@ -347,10 +349,10 @@ class Sections:
         """profiling.trace_dir, or the run's own folder for traces when it is empty."""
         return self.profiling.trace_dir or str(Path(self.job.dump_folder) / "profiler_traces")
 
-    def shape_sections(self) -> list[tuple[str, ModelSection | MoESection]]:
-        """(name, section) of the sections generated from a model dataclass: [model], then [moe]; each applies to the
-        flavors whose args are its `args_class`."""
-        return [("model", self.model), ("moe", self.moe)]
+    def shape_sections(self) -> list[tuple[str, ModelSection | MoESection | GptOssSection]]:
+        """(name, section) of the sections generated from a model dataclass: [model], [moe], then [gpt_oss]; each
+        applies to the flavors whose args are its `args_class`."""
+        return [("model", self.model), ("moe", self.moe), ("gpt_oss", self.gpt_oss)]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -20,8 +20,9 @@ from typing import Any
 from trainer.checkpoint.state import args_from_json
 from trainer.checkpoint.verify import read_checkpoint_json, scan_checkpoints
 from trainer.config import JobConfig
-from trainer.config.model_sections import NONE, MoESection, section_values
+from trainer.config.model_sections import NONE, GptOssSection, MoESection, section_values
 from trainer.errors import ConfigError, UserError
+from trainer.model_values import GptOssArgs
 from trainer.models import ModelArgs, family_of
 from trainer.validate.run_files import model_section_values
 
@@ -57,13 +58,14 @@ def checkpoint_shape(cfg: JobConfig, *, planning: bool) -> CheckpointShape | Non
         saved = args_from_json(info["model"], where=str(path / "checkpoint.json"))
     except UserError as e:
         raise ConfigError(str(e)) from None
-    model, moe, kept = _sections(cfg, saved, where=f"checkpoint.initial_load_path={text}")
+    model, moe, gpt_oss, kept = _sections(cfg, saved, where=f"checkpoint.initial_load_path={text}")
     family = family_of(saved)
     flavor = info["model"].get("flavor")
     flavor = flavor if isinstance(flavor, str) and flavor else "imported"
     base = flavor if flavor in family.flavors else next(iter(family.flavors))  # the defaults, all replaced
     shaped = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, flavor=base, **model),
-                                 moe=dataclasses.replace(cfg.moe, **moe))
+                                 moe=dataclasses.replace(cfg.moe, **moe),
+                                 gpt_oss=dataclasses.replace(cfg.gpt_oss, **gpt_oss))
     source = info.get("source")
     origin = f"imported from {source}" if isinstance(source, str) and source else f"flavor {flavor!r}"
     line = (f"model shape: checkpoint.initial_load_path={text}'s, with its vocabulary ({origin}; resolved.toml has "
@@ -80,15 +82,19 @@ def _resumes(cfg: JobConfig) -> bool:
     return c.enable and bool(scan_checkpoints(Path(cfg.job.dump_folder) / c.folder)[0])
 
 
-def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """([model] values, [moe] values, the config's keys that replace the checkpoint's) of the checkpoint's model; a
-    ConfigError naming every key the config sets that sizes a weight (the model's `weight_fields`) to another value."""
+def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str
+              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[str]]:
+    """([model] values, [moe] values, [gpt_oss] values, the config's keys that replace the checkpoint's) of the
+    checkpoint's model; a ConfigError naming every key the config sets that sizes a weight (the model's
+    `weight_fields`) to another value."""
     model = model_section_values(saved)
     moe_model = family_of(saved).has_router
     moe = section_values(saved, MoESection) if moe_model else {}
+    gpt_oss = section_values(saved, GptOssSection) if isinstance(saved, GptOssArgs) else {}
     differ, kept = [], []
     given: dict[str, Any] = {}
-    for name, section, values in (("model", cfg.model, model), ("moe", cfg.moe, moe)):
+    for name, section, values in (("model", cfg.model, model), ("moe", cfg.moe, moe),
+                                  ("gpt_oss", cfg.gpt_oss, gpt_oss)):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
             if value is None or "field" not in f.metadata:  # left out, or model.flavor
@@ -97,6 +103,8 @@ def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str) -> tuple[dict[str
                 given[f.name] = value
             if name == "moe" and not moe_model:
                 differ.append(f"moe.{f.name}={_show(value)} (the checkpoint's model is dense)")
+            elif name == "gpt_oss" and not isinstance(saved, GptOssArgs):
+                differ.append(f"gpt_oss.{f.name}={_show(value)} (the checkpoint's model is not GPT-OSS)")
             elif f.metadata["field"] in saved.weight_fields:  # the value in effect (head_dim: derived or not)
                 if value != getattr(saved, f.name):
                     differ.append(f"{name}.{f.name}={_show(value)} (the checkpoint's: {_show(getattr(saved, f.name))})")
@@ -118,7 +126,7 @@ def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str) -> tuple[dict[str
                           f"from the model of {where}, whose shape the run takes; remove "
                           f"{'it' if len(differ) == 1 else 'them'} from the config and the command line (the "
                           "checkpoint gives every shape key), or start from other weights")
-    return model, moe, kept
+    return model, moe, gpt_oss, kept
 
 
 def _show(value: Any) -> str:

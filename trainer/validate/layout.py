@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 
-from trainer.config import JobConfig, MoESection
+from trainer.config import GptOssSection, JobConfig, MoESection
 from trainer.errors import ConfigError
 from trainer.hf import ExportError, check_exportable
 from trainer.model_values import GptOssArgs
@@ -74,6 +74,10 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
     _check_moe_layout(cfg, args, pd)
     if isinstance(args, GptOssArgs):
         _check_gpt_oss_layout(cfg, args)
+    elif changed := [f for f in GptOssSection.__dataclass_fields__ if getattr(cfg.gpt_oss, f) is not None]:
+        raise ConfigError(f"gpt_oss.{changed[0]}={getattr(cfg.gpt_oss, changed[0])} has no effect: "
+                          f"model.flavor={cfg.model.flavor!r} is not GPT-OSS; remove it or pick a GPT-OSS flavor "
+                          "(debug_gpt_oss, gpt_oss_20b)")
 
 
 def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs) -> None:

@@ -23,8 +23,9 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.config.load import tomllib
-from trainer.config.model_sections import ModelSection, MoESection, section_values
+from trainer.config.model_sections import GptOssSection, ModelSection, MoESection, section_values
 from trainer.config.sections import to_toml
+from trainer.model_values import GptOssArgs
 from trainer.models import FLAVORS, ModelArgs, family_of
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.float8 import fp8_layers_json
@@ -44,6 +45,8 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
         d["model"]["flavor"] = next(iter(family.flavors))  # a flavor of its family, whose values all replace
     if family.has_router:  # the experts and routing values of [moe]
         d["moe"].update(section_values(args, MoESection))
+    if isinstance(args, GptOssArgs):  # the windows, SwiGLU clamp and YaRN of [gpt_oss]
+        d["gpt_oss"].update(section_values(args, GptOssSection))
     d["distributed"].update(
         dp_shard=pd.dp_shard, master_dtype="bf16" if build.fsdp.master_dtype == torch.bfloat16 else "fp32",
         reshard_after_forward="always" if build.fsdp.reshard_after_forward else "never",
@@ -77,6 +80,8 @@ def model_keys(args: ModelArgs) -> list[str]:
     if family_of(args).has_router:
         values |= {f"moe.{k}": v for k, v in section_values(args, MoESection).items()
                    if k not in ("aux_loss_coef", "bias_update_rate", "capacity_factor")}
+    if isinstance(args, GptOssArgs):
+        values |= {f"gpt_oss.{k}": v for k, v in section_values(args, GptOssSection).items()}
     flavor = next(iter(family_of(args).flavors))
     return [f"--model.flavor={flavor}"] + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
                                            for k, v in values.items()]
