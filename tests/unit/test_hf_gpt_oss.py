@@ -222,3 +222,13 @@ def test_load_model_and_generation_match_transformers(tmp_path):
         theirs = _hf(out).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, top_k=None,
                                    top_p=None, eos_token_id=None, pad_token_id=0)
     assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_an_import_into_a_flavor_takes_the_folders_top_k(tmp_path):
+    """scripts/convert_checkpoint.py import --flavor: the flavor's args with the folder's routing (top_k)."""
+    from trainer.hf import family
+    from trainer.hf.folder import read_config
+
+    out = _export(_weights(_random_model(BASE)), replace(BASE, top_k=3), tmp_path / "hf")
+    routed = family(BASE).with_routing_of(BASE, read_config(out), where="config.json")
+    assert routed == replace(BASE, top_k=3)
