@@ -233,3 +233,15 @@ def test_a_checkpoint_gives_a_run_its_windows_and_yarn(tmp_path):
     assert got == replace(args, explicit_head_dim=args.head_dim, max_seq_len=got.max_seq_len)
     got = validate_job(load_job_config([*start, "--gpt_oss.sliding_window=4"]), world_size=1).model_args
     assert got.sliding_window == 4 and got.rope_yarn == args.rope_yarn
+
+
+def test_flops_count_the_window_on_sliding_layers():
+    """Attention FLOPs: the whole sequence on full layers, at most sliding_window keys on sliding ones; the rest is
+    6 x the active parameters."""
+    from trainer.models import flops_per_token, param_counts
+
+    args = FLAVORS["gpt_oss_20b"]  # 12 sliding layers (window 128), 12 full
+    per_key = 12 * args.n_heads * args.head_dim
+    assert flops_per_token(args, 0) == 6 * param_counts(args)[1]
+    assert flops_per_token(args, 4096) - flops_per_token(args, 0) == per_key * (12 * 4096 + 12 * 128)
+    assert flops_per_token(args, 64) - flops_per_token(args, 0) == per_key * 24 * 64  # shorter than the window
