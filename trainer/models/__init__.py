@@ -1,6 +1,6 @@
 """Model families and their flavors. The family follows from `[model] flavor`: dense Llama 3 flavors
-(`trainer.models.llama`) and MoE flavors (`trainer.models.moe`); what differs between them is the
-`ModelFamily` of `trainer.models.family`, resolved from the args by `family_of`."""
+(`trainer.models.llama`), MoE flavors (`trainer.models.moe`) and GPT-OSS (`trainer.models.gpt_oss`); what differs
+between them is the `ModelFamily` of `trainer.models.family`, resolved from the args by `family_of`."""
 
 from __future__ import annotations
 
