@@ -2,7 +2,8 @@
 
 Export a training checkpoint's model weights (safetensors + config.json, loadable by
 transformers' AutoModelForCausalLM: LlamaForCausalLM for dense flavors, Ernie4_5_MoeForCausalLM,
-Glm4MoeForCausalLM or Qwen3MoeForCausalLM for MoE flavors; docs/checkpointing.md#exporting-weights-hugging-face),
+Glm4MoeForCausalLM or Qwen3MoeForCausalLM for MoE flavors, DeepseekV3ForCausalLM and GptOssForCausalLM for theirs;
+docs/checkpointing.md#exporting-weights-hugging-face),
 with the run's tokenizer when checkpoint.json records one:
 
     python scripts/convert_checkpoint.py export outputs/run/checkpoint/step-1000 outputs/run/hf \\
@@ -11,9 +12,9 @@ with the run's tokenizer when checkpoint.json records one:
     (a checkpoint folder instead of a step-N folder means its latest complete checkpoint)
 
 Import Hugging Face weights (one of our exports, a Llama-family or Qwen3 model of any shape, or an
-Ernie4_5_Moe / Glm4Moe / Qwen3Moe one) as a model-only checkpoint for checkpoint.initial_load_path. The shape
-comes from its config.json and is recorded in the checkpoint, so a run started from it takes the shape
-(and vocabulary) from there, with a config that sets no [model] keys:
+Ernie4_5_Moe / Glm4Moe / Qwen3Moe / DeepseekV3 / GptOss one) as a model-only checkpoint for
+checkpoint.initial_load_path. The shape comes from its config.json and is recorded in the checkpoint, so a run
+started from it takes the shape (and vocabulary) from there, with a config that sets no [model] keys:
 
     python scripts/convert_checkpoint.py import /models/SmolLM2-135M outputs/smollm2-init
     python scripts/train.py --config ... --checkpoint.initial_load_path=outputs/smollm2-init

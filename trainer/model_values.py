@@ -42,6 +42,30 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's frequency scaling of RoPE (transformers' "yarn" rope_type, GPT-OSS): each frequency interpolated by
+    `factor` below the beta_slow rotations over the original context, kept above beta_fast, ramped between; cos and
+    sin scaled by 0.1 ln(factor) + 1 (the attention factor)."""
+
+    kind: ClassVar[str] = "yarn"
+    factor: float = 32.0
+    """YaRN scaling factor (the new context over the original)."""
+    beta_fast: float = 32.0
+    """Rotations over the original context above which a frequency is kept (extrapolated)."""
+    beta_slow: float = 1.0
+    """Rotations over the original context below which a frequency is divided by factor (interpolated)."""
+    original_max_seq_len: int = 4096
+    """The context the scaled RoPE was trained at (original_max_position_embeddings)."""
+    truncate: bool = False
+    """Round the ramp's ends to whole dimensions (transformers' default true; GPT-OSS false)."""
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (transformers' get_mscale(factor))."""
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     """A decoder's shape: every family's (trainer/models/layers.py builds from it)."""
 
@@ -200,6 +224,32 @@ class DeepseekV3Args(MoEArgs):
 
 
 @dataclass(frozen=True)
+class GptOssArgs(MoEArgs):
+    """GPT-OSS (trainer/models/gpt_oss.py): an MoE decoder whose attention has q/k/v/o biases, a learned sink logit per
+    head and a sliding window on some layers, whose experts have biases and a clamped SwiGLU, whose router has a
+    bias, and whose RoPE is YaRN-scaled. Routing: softmax over the top_k logits (= score_func "softmax" with
+    route_norm)."""
+
+    sliding_window: int = 128
+    """Keys each query of a sliding-window layer sees, itself included (0: every layer attends to the whole
+    sequence)."""
+    full_attention_interval: int = 2
+    """Layer i attends to the whole sequence when (i + 1) is a multiple of this, else to its sliding window
+    (transformers' default layer_types: sliding, full, sliding, ...; 1 = every layer full)."""
+    swiglu_alpha: float = 1.702
+    """The experts' SwiGLU gate: gate * sigmoid(swiglu_alpha * gate)."""
+    swiglu_limit: float = 7.0
+    """The experts' clamp: gate to at most this, up to [-limit, limit], before (up + 1) * glu."""
+    rope_yarn: YarnScaling | None = None
+    """YaRN scaling of RoPE (the rope_yarn_* keys); none: plain RoPE."""
+
+    weight_fields: ClassVar[tuple[str, ...]] = MoEArgs.weight_fields
+
+    def is_sliding(self, i: int) -> bool:
+        return self.sliding_window > 0 and (i + 1) % self.full_attention_interval != 0
+
+
+@dataclass(frozen=True)
 class Rule:
     kind: str  # "int", "float", "bool", "choice"; for the checkpoint files' tables also "str", "list", "dict"
     low: float = 1
@@ -237,6 +287,15 @@ RULES: dict[str, Rule] = {
     "low_freq_factor": Rule("float", low=0, high=1e6, open_low=True),
     "high_freq_factor": Rule("float", low=0, high=1e6, open_low=True),
     "original_max_seq_len": Rule("int", high=MAX_SEQ_LEN),
+    # YarnScaling (factor, original_max_seq_len: RopeScaling's rules)
+    "beta_fast": Rule("float", low=0, high=1e6, open_low=True),
+    "beta_slow": Rule("float", low=0, high=1e6, open_low=True),
+    "truncate": Rule("bool"),
+    # GptOssArgs
+    "sliding_window": Rule("int", low=0, high=MAX_SEQ_LEN),
+    "full_attention_interval": Rule("int"),
+    "swiglu_alpha": Rule("float", low=0, high=1e6, open_low=True),
+    "swiglu_limit": Rule("float", low=0, high=1e6, open_low=True),
     # MoEArgs
     "n_experts": Rule("int"),
     "top_k": Rule("int"),
@@ -359,7 +418,7 @@ def values_problem(values: Mapping[str, Any], *, keys: Mapping[str, str] | None 
     """
     keys = keys or {}
     for field, value in values.items():
-        if field == "rope_scaling":
+        if field in ("rope_scaling", "rope_yarn"):
             if value is None:
                 continue
             if not isinstance(value, Mapping):

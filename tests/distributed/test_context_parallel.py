@@ -94,6 +94,11 @@ def test_every_cp_gradient_matches_single_process(tmp_path: Path) -> None:
         assert err < 1e-5, (fqn, err)
 
 
+# GPT-OSS (trainer/models/gpt_oss.py): each rank's query chunks attend with their sinks and sliding windows (16 keys,
+# the chunks' length at seq 64 and cp=2) to the gathered keys at their global positions.
+GPT_OSS = ["--model.flavor=debug_gpt_oss"]
+
+
 @pytest.mark.parametrize(
     "model, nproc, args",
     [
@@ -102,25 +107,30 @@ def test_every_cp_gradient_matches_single_process(tmp_path: Path) -> None:
         (MOE, 2, [*CP2, "--distributed.ep=2", "--train.batch_size=4"]),
         (QWEN3_MOE, 2, [*CP2, "--train.batch_size=4"]),
         (QWEN3_MOE, 2, [*CP2, "--distributed.ep=2", "--train.batch_size=4"]),
+        ([*MOE, *GPT_OSS, *VAL], 2, [*CP2, "--train.batch_size=4"]),  # held-out losses: the reference's too
+        ([*MOE, *GPT_OSS], 2, [*CP2, "--distributed.ep=2", "--train.batch_size=4"]),
     ],
-    ids=["moe-cp2", "moe-cp2-x-ep2", "qwen3-moe-cp2", "qwen3-moe-cp2-x-ep2"],
+    ids=["moe-cp2", "moe-cp2-x-ep2", "qwen3-moe-cp2", "qwen3-moe-cp2-x-ep2", "gpt_oss-cp2", "gpt_oss-cp2-x-ep2"],
 )
 def test_moe_under_cp_matches_single_process(model: list[str], nproc: int, args: list[str], tmp_path: Path) -> None:
     ref = train([*model, *STEPS, "--train.batch_size=4"], tmp_path / "ref")
     assert_same_run(_spawned(nproc, [*model, *STEPS, *args], tmp_path / "cp"), ref, moe=True)
 
 
-def test_every_moe_gradient_matches_single_process_under_cp2_x_ep2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flavor", [[], GPT_OSS], ids=["debug_moe", "debug_gpt_oss"])
+def test_every_moe_gradient_matches_single_process_under_cp2_x_ep2(flavor: list[str], tmp_path: Path) -> None:
     # The aux loss's gradient reaches each rank's tokens once: injected cp times as strong, then averaged by FSDP.
-    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*MOE, "--train.batch_size=4"],
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*MOE, *flavor, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
     got = run_distributed(gradients_of_one_step, world_size=2, args=(
-        [*MOE, *CP2, "--distributed.ep=2", "--train.batch_size=4"], str(tmp_path / "cp")))[0]
+        [*MOE, *flavor, *CP2, "--distributed.ep=2", "--train.batch_size=4"], str(tmp_path / "cp")))[0]
     assert got.keys() == ref.keys()
     for fqn, g in ref.items():
         err = ((got[fqn] - g).norm() / g.norm()).item()
         assert err < 1e-5, (fqn, err)
     assert ref["layers.2.moe.router.gate.weight"].norm() > 0
+    if flavor:
+        assert ref["layers.1.attention.sinks"].norm() > 0
 
 
 def test_fp8_under_cp2_converts_the_same_layers_and_tracks_single_process_fp8(tmp_path: Path) -> None:

@@ -40,6 +40,18 @@ def assert_same_run(got: list[dict], ref: list[dict], *, rel: float = 1e-5) -> N
         assert val == [(r["step"], pytest.approx(r["val_loss"], rel=rel)) for r in ref if "val_loss" in r]
 
 
+@pytest.mark.parametrize("args", [[], ["--distributed.ep=2"]], ids=["dp_shard2", "ep2"])
+def test_gpt_oss_run_matches_single_process(args: list[str], tmp_path: Path) -> None:
+    """4 steps of GPT-OSS under FSDP (and EP): the losses, aux loss, gradient norms, expert loads and held-out
+    losses of the 1-process run."""
+    ref = run_distributed(train_and_read_metrics, world_size=1, args=(
+        [*ARGS, *FP32, *VAL, *GPT_OSS, "--train.batch_size=4"], str(tmp_path / "ref")))[0]
+    got = run_distributed(train_and_read_metrics, world_size=2, args=(
+        [*ARGS, *FP32, *VAL, *GPT_OSS, "--train.batch_size=2", *args], str(tmp_path / "got")))[0]
+    assert_same_run(got, ref)
+    assert any("val_loss" in r for r in got)
+
+
 def test_compiled_moe_under_ep2_matches_eager_single_process(moe_ep_reference, tmp_path: Path) -> None:
     # MoE blocks compile with graph breaks (the EP split sizes are read on the host; the CPU grouped GEMM
     # stays eager), the loss compiles whole; Inductor reorders fp32 reductions.
@@ -88,22 +100,37 @@ def _grads(tmp_path: Path, name: str, nproc: int, args: list[str], *, config: st
     return run_distributed(gradients_of_one_step, world_size=nproc, args=(argv, str(tmp_path / name)))[0]
 
 
+# GPT-OSS (trainer/models/gpt_oss.py): the experts' biases and fused gate/up sharded over ep like the weights, the
+# attention biases and sinks FSDP-sharded, document masking with its sliding windows (the flavor's window, 16, is
+# shorter than the 64-token rows).
+GPT_OSS = ["--model.flavor=debug_gpt_oss", "--data.document_masking=true"]
+
+
 @pytest.mark.parametrize(
     "config, nproc, args",
     [
         (MOE_CONFIG, 2, ["--train.batch_size=2", "--distributed.ep=2"]),
         (MOE_CONFIG, 4, ["--train.batch_size=1", "--distributed.ep=2"]),
         (MOE_CONFIG, 4, ["--train.batch_size=1", "--distributed.ep=2", "--distributed.dp_replicate=2",
-                 "--distributed.dp_shard=2"]),
+                         "--distributed.dp_shard=2"]),
         (QWEN3_MOE_CONFIG, 2, ["--train.batch_size=2", "--distributed.ep=2"]),
         (QWEN3_MOE_CONFIG, 4, ["--train.batch_size=1", "--distributed.ep=4"]),  # 2 experts per rank
+        (MOE_CONFIG, 2, [*GPT_OSS, "--train.batch_size=2"]),
+        (MOE_CONFIG, 2, [*GPT_OSS, "--train.batch_size=2", "--distributed.ep=2"]),
+        (MOE_CONFIG, 4, [*GPT_OSS, "--train.batch_size=1", "--distributed.ep=2", "--distributed.dp_replicate=2",
+                         "--distributed.dp_shard=2"]),
     ],
-    ids=["ep2", "ep2-x-dp_shard2", "hsdp2-x-ep2", "qwen3-ep2", "qwen3-ep4"],
+    ids=["ep2", "ep2-x-dp_shard2", "hsdp2-x-ep2", "qwen3-ep2", "qwen3-ep4", "gpt_oss-dp_shard2", "gpt_oss-ep2",
+         "gpt_oss-hsdp2-x-ep2"],
 )
 def test_every_ep_gradient_matches_single_process(config: str, nproc: int, args: list[str], tmp_path: Path) -> None:
-    ref = _grads(tmp_path, "ref", 1, ["--train.batch_size=4"], config=config)
+    model = [a for a in args if a in GPT_OSS]  # the flavor (and its document masking): the reference's too
+    ref = _grads(tmp_path, "ref", 1, [*model, "--train.batch_size=4"], config=config)
     got = _grads(tmp_path, "ep", nproc, args, config=config)
     assert got.keys() == ref.keys()
+    if model:  # GPT-OSS's own parameters are among those compared, with gradients
+        assert all(ref[f"layers.1.{name}"].norm() > 0 for name in (
+            "attention.sinks", "attention.q_proj.bias", "moe.router.gate.bias", "moe.experts.b13", "moe.experts.w13"))
     for fqn, g in ref.items():
         err = ((got[fqn] - g).norm() / g.norm()).item()
         assert err < 1e-5, (fqn, err)

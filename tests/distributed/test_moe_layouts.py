@@ -160,3 +160,69 @@ def test_one_process_checkpoint_resumes_at_pp2_x_ep2(reference, tmp_path: Path) 
     want = {r["step"]: r["loss"] for r in reference["metrics"]}
     assert sorted(losses) == [3, 4]
     assert [losses[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5)
+
+
+# GPT-OSS (trainer/models/gpt_oss.py): every block is MoE, with attention sinks and sliding windows (tensor and
+# context parallel are refused for it; FSDP, HSDP and EP: tests/distributed/test_moe_ep.py).
+GPT_OSS = ["--model.flavor=debug_gpt_oss"]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_gpt_oss_pipeline_matches_single_process(schedule: str, tmp_path: Path) -> None:
+    ref = run_distributed(train_and_read_metrics, world_size=1, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, "--train.batch_size=4"], str(tmp_path / "ref")))[0]
+    got = run_distributed(train_and_read_metrics, world_size=2, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, *PP2, f"--distributed.pipeline_schedule={schedule}", "--train.batch_size=4"],
+        str(tmp_path / "pp")))[0]
+    assert_same_run(got, ref)
+
+
+def test_gpt_oss_pp2_x_ep2_gradients_match_single_process(tmp_path: Path) -> None:
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, *GPT_OSS, "--train.batch_size=4"],
+                                                                      str(tmp_path / "ref")))[0]
+    got = run_distributed(gradients_of_one_step, world_size=4, args=(
+        [*ARGS, *GPT_OSS, *PP2, "--distributed.ep=2", "--train.batch_size=2"], str(tmp_path / "got")))[0]
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn] - g).norm() / g.norm()).item()
+        assert err < 1e-5, (fqn, err)
+    assert ref["layers.3.attention.sinks"].norm() > 0 and ref["layers.0.moe.experts.b13"].norm() > 0
+
+
+@pytest.mark.parametrize("nproc, args", [
+    (2, ["--distributed.tp=2", "--train.batch_size=4"]),
+    (4, [*PP2, "--distributed.tp=2", "--train.batch_size=4"]),
+], ids=["tp2", "pp2-x-tp2"])
+def test_gpt_oss_tensor_parallel_gradients_match_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
+    """The sinks sharded with their heads, q/k/v's biases column-wise, o's bias replicated (added once)."""
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, *GPT_OSS, "--train.batch_size=4"],
+                                                                      str(tmp_path / "ref")))[0]
+    got = run_distributed(gradients_of_one_step, world_size=nproc, args=([*ARGS, *GPT_OSS, *args],
+                                                                         str(tmp_path / "got")))[0]
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn] - g).norm() / g.norm()).item()
+        assert err < 1e-5, (fqn, err)
+
+
+def test_gpt_oss_tp2_run_matches_single_process(tmp_path: Path) -> None:
+    ref = run_distributed(train_and_read_metrics, world_size=1, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, "--train.batch_size=4"], str(tmp_path / "ref")))[0]
+    got = run_distributed(train_and_read_metrics, world_size=2, args=(
+        [*ARGS, *STEPS, *VAL, *GPT_OSS, "--distributed.tp=2", "--train.batch_size=4"], str(tmp_path / "tp")))[0]
+    assert_same_run(got, ref)
+
+
+@pytest.mark.parametrize("args, rel", [
+    (["--train.activation_checkpointing=full"], 1e-5),
+    (["--train.activation_checkpointing=selective"], 1e-5),
+    # Compiled blocks (the dense sink attention, the biased grouped experts eager inside): Inductor reorders fp32 sums.
+    (["--train.compile_model=true", "--distributed.ep=2", "--train.batch_size=2"], 1e-4),
+], ids=["ac-full", "ac-selective", "compile-ep2"])
+def test_gpt_oss_under_ac_and_compile_matches_eager(args: list[str], rel: float, tmp_path: Path) -> None:
+    ref = run_distributed(train_and_read_metrics, world_size=1, args=(
+        [*ARGS, *STEPS, *GPT_OSS, "--train.batch_size=4"], str(tmp_path / "ref")))[0]
+    nproc = 2 if "--distributed.ep=2" in args else 1
+    got = run_distributed(train_and_read_metrics, world_size=nproc, args=(
+        [*ARGS, *STEPS, *GPT_OSS, "--train.batch_size=4", *args], str(tmp_path / "got")))[0]
+    assert_same_run(got, ref, rel=rel)

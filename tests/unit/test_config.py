@@ -102,6 +102,7 @@ def test_fp8_with_tp_is_rejected_by_post_init() -> None:
 # validation pass must resolve there: (dp_shard, tp, ep, pp).
 SHIPPED = {
     "7b_16gpu_fp8.toml": [(16, (16, 1, 1, 1))],
+    "debug_gpt_oss.toml": [(1, (1, 1, 1, 1)), (2, (2, 1, 1, 1))],
     "debug_model.toml": [(1, (1, 1, 1, 1))],
     "debug_moe.toml": [(1, (1, 1, 1, 1)), (4, (4, 1, 1, 1))],
     "debug_pp.toml": [(2, (1, 1, 1, 2)), (4, (2, 1, 1, 2))],

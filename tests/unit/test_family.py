@@ -81,7 +81,7 @@ def test_every_family_has_its_hf_mapping_and_flavors() -> None:
         family = family_of(args)
         assert flavor in family.flavors
         assert trainer.hf.family(args).__name__ == f"trainer.hf.{family.name}"
-    assert set(FAMILIES) == {"llama", "moe", "deepseek_v3"}
+    assert set(FAMILIES) == {"llama", "moe", "deepseek_v3", "gpt_oss"}
     # Each config.json layout is one family's (trainer.hf picks the family by it).
     model_types = [t for f in FAMILIES.values() for t in trainer.hf.mapping(f).MODEL_TYPES]
-    assert len(model_types) == len(set(model_types)) == 6
+    assert len(model_types) == len(set(model_types)) == 7

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from trainer.checkpoint.format import TOKENIZER_FILE, CheckpointError
 from trainer.data.tokenizer import tokenizer_fingerprint
 from trainer.distributed import plain_tensor
-from trainer.model_values import DeepseekV3Args, values_problem
+from trainer.model_values import DeepseekV3Args, GptOssArgs, YarnScaling, values_problem
 from trainer.models.llama import ModelArgs, RopeScaling
 from trainer.models.moe import MoEArgs
 
@@ -97,7 +97,8 @@ class RunInfo:
         # A tuple (dense_layers) as the list JSON reads back, so a checkpoint's saved arguments compare equal.
         args = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.model_args).items()}
         # The run's sequence length (the rope table's size) is recorded but is not part of the weights.
-        name = "deepseek_v3" if "kv_lora_rank" in args else "moe" if "n_experts" in args else "llama3"
+        name = ("deepseek_v3" if "kv_lora_rank" in args else "gpt_oss" if "swiglu_limit" in args
+                else "moe" if "n_experts" in args else "llama3")
         return {"name": name, "flavor": self.flavor, **args, "ffn_dim": self.model_args.ffn_dim,
                 "head_dim": self.model_args.head_dim}
 
@@ -131,10 +132,10 @@ def args_from_json(model: dict[str, Any], *, where: str = "checkpoint.json") -> 
     (`trainer.model_values`) first: a CheckpointError naming the file (`where`) and the field.
     """
     edited = "not as this trainer writes it: an edited or foreign file"
-    classes = {"llama3": ModelArgs, "moe": MoEArgs, "deepseek_v3": DeepseekV3Args}
+    classes = {"llama3": ModelArgs, "moe": MoEArgs, "deepseek_v3": DeepseekV3Args, "gpt_oss": GptOssArgs}
     if model.get("name", "llama3") not in classes:
-        raise CheckpointError(f"{where}: model.name={model.get('name')!r} must be 'llama3', 'moe' or 'deepseek_v3' "
-                              f"({edited})")
+        raise CheckpointError(f"{where}: model.name={model.get('name')!r} must be one of "
+                              f"{', '.join(map(repr, classes))} ({edited})")
     cls = classes[model.get("name", "llama3")]
     known = {*cls.__dataclass_fields__, "name", "flavor", "ffn_dim", "head_dim"}
     unknown = sorted(k for k in model if k not in known)
@@ -142,14 +143,17 @@ def args_from_json(model: dict[str, Any], *, where: str = "checkpoint.json") -> 
     if unknown or missing:
         raise CheckpointError(f"{where}: model.{(unknown or missing)[0]} is "
                               f"{'not an argument of ' + cls.__name__ if unknown else 'missing'} ({edited})")
-    scaling = model.get("rope_scaling")
-    if isinstance(scaling, dict) and (extra := sorted(set(scaling) - set(RopeScaling.__dataclass_fields__))):
-        raise CheckpointError(f"{where}: model.rope_scaling.{extra[0]} is not a RopeScaling field ({edited})")
+    nested = {"rope_scaling": RopeScaling, "rope_yarn": YarnScaling}
+    for key, nested_cls in nested.items():
+        value = model.get(key)
+        if isinstance(value, dict) and (extra := sorted(set(value) - set(nested_cls.__dataclass_fields__))):
+            raise CheckpointError(f"{where}: model.{key}.{extra[0]} is not a {nested_cls.__name__} field ({edited})")
     if problem := values_problem(model, keys={k: f"model.{k}" for k in model}):
         raise CheckpointError(f"{where}: {problem} ({edited})")
     fields = {k: v for k, v in model.items() if k in cls.__dataclass_fields__}
-    if fields.get("rope_scaling") is not None:
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    for key, nested_cls in nested.items():
+        if fields.get(key) is not None:
+            fields[key] = nested_cls(**fields[key])
     args = cls(**fields)
     for derived in ("ffn_dim", "head_dim"):
         if getattr(args, derived) != model.get(derived, getattr(args, derived)):

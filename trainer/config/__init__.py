@@ -21,15 +21,15 @@ from trainer.config.job import JobConfig
 from trainer.config.load import load_job_config, parse_overrides, read_toml
 from trainer.config.reference import config_markdown, section_help, usage
 from trainer.config.sections import (
-    _SECTIONS, SECTION_HELP, CheckpointSection, DataSection, DistributedSection, Float8Section, JobSection,
-    MetricsSection, MixedPrecision, ModelSection, MoESection, OptimizerSection, ProfilingSection, SchedulerSection,
-    TrainSection, ValidationSection,
+    _SECTIONS, SECTION_HELP, CheckpointSection, DataSection, DistributedSection, Float8Section, GptOssSection,
+    JobSection, MetricsSection, MixedPrecision, ModelSection, MoESection, OptimizerSection, ProfilingSection,
+    SchedulerSection, TrainSection, ValidationSection,
 )
 from trainer.errors import ConfigError
 
 __all__ = [
     "SECTION_HELP", "CheckpointSection", "ConfigError", "DataSection", "DistributedSection", "Float8Section",
-    "JobConfig", "JobSection", "MetricsSection", "MixedPrecision", "ModelSection", "MoESection", "OptimizerSection",
-    "ProfilingSection", "SchedulerSection", "TrainSection", "ValidationSection", "check_config", "config_markdown",
-    "field_docs", "load_job_config", "parse_overrides", "read_toml", "section_help", "usage",
+    "GptOssSection", "JobConfig", "JobSection", "MetricsSection", "MixedPrecision", "ModelSection", "MoESection",
+    "OptimizerSection", "ProfilingSection", "SchedulerSection", "TrainSection", "ValidationSection", "check_config",
+    "config_markdown", "field_docs", "load_job_config", "parse_overrides", "read_toml", "section_help", "usage",
 ]

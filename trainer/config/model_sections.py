@@ -1,5 +1,5 @@
-"""[model] and [moe], generated from the model's dataclasses (trainer.model_values: `ModelArgs`, `MoEArgs`), so the
-model's shape is written once.
+"""[model], [moe], [deepseek_v3] and [gpt_oss], generated from the model's dataclasses (trainer.model_values:
+`ModelArgs`, `MoEArgs`, `DeepseekV3Args`, `GptOssArgs`), so the model's shape is written once.
 
 A key per field, of the field's type, None (left out) = the flavor's value; the field's docstring is the key's.
 Two rules name the keys: an `explicit_X` field is the key `X` (0 there means "derived", as in the dataclass), and an
@@ -15,7 +15,7 @@ import typing
 from typing import Any, Literal
 
 from trainer.config.docstrings import field_docs
-from trainer.model_values import DeepseekV3Args, ModelArgs, MoEArgs
+from trainer.model_values import DeepseekV3Args, GptOssArgs, ModelArgs, MoEArgs
 
 NONE = "none"
 """The choice key's value for no nested dataclass (rope_scaling = "none": plain RoPE)."""
@@ -109,7 +109,8 @@ def section_values(args: ModelArgs, section_cls: type) -> dict[str, Any]:
 
 
 _FLAVOR_DOC = ("Size preset, which also picks the family: debug, 1b, 3b, 8b, 70b, 405b; MoE debug_moe, moe_small, "
-               "moe_16b, qwen3_moe_debug, qwen3_30b_a3b; DeepSeek-V3 debug_deepseek_v3, deepseek_v3_16b.")
+               "moe_16b, qwen3_moe_debug, qwen3_30b_a3b; DeepSeek-V3 debug_deepseek_v3, deepseek_v3_16b; GPT-OSS "
+               "debug_gpt_oss, gpt_oss_20b.")
 
 ModelSection = shape_section(
     "ModelSection", ModelArgs, list(dataclasses.fields(ModelArgs)), first=(("flavor", str, "debug", _FLAVOR_DOC),),
@@ -128,3 +129,9 @@ DeepseekV3Section = shape_section(
     [f for f in dataclasses.fields(DeepseekV3Args) if f.name not in MoEArgs.__dataclass_fields__],
     doc="Multi-head latent attention, group-limited routing and multi-token prediction of DeepSeek-V3 flavors "
         "(docs/models.md); every key set replaces the flavor's value.")
+
+GptOssSection = shape_section(
+    "GptOssSection", GptOssArgs,
+    [f for f in dataclasses.fields(GptOssArgs) if f.name not in MoEArgs.__dataclass_fields__],
+    doc="Attention windows, the experts' clamped SwiGLU and YaRN RoPE of GPT-OSS flavors (docs/models.md#gpt-oss); "
+        "every key set replaces the flavor's value.")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config.docstrings import field_docs
-from trainer.config.model_sections import DeepseekV3Section, ModelSection, MoESection
+from trainer.config.model_sections import DeepseekV3Section, GptOssSection, ModelSection, MoESection
 
 MixedPrecision = Literal["fp32", "fp16", "bf16", "fp8"]
 
@@ -319,6 +319,8 @@ class Sections:
     """routing and load balancing of MoE flavors"""
     deepseek_v3: DeepseekV3Section = field(default_factory=DeepseekV3Section)
     """multi-head latent attention, group-limited routing and multi-token prediction of DeepSeek-V3 flavors"""
+    gpt_oss: GptOssSection = field(default_factory=GptOssSection)
+    """attention windows, clamped SwiGLU and YaRN RoPE of GPT-OSS flavors"""
     train: TrainSection = field(default_factory=TrainSection)
     """steps, batch, sequence length, precision, AC, compile"""
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
@@ -350,9 +352,9 @@ class Sections:
         return self.profiling.trace_dir or str(Path(self.job.dump_folder) / "profiler_traces")
 
     def shape_sections(self) -> list[tuple[str, Any]]:
-        """(name, section) of the sections generated from a model dataclass: [model], then [moe], then [deepseek_v3];
-        each applies to the flavors whose args are its `args_class`."""
-        return [("model", self.model), ("moe", self.moe), ("deepseek_v3", self.deepseek_v3)]
+        """(name, section) of the sections generated from a model dataclass: [model], [moe], then [deepseek_v3] and
+        [gpt_oss]; each applies to the flavors whose args are its `args_class`."""
+        return [("model", self.model), ("moe", self.moe), ("deepseek_v3", self.deepseek_v3), ("gpt_oss", self.gpt_oss)]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -1,6 +1,7 @@
 """Model families and their flavors. The family follows from `[model] flavor`: dense Llama 3 flavors
-(`trainer.models.llama`) and MoE flavors (`trainer.models.moe`); what differs between them is the
-`ModelFamily` of `trainer.models.family`, resolved from the args by `family_of`."""
+(`trainer.models.llama`), MoE flavors (`trainer.models.moe`), DeepSeek-V3 (`trainer.models.deepseek_v3`) and GPT-OSS
+(`trainer.models.gpt_oss`); what differs between them is the `ModelFamily` of `trainer.models.family`, resolved from
+the args by `family_of`."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def model_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_s
     """A flavor's shapes with optional overrides (0 keeps the flavor's value); `moe` keys only for MoE flavors."""
     if flavor in MOE_FLAVORS:
         return moe_args_for(flavor, vocab_size=vocab_size, n_layers=n_layers, max_seq_len=max_seq_len, **moe)
-    if isinstance(FLAVORS.get(flavor), MoEArgs):  # another routed family's flavor (deepseek_v3)
+    if isinstance(FLAVORS.get(flavor), MoEArgs):  # another routed family's (deepseek_v3, gpt_oss)
         args = replace(FLAVORS[flavor], **{k: v for k, v in {"vocab_size": vocab_size, "n_layers": n_layers}.items()
                                            if v}, **moe)
         return replace(args, max_seq_len=max(max_seq_len, args.max_seq_len))

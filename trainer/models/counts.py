@@ -9,7 +9,7 @@ Torch-free like trainer.model_values, whose dataclasses these read; trainer.mode
 from __future__ import annotations
 
 
-from trainer.model_values import (EDITED, MIN_BYTES_PER_PARAM, DeepseekV3Args, ModelArgs, size_text)
+from trainer.model_values import EDITED, MIN_BYTES_PER_PARAM, DeepseekV3Args, GptOssArgs, ModelArgs, size_text
 
 
 def mla_param_count(args: DeepseekV3Args) -> int:
@@ -35,7 +35,11 @@ def layer_param_counts(args: ModelArgs) -> tuple[int, int, int, int]:
     if n_experts is None:
         return attention, 3 * d * args.ffn_dim, 0, 0
     h = args.moe_ffn_dim
-    return attention, 3 * d * args.ffn_dim, 3 * d * args.n_shared_experts * h, n_experts * d + 3 * n_experts * h * d
+    routed = n_experts * d + 3 * n_experts * h * d
+    if isinstance(args, GptOssArgs):  # q/k/v/o biases and the sinks; the router's and the experts' biases
+        attention += args.n_heads * hd + 2 * args.n_kv_heads * hd + d + args.n_heads
+        routed += n_experts + n_experts * (2 * h + d)
+    return attention, 3 * d * args.ffn_dim, 3 * d * args.n_shared_experts * h, routed
 
 
 def param_count(args: ModelArgs) -> int:
@@ -84,7 +88,10 @@ def num_tensors(args: ModelArgs) -> int:
     attention = 4  # q, k, v, o
     if isinstance(args, DeepseekV3Args):  # (q, or q_a, its norm and q_b), kv_a, its norm, kv_b, o
         attention = (3 if args.q_lora_rank else 1) + 4
-    per_moe = attention + 2 + 5 + (3 if args.n_shared_experts else 0) + norms
+    routed = 5  # the router's gate and expert bias, w1, w2, w3
+    if isinstance(args, GptOssArgs):  # + 4 attention biases and the sinks; + the router's bias, w13, b13, b2, w2
+        attention, routed = 4 + 4 + 1, 7
+    per_moe = attention + 2 + routed + (3 if args.n_shared_experts else 0) + norms
     per_dense = attention + 2 + 3 + norms
     total = 3 + per_dense * (args.n_layers - n_moe) + per_moe * n_moe
     if isinstance(args, DeepseekV3Args):  # each MTP module: 3 norms, eh_proj and a block like the last one

@@ -24,6 +24,7 @@ from trainer.models.counts import param_count
 from trainer.models.activations import ActivationPolicy
 from trainer.models.layers import ModelArgs, TPPlan
 import trainer.models.deepseek_v3 as deepseek_v3
+import trainer.models.gpt_oss as gpt_oss
 import trainer.models.llama as llama  # the modules, not `from trainer.models import`: the package imports this one
 import trainer.models.moe as moe
 
@@ -31,7 +32,7 @@ import trainer.models.moe as moe
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
-    """"llama", "moe" or "deepseek_v3"; also the name of its export mapping, trainer/hf/<name>.py."""
+    """"llama", "moe", "deepseek_v3" or "gpt_oss"; also the name of its export mapping, trainer/hf/<name>.py."""
     flavors: dict[str, ModelArgs]
     build: Callable[[ModelArgs], nn.Module]
     flops_per_token: Callable[[ModelArgs, int], float]
@@ -102,12 +103,22 @@ DEEPSEEK_V3 = ModelFamily(
     activation_bytes=deepseek_v3.activation_bytes, tp_plan=deepseek_v3.tp_plan, describe=deepseek_v3.describe,
     has_router=True,
 )
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE, DEEPSEEK_V3)}
+GPT_OSS = ModelFamily(
+    name="gpt_oss", flavors=gpt_oss.FLAVORS, build=gpt_oss.GptOssTransformer, flops_per_token=gpt_oss.flops_per_token,
+    param_counts=gpt_oss.param_counts, ffn_params=gpt_oss.ffn_params, block_runs=gpt_oss.block_runs,
+    block_params=gpt_oss.block_params, activation_bytes=gpt_oss.activation_bytes, tp_plan=gpt_oss.tp_plan,
+    describe=lambda args: "GPT-OSS: sliding window %d on %d of %d layers, attention sinks; " % (
+        args.sliding_window, sum(map(args.is_sliding, range(args.n_layers))), args.n_layers) + _describe_moe(args),
+    has_router=True,
+)
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MOE, DEEPSEEK_V3, GPT_OSS)}
 
 
 def family_of(args: ModelArgs) -> ModelFamily:
-    """The family of these args: DeepseekV3Args are DeepSeek-V3's, other MoEArgs the MoE family's, plain ModelArgs
-    dense Llama's."""
+    """The family of these args: DeepseekV3Args are DeepSeek-V3's, GptOssArgs GPT-OSS's, other MoEArgs the MoE
+    family's, plain ModelArgs dense Llama's."""
     if isinstance(args, deepseek_v3.DeepseekV3Args):
         return DEEPSEEK_V3
+    if isinstance(args, gpt_oss.GptOssArgs):
+        return GPT_OSS
     return MOE if isinstance(args, moe.MoEArgs) else LLAMA

@@ -27,14 +27,16 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
-from trainer.model_values import ModelArgs, RopeScaling
+from trainer.model_values import ModelArgs, RopeScaling, YarnScaling
 from trainer.models.documents import attention_mask, document_ids, masked_attention
 from trainer.seeds import param_seed
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies with Llama 3 scaling (same as transformers' 'llama3' rope_type)."""
+    """Inverse frequencies with Llama 3 scaling (same as transformers' 'llama3' rope_type), or YaRN's ('yarn')."""
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    if (yarn := getattr(args, "rope_yarn", None)) is not None:
+        return yarn_inv_freq(inv_freq, yarn, base=args.rope_theta, dim=args.head_dim).float()
     s = args.rope_scaling
     if s is None:
         return inv_freq.float()
@@ -48,12 +50,32 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled).float()
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, yarn: YarnScaling, *, base: float, dim: int) -> torch.Tensor:
+    """YaRN: each inverse frequency blends its interpolation (/ factor) and itself by a linear ramp over the
+    dimensions whose rotations over the original context lie between beta_slow and beta_fast (transformers'
+    `_compute_yarn_parameters`, line for line)."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers': no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_cache(args: ModelArgs, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """[seq_len, 2, head_dim]: cos and sin, each repeated over the two halves."""
+    """[seq_len, 2, head_dim]: cos and sin, each repeated over the two halves (YaRN: times its attention factor)."""
     t = torch.arange(seq_len, dtype=torch.float32, device=device)
     freqs = torch.outer(t, rope_inv_freq(args).to(device))
     emb = torch.cat([freqs, freqs], dim=-1)
-    return torch.stack([emb.cos(), emb.sin()], dim=1)
+    table = torch.stack([emb.cos(), emb.sin()], dim=1)
+    yarn = getattr(args, "rope_yarn", None)
+    return table if yarn is None else table * yarn.attention_factor
 
 
 def rope_table_bytes(args: ModelArgs, seq_len: int) -> int:
@@ -87,7 +109,7 @@ class RMSNorm(nn.Module):
 class AttentionCore(nn.Module):
     """What every attention module shares: causal SDPA over (q, k, v), or a document mask, or another layout's core
     (context parallel), with the build's SDPA backends. Llama's `Attention` and DeepSeek-V3's MLA
-    (trainer.models.mla) project their q, k, v and call `attend`."""
+    (trainer.models.mla) project their q, k, v and call `attend`; GPT-OSS's (trainer.models.gpt_oss) overrides it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,13 +133,17 @@ class AttentionCore(nn.Module):
 
 
 class Attention(AttentionCore):
+    proj_bias = False
+    """Biases on q/k/v/o (a family's subclass sets it: GPT-OSS)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        bias = self.proj_bias
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
         if args.qk_norm:  # per head, over head_dim: the same weights for every head (Qwen3)
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)

@@ -110,11 +110,11 @@ def moe_args_for(flavor: str, *, vocab_size: int = 0, n_layers: int = 0, max_seq
 class Router(nn.Module):
     """Token-choice top-k. Scores come from `gate`; `expert_bias` shifts only which experts are chosen."""
 
-    def __init__(self, args: MoEArgs):
+    def __init__(self, args: MoEArgs, *, bias: bool = False):
         super().__init__()
         self.n_experts, self.top_k = args.n_experts, args.top_k
         self.score_func, self.route_norm = args.score_func, args.route_norm
-        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=bias)  # bias: GPT-OSS's router
         # Persistent: a resumed run continues with the balance it had reached.
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
 

@@ -17,6 +17,7 @@ rows, which the CUDA kernel needs, and the same padding runs on CPU so its tests
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,19 +89,40 @@ def _loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     return torch.cat(outs)
 
 
+GLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(gate, up) -> the hidden activation an expert's down projection takes; None: SwiGLU's silu(gate) * up."""
+
+
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                   *, align: int = GROUP_ALIGN) -> torch.Tensor:
+                   *, align: int = GROUP_ALIGN, biases: tuple[torch.Tensor, ...] | None = None,
+                   glu: GLU | None = None) -> torch.Tensor:
     """SwiGLU experts on rows sorted by expert: rows [sum(counts[:e]), sum(counts[:e+1])) go to expert e.
 
     x [N, dim]; counts [E] (int); w1, w3 [E, hidden, dim]; w2 [E, dim, hidden]. Each
     expert's rows are copied into a zero-padded buffer whose groups start at multiples
     of `align` rows; its size N + E * (align - 1) is known without a host sync.
+    biases: (b1 [E, hidden], b2 [E, dim], b3 [E, hidden]) added to each row's expert's GEMM outputs (GPT-OSS);
+    glu: another gate (GPT-OSS's clamped SwiGLU).
     """
     dst, offs, rows = padded_layout(counts, x.shape[0], align)
     x_pad = x.new_zeros(rows, x.shape[1]).index_copy(0, dst, x)
-    h = F.silu(_grouped_mm(x_pad, w1, offs)) * _grouped_mm(x_pad, w3, offs)
+    gate, up = _grouped_mm(x_pad, w1, offs), _grouped_mm(x_pad, w3, offs)
+    if biases is not None:
+        # Each padded row's expert, without a host sync: n_experts for the rows past offs[-1], which get a zero bias
+        # row of their own. The kernel leaves those rows unwritten (forward and backward): whatever they hold must
+        # not reach an expert's bias gradient. Padding rows inside a group get a zero gradient (never read).
+        expert = torch.searchsorted(offs, torch.arange(rows, device=x.device, dtype=offs.dtype), right=True)
+
+        def per_row(bias: torch.Tensor) -> torch.Tensor:
+            return F.pad(bias, (0, 0, 0, 1))[expert]
+
+        gate, up = gate + per_row(biases[0]), up + per_row(biases[2])
+    h = F.silu(gate) * up if glu is None else glu(gate, up)
     # Rows past offs[-1] belong to no group (the kernel leaves them unwritten); they are never read.
-    return select_unique_rows(_grouped_mm(h, w2, offs), dst)
+    out = _grouped_mm(h, w2, offs)
+    if biases is not None:
+        out = out + per_row(biases[1])
+    return select_unique_rows(out, dst)
 
 
 @dataclass(frozen=True)
@@ -124,7 +146,8 @@ class ExpertRows:
 
 
 class ExpertKernel:
-    """Runs the expert MLP: `kernel(rows, w1, w2, w3)` -> outputs [len(rows.index), dim] in rows' order."""
+    """Runs the expert MLP: `kernel(rows, w1, w2, w3)` -> outputs [len(rows.index), dim] in rows' order; experts with
+    biases or another gate (GPT-OSS) add `biases=` and `glu=` (grouped_swiglu's), which only the default takes."""
 
     def __call__(self, rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -133,8 +156,9 @@ class ExpertKernel:
 class GroupedSwiGLU(ExpertKernel):
     """The default kernel: the rows gathered, then bf16 (the compute dtype's) grouped GEMMs."""
 
-    def __call__(self, rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(rows.gather(), rows.counts, w1, w2, w3)
+    def __call__(self, rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                 **options: Any) -> torch.Tensor:
+        return grouped_swiglu(rows.gather(), rows.counts, w1, w2, w3, **options)
 
 
 class ExpertDispatcher:
@@ -167,9 +191,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
         super().__init__()
         self.n_experts = n_experts
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # gate
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))  # down
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # up
+        self.make_parameters(dim, hidden_dim, n_experts)
         # Plain objects, not modules: no parameters of their own, nothing in the module tree. Set through `use`.
         self.dispatcher: ExpertDispatcher = LocalDispatcher()
         self.kernel: ExpertKernel = GroupedSwiGLU()
@@ -187,9 +209,19 @@ class GroupedExperts(nn.Module):
                 k: int) -> torch.Tensor:
         """Tokens x [T, dim]; their copies x[order[i] // k] sorted by expert, counts [n_experts] rows each
         (`inverse` is the full sort's inverse) -> expert outputs [len(order), dim] in that order."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        weights, options = self.local_weights()
         rows, ctx = self.dispatcher.dispatch(x, counts, order, inverse, k)
-        return self.dispatcher.combine(self.kernel(rows, w1, w2, w3), ctx)
+        return self.dispatcher.combine(self.kernel(rows, *weights, **options), ctx)
+
+    def make_parameters(self, dim: int, hidden_dim: int, n_experts: int) -> None:
+        """The expert weights (a subclass may store them otherwise: GPT-OSS's fused gate/up with biases)."""
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))  # down
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))  # up
+
+    def local_weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]]:
+        """This rank's (w1, w2, w3), and the kernel's options beyond them (none here)."""
+        return (_local(self.w1), _local(self.w2), _local(self.w3)), {}
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

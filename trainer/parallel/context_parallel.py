@@ -116,8 +116,9 @@ class CPAttention:
         self.order = torch.tensor(gathered_chunk_order(cp.size))
         self.masks = lower_right_masks(seq_len // (2 * cp.size), cp.chunks())
 
-    @torch.compiler.disable  # builds SDPA's causal-bias object, which dynamo cannot trace; the block breaks here
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's chunks of K and V [batch, kv_heads, 2c, head_dim] -> the whole sequence's, in its order (an
+        attention of its own, GPT-OSS's with sinks, attends to them: trainer.models.gpt_oss)."""
         n = self.cp.size
         # Sequence first: the autograd all-gather concatenates along dim 0.
         k_all, v_all = (_all_gather_autograd(t.movedim(2, 0).contiguous(), self.cp.group).movedim(0, 2)
@@ -125,9 +126,13 @@ class CPAttention:
         b, h, s, d = k_all.shape
         order = self.order.to(k.device)
         # Gathered chunks come in rank order (0, 2N-1, 1, 2N-2, ...): back to the sequence's order.
-        k_all, v_all = (t.view(b, h, 2 * n, s // (2 * n), d).index_select(2, order).view(b, h, s, d)
-                        for t in (k_all, v_all))
-        assert q.shape[2] * n == s, "a sequence of another length than train.seq_len"
+        return tuple(t.view(b, h, 2 * n, s // (2 * n), d).index_select(2, order).view(b, h, s, d)
+                     for t in (k_all, v_all))
+
+    @torch.compiler.disable  # builds SDPA's causal-bias object, which dynamo cannot trace; the block breaks here
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_all, v_all = self.gather(k, v)
+        assert q.shape[2] * self.cp.size == k_all.shape[2], "a sequence of another length than train.seq_len"
         if q.is_cuda:  # SDPA runs the lower-right causal mask on its flash kernel: O(seq) saved for backward
             return chunk_attention(q, k_all, v_all, chunks=self.cp.chunks(), masks=self.masks)
         # Elsewhere SDPA materializes the mask and saves the probabilities (seq^2): recompute them in backward.

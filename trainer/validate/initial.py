@@ -20,11 +20,13 @@ from typing import Any
 from trainer.checkpoint.state import args_from_json
 from trainer.checkpoint.verify import read_checkpoint_json, scan_checkpoints
 from trainer.config import JobConfig
-from trainer.config.model_sections import NONE, DeepseekV3Section, MoESection, section_values
+from trainer.config.model_sections import NONE, section_values
 from trainer.errors import ConfigError, UserError
-from trainer.model_values import DeepseekV3Args
 from trainer.models import ModelArgs, family_of
 from trainer.validate.run_files import model_section_values
+
+# Why a shape section's keys do not apply to a checkpoint's model that is not of its `args_class`.
+_NOT_ITS = {"moe": "dense", "deepseek_v3": "not DeepSeek-V3", "gpt_oss": "not GPT-OSS"}
 
 # [model] keys that size a weight through the ffn_dim Llama's rule derives from them.
 _FFN_RULE = ("ffn_dim_multiplier", "multiple_of")
@@ -58,14 +60,13 @@ def checkpoint_shape(cfg: JobConfig, *, planning: bool) -> CheckpointShape | Non
         saved = args_from_json(info["model"], where=str(path / "checkpoint.json"))
     except UserError as e:
         raise ConfigError(str(e)) from None
-    model, moe, dsv3, kept = _sections(cfg, saved, where=f"checkpoint.initial_load_path={text}")
+    values, kept = _sections(cfg, saved, where=f"checkpoint.initial_load_path={text}")
     family = family_of(saved)
     flavor = info["model"].get("flavor")
     flavor = flavor if isinstance(flavor, str) and flavor else "imported"
     base = flavor if flavor in family.flavors else next(iter(family.flavors))  # the defaults, all replaced
-    shaped = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, flavor=base, **model),
-                                 moe=dataclasses.replace(cfg.moe, **moe),
-                                 deepseek_v3=dataclasses.replace(cfg.deepseek_v3, **dsv3))
+    sections = {name: dataclasses.replace(section, **values[name]) for name, section in cfg.shape_sections()}
+    shaped = dataclasses.replace(cfg, **sections | {"model": dataclasses.replace(sections["model"], flavor=base)})
     source = info.get("source")
     origin = f"imported from {source}" if isinstance(source, str) and source else f"flavor {flavor!r}"
     line = (f"model shape: checkpoint.initial_load_path={text}'s, with its vocabulary ({origin}; resolved.toml has "
@@ -82,29 +83,27 @@ def _resumes(cfg: JobConfig) -> bool:
     return c.enable and bool(scan_checkpoints(Path(cfg.job.dump_folder) / c.folder)[0])
 
 
-def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str
-              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[str]]:
-    """([model] values, [moe] values, [deepseek_v3] values, the config's keys that replace the checkpoint's) of the checkpoint's model; a
-    ConfigError naming every key the config sets that sizes a weight (the model's `weight_fields`) to another value."""
-    model = model_section_values(saved)
-    moe_model = family_of(saved).has_router
-    moe = section_values(saved, MoESection) if moe_model else {}
-    dsv3_model = isinstance(saved, DeepseekV3Args)
-    dsv3 = section_values(saved, DeepseekV3Section) if dsv3_model else {}
+def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(the values of each shape section, [model], [moe], [deepseek_v3], [gpt_oss], for the checkpoint's model (a
+    section of another family's empty), the config's keys that replace the checkpoint's); a ConfigError naming every
+    key the config sets that sizes a weight (the model's `weight_fields`) to another value, or that a section of
+    another family sets."""
+    sections = {name: model_section_values(saved) if name == "model" else
+                section_values(saved, type(section)) if isinstance(saved, section.args_class) else {}
+                for name, section in cfg.shape_sections()}
+    model = sections["model"]
     differ, kept = [], []
     given: dict[str, Any] = {}
-    for name, section, values in (("model", cfg.model, model), ("moe", cfg.moe, moe),
-                                  ("deepseek_v3", cfg.deepseek_v3, dsv3)):
+    for name, section in cfg.shape_sections():
+        values = sections[name]
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
             if value is None or "field" not in f.metadata:  # left out, or model.flavor
                 continue
             if name == "model":
                 given[f.name] = value
-            if name == "moe" and not moe_model:
-                differ.append(f"moe.{f.name}={_show(value)} (the checkpoint's model is dense)")
-            elif name == "deepseek_v3" and not dsv3_model:
-                differ.append(f"deepseek_v3.{f.name}={_show(value)} (the checkpoint's model is not DeepSeek-V3)")
+            if not isinstance(saved, section.args_class):  # [moe] on a dense model, a family's own on another's
+                differ.append(f"{name}.{f.name}={_show(value)} (the checkpoint's model is {_NOT_ITS[name]})")
             elif f.metadata["field"] in saved.weight_fields:  # the value in effect (head_dim: derived or not)
                 if value != getattr(saved, f.name):
                     differ.append(f"{name}.{f.name}={_show(value)} (the checkpoint's: {_show(getattr(saved, f.name))})")
@@ -126,7 +125,7 @@ def _sections(cfg: JobConfig, saved: ModelArgs, *, where: str
                           f"from the model of {where}, whose shape the run takes; remove "
                           f"{'it' if len(differ) == 1 else 'them'} from the config and the command line (the "
                           "checkpoint gives every shape key), or start from other weights")
-    return model, moe, dsv3, kept
+    return sections, kept
 
 
 def _show(value: Any) -> str:

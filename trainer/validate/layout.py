@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import math
 
-from trainer.config import JobConfig, MoESection
+from trainer.config import GptOssSection, JobConfig, MoESection
 from trainer.errors import ConfigError
 from trainer.hf import ExportError, check_exportable
+from trainer.model_values import GptOssArgs
 from trainer.models import ModelArgs, family_of, pipeline_costs
 from trainer.parallel import ParallelDims
 from trainer.parallel.pipeline_layout import (
@@ -73,6 +74,32 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
                           "FSDP2 unit already resharded (an H100 run failed); set train.loss_chunk_tokens=0")
     _check_moe_layout(cfg, args, pd)
     check_deepseek_v3(cfg, args, pd)
+    if isinstance(args, GptOssArgs):
+        _check_gpt_oss_layout(cfg, args)
+    elif changed := [f for f in GptOssSection.__dataclass_fields__ if getattr(cfg.gpt_oss, f) is not None]:
+        raise ConfigError(f"gpt_oss.{changed[0]}={getattr(cfg.gpt_oss, changed[0])} has no effect: "
+                          f"model.flavor={cfg.model.flavor!r} is not GPT-OSS; remove it or pick a GPT-OSS flavor "
+                          "(debug_gpt_oss, gpt_oss_20b)")
+
+
+def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs) -> None:
+    """What GPT-OSS (trainer/models/gpt_oss.py) does not run yet, each refused in one line: every parallelism runs it
+    (tests/distributed/test_moe_ep.py, test_moe_layouts.py)."""
+    flavor = f"model.flavor={cfg.model.flavor!r} (GPT-OSS)"
+    if cfg.float8.moe_experts != "off":
+        raise ConfigError(f"{flavor} with float8.moe_experts='{cfg.float8.moe_experts}': the FP8 grouped GEMM takes "
+                          "no expert biases or clamped SwiGLU; set float8.moe_experts='off' (the attention "
+                          "projections still run in FP8)")
+    # Every block routes (GptOssTransformer builds no dense one, transformers' GptOss neither): the keys that make
+    # some dense (MoEArgs.is_moe_layer) are refused, as is a shared expert.
+    for field, value, fix, set_ in (
+            ("n_dense_layers", args.n_dense_layers, "0", args.n_dense_layers != 0),
+            ("sparse_step", args.sparse_step, "1", args.sparse_step != 1),
+            ("dense_layers", list(args.dense_layers), "[]", bool(args.dense_layers)),
+            ("n_shared_experts", args.n_shared_experts, "0", args.n_shared_experts != 0)):
+        if set_:
+            raise ConfigError(f"moe.{field}={value} with {flavor}: every GPT-OSS block is routed experts only; "
+                              f"set moe.{field}={fix}")
 
 
 def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:

@@ -51,7 +51,8 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     args = replace(flavor, **{k: v for _, section in sections for k, v in overrides(section, flavor).items()})
     # The effective values, checked as one (each key's own range was checked with the config): combinations such
     # as dim and n_heads, and what the flavor's values make of the keys set (a derived ffn_dim, head_dim).
-    values = {f: getattr(args, f) for f in args.__dataclass_fields__ if f != "rope_scaling"} | {"ffn_dim": args.ffn_dim}
+    values = {f: getattr(args, f) for f in args.__dataclass_fields__ if f not in ("rope_scaling", "rope_yarn")} | {
+        "ffn_dim": args.ffn_dim}
     keys = {field: f"{name}.{key}" for name, section in sections for field, key in key_fields(section).items()}
     if problem := values_problem(values, keys=keys):
         raise ConfigError(f"{problem} (model.flavor={m.flavor!r} and the [model] and [moe] keys set)")

@@ -23,9 +23,9 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.config.load import tomllib
-from trainer.config.model_sections import DeepseekV3Section, ModelSection, MoESection, section_values
+from trainer.config.model_sections import DeepseekV3Section, GptOssSection, ModelSection, MoESection, section_values
 from trainer.config.sections import to_toml
-from trainer.model_values import DeepseekV3Args
+from trainer.model_values import DeepseekV3Args, GptOssArgs
 from trainer.models import FLAVORS, ModelArgs, family_of
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.float8 import fp8_layers_json
@@ -47,6 +47,8 @@ def resolved_config(cfg: JobConfig, *, args: ModelArgs, pd: ParallelDims, build:
         d["moe"].update(section_values(args, MoESection))
     if isinstance(args, DeepseekV3Args):  # MLA, group routing, MTP
         d["deepseek_v3"].update(section_values(args, DeepseekV3Section))
+    if isinstance(args, GptOssArgs):  # the windows, SwiGLU clamp and YaRN of [gpt_oss]
+        d["gpt_oss"].update(section_values(args, GptOssSection))
     d["distributed"].update(
         dp_shard=pd.dp_shard, master_dtype="bf16" if build.fsdp.master_dtype == torch.bfloat16 else "fp32",
         reshard_after_forward="always" if build.fsdp.reshard_after_forward else "never",
@@ -82,6 +84,8 @@ def model_keys(args: ModelArgs) -> list[str]:
                    if k not in ("aux_loss_coef", "bias_update_rate", "capacity_factor")}
     if isinstance(args, DeepseekV3Args):
         values |= {f"deepseek_v3.{k}": v for k, v in section_values(args, DeepseekV3Section).items()}
+    if isinstance(args, GptOssArgs):
+        values |= {f"gpt_oss.{k}": v for k, v in section_values(args, GptOssSection).items()}
     flavor = next(iter(family_of(args).flavors))
     return [f"--model.flavor={flavor}"] + [f"--{k}={_flag_value(v)}" for k, v in values.items()]
 

@@ -114,7 +114,8 @@ blockwise_fp8_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
 class BlockwiseFloat8Linear(nn.Linear):
-    """nn.Linear (no bias) whose matmul runs blockwise FP8 forward and backward; the weight stays high precision.
+    """nn.Linear whose matmul runs blockwise FP8 forward and backward; the weight (and a bias, added in the compute
+    dtype: GPT-OSS's attention) stays high precision.
 
     Same parameters and state_dict as the nn.Linear it replaces, so checkpoints move freely between
     recipes and bf16. Any token count works: tokens are zero-padded to a multiple of 128 (torchao's wgrad
@@ -125,7 +126,7 @@ class BlockwiseFloat8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, *, emulate: bool) -> BlockwiseFloat8Linear:
-        assert mod.bias is None and mod.in_features % BLOCK == 0 and mod.out_features % BLOCK == 0, mod
+        assert mod.in_features % BLOCK == 0 and mod.out_features % BLOCK == 0, mod
         mod.__class__ = cls  # in place: the same Parameter object (and any hooks); only forward changes
         mod.emulate = emulate
         return mod
@@ -143,6 +144,8 @@ class BlockwiseFloat8Linear(nn.Linear):
             out = blockwise_fp8_mm(x2d, self.weight).to(x.dtype)
         if pad:
             out = out[: out.shape[0] - pad]
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
         return out.reshape(*lead, out.shape[-1])
 
     def extra_repr(self) -> str:
