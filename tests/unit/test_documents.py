@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from trainer.config import ConfigError, load_job_config
 from trainer.models import FLAVORS, build_model
-from trainer.models.documents import document_ids
+from trainer.models.documents import attention_mask, document_ids
 
 EOS = 511
 
@@ -81,13 +81,17 @@ def test_a_packed_row_equals_its_documents_one_at_a_time(flavor: str) -> None:
     assert (plain - packed).abs().max() > 1e-2  # the documents after the first see other documents without the mask
 
 
-def test_document_masking_needs_documents_and_refuses_pp_and_cp() -> None:
-    for argv, message in [
-        (["--data.source=synthetic", "--data.document_masking=true"], r"^data.document_masking=true needs documents"),
-        (["--data.document_masking=true", "--distributed.pp=2"],
-         r"^data.document_masking=true with distributed.pp=2 is not supported yet \(a pipeline stage"),
-        (["--data.document_masking=true", "--distributed.cp=2"],
-         r"^data.document_masking=true with distributed.cp=2 is not supported yet \(a document split"),
-    ]:
-        with pytest.raises(ConfigError, match=message):
-            load_job_config(argv)
+def test_a_mask_of_some_queries_is_those_rows_of_the_whole_mask() -> None:
+    """Context parallelism's mask: this rank's queries (chunks 1 and 2 of 4 here) against the whole row's keys are
+    the rows of the whole row's mask at their global positions."""
+    tokens = torch.tensor([[5, EOS, 6, 7, 8, EOS, 9, 1], [1, 2, 3, 4, 5, 6, EOS, 7]])
+    docs, _ = document_ids(tokens, EOS)
+    queries = torch.tensor([2, 3, 4, 5])
+    assert torch.equal(attention_mask(docs, queries), attention_mask(docs)[:, :, queries])
+
+
+def test_document_masking_needs_documents() -> None:
+    with pytest.raises(ConfigError, match=r"^data.document_masking=true needs documents"):
+        load_job_config(["--data.source=synthetic", "--data.document_masking=true"])
+    for layout in ("--distributed.pp=2", "--distributed.cp=2"):  # every layout takes it
+        assert load_job_config(["--data.document_masking=true", layout]).data.document_masking

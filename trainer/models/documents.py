@@ -32,20 +32,31 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch
     return docs, index - first
 
 
-def attention_mask(docs: torch.Tensor) -> BlockMask | torch.Tensor:
-    """Causal attention within each document, for the device `docs` [batch, seq] is on."""
+def attention_mask(docs: torch.Tensor, queries: torch.Tensor | None = None) -> BlockMask | torch.Tensor:
+    """Causal attention within each document, for the device `docs` [batch, seq] (the whole rows' document
+    indices) is on. queries: the global positions of the rows' queries when they are not all the row's tokens
+    (context parallelism: this rank's chunks, against the whole row's keys); None: every position, in order."""
     batch, seq = docs.shape
     if docs.device.type != "cuda":
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
-        return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+        if queries is None:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
+            return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+        causal = queries[:, None] >= torch.arange(seq, device=docs.device)[None, :]
+        return (causal & (docs[:, queries, None] == docs[:, None, :]))[:, None]
 
-    def same_document(b, h, q, kv):
-        return (kv <= q) & (docs[b, q] == docs[b, kv])
+    if queries is None:
+        def same_document(b, h, q, kv):
+            return (kv <= q) & (docs[b, q] == docs[b, kv])
+    else:
+        def same_document(b, h, q, kv):
+            position = queries[q]
+            return (kv <= position) & (docs[b, position] == docs[b, kv])
 
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return create_block_mask(same_document, batch, None, seq, seq, device=docs.device)
+    num_queries = seq if queries is None else queries.shape[0]
+    return create_block_mask(same_document, batch, None, num_queries, seq, device=docs.device)
 
 
 # FlexAttention runs unfused (every score materialized) unless compiled; inside a compiled block dynamo inlines
