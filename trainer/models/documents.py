@@ -9,6 +9,11 @@ and the attention mask "causal and the same document" in the form the device's k
   blocks no query may see, so shorter documents cost less attention work than one causal sequence);
 - on a CPU, a dense boolean mask [batch, 1, seq, seq] for scaled_dot_product_attention (FlexAttention has no
   CPU backward), exact and O(seq^2) in memory: for tests and small runs.
+
+The documents always come from the whole rows' tokens: a pipeline stage after the first gets them beside its
+hidden states (trainer.parallel.pipeline), and under context parallelism a rank's queries (its chunks, at their
+global positions) are masked against the whole row's keys, which its attention core gathers
+(trainer.parallel.context_parallel).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ heads), which is what makes the all-gather cheap next to the attention it feeds
 (docs/distributed.md#context-parallel). Runs on any backend: gloo on CPU, NCCL on GPU, where
 SDPA runs the lower-right causal mask on its flash kernels.
 
+Under document masking (data.document_masking) the model hands the attention a mask of the local queries
+against the whole sequence's keys, made from the whole rows' documents (trainer.models.documents); it replaces
+the lower-right causal masks.
+
 The MoE sequence-wise aux loss sums its per-sequence statistics over the cp group (with
 gradients, `MoE.set_sequence_group`) and injects N times its gradient on every rank, since FSDP
 averages over the cp ranks a loss each of them holds whole.
