@@ -9,10 +9,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from trainer.config import ConfigError, load_job_config
 from trainer.models import FLAVORS, build_model
-from trainer.models.documents import attention_mask, document_ids
+from trainer.models.documents import attention_mask, block_mask, document_ids
 
 EOS = 511
 
@@ -88,6 +89,24 @@ def test_a_mask_of_some_queries_is_those_rows_of_the_whole_mask() -> None:
     docs, _ = document_ids(tokens, EOS)
     queries = torch.tensor([2, 3, 4, 5])
     assert torch.equal(attention_mask(docs, queries), attention_mask(docs)[:, :, queries])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("queries", [None, [16, 17, 18, 19, 20, 21, 22, 23, 40, 41, 42, 43, 44, 45, 46, 47]],
+                         ids=["whole-row", "cp-chunks"])
+def test_the_gpu_block_mask_attends_as_the_dense_mask(queries: list[int] | None) -> None:
+    """The FlexAttention BlockMask a GPU run takes (here on a CPU, forward only, uncompiled) gives the dense mask's
+    attention, for a whole row's queries and for a cp rank's chunks (1 and 6 of 8) against the whole row's keys."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 8, (2, 64))
+    tokens[tokens == 7] = EOS  # documents of a few tokens
+    docs, _ = document_ids(tokens, EOS)
+    q_positions = None if queries is None else torch.tensor(queries)
+    q = torch.randn(2, 4, 64 if queries is None else len(queries), 16)
+    k, v = torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(docs, q_positions), enable_gqa=True)
+    flex = flex_attention(q, k, v, block_mask=block_mask(docs, q_positions), enable_gqa=True)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
 
 
 def test_document_masking_needs_documents() -> None:

@@ -49,6 +49,14 @@ def attention_mask(docs: torch.Tensor, queries: torch.Tensor | None = None) -> B
         causal = queries[:, None] >= torch.arange(seq, device=docs.device)[None, :]
         return (causal & (docs[:, queries, None] == docs[:, None, :]))[:, None]
 
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return block_mask(docs, queries)
+
+
+def block_mask(docs: torch.Tensor, queries: torch.Tensor | None = None) -> BlockMask:
+    """attention_mask's FlexAttention BlockMask (on any device: tests check it on a CPU, forward only)."""
     if queries is None:
         def same_document(b, h, q, kv):
             return (kv <= q) & (docs[b, q] == docs[b, kv])
@@ -57,11 +65,8 @@ def attention_mask(docs: torch.Tensor, queries: torch.Tensor | None = None) -> B
             position = queries[q]
             return (kv <= position) & (docs[b, position] == docs[b, kv])
 
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    num_queries = seq if queries is None else queries.shape[0]
-    return create_block_mask(same_document, batch, None, num_queries, seq, device=docs.device)
+    num_queries = docs.shape[1] if queries is None else queries.shape[0]
+    return create_block_mask(same_document, docs.shape[0], None, num_queries, docs.shape[1], device=docs.device)
 
 
 # FlexAttention runs unfused (every score materialized) unless compiled; inside a compiled block dynamo inlines
