@@ -51,8 +51,9 @@ def reference(documents: list[str], tmp_path_factory) -> tuple[dict, float]:
     (2, [*PP2, "--distributed.pipeline_schedule=ZBVZeroBubble"], 1e-5),
     (2, CP2, 1e-5),
     (4, [*PP2, *CP2, "--distributed.pipeline_schedule=Interleaved1F1B"], 1e-5),
+    (2, [*CP2, "--train.compile_model=true", "--train.activation_checkpointing=selective"], 1e-5),
 ], ids=["dp_shard2", "tp2", "compile-selective-ac", "full-ac", "pp2-1f1b", "pp2-interleaved1f1b", "pp2-zbv", "cp2",
-        "cp2-x-pp2"])
+        "cp2-x-pp2", "cp2-compile-selective-ac"])
 def test_document_masking_matches_one_process(nproc: int, layout: list[str], tolerance: float, documents, reference,
                                                tmp_path: Path) -> None:
     ref_grads, ref_loss = reference
