@@ -76,8 +76,8 @@ NOTES: dict[str, str] = {
         "metrics (docs/data.md)."),
     "data.document_masking": (
         "Attention never crosses an EOS inside a packed sequence and RoPE positions restart at each document (Llama "
-        "3): FlexAttention with a document block mask on a GPU (with train.compile_model), a dense mask on a CPU. "
-        "Not yet with distributed.pp or cp > 1."),
+        "3): FlexAttention with a document block mask on a GPU (with train.compile_model), a dense mask on a CPU; "
+        "in every layout (pp, cp included) and family."),
     "data.eod_mask_loss": (
         "Do not train on the token after each EOS (a document's first token, which nothing before it predicts; "
         "Megatron's --eod-mask-loss): the loss is the mean over the step's other tokens, in training and validation."),

@@ -17,6 +17,10 @@ heads), which is what makes the all-gather cheap next to the attention it feeds
 (docs/distributed.md#context-parallel). Runs on any backend: gloo on CPU, NCCL on GPU, where
 SDPA runs the lower-right causal mask on its flash kernels.
 
+Under document masking (data.document_masking) the model hands the attention a mask of the local queries
+against the whole sequence's keys, made from the whole rows' documents (trainer.models.documents); it replaces
+the lower-right causal masks.
+
 The MoE sequence-wise aux loss sums its per-sequence statistics over the cp group (with
 gradients, `MoE.set_sequence_group`) and injects N times its gradient on every rank, since FSDP
 averages over the cp ranks a loss each of them holds whole.
@@ -35,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
+from trainer.models.documents import masked_attention
 from trainer.models.moe import MoE
 
 
@@ -117,7 +122,9 @@ class CPAttention:
         self.masks = lower_right_masks(seq_len // (2 * cp.size), cp.chunks())
 
     @torch.compiler.disable  # builds SDPA's causal-bias object, which dynamo cannot trace; the block breaks here
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        """mask: None (causal), or a document mask of the local queries against the whole sequence's keys
+        (trainer.models.documents.attention_mask with this rank's query positions)."""
         n = self.cp.size
         # Sequence first: the autograd all-gather concatenates along dim 0.
         k_all, v_all = (_all_gather_autograd(t.movedim(2, 0).contiguous(), self.cp.group).movedim(0, 2)
@@ -128,6 +135,8 @@ class CPAttention:
         k_all, v_all = (t.view(b, h, 2 * n, s // (2 * n), d).index_select(2, order).view(b, h, s, d)
                         for t in (k_all, v_all))
         assert q.shape[2] * n == s, "a sequence of another length than train.seq_len"
+        if mask is not None:  # the causal part is in the mask, made with the queries' global positions
+            return masked_attention(q, k_all, v_all, mask)
         if q.is_cuda:  # SDPA runs the lower-right causal mask on its flash kernel: O(seq) saved for backward
             return chunk_attention(q, k_all, v_all, chunks=self.cp.chunks(), masks=self.masks)
         # Elsewhere SDPA materializes the mask and saves the probabilities (seq^2): recompute them in backward.
