@@ -22,6 +22,10 @@
 #   bash scripts/gpu_checks.sh moe_dispatch  (2 GPUs: moe_16b x 8 layers, ep=2, fp8: moe.dispatch_dtype bf16 vs fp8, with
 #       the experts bf16 and FP8 rowwise; tokens/s per GPU and the all-to-all's share of a profiled step; docs/moe.md)
 #   bash scripts/gpu_checks.sh memplan    (1 GPU: the dry run's memory estimate against the measured peak, other shapes)
+#   bash scripts/gpu_checks.sh families   (1 GPU: DeepSeek-V3, Qwen3-MoE and GPT-OSS published-size flavors x 8 layers,
+#       bf16 / fp8 tokens/s and peak beside the plan; then PEER_WHEELS=DIR PEER_MODEL=deepseek_v3 PEER_FLAVOR=16B
+#       PEER_LAYERS=8 PEER_BATCH=2 ... peer8b: torchtitan's DeepSeek-V3 16B x 8 layers; PARITY_FAMILY=deepseek_v3 ...
+#       parity_family: a family's bf16 x2 seeds vs fp8 legs at moe_small's size)
 #   bash scripts/gpu_checks.sh memory_peak  (1 GPU: 8B-shape and moe_16b peaks and what is live at them: scripts/memory_peak.py)
 #   bash scripts/gpu_checks.sh docmask    (1 GPU: document masking's GPU test, then 8B shapes x 8 layers on the stdlib text
 #       (byte tokens, documents of the standard library's files and pydoc topics): causal vs document-masked, bf16 and fp8)
@@ -242,6 +246,35 @@ for s in $STEPS; do case $s in
         --float8.moe_experts=$mode ${MOE_ARGS:-} > "$OUT/bench_moe_fp8_$mode.log" 2>&1
       grep -A4 "^precision" "$OUT/bench_moe_fp8_$mode.log"
     done ;;
+  families)  # the model families users bring, on one GPU: each one's published-size flavor x FAMILY_LAYERS (default 8)
+    # layers, batch 2 x 4096, compile, no AC, ep=1: bf16 and fp8 tokens/s, the measured peak beside the dry run's plan
+    # (the memory plan's check for each family); FAMILY_FLAVORS picks (default: deepseek_v3_16b qwen3_30b_a3b
+    # gpt_oss_20b), FAMILY_ARGS: more overrides. The peer: PEER_MODEL=deepseek_v3 PEER_FLAVOR=16B PEER_LAYERS=8 ... peer8b
+    for f in ${FAMILY_FLAVORS:-deepseek_v3_16b qwen3_30b_a3b gpt_oss_20b}; do
+      launch 1 scripts/benchmark.py --json $OUT/families.jsonl --label "$f x ${FAMILY_LAYERS:-8} layers, batch 2 x 4096" \
+        --precisions bf16,fp8 --warmup 6 --steps 10 --config configs/train/moe_16b_4gpu_fp8.toml -- --model.flavor=$f \
+        --model.n_layers=${FAMILY_LAYERS:-8} --distributed.ep=1 --data.source=synthetic --checkpoint.enable=false \
+        ${FAMILY_ARGS:-} 2>&1 | tee "$OUT/family_$f.log" | grep -v "^\[rank" || failed "families $f" $?
+    done ;;
+  parity_family)  # a model family's FP8 accuracy at moe_small's size (dim 1024, 16 blocks of 16 heads, 32 experts of 512
+    # top-4, vocabulary 128,256; one GPU): bf16 x2 seeds vs fp8, PARITY_MOE_STEPS (500) steps of the stdlib text, as
+    # parity_moe. PARITY_FAMILY=deepseek_v3 (MLA, 4 groups top-2, one MTP module) | qwen3_moe | gpt_oss.
+    fam=${PARITY_FAMILY:-deepseek_v3}
+    case $fam in
+      deepseek_v3) shape=(--model.flavor=deepseek_v3_16b --deepseek_v3.kv_lora_rank=256 --deepseek_v3.qk_nope_head_dim=64
+                          --deepseek_v3.qk_rope_head_dim=32 --deepseek_v3.v_head_dim=64 --deepseek_v3.n_group=4
+                          --deepseek_v3.topk_group=2 --moe.n_shared_experts=1) ;;
+      qwen3_moe) shape=(--model.flavor=qwen3_30b_a3b --model.head_dim=64 --model.n_kv_heads=4) ;;
+      gpt_oss) shape=(--model.flavor=gpt_oss_20b --model.head_dim=64 --model.n_kv_heads=8) ;;
+      *) echo "[parity_family] PARITY_FAMILY=$fam: not deepseek_v3, qwen3_moe or gpt_oss"; failed parity_family 2; continue ;;
+    esac
+    python3 scripts/fp8_parity.py --config configs/train/debug_moe.toml --out "$OUT/parity_$fam" --seeds 1 --tolerance 0.01 \
+      "${shape[@]}" --model.dim=1024 --model.n_layers=16 --model.n_heads=16 --model.vocab_size=128256 \
+      --moe.n_experts=32 --moe.top_k=4 --moe.moe_ffn_dim=512 --moe.dense_ffn_dim=4096 \
+      --train.steps=${PARITY_MOE_STEPS:-500} --train.batch_size=8 --train.seq_len=2048 \
+      --train.compile_model=true --scheduler.warmup_steps=50 --optimizer.lr=1e-3 --data.source=stdlib \
+      --validation.freq=100 --validation.steps=8 --metrics.log_freq=10 --metrics.enable_tensorboard=false \
+      ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity_$fam.log" | tail -12 ;;
   parity_moe)  # FP8 experts' accuracy: moe_small (1 GPU), bf16 x2 seeds vs fp8 with the experts bf16 and with FP8 experts
     # PARITY_LEGS picks legs; legs finished in an earlier call and copied to docs/benchmark_data/parity_moe are reused.
     [ -d docs/benchmark_data/parity_moe ] && cp -r docs/benchmark_data/parity_moe "$OUT/"
@@ -399,12 +432,15 @@ with open("/tmp/peer_c4/c4.json", "w") as f:
         if f.tell() > 50_000_000:  # 50 MB: more than 30 steps read
             break
 PY
-    # PEER_LAYERS=N: its 8B shapes with N layers (a flavor "8B_NL" added before torchtitan's main runs), our 8-layer table
-    flavor=${PEER_FLAVOR:-8B}; entry=(-m torchtitan.train)
+    # PEER_LAYERS=N: its flavor's shapes with N layers (a flavor "<flavor>_NL" added before torchtitan's main runs), our
+    # 8-layer tables. PEER_MODEL: torchtitan's model (default llama3; deepseek_v3 with PEER_FLAVOR=16B for the MoE
+    # families' proxy, PEER_BATCH=2 as our families step); its args dict is <model>_args (deepseekv3_args).
+    model=${PEER_MODEL:-llama3}; base=${PEER_FLAVOR:-8B}; flavor=$base; entry=(-m torchtitan.train)
+    argsdict=${model//_/}_args
     if [ -n "${PEER_LAYERS:-}" ]; then
-      flavor=8B_${PEER_LAYERS}L; entry=(/tmp/peer_main.py)
-      printf '%s\n' "import dataclasses" "from torchtitan.models.llama3 import llama3_args" \
-        "llama3_args['$flavor'] = dataclasses.replace(llama3_args['8B'], n_layers=${PEER_LAYERS})" \
+      flavor=${base}_${PEER_LAYERS}L; entry=(/tmp/peer_main.py)
+      printf '%s\n' "import dataclasses" "from torchtitan.models.$model import $argsdict" \
+        "$argsdict['$flavor'] = dataclasses.replace($argsdict['$base'], n_layers=${PEER_LAYERS})" \
         "from torchtitan.train import Trainer, main" "main(Trainer)" > /tmp/peer_main.py
     fi
     # PEER_AC: the AC modes to try in order, the next only when the last ran out of memory (default "none selective":
@@ -415,9 +451,9 @@ PY
       for ac in ${PEER_AC:-none selective}; do
         rm -rf /tmp/peer_run
         PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
-          --model.name llama3 --model.flavor $flavor \
+          --model.name $model --model.flavor $flavor \
           --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
-          --training.local_batch_size 4 --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
+          --training.local_batch_size ${PEER_BATCH:-4} --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
           --compile.enable --activation_checkpoint.mode $ac --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" \
           > "$OUT/peer8b_${p}_ac_$ac.log" 2>&1
         grep -E "step: +(10|20|30) |Traceback|rror:" "$OUT/peer8b_${p}_ac_$ac.log" | grep -v lspci \

@@ -5,6 +5,7 @@ The plan's numbers: tests/unit/test_memory_plan.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from tests.helpers import REPO, launch, run_cli_cases
@@ -30,6 +31,27 @@ def test_the_16_gpu_recipe_plans_on_this_machine() -> None:
     assert f"{8_030_261_248 // 16 * 2 / 2**20:.1f} MiB" in weights  # bf16 master weights, 16 shards
     assert "fits a 79.2 GiB GPU" in out and "Traceback" not in proc.stderr
     assert dump.exists() == existed  # nothing written
+
+
+def test_the_deepseek_v3_recipe_plans_16_gpus_with_expert_parallelism() -> None:
+    """configs/train/deepseek_v3_16b_16gpu_fp8.toml: MLA + one MTP module, group-limited routing, FP8, ep=8 over 16
+    ranks, planned for a 16x H100 job on this machine."""
+    from trainer.models import FLAVORS
+    from trainer.models.counts import num_params_for
+
+    recipe = "configs/train/deepseek_v3_16b_16gpu_fp8.toml"
+    proc = launch(["--config", recipe, "--dry-run", "--world-size", "16"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "layout: dp_replicate=1, dp_shard=16, tp=1, ep=8 (world size 16)" in out
+    total, _ = num_params_for(replace(FLAVORS["deepseek_v3_16b"], n_group=8, topk_group=4))
+    assert f"{total:,} parameters" in out
+    # 27 blocks' q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; the dense block's MLP; the MTP module's 4 and its
+    # eh_proj; the head. The experts, shared experts and routers stay bf16.
+    assert f"FP8 tensorwise matmuls in {27 * 4 + 3 + 5 + 1} Linear layers" in out
+    assert "64 routed experts top-6 in 4 of 8 groups (sigmoid scores, renormalized, x2.5)" in out
+    assert "1 MTP modules, loss weight 0.3" in out and "4,096-token chunks" in out
+    assert "1,048,576 tokens per step" in out and "fits a 79.2 GiB GPU" in out and "Traceback" not in proc.stderr
 
 
 def test_dry_run_answers_as_the_real_run_would(tmp_path: Path) -> None:

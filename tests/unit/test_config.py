@@ -106,6 +106,7 @@ SHIPPED = {
     "debug_model.toml": [(1, (1, 1, 1, 1))],
     "debug_moe.toml": [(1, (1, 1, 1, 1)), (4, (4, 1, 1, 1))],
     "debug_pp.toml": [(2, (1, 1, 1, 2)), (4, (2, 1, 1, 2))],
+    "deepseek_v3_16b_16gpu_fp8.toml": [(16, (16, 1, 8, 1))],
     "llama3_1b.toml": [(8, (8, 1, 1, 1))],
     "llama3_8b.toml": [(8, (8, 1, 1, 1))],
     "llama3_8b_128k_cp8.toml": [(8, (1, 1, 1, 1)), (16, (2, 1, 1, 1))],  # cp=8 takes the rest of the shard group

@@ -9,10 +9,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from trainer.config import ConfigError, load_job_config
 from trainer.models import FLAVORS, build_model
-from trainer.models.documents import document_ids
+from trainer.models.documents import attention_mask, block_mask, document_ids
 
 EOS = 511
 
@@ -81,13 +82,35 @@ def test_a_packed_row_equals_its_documents_one_at_a_time(flavor: str) -> None:
     assert (plain - packed).abs().max() > 1e-2  # the documents after the first see other documents without the mask
 
 
-def test_document_masking_needs_documents_and_refuses_pp_and_cp() -> None:
-    for argv, message in [
-        (["--data.source=synthetic", "--data.document_masking=true"], r"^data.document_masking=true needs documents"),
-        (["--data.document_masking=true", "--distributed.pp=2"],
-         r"^data.document_masking=true with distributed.pp=2 is not supported yet \(a pipeline stage"),
-        (["--data.document_masking=true", "--distributed.cp=2"],
-         r"^data.document_masking=true with distributed.cp=2 is not supported yet \(a document split"),
-    ]:
-        with pytest.raises(ConfigError, match=message):
-            load_job_config(argv)
+def test_a_mask_of_some_queries_is_those_rows_of_the_whole_mask() -> None:
+    """Context parallelism's mask: this rank's queries (chunks 1 and 2 of 4 here) against the whole row's keys are
+    the rows of the whole row's mask at their global positions."""
+    tokens = torch.tensor([[5, EOS, 6, 7, 8, EOS, 9, 1], [1, 2, 3, 4, 5, 6, EOS, 7]])
+    docs, _ = document_ids(tokens, EOS)
+    queries = torch.tensor([2, 3, 4, 5])
+    assert torch.equal(attention_mask(docs, queries), attention_mask(docs)[:, :, queries])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("queries", [None, [16, 17, 18, 19, 20, 21, 22, 23, 40, 41, 42, 43, 44, 45, 46, 47]],
+                         ids=["whole-row", "cp-chunks"])
+def test_the_gpu_block_mask_attends_as_the_dense_mask(queries: list[int] | None) -> None:
+    """The FlexAttention BlockMask a GPU run takes (here on a CPU, forward only, uncompiled) gives the dense mask's
+    attention, for a whole row's queries and for a cp rank's chunks (1 and 6 of 8) against the whole row's keys."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 8, (2, 64))
+    tokens[tokens == 7] = EOS  # documents of a few tokens
+    docs, _ = document_ids(tokens, EOS)
+    q_positions = None if queries is None else torch.tensor(queries)
+    q = torch.randn(2, 4, 64 if queries is None else len(queries), 16)
+    k, v = torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(docs, q_positions), enable_gqa=True)
+    flex = flex_attention(q, k, v, block_mask=block_mask(docs, q_positions), enable_gqa=True)
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_document_masking_needs_documents() -> None:
+    with pytest.raises(ConfigError, match=r"^data.document_masking=true needs documents"):
+        load_job_config(["--data.source=synthetic", "--data.document_masking=true"])
+    for layout in ("--distributed.pp=2", "--distributed.cp=2"):  # every layout takes it
+        assert load_job_config(["--data.document_masking=true", layout]).data.document_masking

@@ -174,6 +174,8 @@ MOE_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "train" / "de
      "float8.moe_experts='rowwise': the FP8 grouped GEMM takes no expert biases or clamped SwiGLU"),
     (1, ["--moe.n_shared_experts=1"], "moe.n_shared_experts=1 with model.flavor='debug_gpt_oss' (GPT-OSS): every "
                                       "GPT-OSS block is routed experts only"),
+    (2, ["--distributed.cp=2", "--data.document_masking=true"],
+     "distributed.cp=2 and data.document_masking=true: the sink attention's windows are not yet made"),
     # The keys that make blocks dense (MoEArgs.is_moe_layer): GptOssTransformer routes in every block.
     (1, ["--moe.n_dense_layers=1"], "moe.n_dense_layers=1 with model.flavor='debug_gpt_oss' (GPT-OSS): every GPT-OSS "
                                     "block is routed experts only; set moe.n_dense_layers=0"),

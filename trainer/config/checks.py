@@ -273,12 +273,6 @@ def _check_data(cfg: Sections) -> None:
         if getattr(data, key) and data.source == "synthetic":
             raise ConfigError(f"data.{key}=true needs documents separated by EOS tokens, and data.source='synthetic' "
                               f"is random tokens; use another data.source or data.{key}=false")
-    d = cfg.distributed
-    for key, degree, why in (("pp", d.pp, "a pipeline stage after the first does not see the tokens"),
-                             ("cp", d.cp, "a document split over context-parallel chunks")):
-        if data.document_masking and degree > 1:
-            raise ConfigError(f"data.document_masking=true with distributed.{key}={degree} is not supported yet "
-                              f"({why}); set distributed.{key}=1 or data.document_masking=false")
     if data.source == "shards" and not data.path and not data.mix:
         raise ConfigError("data.source='shards' needs data.path (or data.mix): a folder of .bin shards made by "
                           "scripts/prepare_data.py")

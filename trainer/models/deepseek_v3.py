@@ -136,11 +136,11 @@ class DeepseekV3(MoETransformer):
                              "changes the softmax scale, is not implemented): set model.rope_scaling='none'")
         Decoder.__init__(self, args, [_block(args, i) for i in range(args.n_layers + args.mtp_layers)])
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the last main block [batch, seq, dim] (of this pipeline stage's blocks); in training
         with MTP modules, every depth's states for trainer.models.mtp.MTPLossFn: [(1 + mtp_layers) x batch, seq,
-        dim], the main ones first."""
-        emb, rope, mask = self.embed(tokens)
+        dim], the main ones first. documents: as Decoder.forward's."""
+        emb, rope, mask = self.embed(tokens, documents)
         h = emb
         for name, layer in self.layers.items():
             if int(name) < self.args.n_layers:

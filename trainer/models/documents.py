@@ -9,6 +9,11 @@ and the attention mask "causal and the same document" in the form the device's k
   blocks no query may see, so shorter documents cost less attention work than one causal sequence);
 - on a CPU, a dense boolean mask [batch, 1, seq, seq] for scaled_dot_product_attention (FlexAttention has no
   CPU backward), exact and O(seq^2) in memory: for tests and small runs.
+
+The documents always come from the whole rows' tokens: a pipeline stage after the first gets them beside its
+hidden states (trainer.parallel.pipeline), and under context parallelism a rank's queries (its chunks, at their
+global positions) are masked against the whole row's keys, which its attention core gathers
+(trainer.parallel.context_parallel).
 """
 
 from __future__ import annotations
@@ -32,20 +37,36 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch
     return docs, index - first
 
 
-def attention_mask(docs: torch.Tensor) -> BlockMask | torch.Tensor:
-    """Causal attention within each document, for the device `docs` [batch, seq] is on."""
+def attention_mask(docs: torch.Tensor, queries: torch.Tensor | None = None) -> BlockMask | torch.Tensor:
+    """Causal attention within each document, for the device `docs` [batch, seq] (the whole rows' document
+    indices) is on. queries: the global positions of the rows' queries when they are not all the row's tokens
+    (context parallelism: this rank's chunks, against the whole row's keys); None: every position, in order."""
     batch, seq = docs.shape
     if docs.device.type != "cuda":
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
-        return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
-
-    def same_document(b, h, q, kv):
-        return (kv <= q) & (docs[b, q] == docs[b, kv])
+        if queries is None:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
+            return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+        causal = queries[:, None] >= torch.arange(seq, device=docs.device)[None, :]
+        return (causal & (docs[:, queries, None] == docs[:, None, :]))[:, None]
 
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return create_block_mask(same_document, batch, None, seq, seq, device=docs.device)
+    return block_mask(docs, queries)
+
+
+def block_mask(docs: torch.Tensor, queries: torch.Tensor | None = None) -> BlockMask:
+    """attention_mask's FlexAttention BlockMask (on any device: tests check it on a CPU, forward only)."""
+    if queries is None:
+        def same_document(b, h, q, kv):
+            return (kv <= q) & (docs[b, q] == docs[b, kv])
+    else:
+        def same_document(b, h, q, kv):
+            position = queries[q]
+            return (kv <= position) & (docs[b, position] == docs[b, kv])
+
+    num_queries = docs.shape[1] if queries is None else queries.shape[0]
+    return create_block_mask(same_document, docs.shape[0], None, num_queries, docs.shape[1], device=docs.device)
 
 
 # FlexAttention runs unfused (every score materialized) unless compiled; inside a compiled block dynamo inlines

@@ -122,10 +122,10 @@ class AttentionCore(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor | None
                ) -> torch.Tensor:
         """q, k, v [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]."""
+        if self.attention_core is not None:  # its own layout's keys: the document mask is made for them
+            return self.attention_core(q, k, v, mask)
         if mask is not None:
             return masked_attention(q, k, v, mask)
-        if self.attention_core is not None:
-            return self.attention_core(q, k, v)
         if self.sdpa_backends is not None:
             with sdpa_kernel(self.sdpa_backends, set_priority=True):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -231,6 +231,10 @@ class SequenceChunks(Protocol):
         """Global positions of this rank's `local_len` tokens."""
         ...
 
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's chunks of a whole-sequence tensor, along `dim`."""
+        ...
+
 
 class Decoder(nn.Module):
     """Embeddings, a ModuleDict of blocks, final norm and output head; the forward and init every family shares.
@@ -269,26 +273,29 @@ class Decoder(nn.Module):
 
     def set_document_masking(self, eos_id: int) -> None:
         """Attention within each document of the packed token rows, RoPE positions restarting at each
-        (trainer.models.documents); the whole model on one rank (not under pp or cp: validation refuses them)."""
-        assert self.tok_embeddings is not None and self.cp is None
+        (trainer.models.documents). A pipeline stage after the first and a context-parallel rank take the whole
+        rows' tokens as `forward`'s `documents`."""
         self.document_eos = eos_id
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the last block [batch, seq, dim]: what the loss needs (`trainer.loss.LossFn`
         applies the final norm and the output head), and what a pipeline stage hands to the next.
 
         A pipeline stage (trainer.parallel.pipeline) has None for the modules of other stages:
         without tok_embeddings it takes the previous stage's hidden states instead of tokens.
         Under context parallelism the tokens are this rank's chunks, and RoPE takes their global positions.
+        documents: under document masking, the whole rows' token ids [batch, seq] when `tokens` is not them (a
+        later pipeline stage's hidden states, this rank's context-parallel chunks); None: `tokens` are.
         """
-        h, rope, mask = self.embed(tokens)
+        h, rope, mask = self.embed(tokens, documents)
         for layer in self.layers.values():
             h = layer(h, rope, *mask)
         return h
 
-    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[BlockMask | torch.Tensor, ...]]:
+    def embed(self, tokens: torch.Tensor, documents: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, tuple[BlockMask | torch.Tensor, ...]]:
         """(the first block's input, the RoPE table its tokens take, the blocks' document mask or ()): the
-        embeddings, or a pipeline stage's input as it is."""
+        embeddings, or a pipeline stage's input as it is. documents: as `forward`'s."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if isinstance(h, DTensor):  # tensor parallel: the embeddings' sequence shard
             # Unwrapped here, not by the embeddings' own output hook, so that their FSDP2 unit returns no
@@ -297,9 +304,22 @@ class Decoder(nn.Module):
         rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
         mask = ()  # the blocks' document mask, when there is one
         if self.document_eos is not None:
-            docs, positions = document_ids(tokens, self.document_eos)
-            rope, mask = self.rope[positions], (attention_mask(docs),)
+            rope, mask = self._document_rope_and_mask(tokens if documents is None else documents, h)
         return h, rope, mask
+
+    def _document_rope_and_mask(self, rows: torch.Tensor, h: torch.Tensor
+                                ) -> tuple[torch.Tensor, tuple[BlockMask | torch.Tensor]]:
+        """Each local token's RoPE row (its position in its document) and the blocks' document mask, from the whole
+        rows' token ids: under context parallelism this rank's chunks of the positions, and the mask of its
+        queries against the whole rows' keys (which the cp attention core gathers)."""
+        # A later pipeline stage without them would read its hidden states; a cp rank, its own chunks only.
+        assert not rows.is_floating_point() and (self.cp is None or rows.shape[1] > h.shape[1]), (
+            "document masking needs the whole rows' token ids: Decoder.forward's `documents`")
+        docs, positions = document_ids(rows.to(h.device), self.document_eos)
+        if self.cp is None:
+            return self.rope[positions], (attention_mask(docs),)
+        queries = self.cp.positions(h.shape[1], h.device)
+        return self.rope[self.cp.shard(positions)], (attention_mask(docs, queries),)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for evaluation and generation: forward, final norm, output head."""

@@ -29,7 +29,7 @@ def build_model_part(args: ModelArgs, parallel_dims: ParallelDims, *, options: B
     build_parallel_model, materialized on `device` and initialized, in train mode."""
     with torch.device("meta"):
         model = build_model(args)
-    if options.document_eos is not None:  # data.document_masking (validation refused it under pp and cp)
+    if options.document_eos is not None:  # data.document_masking
         model.set_document_masking(options.document_eos)
     if fqns is not None:
         model = split_stage_module(model, fqns)

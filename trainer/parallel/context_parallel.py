@@ -17,6 +17,10 @@ heads), which is what makes the all-gather cheap next to the attention it feeds
 (docs/distributed.md#context-parallel). Runs on any backend: gloo on CPU, NCCL on GPU, where
 SDPA runs the lower-right causal mask on its flash kernels.
 
+Under document masking (data.document_masking) the model hands the attention a mask of the local queries
+against the whole sequence's keys, made from the whole rows' documents (trainer.models.documents); it replaces
+the lower-right causal masks.
+
 The MoE sequence-wise aux loss sums its per-sequence statistics over the cp group (with
 gradients, `MoE.set_sequence_group`) and injects N times its gradient on every rank, since FSDP
 averages over the cp ranks a loss each of them holds whole.
@@ -35,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
+from trainer.models.documents import masked_attention
 from trainer.models.moe import MoE
 
 
@@ -130,9 +135,13 @@ class CPAttention:
                      for t in (k_all, v_all))
 
     @torch.compiler.disable  # builds SDPA's causal-bias object, which dynamo cannot trace; the block breaks here
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        """mask: None (causal), or a document mask of the local queries against the whole sequence's keys
+        (trainer.models.documents.attention_mask with this rank's query positions)."""
         k_all, v_all = self.gather(k, v)
         assert q.shape[2] * self.cp.size == k_all.shape[2], "a sequence of another length than train.seq_len"
+        if mask is not None:  # the causal part is in the mask, made with the queries' global positions
+            return masked_attention(q, k_all, v_all, mask)
         if q.is_cuda:  # SDPA runs the lower-right causal mask on its flash kernel: O(seq) saved for backward
             return chunk_attention(q, k_all, v_all, chunks=self.cp.chunks(), masks=self.masks)
         # Elsewhere SDPA materializes the mask and saves the probabilities (seq^2): recompute them in backward.

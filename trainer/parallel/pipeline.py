@@ -134,6 +134,9 @@ class Pipeline:
         )
         self._tokens = torch.empty((options.microbatch_size, seq_len), dtype=torch.int64, device="meta")
         self.schedule = self._build_schedule(parts)
+        # data.document_masking: every stage reads the documents of its microbatch from the rows' tokens, which the
+        # schedule splits into microbatches with the inputs (a keyword argument reaches every stage's forward).
+        self.document_masking = build.document_eos is not None
         self.has_first = any(s.is_first for s in self._stages)
         self.has_last = any(s.is_last for s in self._stages)
 
@@ -187,10 +190,13 @@ class Pipeline:
         # are the ones the schedule hands back).
         return local_loss(self.loss_fn.sum(h, labels)) * self._loss_factor
 
-    def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], *,
+    def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], *,
                          loss_factor: torch.Tensor | float, loss_scale: torch.Tensor | float = 1.0,
                          loss_context=contextlib.nullcontext) -> torch.Tensor:
         """Run the schedule over each batch of the optimizer step; gradients accumulate in the parameters.
+
+        microbatches: (inputs, labels, documents) as trainer.run.step.TrainStep cuts them: documents are the whole
+        rows' tokens under context parallelism (the inputs are this rank's chunks), else None (the inputs are).
 
         loss_factor: what each microbatch's summed loss is multiplied by before its backward (loss scale x
         the step's data-parallel ranks / its valid labels: trainer/run/step.py). loss_context: entered around each
@@ -201,25 +207,29 @@ class Pipeline:
         """
         self._loss_factor = loss_factor
         losses: list[torch.Tensor] = []
-        for inputs, labels in microbatches:
+        for inputs, labels, documents in microbatches:
             with loss_context():
-                losses += self._run_schedule(self.schedule.step, inputs, labels)
+                losses += self._run_schedule(self.schedule.step, inputs, labels, documents)
         return self._total_loss(losses) / loss_scale
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """The summed loss of one batch's valid labels through the schedule, forward only (`schedule.eval`), on
         every pp rank. The same microbatches as a training step of this batch.
         """
         self._loss_factor = 1.0
-        return self._total_loss(self._run_schedule(self.schedule.eval, inputs, labels))
+        return self._total_loss(self._run_schedule(self.schedule.eval, inputs, labels, documents))
 
-    def _run_schedule(self, run, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def _run_schedule(self, run, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None
+                      ) -> list[torch.Tensor]:
         """One schedule call (`step` or `eval`) on one batch: the last stage's microbatch losses (each times
         `_loss_factor`, detached), none on ranks without the last stage."""
         args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
+        if self.document_masking:  # every pp rank reads the batch (the same data-parallel rank's): each stage's
+            kwargs["documents"] = (inputs if documents is None else documents).to(self.device, non_blocking=True)
         run(*args, **kwargs, **self._step_kwargs)
         # Replicated DTensors under loss parallel: every TP rank holds the whole loss.
         return [(x.to_local() if isinstance(x, DTensor) else x).detach() for x in losses]

@@ -199,8 +199,7 @@ class TrainStep:
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The step's gradients, accumulated in the parameters (no optimizer step); returns the mean loss."""
-        if self.cp is not None:
-            microbatches = [(self.cp.shard(inputs), self.cp.shard(labels)) for inputs, labels in microbatches]
+        microbatches = [self._this_ranks(inputs, labels) for inputs, labels in microbatches]
         per_batch = self.pipeline.num_microbatches if self.pipeline is not None else 1
         scale = self.scaler.scale if self.scaler.enabled else 1.0  # fp16's loss scale
         set_aux_loss_scale(self.moe_layers, scale / (len(microbatches) * per_batch))
@@ -211,27 +210,37 @@ class TrainStep:
                                                   loss_context=self.loss_context)
         return self._forward_backward(microbatches, factor) / scale
 
+    def _this_ranks(self, inputs: torch.Tensor, labels: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs, labels, documents) of one batch as this rank runs them: under context parallelism its chunks of
+        every sequence, and the whole rows' tokens that document masking reads the documents from (the model's
+        `documents`; None without cp, where the inputs are the whole rows)."""
+        if self.cp is None:
+            return inputs, labels, None
+        return self.cp.shard(inputs), self.cp.shard(labels), inputs
+
     @property
     def _ranks(self) -> int:
         """D (module docstring): the ranks whose gradients FSDP2 averages."""
         return dist.get_world_size(self.dp_cp_group) if self.dp_cp_group is not None else 1
 
-    def _count_valid(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _count_valid(self, microbatches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+                     ) -> torch.Tensor:
         """N (module docstring) as a device tensor: counted on the host from this rank's labels, then summed over
         the dp x cp ranks (an asynchronous all-reduce of one number; no host sync)."""
-        valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
         count = torch.tensor(float(valid), device=self.device)
         if self.dp_cp_group is not None:
             dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
         return count
 
-    def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    def _forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
                           factor: torch.Tensor) -> torch.Tensor:
         """Each microbatch's summed loss x factor, backward; returns their sum."""
         total = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
+        for inputs, labels, documents in microbatches:
             with self.loss_context():
-                loss = local_loss(self.loss_fn.sum(self.model(inputs.to(self.device, non_blocking=True)),
+                loss = local_loss(self.loss_fn.sum(self._model(inputs, documents),
                                                    labels.to(self.device, non_blocking=True))) * factor
                 loss.backward()
             total += loss.detach()
@@ -259,12 +268,18 @@ class TrainStep:
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(summed loss, valid labels) of this rank's part of one held-out batch, in the training layout (forward
         only)."""
-        if self.cp is not None:
-            inputs, labels = self.cp.shard(inputs), self.cp.shard(labels)
+        inputs, labels, documents = self._this_ranks(inputs, labels)
         valid = int((labels != IGNORE_INDEX).sum())
         if self.pipeline is not None:
-            return self.pipeline.eval_loss(inputs, labels), valid
-        return local_loss(self.loss_fn.sum(self.model(inputs.to(self.device)), labels.to(self.device))), valid
+            return self.pipeline.eval_loss(inputs, labels, documents), valid
+        return local_loss(self.loss_fn.sum(self._model(inputs, documents), labels.to(self.device))), valid
+
+    def _model(self, inputs: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """The model's hidden states of this rank's inputs (pp=1); `documents` only where there are any (cp)."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        if documents is None:
+            return self.model(inputs)
+        return self.model(inputs, documents.to(self.device, non_blocking=True))
 
     def check_finite(self, *, on_nonfinite: str, record: Callable[[], None]) -> int:
         """Report the non-finite steps since the last check; raise NonFiniteError under on_nonfinite='stop'.
