@@ -1,0 +1,150 @@
+"""Precision per block and per GEMM role (docs/fp8.md#precision-per-block-and-per-gemm): float8.bf16_first_blocks /
+bf16_last_blocks against a bf16 model's blocks, float8.forward / float8.backward against a bf16 nn.Linear and the
+all-FP8 Linear, for every Linear recipe, and the refusals. Several ranks: tests/distributed/test_float8_roles.py."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import DEBUG_CONFIG
+from trainer.config import load_job_config
+from trainer.errors import ConfigError
+from trainer.models import FLAVORS, Llama
+from trainer.parallel.float8 import Float8Options, apply_float8
+from trainer.validate import validate_job
+from trainer.validate.float8_roles import all_gather_with_roles
+
+CPU = torch.device("cpu")
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+
+
+@pytest.fixture(autouse=True)
+def aten_scaled_mm():
+    before = torch.backends.mkldnn.enabled
+    yield
+    torch.backends.mkldnn.enabled = before
+
+
+def one_linear(recipe: str, forward: str, backward: str) -> nn.Module:
+    """A model holding one converted projection (256 x 256: blockwise needs multiples of 128), bf16, emulated."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.mlp = nn.Module()
+    model.mlp.up_proj = nn.Linear(256, 256, bias=False).to(torch.bfloat16)
+    if forward or backward:
+        report = apply_float8(model, Float8Options(recipe=recipe, emulate=True, forward=forward or "fp8",
+                                                   backward=backward or "fp8"), device=CPU)
+        assert report.linears.converted == ["mlp.up_proj"]
+    return model
+
+
+def run(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    out = model.mlp.up_proj(x)
+    out.backward(grad)
+    return out, x.grad, model.mlp.up_proj.weight.grad
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_backward_gives_the_bf16_linears_gradients(recipe: str) -> None:
+    """float8.backward='bf16': the FP8 forward's output, and exactly the gradients a bf16 nn.Linear computes from the
+    same input, weight and output gradient (the forward's FP8 casts are not reused)."""
+    torch.manual_seed(1)
+    x, grad = torch.randn(2, 96, 256, dtype=torch.bfloat16), torch.randn(2, 96, 256, dtype=torch.bfloat16)
+    out, gx, gw = run(one_linear(recipe, "fp8", "bf16"), x, grad)
+    out8, gx8, gw8 = run(one_linear(recipe, "fp8", "fp8"), x, grad)
+    out16, gx16, gw16 = run(one_linear(recipe, "", ""), x, grad)
+    assert torch.equal(out, out8) and not torch.equal(out, out16)  # the forward is the FP8 one
+    assert torch.equal(gx, gx16) and torch.equal(gw, gw16)
+    assert not torch.equal(gx8, gx16)  # FP8 backward would differ: the comparison has teeth
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_forward_gives_the_bf16_output_and_the_fp8_gradients(recipe: str) -> None:
+    """float8.forward='bf16': a bf16 nn.Linear's output, and the all-FP8 Linear's gradients (cast from the same
+    bf16 input and weight in backward)."""
+    torch.manual_seed(2)
+    x, grad = torch.randn(160, 256, dtype=torch.bfloat16), torch.randn(160, 256, dtype=torch.bfloat16)
+    out, gx, gw = run(one_linear(recipe, "bf16", "fp8"), x, grad)
+    out8, gx8, gw8 = run(one_linear(recipe, "fp8", "fp8"), x, grad)
+    out16, gx16, _ = run(one_linear(recipe, "", ""), x, grad)
+    assert torch.equal(out, out16)
+    assert torch.equal(gx, gx8) and torch.equal(gw, gw8) and not torch.equal(gx, gx16)
+
+
+def test_roles_in_the_startup_line_and_fp8_layers_json(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        one_linear("rowwise", "bf16", "fp8")
+    assert any("recipe=ROWWISE" in r.getMessage() and "forward=BF16, backward=FP8 (dgrad and wgrad)" in r.getMessage()
+               for r in caplog.records)
+
+
+def cfg(*overrides: str):
+    return load_job_config(["--config", DEBUG_CONFIG, "--train.mixed_precision=fp8", "--float8.emulate=true",
+                            *overrides])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--float8.forward=bf16", "--float8.backward=bf16"], "float8.forward='bf16', float8.backward='bf16' leaves no GEMM"),
+    (["--float8.backward=bf16", "--float8.scaling=delayed"], "float8.scaling='delayed' keeps amax histories"),
+    (["--float8.forward=bf16", "--float8.save_fp8_activations=true"], "float8.save_fp8_activations=true saves"),
+    (["--float8.forward=bf16", "--float8.enable_fsdp_float8_all_gather=true"],
+     "float8.enable_fsdp_float8_all_gather=true gathers float8 weights"),
+    (["--float8.bf16_first_blocks=-1"], "float8.bf16_first_blocks=-1 must be >= 0"),
+    (["--float8.bf16_first_blocks=3", "--float8.bf16_last_blocks=2"],
+     "float8.bf16_first_blocks=3 + float8.bf16_last_blocks=2 name more blocks than the model's 4"),
+    (["--float8.exclude_fqns=layers.0."], "float8.exclude_fqns entry 'layers.0.' must be whole dotted segments"),
+])
+def test_meaningless_combinations_are_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        validate_job(cfg(*overrides), world_size=1)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_auto_all_gather_turns_off_with_a_bf16_role() -> None:
+    assert all_gather_with_roles(cfg(), True)
+    assert not all_gather_with_roles(cfg("--float8.backward=bf16"), True)
+
+
+def test_bf16_blocks_are_named_with_their_reason(tmp_path) -> None:
+    job = validate_job(cfg("--float8.bf16_first_blocks=1", "--float8.bf16_last_blocks=1",
+                           f"--job.dump_folder={tmp_path}"), world_size=1)
+    layers = job.float8_layers
+    assert layers["layers.0.attention.q_proj"] == "float8.bf16_first_blocks=1"
+    assert layers["layers.3.mlp.down_proj"] == "float8.bf16_last_blocks=1"
+    assert layers["layers.1.mlp.down_proj"] == layers["layers.2.attention.q_proj"] == "converted"
+    assert layers["output_head.proj"] == "converted"
+    assert dict(job.build.float8.bf16_blocks) == {0: "float8.bf16_first_blocks=1", 3: "float8.bf16_last_blocks=1"}
+
+
+def test_bf16_blocks_are_bit_identical_to_a_bf16_models_blocks(caplog) -> None:
+    """The first and last blocks of an fp8 model with bf16_first_blocks=1, bf16_last_blocks=1 compute exactly what a
+    bf16 model's blocks compute from the same input, forward and backward; a converted block does not."""
+    args = FLAVORS["debug"]
+    bf16 = Llama(args)
+    bf16.init_weights(seed=0)
+    bf16 = bf16.to(torch.bfloat16)
+    model = copy.deepcopy(bf16)
+    blocks = {0: "float8.bf16_first_blocks=1", 3: "float8.bf16_last_blocks=1"}
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        apply_float8(model, Float8Options(recipe="tensorwise", emulate=True, bf16_blocks=tuple(blocks.items())),
+                     device=CPU)
+    assert any("layers.0.{" in r.getMessage() and "(float8.bf16_first_blocks=1)" in r.getMessage()
+               for r in caplog.records)
+    torch.manual_seed(3)
+    h = torch.randn(2, 16, args.dim, dtype=torch.bfloat16)
+    grad = torch.randn_like(h)
+    for i, same in ((0, True), (1, False), (3, True)):
+        results = []
+        for m in (model, bf16):
+            x = h.clone().requires_grad_()
+            out = m.layers[str(i)](x, m.rope)
+            out.backward(grad)
+            results.append((out, x.grad, *(p.grad for p in m.layers[str(i)].parameters())))
+        equal = all(torch.equal(a, b) for a, b in zip(*results))
+        assert equal == same, i
