@@ -5,6 +5,7 @@ all-FP8 Linear, for every Linear recipe, and the refusals. Several ranks: tests/
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -15,6 +16,10 @@ from tests.helpers import DEBUG_CONFIG
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, Llama
+from trainer.models.moe import MOE_FLAVORS, MoE
+from trainer.models.moe_experts import ExpertRows, GroupedSwiGLU
+from trainer.models.moe_fp8 import Fp8ExpertWeights, Fp8GroupedSwiGLU, Fp8RolesSwiGLU
+from trainer.models.moe_permute import inverse_permutation
 from trainer.parallel.float8 import Float8Options, apply_float8
 from trainer.validate import validate_job
 from trainer.validate.float8_roles import all_gather_with_roles
@@ -148,3 +153,54 @@ def test_bf16_blocks_are_bit_identical_to_a_bf16_models_blocks(caplog) -> None:
             results.append((out, x.grad, *(p.grad for p in m.layers[str(i)].parameters())))
         equal = all(torch.equal(a, b) for a, b in zip(*results))
         assert equal == same, i
+
+
+def moe_layer(kernel) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(dataclasses.replace(MOE_FLAVORS["debug_moe"], n_shared_experts=0))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    if kernel is not None:
+        moe.experts.use(kernel=kernel)
+    return moe
+
+
+def expert_kernel_run(kernel, forward_probe: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """One kernel call on 40 tokens (k = 2 of 5 experts, one without rows): its output and the gradients of
+    (output * probe).sum() for source rows and weights; the probe is the output itself unless given."""
+    torch.manual_seed(0)
+    n_tokens, k, n_experts, dim, hidden = 40, 2, 5, 32, 48
+    x = torch.randn(n_tokens, dim, requires_grad=True)
+    w1, w3 = ((0.1 * torch.randn(n_experts, hidden, dim)).requires_grad_() for _ in range(2))
+    w2 = (0.1 * torch.randn(n_experts, dim, hidden)).requires_grad_()
+    experts = torch.randint(0, n_experts - 1, (n_tokens * k,), generator=torch.Generator().manual_seed(1)) + 1
+    order = torch.argsort(experts, stable=True)
+    rows = ExpertRows(x, order // k, inverse_permutation(order), torch.bincount(experts, minlength=n_experts), k)
+    out = kernel(rows, w1, w2, w3)
+    probe = out.detach() if forward_probe is None else forward_probe
+    (out * probe).sum().backward()
+    return [out.detach(), x.grad, w1.grad, w2.grad, w3.grad]
+
+
+@pytest.mark.parametrize(("forward", "backward"), [("fp8", "bf16"), ("bf16", "fp8")])
+def test_fp8_experts_roles_take_each_direction_from_its_kernel(forward: str, backward: str) -> None:
+    """The FP8 experts with a bf16 role: the forward role's kernel's output exactly, and exactly the gradients the
+    backward role's kernel gives for the same output gradient (its FP8 or bf16 weights and rows, never the other's)."""
+    kernels = {"fp8": lambda: Fp8GroupedSwiGLU(Fp8ExpertWeights(per_step=False), emulate=True),
+               "bf16": GroupedSwiGLU}
+    roles = expert_kernel_run(Fp8RolesSwiGLU(Fp8ExpertWeights(per_step=False), emulate=True, forward=forward,
+                                             backward=backward))
+    assert torch.equal(roles[0], expert_kernel_run(kernels[forward]())[0])
+    want = expert_kernel_run(kernels[backward](), forward_probe=roles[0])
+    assert all(torch.equal(a, b) for a, b in zip(roles[1:], want[1:]))
+    other = expert_kernel_run(kernels[forward](), forward_probe=roles[0])  # the other kernel's differ
+    assert not torch.equal(other[2], roles[2])
+
+
+def test_fp8_experts_converter_installs_the_roles_kernel(caplog) -> None:
+    moe = moe_layer(None)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        report = apply_float8(moe, Float8Options(recipe="tensorwise", emulate=True, moe_experts="rowwise",
+                                                 backward="bf16"), device=CPU)
+    assert isinstance(moe.experts.kernel, Fp8RolesSwiGLU) and report.experts.num_layers == 1
+    assert any("forward in e4m3; backward bf16" in r.getMessage() for r in caplog.records)

@@ -222,7 +222,7 @@ class Float8Linears(Float8Converter):
             f"Applied Float8 training: recipe={o.recipe.upper()}, "
             f"fsdp_float8_all_gather={o.enable_fsdp_float8_all_gather}, format={describe_format(o.format)}"
             + describe_scaling(o.delayed, o.save_fp8_activations, all_gather=o.enable_fsdp_float8_all_gather)
-            + f", {describe_roles(o.forward, o.backward)}",
+            + ("" if o.forward == o.backward else f", {describe_roles(o.forward, o.backward)}"),
             f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
         ]
 
@@ -231,7 +231,7 @@ class Float8Linears(Float8Converter):
         return {"recipe": o.recipe, "format": o.format, **({"unavailable": o.unavailable} if o.unavailable else {}),
                 **(o.delayed.as_json() if o.delayed else {}),
                 **({"save_fp8_activations": True} if o.save_fp8_activations else {}),
-                "forward": o.forward, "backward": o.backward,
+                **({"forward": o.forward, "backward": o.backward} if o.forward != o.backward else {}),
                 **({"bf16_blocks": {f"layers.{i}": why for i, why in o.bf16_blocks}} if o.bf16_blocks else {})}
 
     @classmethod
