@@ -43,7 +43,7 @@ class TrainSection:
     mixed_precision: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "bf16"
     """Compute dtype: fp32, fp16, bf16, fp8 (bf16 with torchao float8 linears) or auto (this machine's best)."""
     precision_schedule: list[str] = field(default_factory=list)
-    """Precision changes inside the run, e.g. ["bf16:2000", "fp8:9500", "bf16"]; needs checkpoint.enable."""
+    """Precision changes inside the run, e.g. ["bf16:2000", "fp8:9500", "bf16"] or ["fp8-bwd:decay", "bf16"] (a step may be "decay", the LR's decay onset); needs checkpoint.enable."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
     seed: int = 0
@@ -216,7 +216,7 @@ class Float8Section:
     emulate: bool = False
     """Emulate float8 matmuls in high precision (for machines without FP8 kernels; tests). Blockwise: a plain-torch quantize-dequantize with torchao's tiles and scales, then fp32 matmuls."""
     exclude_fqns: list[str] = field(default_factory=list)
-    """Extra Linears to keep in bf16, each a fqn or a run of its whole dotted segments ("output_head.proj", "layers.0", "mlp"; not "layers.0." nor "proj"); an entry matching no Linear is an error."""
+    """Extra Linears to keep in bf16, each a fqn or a run of its whole dotted segments ("output_head.proj", "layers.0", "mlp"; not "layers.0." nor the substring "up_pro"); an entry matching no Linear is an error."""
     bf16_first_blocks: int = 0
     """Keep the first N transformer blocks (layers.0 .. layers.N-1) in bf16, every Linear of them, whatever the layout (pipeline stages agree on the global block index); 0 = none. Each is named with its reason in the startup line and fp8_layers.json. docs/fp8.md#precision-per-block-and-per-gemm."""
     bf16_last_blocks: int = 0

@@ -68,7 +68,7 @@ def select_float8_linears(
 
     An exclude_fqns entry matches a Linear whose fqn equals it or contains it as a run of
     whole dotted segments (e.g. "output_head.proj" or "layers.0.mlp"; not "layers.0." nor
-    "proj"); an entry matching nothing is an error, so a typo never silently leaves a layer in FP8.
+    "up_pro"); an entry matching nothing is an error, so a typo never silently leaves a layer in FP8.
     `bf16_blocks` (global block index -> why) keeps every Linear of those blocks bf16 with that reason.
     The blockwise recipe also leaves out Linears with a dim that is not a multiple of 128.
     """
