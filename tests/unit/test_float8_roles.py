@@ -5,6 +5,7 @@ all-FP8 Linear, for every Linear recipe, and the refusals. Several ranks: tests/
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import logging
 
@@ -125,6 +126,18 @@ def test_bf16_blocks_are_named_with_their_reason(tmp_path) -> None:
     assert layers["layers.1.mlp.down_proj"] == layers["layers.2.attention.q_proj"] == "converted"
     assert layers["output_head.proj"] == "converted"
     assert dict(job.build.float8.bf16_blocks) == {0: "float8.bf16_first_blocks=1", 3: "float8.bf16_last_blocks=1"}
+    fp8_layers = json.loads(dict(job.run_files)["fp8_layers.json"])
+    assert fp8_layers["bf16_blocks"] == {"layers.0": "float8.bf16_first_blocks=1", "layers.3": "float8.bf16_last_blocks=1"}
+    assert fp8_layers["layers"]["layers.0.mlp.up_proj"] == "float8.bf16_first_blocks=1"
+    assert "forward" not in fp8_layers  # both roles fp8: said only where one is bf16
+
+
+def test_fp8_layers_json_names_the_roles(tmp_path) -> None:
+    job = validate_job(cfg("--float8.backward=bf16", "--float8.recipe=rowwise", f"--job.dump_folder={tmp_path}"),
+                       world_size=1)
+    fp8_layers = json.loads(dict(job.run_files)["fp8_layers.json"])
+    assert (fp8_layers["forward"], fp8_layers["backward"]) == ("fp8", "bf16")
+    assert "bf16_blocks" not in fp8_layers
 
 
 def test_bf16_blocks_are_bit_identical_to_a_bf16_models_blocks(caplog) -> None:

@@ -180,6 +180,7 @@ class Float8Linears(Float8Converter):
             logger.info("float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel")
         convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in selected, config=config)
         both_fp8 = o.forward == o.backward == "fp8"  # our tensorwise linear runs FP8 both ways (float8_roles)
+        assert both_fp8 or not OWN_TENSORWISE_LINEAR, "--own-fp8-linear times our linear, which has no bf16 role"
         if o.recipe == "tensorwise" and both_fp8 and (o.delayed is not None or o.save_fp8_activations
                                                       or OWN_TENSORWISE_LINEAR):
             from trainer.parallel.float8.tensorwise import convert_to_tensorwise  # imports torchao
