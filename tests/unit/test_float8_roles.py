@@ -217,3 +217,20 @@ def test_fp8_experts_converter_installs_the_roles_kernel(caplog) -> None:
                                                  backward="bf16"), device=CPU)
     assert isinstance(moe.experts.kernel, Fp8RolesSwiGLU) and report.experts.num_layers == 1
     assert any("forward in e4m3; backward bf16" in r.getMessage() for r in caplog.records)
+
+
+def test_last_blocks_are_the_main_models_not_deepseek_v3s_mtp_module() -> None:
+    """DeepSeek-V3 keeps its MTP module in `layers` after the n_layers blocks (layers.2 of 2 here): bf16_last_blocks
+    counts the model's blocks, so the MTP module converts as the flavor has it."""
+    from trainer.models.deepseek_v3 import FLAVORS as DSV3, DeepseekV3
+    from trainer.validate.float8_roles import resolve_bf16_blocks
+
+    args = dataclasses.replace(DSV3["debug_deepseek_v3"], n_layers=2, max_seq_len=32)
+    model = DeepseekV3(args)
+    model.init_weights(seed=0)
+    blocks = resolve_bf16_blocks(cfg("--float8.bf16_last_blocks=1"), args.n_layers)
+    report = apply_float8(model, Float8Options(recipe="tensorwise", emulate=True, bf16_blocks=tuple(blocks.items())),
+                          device=CPU)
+    assert report.linears.excluded["layers.1.attention.o_proj"] == "float8.bf16_last_blocks=1"
+    assert {"layers.2.eh_proj", "layers.2.attention.o_proj", "layers.0.attention.o_proj"} <= set(
+        report.linears.converted)

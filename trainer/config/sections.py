@@ -220,7 +220,7 @@ class Float8Section:
     bf16_first_blocks: int = 0
     """Keep the first N transformer blocks (layers.0 .. layers.N-1) in bf16, every Linear of them, whatever the layout (pipeline stages agree on the global block index); 0 = none. Each is named with its reason in the startup line and fp8_layers.json. docs/fp8.md#precision-per-block-and-per-gemm."""
     bf16_last_blocks: int = 0
-    """Keep the last N transformer blocks in bf16 (layers.L-N .. layers.L-1 of L); 0 = none. docs/fp8.md#precision-per-block-and-per-gemm."""
+    """Keep the last N transformer blocks in bf16 (layers.L-N .. layers.L-1 of the model's L = n_layers; DeepSeek-V3's MTP modules after them are not counted); 0 = none. docs/fp8.md#precision-per-block-and-per-gemm."""
     forward: Literal["fp8", "bf16"] = "fp8"
     """Which GEMM of a converted Linear (and of the FP8 experts) runs in FP8 in forward: fp8, or bf16 (the forward GEMM in bf16; the backward as float8.backward says). docs/fp8.md#precision-per-block-and-per-gemm."""
     backward: Literal["fp8", "bf16"] = "fp8"
