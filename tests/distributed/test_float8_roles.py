@@ -1,6 +1,6 @@
 """float8.bf16_first_blocks / bf16_last_blocks and float8.forward / float8.backward on 2 gloo ranks (spawned
 functions): FSDP (dp_shard=2) and pipeline stages (pp=2, which must agree on the global block index) keep the same
-blocks bf16 as one process, and train the same losses. One process: tests/unit/test_float8_roles.py."""
+blocks bf16 as one process, and train the same losses; the FP8 experts' roles under EP; a decay schedule. One process: tests/unit/test_float8_roles.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
-from tests.distributed.spawn import run_distributed, train_then_one_process
-from tests.helpers import DEBUG_CONFIG, column
+from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_then_one_process
+from tests.helpers import DEBUG_CONFIG, REPO, column
 from trainer.config import load_job_config
 from trainer.distributed import destroy_distributed
 
@@ -87,3 +88,31 @@ def test_decay_schedule_with_roles_two_ranks_matches_one_process(tmp_path: Path)
     assert column(two, "step") == column(one, "step") == [1, 2, 3, 4]
     assert column(two, "loss")[0] == pytest.approx(column(one, "loss")[0], rel=1e-5)
     assert column(two, "loss") == pytest.approx(column(one, "loss"), rel=2e-3)
+
+
+# FP8 experts (emulated) with every Linear left bf16, as tests/distributed/test_moe_ep.py's FP8 experts test.
+MOE_ARGS = ["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--train.seq_len=64", "--train.steps=4",
+            "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--train.mixed_precision=fp8",
+            "--float8.emulate=true", "--float8.exclude_fqns=layers,output_head", "--float8.moe_experts=rowwise"]
+
+
+@pytest.mark.parametrize("roles, other", [(["--float8.backward=bf16"], []),
+                                         (["--float8.forward=bf16"], ["--float8.moe_experts=off"])])
+def test_fp8_expert_roles_under_ep2_match_single_process(roles: list[str], other: list[str], tmp_path: Path) -> None:
+    """The experts' roles kernel under EP (its rows the all-to-all's): every gradient of one step against one process;
+    and the backward role ran: the gradients are an FP8 rounding away from those of experts whose backward is the
+    other precision (all-FP8 experts for a bf16 backward, bf16 experts for an FP8 one)."""
+    def grads(name: str, nproc: int, args: list[str]) -> dict[str, torch.Tensor]:
+        return run_distributed(gradients_of_one_step, world_size=nproc,
+                               args=([*MOE_ARGS, *args], str(tmp_path / name)))[0]
+
+    ref = grads("ref", 1, ["--train.batch_size=4", *roles])
+    got = grads("ep", 2, ["--train.batch_size=2", "--distributed.ep=2", *roles])
+    other_backward = grads("other", 1, ["--train.batch_size=4", *other])
+    assert got.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((got[fqn].float() - g.float()).norm() / g.float().norm()).item()
+        assert err < 1e-2, (fqn, err)  # bf16 gradients, summed in other orders
+    w1 = "layers.1.moe.experts.w1"
+    err = ((other_backward[w1].float() - ref[w1].float()).norm() / ref[w1].float().norm()).item()
+    assert err > 3e-2, err  # 4.8e-2 measured for both
