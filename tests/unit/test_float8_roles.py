@@ -26,7 +26,10 @@ from trainer.validate import validate_job
 from trainer.validate.float8_roles import all_gather_with_roles
 
 CPU = torch.device("cpu")
-RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+# (recipe, emulate): torchao's recipes also on aten's CPU torch._scaled_mm (the real FP8 GEMM path); blockwise's
+# real kernels are CUDA's.
+RECIPES = [("tensorwise", True), ("rowwise", True), ("rowwise_with_gw_hp", True), ("blockwise", True),
+           ("tensorwise", False), ("rowwise", False), ("rowwise_with_gw_hp", False)]
 
 
 @pytest.fixture(autouse=True)
@@ -36,14 +39,14 @@ def aten_scaled_mm():
     torch.backends.mkldnn.enabled = before
 
 
-def one_linear(recipe: str, forward: str, backward: str) -> nn.Module:
-    """A model holding one converted projection (256 x 256: blockwise needs multiples of 128), bf16, emulated."""
+def one_linear(recipe: str, forward: str, backward: str, *, emulate: bool = True) -> nn.Module:
+    """A model holding one converted projection (256 x 256: blockwise needs multiples of 128), bf16."""
     torch.manual_seed(0)
     model = nn.Module()
     model.mlp = nn.Module()
     model.mlp.up_proj = nn.Linear(256, 256, bias=False).to(torch.bfloat16)
     if forward or backward:
-        report = apply_float8(model, Float8Options(recipe=recipe, emulate=True, forward=forward or "fp8",
+        report = apply_float8(model, Float8Options(recipe=recipe, emulate=emulate, forward=forward or "fp8",
                                                    backward=backward or "fp8"), device=CPU)
         assert report.linears.converted == ["mlp.up_proj"]
     return model
@@ -56,28 +59,28 @@ def run(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Te
     return out, x.grad, model.mlp.up_proj.weight.grad
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_bf16_backward_gives_the_bf16_linears_gradients(recipe: str) -> None:
+@pytest.mark.parametrize("recipe, emulate", RECIPES)
+def test_bf16_backward_gives_the_bf16_linears_gradients(recipe: str, emulate: bool) -> None:
     """float8.backward='bf16': the FP8 forward's output, and exactly the gradients a bf16 nn.Linear computes from the
     same input, weight and output gradient (the forward's FP8 casts are not reused)."""
     torch.manual_seed(1)
     x, grad = torch.randn(2, 96, 256, dtype=torch.bfloat16), torch.randn(2, 96, 256, dtype=torch.bfloat16)
-    out, gx, gw = run(one_linear(recipe, "fp8", "bf16"), x, grad)
-    out8, gx8, gw8 = run(one_linear(recipe, "fp8", "fp8"), x, grad)
+    out, gx, gw = run(one_linear(recipe, "fp8", "bf16", emulate=emulate), x, grad)
+    out8, gx8, gw8 = run(one_linear(recipe, "fp8", "fp8", emulate=emulate), x, grad)
     out16, gx16, gw16 = run(one_linear(recipe, "", ""), x, grad)
     assert torch.equal(out, out8) and not torch.equal(out, out16)  # the forward is the FP8 one
     assert torch.equal(gx, gx16) and torch.equal(gw, gw16)
     assert not torch.equal(gx8, gx16)  # FP8 backward would differ: the comparison has teeth
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_bf16_forward_gives_the_bf16_output_and_the_fp8_gradients(recipe: str) -> None:
+@pytest.mark.parametrize("recipe, emulate", RECIPES)
+def test_bf16_forward_gives_the_bf16_output_and_the_fp8_gradients(recipe: str, emulate: bool) -> None:
     """float8.forward='bf16': a bf16 nn.Linear's output, and the all-FP8 Linear's gradients (cast from the same
     bf16 input and weight in backward)."""
     torch.manual_seed(2)
     x, grad = torch.randn(160, 256, dtype=torch.bfloat16), torch.randn(160, 256, dtype=torch.bfloat16)
-    out, gx, gw = run(one_linear(recipe, "bf16", "fp8"), x, grad)
-    out8, gx8, gw8 = run(one_linear(recipe, "fp8", "fp8"), x, grad)
+    out, gx, gw = run(one_linear(recipe, "bf16", "fp8", emulate=emulate), x, grad)
+    out8, gx8, gw8 = run(one_linear(recipe, "fp8", "fp8", emulate=emulate), x, grad)
     out16, gx16, _ = run(one_linear(recipe, "", ""), x, grad)
     assert torch.equal(out, out16)
     assert torch.equal(gx, gx8) and torch.equal(gw, gw8) and not torch.equal(gx, gx16)
