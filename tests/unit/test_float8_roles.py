@@ -24,6 +24,7 @@ from trainer.models.moe_permute import inverse_permutation
 from trainer.parallel.float8 import Float8Options, apply_float8
 from trainer.validate import validate_job
 from trainer.validate.float8_roles import all_gather_with_roles
+from trainer.validate.run_files import describe_precision
 
 CPU = torch.device("cpu")
 # (recipe, emulate): torchao's recipes also on aten's CPU torch._scaled_mm (the real FP8 GEMM path); blockwise's
@@ -133,6 +134,8 @@ def test_bf16_blocks_are_named_with_their_reason(tmp_path) -> None:
     assert fp8_layers["bf16_blocks"] == {"layers.0": "float8.bf16_first_blocks=1", "layers.3": "float8.bf16_last_blocks=1"}
     assert fp8_layers["layers"]["layers.0.mlp.up_proj"] == "float8.bf16_first_blocks=1"
     assert "forward" not in fp8_layers  # both roles fp8: said only where one is bf16
+    assert "FP8 tensorwise matmuls in 15 Linear layers (EMULATED, hybrid: e5m2 gradients, blocks layers.0, layers.3 " \
+           "in bf16)" in precision_line(job)
 
 
 def test_fp8_layers_json_names_the_roles(tmp_path) -> None:
@@ -141,6 +144,12 @@ def test_fp8_layers_json_names_the_roles(tmp_path) -> None:
     fp8_layers = json.loads(dict(job.run_files)["fp8_layers.json"])
     assert (fp8_layers["forward"], fp8_layers["backward"]) == ("fp8", "bf16")
     assert "bf16_blocks" not in fp8_layers
+    assert "(EMULATED, e4m3: e4m3 everywhere, FP8 forward only)" in precision_line(job)
+
+
+def precision_line(job) -> str:
+    return describe_precision(mixed_precision=job.run.mixed_precision, bf16_update=job.optimizer.bf16_update,
+                              build=job.build, float8_layers=job.float8_layers)
 
 
 def test_bf16_blocks_are_bit_identical_to_a_bf16_models_blocks(caplog) -> None:
