@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import DEBUG_CONFIG
+from tests.helpers import DEBUG_CONFIG, REPO
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import FLAVORS, Llama
@@ -114,6 +114,16 @@ def test_meaningless_combinations_are_one_line(overrides: list[str], message: st
     with pytest.raises(ConfigError) as e:
         validate_job(cfg(*overrides), world_size=1)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_fp8_dispatch_into_bf16_forward_experts_is_one_line() -> None:
+    moe = load_job_config(["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--train.mixed_precision=fp8",
+                           "--float8.emulate=true", "--distributed.ep=2", "--moe.dispatch_dtype=fp8",
+                           "--float8.forward=bf16"])
+    with pytest.raises(ConfigError) as e:
+        validate_job(moe, world_size=2)
+    assert str(e.value).startswith("moe.dispatch_dtype='fp8' sends FP8-rounded tokens to FP8 expert GEMMs; with "
+                                   "float8.forward='bf16'")
 
 
 def test_auto_all_gather_turns_off_with_a_bf16_role() -> None:

@@ -4,7 +4,7 @@ FP8 experts, run in FP8), checked and resolved once here; `Float8Options` carrie
 
 A combination that means nothing is one ConfigError line naming the keys: both roles bf16 (no FP8 GEMM left),
 delayed scaling or FP8 saved inputs with a bf16 role (our tensorwise linear keeps histories and saved casts for
-both directions), and an FP8 all-gather with a bf16 role (a float8-gathered weight has no bf16 copy to run the
+both directions), FP8 token dispatch into bf16 forward GEMMs, and an FP8 all-gather with a bf16 role (a float8-gathered weight has no bf16 copy to run the
 bf16 GEMMs from; 'auto' turns it off, `all_gather_with_roles`).
 """
 
@@ -33,6 +33,9 @@ def check_float8_roles(cfg: JobConfig) -> None:
     if f8.save_fp8_activations:
         raise ConfigError(f"float8.save_fp8_activations=true saves the forward's FP8 input for an FP8 weight "
                           f"gradient; with {roles} set it false (or both roles 'fp8')")
+    if f8.forward == "bf16" and cfg.moe.dispatch_dtype == "fp8":
+        raise ConfigError(f"moe.dispatch_dtype='fp8' sends FP8-rounded tokens to FP8 expert GEMMs; with {roles} the "
+                          "forward GEMMs are bf16: set moe.dispatch_dtype='bf16' (or float8.forward='fp8')")
     if f8.enable_fsdp_float8_all_gather is True:
         raise ConfigError(f"float8.enable_fsdp_float8_all_gather=true gathers float8 weights, which have no bf16 "
                           f"copy for the bf16 GEMMs of {roles}: set it 'auto' (off here) or false")
