@@ -205,8 +205,9 @@ def _check_validation_precision(cfg: Sections) -> None:
     if cfg.validation.mixed_precision != "bf16":
         return
     train = cfg.train
-    precisions = [e.partition(":")[0].strip().removesuffix("-fwd").removesuffix("-bwd")
-                  for e in train.precision_schedule] or [train.mixed_precision]
+    # The schedule was checked before (check_config's order): its phases parse.
+    precisions = ([p.mixed_precision for p in schedule_phases(cfg)] if train.precision_schedule
+                  else [train.mixed_precision])
     wide = [p for p in precisions if p in ("fp32", "fp16")]
     if wide:
         key = "train.precision_schedule" if train.precision_schedule else "train.mixed_precision"
