@@ -1,10 +1,11 @@
 """DeepSeek-V3 (MLA, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
 FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too) and HSDP; without MTP modules,
-pipeline (x expert) parallel and context parallel too.
+pipeline (x expert) parallel, context parallel and tensor parallel (x FSDP2) too.
 
 Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
 loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
-fp32 rounding. tp, and pp or cp with MTP modules, are refused (tests/unit/test_deepseek_v3_config.py). Each layout
+fp32 rounding; under tp, each rank's own gradients of MLA's replicated low-rank projections and norms too. pp, cp or
+tp with MTP modules are refused (tests/unit/test_deepseek_v3_config.py). Each layout
 runs as a function in spawned processes (tests/distributed/spawn.py).
 """
 
@@ -72,7 +73,9 @@ def reference_without_mtp(tmp_path_factory) -> list[dict]:
     (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", "--train.batch_size=4"]),
     (4, ["--distributed.pp=2", "--distributed.ep=2", "--train.batch_size=2"]),
     (2, ["--distributed.cp=2", "--train.batch_size=4"]),
-], ids=["pp2-1f1b", "pp2-x-ep2", "cp2"])
+    (2, ["--distributed.tp=2", "--train.batch_size=4"]),
+    (4, ["--distributed.tp=2", "--distributed.dp_shard=2", "--train.batch_size=2"]),
+], ids=["pp2-1f1b", "pp2-x-ep2", "cp2", "tp2", "tp2-x-fsdp2"])
 def test_deepseek_v3_without_mtp_in_pp_and_cp_matches_single_process(nproc: int, args: list[str],
                                                                      reference_without_mtp, tmp_path: Path) -> None:
     ref = reference_without_mtp
@@ -84,3 +87,52 @@ def test_deepseek_v3_without_mtp_in_pp_and_cp_matches_single_process(nproc: int,
     assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-4)
     val = [r["val_loss"] for r in got if "val_loss" in r]
     assert val and val == pytest.approx([r["val_loss"] for r in ref if "val_loss" in r], rel=1e-5)
+
+
+def gradients_of_every_rank(args: list[str], dump: str) -> dict:
+    """gradients_of_one_step's, with each rank's own gradients of the parameters replicated over tp (MLA's low-rank
+    projections and norms) beside them: {"all": the full gradients, "replicated": [rank -> {fqn: local grad}]}."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from tests.distributed.spawn import gathered_gradients
+    from trainer.config import load_job_config
+    from trainer.distributed import destroy_distributed
+    from trainer.models.layers import clean_fqn
+    from trainer.run.train import build_trainer
+
+    trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    try:
+        trainer.step_fn.forward_backward(trainer.data_loader.next_batch())
+        replicated = {clean_fqn(n): p.grad.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()
+                      if isinstance(p.grad, DTensor) and "_a_" in n
+                      and p.grad.placements[p.grad.device_mesh.mesh_dim_names.index("tp")] == Replicate()}
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, replicated)
+        return {"all": gathered_gradients(trainer.model), "replicated": per_rank}
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("q_lora_rank", [64, 0], ids=["q-lora", "plain-q-proj"])
+def test_every_deepseek_v3_gradient_under_tp_matches_single_process(q_lora_rank: int, tmp_path: Path) -> None:
+    """MLA's replicated low-rank projections and norms get the whole gradient on every tp rank: their column-parallel
+    successors (and the shared RoPE key) sum the input gradients over tp, so no rank holds only its heads' share."""
+    args = [*ARGS, *NO_MTP, f"--deepseek_v3.q_lora_rank={q_lora_rank}"]
+    ref = run_distributed(gradients_of_one_step, world_size=1, args=([*args, "--train.batch_size=4"],
+                                                                      str(tmp_path / "ref")))[0]
+    got = run_distributed(gradients_of_every_rank, world_size=2,
+                          args=([*args, "--distributed.tp=2", "--train.batch_size=4"], str(tmp_path / "got")))
+    grads, per_rank = got[0]["all"], got[0]["replicated"]
+    assert grads.keys() == ref.keys()
+    for fqn, g in ref.items():
+        err = ((grads[fqn] - g).norm() / g.norm().clamp(min=1e-30)).item()
+        assert err < 1e-5, (fqn, err)
+    low_rank = {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"} | (
+        {"q_a_proj.weight", "q_a_layernorm.weight"} if q_lora_rank else set())
+    assert {fqn.split("attention.")[1] for fqn in per_rank[0]} == low_rank
+    for rank, grads_of_rank in enumerate(per_rank):
+        for fqn, g in grads_of_rank.items():
+            err = ((g - ref[fqn]).norm() / ref[fqn].norm()).item()
+            assert err < 1e-5, (rank, fqn, err)

@@ -17,6 +17,9 @@ def _cases():
     yield "debug", model_args_for("debug")
     yield "debug_moe", model_args_for("debug_moe")
     yield "debug_moe, no shared expert", replace(model_args_for("debug_moe"), n_shared_experts=0)
+    # MLA (trainer.models.mla.mla_tp_plan), with the q LoRA and with a plain q_proj; MTP modules are refused under tp.
+    yield "debug_deepseek_v3", replace(model_args_for("debug_deepseek_v3"), mtp_layers=0)
+    yield "debug_deepseek_v3, plain q_proj", replace(model_args_for("debug_deepseek_v3"), mtp_layers=0, q_lora_rank=0)
 
 
 @pytest.mark.parametrize("loss_parallel", [False, True])

@@ -31,9 +31,9 @@ from torch import nn
 from trainer.model_values import DeepseekV3Args
 from trainer.models.counts import layer_param_counts, param_count
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
-from trainer.models.layers import Decoder, TPPlan, TransformerBlock
-from trainer.models.mla import MLA
-from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router
+from trainer.models.layers import Decoder, TPPlan, TransformerBlock, prefixed
+from trainer.models.mla import MLA, mla_tp_plan
+from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router, tp_plan as moe_tp_plan
 from trainer.models.mtp import MTPLayer, mtp_forward
 
 # `debug_deepseek_v3` trains on a CPU in seconds (q LoRA, two expert groups, one MTP module); `deepseek_v3_16b` has
@@ -154,8 +154,17 @@ class DeepseekV3(MoETransformer):
 
 
 def tp_plan(model: DeepseekV3, *, loss_parallel: bool) -> TPPlan:
-    raise ValueError("distributed.tp > 1 with a deepseek_v3 flavor: MLA has no tensor-parallel plan here yet; use "
-                     "FSDP (dp_shard) and expert parallelism (ep)")
+    """The MoE family's plan (trainer.models.moe.tp_plan: dense MLPs and shared experts tensor-parallel, routed
+    experts whole on each tp rank's sequence slice) with MLA's attention (trainer.models.mla.mla_tp_plan) in place
+    of q/k/v. (MTP modules are refused under tp: trainer/validate/deepseek_v3.py.)"""
+    plan = moe_tp_plan(model, loss_parallel=loss_parallel)
+    for name, block in model.layers.items():
+        gqa = {f"attention.{n}" for n in ("q_proj", "k_proj", "v_proj")}
+        plan.blocks[name] = ({fqn: style for fqn, style in plan.blocks[name].items() if fqn not in gqa}
+                             | prefixed("attention", mla_tp_plan(block.attention)))
+    plan.summary = ("; MLA: q_b_proj/kv_b_proj column-parallel over heads, q_a_proj/kv_a_proj_with_mqa and their norms "
+                    "replicated" + plan.summary)
+    return plan
 
 
 # ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from trainer.parallel import ParallelDims
 _MTP_WHY = {
     "pp": "the MTP modules and their loss need the main model's last states, embeddings and head on one stage",
     "cp": "an MTP module reads the embedding k tokens ahead, which another rank's chunk holds",
+    "tp": "an MTP module reads the embedding k tokens ahead, which another rank's sequence shard holds",
 }
 
 
@@ -33,11 +34,7 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                               f"model.flavor={cfg.model.flavor!r} is not a DeepSeek-V3 flavor; remove it or pick one "
                               "(debug_deepseek_v3, deepseek_v3_16b)")
         return
-    if pd.tp > 1:
-        raise ConfigError(f"distributed.tp={pd.tp} with the DeepSeek-V3 flavor {cfg.model.flavor!r}: MLA's "
-                          "projections have no tensor-parallel plan yet; set distributed.tp=1 (FSDP, expert, pipeline "
-                          "and context parallelism are supported)")
-    for key, degree in (("pp", pd.pp), ("cp", pd.cp)):
+    for key, degree in (("pp", pd.pp), ("cp", pd.cp), ("tp", pd.tp)):
         if degree > 1 and args.mtp_layers:
             raise ConfigError(f"distributed.{key}={degree} with deepseek_v3.mtp_layers={args.mtp_layers}: "
                               f"{_MTP_WHY[key]}; set deepseek_v3.mtp_layers=0 or distributed.{key}=1")
