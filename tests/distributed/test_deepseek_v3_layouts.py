@@ -35,7 +35,10 @@ def reference(tmp_path_factory) -> list[dict]:
     (2, ["--distributed.ep=2", "--train.batch_size=2"]),
     (4, ["--distributed.dp_replicate=2", "--distributed.ep=2", "--train.batch_size=1",
          "--train.activation_checkpointing=full"]),
-], ids=["fsdp2", "ep2", "hsdp-x-ep2-full-ac"])
+    # Each rank holds 2 of 4 chunks: an MTP module's embeddings ahead and targets cross into other ranks' chunks.
+    (2, ["--distributed.cp=2", "--train.batch_size=4"]),
+    (4, ["--distributed.cp=2", "--distributed.ep=2", "--train.batch_size=2"]),
+], ids=["fsdp2", "ep2", "hsdp-x-ep2-full-ac", "cp2", "cp2-x-ep2"])
 def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
     got = run_distributed(train_and_read_metrics, world_size=nproc, args=([*ARGS, *STEPS, *VAL, *args],
                                                                            str(tmp_path)))[0]
@@ -48,7 +51,9 @@ def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], 
 
 
 @pytest.mark.parametrize("nproc, args", [(2, ["--distributed.dp_shard=2", "--train.batch_size=2"]),
-                                         (2, ["--distributed.ep=2", "--train.batch_size=2"])], ids=["fsdp2", "ep2"])
+                                         (2, ["--distributed.ep=2", "--train.batch_size=2"]),
+                                         (2, ["--distributed.cp=2", "--train.batch_size=4"])],
+                         ids=["fsdp2", "ep2", "cp2"])
 def test_every_deepseek_v3_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]

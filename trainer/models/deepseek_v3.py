@@ -34,7 +34,7 @@ from trainer.models.activations import ActivationPolicy, block_activation_bytes
 from trainer.models.layers import Decoder, TPPlan, TransformerBlock, prefixed
 from trainer.models.mla import MLA, mla_tp_plan
 from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router, tp_plan as moe_tp_plan
-from trainer.models.mtp import MTPLayer, mtp_forward
+from trainer.models.mtp import MTPLayer, embeddings_ahead, mtp_forward, tokens_ahead
 
 # `debug_deepseek_v3` trains on a CPU in seconds (q LoRA, two expert groups, one MTP module); `deepseek_v3_16b` has
 # DeepSeek-V2-Lite's shapes (15.7B parameters, 2.4B active; Moonlight-16B-A3B is the same MLA at 64 experts top-6
@@ -140,17 +140,29 @@ class DeepseekV3(MoETransformer):
         """Hidden states after the last main block [batch, seq, dim] (of this pipeline stage's blocks); in training
         with MTP modules, every depth's states for trainer.models.mtp.MTPLossFn: [(1 + mtp_layers) x batch, seq,
         dim], the main ones first. documents: as Decoder.forward's."""
-        emb, rope, mask = self.embed(tokens, documents)
+        mtp = [layer for name, layer in self.layers.items() if int(name) >= self.args.n_layers]
+        emb, ahead, rope, mask = self.embed_ahead(tokens, len(mtp) if self.training else 0, documents)
         h = emb
         for name, layer in self.layers.items():
             if int(name) < self.args.n_layers:
                 h = layer(h, rope, *mask)
-        mtp = [layer for name, layer in self.layers.items() if int(name) >= self.args.n_layers]
-        if not (self.training and mtp):
-            return h
-        # The embeddings of this forward, not a second call: their FSDP2 unit runs once per step. (MTP runs with
-        # the whole sequence and the whole model on one rank: trainer.validate refuses pp and cp with it.)
-        return mtp_forward(mtp, h, emb, rope, mask)
+        # (MTP runs with the whole model on one stage: trainer.validate refuses pp with it.)
+        return mtp_forward(mtp, h, ahead, rope, mask) if ahead else h
+
+    def embed_ahead(self, tokens: torch.Tensor, depths: int, documents: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, tuple]:
+        """Decoder.embed's (embeddings, rope, mask) and each MTP depth's Emb(t_{i+k}), from one call of the
+        embeddings (their FSDP2 unit runs once per step): shifted whole sequences, or under context parallelism
+        the ids ahead looked up with this rank's chunks (trainer.models.mtp.tokens_ahead)."""
+        if not depths or self.cp is None:
+            emb, rope, mask = self.embed(tokens, documents)
+            return emb, embeddings_ahead(emb, depths), rope, mask
+        ids, keep = tokens_ahead(tokens, depths, self.cp, whole=documents)
+        # The ids ahead ride in the tokens' lookup; RoPE rows and the document mask are the tokens' own, from the
+        # whole rows (`documents`, or `tokens` where they are whole), not from the stacked ids.
+        rows, rope, mask = self.embed(ids, tokens if documents is None else documents)
+        emb, *ahead = rows.chunk(1 + depths, dim=0)
+        return emb, [e * k for e, k in zip(ahead, keep)], rope, mask
 
 
 def tp_plan(model: DeepseekV3, *, loss_parallel: bool) -> TPPlan:

@@ -20,8 +20,7 @@ from trainer.parallel import ParallelDims
 
 _MTP_WHY = {
     "pp": "the MTP modules and their loss need the main model's last states, embeddings and head on one stage",
-    "cp": "an MTP module reads the embedding k tokens ahead, which another rank's chunk holds",
-    "tp": "an MTP module reads the embedding k tokens ahead, which another rank's sequence shard holds",
+    "tp": "an MTP module's eh_proj and norms, which take the sequence-sharded states, have no tensor-parallel plan yet",
 }
 
 
@@ -34,7 +33,7 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                               f"model.flavor={cfg.model.flavor!r} is not a DeepSeek-V3 flavor; remove it or pick one "
                               "(debug_deepseek_v3, deepseek_v3_16b)")
         return
-    for key, degree in (("pp", pd.pp), ("cp", pd.cp), ("tp", pd.tp)):
+    for key, degree in (("pp", pd.pp), ("tp", pd.tp)):
         if degree > 1 and args.mtp_layers:
             raise ConfigError(f"distributed.{key}={degree} with deepseek_v3.mtp_layers={args.mtp_layers}: "
                               f"{_MTP_WHY[key]}; set deepseek_v3.mtp_layers=0 or distributed.{key}=1")
