@@ -1,11 +1,12 @@
 """DeepSeek-V3 (MLA, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
-FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too) and HSDP; without MTP modules,
-pipeline (x expert) parallel, context parallel and tensor parallel (x FSDP2) too.
+FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too), HSDP, context parallel (x expert
+parallel) and tensor parallel (x FSDP2); without MTP modules, pipeline (x expert) parallel too.
 
 Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
 loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
-fp32 rounding; under tp, each rank's own gradients of MLA's replicated low-rank projections and norms too. pp, cp or
-tp with MTP modules are refused (tests/unit/test_deepseek_v3_config.py). Each layout
+fp32 rounding; under tp, each rank's own gradients of MLA's replicated low-rank projections and norms too; under tp
+and cp, each rank's embeddings ahead of the MTP modules. pp with MTP modules is refused
+(tests/unit/test_deepseek_v3_config.py). Each layout
 runs as a function in spawned processes (tests/distributed/spawn.py).
 """
 
@@ -38,7 +39,10 @@ def reference(tmp_path_factory) -> list[dict]:
     # Each rank holds 2 of 4 chunks: an MTP module's embeddings ahead and targets cross into other ranks' chunks.
     (2, ["--distributed.cp=2", "--train.batch_size=4"]),
     (4, ["--distributed.cp=2", "--distributed.ep=2", "--train.batch_size=2"]),
-], ids=["fsdp2", "ep2", "hsdp-x-ep2-full-ac", "cp2", "cp2-x-ep2"])
+    # Each rank holds a sequence shard: the embeddings ahead cross into the next shard, looked up from whole ids.
+    (2, ["--distributed.tp=2", "--train.batch_size=4"]),
+    (4, ["--distributed.tp=2", "--distributed.dp_shard=2", "--train.batch_size=2"]),
+], ids=["fsdp2", "ep2", "hsdp-x-ep2-full-ac", "cp2", "cp2-x-ep2", "tp2", "tp2-x-fsdp2"])
 def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
     got = run_distributed(train_and_read_metrics, world_size=nproc, args=([*ARGS, *STEPS, *VAL, *args],
                                                                            str(tmp_path)))[0]
@@ -120,11 +124,13 @@ def gradients_of_every_rank(args: list[str], dump: str) -> dict:
         destroy_distributed()
 
 
-@pytest.mark.parametrize("q_lora_rank", [64, 0], ids=["q-lora", "plain-q-proj"])
-def test_every_deepseek_v3_gradient_under_tp_matches_single_process(q_lora_rank: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("q_lora_rank, mtp", [(64, True), (0, False)], ids=["q-lora-mtp", "plain-q-proj"])
+def test_every_deepseek_v3_gradient_under_tp_matches_single_process(q_lora_rank: int, mtp: bool, tmp_path: Path
+                                                                    ) -> None:
     """MLA's replicated low-rank projections and norms get the whole gradient on every tp rank: their column-parallel
-    successors (and the shared RoPE key) sum the input gradients over tp, so no rank holds only its heads' share."""
-    args = [*ARGS, *NO_MTP, f"--deepseek_v3.q_lora_rank={q_lora_rank}"]
+    successors (and the shared RoPE key) sum the input gradients over tp, so no rank holds only its heads' share. The
+    MTP module's embeddings ahead cross the tp ranks' sequence shards."""
+    args = [*ARGS, *([] if mtp else NO_MTP), f"--deepseek_v3.q_lora_rank={q_lora_rank}"]
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*args, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
     got = run_distributed(gradients_of_every_rank, world_size=2,
@@ -137,7 +143,54 @@ def test_every_deepseek_v3_gradient_under_tp_matches_single_process(q_lora_rank:
     low_rank = {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"} | (
         {"q_a_proj.weight", "q_a_layernorm.weight"} if q_lora_rank else set())
     assert {fqn.split("attention.")[1] for fqn in per_rank[0]} == low_rank
+    assert ("layers.4.eh_proj.weight" in ref) == mtp
     for rank, grads_of_rank in enumerate(per_rank):
         for fqn, g in grads_of_rank.items():
             err = ((g - ref[fqn]).norm() / ref[fqn].norm()).item()
             assert err < 1e-5, (rank, fqn, err)
+
+
+def embeddings_ahead_error(args: list[str], dump: str) -> float:
+    """The largest difference, on this rank, between the MTP module's embeddings ahead that the model looks up in
+    its layout (DeepseekV3.embed_ahead) and this rank's part of the whole sequences' shifted embeddings, zero rows
+    past the end (trainer.models.mtp.embeddings_ahead)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from trainer.config import load_job_config
+    from trainer.distributed import destroy_distributed
+    from trainer.models.mtp import embeddings_ahead
+    from trainer.run.train import build_trainer
+
+    trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    try:
+        model, (tokens, _) = trainer.model, trainer.data_loader.next_batch()[0]
+        cp = model.cp
+        with torch.no_grad():
+            weight = model.tok_embeddings.weight
+            table = weight.full_tensor() if isinstance(weight, DTensor) else weight
+            want = embeddings_ahead(F.embedding(tokens, table), 2)
+            local = tokens if cp is None else cp.shard(tokens)
+            got = model.embed_ahead(local, 2)[1]
+        if cp is not None:
+            want = [cp.shard(w) for w in want]
+        elif model.tp_group is not None:  # this rank's sequence shard
+            size = got[0].shape[1]
+            start = torch.distributed.get_rank(model.tp_group) * size
+            want = [w[:, start:start + size] for w in want]
+        assert [g.shape for g in got] == [w.shape for w in want]
+        return max((g - w).abs().max().item() for g, w in zip(got, want))
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("layout", [["--distributed.tp=2"], ["--distributed.cp=2"]], ids=["tp2", "cp2"])
+def test_the_embeddings_ahead_of_each_rank_are_the_whole_sequences_shifted(layout: list[str], tmp_path: Path) -> None:
+    """Two MTP depths: each rank's Emb(t_{i+k}) reach into the next rank's shard or chunk, and are zero past the end
+    (which neither loss nor gradients see: those positions have no target)."""
+    errors = run_distributed(embeddings_ahead_error, world_size=2,
+                             args=([*ARGS, *layout, "--deepseek_v3.mtp_layers=2", "--train.batch_size=4"],
+                                   str(tmp_path)))
+    assert errors == [0.0, 0.0]

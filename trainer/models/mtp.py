@@ -7,9 +7,9 @@
 h^0 is the main model's last hidden states (before its final norm); the embeddings and the output head are the main
 model's. Module k's states at positions i >= seq - k have no input token t_{i+k} (their rows get zeros) and no
 target: `mtp_labels` ignores them, and every target whose span crosses an ignored main label (a document boundary
-under data.eod_mask_loss), so no depth trains across a boundary the main loss does not. Under context parallelism,
-where t_{i+k} and the label k ahead may sit in another rank's chunk, both come from the whole sequences' ids and
-labels, gathered over the cp group (`tokens_ahead`, `MTPLossFn`).
+under data.eod_mask_loss), so no depth trains across a boundary the main loss does not. Under context and tensor
+parallelism, where t_{i+k} may sit in another rank's chunk or sequence shard, it is looked up from the whole
+sequences' ids (`tokens_ahead`; under cp gathered over the cp group, which gives the labels k ahead too: `MTPLossFn`).
 
 The loss (`MTPLossFn`): the main summed loss plus mtp_loss_weight / D x the sum over depths of each depth's summed
 loss. The step divides the sum by the main loss's valid labels of the global batch (trainer/run/step.py), so a
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
@@ -73,20 +74,32 @@ def embeddings_ahead(emb: torch.Tensor, depths: int) -> list[torch.Tensor]:
             for k in range(1, depths + 1)]
 
 
-def tokens_ahead(tokens: torch.Tensor, depths: int, cp: SequenceChunks, *, whole: torch.Tensor | None = None
+def tokens_ahead(tokens: torch.Tensor, depths: int, cp: SequenceChunks | None, *, whole: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Under context parallelism, where t_{i+k} may sit in another rank's chunk: (this rank's tokens, then each
-    depth's ids t_{i+k} at this rank's positions i, stacked on the batch dim for one embedding lookup; each depth's
-    mask [local_len, 1] of the positions with an i + k in the sequence, whose embeddings `embeddings_ahead` keeps).
-    The ids come from the whole sequences: `whole` where the caller has them (document masking's rows), else
-    gathered over the cp group (ids are cheap; no gradient)."""
-    whole = cp.whole(tokens) if whole is None else whole.to(tokens.device)
-    positions = cp.positions(tokens.shape[1], tokens.device)
+    """Where t_{i+k} may sit on another rank (a cp rank's chunk, a tp rank's sequence shard): (the tokens, then each
+    depth's ids t_{i+k} at their positions i, stacked on the batch dim for one embedding lookup; each depth's mask
+    [seq, 1] of the positions with an i + k in the sequence, whose embeddings `embeddings_ahead` keeps). Under cp the
+    ids come from the whole sequences (`whole` where the caller has them, else gathered over the cp group: ids are
+    cheap, no gradient) and are this rank's chunks; without (tensor parallel) `tokens` are the whole sequences, which
+    the embeddings shard after the lookup."""
+    if cp is not None:
+        whole = cp.whole(tokens) if whole is None else whole.to(tokens.device)
+    else:
+        whole = tokens
+    positions = (torch.arange(whole.shape[1], device=tokens.device) if cp is None
+                 else cp.positions(tokens.shape[1], tokens.device))
     ids, keep = [tokens], []
     for k in range(1, depths + 1):
-        ids.append(cp.shard(F.pad(whole[:, k:], (0, k))))
+        ahead = F.pad(whole[:, k:], (0, k))
+        ids.append(ahead if cp is None else cp.shard(ahead))
         keep.append((positions + k < whole.shape[1]).unsqueeze(-1))
     return torch.cat(ids, dim=0), keep
+
+
+def mtp_tp_plan() -> dict[str, ParallelStyle]:
+    """An MTP module's own modules under tensor parallel (fqns relative to the module; its block is planned like the
+    others): each on this rank's sequence shard with replicated weights (their gradients summed over tp)."""
+    return {name: SequenceParallel(use_local_output=True) for name in ("enorm", "hnorm", "eh_proj", "shared_head_norm")}
 
 
 def mtp_labels(labels: torch.Tensor, k: int) -> torch.Tensor:

@@ -18,10 +18,6 @@ from trainer.errors import ConfigError
 from trainer.model_values import DeepseekV3Args, ModelArgs
 from trainer.parallel import ParallelDims
 
-_MTP_WHY = {
-    "pp": "the MTP modules and their loss need the main model's last states, embeddings and head on one stage",
-    "tp": "an MTP module's eh_proj and norms, which take the sequence-sharded states, have no tensor-parallel plan yet",
-}
 
 
 def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
@@ -33,10 +29,15 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                               f"model.flavor={cfg.model.flavor!r} is not a DeepSeek-V3 flavor; remove it or pick one "
                               "(debug_deepseek_v3, deepseek_v3_16b)")
         return
-    for key, degree in (("pp", pd.pp), ("tp", pd.tp)):
-        if degree > 1 and args.mtp_layers:
-            raise ConfigError(f"distributed.{key}={degree} with deepseek_v3.mtp_layers={args.mtp_layers}: "
-                              f"{_MTP_WHY[key]}; set deepseek_v3.mtp_layers=0 or distributed.{key}=1")
+    if pd.pp > 1 and args.mtp_layers:
+        raise ConfigError(f"distributed.pp={pd.pp} with deepseek_v3.mtp_layers={args.mtp_layers}: the MTP modules and "
+                          "their loss need the main model's last states, embeddings and head on one stage; set "
+                          "deepseek_v3.mtp_layers=0 or distributed.pp=1")
+    if pd.tp > 1 and args.mtp_layers and cfg.data.document_masking:
+        raise ConfigError(f"data.document_masking=true with distributed.tp={pd.tp} and deepseek_v3.mtp_layers="
+                          f"{args.mtp_layers} is not supported yet (the MTP modules' embeddings ahead are looked up "
+                          "with the tokens, whose per-document masks would cover them too); set data.document_masking="
+                          "false, distributed.tp=1 or deepseek_v3.mtp_layers=0")
     if args.rope_scaling is not None:
         raise ConfigError(f"model.rope_scaling={args.rope_scaling.kind!r} with the DeepSeek-V3 flavor "
                           f"{cfg.model.flavor!r}: its RoPE is plain here (YaRN, whose mscale changes the softmax scale, "
