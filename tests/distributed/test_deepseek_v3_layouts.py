@@ -1,6 +1,6 @@
 """DeepSeek-V3 (MLA, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
 FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too), HSDP, context parallel (x expert
-parallel) and tensor parallel (x FSDP2); without MTP modules, pipeline (x expert) parallel too.
+parallel) and tensor parallel (x FSDP2); without MTP modules, pipeline (x expert, x tensor) parallel too.
 
 Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
 loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
@@ -84,7 +84,8 @@ def reference_without_mtp(tmp_path_factory) -> list[dict]:
     (2, ["--distributed.cp=2", "--train.batch_size=4"]),
     (2, ["--distributed.tp=2", "--train.batch_size=4"]),
     (4, ["--distributed.tp=2", "--distributed.dp_shard=2", "--train.batch_size=2"]),
-], ids=["pp2-1f1b", "pp2-x-ep2", "cp2", "tp2", "tp2-x-fsdp2"])
+    (4, ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4"]),
+], ids=["pp2-1f1b", "pp2-x-ep2", "cp2", "tp2", "tp2-x-fsdp2", "pp2-x-tp2"])
 def test_deepseek_v3_without_mtp_in_pp_and_cp_matches_single_process(nproc: int, args: list[str],
                                                                      reference_without_mtp, tmp_path: Path) -> None:
     ref = reference_without_mtp
