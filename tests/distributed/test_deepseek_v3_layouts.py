@@ -5,7 +5,7 @@ parallel) and tensor parallel (x FSDP2); without MTP modules, pipeline (x expert
 Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
 loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
 fp32 rounding; under tp, each rank's own gradients of MLA's replicated low-rank projections and norms too; under tp
-and cp, each rank's embeddings ahead of the MTP modules. pp with MTP modules is refused
+and cp, each rank's embeddings ahead of the MTP modules, and with document masking. pp with MTP modules is refused
 (tests/unit/test_deepseek_v3_config.py). Each layout
 runs as a function in spawned processes (tests/distributed/spawn.py).
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
+from tests.distributed.test_token_mean import gradients_and_loss, write_short_documents
 from tests.helpers import REPO, column, train
 
 ARGS = ["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--model.flavor=debug_deepseek_v3",
@@ -195,3 +196,19 @@ def test_the_embeddings_ahead_of_each_rank_are_the_whole_sequences_shifted(layou
                              args=([*ARGS, *layout, "--deepseek_v3.mtp_layers=2", "--train.batch_size=4"],
                                    str(tmp_path)))
     assert errors == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("layout", [["--distributed.tp=2"], ["--distributed.cp=2"]], ids=["tp2", "cp2"])
+def test_mtp_with_document_masking_matches_single_process(layout: list[str], tmp_path: Path) -> None:
+    """Under document masking the RoPE rows and masks are the tokens' own, not the stacked ids ahead's: the MTP
+    module's embeddings ahead ride in the tokens' lookup (tp: whole rows on every rank; cp: the rows' documents)."""
+    folder = write_short_documents(tmp_path, seed=1)
+    args = [*ARGS, "--train.seq_len=64", "--data.source=shards", f"--data.path={folder}",
+            "--data.document_masking=true", "--train.batch_size=4"]
+    ref_grads, ref_loss, _ = run_distributed(gradients_and_loss, world_size=1, args=(args, str(tmp_path / "ref")))[0]
+    grads, loss, _ = run_distributed(gradients_and_loss, world_size=2,
+                                     args=([*args, *layout], str(tmp_path / "got")))[0]
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys() and "layers.4.eh_proj.weight" in grads
+    errors = {fqn: ((grads[fqn] - g).norm() / g.norm().clamp(min=1e-30)).item() for fqn, g in ref_grads.items()}
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:5]

@@ -37,8 +37,6 @@ def test_the_deepseek_v3_keys_set_the_shape_and_resolved_keys_rebuild_it() -> No
 
 
 @pytest.mark.parametrize("argv, world_size, message", [
-    (["--distributed.tp=2", "--data.document_masking=true"], 2,
-     "data.document_masking=true with distributed.tp=2 and deepseek_v3.mtp_layers=1 is not supported yet"),
     (["--distributed.pp=2"], 2, "distributed.pp=2 with deepseek_v3.mtp_layers=1: the MTP modules and their loss need "
                                 "the main model's last states, embeddings and head on one stage; set "
                                 "deepseek_v3.mtp_layers=0 or distributed.pp=1"),
@@ -65,8 +63,6 @@ def test_what_a_deepseek_v3_flavor_refuses_is_one_line_naming_the_key(argv, worl
 def test_fsdp_ep_cp_tp_and_without_mtp_pp_layouts_are_accepted() -> None:
     for layout in ("--distributed.ep=2", "--distributed.cp=2", "--distributed.tp=2"):
         assert _args("--model.flavor=debug_deepseek_v3", layout, world_size=2).mtp_layers == 1
-    assert _args("--model.flavor=debug_deepseek_v3", "--deepseek_v3.mtp_layers=0", "--distributed.tp=2",
-                 "--data.document_masking=true", world_size=2)
     for layout in ("--distributed.pp=2", "--distributed.cp=2", "--distributed.tp=2"):
         assert _args("--model.flavor=debug_deepseek_v3", "--deepseek_v3.mtp_layers=0", layout, world_size=2)
 

@@ -19,7 +19,6 @@ from trainer.model_values import DeepseekV3Args, ModelArgs
 from trainer.parallel import ParallelDims
 
 
-
 def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
     """ConfigError for a [deepseek_v3] key set on another family's flavor, and for what a DeepSeek-V3 model refuses."""
     if not isinstance(args, DeepseekV3Args):
@@ -33,11 +32,6 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
         raise ConfigError(f"distributed.pp={pd.pp} with deepseek_v3.mtp_layers={args.mtp_layers}: the MTP modules and "
                           "their loss need the main model's last states, embeddings and head on one stage; set "
                           "deepseek_v3.mtp_layers=0 or distributed.pp=1")
-    if pd.tp > 1 and args.mtp_layers and cfg.data.document_masking:
-        raise ConfigError(f"data.document_masking=true with distributed.tp={pd.tp} and deepseek_v3.mtp_layers="
-                          f"{args.mtp_layers} is not supported yet (the MTP modules' embeddings ahead are looked up "
-                          "with the tokens, whose per-document masks would cover them too); set data.document_masking="
-                          "false, distributed.tp=1 or deepseek_v3.mtp_layers=0")
     if args.rope_scaling is not None:
         raise ConfigError(f"model.rope_scaling={args.rope_scaling.kind!r} with the DeepSeek-V3 flavor "
                           f"{cfg.model.flavor!r}: its RoPE is plain here (YaRN, whose mscale changes the softmax scale, "
