@@ -154,8 +154,9 @@ class DeepseekV3(MoETransformer):
     def embed_ahead(self, tokens: torch.Tensor, depths: int, documents: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, tuple]:
         """Decoder.embed's (embeddings, rope, mask) and each MTP depth's Emb(t_{i+k}), from one call of the
-        embeddings (their FSDP2 unit runs once per step): shifted whole sequences, or under context parallelism
-        the ids ahead looked up with this rank's chunks (trainer.models.mtp.tokens_ahead)."""
+        embeddings (their FSDP2 unit runs once per step): shifted whole sequences, or under context and tensor
+        parallelism, where t_{i+k} may sit on another rank, the ids ahead looked up with the tokens
+        (trainer.models.mtp.tokens_ahead; tp: each rank keeps its sequence shard of the past-the-end masks)."""
         if not depths or (self.cp is None and self.tp_group is None):
             emb, rope, mask = self.embed(tokens, documents)
             return emb, embeddings_ahead(emb, depths), rope, mask
