@@ -15,6 +15,9 @@
 #       batch 4, compiled, no AC: torchao tensorwise dynamic, our linear dynamic, float8.scaling=delayed, float8.save_fp8_activations,
 #       and eager torchao vs save_fp8_activations; FP8KNOBS="torchao-dynamic delayed" runs only those (each variant is one process
 #       with its own compile, ~1-1.5 min); PARITY_LEGS=bf16,bf16-seed2,tensorwise,fp8-delayed ... parity1b for the parity leg)
+#   bash scripts/gpu_checks.sh fp8roles   (1 GPU: float8.forward / float8.backward = bf16 and float8.bf16_first/last_blocks against
+#       all-FP8 at fp8knobs' shapes; FP8ROLES="all-fp8 bwd-bf16" picks; PARITY_LEGS=bf16,bf16-seed2,fp8-bwd-bf16,fp8-fwd-bf16,
+#       fp8-bf16-ends,fp8-decay-bf16 parity1b for their accuracy)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
@@ -124,6 +127,18 @@ for s in $STEPS; do case $s in
       while [ $# -gt 0 ] && [ "$1" != "--" ]; do flags+=("$1"); shift; done; [ $# -gt 0 ] && shift; extra=("$@")
       $B --label "fp8knobs $name: 8B shapes, 8 layers, batch 4, seq 4096" --precisions fp8 --warmup 6 --steps 10 "${flags[@]}" \
         $BENCH_8B "${extra[@]}" 2>&1 | tee "$OUT/bench8b_fp8knobs_$name.log" | grep -v "^\[rank"
+    done ;;
+  fp8roles)  # docs/fp8.md "Precision per block and per GEMM" (issue 54), speed: fp8knobs' job (1x H100, 8B shapes x 8
+    # layers, batch 4 x 4096, compiled, no AC), all-FP8 against each bf16 role and the bf16 first and last blocks;
+    # FP8ROLES="all-fp8 bwd-bf16" runs only those. Their accuracy: PARITY_LEGS=bf16,bf16-seed2,fp8-bwd-bf16,... parity1b.
+    export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+    for v in "all-fp8" "fwd-bf16 --float8.forward=bf16" "bwd-bf16 --float8.backward=bf16" \
+             "fwd-bf16-rowwise --float8.recipe=rowwise --float8.forward=bf16" "bwd-bf16-rowwise --float8.recipe=rowwise --float8.backward=bf16" \
+             "bf16-ends --float8.bf16_first_blocks=1 --float8.bf16_last_blocks=1"; do
+      set -- $v; name=$1; shift
+      case " ${FP8ROLES:-$name} " in *" $name "*) ;; *) continue ;; esac
+      $B --label "fp8roles $name: 8B shapes, 8 layers, batch 4, seq 4096" --precisions fp8 --warmup 6 --steps 10 \
+        $BENCH_8B "$@" 2>&1 | tee "$OUT/bench8b_fp8roles_$name.log" | grep -v "^\[rank"
     done ;;
   coldstart)  # 8B shapes x 8 layers, batch 4 x 4096, the defaults: time from "training steps" to the end of step 1
     # with cold inductor and Triton caches, fp8 / bf16 x bf16 (default) / fp32 master weights, then the fp8 default
@@ -310,6 +325,10 @@ for s in $STEPS; do case $s in
       --variant "fp8-e4m3=--float8.format=e4m3" \
       --variant "fp8-exp-avg-fp8=--float8.enable_fsdp_float8_all_gather=false --distributed.master_dtype=bf16 --optimizer.bf16_update=stochastic --optimizer.exp_avg_dtype=fp8" \
       --variant "fp8-exp-avg-sq-bf16=--optimizer.exp_avg_dtype=bf16 --optimizer.exp_avg_sq_dtype=bf16" \
+      --variant "fp8-bwd-bf16=--float8.backward=bf16 --float8.enable_fsdp_float8_all_gather=false" \
+      --variant "fp8-fwd-bf16=--float8.forward=bf16 --float8.enable_fsdp_float8_all_gather=false" \
+      --variant "fp8-bf16-ends=--float8.bf16_first_blocks=1 --float8.bf16_last_blocks=1" \
+      --variant "fp8-decay-bf16=--train.precision_schedule=fp8:decay,bf16 --checkpoint.enable=true --checkpoint.interval=1000 --checkpoint.keep_latest_k=1" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
     for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   recipe7b)  # 4+ GPUs: configs/train/7b_16gpu_fp8.toml as a 16x H100 job would run it (memory capped per process to

@@ -323,10 +323,11 @@ def test_quoted_float8_startup_lines_are_what_the_program_prints() -> None:
     from trainer.parallel.float8 import DelayedScalingSettings, Float8Options, float8_converters
 
     real = [float8_converters(Float8Options(recipe=recipe, enable_fsdp_float8_all_gather=gather, format=fmt,
-                                            delayed=delayed, save_fp8_activations=save))[0].lines()[0]
-            for recipe, gather, fmt, delayed, save in itertools.product(
+                                            delayed=delayed, save_fp8_activations=save, forward=forward,
+                                            backward=backward))[0].lines()[0]
+            for recipe, gather, fmt, delayed, save, (forward, backward) in itertools.product(
                 ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"), (True, False), ("hybrid", "e4m3"),
-                (None, DelayedScalingSettings()), (False, True))]
+                (None, DelayedScalingSettings()), (False, True), (("fp8", "fp8"), ("bf16", "fp8"), ("fp8", "bf16")))]
     quotes = [(page.name, q) for page in _QUOTING for q in _quotes(page.read_text(), "Applied Float8 training: ")]
     assert len(quotes) >= 8  # README, fp8.md, debug.md, checkpointing.md, cluster.md
     stale = [f"{name}: {q}" for name, q in quotes if not any(_matches(q, line) for line in real)]

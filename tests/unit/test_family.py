@@ -17,6 +17,10 @@ def _cases():
     yield "debug", model_args_for("debug")
     yield "debug_moe", model_args_for("debug_moe")
     yield "debug_moe, no shared expert", replace(model_args_for("debug_moe"), n_shared_experts=0)
+    # MLA (trainer.models.mla.mla_tp_plan), with the q LoRA and an MTP module (trainer.models.mtp.mtp_tp_plan), and
+    # with a plain q_proj.
+    yield "debug_deepseek_v3", model_args_for("debug_deepseek_v3")
+    yield "debug_deepseek_v3, plain q_proj", replace(model_args_for("debug_deepseek_v3"), mtp_layers=0, q_lora_rank=0)
 
 
 @pytest.mark.parametrize("loss_parallel", [False, True])
@@ -37,11 +41,16 @@ def test_tp_plan_names_existing_modules_and_covers_the_linears(name, args, loss_
         planned |= {f"layers.{block_name}.{fqn}.weight" for fqn in block_plan}
     linears = {f"{fqn}.weight" for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     # Routers stay whole under TP: each tp rank routes its own sequence slice (trainer.models.moe.tp_plan).
-    assert sorted(linears - planned) == sorted(f"layers.{i}.moe.router.gate.weight" for i in range(args.n_layers)
-                                               if getattr(args, "is_moe_layer", lambda i: False)(i))
-    # The MoE layers' aux loss sums over the tp group; nothing else asks for it.
+    # (A DeepSeek-V3 MTP module, layers.{n_layers}, routes like the last block.)
+    is_moe = getattr(args, "is_moe_layer", lambda i: False)
+    blocks = range(args.n_layers + getattr(args, "mtp_layers", 0))
+    assert sorted(linears - planned) == sorted(f"layers.{i}.moe.router.gate.weight" for i in blocks
+                                               if is_moe(min(i, args.n_layers - 1)))
+    # The MoE layers' aux loss sums over the tp group; so does a DeepSeek-V3 model with MTP modules, which cuts the
+    # embeddings ahead from whole sequences; nothing else asks for it.
     moe_layers = [b.moe for b in model.layers.values() if hasattr(b, "moe")]
-    assert plan.sequence_modules == moe_layers and bool(plan.summary) == bool(moe_layers)
+    mtp = [model] if getattr(args, "mtp_layers", 0) else []
+    assert plan.sequence_modules == moe_layers + mtp and bool(plan.summary) == bool(moe_layers)
 
 
 @pytest.mark.parametrize("flavor, n_layers, changes", [

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 
 from trainer.hf import ExportError
@@ -18,6 +19,7 @@ from trainer.models.counts import num_params_for, num_tensors, param_count
 from trainer.models.documents import attention_mask, document_ids
 from trainer.models.gpt_oss import FLAVORS, ClampedSwiGLU, GptOssExperts
 from trainer.models.sink_attention import dense_window_mask, sink_attention
+from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear
 
 
 def _reference(q, k, v, sinks, allowed):
@@ -280,3 +282,22 @@ def test_closed_form_counts_match_the_built_model(flavor):
 def test_an_export_refuses_dense_blocks(moe):
     with pytest.raises(ExportError, match="1 dense blocks|2 dense blocks"):
         check_exportable(replace(FLAVORS["debug_gpt_oss"], **moe))
+
+
+@pytest.mark.parametrize("roles", [("bf16", "fp8"), ("fp8", "bf16"), ("fp8", "fp8")])
+def test_blockwise_linear_adds_the_attention_bias_in_every_role(roles):
+    """float8.forward / backward (a bf16 role: BlockwiseRolesMM) keep GPT-OSS's projection bias: a bf16 forward is
+    the Linear's output exactly, an FP8 one near it; the bias gets the Linear's gradient."""
+    linear = nn.Linear(128, 256)
+    with torch.no_grad():
+        linear.bias.normal_(0, 1)
+    reference = nn.Linear(128, 256)
+    reference.load_state_dict(linear.state_dict())
+    BlockwiseFloat8Linear.from_linear(linear, emulate=True, roles=roles)
+    x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(0))
+    out, want = linear(x), reference(x)
+    if roles[0] == "bf16":
+        assert torch.equal(out, want)
+    assert ((out - want).norm() / want.norm()).item() < 0.05
+    out.sum().backward()
+    assert torch.equal(linear.bias.grad, torch.full((256,), 10.0))

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import DEBUG_CONFIG, read_metrics
 from trainer.config import load_job_config
-from trainer.config.phases import Phase, parse_precision_schedule, phase_index
+from trainer.config.phases import Phase, decay_onset, parse_precision_schedule, phase_index, resolved_entries, schedule_phases
 from trainer.errors import ConfigError
 from trainer.run.precision_schedule import phase_config
 
@@ -127,3 +127,89 @@ def test_the_previous_phase_is_freed_before_the_next_is_built(tmp_path: Path) ->
     assert alive_at_build == [0, 0, 0]
     assert len(groups) == 3 and all(g is groups[0] for g in groups)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+# -- "decay" and the fp8 roles ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decay_type, warmup, ratio", [("wsd", 2, 0.2), ("wsd", 3, 0.5), ("cosine", 3, 0.2),
+                                                       ("linear", 1, 0.2), ("wsd", 0, 0.3)])
+def test_decay_onset_is_where_the_learning_rate_schedule_decays(decay_type: str, warmup: int, ratio: float) -> None:
+    """The onset is the last step at the peak learning rate before the decay, as lr_lambda computes it (log step s
+    runs lr_lambda(s - 1)) and as the startup's schedule line words it."""
+    from trainer.optim.schedule import describe_schedule, lr_lambda
+
+    total = 20
+    schedule = dict(warmup_steps=warmup, total_steps=total, decay_type=decay_type, min_lr_ratio=0.1,
+                    wsd_decay_ratio=ratio)
+    onset = decay_onset(warmup_steps=warmup, decay_type=decay_type, wsd_decay_ratio=ratio, total_steps=total).step
+    assert all(lr_lambda(s - 1, **schedule) == 1.0 for s in range(max(warmup, 1), onset + 2))
+    assert all(lr_lambda(s - 1, **schedule) < 1.0 for s in range(onset + 2, total + 1))
+    assert f"over steps {onset + 1}-{total}" in describe_schedule(1.0, **schedule)
+
+
+def test_decay_and_roles_in_the_schedule() -> None:
+    cfg = load_job_config([*SCHEDULED, "--train.precision_schedule=fp8-bwd:4,fp8:decay,bf16"])
+    phases = schedule_phases(cfg)
+    assert phases == [Phase("fp8-bwd", 1, 4), Phase("fp8", 5, 8, at_decay=True), Phase("bf16", 9, 10)]
+    assert str(phases[1]) == "fp8 steps 5-8 (to the learning rate's decay onset)"
+    assert resolved_entries(phases) == ["fp8-bwd:4", "fp8:8", "bf16"]
+    first, second = phase_config(cfg, phases, 0, load_step=-1), phase_config(cfg, phases, 1, load_step=4)
+    assert (first.train.mixed_precision, first.float8.forward, first.float8.backward) == ("fp8", "bf16", "fp8")
+    assert (second.train.mixed_precision, second.float8.forward, second.float8.backward) == ("fp8", "fp8", "fp8")
+    fwd = load_job_config([*SCHEDULED, "--train.precision_schedule=fp8-fwd:decay,bf16", "--scheduler.decay_type=cosine"])
+    assert schedule_phases(fwd) == [Phase("fp8-fwd", 1, 2, at_decay=True), Phase("bf16", 3, 10)]
+    assert phase_config(fwd, schedule_phases(fwd), 0, load_step=-1).float8.backward == "bf16"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train.precision_schedule=fp8:decay,bf16", "--scheduler.decay_type=constant"],
+     "train.precision_schedule[0]='fp8:decay': 'decay' names the learning rate's decay onset, but "
+     "scheduler.decay_type='constant' never decays; write a step"),
+    (["--train.precision_schedule=fp8:decay,bf16", "--scheduler.warmup_steps=10"],
+     "but the run ends inside the warm-up (scheduler.warmup_steps=10 >= train.steps=10)"),
+    (["--train.precision_schedule=fp8:decay,bf16", "--scheduler.warmup_steps=0", "--scheduler.decay_type=cosine"],
+     "train.precision_schedule[0]='fp8:decay': the learning rate decays from step 1"),
+    (["--train.precision_schedule=bf16:9,fp8:decay,bf16"],
+     "train.precision_schedule[1]='fp8:decay': steps must increase; step 8 must be after the previous entry's step 9"),
+    (["--train.precision_schedule=fp8-bwd:4,fp8-bwd:8,bf16"], "the same precision as the entry before it"),
+])
+def test_bad_decay_or_roles_schedule_is_one_line(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_job_config([*SCHEDULED, *args])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_roles_and_decay_switch_in_one_process(tmp_path: Path) -> None:
+    """fp8-bwd (bf16 forward GEMMs, FP8 backward), then fp8 to the decay onset, then bf16, in one process: each
+    phase's Linears run the roles it names, every step is logged once, and resolved.toml has the steps resolved."""
+    from torchao.float8 import ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+
+    import trainer.run.train as train_module
+    from trainer.distributed import destroy_distributed
+    from trainer.run.precision_schedule import PrecisionSchedule
+    from trainer.run.train import Trainer, run_schedule
+
+    cfg = load_job_config([*SCHEDULED, "--train.precision_schedule=fp8-bwd:4,fp8:decay,bf16", "--float8.emulate=true",
+                           f"--job.dump_folder={tmp_path}"])
+    roles: list[tuple] = []
+
+    class Recording(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            configs = {m.config for m in self.model.modules() if isinstance(m, Float8Linear)}
+            roles.append(tuple((c.cast_config_input.scaling_type is ScalingType.DISABLED,
+                                c.cast_config_grad_output.scaling_type is ScalingType.DISABLED) for c in configs))
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train_module, "Trainer", Recording)
+            state = run_schedule(PrecisionSchedule(cfg, world_size=1))
+    finally:
+        destroy_distributed()
+    assert state.step == 10 and state.mixed_precision == "bf16"
+    assert roles == [((True, False),), ((False, False),), ()]  # bf16 forward + fp8 backward; all fp8; bf16
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 11))
+    assert 'precision_schedule = ["fp8-bwd:4", "fp8:8", "bf16"]' in (tmp_path / "resolved.toml").read_text()

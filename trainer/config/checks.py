@@ -18,7 +18,7 @@ import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
-from trainer.config.phases import parse_precision_schedule
+from trainer.config.phases import schedule_phases
 from trainer.config.sections import Sections
 from trainer.errors import ConfigError
 from trainer.model_values import RULES, SAVED_FROM_CONFIG, saved_problem, value_problem
@@ -205,7 +205,9 @@ def _check_validation_precision(cfg: Sections) -> None:
     if cfg.validation.mixed_precision != "bf16":
         return
     train = cfg.train
-    precisions = [e.partition(":")[0].strip() for e in train.precision_schedule] or [train.mixed_precision]
+    # The schedule was checked before (check_config's order): its phases parse.
+    precisions = ([p.mixed_precision for p in schedule_phases(cfg)] if train.precision_schedule
+                  else [train.mixed_precision])
     wide = [p for p in precisions if p in ("fp32", "fp16")]
     if wide:
         key = "train.precision_schedule" if train.precision_schedule else "train.mixed_precision"
@@ -234,8 +236,7 @@ def _check_moe_experts(cfg: Sections) -> None:
         raise ConfigError(f"float8.moe_experts='blockwise' is not available: {BLOCKWISE_EXPERTS_REASON}; use 'rowwise'")
     if mode not in MOE_EXPERTS_MODES:
         raise ConfigError(f"float8.moe_experts={mode!r} is not one of {', '.join(map(repr, MOE_EXPERTS_MODES))}")
-    fp8_phase = t.precision_schedule and any(
-        p.precision == "fp8" for p in parse_precision_schedule(t.precision_schedule, total_steps=t.steps))
+    fp8_phase = t.precision_schedule and any(p.is_fp8 for p in schedule_phases(cfg))
     if mode != "off" and not t.is_fp8 and not fp8_phase and t.mixed_precision != "auto":  # auto: once it resolves
         raise ConfigError(
             f"float8.moe_experts='{mode}' applies to fp8 runs only, but train.mixed_precision='{t.mixed_precision}' "
@@ -422,8 +423,8 @@ def _check_precision_schedule(cfg: Sections) -> None:
     t = cfg.train
     if t.steps < 1:
         return  # reported by _check_ranges as train.steps
-    phases = parse_precision_schedule(t.precision_schedule, total_steps=t.steps)
-    fp8 = [p for p in phases if p.precision == "fp8"]
+    phases = schedule_phases(cfg)
+    fp8 = [p for p in phases if p.is_fp8]
     if fp8 and cfg.distributed.tp > 1:
         raise ConfigError(
             f"train.precision_schedule has an fp8 phase ({fp8[0]}) but distributed.tp={cfg.distributed.tp}: FP8 + "

@@ -46,7 +46,11 @@ NOTES: dict[str, str] = {
         "Change precision inside the run: \"precision:last_step\" entries, the last one without a step, e.g. "
         "[\"bf16:2000\", \"fp8:9500\", \"bf16\"] = bf16 for steps 1-2000, fp8 for 2001-9500, bf16 to train.steps. "
         "Overrides mixed_precision; needs checkpoint.enable (each switch saves a checkpoint, rebuilds the model and "
-        "resumes it in the same process). Empty = off (see docs/fp8.md)."),
+        "resumes it in the same process). A step may be \"decay\", the learning rate's decay onset (after the "
+        "warm-up for cosine and linear, at the end of wsd's constant stretch; constant has none): "
+        "[\"fp8:decay\", \"bf16\"]. Besides the precisions, \"fp8-fwd\" (FP8 forward, bf16 backward) and "
+        "\"fp8-bwd\" (bf16 forward, FP8 backward) are fp8 phases that set float8.forward / float8.backward. "
+        "The resolved steps are in the startup line and resolved.toml. Empty = off (see docs/fp8.md)."),
     "train.seed": (
         "Seed for weights and dropout-free RNG, 0 to 18446688729348 (each parameter's init generator is seeded with "
         "seed x 1000003 + crc32(fqn), which must fit torch's 64 bits); the data order has its own seed in [data]."),

@@ -43,7 +43,7 @@ class TrainSection:
     mixed_precision: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "bf16"
     """Compute dtype: fp32, fp16, bf16, fp8 (bf16 with torchao float8 linears) or auto (this machine's best)."""
     precision_schedule: list[str] = field(default_factory=list)
-    """Precision changes inside the run, e.g. ["bf16:2000", "fp8:9500", "bf16"]; needs checkpoint.enable."""
+    """Precision changes inside the run, e.g. ["bf16:2000", "fp8:9500", "bf16"] or ["fp8-bwd:decay", "bf16"] (a step may be "decay", the LR's decay onset); needs checkpoint.enable."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported)."""
     seed: int = 0
@@ -216,7 +216,15 @@ class Float8Section:
     emulate: bool = False
     """Emulate float8 matmuls in high precision (for machines without FP8 kernels; tests). Blockwise: a plain-torch quantize-dequantize with torchao's tiles and scales, then fp32 matmuls."""
     exclude_fqns: list[str] = field(default_factory=list)
-    """Extra module names (or fqn substrings) to keep in bf16; an entry matching no Linear is an error."""
+    """Extra Linears to keep in bf16, each a fqn or a run of its whole dotted segments ("output_head.proj", "layers.0", "mlp"; not "layers.0." nor the substring "up_pro"); an entry matching no Linear is an error."""
+    bf16_first_blocks: int = 0
+    """Keep the first N transformer blocks (layers.0 .. layers.N-1) in bf16, every Linear of them, whatever the layout (pipeline stages agree on the global block index); 0 = none. Each is named with its reason in the startup line and fp8_layers.json. docs/fp8.md#precision-per-block-and-per-gemm."""
+    bf16_last_blocks: int = 0
+    """Keep the last N transformer blocks in bf16 (layers.L-N .. layers.L-1 of the model's L = n_layers; DeepSeek-V3's MTP modules after them are not counted); 0 = none. docs/fp8.md#precision-per-block-and-per-gemm."""
+    forward: Literal["fp8", "bf16"] = "fp8"
+    """Which GEMM of a converted Linear (and of the FP8 experts) runs in FP8 in forward: fp8, or bf16 (the forward GEMM in bf16; the backward as float8.backward says). docs/fp8.md#precision-per-block-and-per-gemm."""
+    backward: Literal["fp8", "bf16"] = "fp8"
+    """The two backward GEMMs (input and weight gradients) of a converted Linear: fp8, or bf16 from the bf16 input and weight (the forward's FP8 casts are not reused): a bf16 Linear's gradients for the same forward. docs/fp8.md#precision-per-block-and-per-gemm."""
     require: bool = False
     """Fail instead of running bf16 when this CUDA GPU has no FP8 tensor cores (compute capability < 8.9), or no FP8 grouped GEMM for float8.moe_experts (sm90 only)."""
     scaling: Literal["dynamic", "delayed"] = "dynamic"

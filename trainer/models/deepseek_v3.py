@@ -26,15 +26,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer.model_values import DeepseekV3Args
 from trainer.models.counts import layer_param_counts, param_count
 from trainer.models.activations import ActivationPolicy, block_activation_bytes
-from trainer.models.layers import Decoder, TPPlan, TransformerBlock
-from trainer.models.mla import MLA
-from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router
-from trainer.models.mtp import MTPLayer, mtp_forward
+from trainer.models.layers import Decoder, TPPlan, TransformerBlock, prefixed
+from trainer.models.mla import MLA, mla_tp_plan
+from trainer.models.moe import MoE, MoEBlock, MoETransformer, Router, tp_plan as moe_tp_plan
+from trainer.models.mtp import MTPLayer, embeddings_ahead, mtp_forward, mtp_tp_plan, tokens_ahead
 
 # `debug_deepseek_v3` trains on a CPU in seconds (q LoRA, two expert groups, one MTP module); `deepseek_v3_16b` has
 # DeepSeek-V2-Lite's shapes (15.7B parameters, 2.4B active; Moonlight-16B-A3B is the same MLA at 64 experts top-6
@@ -135,27 +136,61 @@ class DeepseekV3(MoETransformer):
             raise ValueError("model.rope_scaling: DeepSeek-V3 flavors take plain RoPE here (YaRN, whose mscale "
                              "changes the softmax scale, is not implemented): set model.rope_scaling='none'")
         Decoder.__init__(self, args, [_block(args, i) for i in range(args.n_layers + args.mtp_layers)])
+        self.tp_group: dist.ProcessGroup | None = None  # tensor parallel's (set_sequence_group)
 
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the last main block [batch, seq, dim] (of this pipeline stage's blocks); in training
         with MTP modules, every depth's states for trainer.models.mtp.MTPLossFn: [(1 + mtp_layers) x batch, seq,
         dim], the main ones first. documents: as Decoder.forward's."""
-        emb, rope, mask = self.embed(tokens, documents)
+        mtp = [layer for name, layer in self.layers.items() if int(name) >= self.args.n_layers]
+        emb, ahead, rope, mask = self.embed_ahead(tokens, len(mtp) if self.training else 0, documents)
         h = emb
         for name, layer in self.layers.items():
             if int(name) < self.args.n_layers:
                 h = layer(h, rope, *mask)
-        mtp = [layer for name, layer in self.layers.items() if int(name) >= self.args.n_layers]
-        if not (self.training and mtp):
-            return h
-        # The embeddings of this forward, not a second call: their FSDP2 unit runs once per step. (MTP runs with
-        # the whole sequence and the whole model on one rank: trainer.validate refuses pp and cp with it.)
-        return mtp_forward(mtp, h, emb, rope, mask)
+        # (MTP runs with the whole model on one stage: trainer.validate refuses pp with it.)
+        return mtp_forward(mtp, h, ahead, rope, mask) if ahead else h
+
+    def embed_ahead(self, tokens: torch.Tensor, depths: int, documents: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, tuple]:
+        """Decoder.embed's (embeddings, rope, mask) and each MTP depth's Emb(t_{i+k}), from one call of the
+        embeddings (their FSDP2 unit runs once per step): shifted whole sequences, or under context and tensor
+        parallelism, where t_{i+k} may sit on another rank, the ids ahead looked up with the tokens
+        (trainer.models.mtp.tokens_ahead; tp: each rank keeps its sequence shard of the past-the-end masks)."""
+        if not depths or (self.cp is None and self.tp_group is None):
+            emb, rope, mask = self.embed(tokens, documents)
+            return emb, embeddings_ahead(emb, depths), rope, mask
+        ids, keep = tokens_ahead(tokens, depths, self.cp, whole=documents)
+        # The ids ahead ride in the tokens' lookup; RoPE rows and the document mask are the tokens' own, from the
+        # whole rows (`documents`, or `tokens` where they are whole), not from the stacked ids.
+        rows, rope, mask = self.embed(ids, tokens if documents is None else documents)
+        emb, *ahead = rows.chunk(1 + depths, dim=0)
+        if self.tp_group is not None:  # this rank's sequence shard of the whole sequences' masks
+            start = dist.get_rank(self.tp_group) * emb.shape[1]
+            keep = [k[start:start + emb.shape[1]] for k in keep]
+        return emb, [e * k for e, k in zip(ahead, keep)], rope, mask
+
+    def set_sequence_group(self, group: dist.ProcessGroup) -> None:
+        """Tensor parallel (trainer.models.deepseek_v3.tp_plan's sequence_modules): the tp group, whose ranks hold
+        the other shards of each sequence, which the MTP modules' embeddings ahead are cut from."""
+        self.tp_group = group
 
 
 def tp_plan(model: DeepseekV3, *, loss_parallel: bool) -> TPPlan:
-    raise ValueError("distributed.tp > 1 with a deepseek_v3 flavor: MLA has no tensor-parallel plan here yet; use "
-                     "FSDP (dp_shard) and expert parallelism (ep)")
+    """The MoE family's plan (trainer.models.moe.tp_plan: dense MLPs and shared experts tensor-parallel, routed
+    experts whole on each tp rank's sequence slice) with MLA's attention (trainer.models.mla.mla_tp_plan) in place
+    of q/k/v; an MTP module's own norms and eh_proj on each rank's sequence shard (trainer.models.mtp.mtp_tp_plan)."""
+    plan = moe_tp_plan(model, loss_parallel=loss_parallel)
+    for name, block in model.layers.items():
+        gqa = {f"attention.{n}" for n in ("q_proj", "k_proj", "v_proj")}
+        plan.blocks[name] = ({fqn: style for fqn, style in plan.blocks[name].items() if fqn not in gqa}
+                             | prefixed("attention", mla_tp_plan(block.attention))
+                             | (mtp_tp_plan() if isinstance(block, MTPLayer) else {}))
+    if model.args.mtp_layers:  # the embeddings ahead are cut from whole sequences, then sharded: the model needs tp's
+        plan.sequence_modules.append(model)
+    plan.summary = ("; MLA: q_b_proj/kv_b_proj column-parallel over heads, q_a_proj/kv_a_proj_with_mqa and their norms "
+                    "replicated" + plan.summary)
+    return plan
 
 
 # ---------------------------------------------------------------------------

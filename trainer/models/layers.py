@@ -231,6 +231,10 @@ class SequenceChunks(Protocol):
         """Global positions of this rank's `local_len` tokens."""
         ...
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequences [batch, S] of every rank's chunks of x [batch, local_len] (ids: no gradient)."""
+        ...
+
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's chunks of a whole-sequence tensor, along `dim`."""
         ...

@@ -21,6 +21,12 @@ padded with zeros to the query's width for SDPA (which the flash kernels need) a
 columns of the output are zero and dropped, so the result is exact.
 
 The low-rank norms use eps 1e-6 whatever model.norm_eps is, as transformers' DeepseekV3Attention builds them.
+
+Tensor parallel (`mla_tp_plan`, as torchtitan's deepseek_v3 plan): q_b_proj, kv_b_proj (or the plain q_proj)
+column-parallel over the heads, o_proj row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms, which normalize
+over their whole width, replicated over the tp ranks (their weights Replicate DTensors, fed the gathered sequence).
+Their gradients are whole on every rank: the column-parallel layers after them sum their input's gradient over the
+tp ranks in backward, and so does `rope_key` for the RoPE key, which each rank's heads share (an identity here).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.nn.attention.flex_attention import BlockMask
 
 from trainer.model_values import DeepseekV3Args
@@ -54,6 +63,9 @@ class MLA(AttentionCore):
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, LOW_RANK_NORM_EPS)
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+        # The RoPE key every head shares: an identity, where tensor parallel sums its gradient over the tp ranks,
+        # each of which holds some heads' share of it (mla_tp_plan). No parameters.
+        self.rope_key = nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: BlockMask | torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -63,6 +75,7 @@ class MLA(AttentionCore):
         q = q.view(bsz, seq_len, -1, self.qk_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rot = self.rope_key(k_rot)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(bsz, seq_len, -1, self.nope + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
         if rope.dim() == 3:  # one table for every row; else each token's own position (document masking)
@@ -79,3 +92,45 @@ class MLA(AttentionCore):
                 q, k = F.pad(q, (0, q_pad)) * (scale * self.v_dim**0.5), F.pad(k, (0, q_pad))
         out = self.attend(q, k, v, mask)[..., : self.v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallel (trainer.models.deepseek_v3.tp_plan puts this under each block's `attention.`)
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module computed whole on every tp rank (torchtitan's NoParallel): its parameters Replicate DTensors, its
+    input (already whole: the gathered sequence) and output plain tensors. The output's gradient must be whole and
+    the same on every rank, as the column-parallel layers after MLA's low-rank projections make it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def wrap(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        return distribute_module(module, device_mesh, replicate, input_fn=wrap,
+                                 output_fn=lambda mod, out, mesh: out.to_local())
+
+
+class SumGradient(ParallelStyle):
+    """Identity forward; backward sums the output's gradient over the tp ranks (Megatron's copy to the tensor
+    parallel region), for a tensor each rank uses only a part of."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partial_gradient(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(out, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+
+        module.register_forward_hook(partial_gradient)
+        return module
+
+
+def mla_tp_plan(attention: MLA) -> dict[str, ParallelStyle]:
+    """MLA's plan, fqns relative to the attention module (the module docstring): heads split over the tp ranks."""
+    q = ({"q_a_proj": ReplicateParallel(), "q_a_layernorm": ReplicateParallel(), "q_b_proj": ColwiseParallel()}
+         if attention.q_lora_rank else {"q_proj": ColwiseParallel()})
+    return q | {"kv_a_proj_with_mqa": ReplicateParallel(), "kv_a_layernorm": ReplicateParallel(),
+                "kv_b_proj": ColwiseParallel(), "rope_key": SumGradient()}

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.models.moe_experts import GROUP_ALIGN, ExpertKernel, ExpertRows
+from trainer.models.moe_experts import GROUP_ALIGN, ExpertKernel, ExpertRows, GroupedSwiGLU
 from trainer.models.moe_permute import padded_layout
 
 E4M3 = torch.float8_e4m3fn
@@ -317,3 +317,40 @@ class Fp8GroupedSwiGLU(ExpertKernel):
     def __call__(self, rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
         return fp8_grouped_swiglu(rows.source, rows.index, rows.inverse, rows.counts, w1, w2, w3, k=rows.k,
                                   weights=self.weights, emulate=self.emulate, align=GROUP_ALIGN)
+
+
+class _RolesSwiGLU(torch.autograd.Function):
+    """The expert MLP with one direction in FP8 and the other in bf16 (float8.forward / float8.backward): the
+    forward kernel's output, and in backward exactly the backward kernel's gradients at the same inputs, found by
+    running that kernel's forward again from the saved bf16 source rows and weights (never the forward's FP8
+    copies). The price is one more forward of the expert GEMMs in backward, as activation checkpointing pays."""
+
+    @staticmethod
+    def forward(ctx, source, w1, w2, w3, forward_kernel, backward_kernel, rows):
+        ctx.save_for_backward(source, w1, w2, w3)
+        ctx.backward_kernel, ctx.rows = backward_kernel, rows
+        return forward_kernel(rows(source), w1, w2, w3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.backward_kernel(ctx.rows(inputs[0]), *inputs[1:])
+        return (*torch.autograd.grad(out, inputs, grad), None, None, None)
+
+
+class Fp8RolesSwiGLU(Fp8GroupedSwiGLU):
+    """The FP8 experts' kernel with a bf16 role (float8.forward or float8.backward = 'bf16'): `_RolesSwiGLU` over
+    the FP8 kernel and the bf16 one (`GroupedSwiGLU`). The same FP8 weight cache as the all-FP8 kernel."""
+
+    def __init__(self, weights: Fp8ExpertWeights, *, emulate: bool, forward: str, backward: str):
+        super().__init__(weights, emulate=emulate)
+        assert {forward, backward} == {"fp8", "bf16"}, (forward, backward)
+        self.forward, self.backward = forward, backward
+
+    @torch.compiler.disable
+    def __call__(self, rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+        fp8, bf16 = super().__call__, GroupedSwiGLU()
+        kernels = (fp8, bf16) if self.forward == "fp8" else (bf16, fp8)
+        rebuilt = functools.partial(ExpertRows, index=rows.index, inverse=rows.inverse, counts=rows.counts, k=rows.k)
+        return _RolesSwiGLU.apply(rows.source, w1, w2, w3, *kernels, rebuilt)

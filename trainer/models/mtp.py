@@ -7,7 +7,9 @@
 h^0 is the main model's last hidden states (before its final norm); the embeddings and the output head are the main
 model's. Module k's states at positions i >= seq - k have no input token t_{i+k} (their rows get zeros) and no
 target: `mtp_labels` ignores them, and every target whose span crosses an ignored main label (a document boundary
-under data.eod_mask_loss), so no depth trains across a boundary the main loss does not.
+under data.eod_mask_loss), so no depth trains across a boundary the main loss does not. Under context and tensor
+parallelism, where t_{i+k} may sit in another rank's chunk or sequence shard, it is looked up from the whole
+sequences' ids (`tokens_ahead`; under cp gathered over the cp group, which gives the labels k ahead too: `MTPLossFn`).
 
 The loss (`MTPLossFn`): the main summed loss plus mtp_loss_weight / D x the sum over depths of each depth's summed
 loss. The step divides the sum by the main loss's valid labels of the global batch (trainer/run/step.py), so a
@@ -23,13 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
 from trainer.hooks import StepHook
 from trainer.loss import IGNORE_INDEX, LossFn, build_loss_fn, chunked_cross_entropy, local_loss
 from trainer.model_values import DeepseekV3Args, ModelArgs
-from trainer.models.layers import RMSNorm
+from trainer.models.layers import RMSNorm, SequenceChunks
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +56,50 @@ class MTPLayer(nn.Module):
         return out, self.shared_head_norm(out)
 
 
-def mtp_forward(layers: list[nn.Module], h: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor, mask: tuple
+def mtp_forward(layers: list[nn.Module], h: torch.Tensor, ahead: list[torch.Tensor], rope: torch.Tensor, mask: tuple
                 ) -> torch.Tensor:
     """Every depth's states after the main ones: [(1 + D) x batch, seq, dim] (main h, then each depth's normed h);
-    `emb` the tokens' embeddings [batch, seq, dim]."""
+    `ahead` each depth's embeddings Emb(t_{i+k}) [batch, seq, dim] (`embeddings_ahead`, `tokens_ahead`)."""
     outs, prev = [h], h
-    for k, layer in enumerate(layers, 1):
-        shifted = torch.cat([emb[:, k:], emb.new_zeros(emb.shape[0], k, emb.shape[2])], dim=1)  # Emb(t_{i+k})
-        prev, normed = layer(prev, shifted, rope, *mask)
+    for layer, emb in zip(layers, ahead):
+        prev, normed = layer(prev, emb, rope, *mask)
         outs.append(normed)
     return torch.cat(outs, dim=0)
+
+
+def embeddings_ahead(emb: torch.Tensor, depths: int) -> list[torch.Tensor]:
+    """Each depth k's Emb(t_{i+k}) from whole sequences' embeddings [batch, seq, dim]: shifted by k, zero rows
+    past the end."""
+    return [torch.cat([emb[:, k:], emb.new_zeros(emb.shape[0], k, emb.shape[2])], dim=1)
+            for k in range(1, depths + 1)]
+
+
+def tokens_ahead(tokens: torch.Tensor, depths: int, cp: SequenceChunks | None, *, whole: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Where t_{i+k} may sit on another rank (a cp rank's chunk, a tp rank's sequence shard): (the tokens, then each
+    depth's ids t_{i+k} at their positions i, stacked on the batch dim for one embedding lookup; each depth's mask
+    [seq, 1] of the positions with an i + k in the sequence, whose embeddings `embeddings_ahead` keeps). Under cp the
+    ids come from the whole sequences (`whole` where the caller has them, else gathered over the cp group: ids are
+    cheap, no gradient) and are this rank's chunks; without (tensor parallel) `tokens` are the whole sequences, which
+    the embeddings shard after the lookup."""
+    if cp is not None:
+        whole = cp.whole(tokens) if whole is None else whole.to(tokens.device)
+    else:
+        whole = tokens
+    positions = (torch.arange(whole.shape[1], device=tokens.device) if cp is None
+                 else cp.positions(tokens.shape[1], tokens.device))
+    ids, keep = [tokens], []
+    for k in range(1, depths + 1):
+        ahead = F.pad(whole[:, k:], (0, k))
+        ids.append(ahead if cp is None else cp.shard(ahead))
+        keep.append((positions + k < whole.shape[1]).unsqueeze(-1))
+    return torch.cat(ids, dim=0), keep
+
+
+def mtp_tp_plan() -> dict[str, ParallelStyle]:
+    """An MTP module's own modules under tensor parallel (fqns relative to the module; its block is planned like the
+    others): each on this rank's sequence shard with replicated weights (their gradients summed over tp)."""
+    return {name: SequenceParallel(use_local_output=True) for name in ("enorm", "hnorm", "eh_proj", "shared_head_norm")}
 
 
 def mtp_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
@@ -78,9 +115,12 @@ class MTPLossFn(LossFn):
     """The LM loss plus the MTP losses (module docstring); on main states alone (evaluation), the LM loss."""
 
     def __init__(self, norm: nn.Module, output_head: nn.Module, *, depths: int, weight: float, chunk_tokens: int = 0,
-                 compile: bool = False):
+                 compile: bool = False, cp: SequenceChunks | None = None):
         super().__init__(norm, output_head, chunk_tokens=chunk_tokens, compile=compile)
         self.depths, self.weight = depths, weight
+        # Under context parallelism the labels are this rank's chunks: a depth's targets, labels[i + k] over the
+        # window [i, i + k], are cut from the whole sequences' (gathered over the cp group) instead.
+        self.cp = cp
         self.sums = torch.zeros(depths)  # since the last pop_metrics: each depth's summed loss and its targets
         self.counts = torch.zeros(depths)
 
@@ -89,8 +129,9 @@ class MTPLossFn(LossFn):
             return super().sum(h, labels)
         parts = h.chunk(1 + self.depths, dim=0)
         total = super().sum(parts[0], labels)
+        whole = labels if self.cp is None else self.cp.whole(labels)
         for k, part in enumerate(parts[1:], 1):
-            target = mtp_labels(labels, k)
+            target = mtp_labels(whole, k) if self.cp is None else self.cp.shard(mtp_labels(whole, k))
             if self.chunk_tokens:
                 depth = chunked_cross_entropy(self._chunk_head_only, part, target, chunk_tokens=self.chunk_tokens)
             else:
@@ -131,7 +172,7 @@ def mtp_or_plain_loss_fn(model: nn.Module, args: ModelArgs, *, chunk_tokens: int
     logger.info("multi-token prediction: %d MTP modules, each predicting one token further; loss + %g x their mean "
                 "(mtp_loss_1, ... in the metrics)", depths, args.mtp_loss_weight)
     return MTPLossFn(model.norm, model.output_head, depths=depths, weight=args.mtp_loss_weight,
-                     chunk_tokens=chunk_tokens, compile=compile)
+                     chunk_tokens=chunk_tokens, compile=compile, cp=model.cp)
 
 
 class MTPLossMetrics(StepHook):

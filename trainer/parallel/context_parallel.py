@@ -66,6 +66,16 @@ class ContextParallel:
         first, second = self.chunks()
         return torch.cat([x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim=dim)
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequences [batch, S] of this rank's chunks [batch, 2c] of every rank's (token ids or labels:
+        an all-gather over the cp group, without gradient); the inverse of `shard`."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        batch, chunk = x.shape[0], x.shape[1] // 2
+        slots = torch.stack(parts, dim=1).view(batch, 2 * self.size, chunk)  # rank order: chunks r and 2N-1-r
+        order = torch.tensor(gathered_chunk_order(self.size), device=x.device)
+        return slots.index_select(1, order).view(batch, 2 * self.size * chunk)
+
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's `local_len` tokens (for RoPE), cached."""
         key = (local_len, str(device))

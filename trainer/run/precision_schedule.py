@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import CheckpointError, scan_checkpoints
 from trainer.config import JobConfig
-from trainer.config.phases import Phase, parse_precision_schedule, phase_index
+from trainer.config.phases import ROLES, Phase, phase_index, resolved_entries, schedule_phases
 from trainer.distributed import init_distributed
 from trainer.validate import ResolvedJob, validate_job, with_config
 
@@ -43,9 +43,11 @@ def phase_config(cfg: JobConfig, phases: list[Phase], k: int, *, load_step: int)
     load_step: -1 resumes as the run's config says; >= 0 pins the checkpoint (the previous phase's boundary).
     """
     phase, p, c = phases[k], cfg.profiling, cfg.checkpoint
+    forward, backward = ROLES.get(phase.precision, (cfg.float8.forward, cfg.float8.backward))
     return dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, mixed_precision=phase.precision, precision_schedule=[]),
+        train=dataclasses.replace(cfg.train, mixed_precision=phase.mixed_precision, precision_schedule=[]),
+        float8=dataclasses.replace(cfg.float8, forward=forward, backward=backward),
         checkpoint=dataclasses.replace(
             c, load_step=c.load_step if load_step < 0 else load_step,
             # After the first phase the run resumes its own checkpoints, never the seed weights.
@@ -59,7 +61,7 @@ def phase_config(cfg: JobConfig, phases: list[Phase], k: int, *, load_step: int)
 def resolve_phases(cfg: JobConfig, *, world_size: int) -> list[ResolvedJob]:
     """validate_job for each phase's config (FP8 exclusions and hardware are checked if any phase is fp8),
     before the process group exists; all phases share one ParallelDims, so its meshes are built once."""
-    phases = parse_precision_schedule(cfg.train.precision_schedule, total_steps=cfg.train.steps)
+    phases = schedule_phases(cfg)
     by_precision: dict[str, ResolvedJob] = {}
     for k, phase in enumerate(phases):
         if phase.precision not in by_precision:
@@ -90,7 +92,7 @@ class PrecisionSchedule:
 
     def __init__(self, cfg: JobConfig, *, world_size: int):
         self.cfg = cfg
-        self.phases = parse_precision_schedule(cfg.train.precision_schedule, total_steps=cfg.train.steps)
+        self.phases = schedule_phases(cfg)
         self._jobs = resolve_phases(cfg, world_size=world_size)
 
     def start(self) -> int:
@@ -112,8 +114,11 @@ class PrecisionSchedule:
 
         load_step: -1 resumes as the run's config says; >= 0 pins the checkpoint (the previous phase's boundary).
         """
-        return with_config(self._jobs[k], phase_config(self.cfg, self.phases, k, load_step=load_step),
-                           run_cfg=self.cfg, stop_step=self.phases[k].last_step)
+        phase_cfg = phase_config(self.cfg, self.phases, k, load_step=load_step)
+        # resolved.toml names the whole schedule with its steps resolved ("fp8:decay" -> "fp8:900").
+        resolved = dataclasses.replace(phase_cfg, train=dataclasses.replace(
+            phase_cfg.train, precision_schedule=resolved_entries(self.phases)))
+        return with_config(self._jobs[k], resolved, run_cfg=self.cfg, stop_step=self.phases[k].last_step)
 
     def switch(self, k: int, *, saved: bool) -> int:
         """After phase k ended at its boundary: the next phase's load step; a boundary not saved is an error."""

@@ -18,11 +18,6 @@ from trainer.errors import ConfigError
 from trainer.model_values import DeepseekV3Args, ModelArgs
 from trainer.parallel import ParallelDims
 
-_MTP_WHY = {
-    "pp": "the MTP modules and their loss need the main model's last states, embeddings and head on one stage",
-    "cp": "an MTP module reads the embedding k tokens ahead, which another rank's chunk holds",
-}
-
 
 def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
     """ConfigError for a [deepseek_v3] key set on another family's flavor, and for what a DeepSeek-V3 model refuses."""
@@ -33,14 +28,10 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                               f"model.flavor={cfg.model.flavor!r} is not a DeepSeek-V3 flavor; remove it or pick one "
                               "(debug_deepseek_v3, deepseek_v3_16b)")
         return
-    if pd.tp > 1:
-        raise ConfigError(f"distributed.tp={pd.tp} with the DeepSeek-V3 flavor {cfg.model.flavor!r}: MLA's "
-                          "projections have no tensor-parallel plan yet; set distributed.tp=1 (FSDP, expert, pipeline "
-                          "and context parallelism are supported)")
-    for key, degree in (("pp", pd.pp), ("cp", pd.cp)):
-        if degree > 1 and args.mtp_layers:
-            raise ConfigError(f"distributed.{key}={degree} with deepseek_v3.mtp_layers={args.mtp_layers}: "
-                              f"{_MTP_WHY[key]}; set deepseek_v3.mtp_layers=0 or distributed.{key}=1")
+    if pd.pp > 1 and args.mtp_layers:
+        raise ConfigError(f"distributed.pp={pd.pp} with deepseek_v3.mtp_layers={args.mtp_layers}: the MTP modules and "
+                          "their loss need the main model's last states, embeddings and head on one stage; set "
+                          "deepseek_v3.mtp_layers=0 or distributed.pp=1")
     if args.rope_scaling is not None:
         raise ConfigError(f"model.rope_scaling={args.rope_scaling.kind!r} with the DeepSeek-V3 flavor "
                           f"{cfg.model.flavor!r}: its RoPE is plain here (YaRN, whose mscale changes the softmax scale, "

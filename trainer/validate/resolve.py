@@ -20,6 +20,7 @@ from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
 from trainer.data.sources import SampleSource
 from trainer.data.tokenizer import eos_id
 from trainer.errors import ConfigError
+from trainer.validate.float8_roles import all_gather_with_roles, check_float8_roles, resolve_bf16_blocks
 from trainer.model_values import SAVED_INTEGERS, values_problem
 from trainer.models import FLAVORS, ModelArgs, build_model, family_of
 from trainer.parallel import ACOptions, BuildOptions, FSDPOptions, ParallelDims
@@ -79,6 +80,8 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
     plans for GPUs with FP8 tensor cores).
     """
     f8 = cfg.float8
+    check_float8_roles(cfg)
+    bf16_blocks = resolve_bf16_blocks(cfg, args.n_layers)
     all_gather = f8.enable_fsdp_float8_all_gather
     if all_gather == "auto":  # rowwise and blockwise weights are all-gathered in bf16
         # Only where the shard group crosses machines: there the gather's bytes cost (fp8 halves them); within one,
@@ -90,10 +93,12 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
             all_gather = False
             logger.info("float8.enable_fsdp_float8_all_gather='auto': off, as validation.mixed_precision='bf16' "
                         "evaluates with the bf16 weights (gathered float8 weights have no bf16 copy)")
+        all_gather = all_gather_with_roles(cfg, all_gather)
     with torch.device("meta"):
         shapes = build_model(args)
     try:
-        converted, excluded, _ = select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns), recipe=f8.recipe)
+        converted, excluded, _ = select_float8_linears(shapes, exclude_fqns=list(f8.exclude_fqns), recipe=f8.recipe,
+                                                       bf16_blocks=bf16_blocks)
     except ValueError as e:  # an exclude_fqns entry that matches nothing
         raise ConfigError(str(e)) from None
     # What really runs is decided here, once: every startup line (the precision line, fp8_layers.json, the memory
@@ -106,7 +111,8 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
                             moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd),
                             delayed=DelayedScalingSettings(f8.amax_history_len, f8.amax_compute_algo, f8.margin)
-                            if f8.scaling == "delayed" else None, save_fp8_activations=f8.save_fp8_activations)
+                            if f8.scaling == "delayed" else None, save_fp8_activations=f8.save_fp8_activations,
+                            bf16_blocks=tuple(bf16_blocks.items()), forward=f8.forward, backward=f8.backward)
     fates = {fqn: UNAVAILABLE if unavailable else "converted" for fqn in converted} | excluded
     by_shape = [f"{fqn} ({why.removeprefix('shape ')})" for fqn, why in excluded.items() if why.startswith("shape ")]
     if by_shape and not unavailable:  # a model's own shapes can leave projections out of FP8: never silent
@@ -120,6 +126,7 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
 def check_float8_exclusions(cfg: JobConfig, args: ModelArgs) -> None:
     """float8.exclude_fqns on a run that is not fp8: each entry must still name a Linear (docs/fp8.md calls a
     typo an error; caught here before a switch to fp8 or a precision schedule's fp8 phase trips on it)."""
+    resolve_bf16_blocks(cfg, args.n_layers)  # the same bounds as an fp8 run's (a schedule's fp8 phase would trip)
     if not cfg.float8.exclude_fqns:
         return
     with torch.device("meta"):

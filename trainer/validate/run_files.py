@@ -97,6 +97,14 @@ def _flag_value(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
+def _roles_and_blocks(forward: str, backward: str, bf16_blocks: tuple[tuple[int, str], ...]) -> str:
+    """What the precision line adds for float8.forward / backward and the bf16 blocks ('' for neither)."""
+    text = "" if forward == backward else f", FP8 {'forward' if forward == 'fp8' else 'backward'} only"
+    if bf16_blocks:
+        text += f", blocks {', '.join(f'layers.{i}' for i, _ in bf16_blocks)} in bf16"
+    return text
+
+
 def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: BuildOptions,
                        float8_layers: dict[str, str] | None) -> str:
     """The startup log's one line on precision: compute, FP8, master weights, gradient reduction.
@@ -111,7 +119,8 @@ def describe_precision(*, mixed_precision: str, bf16_update: str | None, build: 
         n = sum(1 for fate in (float8_layers or {}).values() if fate == "converted")
         parts[0] += (f", FP8 {f8.recipe} matmuls in {n} Linear layers ({'EMULATED, ' if f8.emulate else ''}"
                      f"{f8.format}: {'e5m2 gradients' if f8.format == 'hybrid' else 'e4m3 everywhere'}"
-                     f"{', delayed scaling' if f8.delayed else ''}{', fp8 inputs saved' * f8.save_fp8_activations})")
+                     f"{', delayed scaling' if f8.delayed else ''}{', fp8 inputs saved' * f8.save_fp8_activations}"
+                     f"{_roles_and_blocks(f8.forward, f8.backward, f8.bf16_blocks)})")
     if f8 is not None and f8.moe_experts != "off":
         parts[0] += (f"; routed experts in {compute} (FP8 grouped GEMMs unavailable on this device)"
                      if f8.experts_unavailable else f" and FP8 {f8.moe_experts} grouped GEMMs in the routed experts")

@@ -29,7 +29,8 @@ def float8_converters(options: Float8Options) -> list[Float8Converter]:
     converters: list[Float8Converter] = [LINEAR_CONVERTERS[options.recipe](options)]
     if options.moe_experts != "off":
         converters.append(Fp8Experts(mode=options.moe_experts, emulate=options.emulate, require=options.require,
-                                     per_step_weights=options.expert_weights_per_step))
+                                     per_step_weights=options.expert_weights_per_step, forward=options.forward,
+                                     backward=options.backward))
     return converters
 
 

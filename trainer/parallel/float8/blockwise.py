@@ -113,6 +113,47 @@ def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 blockwise_fp8_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _padded(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`t` (2-D) with zero rows up to a multiple of 128, row-major (torchao's kernels need both); and the pad."""
+    pad = -t.shape[0] % BLOCK
+    return (F.pad(t, (0, 0, 0, pad)) if pad else t).contiguous(), pad
+
+
+class BlockwiseRolesMM(torch.autograd.Function):
+    """x @ weight.T with one role in blockwise FP8 and the other in high precision (float8.forward / backward).
+
+    FP8 forward: the blockwise forward GEMM; bf16 forward: x @ weight.T. FP8 backward: the blockwise dgrad and
+    wgrad from the saved high-precision x and weight; bf16 backward: dgrad = grad @ weight, wgrad = grad.T @ x
+    from the same bf16 tensors (mm's own backward: a bf16 Linear's gradients), never the forward's FP8 casts.
+    x is 2-D and unpadded: only the FP8 GEMMs pad its rows to a multiple of 128."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, forward_fp8: bool, emulate: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.forward_fp8, ctx.emulate = forward_fp8, emulate
+        if not forward_fp8:
+            return x.mm(weight.t())
+        xp, pad = _padded(x)
+        out = ((quantize_dequantize(xp, (1, BLOCK)) @ quantize_dequantize(weight, (BLOCK, BLOCK)).t()).to(x.dtype)
+               if emulate else blockwise_fp8_mm(xp, weight).to(x.dtype))
+        return out[: out.shape[0] - pad] if pad else out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        if ctx.forward_fp8:  # the backward in high precision
+            return grad.mm(weight), grad.t().mm(x), None, None
+        xp, pad = _padded(x)
+        gp, _ = _padded(grad)
+        if ctx.emulate:
+            grad_x = quantize_dequantize(gp, (1, BLOCK)) @ quantize_dequantize(weight, (BLOCK, BLOCK))
+            grad_w = quantize_dequantize(gp, (BLOCK, 1)).t() @ quantize_dequantize(xp, (BLOCK, 1))
+        else:
+            grad_x, grad_w = blockwise_fp8_mm_backward(gp, xp, weight)
+        grad_x = grad_x[: grad_x.shape[0] - pad] if pad else grad_x
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None, None
+
+
 class BlockwiseFloat8Linear(nn.Linear):
     """nn.Linear whose matmul runs blockwise FP8 forward and backward; the weight (and a bias, added in the compute
     dtype: GPT-OSS's attention) stays high precision.
@@ -123,17 +164,25 @@ class BlockwiseFloat8Linear(nn.Linear):
     """
 
     emulate: bool = False
+    roles: tuple[str, str] = ("fp8", "fp8")
+    """(float8.forward, float8.backward): with a bf16 role, BlockwiseRolesMM runs that role's GEMMs in bf16."""
 
     @classmethod
-    def from_linear(cls, mod: nn.Linear, *, emulate: bool) -> BlockwiseFloat8Linear:
+    def from_linear(cls, mod: nn.Linear, *, emulate: bool, roles: tuple[str, str] = ("fp8", "fp8")
+                    ) -> BlockwiseFloat8Linear:
         assert mod.in_features % BLOCK == 0 and mod.out_features % BLOCK == 0, mod
         mod.__class__ = cls  # in place: the same Parameter object (and any hooks); only forward changes
-        mod.emulate = emulate
+        mod.emulate, mod.roles = emulate, tuple(roles)
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2d = x.reshape(-1, k)
+        if self.roles != ("fp8", "fp8"):
+            out = BlockwiseRolesMM.apply(x2d, self.weight, self.roles[0] == "fp8", self.emulate)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.reshape(*lead, out.shape[-1])
         pad = -x2d.shape[0] % BLOCK
         if pad:
             x2d = F.pad(x2d, (0, 0, 0, pad))
@@ -149,12 +198,14 @@ class BlockwiseFloat8Linear(nn.Linear):
         return out.reshape(*lead, out.shape[-1])
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, blockwise fp8 1x128/128x128{', emulated' if self.emulate else ''}"
+        roles = "" if self.roles == ("fp8", "fp8") else f", forward {self.roles[0]}, backward {self.roles[1]}"
+        return f"{super().extra_repr()}, blockwise fp8 1x128/128x128{', emulated' if self.emulate else ''}{roles}"
 
 
-def convert_to_blockwise(model: nn.Module, fqns: set[str], *, emulate: bool) -> None:
+def convert_to_blockwise(model: nn.Module, fqns: set[str], *, emulate: bool,
+                         roles: tuple[str, str] = ("fp8", "fp8")) -> None:
     """Swap the nn.Linear modules named in `fqns` for BlockwiseFloat8Linear, in place."""
     for fqn in fqns:
         parent_fqn, _, name = fqn.rpartition(".")
         parent = model.get_submodule(parent_fqn)
-        setattr(parent, name, BlockwiseFloat8Linear.from_linear(getattr(parent, name), emulate=emulate))
+        setattr(parent, name, BlockwiseFloat8Linear.from_linear(getattr(parent, name), emulate=emulate, roles=roles))

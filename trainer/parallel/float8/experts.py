@@ -21,7 +21,7 @@ from torch import nn
 from trainer.hooks import StepHook
 from trainer.models.layers import clean_fqn
 from trainer.models.moe_experts import GroupedExperts, GroupedSwiGLU
-from trainer.models.moe_fp8 import Fp8ExpertWeights, Fp8GroupedSwiGLU
+from trainer.models.moe_fp8 import Fp8ExpertWeights, Fp8GroupedSwiGLU, Fp8RolesSwiGLU
 from trainer.parallel.float8.hardware import fp8_grouped_supported, refuse_or_warn
 from trainer.parallel.float8.report import Float8Converter
 
@@ -51,6 +51,10 @@ class Fp8Experts(Float8Converter):
     emulate: bool = False
     require: bool = False
     per_step_weights: bool = False
+    forward: str = "fp8"
+    """float8.forward: 'bf16' runs the experts' forward GEMMs in bf16 (Fp8RolesSwiGLU)."""
+    backward: str = "fp8"
+    """float8.backward: 'bf16' gives the bf16 experts' gradients (Fp8RolesSwiGLU)."""
     num_layers: int = 0
     """MoE layers whose experts it converted (0: none here, or no FP8 grouped GEMM on this device)."""
 
@@ -67,7 +71,9 @@ class Fp8Experts(Float8Converter):
                            instead=f"The routed experts train in BF16 instead (float8.moe_experts='{self.mode}').")
             return
         for module in experts.values():
-            module.use(kernel=Fp8GroupedSwiGLU(Fp8ExpertWeights(per_step=self.per_step_weights), emulate=self.emulate))
+            weights = Fp8ExpertWeights(per_step=self.per_step_weights)
+            module.use(kernel=Fp8GroupedSwiGLU(weights, emulate=self.emulate) if self.forward == self.backward
+                       else Fp8RolesSwiGLU(weights, emulate=self.emulate, forward=self.forward, backward=self.backward))
         self.num_layers = len(experts)
         logger.info(self.lines()[0])
         logger.info("FP8 grouped GEMMs: %s", "EMULATED in high precision (float8.emulate=true)" if self.emulate
@@ -88,8 +94,11 @@ class Fp8Experts(Float8Converter):
             return []
         weights = ("once per optimizer step and kept for its forwards" if self.per_step_weights
                    else "in each forward and backward, none kept")
+        gemms = {("fp8", "fp8"): "forward and dgrad in e4m3, wgrad bf16",
+                 ("fp8", "bf16"): "forward in e4m3; backward bf16, the bf16 experts' gradients from a bf16 recompute",
+                 ("bf16", "fp8"): "forward bf16; dgrad in e4m3 and wgrad bf16 from an FP8 recompute in backward"}
         return [f"routed experts: FP8 {self.mode} grouped GEMM, layers.*.moe.experts.{{w1,w2,w3}} x{self.num_layers} "
-                f"(forward and dgrad in e4m3, wgrad bf16; tokens quantized once before the expert gather, weights "
+                f"({gemms[self.forward, self.backward]}; tokens quantized once before the expert gather, weights "
                 f"quantized {weights})"]
 
     @classmethod

@@ -26,7 +26,7 @@ from trainer.hooks import StepHook
 from trainer.models.layers import clean_fqn
 from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear, convert_to_blockwise
 from trainer.parallel.float8.hardware import fp8_supported, refuse_or_warn
-from trainer.parallel.float8.options import DelayedScalingSettings, Float8Options, Recipe
+from trainer.parallel.float8.options import DelayedScalingSettings, Float8Options, Recipe, describe_roles
 from trainer.parallel.float8.report import Float8Converter, group_fqns
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ _CONVERT = re.compile(r"(^|\.)(attention\.(q|k|v|o|q_a|q_b|kv_b)_proj|attention\
 # GEMMs next to the routed ones; kept bf16 like the routed experts until measured to pay) and
 # routed experts (3-D weights run by a grouped GEMM, not nn.Linear; listed for models that
 # hold them as Linears).
+# A transformer block's Linear: layers.<global index>. (pipeline stages keep the whole model's block names).
+_BLOCK = re.compile(r"^layers\.(\d+)\.")
 _ALWAYS_EXCLUDED = [
     (re.compile(r"(^|\.)(router|gate_router)(\.|$)"), "MoE router"),
     (re.compile(r"(^|\.)shared_experts?(\.|$)"), "MoE shared expert"),
@@ -59,27 +61,27 @@ _ALWAYS_EXCLUDED = [
 
 
 def select_float8_linears(
-    model: nn.Module, *, exclude_fqns: list[str], recipe: Recipe = "tensorwise"
+    model: nn.Module, *, exclude_fqns: list[str], recipe: Recipe = "tensorwise",
+    bf16_blocks: dict[int, str] | None = None,
 ) -> tuple[list[str], dict[str, str], int]:
     """Decide which Linear fqns convert. Returns (converted, excluded {fqn: reason}, num_linear).
 
-    An exclude_fqns entry matches a Linear whose fqn equals it or contains it as a
-    dotted component run (e.g. "output_head.proj" or "layers.0.mlp"); an entry
-    matching nothing is an error, so a typo never silently leaves a layer in FP8.
+    An exclude_fqns entry matches a Linear whose fqn equals it or contains it as a run of
+    whole dotted segments (e.g. "output_head.proj" or "layers.0.mlp"; not "layers.0." nor
+    "up_pro"); an entry matching nothing is an error, so a typo never silently leaves a layer in FP8.
+    `bf16_blocks` (global block index -> why) keeps every Linear of those blocks bf16 with that reason.
     The blockwise recipe also leaves out Linears with a dim that is not a multiple of 128.
     """
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
-    unmatched = [e for e in exclude_fqns if not any(matches_exclusion(fqn, e) for fqn in linears)]
-    if unmatched:
-        raise ValueError(
-            f"float8.exclude_fqns entry {unmatched[0]!r} matches no Linear layer "
-            f"(Linear fqns look like {next(iter(linears), 'none')!r})"
-        )
+    _check_exclusions(exclude_fqns, list(linears))
     converted, excluded = [], {}
     for fqn, mod in linears.items():
         always = next((reason for pattern, reason in _ALWAYS_EXCLUDED if pattern.search(fqn)), None)
+        block = _BLOCK.match(fqn)
         if always:
             excluded[fqn] = always
+        elif block and int(block.group(1)) in (bf16_blocks or {}):
+            excluded[fqn] = bf16_blocks[int(block.group(1))]
         elif any(matches_exclusion(fqn, e) for e in exclude_fqns):
             excluded[fqn] = "float8.exclude_fqns"
         elif not _CONVERT.search(fqn):
@@ -92,6 +94,20 @@ def select_float8_linears(
         else:
             converted.append(fqn)
     return converted, excluded, len(linears)
+
+
+def _check_exclusions(exclude_fqns: list[str], linears: list[str]) -> None:
+    """Every float8.exclude_fqns entry is whole dotted segments and matches a Linear: else one line naming it."""
+    for e in exclude_fqns:
+        if not e or e.startswith(".") or e.endswith(".") or ".." in e:
+            raise ValueError(f"float8.exclude_fqns entry {e!r} must be whole dotted segments of a Linear's fqn "
+                             f"(write {e.strip('.')!r}: an entry matches equal segments, never a substring)")
+    unmatched = [e for e in exclude_fqns if not any(matches_exclusion(fqn, e) for fqn in linears)]
+    if unmatched:
+        raise ValueError(
+            f"float8.exclude_fqns entry {unmatched[0]!r} matches no Linear layer "
+            f"(Linear fqns look like {next(iter(linears), 'none')!r})"
+        )
 
 
 def matches_exclusion(fqn: str, entry: str) -> bool:
@@ -126,8 +142,11 @@ class Float8Linears(Float8Converter):
         assert o.format == "e4m3" or o.recipe == "tensorwise", (o.recipe, o.format)
         assert o.recipe == "tensorwise" or (o.delayed is None and not o.save_fp8_activations), o.recipe
         assert not (o.enable_fsdp_float8_all_gather and o.recipe == "blockwise"), "blockwise has no fp8 all-gather"
+        # trainer.validate.float8_roles refuses these: a bf16 role runs its GEMMs from the bf16 weight and input.
+        assert "bf16" not in (o.forward, o.backward) or not (
+            o.enable_fsdp_float8_all_gather or o.delayed or o.save_fp8_activations), o
         converted, self.excluded, self.num_linear = select_float8_linears(
-            model, exclude_fqns=list(o.exclude_fqns), recipe=o.recipe)
+            model, exclude_fqns=list(o.exclude_fqns), recipe=o.recipe, bf16_blocks=dict(o.bf16_blocks))
         ok, what = fp8_supported(device, o.recipe)
         if not ok and not o.emulate:
             refuse_or_warn(what, require=o.require, setting="train.mixed_precision='fp8'",
@@ -152,6 +171,7 @@ class Float8Linears(Float8Converter):
             )
         else:
             config = dataclasses.replace(Float8LinearConfig.from_recipe_name(o.recipe), emulate=o.emulate)
+        config = with_roles(config, forward=o.forward, backward=o.backward)
         if device.type == "cpu" and not o.emulate and torch.backends.mkldnn.enabled:
             # oneDNN's fp8 GEMM on CPUs without AMX-FP8 is a reference loop, ~100x slower
             # than aten's own CPU _scaled_mm (same results; measured 0.9 s vs 0.01 s for
@@ -159,7 +179,10 @@ class Float8Linears(Float8Converter):
             torch.backends.mkldnn.enabled = False
             logger.info("float8 on CPU: oneDNN disabled so torch._scaled_mm uses aten's CPU kernel")
         convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in selected, config=config)
-        if o.recipe == "tensorwise" and (o.delayed is not None or o.save_fp8_activations or OWN_TENSORWISE_LINEAR):
+        both_fp8 = o.forward == o.backward == "fp8"  # our tensorwise linear runs FP8 both ways (float8_roles)
+        assert both_fp8 or not OWN_TENSORWISE_LINEAR, "--own-fp8-linear times our linear, which has no bf16 role"
+        if o.recipe == "tensorwise" and both_fp8 and (o.delayed is not None or o.save_fp8_activations
+                                                      or OWN_TENSORWISE_LINEAR):
             from trainer.parallel.float8.tensorwise import convert_to_tensorwise  # imports torchao
 
             convert_to_tensorwise(model, delayed=o.delayed is not None, save_fp8_input=o.save_fp8_activations)
@@ -199,7 +222,8 @@ class Float8Linears(Float8Converter):
         return [
             f"Applied Float8 training: recipe={o.recipe.upper()}, "
             f"fsdp_float8_all_gather={o.enable_fsdp_float8_all_gather}, format={describe_format(o.format)}"
-            + describe_scaling(o.delayed, o.save_fp8_activations, all_gather=o.enable_fsdp_float8_all_gather),
+            + describe_scaling(o.delayed, o.save_fp8_activations, all_gather=o.enable_fsdp_float8_all_gather)
+            + ("" if o.forward == o.backward else f", {describe_roles(o.forward, o.backward)}"),
             f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
         ]
 
@@ -207,7 +231,9 @@ class Float8Linears(Float8Converter):
         o = self.options
         return {"recipe": o.recipe, "format": o.format, **({"unavailable": o.unavailable} if o.unavailable else {}),
                 **(o.delayed.as_json() if o.delayed else {}),
-                **({"save_fp8_activations": True} if o.save_fp8_activations else {})}
+                **({"save_fp8_activations": True} if o.save_fp8_activations else {}),
+                **({"forward": o.forward, "backward": o.backward} if o.forward != o.backward else {}),
+                **({"bf16_blocks": {f"layers.{i}": why for i, why in o.bf16_blocks}} if o.bf16_blocks else {})}
 
     @classmethod
     def merged(cls, stages: list[Self]) -> Self:
@@ -243,7 +269,8 @@ class BlockwiseLinears(Float8Linears):
     dims multiples of 128: `select_float8_linears`); the rest is the torchao recipes' converter."""
 
     def _swap(self, model: nn.Module, selected: set[str], *, device: torch.device) -> None:
-        convert_to_blockwise(model, selected, emulate=self.options.emulate)
+        o = self.options
+        convert_to_blockwise(model, selected, emulate=o.emulate, roles=(o.forward, o.backward))
 
     def _emulated_line(self) -> str:
         return ("EMULATED in plain torch (blockwise 1x128 / 128x128 e4m3 quantize-dequantize, fp32 matmuls; "
@@ -257,6 +284,35 @@ class BlockwiseLinears(Float8Linears):
 def is_float8_linear(module: nn.Module) -> bool:
     """Whether a Linears' converter made this module (torchao's Float8Linear or a BlockwiseFloat8Linear)."""
     return Float8Linears.owns(module) or BlockwiseLinears.owns(module)
+
+
+def with_roles(config, *, forward: str, backward: str):
+    """torchao's Float8LinearConfig with the GEMMs of a bf16 role in high precision (float8.forward / backward).
+
+    torchao casts each GEMM's operands by its own CastConfig: forward (input, weight), grad_input (grad_output,
+    weight_for_grad_input), grad_weight (input_for_grad_weight, grad_output_for_grad_weight). A disabled cast
+    multiplies the high-precision tensor itself, and backward re-casts from the bf16 input and weight that
+    forward saved (torchao's matmul_with_hp_or_float8_args), so a bf16 backward never sees the forward's FP8
+    casts. Each operand keeps its target dtype (torchao asserts both casts of an operand agree); a disabled
+    cast is tensorwise (torchao allows rowwise with dynamic scaling only)."""
+    from torchao.float8 import CastConfig, ScalingType  # torchao: fp8 runs only
+
+    def off(cc):
+        return CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=cc.target_dtype)
+
+    c = config
+    casts = dict(cast_config_input=c.cast_config_input, cast_config_weight=c.cast_config_weight,
+                 cast_config_grad_output=c.cast_config_grad_output,
+                 cast_config_input_for_grad_weight=c.cast_config_input_for_grad_weight,
+                 cast_config_weight_for_grad_input=c.cast_config_weight_for_grad_input,
+                 cast_config_grad_output_for_grad_weight=c.cast_config_grad_output_for_grad_weight)
+    if forward == "bf16":
+        casts |= {k: off(casts[k]) for k in ("cast_config_input", "cast_config_weight")}
+    if backward == "bf16":
+        casts |= {k: off(casts[k]) for k in ("cast_config_grad_output", "cast_config_input_for_grad_weight",
+                                             "cast_config_weight_for_grad_input",
+                                             "cast_config_grad_output_for_grad_weight")}
+    return dataclasses.replace(c, **casts)
 
 
 def describe_format(fp8_format: str) -> str:

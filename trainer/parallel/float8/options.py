@@ -57,11 +57,25 @@ class Float8Options:
     the validation pass's probe found it; "" where they run (or are emulated, or a dry run plans FP8 GPUs)."""
     experts_unavailable: str = ""
     """Why this device runs no FP8 grouped GEMM for float8.moe_experts (the experts train in bf16); "" where it runs."""
+    bf16_blocks: tuple[tuple[int, str], ...] = ()
+    """(global block index, why) of every transformer block kept bf16 (float8.bf16_first_blocks / bf16_last_blocks,
+    resolved by trainer.validate.float8_roles); a pipeline stage keeps those it holds, by the same global index."""
+    forward: str = "fp8"
+    """float8.forward: "fp8" or "bf16", the forward GEMM of a converted Linear and the FP8 experts' forward GEMMs."""
+    backward: str = "fp8"
+    """float8.backward: "fp8" or "bf16", the two backward GEMMs (from the bf16 input and weight when "bf16")."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exclude_fqns", tuple(self.exclude_fqns))
+        object.__setattr__(self, "bf16_blocks", tuple((int(i), why) for i, why in dict(self.bf16_blocks).items()))
+        assert {self.forward, self.backward} <= {"fp8", "bf16"} and "fp8" in (self.forward, self.backward), self
         if not self.format:
             object.__setattr__(self, "format", resolve_format(self.recipe))
+
+
+def describe_roles(forward: str, backward: str) -> str:
+    """float8.forward / float8.backward in the words of the startup line."""
+    return f"forward={forward.upper()}, backward={backward.upper()} (dgrad and wgrad)"
 
 
 def resolve_format(recipe: str, requested: str = "auto") -> str:
