@@ -126,17 +126,19 @@ def gradients_of_every_rank(args: list[str], dump: str) -> dict:
         destroy_distributed()
 
 
-@pytest.mark.parametrize("q_lora_rank, mtp", [(64, True), (0, False)], ids=["q-lora-mtp", "plain-q-proj"])
-def test_every_deepseek_v3_gradient_under_tp_matches_single_process(q_lora_rank: int, mtp: bool, tmp_path: Path
-                                                                    ) -> None:
+@pytest.mark.parametrize("q_lora_rank, mtp, compiled", [(64, True, False), (0, False, False), (64, True, True)],
+                         ids=["q-lora-mtp", "plain-q-proj", "q-lora-mtp-compile"])
+def test_every_deepseek_v3_gradient_under_tp_matches_single_process(q_lora_rank: int, mtp: bool, compiled: bool,
+                                                                    tmp_path: Path) -> None:
     """MLA's replicated low-rank projections and norms get the whole gradient on every tp rank: their column-parallel
     successors (and the shared RoPE key) sum the input gradients over tp, so no rank holds only its heads' share. The
-    MTP module's embeddings ahead cross the tp ranks' sequence shards."""
+    MTP module's embeddings ahead cross the tp ranks' sequence shards. Compiled blocks against one eager process: the
+    embeddings' gradient was zeros (docs/distributed.md#compile-under-tensor-parallel)."""
     args = [*ARGS, *([] if mtp else NO_MTP), f"--deepseek_v3.q_lora_rank={q_lora_rank}"]
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*args, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
-    got = run_distributed(gradients_of_every_rank, world_size=2,
-                          args=([*args, "--distributed.tp=2", "--train.batch_size=4"], str(tmp_path / "got")))
+    layout = ["--distributed.tp=2", "--train.batch_size=4", *(["--train.compile_model=true"] if compiled else [])]
+    got = run_distributed(gradients_of_every_rank, world_size=2, args=([*args, *layout], str(tmp_path / "got")))
     grads, per_rank = got[0]["all"], got[0]["replicated"]
     assert grads.keys() == ref.keys()
     for fqn, g in ref.items():

@@ -76,8 +76,9 @@ def one_process_gradients(tmp_path_factory) -> dict:
     [
         (2, ["--distributed.tp=2", "--train.batch_size=4"]),
         (4, ["--distributed.dp_shard=2", "--distributed.tp=2", "--train.batch_size=2"]),
+        (2, ["--distributed.tp=2", "--train.batch_size=4", "--train.compile_model=true"]),
     ],
-    ids=["tp2", "dp_shard2xtp2"],
+    ids=["tp2", "dp_shard2xtp2", "tp2_compile"],
 )
 def test_tp_gradients_match_single_process_and_no_unit_returns_a_view(nproc: int, args: list[str],
                                                                       one_process_gradients: dict,
@@ -89,7 +90,9 @@ def test_tp_gradients_match_single_process_and_no_unit_returns_a_view(nproc: int
     Layouts differ only in the order of fp32 sums (eps 6e-8): a weight gradient sums the batch's 256 tokens, a
     row-parallel output 384 hidden units split over 2 ranks, each ~sqrt(n) * eps = 1e-6 relative, compounded
     through 4 blocks' backward. 1e-5 bounds that and catches any wrong term, which is O(1) relative (a sum over
-    tp ranks missed or doubled). Measured: 4.7e-7 at most (layers.3.attention.k_proj) in both layouts.
+    tp ranks missed or doubled). Measured: 4.7e-7 at most (layers.3.attention.k_proj) in both layouts, and with
+    compiled blocks (inductor's own order of the sums). Compiled, the embeddings' gradient was all zeros while the
+    first block took the embeddings' output as torch's AsyncCollectiveTensor (trainer.models.layers.Decoder.embed).
     """
     ref = one_process_gradients
     ranks = run_distributed(gradients_and_view_warnings, world_size=nproc, args=([*FAST, *args], str(tmp_path)))

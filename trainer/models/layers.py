@@ -303,8 +303,12 @@ class Decoder(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if isinstance(h, DTensor):  # tensor parallel: the embeddings' sequence shard
             # Unwrapped here, not by the embeddings' own output hook, so that their FSDP2 unit returns no
-            # view (trainer.parallel.tensor_parallel).
-            h = h.to_local()
+            # view (trainer.parallel.tensor_parallel). The local shard is torch's AsyncCollectiveTensor (the
+            # reduce-scatter not yet waited for): clone() waits for it under autograd and hands the blocks a plain
+            # tensor. A compiled block given the AsyncCollectiveTensor itself swaps it for its waited inner tensor,
+            # which has no autograd history (torch 2.13's AOTAutograd, any backend): the embeddings' gradient
+            # was zero under tp with train.compile_model (docs/distributed.md#compile-under-tensor-parallel).
+            h = h.to_local().clone()
         rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
         mask = ()  # the blocks' document mask, when there is one
         if self.document_eos is not None:
