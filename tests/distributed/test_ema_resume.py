@@ -119,8 +119,9 @@ def test_ema_sharded_resumed_exported_and_the_resume_check(tmp_path: Path, capsy
     line = _check_line(logs["resumed"])
     saved, now = line.split("saved ")[1].split(", now ")
     assert saved == now.split(",")[0] and line.endswith("difference 0"), line
-    print(_check_line(logs["reshard"]))
-    within = f"another layout, within its tolerance of {layout_tolerance('fp32', n_layers=4):.2g} relative"
+    _check_line(logs["reshard"])
+    within = (f"another layout or kernels (dp_shard 2 -> 1, world_size 2 -> 1), within its tolerance of "
+              f"{layout_tolerance('fp32', n_layers=4):.2g} relative")
     assert any(within in x for x in logs["reshard"]), [x for x in logs["reshard"] if "resume check" in x]
     assert any("the checkpoint's EMA weights are not used" in x for x in logs["reshard"])
     refused = logs["norm_eps"][-1]

@@ -7,11 +7,13 @@ gradients, in the training layout (trainer/run/evaluate.py's Evaluator over one 
 computes the whole batch, so the loss is the same on every rank and takes no all-reduce over dp; cp ranks sum their
 chunks). A resume recomputes it before step 1 and logs `resume check: saved X, now Y, difference D`:
 
-- same layout and mixed_precision: bit-equal, or the run stops with one line naming what differs from the saved
+- same layout, precision and kernels: bit-equal, or the run stops with one line naming what differs from the saved
   run (a model argument such as model.rope_theta or model.norm_eps, which a resume otherwise lets change with a
   warning; else the torch version, the device or a kernel);
-- another layout (dp, tp, ...): within `layout_tolerance` (relative), derived from the compute dtype's rounding;
-- another mixed_precision (a precision schedule's next phase): logged, not checked (the numbers are expected to move).
+- another layout (dp, tp, ...) or kernel choice (train.compile_model, attention backend, loss chunks): the same
+  values summed in another order, within `layout_tolerance` (relative), derived from the compute dtype's rounding;
+- another precision (`precision_settings`: mixed_precision, the master and compute dtypes, the FP8 recipe; a
+  precision schedule's next phase): logged, not checked (the numbers are expected to move).
 
 A checkpoint without a record (checkpoint.resume_check=false, an older trainer) says so in one line.
 """
@@ -30,6 +32,7 @@ from trainer.checkpoint import CheckpointError, RunInfo
 from trainer.errors import on_every_rank
 from trainer.run.evaluate import Evaluator
 from trainer.run.step import TrainStep
+from trainer.validate import ResolvedJob
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +72,30 @@ class ProbeSource:
         return f"the resume check's probe ({self.rows} sequences)"
 
 
+def precision_settings(job: ResolvedJob) -> dict[str, str]:
+    """What sets the probe's numbers apart: a change of any is another precision (logged, not checked)."""
+    b = job.build
+    return {"mixed_precision": job.run.mixed_precision, "master_dtype": str(b.fsdp.master_dtype),
+            "param_dtype": str(b.fsdp.param_dtype), "float8": repr(b.float8),
+            "moe_dispatch_dtype": b.moe_dispatch_dtype}
+
+
+def kernel_settings(job: ResolvedJob) -> dict[str, str]:
+    """What computes the same values in another order: a change of any is checked within the tolerance."""
+    b = job.build
+    return {"compile": str(b.compile), "compile_loss": str(b.compile_loss), "attention": str(b.attention_backends),
+            "loss_chunk_tokens": str(b.loss_chunk_tokens), "loss_parallel": str(b.loss_parallel)}
+
+
 class ResumeCheck:
     """The probe's loss recorded before each save (`record`, the part `resume_check`) and checked after a resume."""
 
-    def __init__(self, *, enable: bool, step_fn: TrainStep, run: RunInfo, rows: int, seq_len: int,
-                 cp_group: dist.ProcessGroup | None):
-        """The probe runs through `step_fn.eval_loss` (the training layout, as validation does); `rows` x `seq_len`
-        tokens; `cp_group`: the context-parallel ranks that hold the other chunks of a sequence (None without cp)."""
-        self.enable, self.step_fn, self.model, self.run = enable, step_fn, step_fn.model, run
-        self.rows, self.seq_len, self.cp_group = rows, seq_len, cp_group
+    def __init__(self, job: ResolvedJob, *, step_fn: TrainStep, run: RunInfo, cp_group: dist.ProcessGroup | None):
+        """The probe runs through `step_fn.eval_loss` (the training layout, as validation does): one microbatch of
+        `job`'s; `cp_group`: the context-parallel ranks that hold the other chunks of a sequence (None without cp)."""
+        self.enable, self.step_fn, self.model, self.run = job.checkpoint.resume_check, step_fn, step_fn.model, run
+        self.rows, self.seq_len, self.cp_group = job.run.batch_size, job.run.seq_len, cp_group
+        self.precision, self.kernels = precision_settings(job), kernel_settings(job)
         self.recorded: dict[str, Any] = {}
         self.saved: dict[str, Any] | None = None
 
@@ -95,8 +113,8 @@ class ResumeCheck:
         if self.enable:
             self.recorded = {
                 "loss": self.probe_loss(rows=self.rows, seq_len=self.seq_len), "rows": self.rows,
-                "seq_len": self.seq_len, "mixed_precision": self.run.mixed_precision, "layout": dict(self.run.layout),
-                "model": {k: str(v) for k, v in self.run.model_json().items()},
+                "seq_len": self.seq_len, "precision": self.precision, "kernels": self.kernels,
+                "layout": dict(self.run.layout), "model": {k: str(v) for k, v in self.run.model_json().items()},
             }
 
     # -- the checkpoint part (trainer/checkpoint/parts.py): JSON values only, into state.json --
@@ -114,7 +132,7 @@ class ResumeCheck:
         if not self.enable or resumed_step < 0:
             return
         saved = self.saved
-        if not saved or any(k not in saved for k in ("loss", "rows", "seq_len", "mixed_precision", "layout")):
+        if not saved or any(k not in saved for k in ("loss", "rows", "seq_len", "precision", "kernels", "layout")):
             logger.info("resume check: checkpoint step-%d records no probe loss (saved with "
                         "checkpoint.resume_check=false or by an older trainer): not checked", resumed_step)
             return
@@ -125,26 +143,28 @@ class ResumeCheck:
         now = self.probe_loss(rows=saved["rows"], seq_len=saved["seq_len"])
         diff = now - saved["loss"]
         logger.info("resume check: saved %r, now %r, difference %.3g", saved["loss"], now, diff)
-        if saved["mixed_precision"] != self.run.mixed_precision:
-            logger.info("resume check: saved with mixed_precision=%s, resumed with %s: the difference is not checked",
-                        saved["mixed_precision"], self.run.mixed_precision)
+        if changed := _changes(saved["precision"], self.precision):
+            logger.info("resume check: another precision (%s): the difference is not checked", changed)
             return
-        same_layout = saved["layout"] == self.run.layout
+        same_layout = saved["layout"] == self.run.layout and saved["kernels"] == self.kernels
         tolerance = 0.0 if same_layout else layout_tolerance(self.run.mixed_precision,
                                                              n_layers=self.run.model_args.n_layers)
         if abs(diff) <= tolerance * abs(saved["loss"]) and math.isfinite(now):
             if not same_layout:
-                logger.info("resume check: another layout, within its tolerance of %.2g relative "
-                            "(docs/checkpointing.md)", tolerance)
+                logger.info("resume check: another layout or kernels (%s), within its tolerance of %.2g relative "
+                            "(docs/checkpointing.md)", _changes({**saved["layout"], **saved["kernels"]},
+                                                                 {**self.run.layout, **self.kernels}), tolerance)
             return
         raise on_every_rank(CheckpointError(
             f"resume check failed: checkpoint step-{resumed_step}'s probe loss was {saved['loss']!r}, these weights "
             f"give {now!r} (difference {diff:.3g}, "
             + ("bit-equal expected at the same layout and precision" if same_layout
-               else f"more than {tolerance:.2g} relative at another layout") + f"); {self._what_differs(saved)}; "
+               else f"more than {tolerance:.2g} relative at another layout or kernels")
+            + f"); {self._what_differs(saved)}; "
             "resume with the saved run's settings (its resolved.toml), or set checkpoint.resume_check=false to go on"))
 
     def _what_differs(self, saved: dict[str, Any]) -> str:
+        """The model arguments that differ from the saved run's, else what else it could be."""
         ours = {k: str(v) for k, v in self.run.model_json().items()}
         theirs = saved.get("model", {})
         diffs = [f"model.{k}={ours.get(k)} (saved: {theirs.get(k)})" for k in sorted(set(ours) | set(theirs))
@@ -153,3 +173,9 @@ class ResumeCheck:
             return "what differs from the saved run: " + ", ".join(diffs)
         return ("the model arguments, precision and layout are the saved run's: another torch version, device or "
                 "kernel, or weights that did not load as saved")
+
+
+def _changes(saved: dict[str, Any], ours: dict[str, Any]) -> str:
+    """"key saved -> ours" of each setting that differs, comma-separated ("" when none)."""
+    return ", ".join(f"{k} {saved.get(k)} -> {ours.get(k)}" for k in sorted(set(saved) | set(ours))
+                     if str(saved.get(k)) != str(ours.get(k)))

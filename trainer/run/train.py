@@ -229,8 +229,7 @@ class Trainer:
                       layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
                               "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},
                       **job.run.tokenizer)
-        self.resume_check = ResumeCheck(enable=job.checkpoint.resume_check, step_fn=self.step_fn, run=run,  # at saves
-                                        rows=job.run.batch_size, seq_len=job.run.seq_len,
+        self.resume_check = ResumeCheck(job, step_fn=self.step_fn, run=run,  # a probe loss recorded at each save
                                         cp_group=pd.mesh("cp").get_group() if pd.cp > 1 else None)
         parts = {"optimizer": OptimizerPart(self.model, self.optimizer), "lr_scheduler": SchedulerPart(self.scheduler),
                  "dataloader": DataPosition(self.data_loader, restart=job.checkpoint.restart_data),
