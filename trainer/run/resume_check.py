@@ -96,6 +96,11 @@ class ResumeCheck:
         self.enable, self.step_fn, self.model, self.run = job.checkpoint.resume_check, step_fn, step_fn.model, run
         self.rows, self.seq_len, self.cp_group = job.run.batch_size, job.run.seq_len, cp_group
         self.precision, self.kernels = precision_settings(job), kernel_settings(job)
+        # A V schedule's forward-only pass fails: each rank's two stages hand tensors over locally through the
+        # backward's buffers (torch.distributed.pipelining: "can't steal_bwd_input if this stage doesn't have
+        # backward"). Such a run records no probe and checks none.
+        self.unchecked = (f"distributed.pipeline_schedule={job.pipeline.schedule} cannot run forward-only"
+                          if job.pipeline is not None and job.pipeline.v_style else "")
         self.recorded: dict[str, Any] = {}
         self.saved: dict[str, Any] | None = None
 
@@ -110,7 +115,7 @@ class ResumeCheck:
 
     def record(self) -> None:
         """Before a save (every rank): the probe's loss under the weights about to be saved."""
-        if self.enable:
+        if self.enable and not self.unchecked:
             self.recorded = {
                 "loss": self.probe_loss(rows=self.rows, seq_len=self.seq_len), "rows": self.rows,
                 "seq_len": self.seq_len, "precision": self.precision, "kernels": self.kernels,
@@ -135,6 +140,9 @@ class ResumeCheck:
         if not saved or any(k not in saved for k in ("loss", "rows", "seq_len", "precision", "kernels", "layout")):
             logger.info("resume check: checkpoint step-%d records no probe loss (saved with "
                         "checkpoint.resume_check=false or by an older trainer): not checked", resumed_step)
+            return
+        if self.unchecked:
+            logger.info("resume check: not checked: %s", self.unchecked)
             return
         if saved["seq_len"] > self.seq_len:
             logger.info("resume check: not checked: the probe has %d tokens per sequence, more than this run's "
