@@ -143,7 +143,8 @@ def test_ema_sharded_resumed_exported_and_the_resume_check(tmp_path: Path, capsy
 
 
 def test_resume_with_another_rope_theta_stops_in_one_line(tmp_path: Path) -> None:
-    """The CLI: a resume whose model.rope_theta differs from the saved run's exits non-zero with one line."""
+    """The CLI: a resume whose model.rope_theta differs from the saved run's exits non-zero with one line;
+    checkpoint.resume_check=false lets it go on."""
     base = [sys.executable, TRAIN, *FAST, "--train.steps=2", "--train.seq_len=32", "--train.batch_size=2",
             "--checkpoint.enable=true", "--checkpoint.interval=2", f"--job.dump_folder={tmp_path}"]
     first = subprocess.run(base, capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
@@ -155,3 +156,7 @@ def test_resume_with_another_rope_theta_stops_in_one_line(tmp_path: Path) -> Non
     assert "Traceback" not in output, output[-3000:]
     errors = [line for line in output.splitlines() if "resume check failed" in line]
     assert len(errors) == 1 and "model.rope_theta=500000.0 (saved: 10000.0)" in errors[0], output[-3000:]
+    # checkpoint.resume_check=false: the run goes on (with the resume's own warning of the changed argument).
+    off = subprocess.run([*base, "--train.steps=3", "--model.rope_theta=500000", "--checkpoint.resume_check=false"],
+                         capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    assert off.returncode == 0 and "resume check" not in off.stdout + off.stderr, (off.stdout + off.stderr)[-3000:]
