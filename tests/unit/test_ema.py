@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.checkpoint.ema import EMAWeights
+from trainer.checkpoint.ema import EMAPart, EMAWeights
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.validate import validate_job
@@ -74,3 +74,25 @@ def test_memory_plan_has_the_ema_row() -> None:
     assert rows["EMA weights"].bytes == plan.params_per_rank * 4, plan.table()
     assert "EMA weights" not in {r.what for r in plain.rows}
     assert plan.optimizer_step_bytes == plain.optimizer_step_bytes + plan.params_per_rank * 4
+
+
+def test_a_new_run_starts_from_its_loaded_weights_and_a_resume_keeps_the_saved_average() -> None:
+    """The average of a new run is the weights of its first step (after checkpoint.initial_load_path's load); a
+    checkpoint's average, once loaded, is kept; a checkpoint without one starts it from the resumed weights."""
+    model = _model()
+    ema = EMAWeights(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # weights loaded after the average was built
+    with ema.step_context(1):
+        pass
+    assert all(torch.equal(ema.ema[k], p) for k, p in model.named_parameters())
+    part = EMAPart(ema)
+    sd = part.state_dict()
+    assert part.reconcile(sd, {k: None for k in sd}) is None and sd  # the checkpoint has it: loaded in place
+    ema.restart = True
+    part.load_state_dict(sd)
+    assert ema.restart is False
+    sd = part.state_dict()
+    assert "has no EMA weights" in part.reconcile(sd, {}) and not sd and ema.restart
+    assert "are not used" in EMAPart(None).reconcile({}, {"x": None})

@@ -7,7 +7,8 @@ mesh and placements, so nothing is gathered and it costs 4 bytes per parameter o
 
 It is saved as the checkpoint part `ema` (`ema.{fqn}`, global tensors through DCP: a resume at another layout
 reshards it like the weights); `EMAPart` says in one line when a checkpoint has none (the average then starts from
-the resumed weights) or when this run leaves a checkpoint's unused. `swapped_in()` puts the average into the
+the resumed weights) or when this run leaves a checkpoint's unused. A new run's average starts from the weights of
+its first step (checkpoint.initial_load_path's, where it loads some). `swapped_in()` puts the average into the
 parameters for an evaluation (val_loss_ema) and restores the trained weights bit for bit. Offline, a checkpoint's
 average is what `--weights=ema` exports or generates with (trainer/checkpoint/offline.py).
 """
@@ -39,7 +40,9 @@ class EMAWeights(StepHook):
     def __init__(self, model: nn.Module, *, decay: float):
         assert 0 < decay < 1, decay  # trainer.validate checked train.ema_decay
         self.model, self.decay = model, decay
-        self.restart = False  # a checkpoint without an average was resumed: it starts from the resumed weights
+        # The average starts from the weights of the first step (after any load: a resume without an average,
+        # checkpoint.initial_load_path's weights); a checkpoint's average, once loaded, is kept instead.
+        self.restart = True
         self.ema: dict[str, torch.Tensor] = {}
         by_param: dict[int, torch.Tensor] = {}
         for name, p in self._params():
@@ -79,7 +82,7 @@ class EMAWeights(StepHook):
             ema.copy_(w)
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
-        if self.restart:  # before the first resumed step: the weights are the checkpoint's by now
+        if self.restart:  # before this run's first step: whatever was loaded is in the weights by now
             self.copy_weights()
             self.restart = False
         return contextlib.nullcontext()
@@ -134,3 +137,4 @@ class EMAPart:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         assert self.ema is not None and set(sd) == set(self.ema.ema), "DCP loaded the average in place"
+        self.ema.restart = False  # the checkpoint's average goes on, not the weights'
