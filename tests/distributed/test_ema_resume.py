@@ -3,7 +3,7 @@ rank 0 alone as one process):
 
 - the EMA of the dp_shard=2 run equals the one-process run's (the same global batches) to fp32 rounding;
 - a resume continues the EMA exactly: the resumed run's step-4 EMA is the uninterrupted run's, bit for bit;
-- `convert_checkpoint.py export --weights=ema` writes the EMA tensors; a checkpoint without an EMA is refused in one line;
+- `convert_checkpoint.py export --weights=ema` writes the EMA tensors; a checkpoint without one is refused in one line;
 - the resume check: a plain resume is bit-equal; dp=2 -> dp=1 passes within the stated tolerance; a resume with another
   model.norm_eps (in the process) or model.rope_theta (the CLI: one line, exit non-zero, no traceback) is caught.
 """
