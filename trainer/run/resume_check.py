@@ -101,6 +101,7 @@ class ResumeCheck:
         # backward"). Such a run records no probe and checks none.
         self.unchecked = (f"distributed.pipeline_schedule={job.pipeline.schedule} cannot run forward-only"
                           if job.pipeline is not None and job.pipeline.v_style else "")
+        self.pipeline = job.pipeline is not None
         self.recorded: dict[str, Any] = {}
         self.saved: dict[str, Any] | None = None
 
@@ -144,9 +145,12 @@ class ResumeCheck:
         if self.unchecked:
             logger.info("resume check: not checked: %s", self.unchecked)
             return
-        if saved["seq_len"] > self.seq_len:
-            logger.info("resume check: not checked: the probe has %d tokens per sequence, more than this run's "
-                        "train.seq_len=%d", saved["seq_len"], self.seq_len)
+        if saved["seq_len"] > self.seq_len or (self.pipeline and (saved["rows"], saved["seq_len"]) != (
+                self.rows, self.seq_len)):
+            # A pipeline's stages pass tensors of the training microbatch's shape only.
+            logger.info("resume check: not checked: the probe is %d sequences of %d tokens, which this run (%s "
+                        "train.batch_size=%d, train.seq_len=%d) cannot evaluate", saved["rows"], saved["seq_len"],
+                        "pipeline parallel," if self.pipeline else "", self.rows, self.seq_len)
             return
         now = self.probe_loss(rows=saved["rows"], seq_len=saved["seq_len"])
         diff = now - saved["loss"]
