@@ -86,14 +86,14 @@ def export(args: argparse.Namespace) -> None:
     require_safetensors("export")
     check_output(args.out, kind=EXPORT)  # before reading any weights: never into a folder of checkpoints
     source = resolve_checkpoint(Path(args.checkpoint))
-    info, weights = load_full_model_weights(source, allow_unverified=args.allow_unverified)
+    info, weights = load_full_model_weights(source, allow_unverified=args.allow_unverified, weights=args.weights)
     model_args = args_from_json(info["model"], where=str(source / "checkpoint.json"))
     tokenizer = export_tokenizer(args, info, source)
     warn_nonfinite(weights, where=str(source))
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    logger.info("exporting %s (step %s, %s %s, saved with mixed_precision=%s) as %s", source, info.get("step"),
-                info["model"].get("name", "llama3"), info["model"].get("flavor"), info.get("mixed_precision"),
-                family(model_args).architecture(model_args))
+    logger.info("exporting %s%s (step %s, %s %s, saved with mixed_precision=%s) as %s", source,
+                "'s EMA weights" if args.weights == "ema" else "", info.get("step"), info["model"].get("name", "llama3"),
+                info["model"].get("flavor"), info.get("mixed_precision"), family(model_args).architecture(model_args))
     write_hf_export(Path(args.out), args=model_args, shapes={k: tuple(v.shape) for k, v in weights.items()},
                     fetch=lambda fqns: {k: weights[k] for k in fqns}, dtype=dtype,
                     max_shard_bytes=parse_size(args.max_shard_size), tokenizer=tokenizer)
@@ -155,6 +155,8 @@ def main(argv: list[str]) -> int:
     e.add_argument("checkpoint", help="a step-N checkpoint folder, or a checkpoint folder (its latest)")
     e.add_argument("out", help="output folder: new, empty, or an earlier export (moved aside to OUT.old)")
     e.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    e.add_argument("--weights", choices=["model", "ema"], default="model",
+                   help="the trained weights, or their EMA (a run with train.ema_decay > 0)")
     e.add_argument("--max-shard-size", default="5GB", help="split into model-0000i-of-0000n files above this")
     e.add_argument("--allow-unverified", action="store_true",
                    help="export a checkpoint whose checkpoint.json has no \"files\" list (its shards go unverified)")

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> str:
     path = resolve_checkpoint(Path(args.path))
     tok = find_tokenizer(path, args.tokenizer)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = load_model(path, device=device, dtype=dtype)
+    model = load_model(path, device=device, dtype=dtype, weights=args.weights)
     if tok.vocab_size > model.args.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary {model.args.vocab_size}: "
                         "not the run's tokenizer; pass --tokenizer=PATH of the run's tokenizer.json")
@@ -147,6 +147,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weights", choices=["model", "ema"], default="model",
+                        help="a training checkpoint's weights, or their EMA (a run with train.ema_decay > 0)")
     parser.add_argument("--tokenizer", help="tokenizer.json or 'byte' (default: the export's or the run's)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

@@ -10,6 +10,7 @@
     staging.py   async saves' host buffers, allocated (and pinned) in the background after step 1
     space.py     a checkpoint's size, free space (a warning before a save), pruning, a full disk in one line
     offline.py   one process, no process group: load_model, load_full_model_weights, save_model_only
+    ema.py       train.ema_decay: the weights' EMA (a step hook, sharded like them) and its checkpoint part
 
 docs/checkpointing.md describes the layout on disk and what survives what.
 """

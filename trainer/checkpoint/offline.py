@@ -32,10 +32,11 @@ import torch.distributed.checkpoint as dcp
 from trainer.checkpoint.format import (
     CHECKPOINT_JSON, FORMAT, STATE_JSON, CheckpointError, CorruptCheckpointError, write_json,
 )
+from trainer.checkpoint.ema import EMA_PART
 from trainer.checkpoint.state import RunInfo, args_from_json
 from trainer.checkpoint.tokenizer import write_tokenizer
 from trainer.checkpoint.values import (
-    check_args_fit_files, check_entry_count, check_host_memory, check_index_entries, model_shapes, nonfinite_problem,
+    EDITED, check_args_fit_files, check_entry_count, check_host_memory, check_index_entries, model_shapes, nonfinite_problem,
 )
 from trainer.checkpoint.verify import (
     check_files, data_files, read_checkpoint_json, read_dcp_metadata, safe_load, scan_checkpoints,
@@ -82,7 +83,7 @@ def save_model_only(
 
 def load_full_model_weights(
     path: str | os.PathLike, *, dtype: torch.dtype | None = None, allow_unverified: bool = False,
-    extra_bytes: Callable[[ModelArgs, int], tuple[int, str]] | None = None,
+    extra_bytes: Callable[[ModelArgs, int], tuple[int, str]] | None = None, weights: str = "model",
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(checkpoint.json, {fqn: full tensor}) of a DCP checkpoint's model.
 
@@ -90,7 +91,8 @@ def load_full_model_weights(
     arguments, their size against the data files and the host's memory, every index entry against
     a meta-device model of those arguments. `extra_bytes(args, weight_bytes)`: (bytes, what) the
     caller will need besides the weights (load_model: the cast copy and the RoPE table). Needs no
-    torchao, even for a checkpoint of an fp8 run.
+    torchao, even for a checkpoint of an fp8 run. weights="ema": the parameters are the run's EMA of them
+    (train.ema_decay, the part `ema`; the buffers stay the model's); a checkpoint without one is refused in one line.
     """
     path = Path(path)
     info = read_checkpoint_json(path, allow_unverified=allow_unverified)
@@ -109,15 +111,30 @@ def load_full_model_weights(
     check_entry_count(metadata, args, path=path)
     check_index_entries(metadata, model_shapes(args), path=path)
     entries = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    ema = _ema_entries(metadata, entries, path=path) if weights == "ema" else {}
     weight_bytes = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in entries.values())
     more, what = extra_bytes(args, weight_bytes) if extra_bytes else (0, "")
     check_host_memory(weight_bytes + more, what=f"the weights{what}", where=str(path), error=CheckpointError)
-    sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()}
+    sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items() if k not in ema}
+    ema_sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in ema.items()}
     with _single_process():
-        safe_load({"model": sd}, path, no_dist=True)
+        safe_load({"model": sd, **({"ema": ema_sd} if ema_sd else {})}, path, no_dist=True)
+    sd.update(ema_sd)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     return info, sd
+
+
+def _ema_entries(metadata: Any, entries: dict[str, Any], *, path: Path) -> dict[str, Any]:
+    """The checkpoint's EMA entries (`ema.{fqn}`) by fqn, each a model entry's shape; a one-line CheckpointError when
+    it has none (its run had train.ema_decay=0) or they do not fit the model's."""
+    prefix = f"{EMA_PART}."
+    ema = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    if not ema:
+        raise CheckpointError(f"{path} holds no EMA weights (its run had train.ema_decay=0): use --weights=model")
+    if bad := [k for k, md in ema.items() if k not in entries or tuple(md.size) != tuple(entries[k].size)]:
+        raise CheckpointError(f"{path}: EMA entry ema.{bad[0]} is not a model tensor of its shape ({EDITED})")
+    return ema
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -135,7 +152,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def load_model(
     path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, weights: str = "model",
 ) -> Decoder:
     """Our model (Llama or MoETransformer) with the weights of a DCP checkpoint or a Hugging Face export, in eval mode.
 
@@ -144,7 +161,8 @@ def load_model(
     checkpoint's checkpoint.json (or the export's config.json); `max_seq_len` overrides the
     length of the RoPE table (default: the training run's sequence length, or the export's
     max_position_embeddings). Every file is verified (checksums for DCP, names and shapes
-    for both) first; errors are one line naming the file (CheckpointError or ExportError).
+    for both) first; errors are one line naming the file (CheckpointError or ExportError). weights="ema": a DCP
+    checkpoint's EMA of the weights (train.ema_decay); refused in one line where there is none (an export included).
     """
     path = resolve_checkpoint(path)
 
@@ -155,15 +173,18 @@ def load_model(
         return cast + rope_table_bytes(args, seq_len), f", a {dtype} copy and the RoPE table of {seq_len:,} positions"
 
     if (path / "config.json").exists() and not (path / CHECKPOINT_JSON).exists():
-        args, weights = _read_hf_folder(path, extra_bytes=extra_bytes)
+        if weights == "ema":
+            raise CheckpointError(f"{path} is an export, which holds one set of weights and no EMA: use "
+                                  "--weights=model, or the training checkpoint's folder")
+        args, tensors = _read_hf_folder(path, extra_bytes=extra_bytes)
     else:
-        info, weights = load_full_model_weights(path, extra_bytes=extra_bytes)
+        info, tensors = load_full_model_weights(path, extra_bytes=extra_bytes, weights=weights)
         args = args_from_json(info["model"], where=str(path / CHECKPOINT_JSON))
-    if problem := nonfinite_problem(weights, where=str(path)):  # a model that can only produce NaN
+    if problem := nonfinite_problem(tensors, where=str(path)):  # a model that can only produce NaN
         raise CheckpointError(problem)
     if max_seq_len:
         args = replace(args, max_seq_len=max_seq_len)
-    return build_model(args, weights, device=device, dtype=dtype)
+    return build_model(args, tensors, device=device, dtype=dtype)
 
 
 def _read_hf_folder(path: Path, *, extra_bytes: Callable[[ModelArgs, int], tuple[int, str]]

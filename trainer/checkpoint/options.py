@@ -26,6 +26,8 @@ class CheckpointOptions:
     on_save_error: Literal["stop", "continue"]
     allow_unverified: bool
     restart_data: bool
+    resume_check: bool = True
+    """Record a probe batch's loss in each checkpoint and check it on resume (trainer/run/resume_check.py)."""
 
     @property
     def path(self) -> Path:

@@ -201,6 +201,19 @@ STATE_FIELDS: dict[str, Rule] = {
     "train_state": Rule("dict"),
     "train_state.mixed_precision": Rule("str", high=64, optional=True),
     "loss_scaler": Rule("dict", optional=True),
+    # checkpoint.resume_check's record (trainer/run/resume_check.py): absent when it was off.
+    "resume_check": Rule("dict", optional=True),
+    "resume_check.loss": Rule("float", low=0, high=1e6),
+    "resume_check.rows": Rule("int", low=1, high=MAX_COUNTER),
+    "resume_check.seq_len": Rule("int", low=1, high=MAX_COUNTER),
+    "resume_check.precision": Rule("dict"),
+    "resume_check.precision.*": Rule("str", high=1000),
+    "resume_check.kernels": Rule("dict"),
+    "resume_check.kernels.*": Rule("str", high=1000),
+    "resume_check.layout": Rule("dict"),
+    "resume_check.layout.*": SAVED_INTEGERS["layout.*"],
+    "resume_check.model": Rule("dict"),
+    "resume_check.model.*": Rule("str", high=1000),
     **_SAVED_STATE,
 }
 STRICT_STATE = ("lr_scheduler", "lr_scheduler.schedule")

@@ -62,6 +62,8 @@ class TrainSection:
     """Final norm, head and cross-entropy this many tokens at a time (one chunk's logits held); 0 = all at once."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """What a NaN/inf loss or gradient norm does: stop the run naming the step, or skip that optimizer step."""
+    ema_decay: float = 0.0
+    """Keep an EMA of the weights (ema = decay x ema + (1 - decay) x w after each step, fp32, sharded like the weights, 4 B per parameter of a rank's shard; checkpointed; val_loss_ema); 0 = off, else 0 < decay < 1."""
 
     @property
     def is_fp8(self) -> bool:
@@ -267,6 +269,8 @@ class CheckpointSection:
     """Load a checkpoint whose checkpoint.json has no "files" list (sizes, crc32), so its shards go unverified."""
     restart_data: bool = False
     """On resume, start the data from its beginning (other data, data.seed or a longer train.seq_len)."""
+    resume_check: bool = True
+    """Record a fixed probe batch's loss in each checkpoint and recompute it on resume (bit-equal, or within a stated tolerance at another layout); docs/checkpointing.md."""
 
 
 @dataclass

@@ -176,6 +176,7 @@ class MetricsLogger:
         )
         if "val_loss" in extra:
             line += f" | val_loss {extra['val_loss']:7.4f} ppl {extra['val_ppl']:.2f}"
+            line += f" ema {extra['val_loss_ema']:7.4f}" if "val_loss_ema" in extra else ""  # train.ema_decay
         return line
 
     def log(self, s: StepStats, *, first_step: int) -> dict:
@@ -234,7 +235,7 @@ class MetricsLogger:
                 scalars["perf/mfu"] = mfu
             if self.fp8_converted_fraction is not None:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
-            names = {"val_loss": "val/loss", "val_ppl": "val/ppl"}
+            names = {"val_loss": "val/loss", "val_ppl": "val/ppl", "val_loss_ema": "val/loss_ema"}
             scalars.update({names.get(k, k if "/" in k else f"train/{k}"): v for k, v in extra.items()})
             self.add_scalars(scalars, s.step)
         return record

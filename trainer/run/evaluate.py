@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from trainer.checkpoint.ema import EMAWeights
 from trainer.data.loader import split_rows
 from trainer.data.mix import HeldOutMixture, MixEntry
 from trainer.data.shards import DataError
@@ -45,11 +46,13 @@ class Evaluator(StepHook):
                  seq_len: int, batch_size: int, steps: int, freq: int, last_step: int, dp_rank: int, dp_degree: int,
                  device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 eod_mask_id: int | None = None, bf16_matmuls: Float8Report | None = None):
+                 eod_mask_id: int | None = None, bf16_matmuls: Float8Report | None = None,
+                 ema: EMAWeights | None = None):
         """batch_loss(inputs, labels) -> (summed loss, valid labels) of this rank's part of the batch in the training
         layout (`trainer.run.step.TrainStep.eval_loss`; under pipeline parallelism through the schedule).
         bf16_matmuls: validation.mixed_precision='bf16': the FP8 report of the model, whose converted modules run in
-        bf16 while it evaluates (`trainer.parallel.float8.evaluation.bf16_matmuls`); None evaluates as it trains."""
+        bf16 while it evaluates (`trainer.parallel.float8.evaluation.bf16_matmuls`); None evaluates as it trains.
+        ema: train.ema_decay's average (trainer/checkpoint/ema.py), evaluated swapped in as `val_loss_ema` too."""
         # trainer.validate checked that steps * batch_size * dp_degree held-out samples exist.
         assert steps * batch_size * dp_degree <= source.num_samples(seq_len)
         self.source, self.seq_len, self.batch_size, self.steps = source, seq_len, batch_size, steps
@@ -58,7 +61,7 @@ class Evaluator(StepHook):
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.device, self.dp_group, self.loss_context = device, dp_group, loss_context
         self.batch_loss = batch_loss
-        self.eod_mask_id, self.bf16_matmuls = eod_mask_id, bf16_matmuls
+        self.eod_mask_id, self.bf16_matmuls, self.ema = eod_mask_id, bf16_matmuls, ema
         if eod_mask_id is not None:
             self.parts = self._parts_with_labels(source)
         self.tokens = len(self.parts) * steps * batch_size * dp_degree * seq_len  # per evaluation, over all ranks
@@ -70,8 +73,12 @@ class Evaluator(StepHook):
         if not self.log_due(step):
             return {}
         result = self.evaluate(self.model)
-        return {"val_loss": result["loss"], "val_ppl": result["ppl"],
-                **{f"val/loss/{name}": loss for name, loss in result.get("by_source", {}).items()}}
+        metrics = {"val_loss": result["loss"], "val_ppl": result["ppl"],
+                   **{f"val/loss/{name}": loss for name, loss in result.get("by_source", {}).items()}}
+        if self.ema is not None:  # the same batches with the average swapped in; the trained weights restored exactly
+            with self.ema.swapped_in():
+                metrics["val_loss_ema"] = self.evaluate(self.model)["loss"]
+        return metrics
 
     def batches(self, source) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's held-out batches of `source` (one of self.parts')."""

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.checkpoint import CheckpointManager, CheckpointState, DelayedScalingPart, RngPart, RunInfo
+from trainer.checkpoint.ema import EMAPart, EMAWeights
 from trainer.config import JobConfig
 from trainer.data import DataPosition, build_data_loader
 from trainer.data.mix import MixtureTokens
@@ -47,8 +48,11 @@ from trainer.parallel.pipeline import Pipeline
 from trainer.run.evaluate import Evaluator
 from trainer.run.lock import check_writable, lock_run_folders, output_folders, release_all
 from trainer.run.precision_schedule import PrecisionSchedule, free_memory, validate_run
+from trainer.run.resume_check import ResumeCheck
 from trainer.run.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep
-from trainer.run.train_state import PREEMPTED_MARKER, STOP_SIGNALS, StoppedBeforeFirstStep, TrainState, note_torchrun_exit
+from trainer.run.train_state import (
+    PREEMPTED_MARKER, STOP_SIGNALS, Interval, StoppedBeforeFirstStep, TrainState, note_torchrun_exit,
+)
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.plan import human_size
 from trainer.validate.ranks import agree_to_start, check_ranks_agree
@@ -113,6 +117,7 @@ class Trainer:
         self.checkpoint = self._build_checkpoint()
         # Resuming overwrites the fresh state of every piece above.
         self.checkpoint.resume()
+        self.resume_check.check(resumed_step=self.checkpoint.resumed_step)  # before step 1: the weights load as saved
         # After resume: a fresh run starts fresh metrics files, a resumed one continues them.
         m = job.metrics
         self.metrics = MetricsLogger(
@@ -202,6 +207,7 @@ class Trainer:
                                    amax_group=self.parallel_dims.mesh("dp_cp").get_group())
         hooks += MixtureTokens.of(self.data_loader)  # a data mixture's tokens per source
         hooks += MTPLossMetrics.of(self.loss_fn, group=self.parallel_dims.mesh("dp_cp").get_group())  # per depth
+        hooks += [ema] if (ema := EMAWeights.maybe(self.model, decay=run.ema_decay)) else []  # before an evaluation
         if job.validation_source is not None:
             v = job.validation
             evaluator = Evaluator(
@@ -209,7 +215,7 @@ class Trainer:
                 batch_size=run.batch_size, steps=v.steps, freq=v.freq, last_step=run.steps,
                 dp_rank=self.dp_mesh.get_local_rank(), dp_degree=self.parallel_dims.dp, device=self.device,
                 dp_group=self.parallel_dims.mesh("dp_cp").get_group(), loss_context=self.loss_context,
-                eod_mask_id=run.eod_mask_id, bf16_matmuls=self.float8 if v.bf16_matmuls else None,
+                eod_mask_id=run.eod_mask_id, bf16_matmuls=self.float8 if v.bf16_matmuls else None, ema=ema,
             )
             logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
                         v.steps, v.freq, f"{evaluator.tokens:,}")
@@ -219,18 +225,19 @@ class Trainer:
     def _build_checkpoint(self) -> CheckpointManager:
         job, pd = self.job, self.parallel_dims
         delayed = next((h for h in self.hooks if hasattr(h, "checkpoint_key")), None)  # float8.scaling='delayed'
+        run = RunInfo(flavor=job.run.flavor, model_args=self.model_args, mixed_precision=job.run.mixed_precision,
+                      layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
+                              "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},
+                      **job.run.tokenizer)
+        self.resume_check = ResumeCheck(job, step_fn=self.step_fn, run=run,  # a probe loss recorded at each save
+                                        cp_group=pd.mesh("cp").get_group() if pd.cp > 1 else None)
         parts = {"optimizer": OptimizerPart(self.model, self.optimizer), "lr_scheduler": SchedulerPart(self.scheduler),
                  "dataloader": DataPosition(self.data_loader, restart=job.checkpoint.restart_data),
                  "train_state": self.state, "loss_scaler": LossScalerPart(self.scaler, self.state), "rng": RngPart(),
-                 "float8_scaling": DelayedScalingPart(delayed)}  # in the order a resume loads them (checkpoint/parts.py)
-        return CheckpointManager(
-            job.checkpoint, state=CheckpointState(self.model, parts),
-            run=RunInfo(flavor=job.run.flavor, model_args=self.model_args, mixed_precision=job.run.mixed_precision,
-                        layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
-                                "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},
-                        **job.run.tokenizer),
-            timeout_seconds=job.run.init_timeout_seconds,
-        )
+                 "float8_scaling": DelayedScalingPart(delayed), "resume_check": self.resume_check,
+                 "ema": EMAPart(next((h for h in self.hooks if isinstance(h, EMAWeights)), None))}  # in load order
+        return CheckpointManager(job.checkpoint, state=CheckpointState(self.model, parts), run=run,
+                                 timeout_seconds=job.run.init_timeout_seconds)
 
     # -- one step ------------------------------------------------------------
 
@@ -352,7 +359,7 @@ class Trainer:
     def _loop(self, profiler, memory_recorder) -> None:
         t, stop_step = self.job.run, self.job.run.stop_step
         first_step = self.state.step + 1
-        interval = _Interval()
+        interval = Interval()
         # Tokens per device per step, each token counted once (TP and PP ranks share their dp rank's tokens).
         local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
         logger.info("training steps %d-%d, %s tokens per step; the first step includes %swarm-up", first_step,
@@ -377,15 +384,20 @@ class Trainer:
                 if compiled is not None and (compiled.graphs or compiled.seconds):  # what a config change costs
                     logger.info("step %d done %.1f s after training started; %s", step,
                                 time.perf_counter() - interval.start, compiled.describe())
-                interval = _Interval()
+                interval = Interval()
             stopping = self._agree_to_stop()
             # A stop at the last step is a completed run, not a preemption.
             self.state.preempted = stopping and step < t.steps
             # A job that stops before the run's end (a precision-schedule phase) saves like a stop: the next resumes it.
             self.checkpoint.maybe_save(step, final=step == t.steps, stopping=stopping or step == stop_step,
-                                       before_save=self.check_finite)
+                                       before_save=self._before_save)
 
-    def _log(self, step: int, result: StepResult, *, lr: float, interval: _Interval, first_step: int) -> None:
+    def _before_save(self) -> None:
+        """Right before a save: a run that must stop stops unsaved; then the probe loss the checkpoint records."""
+        self.check_finite()
+        self.resume_check.record()
+
+    def _log(self, step: int, result: StepResult, *, lr: float, interval: Interval, first_step: int) -> None:
         """One log line (note: host syncs): this step's loss and grad norm, then what every hook reports."""
         self.check_finite()
         # Mean over data- and context-parallel ranks (each cp rank's is the mean over its chunks; TP ranks hold
@@ -406,19 +418,6 @@ class Trainer:
             self.checkpoint.close()  # a background save completes (or fails loudly) before exit
         finally:
             self.metrics.close()
-
-
-@dataclass
-class _Interval:
-    """Steps and tokens since the last log line, and when it began."""
-
-    start: float = field(default_factory=time.perf_counter)
-    steps: int = 0
-    tokens: float = 0
-
-    def add(self, tokens: float) -> None:
-        self.steps += 1
-        self.tokens += tokens
 
 
 def train(cfg: JobConfig) -> TrainState:

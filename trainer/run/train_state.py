@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +73,16 @@ class TrainState:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
         self.resumed_mixed_precision = str(sd.get("mixed_precision", ""))
+
+
+@dataclass
+class Interval:
+    """The loop's steps and tokens since the last log line, and when it began (trainer/run/train.py)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: float = 0
+
+    def add(self, tokens: float) -> None:
+        self.steps += 1
+        self.tokens += tokens

@@ -57,6 +57,8 @@ class RunOptions:
     """RunInfo's tokenizer fields (trainer.checkpoint.run_tokenizer): none for synthetic tokens."""
     eod_mask_id: int | None = None
     """data.eod_mask_loss: the EOS id whose next token is not trained on (labels after it are IGNORE_INDEX)."""
+    ema_decay: float = 0.0
+    """train.ema_decay: 0 = no average of the weights (trainer/checkpoint/ema.py)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,9 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
     stop_step: 0 stops at train.steps. device: the device type the job runs on ("" = this machine's)."""
     t, o, s, m, p = cfg.train, cfg.optimizer, cfg.scheduler, cfg.metrics, cfg.profiling
     device = device or device_type()
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"train.ema_decay={t.ema_decay} must be in [0, 1): 0 turns the weights' EMA off, e.g. 0.999 "
+                          "averages over about 1000 steps")
     run = RunOptions(
         steps=t.steps, stop_step=stop_step or t.steps, seed=t.seed, deterministic=t.deterministic,
         batch_size=t.batch_size, seq_len=t.seq_len, grad_accum_steps=t.grad_accum_steps,
@@ -146,7 +151,7 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
         init_timeout_seconds=cfg.distributed.init_timeout_seconds, data_seed=cfg.data.seed,
         data_shuffle=cfg.data.shuffle, flavor=cfg.model.flavor, device_type=device,
         tokenizer=run_tokenizer(cfg.data.source, cfg.data.tokenizer),
-        eod_mask_id=eos_id(cfg.data.tokenizer) if cfg.data.eod_mask_loss else None,
+        eod_mask_id=eos_id(cfg.data.tokenizer) if cfg.data.eod_mask_loss else None, ema_decay=t.ema_decay,
     )
     optimizer = resolve_optimizer(o, bf16_master=bf16_master, device=device)
     c, v = cfg.checkpoint, cfg.validation

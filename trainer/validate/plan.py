@@ -215,7 +215,10 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
             MemoryRow("optimizer state", int(local * (sum(moments.values()) + kahan)),
                       " + ".join(f"{k} {v:.3g} B" for k, v in moments.items()) + " per parameter"
                       + (" + the 2 B Kahan buffer" if kahan else "")),
+            *([MemoryRow("EMA weights", local * 4, f"train.ema_decay={cfg.train.ema_decay:g}: 4 B (fp32) per "
+                                                     "parameter of the shard")] if cfg.train.ema_decay > 0 else []),
             _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
+    kept = len(rows) - 1  # weights, optimizer state and the EMA: held for the whole run
     tokens = microbatch_tokens(cfg) / pd.cp
     policy = _policy(build, fp8, compute=compute, cpu=cpu)
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
@@ -230,11 +233,11 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
         rows.append(MemoryRow("block backward", recompute - loss,
                               ("one block's activations again and " if full_ac else "")
                               + "its MLP's gradients in its backward, beyond the loss's transient"))
-    optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan))
+    optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan)) + sum(r.bytes for r in rows[2:kept])
     notes = (_SELECTIVE_KEEPS_ALL,) if _selective_saves_nothing(args, build, policy) else ()
     start_of_backward = sum(r.bytes for r in rows)
     if optimizer_step >= start_of_backward:
-        rows = rows[:2] + [MemoryRow("gradients", local * master,
+        rows = rows[:kept] + [MemoryRow("gradients", local * master,
                                      f"{master} B each, complete from the end of backward to the optimizer step")]
         peak, at = optimizer_step, "the optimizer step"
     else:
