@@ -10,8 +10,9 @@ chunks). A resume recomputes it before step 1 and logs `resume check: saved X, n
 - same layout, precision and kernels: bit-equal, or the run stops with one line naming what differs from the saved
   run (a model argument such as model.rope_theta or model.norm_eps, which a resume otherwise lets change with a
   warning; else the torch version, the device or a kernel);
-- another layout (dp, tp, ...) or kernel choice (train.compile_model, attention backend, loss chunks): the same
-  values summed in another order, within `layout_tolerance` (relative), derived from the compute dtype's rounding;
+- another layout (dp, tp, ...) or kernel choice (train.compile_model, attention backend, loss chunks, the GPU model,
+  torch's version): the same values summed in another order, within `layout_tolerance` (relative), derived from the
+  compute dtype's rounding;
 - another precision (`precision_settings`: mixed_precision, the master and compute dtypes, the FP8 recipe; a
   precision schedule's next phase): logged, not checked (the numbers are expected to move).
 
@@ -80,11 +81,15 @@ def precision_settings(job: ResolvedJob) -> dict[str, str]:
             "moe_dispatch_dtype": b.moe_dispatch_dtype}
 
 
-def kernel_settings(job: ResolvedJob) -> dict[str, str]:
-    """What computes the same values in another order: a change of any is checked within the tolerance."""
+def kernel_settings(job: ResolvedJob, device: torch.device) -> dict[str, str]:
+    """What computes the same values in another order: a change of any is checked within the tolerance. The GPU model
+    and torch's version are among them: another GPU (an H100's checkpoint resumed on an H200) or torch picks its own
+    GEMM and attention kernels for the same shapes."""
     b = job.build
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return {"compile": str(b.compile), "compile_loss": str(b.compile_loss), "attention": str(b.attention_backends),
-            "loss_chunk_tokens": str(b.loss_chunk_tokens), "loss_parallel": str(b.loss_parallel)}
+            "loss_chunk_tokens": str(b.loss_chunk_tokens), "loss_parallel": str(b.loss_parallel), "device": gpu,
+            "torch": torch.__version__}
 
 
 class ResumeCheck:
@@ -95,7 +100,7 @@ class ResumeCheck:
         `job`'s; `cp_group`: the context-parallel ranks that hold the other chunks of a sequence (None without cp)."""
         self.enable, self.step_fn, self.model, self.run = job.checkpoint.resume_check, step_fn, step_fn.model, run
         self.rows, self.seq_len, self.cp_group = job.run.batch_size, job.run.seq_len, cp_group
-        self.precision, self.kernels = precision_settings(job), kernel_settings(job)
+        self.precision, self.kernels = precision_settings(job), kernel_settings(job, step_fn.device)
         # A V schedule's forward-only pass fails: each rank's two stages hand tensors over locally through the
         # backward's buffers (torch.distributed.pipelining: "can't steal_bwd_input if this stage doesn't have
         # backward"). Such a run records no probe and checks none.
@@ -183,8 +188,8 @@ class ResumeCheck:
                  if k != "flavor" and ours.get(k) != theirs.get(k)]
         if diffs:
             return "what differs from the saved run: " + ", ".join(diffs)
-        return ("the model arguments, precision and layout are the saved run's: another torch version, device or "
-                "kernel, or weights that did not load as saved")
+        return ("the model arguments, precision, layout, GPU model and torch version are the saved run's: weights that "
+                "did not load as saved, or a kernel that is not deterministic")
 
 
 def _changes(saved: dict[str, Any], ours: dict[str, Any]) -> str:
