@@ -150,12 +150,13 @@ class ResumeCheck:
         if self.unchecked:
             logger.info("resume check: not checked: %s", self.unchecked)
             return
-        if saved["seq_len"] > self.seq_len or (self.pipeline and (saved["rows"], saved["seq_len"]) != (
-                self.rows, self.seq_len)):
-            # A pipeline's stages pass tensors of the training microbatch's shape only.
+        fixed = "pipeline parallel," if self.pipeline else "context parallel," if self.cp_group is not None else ""
+        if saved["seq_len"] > self.seq_len or (fixed and (saved["rows"], saved["seq_len"]) != (self.rows, self.seq_len)):
+            # A pipeline's stages pass tensors of the training microbatch's shape only; context parallelism's chunks,
+            # RoPE rows and masks are those of the training sequence length.
             logger.info("resume check: not checked: the probe is %d sequences of %d tokens, which this run (%s "
                         "train.batch_size=%d, train.seq_len=%d) cannot evaluate", saved["rows"], saved["seq_len"],
-                        "pipeline parallel," if self.pipeline else "", self.rows, self.seq_len)
+                        fixed, self.rows, self.seq_len)
             return
         now = self.probe_loss(rows=saved["rows"], seq_len=saved["seq_len"])
         diff = now - saved["loss"]
