@@ -30,8 +30,9 @@ from dataclasses import replace
 import torch
 
 from trainer.hf.config_values import CONFIG_KEYS, CONFIG_RULES, check_config_values, rope_fields, rope_kind
+from trainer.hf import moe
 from trainer.hf.folder import ExportError, Header, Spec, rename
-from trainer.hf.llama import common_config, decoder_fields, mlp_shapes, to_hf_name
+from trainer.hf.llama import common_config, decoder_fields, to_hf_name
 from trainer.model_values import DeepseekV3Args, Rule
 from trainer.models.deepseek_v3 import FLAVORS
 
@@ -61,7 +62,6 @@ _CONFIG_RULES = {
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "vocab_size", "ffn_dim", "n_experts", "moe_ffn_dim", "n_shared_experts",
                  "n_dense_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                  "v_head_dim")
-_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _MLA_NAMES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
               "o_proj")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -109,23 +109,9 @@ def _attention_shapes(args: DeepseekV3Args, i: int) -> dict[str, tuple[int, ...]
 
 
 def expected_shapes(args: DeepseekV3Args) -> dict[str, tuple[int, ...]]:
-    """Every weight and expert bias a DeepseekV3 model with these args exports, by our fqn: the main blocks (not
-    the MTP modules, which the export leaves out)."""
-    d, e, h = args.dim, args.n_experts, args.moe_ffn_dim
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, d)}
-    for i in range(args.n_layers):
-        shapes.update(_attention_shapes(args, i))
-        if not args.is_moe_layer(i):
-            shapes.update(mlp_shapes(f"layers.{i}.mlp", dim=d, hidden=args.ffn_dim))
-            continue
-        shapes.update({f"layers.{i}.moe.router.gate.weight": (e, d), f"layers.{i}.moe.router.expert_bias": (e,),
-                       f"layers.{i}.moe.experts.w1": (e, h, d), f"layers.{i}.moe.experts.w2": (e, d, h),
-                       f"layers.{i}.moe.experts.w3": (e, h, d)})
-        if args.n_shared_experts:
-            shapes.update(mlp_shapes(f"layers.{i}.moe.shared_expert", dim=d, hidden=args.n_shared_experts * h))
-    shapes["norm.weight"] = (d,)
-    shapes["output_head.proj.weight"] = (args.vocab_size, d)
-    return shapes
+    """Every weight and expert bias a DeepseekV3 model with these args exports, by our fqn: the MoE family's with
+    MLA's attention, the main blocks only (not the MTP modules, which the export leaves out)."""
+    return moe.expected_shapes(args, attention=_attention_shapes)
 
 
 def _interleave_rows(t: torch.Tensor, start: int, width: int, rope: int) -> torch.Tensor:
@@ -168,25 +154,7 @@ def spec(fqn: str, args: DeepseekV3Args) -> Spec:
                     lambda ts: _halve_rows(ts[0], start, width, r))
     if m is None or not m.group(2).startswith("moe."):
         return rename(to_hf_name(fqn))  # embeddings, block norms, dense blocks, head: Llama's names
-    i, rest = m.group(1), m.group(2)
-    mlp = f"model.layers.{i}.mlp"
-    if rest == "moe.router.gate.weight":
-        if not args.n_shared_experts:  # DeepseekV3MoE always has shared experts: zero-width ones add exactly 0
-            d = args.dim
-            names = (f"{mlp}.gate.weight", *(f"{mlp}.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj",
-                                                                                          "down_proj")))
-            return Spec(names, lambda t: [t, t.new_zeros(0, d), t.new_zeros(0, d), t.new_zeros(d, 0)],
-                        lambda ts: ts[0])
-        return rename(f"{mlp}.gate.weight")
-    if rest == "moe.router.expert_bias":
-        return Spec((f"{mlp}.gate.e_score_correction_bias",), lambda t: [t], lambda ts: ts[0], keep_fp32=True)
-    if rest.startswith("moe.experts.") and rest[len("moe.experts."):] in _EXPERT_NAMES:
-        proj = _EXPERT_NAMES[rest[len("moe.experts."):]]
-        names = tuple(f"{mlp}.experts.{j}.{proj}.weight" for j in range(args.n_experts))
-        return Spec(names, lambda t: list(t.unbind(0)), lambda ts: torch.stack(ts))
-    if m2 := re.fullmatch(r"moe\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight", rest):
-        return rename(f"{mlp}.shared_experts.{m2.group(1)}.weight")
-    raise ExportError(f"{fqn!r} is not a known (trainer) DeepSeek-V3 weight name")
+    return moe.routed_spec(fqn, args, target=moe.GLM, kind="DeepSeek-V3")  # Glm4MoeMoE is DeepseekV3MoE
 
 
 def hf_config(args: DeepseekV3Args, *, dtype: torch.dtype) -> dict:

@@ -22,6 +22,7 @@ Token dropping (`capacity_factor` > 0) has no counterpart there: the export rout
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -113,12 +114,14 @@ def _check_ernie_glm_exportable(args: MoEArgs) -> None:
                               f"{qwen3.ARCHITECTURE})")
 
 
-def expected_shapes(args: MoEArgs) -> dict[str, tuple[int, ...]]:
-    """Every weight and the expert biases of an MoETransformer with these args, by our fqn."""
+def expected_shapes(args: MoEArgs, *, attention: Callable[[MoEArgs, int], dict[str, tuple[int, ...]]]
+                    = attention_shapes) -> dict[str, tuple[int, ...]]:
+    """Every weight and the expert biases of an MoETransformer with these args, by our fqn; `attention`: block i's
+    attention weights and norms (DeepSeek-V3's MLA has its own; its MoE blocks are these)."""
     d, e, h = args.dim, args.n_experts, args.moe_ffn_dim
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, d)}
     for i in range(args.n_layers):
-        shapes.update(attention_shapes(args, i))
+        shapes.update(attention(args, i))
         if not args.is_moe_layer(i):
             shapes.update(mlp_shapes(f"layers.{i}.mlp", dim=d, hidden=args.ffn_dim))
             continue
@@ -160,11 +163,19 @@ def spec(fqn: str, args: MoEArgs) -> Spec:
             hd = args.head_dim
             return Spec((name,), lambda t: [_interleave_rope_rows(t, hd)], lambda ts: _halve_rope_rows(ts[0], hd))
         return rename(name)
-    i, rest = m.group(1), m.group(2)
+    return routed_spec(fqn, args, target=target)
+
+
+def routed_spec(fqn: str, args: MoEArgs, *, target: str, kind: str = "MoE") -> Spec:
+    """How a block's routed part `fqn` (`layers.{i}.moe.*`) is stored in `target`'s layout; GLM's is DeepseekV3's
+    too (transformers' Glm4MoeMoE is DeepseekV3MoE's: trainer/hf/deepseek_v3.py calls this). `kind` names the family
+    in the error for an unknown name."""
+    i, rest = _LAYER.match(fqn).groups()
     mlp = f"model.layers.{i}.mlp"
     if rest == "moe.router.gate.weight":
         if target == GLM and not args.n_shared_experts:
-            # Glm4MoeMoE always has a shared-expert MLP: with none of ours it gets width 0 and adds exactly 0.
+            # Glm4MoeMoE (DeepseekV3MoE) always has a shared-expert MLP: with none of ours it gets width 0 and adds
+            # exactly 0.
             d = args.dim
             names = (f"{mlp}.gate.weight", *(f"{mlp}.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj",
                                                                                           "down_proj")))
@@ -184,7 +195,7 @@ def spec(fqn: str, args: MoEArgs) -> Spec:
         return Spec(names, lambda t: list(t.unbind(0)), lambda ts: torch.stack(ts))
     if m2 := re.fullmatch(r"moe\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight", rest):
         return rename(f"{mlp}.shared_experts.{m2.group(1)}.weight")
-    raise ExportError(f"{fqn!r} is not a known (trainer) MoE weight name")
+    raise ExportError(f"{fqn!r} is not a known (trainer) {kind} weight name")
 
 
 def hf_config(args: MoEArgs, *, dtype: torch.dtype) -> dict:
