@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.unit.test_hf_moe import _hf, _relative, _weights
 from trainer.checkpoint import load_model
 from trainer.hf import ExportError, expected_shapes, read_hf_config, read_hf_weights, write_hf_export
 from trainer.model_values import DeepseekV3Args
@@ -44,22 +45,10 @@ def _random(args: DeepseekV3Args) -> DeepseekV3:
     return model.eval()
 
 
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _export(weights: dict[str, torch.Tensor], args: DeepseekV3Args, out: Path) -> Path:
     shapes = expected_shapes(args)
     return write_hf_export(out, args=args, shapes=shapes, fetch=lambda fqns: {k: weights[k] for k in fqns},
                            dtype=torch.float32)
-
-
-def _hf(folder: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def _logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.test_hf_moe import _export, _hf, _relative, _weights
 from trainer.checkpoint import RunInfo, load_model, save_model_only
-from trainer.hf import ExportError, expected_shapes, read_hf_config, read_hf_weights, write_hf_export
+from trainer.hf import ExportError, expected_shapes, read_hf_config, read_hf_weights
 from trainer.model_values import GptOssArgs, YarnScaling
 from trainer.models import build_model
 from trainer.models.counts import num_tensors
@@ -44,23 +45,6 @@ def _random_model(args: GptOssArgs, *, seed: int = 0) -> GptOssTransformer:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if name.endswith(("sinks", "bias", "b13", "b2"))
                                                                 else 0.08))
     return model.eval()
-
-
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _export(weights: dict[str, torch.Tensor], args: GptOssArgs, out: Path, **kw) -> Path:
-    return write_hf_export(out, args=args, shapes={k: tuple(v.shape) for k, v in weights.items()},
-                           fetch=lambda fqns: {k: weights[k] for k in fqns}, **{"dtype": torch.float32, **kw})
-
-
-def _hf(folder: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def _logits(model, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
