@@ -80,11 +80,13 @@ fi
 shown() {  # shown PATTERN: the log lines a step prints (grep -E); a dry run's plans whole
   if [ -n "$DRY" ]; then cat; else grep -E "$1"; fi
 }
-launch() {  # launch N SCRIPT ARGS...: SCRIPT on GPUs 0..N-1 (torchrun for N > 1); GPU_CHECKS_DRY_RUN: its dry run instead
-  local n=$1; shift
+launch() {  # launch N SCRIPT ARGS...: SCRIPT on the first N visible GPUs (torchrun for N > 1; CUDA_VISIBLE_DEVICES=2,3
+  # before the script: those two, so that two steps share a 4-GPU machine); GPU_CHECKS_DRY_RUN: its dry run instead
+  local n=$1 visible; shift
+  visible=$(python3 -c "import sys; v = sys.argv[1].split(',') if sys.argv[1] else [str(i) for i in range($NGPU)]; print(','.join(v[:$n]))" "${CUDA_VISIBLE_DEVICES:-}")
   if [ -n "$DRY" ]; then python3 "$@" --dry-run --world-size "$n" --gpu-memory-gib "$GIB"
-  elif [ "$n" = 1 ]; then CUDA_VISIBLE_DEVICES=0 python3 "$@"
-  else CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) torchrun --standalone --nproc_per_node="$n" "$@"; fi
+  elif [ "$n" = 1 ]; then CUDA_VISIBLE_DEVICES=$visible python3 "$@"
+  else CUDA_VISIBLE_DEVICES=$visible torchrun --standalone --nproc_per_node="$n" "$@"; fi
 }
 B="python3 scripts/benchmark.py --json $OUT/bench.jsonl"
 SHAPE_8B="--model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false ${ARGS_8B:-}"
@@ -329,6 +331,9 @@ for s in $STEPS; do case $s in
       --variant "fp8-fwd-bf16=--float8.forward=bf16 --float8.enable_fsdp_float8_all_gather=false" \
       --variant "fp8-bf16-ends=--float8.bf16_first_blocks=1 --float8.bf16_last_blocks=1" \
       --variant "fp8-decay-bf16=--train.precision_schedule=fp8:decay,bf16 --checkpoint.enable=true --checkpoint.interval=1000 --checkpoint.keep_latest_k=1" \
+      --variant "wsd-bf16=--train.mixed_precision=bf16 --scheduler.decay_type=wsd" \
+      --variant "wsd-fp8=--scheduler.decay_type=wsd" \
+      --variant "wsd-fp8-decay-fwd-bf16=--scheduler.decay_type=wsd --train.precision_schedule=fp8:decay,fp8-bwd --checkpoint.enable=true --checkpoint.interval=1000 --checkpoint.keep_latest_k=1" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} 2>&1 | tee "$OUT/parity1b.log"
     for f in "$OUT"/parity1b/*.log; do grep -E "step +[0-9]+00/|Applied|converted|Error|error" "$f" | sed "s|^|[$(basename $f .log)] |"; done ;;
   recipe7b)  # 4+ GPUs: configs/train/7b_16gpu_fp8.toml as a 16x H100 job would run it (memory capped per process to
