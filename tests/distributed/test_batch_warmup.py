@@ -1,7 +1,7 @@
-"""train.batch_size_warmup_tokens under data parallelism (2 spawned gloo ranks, FSDP2 dp_shard=2), against one
-process training the same global batches: the same tokens per step (the ramp counts global tokens, so dp=2 with
+"""train.batch_size_warmup_tokens over 2 spawned gloo ranks (FSDP2 dp_shard=2; a 1F1B pipeline of 2 stages), against
+one process training the same global batches: the same tokens per step (the ramp counts global tokens, so dp=2 with
 batch_size=2 ramps as one process with batch_size=4) and the same losses to fp32 rounding (the ranks' microbatches
-hold the one process's samples; FSDP2 sums in another order: test_parallel.py's bound, 1e-5 relative). And a short
+hold the one process's samples; they sum in another order: test_parallel.py's bound, 1e-5 relative). And a short
 step's loss and gradients are the mean over its own valid tokens: a warm-up step of 2 of 4 microbatches equals one
 microbatch of the same 4 sequences (test_token_mean.py's reference, documents of uneven valid labels)."""
 
@@ -23,13 +23,20 @@ ARGS = [*FAST, "--train.steps=6", "--train.grad_accum_steps=4", "--train.batch_s
 TOKENS = [256, 256, 512, 1024, 1024, 1024]
 
 
-def _runs(folder: str) -> None:
-    """The dp_shard=2 run on both ranks, then rank 0 alone: the one-process run of the same global batches."""
+LAYOUTS = {
+    "dp_shard2": ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.batch_size_warmup_start=2"],
+    # Each accumulation microbatch is one pass of the 1F1B schedule, whose own 4 microbatches stay fixed.
+    "pp2-1F1B": ["--distributed.pp=2", "--distributed.dp_shard=1", "--distributed.pipeline_schedule=1F1B",
+                 "--distributed.pp_microbatch_size=1", "--train.batch_size=4", "--train.batch_size_warmup_start=4"],
+}
+
+
+def _runs(folder: str, layout: list[str]) -> None:
+    """The two-rank run on both ranks, then rank 0 alone: the one-process run of the same global batches."""
     import os
 
     root = Path(folder)
-    _train([*ARGS, "--distributed.dp_shard=2", "--train.batch_size=2", "--train.batch_size_warmup_start=2"],
-           root / "two")
+    _train([*ARGS, *layout], root / "two")
     if os.environ["RANK"] == "0":
         _one_process()
         _train([*ARGS, "--train.batch_size=4", "--train.batch_size_warmup_start=4"], root / "one")
@@ -39,8 +46,10 @@ def _metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_data_parallel_ramp_trains_as_one_process_with_the_same_global_batches(tmp_path: Path) -> None:
-    run_distributed(_runs, world_size=2, args=(str(tmp_path),), timeout=240)
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_ramp_over_two_ranks_trains_as_one_process_with_the_same_global_batches(layout: list[str],
+                                                                                    tmp_path: Path) -> None:
+    run_distributed(_runs, world_size=2, args=(str(tmp_path), layout), timeout=240)
     two, one = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one] == TOKENS
     assert [r["step"] for r in two] == list(range(1, 7))
