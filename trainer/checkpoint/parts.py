@@ -5,7 +5,7 @@
     optimizer       AdamW's moments and steps by parameter fqn            trainer.optim.part.OptimizerPart
     lr_scheduler    the schedule's position and its arguments             trainer.optim.schedule.SchedulerPart
     dataloader      the data position (or checkpoint.restart_data)        trainer.data.loader.DataPosition
-    train_state     the step, the precision it was saved with             trainer.run.train_state.TrainState
+    train_state     the step, tokens trained, the precision saved with    trainer.run.train_state.TrainState
     loss_scaler     fp16's loss scale                                     trainer.run.step.LossScalerPart
     rng             the process's random generators                       RngPart, here
     float8_scaling  FP8 delayed scaling's amax histories and scales       DelayedScalingPart, here (the hook's own state)

@@ -200,6 +200,7 @@ STATE_FIELDS: dict[str, Rule] = {
     "dataloader.shuffle": _FLAG,
     "train_state": Rule("dict"),
     "train_state.mixed_precision": Rule("str", high=64, optional=True),
+    "train_state.tokens": Rule("int", low=0, high=MAX_COUNTER),  # absent in checkpoints of earlier versions
     "loss_scaler": Rule("dict", optional=True),
     # checkpoint.resume_check's record (trainer/run/resume_check.py): absent when it was off.
     "resume_check": Rule("dict", optional=True),

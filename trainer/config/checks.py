@@ -32,6 +32,7 @@ def check_config(cfg: Sections) -> None:
     if cfg.train.precision_schedule:
         _check_precision_schedule(cfg)
     _check_ranges(cfg)
+    _check_batch_warmup(cfg)
     _check_saved_values(cfg)
     _check_loss_chunking(cfg)
     _check_optimizer(cfg)
@@ -100,6 +101,32 @@ def _check_ranges(cfg: Sections) -> None:
             raise ConfigError(f"distributed.{key}={value} must be >= 0 (a cost in blocks), or -1 for its FLOPs")
     if d.dp_shard == 0 or d.dp_shard < -1:
         raise ConfigError(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 for the rest of the world size")
+
+
+def _check_batch_warmup(cfg: Sections) -> None:
+    """train.batch_size_warmup_*: the ramp is in whole microbatches of train.batch_size (trainer/data/batch_warmup.py),
+    from at least one to fewer than train.grad_accum_steps; a start without tokens would be ignored: refused."""
+    t = cfg.train
+    tokens, start, final = t.batch_size_warmup_tokens, t.batch_size_warmup_start, t.batch_size * t.grad_accum_steps
+    if tokens < 0 or start < 0:
+        key, value = ("tokens", tokens) if tokens < 0 else ("start", start)
+        raise ConfigError(f"train.batch_size_warmup_{key}={value} must be >= 0 (0 = off)")
+    if not tokens:
+        if start:
+            raise ConfigError(f"train.batch_size_warmup_start={start} has no effect with train.batch_size_warmup_tokens"
+                              "=0: set the tokens to ramp the batch over, or drop the start")
+        return
+    if t.grad_accum_steps < 2:
+        raise ConfigError(f"train.batch_size_warmup_tokens={tokens} needs train.grad_accum_steps >= 2: the batch is "
+                          "ramped in whole microbatches of train.batch_size sequences (every step the same shapes); "
+                          "e.g. halve train.batch_size and set train.grad_accum_steps=2 for the same batch")
+    if start < t.batch_size or start % t.batch_size:
+        raise ConfigError(f"train.batch_size_warmup_start={start} must be a whole number of microbatches: a positive "
+                          f"multiple of train.batch_size={t.batch_size} (sequences per data-parallel rank)")
+    if start >= final:
+        raise ConfigError(f"train.batch_size_warmup_start={start} must be below the configured batch of {final} "
+                          f"sequences per rank (train.batch_size={t.batch_size} x train.grad_accum_steps="
+                          f"{t.grad_accum_steps}), which the warm-up ramps up to")
 
 
 def _check_saved_values(cfg: Sections) -> None:

@@ -40,6 +40,10 @@ class TrainSection:
     """Tokens per sequence."""
     grad_accum_steps: int = 1
     """Microbatches accumulated before each optimizer step."""
+    batch_size_warmup_tokens: int = 0
+    """Batch-size warm-up: ramp the batch from batch_size_warmup_start sequences per rank to batch_size x grad_accum_steps over this many global tokens, linearly in whole microbatches (same shapes, no recompilation); 0 = off. The LR schedule stays per step."""
+    batch_size_warmup_start: int = 0
+    """With batch_size_warmup_tokens: the first step's sequences per data-parallel rank, a multiple of batch_size below batch_size x grad_accum_steps."""
     mixed_precision: Literal["auto", "fp32", "fp16", "bf16", "fp8"] = "bf16"
     """Compute dtype: fp32, fp16, bf16, fp8 (bf16 with torchao float8 linears) or auto (this machine's best)."""
     precision_schedule: list[str] = field(default_factory=list)

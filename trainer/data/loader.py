@@ -1,7 +1,8 @@
 """Deterministic, resumable, data-parallel batching over a sample source.
 
-Step s consumes the global sample positions [s * G, (s + 1) * G) with
-G = batch_size * dp_degree * grad_accum_steps. Position p is sample
+A step of M microbatches per rank consumes the next G = batch_size * dp_degree * M global sample
+positions (M = grad_accum_steps, or fewer during train.batch_size_warmup_tokens' ramp:
+trainer/data/batch_warmup.py). Position p is sample
 permutation(p // num_samples)[p % num_samples], where the permutation of epoch e comes from
 np.random.default_rng([seed, e]). Microbatch m of rank r takes the step's positions
 [(m * dp_degree + r) * batch_size, (m * dp_degree + r + 1) * batch_size). So the samples of a
@@ -73,11 +74,14 @@ class TokenDataLoader:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
         return inputs, labels
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's grad_accum_steps (inputs, labels) pairs of [batch_size, seq_len] for the next step."""
+    def next_batch(self, microbatches: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, labels) pairs of [batch_size, seq_len] for the next step: `microbatches` of them (a
+        step of the batch-size warm-up), by default grad_accum_steps."""
+        count = self.grad_accum_steps if microbatches is None else microbatches
+        assert 1 <= count <= self.grad_accum_steps, (count, self.grad_accum_steps)
         batch = [self._microbatch(self.consumed_samples + (m * self.dp_degree + self.dp_rank) * self.batch_size)
-                 for m in range(self.grad_accum_steps)]
-        self.consumed_samples += self.global_batch_size
+                 for m in range(count)]
+        self.consumed_samples += self.batch_size * self.dp_degree * count
         return batch
 
     def samples_by_source(self) -> dict[str, int]:

@@ -81,6 +81,9 @@ class StepStats:
     extra: dict[str, float] | None = None
     """More scalars for metrics.jsonl and TensorBoard, from the step hooks (MoE: aux_loss, moe/*; validation:
     val_loss, val_ppl; fp8 health); aux_loss and the validation pair also go on the log line."""
+    batch: tuple[int, int, bool] | None = None
+    """(this step's global tokens, the run's so far, whether a batch-size warm-up step): metrics.jsonl's tokens and
+    tokens_seen; a warm-up step's log line says its batch."""
 
 
 class MetricsLogger:
@@ -174,6 +177,8 @@ class MetricsLogger:
             f"lr {s.lr:.2e} | tps {tps:,.0f}{perf} | "
             f"mem {memory[0]:5.2f}/{memory[1]:5.2f} GiB | eta {_fmt_duration(eta)}"
         )
+        if s.batch is not None and s.batch[2]:  # train.batch_size_warmup_tokens: this step's batch is smaller
+            line += f" | warm-up batch {s.batch[0]:,} tokens"
         if "val_loss" in extra:
             line += f" | val_loss {extra['val_loss']:7.4f} ppl {extra['val_ppl']:.2f}"
             line += f" ema {extra['val_loss_ema']:7.4f}" if "val_loss_ema" in extra else ""  # train.ema_decay
@@ -209,6 +214,8 @@ class MetricsLogger:
         }
         if self.fp8_converted_fraction is not None:
             record["fp8_converted_fraction"] = self.fp8_converted_fraction
+        if s.batch is not None:
+            record["tokens"], record["tokens_seen"] = s.batch[:2]
         extra = s.extra or {}
         record.update(extra)
         if self.rank != 0:
@@ -233,6 +240,8 @@ class MetricsLogger:
             }
             if mfu is not None:
                 scalars["perf/mfu"] = mfu
+            if s.batch is not None:
+                scalars["train/tokens"], scalars["train/tokens_seen"] = s.batch[:2]
             if self.fp8_converted_fraction is not None:
                 scalars["fp8/converted_fraction"] = self.fp8_converted_fraction
             names = {"val_loss": "val/loss", "val_ppl": "val/ppl", "val_loss_ema": "val/loss_ema"}

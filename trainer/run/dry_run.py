@@ -59,6 +59,8 @@ def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int,
     lines.append(f"batch: {run.batch_size} sequences x {run.seq_len} tokens x {run.grad_accum_steps} accumulation "
                  f"step{'s' if run.grad_accum_steps > 1 else ''} x {pd.dp} data-parallel rank"
                  f"{'s' if pd.dp > 1 else ''} = {tokens:,} tokens per step, {run.steps:,} steps")
+    if job.batch_warmup is not None and job.batch_warmup.tokens:  # the same microbatches: the plan below holds
+        lines.append(job.batch_warmup.describe())
     if job.unchecked_data:
         lines.append(f"data: {', '.join(job.unchecked_data)} not on this machine: not checked (the run checks its "
                      "headers, tokenizer and size)")

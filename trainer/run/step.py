@@ -10,8 +10,8 @@ whole global batch (every microbatch, data-parallel rank and context-parallel ch
 of a count per step) and D the ranks whose gradients FSDP2 and HSDP average (dp x cp). So the step's
 gradient is the gradient of the mean loss over every valid token of the step, however many each
 microbatch holds (torchtitan's global valid-token count), and the reported loss is that mean. The
-MoE layers' auxiliary losses are per microbatch: loss scale / (pipeline microbatches x accumulation
-steps), injected through autograd (`trainer.models.moe.attach_aux_loss`).
+MoE layers' auxiliary losses are per microbatch: loss scale / (pipeline microbatches x the step's accumulation
+microbatches, fewer in a batch-size warm-up step), injected through autograd (`trainer.models.moe.attach_aux_loss`).
 
 A non-finite gradient norm (or an fp16 overflow) skips the optimizer step on the device:
 the fused AdamW kernel takes `found_inf`, and the hooks (trainer/hooks.py) get it to mask

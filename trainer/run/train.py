@@ -110,7 +110,7 @@ class Trainer:
             dp_cp_group=self.parallel_dims.mesh("dp_cp").get_group(),
         )
         self.hooks = self._build_hooks(job)
-        self.state = TrainState(mixed_precision=run.mixed_precision)
+        self.state = TrainState(mixed_precision=run.mixed_precision, full_step_tokens=job.batch_warmup.full_tokens)
         self.stop_requested = False
         self.stepped = False  # a step of this process has finished: a stop signal now waits for the step's end
         self.steps_run = 0  # this process's steps (its skipped non-finite ones: metrics.num_nonfinite)
@@ -357,23 +357,21 @@ class Trainer:
             note_torchrun_exit(marker)
 
     def _loop(self, profiler, memory_recorder) -> None:
-        t, stop_step = self.job.run, self.job.run.stop_step
+        t, stop_step, ramp = self.job.run, self.job.run.stop_step, self.job.batch_warmup
         first_step = self.state.step + 1
         interval = Interval()
-        # Tokens per device per step, each token counted once (TP and PP ranks share their dp rank's tokens).
-        local_tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.parallel_dims.dp / self.env.world_size
-        logger.info("training steps %d-%d, %s tokens per step; the first step includes %swarm-up", first_step,
-                    stop_step, f"{round(local_tokens * self.env.world_size):,}",
-                    "compilation and " if t.compile_model else "")
+        logger.info("training steps %d-%d, %s; the first step includes %swarm-up", first_step, stop_step,
+                    ramp.describe(), "compilation and " if t.compile_model else "")
         stopping, compiled_before = False, CompileTimes.now()
         while self.state.step < stop_step and not stopping:
             lr = self.scheduler.get_last_lr()[0]
-            result = self.train_step(self.data_loader.next_batch())
-            self.state.step += 1
+            count = ramp.microbatches(self.state.tokens)  # train.batch_size_warmup_tokens' ramp, or grad_accum
+            result = self.train_step(self.data_loader.next_batch(count))
+            self.state.advance(ramp.step_tokens(count))
             self.stepped = True
             self.steps_run += 1
             step = self.state.step
-            interval.add(local_tokens)
+            interval.add(self.state.step_tokens / self.env.world_size)  # per device (tp, pp ranks share dp's tokens)
             profiler.step(step)
             if step == self.job.profiling.end_step:
                 memory_recorder.dump(f"step{step}")
@@ -411,7 +409,7 @@ class Trainer:
             extra.update(hook.on_log(step))
         self.metrics.log(
             StepStats(step=step, loss=loss, grad_norm=norm, lr=lr, tokens=int(interval.tokens), seconds=seconds,
-                      steps_in_interval=interval.steps, extra=extra), first_step=first_step)
+                      steps_in_interval=interval.steps, extra=extra, batch=self.state.batch), first_step=first_step)
 
     def close(self) -> None:
         try:

@@ -62,17 +62,34 @@ class TrainState:
     resumed_mixed_precision: str = ""  # what the loaded checkpoint was written with ("" = not resumed)
     preempted: bool = False  # stopped by SIGTERM or Ctrl-C before the last step (not saved: a resume clears it)
     stopped_by: str = ""  # the signal that stopped it: "SIGTERM" or "SIGINT"
+    tokens: int = 0
+    """The global tokens trained on so far (every sequence's seq_len): the batch-size warm-up's position
+    (trainer/data/batch_warmup.py) and metrics.jsonl's tokens_seen."""
+    step_tokens: int = 0  # the last step's global tokens (not saved)
+    full_step_tokens: int = 0
+    """This run's tokens per step after any warm-up: a checkpoint written before `tokens` was saved (no warm-up
+    then) had trained on step x this (the same batch assumed)."""
 
     @property
     def exit_code(self) -> int:
         return STOP_SIGNALS[signal.Signals[self.stopped_by]] if self.preempted else 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "mixed_precision": self.mixed_precision}
+        return {"step": self.step, "mixed_precision": self.mixed_precision, "tokens": self.tokens}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
         self.resumed_mixed_precision = str(sd.get("mixed_precision", ""))
+        self.tokens = int(sd.get("tokens", self.step * self.full_step_tokens))
+
+    @property
+    def batch(self) -> tuple[int, int, bool]:
+        """(the last step's global tokens, all steps', whether it was a step of the batch-size warm-up): StepStats."""
+        return self.step_tokens, self.tokens, self.step_tokens < self.full_step_tokens
+
+    def advance(self, tokens: int) -> None:
+        """One step of `tokens` global tokens trained."""
+        self.step, self.tokens, self.step_tokens = self.step + 1, self.tokens + tokens, tokens
 
 
 @dataclass

@@ -35,6 +35,7 @@ import torch
 
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.config import JobConfig
+from trainer.data.batch_warmup import BatchWarmup
 from trainer.data.mix import HeldOutMixture
 from trainer.data.sources import SampleSource
 from trainer.errors import ConfigError
@@ -50,8 +51,9 @@ from trainer.validate.options import (
 )
 from trainer.validate.plan import LOWER_THE_PEAK, MemoryPlan, human_size, plan_memory
 from trainer.validate.precision import resolve_auto_precision
-from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices, resolve_build, resolve_data, resolve_float8,
-                                      resolve_fsdp, resolve_model_args)
+from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices,
+                                      resolve_batch_warmup, resolve_build, resolve_data, resolve_float8, resolve_fsdp,
+                                      resolve_model_args)
 from trainer.validate.run_files import run_file_texts
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,8 @@ class ResolvedJob:
     """The startup line on FSDP2's automatic choices ("" where none applies)."""
     model_source: str | None = None
     """The startup line saying the model's shape is checkpoint.initial_load_path's (trainer.validate.initial)."""
+    batch_warmup: BatchWarmup | None = None
+    """The microbatches of each step (train.batch_size_warmup_tokens' ramp; validate_job always sets it)."""
 
 
 def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = None) -> ResolvedJob:
@@ -106,6 +110,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     if shape := checkpoint_shape(cfg, planning=target.planning):
         cfg = shape.cfg
     pd = resolve_parallel_dims(cfg, world_size=world_size)
+    batch_warmup = resolve_batch_warmup(cfg, dp=pd.dp)
     args = resolve_model_args(cfg)
     check_model_layout(cfg, args, pd)
     check_reduce_dtype(cfg, pd)
@@ -147,7 +152,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,
                        memory_plan=plan, unchecked_data=unchecked, model_source=shape.line if shape else None,
                        fsdp_choices=describe_fsdp_choices(cfg, pd, build, ranks_per_node=target.ranks_per_node),
-                       **options)
+                       batch_warmup=batch_warmup, **options)
 
 
 def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_step: int = 0) -> ResolvedJob:

@@ -15,6 +15,7 @@ import torch
 from trainer.config import JobConfig
 from trainer.config.checks import mix_names
 from trainer.config.model_sections import key_fields, overrides
+from trainer.data.batch_warmup import BatchWarmup
 from trainer.data.loader import build_source, shard_paths
 from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
 from trainer.data.sources import SampleSource
@@ -411,3 +412,17 @@ def _probe_fp8(*, require: bool, emulate: bool, recipe: str) -> str:
     where = "" if device.type == "cuda" else "there is no CUDA GPU: "
     raise ConfigError(f"{setting} with float8.require=true, but {where}{why}; "
                       f"{_FP8_HARDWARE_FIX['blockwise' if blockwise else 'other']}")
+
+
+def resolve_batch_warmup(cfg: JobConfig, *, dp: int) -> BatchWarmup:
+    """train.batch_size_warmup_tokens' ramp on dp data-parallel ranks (the keys alone: trainer.config.checks). A run
+    whose train.steps end inside the ramp is said in a warning (a run trained in parts, a test), not refused."""
+    t = cfg.train
+    warmup = BatchWarmup.of(batch_size=t.batch_size, seq_len=t.seq_len, grad_accum_steps=t.grad_accum_steps, dp=dp,
+                            warmup_tokens=t.batch_size_warmup_tokens, warmup_start=t.batch_size_warmup_start)
+    if warmup.tokens and warmup.steps >= t.steps:
+        logger.warning("train.batch_size_warmup_tokens=%d ramps the batch over %d steps (%s tokens a microbatch on "
+                       "%d data-parallel rank%s), not fewer than train.steps=%d: this run never trains with the "
+                       "configured batch", warmup.tokens, warmup.steps, f"{warmup.microbatch_tokens:,}", dp,
+                       "s" if dp > 1 else "", t.steps)
+    return warmup
