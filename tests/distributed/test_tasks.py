@@ -16,6 +16,7 @@ from tests.distributed.spawn import run_distributed
 from tests.helpers import FAST, REPO
 
 EXAMPLE = REPO / "tests" / "data" / "tasks_example.jsonl"
+MOE_CONFIG = str(REPO / "configs" / "train" / "debug_moe.toml")
 # Every layout's global batch is 4 rows (train.batch_size x data-parallel ranks): the same 19 choices in 5 batches.
 ARGS = [*FAST, "--train.steps=2", "--validation.enable=true", "--validation.freq=1", "--validation.steps=1",
         f"--validation.tasks=example={EXAMPLE}"]
@@ -42,15 +43,16 @@ def _run(args: list[str], dump: str) -> tuple[list[dict], np.ndarray]:
     return ([{k: r[k] for k in ("step", *KEYS) if k in r} for r in rows] if os.environ["RANK"] == "0" else []), scores
 
 
-def layout_then_one_process(args: list[str], dump: str) -> tuple[list[dict], np.ndarray, list[dict], np.ndarray]:
-    """_run(args) on every rank, then on rank 0 alone _run of the one-process run (batch 4)."""
+def layout_then_one_process(args: list[str], ref_args: list[str], dump: str
+                            ) -> tuple[list[dict], np.ndarray, list[dict], np.ndarray]:
+    """_run(args) on every rank, then on rank 0 alone _run(ref_args), the one-process run."""
     got, scores = _run(args, str(Path(dump) / "layout"))
     if os.environ["RANK"] != "0":
         return got, scores, [], np.zeros(0)
     for key in ("MASTER_ADDR", "MASTER_PORT"):  # no peers: trainer.distributed makes a 1-process group
         os.environ.pop(key)
     os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"})
-    return (got, scores, *_run([*FAST, *ARGS[len(FAST):], "--train.batch_size=4"], str(Path(dump) / "one")))
+    return (got, scores, *_run(ref_args, str(Path(dump) / "one")))
 
 
 @pytest.mark.parametrize("args", [
@@ -62,10 +64,13 @@ def layout_then_one_process(args: list[str], dump: str) -> tuple[list[dict], np.
     ["--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=4",
      "--distributed.pp_microbatch_size=1"],
     ["--distributed.cp=2", "--train.batch_size=4"],
-], ids=["dp_shard2", "tp2", "pp2", "pp2-interleaved", "cp2"])
+    ["--config", MOE_CONFIG, "--distributed.ep=2", "--train.batch_size=2"],  # the experts' all-to-all
+], ids=["dp_shard2", "tp2", "pp2", "pp2-interleaved", "cp2", "moe-ep2"])
 def test_every_layout_scores_as_one_process(args: list[str], tmp_path: Path) -> None:
+    config = args[:2] if args[0] == "--config" else []  # the last --config wins: the one process runs the same model
     (got, scores, ref, ref_scores), (_, other_scores, _, _) = run_distributed(
-        layout_then_one_process, world_size=2, args=([*ARGS, *args], str(tmp_path)))
+        layout_then_one_process, world_size=2,
+        args=([*ARGS, *args], [*ARGS, *config, "--train.batch_size=4"], str(tmp_path)))
     assert len(ref_scores) == 19 and np.all(ref_scores > 0)
     np.testing.assert_array_equal(scores, other_scores)  # every rank picks from the same numbers
     np.testing.assert_allclose(scores, ref_scores, rtol=2e-5)
