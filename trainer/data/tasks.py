@@ -36,7 +36,7 @@ MAX_TASK_BYTES = 2**30
 """The largest task file read (MMLU's test split is under 10 MB): a bigger one is refused rather than read whole."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class TaskRows:
     """One task as rows of the run's batch shape: row r is one choice of one item."""
 

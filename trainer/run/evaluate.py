@@ -12,6 +12,9 @@ A source whose held-out batches hold no valid label (every label masked by data.
 its labels are counted once when the evaluator is built (only under data.eod_mask_loss: without it every label is
 valid), and it is left out of `val_loss` and the metrics with one warning line naming it; a held-out set with no
 valid label at all stops the run before its first step (a DataError), rather than report a loss of 0.
+
+[[validation.tasks]]' multiple-choice accuracy (trainer/run/tasks.py) is scored on the same steps, with the same
+batch shape, ranks, precision and forward (`evaluating`).
 """
 
 from __future__ import annotations

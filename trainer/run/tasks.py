@@ -74,8 +74,11 @@ class TaskScorer(StepHook):
         """The hook where the job has tasks (`losses`: the row_losses), else none."""
         return [cls(tasks, evaluator=evaluator, row_losses=losses)] if tasks else []
 
+    def log_due(self, step: int) -> bool:
+        return self.evaluator.log_due(step)
+
     def on_log(self, step: int) -> dict[str, float]:
-        if not self.evaluator.log_due(step):
+        if not self.log_due(step):
             return {}
         ll = -self.score(self.evaluator.model)
         metrics, start = {}, 0

@@ -9,7 +9,8 @@ or override fails while parsing, without importing torch); this pass adds the re
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     plan.py            the per-rank memory plan (peak estimate) the dry run prints; over a GPU a warning, over a CPU run's
                        share of the host a refusal
-    resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
+    resolve.py         model arguments, FP8 and build options, data sources and [[validation.tasks]]' files (and the
+                       checks they need)
     float8_roles.py    FP8 per block and per GEMM role: float8.bf16_first/last_blocks, float8.forward/backward
     options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
                        checkpoint): the Trainer reads no JobConfig
