@@ -63,6 +63,22 @@ class LossFn:
             return chunked_cross_entropy(self.chunk_loss, h, labels, chunk_tokens=self.chunk_tokens)
         return self.head_loss(h, labels)
 
+    @torch.no_grad()
+    def row_sums(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[batch] the summed loss of each row's valid labels (h [batch, seq, dim], labels [batch, seq]), in fp32, for
+        scoring (trainer/run/tasks.py): eager, forward only, `chunk_tokens` tokens' rows at a time where set (at
+        least one row). Under TP's loss_parallel the per-token losses are replicated over the tp ranks."""
+        assert h.shape[0] == labels.shape[0], "main states only: an MTP model evaluates without its MTP modules"
+        rows = max(1, self.chunk_tokens // labels.shape[1]) if self.chunk_tokens else labels.shape[0]
+        sums = []
+        for h_rows, label_rows in zip(h.split(rows), labels.split(rows)):
+            logits = self.output_head(self.norm(h_rows))
+            nll = F.cross_entropy(logits.flatten(0, -2).float(), label_rows.flatten(), reduction="none",
+                                  ignore_index=IGNORE_INDEX)
+            nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
+            sums.append(nll.view(label_rows.shape).sum(-1))
+        return torch.cat(sums)
+
     def __call__(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean loss over the valid labels (F.cross_entropy's mean)."""
         return local_loss(self.sum(h, labels)) / (labels != IGNORE_INDEX).sum().clamp(min=1)

@@ -42,6 +42,7 @@ def check_config(cfg: Sections) -> None:
     _check_dispatch_dtype(cfg)
     _check_data(cfg)
     _check_mix(cfg)
+    _check_tasks(cfg)
     _check_wandb(cfg)
     _check_seeds(cfg)
     _check_paths(cfg)
@@ -370,6 +371,25 @@ def _check_mix(cfg: Sections) -> None:
         if missing:
             raise ConfigError(f"validation.enable=true with data.mix needs validation.path (one held-out set) or a "
                               f"validation_path on every source; data.mix[{missing[0]}] ({names[missing[0]]!r}) has none")
+
+
+def _check_tasks(cfg: Sections) -> None:
+    """[[validation.tasks]] as the config gives them; the validation pass reads their files (trainer.data.tasks)."""
+    tasks = cfg.validation.tasks
+    if tasks and not cfg.validation.enable:
+        raise ConfigError("validation.tasks are scored with the held-out loss: set validation.enable=true (or leave "
+                          "validation.tasks out)")
+    names = [task.name for task in tasks]
+    for i, task in enumerate(tasks):
+        if not task.name or not set(task.name) <= _NAME_CHARS:
+            raise ConfigError(f"validation.tasks[{i}].name={task.name!r} must be letters, digits, '-', '_' or '.' (it "
+                              "names metrics)")
+        if task.name in names[:i]:
+            first = names.index(task.name)
+            raise ConfigError(f"validation.tasks[{i}].name={task.name!r} is validation.tasks[{first}]'s too; give each "
+                              "task its own name")
+        if not task.path:
+            raise ConfigError(f"validation.tasks[{i}].path is empty: a JSON-lines file of multiple-choice items")
 
 
 def _check_wandb(cfg: Sections) -> None:

@@ -158,6 +158,22 @@ class DataSection:
 
 
 @dataclass
+class TaskFile:
+    """One multiple-choice task scored during training: a [[validation.tasks]] table (docs/evaluation.md)."""
+
+    name: str = ""
+    """Its name in metrics (val/acc_norm/NAME, val/acc/NAME): letters, digits, '-', '_', '.'."""
+    path: str = ""
+    """A JSON-lines file, one item a line: {"context": str, "choices": [str, ...], "answer": int}."""
+
+    @classmethod
+    def from_cli(cls, text: str) -> "TaskFile":
+        """`name=path`, one entry of --validation.tasks (entries separated by commas)."""
+        name, _, path = text.partition("=")
+        return cls(name=name, path=path)
+
+
+@dataclass
 class ValidationSection:
     enable: bool = False
     """Evaluate the held-out loss and perplexity every freq steps (and at the last step)."""
@@ -169,6 +185,8 @@ class ValidationSection:
     """Held-out shards (folder or glob, data.tokenizer's); "" = data.source's held-out split (shards: required)."""
     mixed_precision: Literal["training", "bf16"] = "training"
     """Precision of the evaluation: training = as the model trains; bf16 = an fp8 run's matmuls in bf16."""
+    tasks: list[TaskFile] = field(default_factory=list)
+    """Multiple-choice tasks whose accuracy (acc_norm, acc) is logged with the held-out loss: [[validation.tasks]] tables."""
 
 
 @dataclass

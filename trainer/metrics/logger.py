@@ -20,6 +20,9 @@ from trainer.metrics.wandb_run import MAX_RUN_FILE_BYTES, RUN_FILE, WandbOptions
 
 logger = logging.getLogger(__name__)
 
+ACC_NORM = "val/acc_norm/"
+"""The prefix of each [[validation.tasks]] task's acc_norm in the metrics (trainer/run/tasks.py)."""
+
 # Dense bf16 tensor-core peak in FLOP/s, from the vendors' datasheets (SXM parts
 # unless named). MFU is model FLOPs / (time * this). FP8 runs are read against the
 # same bf16 peak, so an FP8 speedup shows up as MFU above what bf16 can reach.
@@ -182,6 +185,8 @@ class MetricsLogger:
         if "val_loss" in extra:
             line += f" | val_loss {extra['val_loss']:7.4f} ppl {extra['val_ppl']:.2f}"
             line += f" ema {extra['val_loss_ema']:7.4f}" if "val_loss_ema" in extra else ""  # train.ema_decay
+        # [[validation.tasks]]: each task's acc_norm (metrics.jsonl, TensorBoard and W&B have acc too)
+        line += "".join(f" | {k[len(ACC_NORM):]} acc_norm {v:.3f}" for k, v in extra.items() if k.startswith(ACC_NORM))
         return line
 
     def log(self, s: StepStats, *, first_step: int) -> dict:

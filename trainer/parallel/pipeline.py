@@ -104,6 +104,7 @@ class Pipeline:
         # What the schedule's loss is multiplied by before its backward (set per step by the caller:
         # loss scale / every microbatch of the optimizer step).
         self._loss_factor: torch.Tensor | float = 1.0
+        self._rows: list[torch.Tensor] | None = None  # eval_row_losses's row sums while it runs
 
         parts, results = [], []
         for sid in self.stage_ids:
@@ -188,6 +189,9 @@ class Pipeline:
         # The schedule calls this on the last stage for every microbatch and backpropagates what it returns
         # (torch may also call it once on placeholder outputs, e.g. while inferring shapes: the step's losses
         # are the ones the schedule hands back).
+        if self._rows is not None:  # eval_row_losses: each row's sum kept, their total handed to the schedule
+            self._rows.append(self.loss_fn.row_sums(h, labels))
+            return self._rows[-1].sum()
         return local_loss(self.loss_fn.sum(h, labels)) * self._loss_factor
 
     def forward_backward(self, microbatches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], *,
@@ -220,6 +224,21 @@ class Pipeline:
         """
         self._loss_factor = 1.0
         return self._total_loss(self._run_schedule(self.schedule.eval, inputs, labels, documents))
+
+    @torch.no_grad()
+    def eval_row_losses(self, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """[batch] each row's summed loss of its valid labels through the schedule, forward only, on every pp rank:
+        the last stage's loss keeps each microbatch's row sums, which the schedule computes in microbatch order."""
+        self._rows = []
+        try:
+            self._run_schedule(self.schedule.eval, inputs, labels, documents)
+            assert not self.has_last or len(self._rows) == self.num_microbatches, len(self._rows)
+            rows = torch.cat(self._rows) if self.has_last else torch.zeros(inputs.shape[0], device=self.device)
+        finally:
+            self._rows = None
+        dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.pp_group)  # from the last stage's ranks
+        return rows
 
     def _run_schedule(self, run, inputs: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None
                       ) -> list[torch.Tensor]:

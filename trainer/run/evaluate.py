@@ -12,6 +12,9 @@ A source whose held-out batches hold no valid label (every label masked by data.
 its labels are counted once when the evaluator is built (only under data.eod_mask_loss: without it every label is
 valid), and it is left out of `val_loss` and the metrics with one warning line naming it; a held-out set with no
 valid label at all stops the run before its first step (a DataError), rather than report a loss of 0.
+
+[[validation.tasks]]' multiple-choice accuracy (trainer/run/tasks.py) is scored on the same steps, with the same
+batch shape, ranks, precision and forward (`evaluating`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,25 @@ from trainer.loss import IGNORE_INDEX, local_loss
 from trainer.parallel.float8 import Float8Report, bf16_matmuls as matmuls_in_bf16
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module, bf16_matmuls: Float8Report | None) -> Iterator[None]:
+    """The model in eval mode under no_grad, an fp8 model's matmuls in bf16 where `bf16_matmuls` is its report
+    (validation.mixed_precision='bf16'); then back in training mode with its FSDP2 weights resharded."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), (matmuls_in_bf16(model, bf16_matmuls) if bf16_matmuls is not None
+                               else contextlib.nullcontext()):
+            yield
+    finally:
+        model.train(was_training)
+        # With reshard_after_forward off, a forward without backward leaves the gathered weights
+        # registered as the parameters; the optimizer and checkpoints need the sharded ones back.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 class Evaluator(StepHook):
@@ -108,35 +130,23 @@ class Evaluator(StepHook):
                            "weighted mean of the other sources", ", ".join(repr(p.name) for p in empty), what)
         return [part for part in self.parts if part not in empty]
 
-    @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """{"loss": mean held-out token loss, "ppl": its exp, and for a mixture "by_source": {name: its loss}}; the
         same on every rank."""
-        was_training = model.training
-        model.eval()
-        try:
+        with evaluating(model, self.bf16_matmuls):
             # Per source, [summed loss, valid labels] over this rank's batches, then over every rank's: the mean per
             # valid token.
             total = torch.zeros(len(self.parts), 2, device=self.device, dtype=torch.float32)
-            with (matmuls_in_bf16(model, self.bf16_matmuls) if self.bf16_matmuls is not None
-                  else contextlib.nullcontext()):
-                for i, part in enumerate(self.parts):
-                    for inputs, labels in self.batches(part.source):
-                        with self.loss_context():
-                            loss, valid = self.batch_loss(inputs, labels)
-                        total[i, 0] += local_loss(loss).float()
-                        total[i, 1] += valid
+            for i, part in enumerate(self.parts):
+                for inputs, labels in self.batches(part.source):
+                    with self.loss_context():
+                        loss, valid = self.batch_loss(inputs, labels)
+                    total[i, 0] += local_loss(loss).float()
+                    total[i, 1] += valid
             if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
                 # Every data-parallel rank's batches, and every context-parallel rank's chunks of them.
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
             losses = (total[:, 0] / total[:, 1].clamp(min=1)).tolist()
-        finally:
-            model.train(was_training)
-            # With reshard_after_forward off, a forward without backward leaves the gathered weights
-            # registered as the parameters; the optimizer and checkpoints need the sharded ones back.
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
         weights = [p.weight for p in self.parts]
         loss = sum(w * x for w, x in zip(weights, losses)) / sum(weights)
         result = {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}

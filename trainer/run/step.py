@@ -274,6 +274,14 @@ class TrainStep:
             return self.pipeline.eval_loss(inputs, labels, documents), valid
         return local_loss(self.loss_fn.sum(self._model(inputs, documents), labels.to(self.device))), valid
 
+    def eval_row_losses(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[batch] each row's summed loss of its valid labels (this rank's chunks of them under cp), in the training
+        layout, forward only, as `eval_loss` runs (trainer/run/tasks.py scores choices with it)."""
+        inputs, labels, documents = self._this_ranks(inputs, labels)
+        if self.pipeline is not None:
+            return self.pipeline.eval_row_losses(inputs, labels, documents)
+        return self.loss_fn.row_sums(self._model(inputs, documents), labels.to(self.device))
+
     def _model(self, inputs: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
         """The model's hidden states of this rank's inputs (pp=1); `documents` only where there are any (cp)."""
         inputs = inputs.to(self.device, non_blocking=True)

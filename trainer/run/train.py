@@ -46,6 +46,7 @@ from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.run.evaluate import Evaluator
+from trainer.run.tasks import TaskScorer
 from trainer.run.lock import check_writable, lock_run_folders, output_folders, release_all
 from trainer.run.precision_schedule import PrecisionSchedule, free_memory, validate_run
 from trainer.run.resume_check import ResumeCheck
@@ -219,7 +220,7 @@ class Trainer:
             )
             logger.info("validation: %r, %d batches every %d steps (%s tokens each time)", job.validation_source,
                         v.steps, v.freq, f"{evaluator.tokens:,}")
-            hooks.append(evaluator)
+            hooks += [evaluator, *TaskScorer.of(job.tasks, evaluator=evaluator, losses=self.step_fn.eval_row_losses)]
         return hooks
 
     def _build_checkpoint(self) -> CheckpointManager:
@@ -368,8 +369,7 @@ class Trainer:
             count = ramp.microbatches(self.state.tokens)  # train.batch_size_warmup_tokens' ramp, or grad_accum
             result = self.train_step(self.data_loader.next_batch(count))
             self.state.advance(ramp.step_tokens(count))
-            self.stepped = True
-            self.steps_run += 1
+            self.stepped, self.steps_run = True, self.steps_run + 1
             step = self.state.step
             interval.add(self.state.step_tokens / self.env.world_size)  # per device (tp, pp ranks share dp's tokens)
             profiler.step(step)

@@ -9,7 +9,8 @@ or override fails while parsing, without importing torch); this pass adds the re
     memory.py          the sharded weights, gradients and optimizer state per rank against the device's memory
     plan.py            the per-rank memory plan (peak estimate) the dry run prints; over a GPU a warning, over a CPU run's
                        share of the host a refusal
-    resolve.py         model arguments, FP8 and build options, data sources (and the checks they need)
+    resolve.py         model arguments, FP8 and build options, data sources and [[validation.tasks]]' files (and the
+                       checks they need)
     float8_roles.py    FP8 per block and per GEMM role: float8.bf16_first/last_blocks, float8.forward/backward
     options.py         the Trainer's typed options (run, optimizer, scheduler, metrics, validation, profiling,
                        checkpoint): the Trainer reads no JobConfig
@@ -38,6 +39,7 @@ from trainer.config import JobConfig
 from trainer.data.batch_warmup import BatchWarmup
 from trainer.data.mix import HeldOutMixture
 from trainer.data.sources import SampleSource
+from trainer.data.tasks import TaskRows
 from trainer.errors import ConfigError
 from trainer.models import ModelArgs
 from trainer.parallel import BuildOptions, ParallelDims
@@ -53,7 +55,7 @@ from trainer.validate.plan import LOWER_THE_PEAK, MemoryPlan, human_size, plan_m
 from trainer.validate.precision import resolve_auto_precision
 from trainer.validate.resolve import (absent_shards, check_float8_exclusions, describe_fsdp_choices,
                                       resolve_batch_warmup, resolve_build, resolve_data, resolve_float8, resolve_fsdp,
-                                      resolve_model_args)
+                                      resolve_model_args, resolve_tasks)
 from trainer.validate.run_files import run_file_texts
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class ResolvedJob:
     """When validation.enable."""
     validation_source: SampleSource | HeldOutMixture | None = None
     """The held-out source when validation.enable (never overlaps data_source)."""
+    tasks: tuple[TaskRows, ...] = ()
+    """[[validation.tasks]] read and tokenized into rows (when validation.enable)."""
     pipeline: PipelineOptions | None = None
     """The stage layout and schedule when distributed.pp > 1."""
     float8_layers: dict[str, str] | None = None
@@ -143,12 +147,13 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
     # A dry run names the shards that are not on this machine instead of refusing them (the run checks them).
     unchecked = tuple(absent_shards(cfg)) if target.planning else ()
     source, validation = (None, None) if unchecked else resolve_data(cfg, vocab_size=args.vocab_size, dp=pd.dp)
+    tasks = () if unchecked else resolve_tasks(cfg, vocab_size=args.vocab_size)
     files = run_file_texts(cfg, run_cfg=given, args=args, pd=pd, build=build, pipeline=pipeline,
                            float8_layers=float8_layers)
     options = resolve_options(cfg, bf16_master=build.fsdp.master_dtype == torch.bfloat16, device=target.device_type)
     if shape:  # the flavor the checkpoint records ("imported", or its run's), for the log and the next checkpoints
         options["run"] = dataclasses.replace(options["run"], flavor=shape.flavor)
-    return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source,
+    return ResolvedJob(parallel_dims=pd, model_args=args, build=build, data_source=source, tasks=tasks,
                        validation_source=validation, pipeline=pipeline, float8_layers=float8_layers, run_files=files,
                        memory_plan=plan, unchecked_data=unchecked, model_source=shape.line if shape else None,
                        fsdp_choices=describe_fsdp_choices(cfg, pd, build, ranks_per_node=target.ranks_per_node),

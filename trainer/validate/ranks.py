@@ -48,6 +48,8 @@ except ModuleNotFoundError:  # Python < 3.11
 
 SOURCE = "trainer.source."
 """The prefix of each source file's key: trainer.source.run/train.py."""
+TASKS = "data_contents.tasks."
+"""The prefix of each [[validation.tasks]] file's key: data_contents.tasks.NAME."""
 
 # What a difference in these keys means, where the key alone does not say it.
 _WHY = {
@@ -57,6 +59,8 @@ _WHY = {
     "data_contents.train": "the data differs between the ranks' machines: every node must read the same files",
     "data_contents.validation": "the validation data differs between the ranks' machines: every node must read "
                                 "the same files",
+    TASKS: "a [[validation.tasks]] file differs between the ranks' machines: every node must read "
+                            "the same files",
 }
 
 
@@ -70,6 +74,7 @@ def job_values(job: ResolvedJob) -> dict[str, Any]:
     values["data_contents.train"] = job.data_source.fingerprint()
     if job.validation_source is not None:
         values["data_contents.validation"] = job.validation_source.fingerprint()
+    values.update((f"{TASKS}{task.name}", task.fingerprint()) for task in job.tasks)
     return values
 
 
@@ -150,7 +155,7 @@ def first_difference(values: list[dict[str, Any]]) -> str:
             continue
         got = values[ranks[0]].get(key, _MISSING)
         also = f"; so do ranks {', '.join(map(str, ranks[1:]))}" if ranks[1:] else ""
-        why = _WHY.get(SOURCE if key.startswith(SOURCE) else key, "every rank must run the same job")
+        why = _WHY.get(next((p for p in (SOURCE, TASKS) if key.startswith(p)), key), "every rank must run the same job")
         return (f"rank {ranks[0]}'s {key} = {_show(got)} differs from rank 0's {_show(want)} ({why}{also})")
     raise AssertionError("the digests differ but no value does")  # json.dumps of equal dicts is equal
 

@@ -19,7 +19,8 @@ from trainer.data.batch_warmup import BatchWarmup
 from trainer.data.loader import build_source, shard_paths
 from trainer.data.mix import HeldOutMixture, MixEntry, MixtureSource
 from trainer.data.sources import SampleSource
-from trainer.data.tokenizer import eos_id
+from trainer.data.tasks import TaskRows, read_task
+from trainer.data.tokenizer import build_tokenizer, eos_id
 from trainer.errors import ConfigError
 from trainer.validate.float8_roles import all_gather_with_roles, check_float8_roles, resolve_bf16_blocks
 from trainer.model_values import SAVED_INTEGERS, values_problem
@@ -311,6 +312,17 @@ def resolve_data(cfg: JobConfig, *, vocab_size: int, dp: int
             "checks): lower train.steps")
     validation = _validation_source(cfg, vocab_size=vocab_size, dp=dp) if cfg.validation.enable else None
     return source, validation
+
+
+def resolve_tasks(cfg: JobConfig, *, vocab_size: int) -> tuple[TaskRows, ...]:
+    """[[validation.tasks]]' files read as data, checked and tokenized with data.tokenizer into rows of train.seq_len
+    (trainer.data.tasks); each error names validation.tasks[i].path."""
+    v = cfg.validation
+    if not (v.enable and v.tasks):
+        return ()
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    return tuple(read_task(task.path, name=task.name, key=f"validation.tasks[{i}].path", tokenizer=tokenizer,
+                           seq_len=cfg.train.seq_len, vocab_size=vocab_size) for i, task in enumerate(v.tasks))
 
 
 def _mix_source(cfg: JobConfig, i: int, path: str, *, vocab_size: int, key: str = "path") -> SampleSource:
