@@ -24,6 +24,10 @@ class NonFinite(Exception):
     pass
 
 
+class StopBeforeStep(BaseException):
+    pass
+
+
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -70,7 +74,7 @@ def test_step_records_are_the_marks_differences_written_at_log_steps(tmp_path: P
 
 
 def test_endings_and_the_file_of_a_fresh_run(tmp_path: Path) -> None:
-    def run(state, error: Exception | None = None) -> list[dict]:
+    def run(state, error: BaseException | None = None) -> list[dict]:
         log = EventLog(True, dump_folder=str(tmp_path), rank=0, device=torch.device("cpu"),
                        layout={**LAYOUT, "world_size": 1}, config={})
         try:
@@ -78,8 +82,8 @@ def test_endings_and_the_file_of_a_fresh_run(tmp_path: Path) -> None:
                 _step(log, state.step + 1)
                 if error is not None:
                     raise error
-        except NonFinite:
-            pass
+        except BaseException as e:  # what the test raised, and nothing else
+            assert e is error
         log.close()
         return _lines(events_file(tmp_path, 0))
 
@@ -93,6 +97,14 @@ def test_endings_and_the_file_of_a_fresh_run(tmp_path: Path) -> None:
     assert [r["event"] for r in records] == ["run_start", "step", "stop"]
     assert records[-1] == {**records[-1], "reason": "nonfinite", "message": "non-finite loss"}
     assert (tmp_path / "events" / "rank-00000.jsonl.prev-1").exists()
+    # A stop signal before the first step ends in a BaseException (StoppedBeforeFirstStep) after the state says so; an
+    # Exception during a stop (its save failed) is an error.
+    stopping = SimpleNamespace(step=3, preempted=True, stopped_by="SIGINT")
+    stop = run(stopping, StopBeforeStep())[-1]
+    assert stop == {"event": "stop", "time": stop["time"], "rank": 0, "step": 3, "reason": "signal", "signal": "SIGINT"}
+    error = run(stopping, OSError(28, "No space left"))[-1]
+    assert error == {"event": "error", "time": error["time"], "rank": 0, "step": 3, "type": "OSError",
+                     "message": "[Errno 28] No space left"}
 
 
 def test_a_disabled_log_writes_nothing_and_is_no_hook(tmp_path: Path) -> None:

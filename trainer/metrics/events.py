@@ -137,9 +137,13 @@ class EventLog(StepHook):
         event.record()  # queued on the current stream: no sync
         return event
 
-    def _seconds(self, a: Mark, b: Mark) -> float:
+    @staticmethod
+    def _seconds(a: Mark, b: Mark, *, wait: bool) -> float | None:
+        """b - a; None where `wait` is False and the device has not reached b."""
         if isinstance(a, float):
             return b - a
+        if not wait and not b.query():
+            return None
         b.synchronize()  # at a log step the device is already past it (the loop synced), so this waits for nothing
         return a.elapsed_time(b) / 1000
 
@@ -166,15 +170,18 @@ class EventLog(StepHook):
         self._write_steps()
         return {}
 
-    def _write_steps(self) -> None:
+    def _write_steps(self, *, wait: bool = True) -> None:
+        """The buffered steps' records. wait=False (a run ending with an error): a step the device has not finished
+        gets null times, since waiting for it could hang on a collective that a failed rank never joins."""
         pending, self._pending = self._pending, []
         comm = 0.0 if self.layout.get("world_size") == 1 else None
         for step, when, (data, fetched, backward, done) in pending:
+            pairs = {"data_s": (data, fetched), "forward_backward_s": (fetched, backward),
+                     "optimizer_s": (backward, done), "step_s": (data, done)}
             try:
-                times = {"data_s": self._seconds(data, fetched), "forward_backward_s": self._seconds(fetched, backward),
-                         "optimizer_s": self._seconds(backward, done), "step_s": self._seconds(data, done)}
+                times = {name: self._seconds(a, b, wait=wait) for name, (a, b) in pairs.items()}
             except RuntimeError:  # the device failed (the run is ending with its error): the step's times are lost
-                times = dict.fromkeys(("data_s", "forward_backward_s", "optimizer_s", "step_s"))
+                times = dict.fromkeys(pairs)
             self._write({"event": "step", "time": when, "step": step, **times, "comm_s": comm}, flush=False)
         if self.file is not None:
             self.file.flush()
@@ -209,7 +216,7 @@ class EventLog(StepHook):
         try:
             yield
         except BaseException as e:
-            self._write_steps()
+            self._write_steps(wait=False)
             self._write(self._ending(state, e, nonfinite=nonfinite))
             raise
         self._write_steps()
@@ -226,13 +233,15 @@ class EventLog(StepHook):
 
     @staticmethod
     def _ending(state: _RunState, error: BaseException | None, *, nonfinite: type[BaseException]) -> dict[str, Any]:
-        if state.preempted:  # a stop signal (StoppedBeforeFirstStep too: raised after the state says so)
-            return {"event": "stop", "step": state.step, "reason": "signal", "signal": state.stopped_by}
         message = next(iter(str(error).splitlines()), "")[:1000] if error is not None else ""
         if isinstance(error, nonfinite):
             return {"event": "stop", "step": state.step, "reason": "nonfinite", "message": message}
-        if error is not None:
+        # A stop signal's exit: none, or StoppedBeforeFirstStep (a BaseException, raised once the state says so). An
+        # Exception during a stop (its save failed) is an error.
+        if error is not None and (isinstance(error, Exception) or not state.preempted):
             return {"event": "error", "step": state.step, "type": type(error).__name__, "message": message}
+        if state.preempted:
+            return {"event": "stop", "step": state.step, "reason": "signal", "signal": state.stopped_by}
         return {"event": "run_end", "step": state.step}
 
     def close(self) -> None:
