@@ -37,7 +37,6 @@ import functools
 import hashlib
 import importlib.metadata
 import json
-import logging
 import platform
 import subprocess
 import time
@@ -49,8 +48,6 @@ import torch
 
 from trainer.hooks import StepHook
 from trainer.metrics.logger import set_aside
-
-logger = logging.getLogger(__name__)
 
 EVENTS_FOLDER = "events"
 # The two clocks, by name so tests can put their own in: the host's monotonic timer for CPU marks, the wall clock
