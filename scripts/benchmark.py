@@ -202,7 +202,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
         warmup_times, compiled_before = [], CompileTimes.now()
         for _ in range(warmup):  # compilation, autotuning, allocator warm-up
             start = time.perf_counter()
-            runner.train_step(runner.data_loader.next_batch())
+            runner.train_step(runner.events.next_batch(runner.data_loader))  # metrics.event_log's marks, as in training
             sync(device)
             warmup_times.append(time.perf_counter() - start)
         compiled = CompileTimes.now().since(compiled_before)
@@ -211,7 +211,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
         # Timed like training runs: steps back to back, no host sync between them.
         start = time.perf_counter()
         for _ in range(steps):
-            runner.train_step(runner.data_loader.next_batch())
+            runner.train_step(runner.events.next_batch(runner.data_loader))
         sync(device)
         step_s = (time.perf_counter() - start) / steps
         runner.check_finite()

@@ -3,7 +3,9 @@
 The loop (trainer/run/train.py) calls, for every hook, in this order around each optimizer step:
 
     with hook.step_context(step):              # around forward/backward/optimizer (FP8 health's eager hooks)
-        ... the step (trainer/run/step.py) ...
+        ... forward/backward (trainer/run/step.py) ...
+        hook.after_forward_backward(step)      # every step, never waits on the device
+        ... the optimizer step ...
     hook.after_optimizer_step(step, found_inf)  # every step, never waits on the device
     hook.log_due(step)                          # True: this step gets a log line (evaluation, FP8 health)
     hook.on_log(step) -> {name: value}          # log steps only; may sync with the device
@@ -17,7 +19,7 @@ Implemented by: `trainer.models.moe.MoEBalancer` (expert-bias update, MoE metric
 loss), `trainer.parallel.float8.Fp8HealthHook` (per-layer FP8 cast health),
 `trainer.run.evaluate.Evaluator` (held-out loss), `trainer.run.tasks.TaskScorer` ([[validation.tasks]]' accuracy),
 `trainer.parallel.float8.Float8ScalePrecompute` (fused weight-scale amax for fp8 all-gather), `trainer.checkpoint.ema.EMAWeights` (train.ema_decay's average of
-the weights). This module imports nothing of the trainer, so
+the weights), `trainer.metrics.events.EventLog` (metrics.event_log's step times; the last hook). This module imports nothing of the trainer, so
 any room can implement the protocol.
 """
 
@@ -34,6 +36,9 @@ class StepHook:
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
         """Entered around the forward/backward and optimizer step of `step` (1-based)."""
         return contextlib.nullcontext()
+
+    def after_forward_backward(self, step: int) -> None:
+        """Between the step's forward/backward and its optimizer step. Must not sync with the device."""
 
     def after_optimizer_step(self, step: int, found_inf: torch.Tensor) -> None:
         """Right after the optimizer step (taken or skipped). Must not sync with the device."""

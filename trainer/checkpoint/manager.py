@@ -78,21 +78,16 @@ class CheckpointManager:
                  timeout_seconds: int | None = None):
         """`timeout_seconds` bounds every collective of the checkpoint group (distributed.init_timeout_seconds;
         None: torch's default), so a rank stopped during a save fails the others instead of hanging them."""
-        self.enable = options.enable
-        self.folder = options.path
-        self.interval = options.interval
-        self.keep_latest_k = options.keep_latest_k
-        self.load_step = options.load_step
-        self.async_mode = options.async_mode
-        self.initial_load_path = options.initial_load_path
-        self.model_only = options.model_only
+        self.enable, self.folder, self.interval, self.keep_latest_k = (options.enable, options.path, options.interval,
+                                                                       options.keep_latest_k)
+        self.load_step, self.async_mode = options.load_step, options.async_mode
+        self.initial_load_path, self.model_only = options.initial_load_path, options.model_only
         self.export_dtype = EXPORT_DTYPES[options.export_dtype]
-        self.on_save_error = options.on_save_error
-        self.allow_unverified = options.allow_unverified
-        self.state = state
-        self.run = run
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.on_save_error, self.allow_unverified = options.on_save_error, options.allow_unverified
+        self.state, self.run = state, run
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # (event, step, path, seconds=, error=) at each save's start and end: metrics.event_log's EventLog.checkpoint
+        self.save_events: Callable[..., Any] = lambda *args, **kwargs: None
         self.last_saved_step = -1
         self.resumed_step = -1  # the checkpoint this run resumed from: pruning never removes it
         self._abandoned: list[Path] = []  # rank 0: a later trajectory's checkpoints, moved aside at the first save
@@ -290,6 +285,7 @@ class CheckpointManager:
         blocked_since = time.perf_counter()
         self.wait()  # one save at a time; also frees the checkpoint group for this save's collectives
         start = time.perf_counter()
+        self.save_events("checkpoint_begin", step, self.folder / f"step-{step}")
         tmp = self.folder / f"step-{step}.tmp"
         tensors, rest = split_tensors(self.state.state_dict())
         self._refuse_nonfinite_weights(step, tensors["model"])
@@ -331,6 +327,7 @@ class CheckpointManager:
                 self.last_saved_step = previous
                 self._save_failed(step, tmp, error, nbytes)
                 return
+            self.save_events("checkpoint_end", step, self.folder / f"step-{step}", seconds=time.perf_counter() - start)
             logger.info("checkpoint step-%d: blocked training %.2f s (synchronous save; checkpoint.async_mode "
                         "writes in the background)", step, time.perf_counter() - blocked_since)
             return
@@ -371,6 +368,7 @@ class CheckpointManager:
 
     def _save_failed(self, step: int, tmp: Path, error: BaseException, nbytes: int) -> None:
         """One line saying what failed and why; the partial folder removed; stop or continue as configured."""
+        self.save_events("checkpoint_end", step, self.folder / f"step-{step}", error=first_line(error))
         removed = ""
         if self.rank == 0 and remove_partial(tmp):
             removed = f"; removed the partial {tmp.name}"
@@ -424,6 +422,8 @@ class CheckpointManager:
         try:
             pending.future.result()
             self._finalize(pending.step, pending.tmp, pending.start)
+            self.save_events("checkpoint_end", pending.step, self.folder / f"step-{pending.step}",
+                             seconds=time.perf_counter() - pending.start)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             # No collective here: ranks reach wait() at different times. DCP reports a failed
             # write to every rank; a failed finalize is rank 0's alone, and stopping ends the job.

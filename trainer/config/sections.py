@@ -339,6 +339,8 @@ class MetricsSection:
     """W&B tags."""
     fp8_stats_freq: int = 0
     """Every this many steps (fp8 runs): FP8 health per layer group to the metrics; 0 = off (it costs: see docs)."""
+    event_log: bool = False
+    """Each rank logs step times, checkpoints, stops to {job.dump_folder}/events/ (scripts/summarize_events.py)."""
 
 
 @dataclass

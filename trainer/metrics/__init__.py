@@ -6,6 +6,8 @@
     profiling.py      a window of profiled steps and memory snapshots
     trace_summary.py  the kernel summary of a profiler trace (FP8 / bf16 GEMMs, attention, communication) and
                       whether FP8 GEMMs ran; torch-free, as scripts/summarize_trace.py reads it
+    events.py         the per-rank event log (metrics.event_log): run start, step times, checkpoints, stops, errors
+    event_summary.py  its straggler table across the ranks; torch-free, as scripts/summarize_events.py reads it
 
 Import the modules themselves: this face imports nothing, so the trace summary loads without torch.
 """

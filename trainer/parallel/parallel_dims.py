@@ -122,6 +122,12 @@ class ParallelDims:
         return self.dp_shard * self.cp // self.ep
 
     @property
+    def layout(self) -> dict[str, int]:
+        """Every degree by name and the world size: what checkpoint.json and the event log record."""
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep,
+                "pp": self.pp, "cp": self.cp, "world_size": self.world_size}
+
+    @property
     def summary(self) -> str:
         parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}"]
         parts += [f"{name}={getattr(self, name)}" for name in ("cp", "ep", "pp") if getattr(self, name) > 1]

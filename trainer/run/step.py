@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 
 from trainer.data.shards import DataError
 from trainer.errors import UserError, on_every_rank
+from trainer.hooks import StepHook
 from trainer.loss import IGNORE_INDEX, LossFn, local_loss
 from trainer.models.moe import MoE, set_aux_loss_scale
 from trainer.run.train_state import TrainState
@@ -176,9 +177,13 @@ class TrainStep:
         self._pending_norms: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, grad norm, valid labels)
         self._valid_labels = torch.ones((), device=device)  # the last forward_backward's, over the dp x cp ranks
 
-    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> StepResult:
-        """Forward/backward over the microbatches and one optimizer step, without a host sync."""
+    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], step: int,
+                 hooks: Sequence[StepHook] = ()) -> StepResult:
+        """Forward/backward over the microbatches and one optimizer step, without a host sync; between the two, each
+        hook's `after_forward_backward` (trainer/hooks.py)."""
         loss = self.forward_backward(microbatches)
+        for hook in hooks:
+            hook.after_forward_backward(step)
         norm, found_inf = self.optimizer_step(step)
         return StepResult(loss=loss, grad_norm=norm, found_inf=found_inf)
 

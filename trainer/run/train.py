@@ -7,7 +7,6 @@ one `Trainer(job)`, or one per phase of train.precision_schedule. The Trainer re
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from trainer.distributed import (
 from trainer.hooks import StepHook
 from trainer.log import EVERY_RANK
 from trainer.loss import LossFn
+from trainer.metrics.events import EventLog
 from trainer.metrics.logger import MetricsLogger, StepStats, check_run_files, device_peak_flops
 from trainer.metrics.profiling import maybe_enable_profiling, maybe_record_memory_history
 from trainer.models.counts import num_params_for
@@ -52,7 +52,7 @@ from trainer.run.precision_schedule import PrecisionSchedule, free_memory, valid
 from trainer.run.resume_check import ResumeCheck
 from trainer.run.step import LossScaler, LossScalerPart, NonFiniteError, StepResult, TrainStep
 from trainer.run.train_state import (
-    PREEMPTED_MARKER, STOP_SIGNALS, Interval, StoppedBeforeFirstStep, TrainState, note_torchrun_exit,
+    PREEMPTED_MARKER, STOP_SIGNALS, Interval, StoppedBeforeFirstStep, TrainState, write_preempted,
 )
 from trainer.validate import ResolvedJob, validate_job
 from trainer.validate.plan import human_size
@@ -110,12 +110,15 @@ class Trainer:
             pipeline=built.pipeline, loss_context=self.loss_context, cp=built.cp,
             dp_cp_group=self.parallel_dims.mesh("dp_cp").get_group(),
         )
-        self.hooks = self._build_hooks(job)
+        self.events = EventLog(job.metrics.event_log, dump_folder=run.dump_folder, rank=self.env.rank,
+                               device=self.device, layout=self.parallel_dims.layout, config=run_config(job.run_files))
+        self.hooks = self._build_hooks(job) + self.events.hooks  # the event log last: its step ends after every hook
         self.state = TrainState(mixed_precision=run.mixed_precision, full_step_tokens=job.batch_warmup.full_tokens)
         self.stop_requested = False
         self.stepped = False  # a step of this process has finished: a stop signal now waits for the step's end
         self.steps_run = 0  # this process's steps (its skipped non-finite ones: metrics.num_nonfinite)
         self.checkpoint = self._build_checkpoint()
+        self.checkpoint.save_events = self.events.checkpoint
         # Resuming overwrites the fresh state of every piece above.
         self.checkpoint.resume()
         self.resume_check.check(resumed_step=self.checkpoint.resumed_step)  # before step 1: the weights load as saved
@@ -227,9 +230,7 @@ class Trainer:
         job, pd = self.job, self.parallel_dims
         delayed = next((h for h in self.hooks if hasattr(h, "checkpoint_key")), None)  # float8.scaling='delayed'
         run = RunInfo(flavor=job.run.flavor, model_args=self.model_args, mixed_precision=job.run.mixed_precision,
-                      layout={"dp_replicate": pd.dp_replicate, "dp_shard": pd.dp_shard, "tp": pd.tp,
-                              "ep": pd.ep, "pp": pd.pp, "cp": pd.cp, "world_size": self.env.world_size},
-                      **job.run.tokenizer)
+                      layout=pd.layout, **job.run.tokenizer)
         self.resume_check = ResumeCheck(job, step_fn=self.step_fn, run=run,  # a probe loss recorded at each save
                                         cp_group=pd.mesh("cp").get_group() if pd.cp > 1 else None)
         parts = {"optimizer": OptimizerPart(self.model, self.optimizer), "lr_scheduler": SchedulerPart(self.scheduler),
@@ -257,7 +258,7 @@ class Trainer:
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
                 stack.enter_context(hook.step_context(step))
-            result = self.step_fn(microbatches, step)
+            result = self.step_fn(microbatches, step, hooks=self.hooks)
         for hook in self.hooks:
             hook.after_optimizer_step(step, result.found_inf)
         return result
@@ -291,6 +292,10 @@ class Trainer:
         return bool(flag.item())
 
     def run(self) -> TrainState:
+        with self.events.recording(self.state, nonfinite=NonFiniteError):  # run_start, then the stop or error
+            return self._run()
+
+    def _run(self) -> TrainState:
         run, c = self.job.run, self.job.checkpoint
         Path(run.dump_folder).mkdir(parents=True, exist_ok=True)
         if self.env.rank == 0:
@@ -324,7 +329,6 @@ class Trainer:
                 f"every one of this run's {self.steps_run} steps had a non-finite loss or gradient and was skipped "
                 "(train.on_nonfinite='skip'): nothing was trained; lower optimizer.lr or raise "
                 "scheduler.warmup_steps, or check the data and the checkpoint it resumed (see docs/debug.md)")
-        marker = Path(run.dump_folder) / PREEMPTED_MARKER
         if self.state.preempted:
             self.checkpoint.wait()  # the stop's checkpoint is complete before we say so
             saved = self.checkpoint.last_saved_step == self.state.step
@@ -334,10 +338,8 @@ class Trainer:
             logger.warning("stopped by %s at step %d of %d; %s; exiting with code %d", self.state.stopped_by,
                            self.state.step, run.steps, what, self.state.exit_code)
             if self.env.rank == 0:
-                # torchrun exits 1 whatever its workers return: requeue scripts can read this file instead.
-                marker.write_text(json.dumps({"step": self.state.step, "of_steps": run.steps,
-                                              "checkpoint_saved": saved, "signal": self.state.stopped_by}) + "\n")
-                note_torchrun_exit(marker)
+                write_preempted(run.dump_folder, step=self.state.step, of_steps=run.steps, saved=saved,
+                                signal_name=self.state.stopped_by)
         elif run.stop_step == run.steps:  # not a job that stops before the run's last step (a precision phase)
             # With checkpoint.on_save_error="continue", a failed last save is an error here (exit 2), not a success.
             self.checkpoint.require_saved(self.state.step)
@@ -352,10 +354,8 @@ class Trainer:
                        stop.signal_name, step + 1, f"a relaunch resumes checkpoint step-{step}" if saved
                        else "no step had finished", stop.exit_code, extra=EVERY_RANK)
         if self.env.rank == 0:
-            marker = Path(self.job.run.dump_folder) / PREEMPTED_MARKER
-            marker.write_text(json.dumps({"step": step, "of_steps": self.job.run.steps, "checkpoint_saved": saved,
-                                          "signal": stop.signal_name}) + "\n")
-            note_torchrun_exit(marker)
+            write_preempted(self.job.run.dump_folder, step=step, of_steps=self.job.run.steps, saved=saved,
+                            signal_name=stop.signal_name)
 
     def _loop(self, profiler, memory_recorder) -> None:
         t, stop_step, ramp = self.job.run, self.job.run.stop_step, self.job.batch_warmup
@@ -367,7 +367,7 @@ class Trainer:
         while self.state.step < stop_step and not stopping:
             lr = self.scheduler.get_last_lr()[0]
             count = ramp.microbatches(self.state.tokens)  # train.batch_size_warmup_tokens' ramp, or grad_accum
-            result = self.train_step(self.data_loader.next_batch(count))
+            result = self.train_step(self.events.next_batch(self.data_loader, count))  # the event log times the fetch
             self.state.advance(ramp.step_tokens(count))
             self.stepped, self.steps_run = True, self.steps_run + 1
             step = self.state.step
@@ -416,6 +416,7 @@ class Trainer:
             self.checkpoint.close()  # a background save completes (or fails loudly) before exit
         finally:
             self.metrics.close()
+            self.events.close()
 
 
 def train(cfg: JobConfig) -> TrainState:

@@ -6,6 +6,7 @@ exits with the signal's code (STOP_SIGNALS), and writes PREEMPTED_MARKER for req
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -35,6 +36,15 @@ def note_torchrun_exit(marker: Path) -> None:
         logger.warning("under torchrun: its exit status is 1 whatever its workers return, and a signal sent to "
                        "torchrun itself ends in torch's SignalException traceback; %s is this stop's record "
                        "(docs/cluster.md#9-a-stopped-jobs-log)", marker)
+
+
+def write_preempted(dump_folder: str | Path, *, step: int, of_steps: int, saved: bool, signal_name: str | None) -> None:
+    """Rank 0's record of a stop (PREEMPTED_MARKER): torchrun exits 1 whatever its workers return, so requeue scripts
+    read this file instead."""
+    marker = Path(dump_folder) / PREEMPTED_MARKER
+    marker.write_text(json.dumps({"step": step, "of_steps": of_steps, "checkpoint_saved": saved,
+                                  "signal": signal_name}) + "\n")
+    note_torchrun_exit(marker)
 
 
 class StoppedBeforeFirstStep(BaseException):
