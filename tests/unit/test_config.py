@@ -53,6 +53,8 @@ def test_defaults_toml_and_cli_precedence(tmp_path: Path) -> None:
          "float8.enable_fsdp_float8_all_gather='1' is not one of 'auto', true, false"),
         (["--profiling.enable=true", "--profiling.start_step=5", "--profiling.end_step=3"], "the window must satisfy 1 <= start_step <= end_step"),
         (["--checkpoint.keep_latest_k=-1"], "checkpoint.keep_latest_k=-1 must be >= 0"),
+        (["--checkpoint.export_interval=-2"], "checkpoint.export_interval=-2 must be >= 0 (0 = off)"),
+        (["--checkpoint.export_keep_latest_k=-1"], "checkpoint.export_keep_latest_k=-1 must be >= 0 (0 keeps all)"),
         (["--train.loss_chunk_tokens=-4"], "train.loss_chunk_tokens=-4 must be >= 0 (0 = off)"),
         (["--train.loss_chunk_tokens=4096", "--distributed.tp=2"],
          "train.loss_chunk_tokens=4096 with distributed.tp=2: a chunked loss is not implemented under tensor parallel"),

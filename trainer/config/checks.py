@@ -86,6 +86,8 @@ def _check_ranges(cfg: Sections) -> None:
         "train.loss_chunk_tokens": (t.loss_chunk_tokens, " (0 = off)"),
         "scheduler.warmup_steps": (cfg.scheduler.warmup_steps, ""),
         "checkpoint.keep_latest_k": (cfg.checkpoint.keep_latest_k, " (0 keeps all)"),
+        "checkpoint.export_interval": (cfg.checkpoint.export_interval, " (0 = off)"),
+        "checkpoint.export_keep_latest_k": (cfg.checkpoint.export_keep_latest_k, " (0 keeps all)"),
         "metrics.fp8_stats_freq": (cfg.metrics.fp8_stats_freq, " (0 = off)"),
         "optimizer.weight_decay": (cfg.optimizer.weight_decay, ""),
         "distributed.pp_stages_per_rank": (d.pp_stages_per_rank, " (0 = automatic)"),
