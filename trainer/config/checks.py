@@ -151,6 +151,11 @@ def _check_optimizer(cfg: Sections) -> None:
         raise ConfigError(f"scheduler.wsd_decay_ratio={s.wsd_decay_ratio} must be in (0, 1]")
     if cfg.metrics.loss_spike_factor <= 1:
         raise ConfigError(f"metrics.loss_spike_factor={cfg.metrics.loss_spike_factor} must be > 1")
+    if (k := cfg.metrics.kurtosis_warn) < 0:  # NaN and infinity: the loader refuses every float that is not finite
+        raise ConfigError(f"metrics.kurtosis_warn={k} must be >= 0 (0 = off)")
+    if k and not cfg.metrics.fp8_stats_freq:
+        raise ConfigError(f"metrics.kurtosis_warn={k} has no effect: the kurtosis is one of the FP8 health stats; set "
+                          "metrics.fp8_stats_freq=N (fp8 runs) or metrics.kurtosis_warn=0")
 
 
 def _check_checkpoint_and_master(cfg: Sections) -> None:

@@ -321,6 +321,8 @@ class MetricsSection:
     """W&B tags."""
     fp8_stats_freq: int = 0
     """Every this many steps (fp8 runs): FP8 health per layer group to the metrics; 0 = off (it costs: see docs)."""
+    kurtosis_warn: float = 0.0
+    """At the FP8 stats steps: warn when a block input's channel kurtosis (FOG's outlier metric) passes this; 0 = off."""
 
 
 @dataclass
