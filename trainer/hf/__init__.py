@@ -255,6 +255,8 @@ def write_hf_export(
     out = Path(out_dir)
     fam = family(args)
     notes = fam.check_exportable(args)
+    if skip := getattr(fam, "skip_weights", None):  # weights the export leaves out (DeepSeek-V3's MTP modules)
+        shapes = skip(shapes, args)
     _check_shapes(shapes, args)
     if args.tie_word_embeddings:  # one table: written once, as embed_tokens (config.json says it is tied)
         shapes = {fqn: shape for fqn, shape in shapes.items() if fqn != HEAD_FQN}
