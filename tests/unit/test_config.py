@@ -53,6 +53,13 @@ def test_defaults_toml_and_cli_precedence(tmp_path: Path) -> None:
          "float8.enable_fsdp_float8_all_gather='1' is not one of 'auto', true, false"),
         (["--profiling.enable=true", "--profiling.start_step=5", "--profiling.end_step=3"], "the window must satisfy 1 <= start_step <= end_step"),
         (["--checkpoint.keep_latest_k=-1"], "checkpoint.keep_latest_k=-1 must be >= 0"),
+        (["--checkpoint.export_interval=-2"], "checkpoint.export_interval=-2 must be >= 0 (0 = off)"),
+        (["--checkpoint.export_keep_latest_k=-1"], "checkpoint.export_keep_latest_k=-1 must be >= 0 (0 keeps all)"),
+        (["--metrics.kurtosis_warn=-1", "--metrics.fp8_stats_freq=10"],
+         "metrics.kurtosis_warn=-1.0 must be >= 0 (0 = off)"),
+        (["--metrics.kurtosis_warn=nan", "--metrics.fp8_stats_freq=10"], "metrics.kurtosis_warn=nan must be a finite"),
+        (["--metrics.kurtosis_warn=100"], "metrics.kurtosis_warn=100.0 has no effect: the kurtosis is one of the FP8 "
+                                          "health stats; set metrics.fp8_stats_freq=N (fp8 runs) or metrics.kurtosis_warn=0"),
         (["--train.loss_chunk_tokens=-4"], "train.loss_chunk_tokens=-4 must be >= 0 (0 = off)"),
         (["--train.loss_chunk_tokens=4096", "--distributed.tp=2"],
          "train.loss_chunk_tokens=4096 with distributed.tp=2: a chunked loss is not implemented under tensor parallel"),

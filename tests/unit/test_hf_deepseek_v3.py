@@ -148,6 +148,13 @@ def test_mtp_modules_are_left_out_of_the_export_with_a_note(tmp_path, caplog):
     assert "the 1 MTP modules (layers.3..) are not exported" in caplog.text
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
     assert _relative(_logits(_hf(out)), _logits(model)) < 1e-4  # the MTP module plays no part in the logits
+    # As a run's export and convert_checkpoint.py give it: every tensor of the model, the MTP module's too (these
+    # were refused as "unexpected layers.3..." before the export left them out itself).
+    assert any(k.startswith("layers.3.") for k in weights)
+    whole = write_hf_export(tmp_path / "whole", args=args, shapes={k: tuple(v.shape) for k, v in weights.items()},
+                            fetch=lambda fqns: {k: weights[k] for k in fqns}, dtype=torch.float32)
+    written, expected = load_file(str(whole / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -538,6 +538,27 @@ def test_model_only_asks_the_exports_check_and_its_refusal_names_the_key(monkeyp
     validate_job(load_job_config(["--config", MOE_CONFIG]), world_size=1)  # without model_only nothing is asked
 
 
+@pytest.mark.parametrize("keys, named, fix", [
+    (["--checkpoint.export_interval=100"], "checkpoint.export_interval=100", "set checkpoint.export_interval=0"),
+    (["--checkpoint.export_interval=100", "--checkpoint.model_only=true"],
+     "checkpoint.model_only=true, checkpoint.export_interval=100",
+     "set checkpoint.model_only=false and checkpoint.export_interval=0"),
+])
+def test_exports_while_training_of_a_model_without_a_target_are_refused_naming_the_keys(keys, named, fix) -> None:
+    """checkpoint.export_interval asks the same check as model_only: a tied MoE model (no place for it in the
+    Ernie4_5_Moe layout) is refused before training, in one line naming every key that asked for an export."""
+    from trainer.config import load_job_config
+    from trainer.errors import ConfigError
+    from trainer.validate import validate_job
+
+    tied = ["--config", MOE_CONFIG, "--model.tie_word_embeddings=true"]
+    with pytest.raises(ConfigError) as e:
+        validate_job(load_job_config([*tied, *keys]), world_size=1)
+    assert str(e.value).startswith(f"{named}: model.tie_word_embeddings=true has no mapping in this trainer's MoE "
+                                   "export") and str(e.value).endswith(fix) and "\n" not in str(e.value)
+    validate_job(load_job_config(tied), world_size=1)  # trained tied, it is only the export that cannot be
+
+
 def test_moe_section_overrides_the_flavor() -> None:
     from trainer.config import load_job_config
     from trainer.validate import validate_job

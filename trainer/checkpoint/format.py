@@ -13,7 +13,8 @@ Layout under `{job.dump_folder}/{checkpoint.folder}/`:
                               no .metadata, a user's files), moved aside when a save took the name (never deleted)
     step-{N}.corrupt/         a checkpoint that failed verification, moved aside by a resume (never deleted)
     step-{N}.abandoned/       a later trajectory than the load_step a run resumed, moved aside at its first save
-    step-{N}-hf/              the final weights-only export (checkpoint.model_only), Hugging Face layout
+    step-{N}-hf/              a weights-only export, Hugging Face layout: checkpoint.export_interval's (while training,
+                              trainer/checkpoint/exports.py) and checkpoint.model_only's (the final weights)
 
 Nothing in a checkpoint is a pickled Python object except DCP's `.metadata`, which is
 read through an allowlist of DCP's own metadata classes (trainer/checkpoint/verify.py):

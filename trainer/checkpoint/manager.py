@@ -1,4 +1,4 @@
-"""CheckpointManager: resume (with fallback past a corrupt newest), save (sync or async), prune, export.
+"""CheckpointManager: resume (with fallback past a corrupt newest), save (sync or async), prune, export (exports.py).
 
 Every rank writes its shards into `step-{N}.tmp/`. DCP gathers all ranks' write results before rank 0 writes
 `.metadata`, so once rank 0's save returns, every rank has finished; only then does rank 0 add `checkpoint.json` and
@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from trainer.checkpoint.format import (
-    CHECKPOINT_JSON, DISK_ERRNOS, EXPORT_DTYPES, FORMAT, STATE_JSON, CheckpointError, CorruptCheckpointError,
+    CHECKPOINT_JSON, DISK_ERRNOS, FORMAT, STATE_JSON, CheckpointError, CorruptCheckpointError,
     file_digest, first_line, root_cause, write_json,
 )
-from trainer.checkpoint.gather import export_gathered, prepare_export
+from trainer.checkpoint.exports import HFExports
 from trainer.checkpoint.options import CheckpointOptions
 from trainer.checkpoint.parts import CheckpointState
 from trainer.checkpoint.space import (
@@ -82,7 +82,6 @@ class CheckpointManager:
                                                                        options.keep_latest_k)
         self.load_step, self.async_mode = options.load_step, options.async_mode
         self.initial_load_path, self.model_only = options.initial_load_path, options.model_only
-        self.export_dtype = EXPORT_DTYPES[options.export_dtype]
         self.on_save_error, self.allow_unverified = options.on_save_error, options.allow_unverified
         self.state, self.run = state, run
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -95,13 +94,13 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._prestaged = False
         self._stager = None
-        self.export_tokenizer = prepare_export(run) if self.model_only else None
         if self.rank == 0 and options.enable:  # every save copies the tokenizer.json the run started with
             remember_tokenizer(run.tokenizer, run.tokenizer_fingerprint)
         # Checkpoint traffic gets its own gloo group: an async save runs its collectives in a
         # background thread, which must never interleave with training's collectives on one group.
         self.pg = dist.new_group(backend="gloo", timeout=None if timeout_seconds is None
                                  else timedelta(seconds=timeout_seconds))
+        self.exports = HFExports(state, options, run=run)  # checkpoint.export_interval's and the final one
         if self.enable and self.async_mode != "disabled":
             pinned = self.async_mode == "async_with_pinned_mem"
             if pinned and not torch.cuda.is_available():
@@ -268,17 +267,20 @@ class CheckpointManager:
         """
         self._poll()
         saving = self.enable and step != self.last_saved_step and (step % self.interval == 0 or final or stopping)
+        exporting = self.exports.due(step, final_export=final and self.model_only)
         if self._stager is not None and not self._prestaged and not saving:
             # After the first step every state tensor exists (the moments too): their host buffers are allocated
             # in the background now, not by the first save.
             self._prestaged = True
             self._stager.prestage(split_tensors(self.state.state_dict())[0])
-        if before_save is not None and (saving or (final and self.model_only)):
+        if before_save is not None and (saving or exporting or (final and self.model_only)):
             before_save()
         if saving:
             self.save(step)
+        if exporting:
+            self.exports.export(step)
         if final and self.model_only:
-            self.export(step)
+            self.exports.final(step, p2p_group=self.pg, before_p2p=self.wait)
 
     def save(self, step: int) -> None:
         """Save step `step`; logs how long training was blocked ("checkpoint step-N: blocked training X s")."""
@@ -479,19 +481,11 @@ class CheckpointManager:
                    else f"keep_latest_k={self.keep_latest_k}")
             logger.info("removed %s (%s)", path, why)
 
-    # -- export --------------------------------------------------------------
-
-    def export(self, step: int) -> Path:
-        """The model weights, gathered whole, in Hugging Face layout, with the run's tokenizer (collective; rank 0
-        writes)."""
-        return export_gathered(self.state.model, self.folder / f"step-{step}-hf", args=self.run.model_args,
-                               dtype=self.export_dtype, p2p_group=self.pg, before_p2p=self.wait,
-                               tokenizer=self.export_tokenizer)
-
     def close(self) -> None:
         """Finish a background save (it becomes complete) and release the stager."""
         try:
             self.wait()
+            self.exports.wait()  # a background export is complete (or fails loudly) before exit
         finally:
             if self._stager is not None:
                 self._stager.close()

@@ -26,6 +26,9 @@ class CheckpointOptions:
     on_save_error: Literal["stop", "continue"]
     allow_unverified: bool
     restart_data: bool
+    export_interval: int = 0
+    """A Hugging Face export every this many steps, in the background (trainer/checkpoint/exports.py); 0 = off."""
+    export_keep_latest_k: int = 0
     resume_check: bool = True
     """Record a probe batch's loss in each checkpoint and check it on resume (trainer/run/resume_check.py)."""
 

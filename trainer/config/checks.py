@@ -88,6 +88,8 @@ def _check_ranges(cfg: Sections) -> None:
         "train.loss_chunk_tokens": (t.loss_chunk_tokens, " (0 = off)"),
         "scheduler.warmup_steps": (cfg.scheduler.warmup_steps, ""),
         "checkpoint.keep_latest_k": (cfg.checkpoint.keep_latest_k, " (0 keeps all)"),
+        "checkpoint.export_interval": (cfg.checkpoint.export_interval, " (0 = off)"),
+        "checkpoint.export_keep_latest_k": (cfg.checkpoint.export_keep_latest_k, " (0 keeps all)"),
         "metrics.fp8_stats_freq": (cfg.metrics.fp8_stats_freq, " (0 = off)"),
         "optimizer.weight_decay": (cfg.optimizer.weight_decay, ""),
         "distributed.pp_stages_per_rank": (d.pp_stages_per_rank, " (0 = automatic)"),
@@ -177,6 +179,11 @@ def _check_optimizer(cfg: Sections) -> None:
         raise ConfigError(f"scheduler.wsd_decay_ratio={s.wsd_decay_ratio} must be in (0, 1]")
     if cfg.metrics.loss_spike_factor <= 1:
         raise ConfigError(f"metrics.loss_spike_factor={cfg.metrics.loss_spike_factor} must be > 1")
+    if (k := cfg.metrics.kurtosis_warn) < 0:  # NaN and infinity: the loader refuses every float that is not finite
+        raise ConfigError(f"metrics.kurtosis_warn={k} must be >= 0 (0 = off)")
+    if k and not cfg.metrics.fp8_stats_freq:
+        raise ConfigError(f"metrics.kurtosis_warn={k} has no effect: the kurtosis is one of the FP8 health stats; set "
+                          "metrics.fp8_stats_freq=N (fp8 runs) or metrics.kurtosis_warn=0")
 
 
 def _check_checkpoint_and_master(cfg: Sections) -> None:

@@ -156,4 +156,9 @@ NOTES: dict[str, str] = {
         "that underflow or saturate) and weight amax/scale, to metrics.jsonl and TensorBoard, with a warning line "
         "for a bad layer. That step runs eagerly: on 8B shapes it costs ~3 steps and nearly twice the peak memory "
         "(docs/benchmarks.md), so it is off by default; 100 costs ~2.3%. 0 = off."),
+    "metrics.kurtosis_warn": (
+        "At the FP8 stats steps (metrics.fp8_stats_freq), each block's input kurtosis across its channels is logged "
+        "(fp8_health/block_input/*: FOG's outlier metric, the kurtosis of the channels' RMS over the tokens, between 1 "
+        "and model.dim; docs/fp8.md); a warning line names the worst block where one passes this. 0 = off (the "
+        "default: what is alarming depends on the width; 100 at dim 4096 flags one channel ~28x the others' RMS)."),
 }

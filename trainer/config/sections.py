@@ -284,7 +284,11 @@ class CheckpointSection:
     model_only: bool = False
     """At the end of training, also export the model weights only (see export_dtype)."""
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Dtype of the final weights-only export."""
+    """Dtype of the weights-only exports (model_only's final one, export_interval's)."""
+    export_interval: int = 0
+    """Every this many steps, also export the weights to folder/step-N-hf (Hugging Face), written in the background; 0 = off."""
+    export_keep_latest_k: int = 0
+    """Keep only the newest k step-N-hf exports (removed after each new one); 0 keeps all."""
     on_save_error: Literal["stop", "continue"] = "stop"
     """A failed save (disk full, folder gone): stop the run, or log it and keep training ("continue")."""
     allow_unverified: bool = False
@@ -341,6 +345,8 @@ class MetricsSection:
     """Every this many steps (fp8 runs): FP8 health per layer group to the metrics; 0 = off (it costs: see docs)."""
     event_log: bool = False
     """Each rank logs step times, checkpoints, stops to {job.dump_folder}/events/ (scripts/summarize_events.py)."""
+    kurtosis_warn: float = 0.0
+    """At the FP8 stats steps: warn when a block input's channel kurtosis (FOG's outlier metric) passes this; 0 = off."""
 
 
 @dataclass

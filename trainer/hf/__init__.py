@@ -109,6 +109,7 @@ def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
 
 
 HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+HEAD_FQN = "output_head.proj.weight"  # ours: a tied model writes its one table once, as the embeddings
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,19 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], args: ModelArgs) -> None:
                           f"{len(unexpected)} unexpected, {len(wrong)} of another shape)")
 
 
+def export_dtypes(args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Each exported tensor's dtype, by our fqn: `dtype`, or float32 where the family keeps it (MoE expert biases)."""
+    fam = family(args)
+    return {fqn: torch.float32 if fam.spec(fqn, args).keep_fp32 else dtype for fqn in fam.expected_shapes(args)
+            if not (args.tie_word_embeddings and fqn == HEAD_FQN)}
+
+
+def export_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+    """What one export holds: what rank 0 keeps in host memory while it is written."""
+    shapes = family(args).expected_shapes(args)
+    return sum(numel(shapes[fqn]) * d.itemsize for fqn, d in export_dtypes(args, dtype).items())
+
+
 def write_hf_export(
     out_dir: str | os.PathLike,
     *,
@@ -241,9 +255,11 @@ def write_hf_export(
     out = Path(out_dir)
     fam = family(args)
     notes = fam.check_exportable(args)
+    if skip := getattr(fam, "skip_weights", None):  # weights the export leaves out (DeepSeek-V3's MTP modules)
+        shapes = skip(shapes, args)
     _check_shapes(shapes, args)
     if args.tie_word_embeddings:  # one table: written once, as embed_tokens (config.json says it is tied)
-        shapes = {fqn: shape for fqn, shape in shapes.items() if fqn != "output_head.proj.weight"}
+        shapes = {fqn: shape for fqn, shape in shapes.items() if fqn != HEAD_FQN}
     config = hf_config(args, dtype=dtype, tokenizer=tokenizer)
     if is_writer:
         for note in notes:
@@ -265,7 +281,7 @@ def write_hf_export(
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES", "LLAMA3_SCALED_CONTEXT", "SAFETENSORS_HINT", "ExportError", "ExportTokenizer",
-    "HFFolder", "Spec", "args_from_hf_config", "check_exportable", "check_hf_config", "expected_shapes", "family",
+    "HFFolder", "Spec", "args_from_hf_config", "check_exportable", "check_hf_config", "expected_shapes", "export_bytes", "export_dtypes", "family",
     "from_hf_name", "hf_config", "mapping", "open_hf_folder", "plan_shards", "read_hf_config", "read_hf_weights",
     "require_safetensors", "resolve_tokenizer", "safetensors_bytes", "to_hf_name", "write_hf_export",
 ]

@@ -66,6 +66,7 @@ _MLA_NAMES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with
               "o_proj")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_OUR_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 def architecture(args: DeepseekV3Args) -> str:
@@ -243,6 +244,13 @@ def skip_headers(headers: dict[str, Header], args: DeepseekV3Args, *, where: str
                     "MTP modules (model.mtp_layers=0), as transformers' %s loads it", where, skipped, args.n_layers,
                     ARCHITECTURE)
     return kept
+
+
+def skip_weights(shapes: dict[str, tuple[int, ...]], args: DeepseekV3Args) -> dict[str, tuple[int, ...]]:
+    """The model's weights less its MTP modules' (`layers.{n >= n_layers}.*`), which the export leaves out
+    (`check_exportable` says so): what `write_hf_export` writes."""
+    return {fqn: shape for fqn, shape in shapes.items()
+            if not ((m := _OUR_LAYER.match(fqn)) and int(m.group(1)) >= args.n_layers)}
 
 
 def with_routing_of(args: DeepseekV3Args, config: dict, *, where: str) -> DeepseekV3Args:

@@ -12,7 +12,9 @@ and exit 3 (EXIT_DOES_NOT_FIT), so a script that books GPUs can read the exit st
 
 from __future__ import annotations
 
+from trainer.checkpoint.format import EXPORT_DTYPES
 from trainer.config import JobConfig
+from trainer.hf import export_bytes
 from trainer.models.counts import num_params_for
 from trainer.models import family_of
 from trainer.validate import ResolvedJob, validate_job
@@ -69,6 +71,10 @@ def describe_plan(job: ResolvedJob, cfg: JobConfig, *, target_memory: tuple[int,
                                                      if job.validation_source is not None else ""))
     if documents := describe_documents(document_eos=job.build.document_eos, eod_mask_id=run.eod_mask_id):
         lines.append(documents)
+    if c := cfg.checkpoint.export_interval:  # not the GPU's memory: the host's, on rank 0
+        size = human_size(export_bytes(args, EXPORT_DTYPES[cfg.checkpoint.export_dtype]))
+        lines.append(f"host memory: checkpoint.export_interval={c} gathers the whole model ({size} in "
+                     f"{cfg.checkpoint.export_dtype}) into rank 0's host memory at each export, held while it is written")
     rank = f" (pipeline rank {plan.pp_rank}, the one that holds the most)" if pd.pp > 1 else ""
     lines.append(f"memory per GPU{rank}, estimated (docs/benchmarks.md holds it against measured peaks):")
     lines.append(plan.table(capacity=target_memory))

@@ -198,7 +198,7 @@ class Trainer:
 
     def _build_hooks(self, job: ResolvedJob) -> list[StepHook]:
         """The per-step hooks (trainer/hooks.py) this job needs, in the order they run."""
-        run, hooks = job.run, []
+        run, m, hooks = job.run, job.metrics, []
         if family_of(self.model_args).has_router:
             # Expert loads summed over every rank of the stage (ep ranks are dp ranks too; tp ranks route
             # slices of the same sequences); on every rank, since its collectives are (a pipeline rank may
@@ -207,7 +207,7 @@ class Trainer:
                                      stage_group=self.parallel_dims.mesh("stage").get_group(),
                                      pp_group=self.pipeline.pp_group if self.pipeline else None))
         # Delayed scaling's amaxes: reduced over the ranks that compute the same layers (dp x cp of this stage).
-        hooks += float8_step_hooks(self.model, self.float8, stats_freq=job.metrics.fp8_stats_freq,
+        hooks += float8_step_hooks(self.model, self.float8, stats_freq=m.fp8_stats_freq, kurtosis_warn=m.kurtosis_warn,
                                    amax_group=self.parallel_dims.mesh("dp_cp").get_group())
         hooks += MixtureTokens.of(self.data_loader)  # a data mixture's tokens per source
         hooks += MTPLossMetrics.of(self.loss_fn, group=self.parallel_dims.mesh("dp_cp").get_group())  # per depth

@@ -74,12 +74,29 @@ def check_model_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> Non
                           "FSDP2 unit already resharded (an H100 run failed); set train.loss_chunk_tokens=0")
     _check_moe_layout(cfg, args, pd)
     check_deepseek_v3(cfg, args, pd)
+    _check_exports(cfg, args)
     if isinstance(args, GptOssArgs):
         _check_gpt_oss_layout(cfg, args)
     elif changed := [f for f in GptOssSection.__dataclass_fields__ if getattr(cfg.gpt_oss, f) is not None]:
         raise ConfigError(f"gpt_oss.{changed[0]}={getattr(cfg.gpt_oss, changed[0])} has no effect: "
                           f"model.flavor={cfg.model.flavor!r} is not GPT-OSS; remove it or pick a GPT-OSS flavor "
                           "(debug_gpt_oss, gpt_oss_20b)")
+
+
+def _check_exports(cfg: JobConfig, args: ModelArgs) -> None:
+    """An export (checkpoint.model_only's at the end, export_interval's during training) of a model without an exact
+    Hugging Face target (routing, tied tables some layouts have no place for) is refused before training."""
+    c, asked = cfg.checkpoint, {}  # each key that asks for an export: its setting, and the one that turns it off
+    if c.model_only:
+        asked["checkpoint.model_only=true"] = "checkpoint.model_only=false"
+    if c.export_interval:
+        asked[f"checkpoint.export_interval={c.export_interval}"] = "checkpoint.export_interval=0"
+    if not asked:
+        return
+    try:
+        check_exportable(args)
+    except ExportError as e:
+        raise ConfigError(f"{', '.join(asked)}: {e}; set {' and '.join(asked.values())}") from None
 
 
 def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs) -> None:
@@ -152,11 +169,6 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
             f"work with distributed.ep={pd.ep}; set train.selective_ac_every=N (full AC every Nth block) or "
             "train.activation_checkpointing='full'"
         )
-    if cfg.checkpoint.model_only:
-        try:  # routing with no exact Hugging Face target: refused before training, not at its end
-            check_exportable(args)
-        except ExportError as e:
-            raise ConfigError(f"checkpoint.model_only=true: {e}; set checkpoint.model_only=false") from None
 
 
 # -- the pipeline -------------------------------------------------------------

@@ -102,6 +102,8 @@ class MetricsOptions:
     fp8_stats_freq: int
     event_log: bool
     """metrics.event_log: every rank writes events/rank-NNNNN.jsonl (trainer/metrics/events.py)."""
+    kurtosis_warn: float = 0.0
+    """metrics.kurtosis_warn: the FP8 stats' warning threshold of a block input's kurtosis (0 = none)."""
     wandb: WandbOptions | None = None
     """metrics.wandb: the W&B run's project, entity, name, group and tags."""
 
@@ -163,7 +165,7 @@ def resolve_options(cfg: JobConfig, *, bf16_master: bool, stop_step: int = 0, de
                                    wsd_decay_ratio=s.wsd_decay_ratio),
         metrics=MetricsOptions(log_freq=m.log_freq, enable_tensorboard=m.enable_tensorboard,
                                enable_jsonl=m.enable_jsonl, loss_spike_factor=m.loss_spike_factor,
-                               fp8_stats_freq=m.fp8_stats_freq, event_log=m.event_log,
+                               fp8_stats_freq=m.fp8_stats_freq, event_log=m.event_log, kurtosis_warn=m.kurtosis_warn,
                                wandb=WandbOptions(project=m.wandb_project, entity=m.wandb_entity,
                                                   run_name=m.wandb_run_name, group=m.wandb_group,
                                                   tags=tuple(m.wandb_tags)) if m.wandb else None),

@@ -12,6 +12,7 @@
     hooks.py      the FP8 step hooks a run needs, from its report
     evaluation.py validation.mixed_precision='bf16': an fp8 model's matmuls in bf16 while it evaluates
     health.py     the FP8 stats: weights' amax and scale, activations' and gradients' underflow and saturation
+    outliers.py   at the same steps, the kurtosis of each block's input across its channels (FOG's outlier metric)
 """
 
 from trainer.parallel.float8.apply import apply_float8, float8_converters, fp8_layers_json

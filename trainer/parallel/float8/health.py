@@ -21,6 +21,9 @@ Both fractions are recomputed here from the bf16 tensors with torchao's scaling 
 (scale = max / clamp(amax, 1e-12)), not read from the kernels. One warning line names
 the worst layer of a group whose underflow or saturation crosses the thresholds below.
 
+At the same steps, the kurtosis of each transformer block's input across its channels (outliers.py: FOG's outlier
+metric), with a warning above metrics.kurtosis_warn.
+
 The hooks exist only during a stats step, which runs eagerly (compiled graphs cannot
 host Python hooks). Measured on 8B shapes x 8 layers on one H200: a stats step costs
 about 3.3 compiled steps and its peak memory is 102 GiB instead of 55, so the stats
@@ -45,6 +48,7 @@ from trainer.models.moe_fp8 import E4M3_MAX
 from trainer.parallel.float8.blockwise import BLOCK
 from trainer.parallel.float8.experts import fp8_experts_modules
 from trainer.parallel.float8.linear import is_float8_linear
+from trainer.parallel.float8.outliers import BlockInputKurtosis
 
 logger = logging.getLogger(__name__)
 
@@ -185,15 +189,22 @@ class Fp8HealthMonitor:
 
 
 class Fp8HealthHook(StepHook):
-    """The FP8 health step hook: every `every` steps, collect cast health during the step (eagerly) and log
-    it with the weights' amax and scale (`float8_weight_stats`, `fp8_expert_weight_stats`)."""
+    """The FP8 health step hook: every `every` steps, collect cast health and the blocks' input kurtosis
+    (trainer/parallel/float8/outliers.py; a warning above `kurtosis_warn`, 0 = none) during the step (eagerly) and
+    log them with the weights' amax and scale (`float8_weight_stats`, `fp8_expert_weight_stats`)."""
 
-    def __init__(self, model: nn.Module, *, recipe: str, every: int):
+    def __init__(self, model: nn.Module, *, recipe: str, every: int, kurtosis_warn: float = 0.0):
         self.model, self.every = model, every
         self.monitor = Fp8HealthMonitor(model, recipe=recipe)
+        self.outliers = BlockInputKurtosis(model, warn_above=kurtosis_warn)
 
     def step_context(self, step: int) -> contextlib.AbstractContextManager:
-        return self.monitor.collect() if self.log_due(step) else contextlib.nullcontext()
+        if not self.log_due(step):
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.monitor.collect())  # first: the step runs eagerly, so every hook fires
+        stack.enter_context(self.outliers.collect())
+        return stack
 
     def log_due(self, step: int) -> bool:
         return step % self.every == 0
@@ -201,7 +212,8 @@ class Fp8HealthHook(StepHook):
     def on_log(self, step: int) -> dict[str, float]:
         if not self.log_due(step):
             return {}
-        return {**float8_weight_stats(self.model), **fp8_expert_weight_stats(self.model), **self.monitor.report()}
+        return {**float8_weight_stats(self.model), **fp8_expert_weight_stats(self.model), **self.monitor.report(),
+                **self.outliers.report()}
 
 
 def float8_weight_stats(model: nn.Module) -> dict[str, float]:

@@ -12,14 +12,15 @@ from trainer.parallel.float8.report import Float8Report
 
 
 def float8_step_hooks(model: nn.Module, report: Float8Report | None, *, stats_freq: int,
-                      amax_group: dist.ProcessGroup | None) -> list[StepHook]:
+                      amax_group: dist.ProcessGroup | None, kurtosis_warn: float = 0.0) -> list[StepHook]:
     """Every converter's hooks (the Linears': fp8 all-gather's weight-scale precompute and delayed scaling, its
     amaxes reduced over `amax_group`: the data- and context-parallel ranks of this pipeline stage; the experts':
     the per-step weight refresh), then the health stats (every `stats_freq` steps; 0 = off) where some Linear
-    runs in FP8."""
+    runs in FP8, with the blocks' input kurtosis (a warning above `kurtosis_warn`; 0 = none)."""
     if report is None:
         return []
     hooks = [hook for converter in report.converters for hook in converter.step_hooks(model, amax_group=amax_group)]
     if stats_freq and report.enabled:
-        hooks.append(Fp8HealthHook(model, recipe=report.linears.options.recipe, every=stats_freq))
+        hooks.append(Fp8HealthHook(model, recipe=report.linears.options.recipe, every=stats_freq,
+                                   kurtosis_warn=kurtosis_warn))
     return hooks
