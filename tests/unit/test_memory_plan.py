@@ -190,6 +190,13 @@ MEASURED = {
     "8b-8l-b4-fp8-full": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8",
                            "--train.activation_checkpointing=full"], 29.91),
     "8b-8l-b2-fp8": ([*L8, "--train.batch_size=2", "--train.mixed_precision=fp8"], 30.78),
+    # float8.forward / backward and bf16 first and last blocks (docs/benchmarks/2026-11-28-precision-roles-wsd-1x-h100.md)
+    "8b-8l-b4-fp8-bwd-bf16": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8", "--float8.backward=bf16",
+                               "--float8.enable_fsdp_float8_all_gather=false"], 43.24),
+    "8b-8l-b4-fp8-fwd-bf16": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8", "--float8.forward=bf16",
+                               "--float8.enable_fsdp_float8_all_gather=false"], 40.42),
+    "8b-8l-b4-fp8-bf16-ends": ([*L8, "--train.batch_size=4", "--train.mixed_precision=fp8",
+                                "--float8.bf16_first_blocks=1", "--float8.bf16_last_blocks=1"], 41.80),
     "8b-4l-b4-bf16": (["--config", "configs/train/llama3_8b.toml", "--model.n_layers=4", "--train.compile_model=true",
                        "--train.batch_size=4", "--train.mixed_precision=bf16"], 28.20),
     "8b-8l-b2-bf16-eager": ([*L8, "--train.batch_size=2", "--train.mixed_precision=bf16",
