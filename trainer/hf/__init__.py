@@ -16,7 +16,7 @@ config.json.
 A family's mapping is this package's module of the family's name (`trainer.models.family.ModelFamily.name`), found by
 that name: the model families' registry (`trainer.models.FAMILIES`) is the one list, so a new family is its model file
 and its mapping here, with no line added to this file. Each mapping names the config.json `MODEL_TYPES` it reads and
-its `KIND` for messages.
+its `KIND` for messages; one that reads quantized folders, their `QUANT_METHODS` and `packed_params` (GPT-OSS: MXFP4).
 
 A folder is read by one reader, `open_hf_folder` (import, `load_model`, generate.py): config.json into ModelArgs,
 checked value by value, bound by the safetensors files' size, and every tensor's name, dtype and shape checked
