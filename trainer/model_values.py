@@ -43,9 +43,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class YarnScaling:
-    """YaRN's frequency scaling of RoPE (transformers' "yarn" rope_type, GPT-OSS): each frequency interpolated by
-    `factor` below the beta_slow rotations over the original context, kept above beta_fast, ramped between; cos and
-    sin scaled by 0.1 ln(factor) + 1 (the attention factor)."""
+    """YaRN's frequency scaling of RoPE (transformers' "yarn" rope_type: GPT-OSS, DeepSeek-V3): each frequency
+    interpolated by `factor` below the beta_slow rotations over the original context, kept above beta_fast, ramped
+    between; cos and sin scaled by the attention factor (0.1 ln(factor) + 1, or DeepSeek's mscale ratio)."""
 
     kind: ClassVar[str] = "yarn"
     factor: float = 32.0
@@ -58,11 +58,25 @@ class YarnScaling:
     """The context the scaled RoPE was trained at (original_max_position_embeddings)."""
     truncate: bool = False
     """Round the ramp's ends to whole dimensions (transformers' default true; GPT-OSS false)."""
+    mscale: float = 0.0
+    """With mscale_all_dim: cos and sin times mscale(mscale) / mscale(mscale_all_dim) (DeepSeek's; 0 = unset)."""
+    mscale_all_dim: float = 0.0
+    """DeepSeek-V3's softmax scale times mscale(mscale_all_dim)^2, mscale(m) = 0.1 m ln(factor) + 1 (0 = unset)."""
+
+    def mscale_of(self, m: float = 1.0) -> float:
+        """transformers' get_mscale(factor, m): 0.1 m ln(factor) + 1, or 1 for a factor of at most 1."""
+        return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
 
     @property
     def attention_factor(self) -> float:
-        """What cos and sin are multiplied by (transformers' get_mscale(factor))."""
-        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+        """cos and sin's factor (transformers' `_compute_yarn_parameters`): 1 for DeepSeek-V3's equal mscales."""
+        both = self.mscale and self.mscale_all_dim
+        return self.mscale_of(self.mscale) / self.mscale_of(self.mscale_all_dim) if both else self.mscale_of()
+
+    @property
+    def softmax_factor(self) -> float:
+        """DeepSeek-V3's factor on its softmax scale (transformers' `yarn_apply_mscale`); GPT-OSS's takes none."""
+        return self.mscale_of(self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
 
 @dataclass(frozen=True)
@@ -210,6 +224,8 @@ class DeepseekV3Args(MoEArgs):
     """Multi-token prediction modules (DeepSeek-V3 section 2.2): module k predicts the token k + 1 ahead (0 = off)."""
     mtp_loss_weight: float = 0.3
     """Weight of the MTP losses' mean over depths, added to the training loss."""
+    rope_yarn: YarnScaling | None = None
+    """YaRN scaling of RoPE (the rope_yarn_* keys; its mscale_all_dim scales the softmax too); none: plain RoPE."""
 
     weight_fields: ClassVar[tuple[str, ...]] = MoEArgs.weight_fields + (
         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers")
@@ -291,6 +307,7 @@ RULES: dict[str, Rule] = {
     "beta_fast": Rule("float", low=0, high=1e6, open_low=True),
     "beta_slow": Rule("float", low=0, high=1e6, open_low=True),
     "truncate": Rule("bool"),
+    "mscale": Rule("float", low=0, high=1e6), "mscale_all_dim": Rule("float", low=0, high=1e6),
     # GptOssArgs
     "sliding_window": Rule("int", low=0, high=MAX_SEQ_LEN),
     "full_attention_interval": Rule("int"),
@@ -311,13 +328,8 @@ RULES: dict[str, Rule] = {
     "bias_update_rate": Rule("float", low=0, high=1e6),
     "capacity_factor": Rule("float", low=0, high=1e6),
     # DeepseekV3Args
-    "q_lora_rank": Rule("int", low=0),
-    "kv_lora_rank": Rule("int"),
-    "qk_nope_head_dim": Rule("int"),
-    "qk_rope_head_dim": Rule("int"),
-    "v_head_dim": Rule("int"),
-    "n_group": Rule("int"),
-    "topk_group": Rule("int"),
+    "q_lora_rank": Rule("int", low=0), "kv_lora_rank": Rule("int"), "qk_nope_head_dim": Rule("int"),
+    "qk_rope_head_dim": Rule("int"), "v_head_dim": Rule("int"), "n_group": Rule("int"), "topk_group": Rule("int"),
     "routed_scaling_factor": Rule("float", low=0, high=1e6, open_low=True),
     "mtp_layers": Rule("int", low=0),
     "mtp_loss_weight": Rule("float", low=0, high=1e6),

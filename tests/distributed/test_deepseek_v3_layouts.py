@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (MLA, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
+"""DeepSeek-V3 (MLA with YaRN RoPE, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
 FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too), HSDP, context parallel (x expert
 parallel) and tensor parallel (x FSDP2); without MTP modules, pipeline (x expert, x tensor) parallel too.
 
@@ -20,9 +20,13 @@ from tests.distributed.spawn import gradients_of_one_step, run_distributed, trai
 from tests.distributed.test_token_mean import gradients_and_loss, write_short_documents
 from tests.helpers import REPO, column, train
 
+# YaRN RoPE on (DeepSeek-V3's, at an original context of 8 of the 32 positions, mscale apart from mscale_all_dim): its
+# table under cp is indexed by global positions, its softmax factor scales each rank's queries.
+YARN = ["--deepseek_v3.rope_yarn_factor=4", "--deepseek_v3.rope_yarn_original_max_seq_len=8",
+        "--deepseek_v3.rope_yarn_mscale=0.8", "--deepseek_v3.rope_yarn_mscale_all_dim=1"]
 ARGS = ["--config", str(REPO / "configs" / "train" / "debug_moe.toml"), "--model.flavor=debug_deepseek_v3",
         "--train.seq_len=32", "--train.mixed_precision=fp32", "--metrics.log_freq=1",
-        "--metrics.enable_tensorboard=false"]
+        "--metrics.enable_tensorboard=false", *YARN]
 STEPS = ["--train.steps=3"]
 VAL = ["--validation.enable=true", "--validation.freq=3", "--validation.steps=2"]
 

@@ -211,10 +211,10 @@ def test_mtp_forward_and_loss_match_their_definition():
         assert torch.allclose(loss_fn.sum(model(tokens), labels), ce(head(model.norm(main)), labels), rtol=1e-5)
 
 
-def test_yarn_is_refused_in_one_line():
+def test_llama3_rope_scaling_is_refused_in_one_line():
     from trainer.model_values import RopeScaling
 
-    with pytest.raises(ValueError, match="model.rope_scaling: DeepSeek-V3 flavors take plain RoPE here"):
+    with pytest.raises(ValueError, match="model.rope_scaling: Llama 3's RoPE scaling is not DeepSeek-V3's"):
         DeepseekV3(replace(DEBUG, rope_scaling=RopeScaling()))
 
 

@@ -3,6 +3,7 @@ before any process group: trainer/validate/deepseek_v3.py), and its checkpoints.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 from trainer.checkpoint import RunInfo, load_model, save_model_only
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
+from trainer.model_values import YarnScaling
 from trainer.models import build_model
+from trainer.models.layers import rope_cache
 from trainer.models.deepseek_v3 import FLAVORS, DeepseekV3
 from trainer.validate import validate_job
 from trainer.validate.run_files import model_keys
@@ -94,3 +97,28 @@ def test_the_memory_plan_holds_each_mtp_depths_logits() -> None:
     tokens, vocab, dim = 2 * 64, 512, 128
     per_depth = 12 * tokens * vocab + 2 * tokens * dim * 4
     assert loss_bytes("--deepseek_v3.mtp_layers=2") - loss_bytes("--deepseek_v3.mtp_layers=0") == 2 * per_depth
+
+
+def test_yarn_keys_turn_on_yarn_and_a_checkpoint_keeps_it(tmp_path) -> None:
+    args = _args("--model.flavor=debug_deepseek_v3", "--model.n_layers=2", "--deepseek_v3.rope_yarn_factor=40",
+                 "--deepseek_v3.rope_yarn_original_max_seq_len=8", "--deepseek_v3.rope_yarn_mscale=1",
+                 "--deepseek_v3.rope_yarn_mscale_all_dim=1")
+    assert args.rope_yarn == YarnScaling(factor=40.0, original_max_seq_len=8, mscale=1.0, mscale_all_dim=1.0)
+    # resolved.toml's keys rebuild it; "none" turns it off.
+    keys = [k for k in model_keys(args) if "rope_yarn" in k]
+    assert "--deepseek_v3.rope_yarn=yarn" in keys and _args("--model.flavor=debug_deepseek_v3", "--model.n_layers=2",
+                                                            *keys).rope_yarn == args.rope_yarn
+    assert _args("--model.flavor=debug_deepseek_v3", *keys, "--deepseek_v3.rope_yarn=none").rope_yarn is None
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    # The softmax scale's factor: (0.1 ln 40 + 1)^2 on q, the attention factor 1 (mscale = mscale_all_dim).
+    assert model.layers["0"].attention.softmax_factor == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    assert torch.equal(model.rope, rope_cache(args, args.max_seq_len)) and args.rope_yarn.attention_factor == 1.0
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_model_only(tmp_path / "ckpt", weights, run=RunInfo(flavor="debug_deepseek_v3", model_args=args,
+                                                            mixed_precision="fp32"), source="test")
+    assert load_model(tmp_path / "ckpt").args == args
+    with pytest.raises(ConfigError, match=r"deepseek_v3.rope_yarn_mscale=-1.0 must be in \[0, "):
+        _args("--model.flavor=debug_deepseek_v3", "--deepseek_v3.rope_yarn_mscale=-1")

@@ -4,7 +4,9 @@ Export: a small random model of ours (MLA with and without q LoRA, v_head_dim ap
 routing with a routing-changing expert bias, routed_scaling_factor) written and loaded with
 `AutoModelForCausalLM.from_pretrained` (transformers' own modeling code: the independent implementation).
 Import: a random transformers model saved by `save_pretrained` (its own writer, with MTP tensors added as DeepSeek's
-checkpoints hold them) read by `load_model`; then greedy generation against transformers' `generate`.
+checkpoints hold them) read by `load_model`; then greedy generation against transformers' `generate`. YaRN RoPE as
+DeepSeek-V3/R1's config.json gives it (and with mscale apart from mscale_all_dim): imported, generated from, exported
+back with its rope_scaling.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,8 +25,9 @@ from safetensors.torch import load_file, save_file
 from tests.unit.test_hf_moe import _hf, _relative, _weights
 from trainer.checkpoint import load_model
 from trainer.hf import ExportError, expected_shapes, read_hf_config, read_hf_weights, write_hf_export
-from trainer.model_values import DeepseekV3Args
+from trainer.model_values import DeepseekV3Args, YarnScaling
 from trainer.models.deepseek_v3 import FLAVORS, DeepseekV3, GroupRouter
+from trainer.models.layers import rope_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,9 +162,11 @@ def test_mtp_modules_are_left_out_of_the_export_with_a_note(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                          "original_max_position_embeddings": 16}},
-     "rope_type='yarn': this trainer's DeepSeek-V3 takes plain RoPE"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}},
+     "rope_type='dynamic': this trainer's DeepSeek-V3 takes plain RoPE or 'yarn'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "attention_factor": 1.2}},
+     "rope attention_factor=1.2 has no equivalent in this trainer's YaRN"),
+    ({"rope_scaling": {"type": "yarn", "factor": -4.0}}, "rope_scaling.factor=-4.0 must be in (0, 1e"),
     ({"rope_interleave": False}, "rope_interleave=False has no equivalent"),
     ({"n_group": 3}, "n_routed_experts=8 must be a multiple of n_group=3"),
     ({"topk_group": 5}, "topk_group=5 must be at most n_group=2"),
@@ -172,3 +178,55 @@ def test_unsupported_configs_are_refused_in_one_line(change, message, tmp_path):
     (out / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ExportError, match=message.replace("(", r"\(").replace(")", r"\)")):
         read_hf_config(out)
+
+
+# DeepSeek-V3/R1's rope_scaling as their config.json spells it (transformers 4's key, "type"), at an original context
+# of 4 so that 24 tokens run far past it; then one with mscale apart from mscale_all_dim (cos and sin scaled too).
+YARN_CASES = {
+    "deepseek-v3's": ({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4, "beta_fast": 32,
+                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                      YarnScaling(factor=40.0, original_max_seq_len=4, truncate=True, mscale=1.0, mscale_all_dim=1.0)),
+    "mscale apart, no truncation": ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 6,
+                                     "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 0.5,
+                                     "truncate": False},
+                                    YarnScaling(factor=8.0, beta_fast=16.0, beta_slow=2.0, original_max_seq_len=6,
+                                                mscale=0.707, mscale_all_dim=0.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_yarn_imports_with_transformers_logits_generates_and_exports_back(case, tmp_path):
+    from trainer.models.generate import generate
+
+    rope, yarn = YARN_CASES[case]
+    _random_hf(_hf_config(max_position_embeddings=160)).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_scaling": rope, "rope_theta": 10000.0}))
+    hf = _hf(tmp_path / "hf")  # transformers reads the folder as DeepSeek's is read
+    mscale2 = (0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1) ** 2
+    assert hf.model.layers[0].self_attn.scaling == pytest.approx(20**-0.5 * mscale2)  # qk_head_dim 12 + 8
+    ours = load_model(tmp_path / "hf")
+    assert ours.args.rope_yarn == yarn and ours.args.max_seq_len == 160
+    tokens = TOKENS % 300
+    assert _relative(_logits(ours, tokens), _logits(hf, tokens)) < 1e-4
+    # Each part of YaRN changes these logits: the softmax scale's mscale, and the frequencies with cos/sin's factor.
+    unscaled = copy.deepcopy(ours)
+    for block in unscaled.layers.values():
+        block.attention.softmax_factor = 1.0
+    assert _relative(_logits(unscaled, tokens), _logits(hf, tokens)) > 1e-3
+    plain = copy.deepcopy(ours)
+    plain.rope = rope_cache(replace(ours.args, rope_yarn=None), ours.args.max_seq_len)
+    assert _relative(_logits(plain, tokens), _logits(hf, tokens)) > 1e-3
+    prompt = tokens[0, :6].tolist()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, top_k=None, top_p=None,
+                             eos_token_id=None, pad_token_id=0)
+    assert generate(ours, prompt, max_new_tokens=10, temperature=0) == theirs[0, len(prompt):].tolist()
+    # Export: rope_scaling written back (the mscales as given), read back equal, transformers' logits again.
+    out = _export(_weights(ours), ours.args, tmp_path / "out")
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written["rope_scaling"].get(k) for k in ("rope_type", "factor", "mscale", "mscale_all_dim")} == {
+        "rope_type": "yarn", "factor": yarn.factor, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim}
+    assert written["max_position_embeddings"] == 160 and read_hf_config(out).rope_yarn == yarn
+    assert _relative(_logits(_hf(out), tokens), _logits(ours, tokens)) < 1e-4

@@ -57,6 +57,9 @@ EXPORT_CASES = {
     "every layer sliding, plain rope": dict(full_attention_interval=4, rope_yarn=None),
     "no window, tied head, 1 kv head": dict(sliding_window=0, full_attention_interval=1, tie_word_embeddings=True,
                                             n_kv_heads=1),
+    # cos and sin times the mscale ratio (0.707 ln 4 + 1) / (ln 4 + 1); the softmax scale unchanged, as GptOss has it.
+    "yarn with mscales": dict(rope_yarn=YarnScaling(factor=4.0, original_max_seq_len=32, mscale=0.707,
+                                                    mscale_all_dim=1.0)),
 }
 
 
@@ -154,10 +157,12 @@ def test_shipped_20b_flavor_is_the_published_shape():
 def test_quantized_folders_and_a_moved_balancing_bias_are_refused_in_one_line(tmp_path):
     out = _export(_weights(_random_model(BASE)), BASE, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    # MXFP4 experts are read (tests/unit/test_hf_mxfp4.py); another quantization is refused, naming the key.
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
     with pytest.raises(ExportError) as e:
         read_hf_config(out)
-    assert "quantization_config='mxfp4': a quantized folder" in str(e.value) and "\n" not in str(e.value)
+    assert "quantization_config.quant_method='bitsandbytes': a quantized folder" in str(e.value)
+    assert "\n" not in str(e.value)
     (out / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention", "sliding_attention",
                                                                            "full_attention"]}))
     with pytest.raises(ExportError, match="layer_types has no equivalent in this trainer"):
@@ -178,12 +183,14 @@ def test_yarn_rope_equals_transformers_tables():
     from trainer.models.layers import rope_cache, rope_inv_freq
 
     for yarn in (YarnScaling(), YarnScaling(factor=8.0, beta_fast=16.0, beta_slow=2.0, original_max_seq_len=512,
-                                            truncate=True)):
+                                            truncate=True),
+                 YarnScaling(factor=40.0, truncate=True, mscale=0.707, mscale_all_dim=1.0)):  # DeepSeek's ratio
         args = replace(FLAVORS["gpt_oss_20b"], rope_yarn=yarn)
         config = transformers.GptOssConfig(head_dim=64, rope_parameters={
             "rope_type": "yarn", "rope_theta": args.rope_theta, "factor": yarn.factor, "beta_fast": yarn.beta_fast,
             "beta_slow": yarn.beta_slow, "original_max_position_embeddings": yarn.original_max_seq_len,
-            "truncate": yarn.truncate})
+            "truncate": yarn.truncate, **({"mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim}
+                                          if yarn.mscale else {})})
         inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
         assert torch.allclose(rope_inv_freq(args), inv_freq, rtol=1e-6, atol=0)
         assert yarn.attention_factor == pytest.approx(factor)

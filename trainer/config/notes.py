@@ -33,6 +33,15 @@ NOTES: dict[str, str] = {
         "with pipeline or tensor parallel."),
     "model.qk_norm": (
         "RMSNorm over each head's q and k before RoPE (Qwen3, OLMo 2): steadier attention logits; no flavor has it."),
+    "deepseek_v3.rope_yarn": (
+        '"yarn": YaRN RoPE over the qk_rope_head_dim part (the rope_yarn_* keys; one of them set turns it on too, '
+        "from the defaults of the others), as transformers' DeepseekV3 computes it: the frequencies, cos and sin times "
+        "the attention factor, and the softmax scale times mscale(mscale_all_dim)^2. DeepSeek-V3/R1's: factor 40, "
+        "original_max_seq_len 4096, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1, truncate true (an imported "
+        'folder brings its own); "none": plain RoPE.'),
+    "gpt_oss.rope_yarn_mscale_all_dim": (
+        "With rope_yarn_mscale: cos and sin times mscale(mscale) / mscale(mscale_all_dim), mscale(m) = 0.1 m "
+        "ln(factor) + 1, as transformers' GptOss reads it; GPT-OSS's softmax scale has no mscale (0 = unset)."),
     "moe.route_norm": "Renormalize the chosen top_k scores to sum to 1 (the Qwen3-MoE flavors do, Qwen3-MoE's norm_topk_prob).",
     "job.dump_folder": (
         "Folder for everything a run writes: config.toml, resolved.toml, metrics.jsonl, tb/, checkpoints, profiler "

@@ -3,6 +3,7 @@ config.json.
 
     folder.py     the folder on disk: config.json, safetensors (sharded with an index above a size), 0644 files,
                   reading only safetensors and JSON; the tensors' headers (names, dtypes, shapes) before their data
+    mxfp4.py      GPT-OSS's MXFP4 experts (quantization_config.quant_method "mxfp4"), dequantized on read
     config_values.py  every config.json value read, checked by type and range; the two RoPE spellings agree
     llama.py      dense Llama <-> LlamaForCausalLM (Qwen3ForCausalLM with qk_norm), names one to one
     moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores), or
@@ -15,7 +16,7 @@ config.json.
 A family's mapping is this package's module of the family's name (`trainer.models.family.ModelFamily.name`), found by
 that name: the model families' registry (`trainer.models.FAMILIES`) is the one list, so a new family is its model file
 and its mapping here, with no line added to this file. Each mapping names the config.json `MODEL_TYPES` it reads and
-its `KIND` for messages.
+its `KIND` for messages; one that reads quantized folders, their `QUANT_METHODS` and `packed_params` (GPT-OSS: MXFP4).
 
 A folder is read by one reader, `open_hf_folder` (import, `load_model`, generate.py): config.json into ModelArgs,
 checked value by value, bound by the safetensors files' size, and every tensor's name, dtype and shape checked
@@ -46,6 +47,7 @@ from trainer.hf.folder import (
     safetensors_bytes, write_folder,
 )
 from trainer.hf.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
+from trainer.hf.mxfp4 import MXFP4
 from trainer.hf.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
 from trainer.models.counts import files_fit_problem
 from trainer.models import FAMILIES, ModelFamily, family_of
@@ -95,8 +97,26 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype, tokenizer: ExportTokenizer
 
 
 def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
-    """ModelArgs (MoEArgs for an MoE layout) of a Hugging Face config.json."""
-    return _family_of_config(config, where=where).args_from_hf_config(config, where=where)
+    """ModelArgs (MoEArgs for an MoE layout) of a Hugging Face config.json; a quantized folder its family does not
+    read is refused first (`packed_method`)."""
+    fam = _family_of_config(config, where=where)
+    packed_method(config, fam, where=where)
+    return fam.args_from_hf_config(config, where=where)
+
+
+def packed_method(config: dict, fam: ModuleType, *, where: str) -> str | None:
+    """The quantization_config.quant_method of a folder whose family reads it (GPT-OSS's "mxfp4" experts,
+    trainer/hf/mxfp4.py), None for an unquantized one; any other: one ExportError line naming the key."""
+    if (quant := config.get("quantization_config")) is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    read = getattr(fam, "QUANT_METHODS", ())
+    if not isinstance(method, str) or method not in read:
+        also = f" (or {', '.join(map(repr, read))})" if read else ""
+        raise ExportError(f"{where}: quantization_config.quant_method={method!r}: a quantized folder; this trainer "
+                          f"reads {fam.KIND} weights in bf16, fp16 or fp32{also}: load it in transformers "
+                          "dequantized and save_pretrained it first")
+    return method
 
 
 def check_hf_config(config: dict, args: ModelArgs, *, where: str) -> None:
@@ -120,7 +140,8 @@ class HFFolder:
     path: Path
     args: ModelArgs
     data_bytes: int
-    """What its safetensors files hold: what reading them needs in memory, at the least."""
+    """What its tensors take in memory once read, at the least: its safetensors files' size, and for MXFP4 tensors
+    the bfloat16 they are dequantized to (2 bytes a value, 17/32 on disk)."""
     headers: dict[str, Header]
     sources: dict[str, str]
     """The Hugging Face name a tensor is read from where it is another (a tied head: the one table)."""
@@ -148,11 +169,13 @@ def open_hf_folder(folder: str | os.PathLike, *, args: ModelArgs | None = None) 
     where = str(folder / "config.json")
     config = read_config(folder)
     theirs = args_from_hf_config(config, where=where)
+    mxfp4 = packed_method(config, family(theirs), where=where) == "mxfp4"
     config_tied = bool(config.get("tie_word_embeddings", family(theirs).tied_by_default(config)))
     data_bytes, files = safetensors_bytes(folder)
-    if problem := files_fit_problem(theirs, data_bytes=data_bytes, files=files, tied=config_tied):
+    packed = family(theirs).packed_params(theirs) if mxfp4 else 0
+    if problem := files_fit_problem(theirs, data_bytes=data_bytes, files=files, tied=config_tied, packed=packed):
         raise ExportError(f"{where}: {problem}")  # before anything of n_layers' size is built
-    headers = read_headers(folder)
+    headers = read_headers(folder, mxfp4=mxfp4)
     if skip := getattr(family(theirs), "skip_headers", None):  # tensors the family's model does not hold (MTP)
         headers = skip(headers, theirs, where=where)
     own_head = _own_head(folder, headers, where=where) if config_tied else ""
@@ -177,6 +200,10 @@ def open_hf_folder(folder: str | os.PathLike, *, args: ModelArgs | None = None) 
     if cast := sorted({CAST_ON_READ[h.dtype] for h in headers.values() if h.dtype in CAST_ON_READ}):
         logger.info("%s: the tensors stored as %s are read as float32 (as transformers loads them by default)",
                     folder, " and ".join(cast))
+    if n_packed := sum(h.dtype == MXFP4 for h in headers.values()):
+        data_bytes += sum(numel(h.shape) * 47 // 32 for h in headers.values() if h.dtype == MXFP4)
+        logger.info("%s: %d MXFP4 tensors (the experts) are dequantized to bfloat16 as they are read (exact; an "
+                    "export writes them in its own dtype, unquantized)", folder, n_packed)
     return HFFolder(folder, args, data_bytes, headers, sources)
 
 

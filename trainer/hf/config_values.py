@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainer.hf.folder import ExportError
-from trainer.model_values import Rule, rule_problem, values_problem
+from trainer.model_values import Rule, YarnScaling, rule_problem, values_problem
 
 # Our ModelArgs field -> its config.json key: checked by the rules of every model argument (trainer.model_values).
 CONFIG_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
@@ -77,6 +77,39 @@ def rope_fields(config: Mapping[str, Any], *, where: str = "config.json") -> tup
 def rope_kind(rope: Mapping[str, Any]) -> Any:
     """The RoPE dict's type ("default" when it names none), in the 5.x key or the 4.x one."""
     return next((rope[k] for k in _ROPE_KINDS if k in rope), "default")
+
+
+def yarn_of(config: Mapping[str, Any], rope: Mapping[str, Any], *, where: str) -> YarnScaling:
+    """The YarnScaling of a config.json whose RoPE dict (`rope_fields`) is "yarn", read as transformers'
+    `standardize_rope_params` and `_compute_yarn_parameters` read it (GPT-OSS and DeepSeek-V3 alike): beta_fast and
+    beta_slow null or 0 are 32 and 1, a missing truncate is true, a missing mscale or mscale_all_dim unset (0), the
+    original context a top-level original_max_position_embeddings, else the dict's, else max_position_embeddings.
+    A given attention_factor (ours is derived from factor and the mscales) is refused in one line."""
+    if rope.get("attention_factor") is not None:
+        raise ExportError(f"{where}: rope attention_factor={rope['attention_factor']!r} has no equivalent in this "
+                          "trainer's YaRN (it derives it from factor, mscale and mscale_all_dim, as transformers does "
+                          "when it is left out)")
+    original = next((v for v in (config.get("original_max_position_embeddings"),
+                                 rope.get("original_max_position_embeddings"), config.get("max_position_embeddings"))
+                     if v is not None), None)
+    values = {"factor": rope.get("factor"), "beta_fast": rope.get("beta_fast") or 32.0,
+              "beta_slow": rope.get("beta_slow") or 1.0, "original_max_seq_len": original,
+              "truncate": rope.get("truncate", True), "mscale": rope.get("mscale") or 0.0,
+              "mscale_all_dim": rope.get("mscale_all_dim") or 0.0}
+    if problem := values_problem({"rope_yarn": values}, keys={"rope_yarn": "rope_scaling"}):
+        raise ExportError(f"{where}: {problem} (not a model this trainer can load)")
+    return YarnScaling(factor=float(values["factor"]), beta_fast=float(values["beta_fast"]),
+                       beta_slow=float(values["beta_slow"]), original_max_seq_len=int(values["original_max_seq_len"]),
+                       truncate=bool(values["truncate"]), mscale=float(values["mscale"]),
+                       mscale_all_dim=float(values["mscale_all_dim"]))
+
+
+def yarn_config(yarn: YarnScaling) -> dict[str, Any]:
+    """config.json's rope_scaling of a YarnScaling (the mscales only where set, as DeepSeek's configs give them)."""
+    return {"rope_type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
+            "original_max_position_embeddings": yarn.original_max_seq_len, "truncate": yarn.truncate,
+            **({"mscale": yarn.mscale} if yarn.mscale else {}),
+            **({"mscale_all_dim": yarn.mscale_all_dim} if yarn.mscale_all_dim else {})}
 
 
 def check_config_values(config: Mapping[str, Any], keys: Mapping[str, str], *, where: str,

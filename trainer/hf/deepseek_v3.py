@@ -10,7 +10,8 @@ Checked line by line against transformers' modeling_deepseek_v3.py, and by logit
 | `attention.kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj` | the same names under `self_attn` |
 | kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim | the same keys |
 | RoPE "rotate half" over (j, j + half) | rope_interleave = true: pairs (2j, 2j + 1); the RoPE rows of q_b_proj (q_proj) and kv_a_proj_with_mqa are permuted per head (DeepSeek's checkpoints' layout; rope_interleave = false is refused on import) |
-| scale 1/sqrt(qk_nope + qk_rope) | the same without YaRN; a YaRN or other RoPE scaling is refused |
+| scale 1/sqrt(qk_nope + qk_rope), times mscale(mscale_all_dim)^2 with YaRN | the same (`yarn_apply_mscale`) |
+| YaRN RoPE (`rope_yarn`) over qk_rope_head_dim | rope_scaling "yarn": factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, truncate (DeepSeek-V3/R1's: 40, 4096, 32, 1, 1.0, 1.0); other RoPE scalings are refused |
 | `moe.router.gate`, `moe.router.expert_bias` (fp32) | `mlp.gate.weight`, `mlp.gate.e_score_correction_bias` |
 | n_experts, top_k, n_group, topk_group, route_norm, routed_scaling_factor | n_routed_experts, num_experts_per_tok, n_group, topk_group, norm_topk_prob, routed_scaling_factor |
 | `moe.experts.{w1,w2,w3}` | `mlp.experts.{j}.{gate,down,up}_proj.weight` per expert (transformers 5 fuses them on load) |
@@ -29,11 +30,12 @@ from dataclasses import replace
 
 import torch
 
-from trainer.hf.config_values import CONFIG_KEYS, CONFIG_RULES, check_config_values, rope_fields, rope_kind
+from trainer.hf.config_values import (CONFIG_KEYS, CONFIG_RULES, check_config_values, rope_fields, rope_kind,
+                                      yarn_config, yarn_of)
 from trainer.hf import moe
 from trainer.hf.folder import ExportError, Header, Spec, rename
 from trainer.hf.llama import common_config, decoder_fields, to_hf_name
-from trainer.model_values import DeepseekV3Args, Rule
+from trainer.model_values import DeepseekV3Args, Rule, YarnScaling
 from trainer.models.deepseek_v3 import FLAVORS
 
 logger = logging.getLogger("trainer.hf")
@@ -168,6 +170,9 @@ def hf_config(args: DeepseekV3Args, *, dtype: torch.dtype) -> dict:
         "norm_topk_prob": args.route_norm, "rope_interleave": True, "attention_bias": False,
         "num_nextn_predict_layers": 0, "router_aux_loss_coef": args.aux_loss_coef,
     })
+    if (y := args.rope_yarn) is not None:  # DeepSeek-V3's own configs: the scaled context, 40 x 4096
+        config.update(rope_scaling=yarn_config(y),
+                      max_position_embeddings=max(args.max_seq_len, int(y.factor * y.original_max_seq_len)))
     return config
 
 
@@ -180,11 +185,15 @@ def _get(config: dict, key: str):
     return _DEFAULTS.get(key) if value is None and key != "q_lora_rank" else value
 
 
-def _check_supported(config: dict, *, where: str) -> None:
+def _yarn(config: dict, *, where: str) -> YarnScaling | None:
+    """The YaRN of config.json's RoPE, None for plain RoPE; another scaling is refused in one line."""
     rope, _ = rope_fields(config, where=where)
-    if (kind := rope_kind(rope)) != "default":
-        raise ExportError(f"{where}: rope_type={kind!r}: this trainer's DeepSeek-V3 takes plain RoPE (YaRN, whose "
-                          "mscale changes the softmax scale, is not implemented)")
+    if (kind := rope_kind(rope)) not in ("default", "yarn"):
+        raise ExportError(f"{where}: rope_type={kind!r}: this trainer's DeepSeek-V3 takes plain RoPE or 'yarn'")
+    return yarn_of(config, rope, where=where) if kind == "yarn" else None
+
+
+def _check_supported(config: dict, *, where: str) -> None:
     for key, ok in (("hidden_act", config.get("hidden_act", "silu") == "silu"),
                     ("attention_bias", not _get(config, "attention_bias")),
                     ("rope_interleave", _get(config, "rope_interleave"))):
@@ -216,7 +225,10 @@ def args_from_hf_config(config: dict, *, where: str) -> DeepseekV3Args:
             **{field: type(getattr(FLAVORS["debug_deepseek_v3"], field))(_get(config, key))
                for field, key in _KEYS.items()},
             aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0), bias_update_rate=0.0, mtp_layers=0,
+            rope_yarn=_yarn(config, where=where),
         )
+    except ExportError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{where}: not a {MODEL_TYPE} config ({type(e).__name__}: {e})") from None
     return args
@@ -230,8 +242,10 @@ def check_hf_config(config: dict, args: DeepseekV3Args, *, where: str) -> None:
         if getattr(theirs, field) != getattr(args, field):
             raise ExportError(f"{where}: {keys[field]}={getattr(theirs, field)} but the trainer model has "
                               f"{getattr(args, field)}")
-    if theirs.rope_theta != args.rope_theta:
-        raise ExportError(f"{where}: rope_theta={theirs.rope_theta} but the trainer model has {args.rope_theta}")
+    for field, key in (("rope_theta", "rope_theta"), ("rope_yarn", "rope_scaling")):
+        if getattr(theirs, field) != getattr(args, field):
+            raise ExportError(f"{where}: {key} gives {field}={getattr(theirs, field)} but the trainer model has "
+                              f"{getattr(args, field)}")
 
 
 def skip_headers(headers: dict[str, Header], args: DeepseekV3Args, *, where: str) -> dict[str, Header]:

@@ -12,6 +12,7 @@ What each of our tensors is called there, and how it is cut or permuted, is the 
 (`trainer.hf.llama`, `trainer.hf.moe`): one `Spec` per tensor of ours.
 Needs the `safetensors` package (the `hf` extra). Reading runs no code from the folder:
 only safetensors and JSON are read, and only files that resolve inside the folder (trainer/files/confine.py).
+GPT-OSS's MXFP4 experts (two uint8 tensors each) are read as one and dequantized to bfloat16 (trainer/hf/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from trainer.errors import UserError
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.files.json_object import read_json_object
+from trainer.hf.mxfp4 import BLOCKS, MXFP4, SCALES, dequantize, dequantized_shape, packed_problem
 from trainer.hf.output_folder import EXPORT, prepare_output, publish_output
 
 logger = logging.getLogger("trainer.hf")
@@ -228,6 +230,8 @@ class Header:
     shape: tuple[int, ...]
     file: str
     """The safetensors file of the folder that holds it."""
+    scales_file: str = ""
+    """MXFP4 (`X_blocks` and `X_scales` read as one tensor `X`, trainer/hf/mxfp4.py): the file of its scales."""
 
 
 # The dtypes a model's weights are read in, by safetensors' names: float16 and float64 are read as float32 (as
@@ -241,9 +245,10 @@ _DTYPE_WORDS = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U1
 _COMPARE_BYTES = 64 * 2**20
 
 
-def read_headers(folder: Path) -> dict[str, Header]:
+def read_headers(folder: Path, *, mxfp4: bool = False) -> dict[str, Header]:
     """Every tensor of the folder's safetensors files (by its Hugging Face name) as its header gives it; a one-line
-    ExportError for a tensor in two files or of a dtype no model's weights have."""
+    ExportError for a tensor in two files or of a dtype no model's weights have. mxfp4 (a folder whose
+    quantization_config says so): each `X_blocks` and `X_scales` pair is one tensor `X` of dtype MXFP4."""
     require_safetensors("reading a Hugging Face model")
     from safetensors import SafetensorError, safe_open
 
@@ -261,12 +266,34 @@ def read_headers(folder: Path) -> dict[str, Header]:
                     headers[key] = Header(part.get_dtype(), tuple(part.get_shape()), name)
         except (SafetensorError, OSError) as e:
             raise ExportError(f"{path} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
+    if mxfp4:
+        headers = _merge_mxfp4(headers, folder)
     for key, header in headers.items():
-        if header.dtype not in WEIGHT_DTYPES:
+        if header.dtype not in WEIGHT_DTYPES and header.dtype != MXFP4:
             word = _DTYPE_WORDS.get(header.dtype, header.dtype)
             raise ExportError(f"{folder / header.file}: {key} is stored as {word}, not a floating-point dtype of a "
                               f"model's weights ({', '.join(WEIGHT_DTYPES)}): not a model this trainer can load")
     return headers
+
+
+def _merge_mxfp4(headers: dict[str, Header], folder: Path) -> dict[str, Header]:
+    """The headers with each MXFP4 pair (`X_blocks`, `X_scales`) as one `X` of the shape it dequantizes to."""
+    merged = dict(headers)
+    for key, blocks in headers.items():
+        if not key.endswith(BLOCKS):
+            continue
+        name = key.removesuffix(BLOCKS)
+        if (scales := headers.get(name + SCALES)) is None or name in headers:
+            what = f"has no {name + SCALES}" if scales is None else f"is there with {name} itself"
+            raise ExportError(f"{folder / blocks.file}: {key} {what}: not an MXFP4 tensor as transformers reads it")
+        if problem := packed_problem((blocks.dtype, blocks.shape), (scales.dtype, scales.shape)):
+            raise ExportError(f"{folder / blocks.file}: {key}: {problem}")
+        del merged[key], merged[name + SCALES]
+        merged[name] = Header(MXFP4, dequantized_shape(blocks.shape), blocks.file, scales.file)
+    if orphan := next((k for k in merged if k.endswith(SCALES) and merged[k].dtype == "U8"), None):
+        raise ExportError(f"{folder / merged[orphan].file}: {orphan} has no {orphan.removesuffix(SCALES) + BLOCKS}: "
+                          "not an MXFP4 tensor as transformers reads it")
+    return merged
 
 
 def max_difference(folder: Path, headers: dict[str, Header], a: str, b: str) -> float:
@@ -318,7 +345,7 @@ def check_parts(headers: dict[str, Header], *, specs: dict[str, Spec], shapes: d
 
 def read_tensors(folder: Path, headers: dict[str, Header], names: set[str]) -> dict[str, torch.Tensor]:
     """The named tensors of the folder (checked by `read_headers`), by their Hugging Face names, in the dtypes of
-    WEIGHT_DTYPES."""
+    WEIGHT_DTYPES (MXFP4: dequantized to bfloat16, exactly)."""
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -327,10 +354,22 @@ def read_tensors(folder: Path, headers: dict[str, Header], names: set[str]) -> d
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in sorted(n for n in names if headers[n].file == file):
-                    tensors[name] = f.get_tensor(name).to(WEIGHT_DTYPES[headers[name].dtype])
+                    h = headers[name]
+                    if h.dtype == MXFP4:  # its scales may be in another file
+                        tensors[name] = dequantize(f.get_tensor(name + BLOCKS), _read_one(folder, h.scales_file,
+                                                                                            name + SCALES))
+                    else:
+                        tensors[name] = f.get_tensor(name).to(WEIGHT_DTYPES[h.dtype])
         except (SafetensorError, OSError) as e:
             raise ExportError(f"{path} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
     return tensors
+
+
+def _read_one(folder: Path, file: str, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(_confined(folder / file, what="safetensors file")), framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def join_tensors(tensors: dict[str, torch.Tensor], *, specs: dict[str, Spec], shapes: dict[str, tuple[int, ...]],

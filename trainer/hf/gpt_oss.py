@@ -10,10 +10,11 @@ Checked against transformers' modeling_gpt_oss.py, and by logits both ways (test
 | `moe.router.expert_bias` (balancing; must be 0 to export) | none |
 | `moe.experts.w13` [E, 2h, d]: gate rows, then up rows | `mlp.experts.gate_up_proj` [E, d, 2h]: gate, up interleaved |
 | `moe.experts.b13` [E, 2h], `w2` [E, d, h], `b2` [E, d] | `gate_up_proj_bias` (interleaved), `down_proj` [E, h, d], `down_proj_bias` |
-| YaRN RoPE (`rope_yarn`) | rope_type "yarn": factor, beta_fast, beta_slow, original_max_position_embeddings, truncate |
+| YaRN RoPE (`rope_yarn`) | rope_type "yarn": factor, beta_fast, beta_slow, original_max_position_embeddings, truncate, mscale, mscale_all_dim (cos/sin only: GPT-OSS's softmax scale has no mscale) |
 
-Released gpt-oss checkpoints store their experts in MXFP4 (`quantization_config`): refused in one line, as any
-quantized folder is; dequantize them with transformers first.
+Released gpt-oss checkpoints store their experts in MXFP4 (`quantization_config.quant_method` "mxfp4":
+`mlp.experts.{gate_up,down}_proj_{blocks,scales}`): read as those two tensors, dequantized to bfloat16 exactly as
+transformers does without its kernels (trainer/hf/mxfp4.py). An export is unquantized, in its own dtype.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from dataclasses import replace
 
 import torch
 
-from trainer.hf.config_values import CONFIG_KEYS, check_config_values, rope_fields, rope_kind
+from trainer.hf.config_values import CONFIG_KEYS, check_config_values, rope_fields, rope_kind, yarn_config, yarn_of
 from trainer.hf.folder import DTYPE_NAMES, ExportError, Spec, rename
 from trainer.hf.llama import to_hf_name
-from trainer.model_values import GptOssArgs, Rule, YarnScaling, values_problem
+from trainer.model_values import GptOssArgs, Rule, YarnScaling
 
 MODEL_TYPES = ("gpt_oss",)
 KIND = "GPT-OSS"
@@ -47,6 +48,15 @@ _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_
                  "rope_theta", "rope_yarn")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+# The quantized folders this family reads (trainer.hf.packed_method): the experts' weights in MXFP4.
+QUANT_METHODS = ("mxfp4",)
+
+
+def packed_params(args: GptOssArgs) -> int:
+    """The parameters an MXFP4 folder stores packed: every MoE block's experts' gate_up_proj and down_proj."""
+    return args.n_moe_layers * args.n_experts * 3 * args.dim * args.moe_ffn_dim
 
 
 def architecture(args: GptOssArgs) -> str:
@@ -151,10 +161,7 @@ def hf_config(args: GptOssArgs, *, dtype: torch.dtype) -> dict:
     """config.json of GptOssForCausalLM (the keys transformers 4.55+ and 5.x read)."""
     y = args.rope_yarn
     # Plain RoPE spelled out: GptOssConfig reads a missing rope_scaling as its default YaRN.
-    rope = {"rope_type": "default"} if y is None else {
-        "rope_type": "yarn", "factor": y.factor, "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
-        "original_max_position_embeddings": y.original_max_seq_len, "truncate": y.truncate,
-    }
+    rope = {"rope_type": "default"} if y is None else yarn_config(y)
     context = args.max_seq_len if y is None else max(args.max_seq_len, int(y.factor * y.original_max_seq_len))
     return {
         "architectures": [ARCHITECTURE], "model_type": "gpt_oss", "hidden_size": args.dim,
@@ -197,28 +204,12 @@ def _yarn(config: dict, *, where: str) -> YarnScaling | None:
         return None
     if kind != "yarn":
         raise ExportError(f"{where}: rope_type={kind!r} has no GPT-OSS equivalent in this trainer (plain or 'yarn')")
-    if extra := [k for k in ("attention_factor", "mscale", "mscale_all_dim") if rope.get(k) is not None]:
-        raise ExportError(f"{where}: rope {extra[0]}={rope[extra[0]]!r} has no equivalent in this trainer's YaRN "
-                          "(its attention factor is 0.1 ln(factor) + 1)")
-    values = {"factor": rope.get("factor"), "beta_fast": rope.get("beta_fast") or 32.0,
-              "beta_slow": rope.get("beta_slow") or 1.0,
-              "original_max_seq_len": rope.get("original_max_position_embeddings"),
-              "truncate": rope.get("truncate", True)}  # transformers' default: truncate
-    if problem := values_problem({"rope_yarn": values}, keys={"rope_yarn": "rope_scaling"}):
-        raise ExportError(f"{where}: {problem} (not a model this trainer can load)")
-    return YarnScaling(factor=float(values["factor"]), beta_fast=float(values["beta_fast"]),
-                       beta_slow=float(values["beta_slow"]), original_max_seq_len=int(values["original_max_seq_len"]),
-                       truncate=bool(values["truncate"]))
+    return yarn_of(config, rope, where=where)
 
 
 def args_from_hf_config(config: dict, *, where: str) -> GptOssArgs:
-    """GptOssArgs of a GptOssForCausalLM config.json of any shape; ExportError for a quantized folder or settings
-    ours has no equivalent of."""
-    if (quant := config.get("quantization_config")) is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ExportError(f"{where}: quantization_config={method!r}: a quantized folder (gpt-oss releases its experts "
-                          "in MXFP4); this trainer reads bf16 or fp32 weights only: load it in transformers with "
-                          "Mxfp4Config(dequantize=True) and save_pretrained it first")
+    """GptOssArgs of a GptOssForCausalLM config.json of any shape; ExportError for settings ours has no equivalent of
+    (a quantization_config other than "mxfp4" is refused before: trainer.hf.packed_method)."""
     # rope_theta's default is rope_fields' to find (it may be in rope_parameters).
     values = {**config, **{k: _get(config, k) for k in _KEYS.values() if k in _DEFAULTS and k != "rope_theta"}}
     check_config_values(values, _KEYS, where=where, rules={"attention_bias": Rule("bool", optional=True),

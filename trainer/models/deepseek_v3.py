@@ -133,8 +133,8 @@ class DeepseekV3(MoETransformer):
 
     def __init__(self, args: DeepseekV3Args):
         if args.rope_scaling is not None:
-            raise ValueError("model.rope_scaling: DeepSeek-V3 flavors take plain RoPE here (YaRN, whose mscale "
-                             "changes the softmax scale, is not implemented): set model.rope_scaling='none'")
+            raise ValueError("model.rope_scaling: Llama 3's RoPE scaling is not DeepSeek-V3's: set "
+                             "model.rope_scaling='none' (its long-context RoPE is YaRN: deepseek_v3.rope_yarn)")
         Decoder.__init__(self, args, [_block(args, i) for i in range(args.n_layers + args.mtp_layers)])
         self.tp_group: dist.ProcessGroup | None = None  # tensor parallel's (set_sequence_group)
 
@@ -203,12 +203,15 @@ def describe(args: DeepseekV3Args) -> str:
     return (
         "DeepSeek-V3: %s active parameters per token (MFU counts these); MLA (%s, kv_lora_rank=%d, qk heads %d+%d, "
         "v heads %d); %d routed experts top-%d in %d of %d groups (%s scores%s, x%g), %d shared, %d dense layers; "
-        "bias_update_rate=%g, aux_loss_coef=%g; %s" % (
+        "bias_update_rate=%g, aux_loss_coef=%g; %s; %s" % (
             f"{param_counts(args)[1]:,}", q, args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim,
             args.v_head_dim, args.n_experts, args.top_k, args.topk_group, args.n_group, args.score_func,
             ", renormalized" if args.route_norm else "", args.routed_scaling_factor, args.n_shared_experts,
             args.n_dense_layers, args.bias_update_rate, args.aux_loss_coef,
             f"{args.mtp_layers} MTP modules, loss weight {args.mtp_loss_weight:g}" if args.mtp_layers else "no MTP",
+            "plain RoPE" if (y := args.rope_yarn) is None else
+            f"YaRN RoPE x{y.factor:g} from {y.original_max_seq_len} (cos/sin x{y.attention_factor:.4g}, softmax "
+            f"scale x{y.softmax_factor:.4g})",
         )
     )
 

@@ -15,8 +15,9 @@ Module names are a contract (FP8 filter, checkpoints, the Hugging Face mapping t
 Each query head is [nope | rope]; each key head is [its own nope part from the latent | the shared RoPE key]. RoPE
 rotates "rotate half" pairs (j, j + half) as trainer.models.layers does; DeepSeek's published weights rotate
 interleaved pairs (2j, 2j + 1), which the Hugging Face mapping permutes (rope_interleave). The softmax scale is
-1/sqrt(qk_nope_head_dim + qk_rope_head_dim), transformers' DeepseekV3Attention without YaRN (a YaRN rope_scaling,
-whose mscale changes it, is refused where the args are read). A value head narrower or wider than the query head is
+1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's mscale(mscale_all_dim)^2 with `rope_yarn`
+(transformers' DeepseekV3Attention: `yarn_apply_mscale`), applied by scaling q before SDPA (so context parallel's and
+the document mask's attention take it too). A value head narrower or wider than the query head is
 padded with zeros to the query's width for SDPA (which the flash kernels need) and cut back after: the padded
 columns of the output are zero and dropped, so the result is exact.
 
@@ -53,6 +54,8 @@ class MLA(AttentionCore):
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.qk_dim, self.kv_lora_rank = args.qk_head_dim, args.kv_lora_rank
         self.q_lora_rank = args.q_lora_rank
+        # YaRN's mscale on the softmax scale (1 without YaRN): q is multiplied by it, SDPA keeps its 1/sqrt(width).
+        self.softmax_factor = 1.0 if args.rope_yarn is None else args.rope_yarn.softmax_factor
         if args.q_lora_rank:
             self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, LOW_RANK_NORM_EPS)
@@ -84,12 +87,15 @@ class MLA(AttentionCore):
         n_heads = q.shape[1]
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, n_heads, -1, -1)], dim=-1)  # the RoPE key is every head's
+        q_scale = self.softmax_factor
         if self.v_dim != self.qk_dim:  # SDPA's kernels take one head width: zero columns, dropped after
             v = F.pad(v, (0, self.qk_dim - self.v_dim)) if self.v_dim < self.qk_dim else v
             q_pad = self.v_dim - self.qk_dim
             if q_pad > 0:  # a value head wider than the query's: pad q and k alike (q.k unchanged), keep the scale
-                scale = self.qk_dim**-0.5
-                q, k = F.pad(q, (0, q_pad)) * (scale * self.v_dim**0.5), F.pad(k, (0, q_pad))
+                q_scale *= self.qk_dim**-0.5 * self.v_dim**0.5
+                q, k = F.pad(q, (0, q_pad)), F.pad(k, (0, q_pad))
+        if q_scale != 1.0:
+            q = q * q_scale
         out = self.attend(q, k, v, mask)[..., : self.v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 

@@ -34,8 +34,8 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                           "deepseek_v3.mtp_layers=0 or distributed.pp=1")
     if args.rope_scaling is not None:
         raise ConfigError(f"model.rope_scaling={args.rope_scaling.kind!r} with the DeepSeek-V3 flavor "
-                          f"{cfg.model.flavor!r}: its RoPE is plain here (YaRN, whose mscale changes the softmax scale, "
-                          "is not implemented); set model.rope_scaling='none'")
+                          f"{cfg.model.flavor!r}: Llama 3's RoPE scaling is not DeepSeek-V3's; set "
+                          "model.rope_scaling='none' (its long-context RoPE is YaRN: deepseek_v3.rope_yarn)")
     # resolved.toml writes head_dim as the value in effect, qk_rope_head_dim (the RoPE table's width): that one is no
     # other setting.
     head_dim = args.explicit_head_dim not in (0, args.qk_rope_head_dim)
