@@ -223,3 +223,19 @@ def test_compiled_reads_the_kept_casts_as_inputs_bit_equal_and_compiles_once() -
             opt.step()
             opt.zero_grad()
     assert graphs == [1, 0, 0]
+
+
+def test_a_resume_casts_the_loaded_weights(tmp_path: Path) -> None:
+    """4 steps of 4 microbatches with the kept casts == 2 steps, then a resume to 4: the first step after the load
+    casts the checkpoint's weights (a cast kept from before the load would break step 3's equality)."""
+    from trainer.run.train import train
+
+    def run(dump: Path, steps: int) -> list[float]:
+        train(load_job_config([*ARGS, f"--job.dump_folder={dump}", f"--train.steps={steps}",
+                               "--checkpoint.enable=true", "--checkpoint.interval=2",
+                               "--scheduler.decay_type=constant"]))  # the LR at a step does not depend on steps
+        return [r["loss"] for r in read_metrics(dump)]
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "resumed", 2)
+    assert run(tmp_path / "resumed", 4) == whole and len(whole) == 4
