@@ -18,7 +18,8 @@ Only `on_log` may move values to the host, so a step never waits for the GPU.
 Implemented by: `trainer.models.moe.MoEBalancer` (expert-bias update, MoE metrics, aux
 loss), `trainer.parallel.float8.Fp8HealthHook` (per-layer FP8 cast health),
 `trainer.run.evaluate.Evaluator` (held-out loss), `trainer.run.tasks.TaskScorer` ([[validation.tasks]]' accuracy),
-`trainer.parallel.float8.Float8ScalePrecompute` (fused weight-scale amax for fp8 all-gather), `trainer.checkpoint.ema.EMAWeights` (train.ema_decay's average of
+`trainer.parallel.float8.Float8ScalePrecompute` (fused weight-scale amax for fp8 all-gather),
+`trainer.parallel.float8.weights_per_step.Fp8WeightsPerStep` (each FP8 weight cast once per step), `trainer.checkpoint.ema.EMAWeights` (train.ema_decay's average of
 the weights), `trainer.metrics.events.EventLog` (metrics.event_log's step times; the last hook). This module imports nothing of the trainer, so
 any room can implement the protocol.
 """

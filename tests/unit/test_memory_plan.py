@@ -247,6 +247,7 @@ MEASURED |= {
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_the_plan_is_within_5_percent_of_the_measured_peak(name: str) -> None:
     argv, measured = MEASURED[name]
-    defaults = {"--train.seq_len": "4096", "--train.activation_checkpointing": "none"}  # the measured runs' own
+    defaults = {"--train.seq_len": "4096", "--train.activation_checkpointing": "none",  # the measured runs' own
+                "--float8.weights_per_step": "off"}  # measured before it existed (its row: test_float8_weights_per_step)
     _, plan = plan_of([*argv, *(f"{k}={v}" for k, v in defaults.items() if not any(a.startswith(k) for a in argv))])
     assert abs(plan.peak_bytes / GIB / measured - 1) < 0.05, (plan.peak_bytes / GIB, measured)

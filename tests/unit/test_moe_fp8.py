@@ -124,12 +124,17 @@ def test_expert_weights_are_quantized_once_per_optimizer_step_with_grad_accumula
     assert hook.caches == [moe.experts.kernel.weights]
     x = torch.randn(3, 2, 16, 128)
     for step in (1, 2):
-        for micro in x:  # three microbatches of one step
-            moe(micro).square().mean().backward()
+        with hook.step_context(step):
+            for micro in x:  # three microbatches of one step
+                moe(micro).square().mean().backward()
+            hook.after_forward_backward(step)
         assert len(quantized) == 2 * step  # the forward and the dgrad orientation, once each
         with torch.no_grad():
             moe.experts.w1.add_(0.01)  # the optimizer step
         hook.after_optimizer_step(step, torch.tensor(False))
+    with torch.no_grad():  # between steps (an evaluation, maybe the EMA swapped in): nothing read, nothing kept
+        moe(x[0]), moe(x[0])
+    assert len(quantized) == 6 and not moe.experts.kernel.weights._cached
     unkept = _moe_with_fp8(per_step=False)  # one forward per step, or FSDP-sharded experts: nothing is kept
     quantized.clear()
     for micro in x:

@@ -202,6 +202,7 @@ LAZY_IMPORTS: dict[str, dict[str, str]] = {
     "trainer.parallel.float8.linear": {
         "torchao.float8": TORCHAO, "torchao.float8.config": TORCHAO, "torchao.float8.float8_linear": TORCHAO,
         "trainer.parallel.float8.tensorwise": TORCHAO_AT_TOP, "trainer.parallel.float8.delayed": TORCHAO_AT_TOP,
+        "trainer.parallel.float8.weights_per_step": TORCHAO_AT_TOP,
     },
     "scripts.bench_moe_experts": {
         "torchao.prototype.moe_training.fp8_grouped_mm": TORCHAO_PROTOTYPE, "triton.testing": TRITON,

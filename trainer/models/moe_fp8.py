@@ -173,6 +173,14 @@ class Fp8ExpertWeights:
     def __init__(self, *, per_step: bool):
         self.per_step = per_step
         self._cached: dict[str, tuple[Quantized, Quantized]] = {}
+        self.open = True
+        """Copies are kept and read only while open: in training, only inside a step's forward/backward
+        (`Fp8ExpertWeightsRefresh` closes it between steps, so an evaluation there, maybe with train.ema_decay's
+        average swapped in, quantizes what it multiplies and leaves nothing behind)."""
+
+    def close(self) -> None:
+        self.open = False
+        self.invalidate()
 
     def forward(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[Quantized, Quantized]:
         return self._get("forward", quantize_forward_weights, w1, w2, w3)
@@ -181,11 +189,12 @@ class Fp8ExpertWeights:
         return self._get("dgrad", quantize_dgrad_weights, w1, w2, w3)
 
     def _get(self, which: str, quantize, w1, w2, w3) -> tuple[Quantized, Quantized]:
-        if which in self._cached:
+        kept = self.per_step and self.open
+        if kept and which in self._cached:
             return self._cached[which]
         with torch.no_grad():
             quantized = quantize(w1, w2, w3)
-        if self.per_step:
+        if kept:
             self._cached[which] = quantized
         return quantized
 

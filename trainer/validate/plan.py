@@ -226,6 +226,8 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
     policy = _policy(build, fp8, compute=compute, cpu=cpu)
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
     rows.append(activations)
+    if build.float8 is not None and build.float8.weights_per_step:
+        rows.append(_kept_fp8_weights(args, build.float8.kept_weight_numel, stage, head=fp8.head))
     loss = _loss_bytes(args, pd, build, fp8, tokens=tokens, compute=compute) if stage.head else 0
     if stage.head:
         rows.append(MemoryRow("logits and loss", loss, _loss_how(build)))
@@ -279,6 +281,15 @@ def _stage_params(args: ModelArgs, stage: _Stage) -> int:
     if args.tie_word_embeddings and stage.embeddings and stage.head:
         ends -= v * d  # one table
     return sum(n * params for n, (params, _) in zip(stage.blocks, _run_params(args))) + ends
+
+
+def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool) -> MemoryRow:
+    """float8.weights_per_step: 1 byte per converted weight element of the rank's stage, from the step's start to the
+    end of its backward (the Linears' weights are unsharded there); the blocks' share by their count."""
+    head_numel = args.vocab_size * args.dim if head else 0
+    blocks = (numel - head_numel) * sum(stage.blocks) // max(1, args.n_layers)
+    return MemoryRow("FP8 weights kept through the step", blocks + (head_numel if stage.head else 0),
+                     "float8.weights_per_step: each converted Linear's weight cast once per step, 1 B per parameter")
 
 
 def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int) -> MemoryRow:

@@ -112,6 +112,9 @@ def resolve_float8(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, *, probe: 
                             format=resolve_format(f8.recipe, f8.format),
                             exclude_fqns=tuple(f8.exclude_fqns), emulate=f8.emulate, require=f8.require,
                             moe_experts=f8.moe_experts, expert_weights_per_step=_keep_expert_weights(cfg, pd),
+                            weights_per_step=_weights_per_step(cfg, pd, all_gather=all_gather),
+                            kept_weight_numel=sum(m.weight.numel() for fqn, m in shapes.named_modules()
+                                                  if fqn in converted),
                             delayed=DelayedScalingSettings(f8.amax_history_len, f8.amax_compute_algo, f8.margin)
                             if f8.scaling == "delayed" else None, save_fp8_activations=f8.save_fp8_activations,
                             bf16_blocks=tuple(bf16_blocks.items()), forward=f8.forward, backward=f8.backward)
@@ -139,14 +142,38 @@ def check_float8_exclusions(cfg: JobConfig, args: ModelArgs) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _repeated(cfg: JobConfig, pd: ParallelDims) -> bool:
+    """Does a layer's forward run more than once per optimizer step (microbatches, or the recompute)?"""
+    t = cfg.train
+    return t.grad_accum_steps > 1 or pd.pp > 1 or t.activation_checkpointing != "none"
+
+
 def _keep_expert_weights(cfg: JobConfig, pd: ParallelDims) -> bool:
     """Whether the FP8 expert weights are kept through the optimizer step (moe_fp8.Fp8ExpertWeights): where a
-    layer's forward runs more than once per step and FSDP2 does not shard the experts (apply_fsdp shards them
-    over the expert mesh under ep, else over all of fsdp; a kept copy would pin them unsharded)."""
-    t = cfg.train
+    layer's forward runs more than once per step (float8.weights_per_step='auto'; 'on': always) and FSDP2 does not
+    shard the experts (apply_fsdp shards them over the expert mesh under ep, else over all of fsdp; a kept copy
+    would pin them unsharded)."""
     expert_fsdp = pd.fsdp_shard // pd.ep if pd.ep > 1 else pd.fsdp_shard
-    repeated = t.grad_accum_steps > 1 or pd.pp > 1 or t.activation_checkpointing != "none"
-    return repeated and expert_fsdp == 1
+    wanted = {"auto": _repeated(cfg, pd), "on": True, "off": False}[cfg.float8.weights_per_step]
+    return wanted and expert_fsdp == 1
+
+
+def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> int:
+    """float8.weights_per_step for the Linears: the forwards per step that share each weight's one FP8 cast (0: off;
+    trainer.parallel.float8.weights_per_step says where it can run and why)."""
+    f8, t = cfg.float8, cfg.train
+    why_not = next((why for why, bad in (
+        (f"float8.recipe='{f8.recipe}' (its weights are cast per use; tensorwise only)", f8.recipe != "tensorwise"),
+        (f"float8.forward='{f8.forward}', float8.backward='{f8.backward}' (a bf16 GEMM multiplies the bf16 weight)",
+         "bf16" in (f8.forward, f8.backward)),
+        (f"distributed.dp_shard x cp = {pd.fsdp_shard}: FSDP2 shards the weights and gathers them per microbatch "
+         "(float8.enable_fsdp_float8_all_gather casts the shards)", pd.fsdp_shard > 1),
+        ("float8.enable_fsdp_float8_all_gather (the weights arrive cast)", all_gather)) if bad), None)
+    if f8.weights_per_step == "off" or (f8.weights_per_step == "auto" and (why_not or not _repeated(cfg, pd))):
+        return 0
+    if why_not:
+        raise ConfigError(f"float8.weights_per_step='on' cannot run with {why_not}: set it 'auto' (or 'off')")
+    return t.grad_accum_steps * (t.batch_size // cfg.distributed.pp_microbatch_size if pd.pp > 1 else 1)
 
 
 def uses_bf16_master(cfg: JobConfig) -> bool:

@@ -8,6 +8,7 @@
     experts.py    the routed experts' converter: the FP8 grouped-GEMM kernel, installed in every MoE layer
     tensorwise.py our tensorwise Float8Linear (torchao's casts and _scaled_mm): delayed scaling, FP8 saved inputs
     delayed.py    delayed scaling's step hook: one all-reduce of the amaxes, the histories, the next scales
+    weights_per_step.py  float8.weights_per_step's step hook: each weight cast once per step, reused by its microbatches
     hardware.py   can real FP8 kernels run here, and if not why (the one probe), and the loud answer when not
     hooks.py      the FP8 step hooks a run needs, from its report
     evaluation.py validation.mixed_precision='bf16': an fp8 model's matmuls in bf16 while it evaluates

@@ -8,9 +8,10 @@ weights' FP8 stats are in `trainer.parallel.float8.health`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Self
 
@@ -112,10 +113,27 @@ class Fp8Experts(Float8Converter):
 
 
 class Fp8ExpertWeightsRefresh(StepHook):
-    """After every optimizer step, drop the expert weights' FP8 copies (the weights changed); no device work."""
+    """The expert weights' FP8 copies live inside a step only: kept from its start, dropped once its forward/backward
+    is done (the optimizer step's peak does not hold them, and the weights change), and closed between steps (an
+    evaluation keeps nothing, reads nothing: float8.weights_per_step's rule); no device work."""
 
     def __init__(self, model: nn.Module):
         self.caches = [m.kernel.weights for m in fp8_experts_modules(model).values()]
+        self.after_forward_backward(0)
+
+    @contextlib.contextmanager
+    def step_context(self, step: int) -> Iterator[None]:
+        for cache in self.caches:
+            cache.invalidate()
+            cache.open = True
+        try:
+            yield
+        finally:
+            self.after_forward_backward(step)
+
+    def after_forward_backward(self, step: int) -> None:
+        for cache in self.caches:
+            cache.close()
 
     def after_optimizer_step(self, step: int, found_inf: torch.Tensor) -> None:
         for cache in self.caches:

@@ -182,7 +182,7 @@ class Float8Linears(Float8Converter):
         both_fp8 = o.forward == o.backward == "fp8"  # our tensorwise linear runs FP8 both ways (float8_roles)
         assert both_fp8 or not OWN_TENSORWISE_LINEAR, "--own-fp8-linear times our linear, which has no bf16 role"
         if o.recipe == "tensorwise" and both_fp8 and (o.delayed is not None or o.save_fp8_activations
-                                                      or OWN_TENSORWISE_LINEAR):
+                                                      or o.weights_per_step or OWN_TENSORWISE_LINEAR):
             from trainer.parallel.float8.tensorwise import convert_to_tensorwise  # imports torchao
 
             convert_to_tensorwise(model, delayed=o.delayed is not None, save_fp8_input=o.save_fp8_activations)
@@ -223,7 +223,10 @@ class Float8Linears(Float8Converter):
             f"Applied Float8 training: recipe={o.recipe.upper()}, "
             f"fsdp_float8_all_gather={o.enable_fsdp_float8_all_gather}, format={describe_format(o.format)}"
             + describe_scaling(o.delayed, o.save_fp8_activations, all_gather=o.enable_fsdp_float8_all_gather)
-            + ("" if o.forward == o.backward else f", {describe_roles(o.forward, o.backward)}"),
+            + ("" if o.forward == o.backward else f", {describe_roles(o.forward, o.backward)}")
+            + (f", FP8 weights cast once per step ({o.weights_per_step} microbatch"
+               f"{'es' if o.weights_per_step > 1 else ''} reuse them, backward and recompute too)"
+               if o.weights_per_step else ""),
             f"converted {len(self.converted)}/{self.num_linear} Linear layers; excluded: {excluded or 'none'}",
         ]
 
@@ -247,13 +250,18 @@ class Float8Linears(Float8Converter):
                 f"{self.lines()[1]}"]
 
     def step_hooks(self, model: nn.Module, *, amax_group: dist.ProcessGroup | None) -> list[StepHook]:
-        """fp8 all-gather's weight-scale precompute, and delayed scaling (its amaxes reduced over `amax_group`: the
-        data- and context-parallel ranks of this pipeline stage), where this run uses them."""
+        """fp8 all-gather's weight-scale precompute, the weights' FP8 cast once per step (float8.weights_per_step),
+        and delayed scaling (its amaxes reduced over `amax_group`: the data- and context-parallel ranks of this
+        pipeline stage), where this run uses them."""
         o, hooks = self.options, []
         if not self.converted:
             return hooks
         if o.enable_fsdp_float8_all_gather:
             hooks.append(Float8ScalePrecompute(model))
+        if o.weights_per_step:  # compute dtype of fp8 runs: bf16 (trainer.validate.resolve's _COMPUTE_DTYPE)
+            from trainer.parallel.float8.weights_per_step import Fp8WeightsPerStep  # imports torchao
+
+            hooks.append(Fp8WeightsPerStep(model, dtype=torch.bfloat16))
         if o.delayed is not None:
             from trainer.parallel.float8.delayed import DelayedScaling  # imports torchao
 

@@ -45,6 +45,12 @@ class Float8Options:
     """float8.moe_experts: "off" or "rowwise" (trainer.parallel.float8.experts)."""
     expert_weights_per_step: bool = False
     """Keep the FP8 expert weights through the optimizer step (trainer.models.moe_fp8.Fp8ExpertWeights)."""
+    weights_per_step: int = 0
+    """float8.weights_per_step resolved: the forwards per optimizer step (accumulation x pipeline microbatches) that
+    share each Linear's FP8 weight, cast once when the step starts (trainer.parallel.float8.weights_per_step); 0:
+    each use casts the weight."""
+    kept_weight_numel: int = 0
+    """With weights_per_step: the converted Linears' weight elements of the whole model (the memory plan's row)."""
     format: str = ""
     """float8.format resolved: "hybrid" (e4m3 forward, e5m2 gradients; tensorwise only) or "e4m3" (everywhere);
     "" (a test's options) is the recipe's own (`resolve_format`)."""

@@ -91,12 +91,19 @@ class TensorwiseFp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_t: torch.Tensor, amax: torch.Tensor | None, scale: torch.Tensor | None,
-                mm_config: LinearMMConfig, cast: TensorwiseCast) -> torch.Tensor:
+                mm_config: LinearMMConfig, cast: TensorwiseCast, kept: tuple[torch.Tensor, ...] | None = None
+                ) -> torch.Tensor:
         buffers = (amax, scale) if cast.delayed else None
         amaxes = [] if cast.delayed else None
         x2d = x.reshape(-1, x.shape[-1])
         x_fp8 = _to_float8(x2d, GemmInputRole.INPUT, INPUT, E4M3, cast, buffers, mm_config, amaxes)
-        if tensor_already_casted_to_fp8(weight_t):
+        ctx.kept = kept is not None
+        if kept is not None:  # the weight cast once this step (weights_per_step.py): the same bytes as casting here
+            data, w_scale, w_amax = kept
+            weight_fp8 = Float8TrainingTensor(data.t(), w_scale, weight_t.dtype, mm_config, GemmInputRole.WEIGHT)
+            if amaxes is not None:
+                amaxes.append(w_amax)
+        elif tensor_already_casted_to_fp8(weight_t):
             weight_fp8 = weight_t
             if amaxes is not None:
                 amaxes.append(torch.zeros_like(amaxes[0]))  # cast before the all-gather: no amax of ours
@@ -106,11 +113,16 @@ class TensorwiseFp8Matmul(torch.autograd.Function):
         # The buffers ride on ctx, not in save_for_backward: the next microbatch's forward writes `amax` before
         # this backward runs, which autograd's version check would refuse.
         ctx.buffers, ctx.mm_config, ctx.cast, ctx.x_shape = buffers, mm_config, cast, x.shape
+        # A kept cast is saved instead of the weight: backward's dgrad multiplies it, never casts again.
+        weight_saved = (weight_fp8._data, weight_fp8._scale) if kept is not None else (weight_t,)
+        ctx.weight_dtype = weight_t.dtype
         if cast.save_fp8_input:
             ctx.x_dtype = x.dtype
-            ctx.save_for_backward(x_fp8._data, x_fp8._scale, weight_t)
+            ctx.num_x = 2
+            ctx.save_for_backward(x_fp8._data, x_fp8._scale, *weight_saved)
         else:
-            ctx.save_for_backward(x2d, weight_t)
+            ctx.num_x = 1
+            ctx.save_for_backward(x2d, *weight_saved)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         if amaxes is None:
             return out, None
@@ -121,23 +133,28 @@ class TensorwiseFp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _: torch.Tensor | None):
         cast, buffers, mm_config = ctx.cast, ctx.buffers, ctx.mm_config
-        *x_saved, weight_t = ctx.saved_tensors
+        saved = ctx.saved_tensors  # unpacked once (activation checkpointing refuses a second unpack)
+        x_saved, weight_saved = saved[:ctx.num_x], saved[ctx.num_x:]
         grad2d = grad.reshape(-1, grad.shape[-1])
         amaxes = [] if cast.delayed else None
         grad_fp8 = _to_float8(grad2d, GemmInputRole.GRAD_OUTPUT, GRAD, cast.grad_dtype, cast, buffers, mm_config,
                               amaxes)
         if amaxes:
             record_amax(buffers[0], amaxes[0], GRAD)
-        weight_fp8 = weight_t if tensor_already_casted_to_fp8(weight_t) else _to_float8(
-            weight_t, GemmInputRole.WEIGHT, WEIGHT, E4M3, cast, buffers, mm_config)
-        grad_x = torch.mm(grad_fp8, weight_fp8.t()).reshape(*ctx.x_shape[:-1], weight_t.shape[0])
+        if ctx.kept:
+            weight_fp8 = Float8TrainingTensor(*weight_saved, ctx.weight_dtype, mm_config, GemmInputRole.WEIGHT)
+        else:
+            weight_t, = weight_saved
+            weight_fp8 = weight_t if tensor_already_casted_to_fp8(weight_t) else _to_float8(
+                weight_t, GemmInputRole.WEIGHT, WEIGHT, E4M3, cast, buffers, mm_config)
+        grad_x = torch.mm(grad_fp8, weight_fp8.t()).reshape(*ctx.x_shape[:-1], weight_fp8.shape[0])
         if cast.save_fp8_input:
             data, x_scale = x_saved
             x_fp8 = Float8TrainingTensor(data, x_scale, ctx.x_dtype, mm_config, GemmInputRole.INPUT)
         else:
             x_fp8 = _to_float8(x_saved[0], GemmInputRole.INPUT, INPUT, E4M3, cast, buffers, mm_config)
         grad_weight = torch.mm(grad_fp8.t(), x_fp8)
-        return grad_x, grad_weight.t(), None, None, None, None
+        return grad_x, grad_weight.t(), None, None, None, None, None
 
 
 class Float8TensorwiseLinear(Float8Linear):
@@ -150,6 +167,9 @@ class Float8TensorwiseLinear(Float8Linear):
     """
 
     cast: TensorwiseCast
+    fp8_weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    """This step's FP8 weight (e4m3 data like the weight, its scale, its amax under delayed scaling), set and dropped
+    by `trainer.parallel.float8.weights_per_step.Fp8WeightsPerStep`; None: each call casts the weight itself."""
 
     @classmethod
     def from_float8_linear(cls, mod: Float8Linear, *, delayed: bool, save_fp8_input: bool) -> Float8TensorwiseLinear:
@@ -168,7 +188,8 @@ class Float8TensorwiseLinear(Float8Linear):
         if torch.is_autocast_enabled():  # as torchao's Float8Linear.forward: the output in autocast's dtype
             x = x.to(torch.get_autocast_gpu_dtype())
         buffers = (self.amax, self.scale) if self.cast.delayed else (None, None)
-        out, amaxes = TensorwiseFp8Matmul.apply(x, self.weight.t(), *buffers, self.linear_mm_config, self.cast)
+        out, amaxes = TensorwiseFp8Matmul.apply(x, self.weight.t(), *buffers, self.linear_mm_config, self.cast,
+                                                self.fp8_weight)
         # This step's input and weight amaxes so far (a buffer update, as BatchNorm's running stats). Not under
         # no_grad: an evaluation between steps must not move the next step's scales (nor a resume's, which
         # finds the buffer zeroed), and training forwards, activation-checkpoint recomputes included, run
@@ -178,6 +199,16 @@ class Float8TensorwiseLinear(Float8Linear):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    @torch.no_grad()
+    def cast_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`weight` (the full weight in the dtype the forward sees) cast as the forward casts `self.weight.t()`:
+        the same amax, scale and bytes (an elementwise cast of the same values; its transpose is that cast)."""
+        c = self.cast
+        amaxes = [] if c.delayed else None
+        fp8 = _to_float8(weight, GemmInputRole.WEIGHT, WEIGHT, E4M3, c, (self.amax, self.scale) if c.delayed else None,
+                         self.linear_mm_config, amaxes)
+        return fp8._data, fp8._scale.clone(), amaxes[0] if amaxes else None
 
     def use_history(self, on: bool = True) -> None:
         """Cast with the `scale` buffer from now on (DelayedScaling, once the first step's amaxes are reduced)."""
