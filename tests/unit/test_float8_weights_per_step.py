@@ -131,14 +131,26 @@ ARGS = ["--config", DEBUG_CONFIG, "--train.seq_len=64", "--metrics.log_freq=1", 
     (["--float8.recipe=rowwise"], 1, 0),
 ])
 def test_auto_keeps_casts_where_a_weight_is_used_again_and_unsharded(args: list[str], world_size: int,
-                                                                     kept: int) -> None:
+                                                                     kept: int, monkeypatch) -> None:
+    """auto's rule for the Linears (off by default until measured on a GPU: LINEARS_BY_DEFAULT)."""
     from trainer.validate import validate_job
+
+    monkeypatch.setattr("trainer.validate.resolve.LINEARS_BY_DEFAULT", True)
 
     job = validate_job(load_job_config([*ARGS, *args]), world_size=world_size)
     assert job.build.float8.weights_per_step == kept
     rows = {r.what: r.bytes for r in job.memory_plan.rows}
     assert rows.get("FP8 weights kept through the step", 0) == (job.build.float8.kept_weight_numel if kept else 0)
     assert job.build.float8.kept_weight_numel > 0
+
+
+def test_auto_leaves_the_linears_casting_per_use_until_measured() -> None:
+    from trainer.validate import validate_job
+
+    job = validate_job(load_job_config(ARGS), world_size=1)  # 4 microbatches: auto's rule would keep them
+    assert job.build.float8.weights_per_step == 0
+    assert validate_job(load_job_config([*ARGS, "--float8.weights_per_step=on"]), world_size=1
+                        ).build.float8.weights_per_step == 4
 
 
 @pytest.mark.parametrize("args, message", [
@@ -178,7 +190,7 @@ def test_whole_run_with_grad_accumulation_is_bit_equal_to_casting_per_use(tmp_pa
         return [(r["loss"], r["grad_norm"]) for r in read_metrics(dump)], len(casts)
 
     with caplog.at_level(logging.INFO, logger="trainer"):
-        kept, kept_casts = run(tmp_path / "kept", "auto")
+        kept, kept_casts = run(tmp_path / "kept", "on")
     assert any("FP8 weights cast once per step (4 microbatches reuse them" in r.getMessage() for r in caplog.records)
     torchaos, _ = run(tmp_path / "torchao", "off")  # off: torchao's Float8Linear, the default tensorwise path
     monkeypatch.setattr("trainer.parallel.float8.linear.OWN_TENSORWISE_LINEAR", True)  # ours, casting per use
@@ -233,7 +245,7 @@ def test_a_resume_casts_the_loaded_weights(tmp_path: Path) -> None:
     def run(dump: Path, steps: int) -> list[float]:
         train(load_job_config([*ARGS, f"--job.dump_folder={dump}", f"--train.steps={steps}",
                                "--checkpoint.enable=true", "--checkpoint.interval=2",
-                               "--scheduler.decay_type=constant"]))  # the LR at a step does not depend on steps
+                               "--scheduler.decay_type=constant", "--float8.weights_per_step=on"]))  # the LR: not on steps
         return [r["loss"] for r in read_metrics(dump)]
 
     whole = run(tmp_path / "whole", 4)

@@ -158,6 +158,11 @@ def _keep_expert_weights(cfg: JobConfig, pd: ParallelDims) -> bool:
     return wanted and expert_fsdp == 1
 
 
+# Whether float8.weights_per_step='auto' keeps the Linears' casts (the routed experts' rule is older and measured):
+# not until the GPU's step time and peak say it pays (docs/fp8.md#fp8-weights-cast-once-per-step); 'on' opts in.
+LINEARS_BY_DEFAULT = False
+
+
 def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> int:
     """float8.weights_per_step for the Linears: the forwards per step that share each weight's one FP8 cast (0: off;
     trainer.parallel.float8.weights_per_step says where it can run and why)."""
@@ -169,7 +174,8 @@ def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> 
         (f"distributed.dp_shard x cp = {pd.fsdp_shard}: FSDP2 shards the weights and gathers them per microbatch "
          "(float8.enable_fsdp_float8_all_gather casts the shards)", pd.fsdp_shard > 1),
         ("float8.enable_fsdp_float8_all_gather (the weights arrive cast)", all_gather)) if bad), None)
-    if f8.weights_per_step == "off" or (f8.weights_per_step == "auto" and (why_not or not _repeated(cfg, pd))):
+    if f8.weights_per_step == "off" or (f8.weights_per_step == "auto" and (why_not or not _repeated(cfg, pd)
+                                                                           or not LINEARS_BY_DEFAULT)):
         return 0
     if why_not:
         raise ConfigError(f"float8.weights_per_step='on' cannot run with {why_not}: set it 'auto' (or 'off')")
