@@ -203,7 +203,8 @@ def resolve_pipeline(cfg: JobConfig, *, pp: int, args: ModelArgs) -> PipelineOpt
         )
     return PipelineOptions(schedule=d.pipeline_schedule, microbatch_size=d.pp_microbatch_size,
                            num_microbatches=num_microbatches, stages_per_rank=per_rank,
-                           stage_fqns=stage_module_fqns(counts), stage_costs=_stage_shares(costs, counts))
+                           stage_fqns=stage_module_fqns(counts, mtp_layers=getattr(args, "mtp_layers", 0)),
+                           stage_costs=_stage_shares(costs, counts))
 
 
 def _check_schedule(cfg: JobConfig) -> None:
