@@ -1,7 +1,7 @@
 """DeepSeek-V3 (MLA, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
 FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too), HSDP, context parallel (x expert
-parallel), tensor parallel (x FSDP2) and pipeline parallel (1F1B, Interleaved1F1B: the last stage holds the MTP module
-and a copy of the embeddings); without MTP modules, pipeline x expert and x tensor parallel too.
+parallel), tensor parallel (x FSDP2) and pipeline parallel (1F1B, Interleaved1F1B, x cp, x tp: the last stage holds
+the MTP module and a copy of the embeddings); without MTP modules, pipeline x expert and x tensor parallel too.
 
 Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
 loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
 from tests.distributed.test_token_mean import gradients_and_loss, write_short_documents
@@ -67,8 +68,10 @@ def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], 
                                          (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B",
                                               "--train.batch_size=4"]),
                                          # The last stage's ids ahead cross into the other cp rank's chunks.
-                                         (4, ["--distributed.pp=2", "--distributed.cp=2", "--train.batch_size=4"])],
-                         ids=["fsdp2", "ep2", "cp2", "pp2-1f1b", "pp2-interleaved", "pp2-x-cp2"])
+                                         (4, ["--distributed.pp=2", "--distributed.cp=2", "--train.batch_size=4"]),
+                                         # Its ids ahead cross into the other tp rank's sequence shard.
+                                         (4, ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4"])],
+                         ids=["fsdp2", "ep2", "cp2", "pp2-1f1b", "pp2-interleaved", "pp2-x-cp2", "pp2-x-tp2"])
 def test_every_deepseek_v3_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
@@ -228,13 +231,22 @@ def test_mtp_with_document_masking_matches_single_process(layout: list[str], tmp
 
 def test_a_pp2_checkpoint_with_mtp_resumes_in_one_process(reference, tmp_path: Path) -> None:
     """Both pipeline ends save `tok_embeddings.weight` (the first stage's table, the last stage's copy for the MTP
-    module) and its optimizer state: equal tensors under one name, which one process loads as its one table."""
+    module) and its optimizer state: equal tensors under one name, which one process loads as its one table. The
+    pp=2 run's Hugging Face export holds the checkpoint's weights, the MTP module left out."""
     from tests.distributed.spawn import train_then_one_process
+    from trainer.checkpoint import load_full_model_weights
+    from trainer.hf import read_hf_config, read_hf_weights
 
     ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--train.batch_size=4"]
     _, resumed = run_distributed(train_then_one_process, world_size=2, args=(
-        [*ARGS, "--train.steps=2", "--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", *ckpt],
+        [*ARGS, "--train.steps=2", "--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", *ckpt,
+         "--checkpoint.model_only=true", "--checkpoint.export_dtype=float32"],
         [*ARGS, *STEPS, *VAL, *ckpt], str(tmp_path), "a", "a"))[0]
+    _, weights = load_full_model_weights(tmp_path / "a" / "checkpoint" / "step-2")
+    folder = tmp_path / "a" / "checkpoint" / "step-2-hf"
+    exported = read_hf_weights(folder, args=read_hf_config(folder))
+    assert sorted(exported) == sorted(k for k in weights if not k.startswith("layers.4."))
+    assert all(torch.equal(exported[k], weights[k]) for k in exported)
     assert column(resumed, "step") == [1, 2, 3]
     for key in ("loss", "mtp_loss_1", "grad_norm"):
         assert column(resumed, key) == pytest.approx(column(reference, key), rel=1e-4), key
