@@ -1,12 +1,13 @@
 """DeepSeek-V3 (MLA with YaRN RoPE, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
 FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too), HSDP, context parallel (x expert
-parallel) and tensor parallel (x FSDP2); without MTP modules, pipeline (x expert, x tensor) parallel too.
+parallel), tensor parallel (x FSDP2) and pipeline parallel (1F1B, Interleaved1F1B, x cp, x tp: the last stage holds
+the MTP module and a copy of the embeddings); without MTP modules, pipeline x expert and x tensor parallel too.
 
 Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
 loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
 fp32 rounding; under tp, each rank's own gradients of MLA's replicated low-rank projections and norms too; under tp
-and cp, each rank's embeddings ahead of the MTP modules, and with document masking. pp with MTP modules is refused
-(tests/unit/test_deepseek_v3_config.py). Each layout
+and cp, each rank's embeddings ahead of the MTP modules, and with document masking; a pp=2 checkpoint with the MTP
+module resumes in one process. Each layout
 runs as a function in spawned processes (tests/distributed/spawn.py).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.spawn import gradients_of_one_step, run_distributed, train_and_read_metrics
 from tests.distributed.test_token_mean import gradients_and_loss, write_short_documents
@@ -47,7 +49,10 @@ def reference(tmp_path_factory) -> list[dict]:
     # Each rank holds a sequence shard: the embeddings ahead cross into the next shard, looked up from whole ids.
     (2, ["--distributed.tp=2", "--train.batch_size=4"]),
     (4, ["--distributed.tp=2", "--distributed.dp_shard=2", "--train.batch_size=2"]),
-], ids=["fsdp2", "ep2", "hsdp-x-ep2-full-ac", "cp2", "cp2-x-ep2", "tp2", "tp2-x-fsdp2"])
+    # The last stage holds the MTP module and a copy of the embeddings (their gradients summed with the first's).
+    (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", "--train.batch_size=4"]),
+    (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=4"]),
+], ids=["fsdp2", "ep2", "hsdp-x-ep2-full-ac", "cp2", "cp2-x-ep2", "tp2", "tp2-x-fsdp2", "pp2-1f1b", "pp2-interleaved"])
 def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], reference, tmp_path: Path) -> None:
     got = run_distributed(train_and_read_metrics, world_size=nproc, args=([*ARGS, *STEPS, *VAL, *args],
                                                                            str(tmp_path)))[0]
@@ -61,8 +66,16 @@ def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], 
 
 @pytest.mark.parametrize("nproc, args", [(2, ["--distributed.dp_shard=2", "--train.batch_size=2"]),
                                          (2, ["--distributed.ep=2", "--train.batch_size=2"]),
-                                         (2, ["--distributed.cp=2", "--train.batch_size=4"])],
-                         ids=["fsdp2", "ep2", "cp2"])
+                                         (2, ["--distributed.cp=2", "--train.batch_size=4"]),
+                                         (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=1F1B",
+                                              "--train.batch_size=4"]),
+                                         (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B",
+                                              "--train.batch_size=4"]),
+                                         # The last stage's ids ahead cross into the other cp rank's chunks.
+                                         (4, ["--distributed.pp=2", "--distributed.cp=2", "--train.batch_size=4"]),
+                                         # Its ids ahead cross into the other tp rank's sequence shard.
+                                         (4, ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4"])],
+                         ids=["fsdp2", "ep2", "cp2", "pp2-1f1b", "pp2-interleaved", "pp2-x-cp2", "pp2-x-tp2"])
 def test_every_deepseek_v3_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
@@ -218,3 +231,28 @@ def test_mtp_with_document_masking_matches_single_process(layout: list[str], tmp
     assert grads.keys() == ref_grads.keys() and "layers.4.eh_proj.weight" in grads
     errors = {fqn: ((grads[fqn] - g).norm() / g.norm().clamp(min=1e-30)).item() for fqn, g in ref_grads.items()}
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_a_pp2_checkpoint_with_mtp_resumes_in_one_process(reference, tmp_path: Path) -> None:
+    """Both pipeline ends save `tok_embeddings.weight` (the first stage's table, the last stage's copy for the MTP
+    module) and its optimizer state: equal tensors under one name, which one process loads as its one table. The
+    pp=2 run's Hugging Face export holds the checkpoint's weights, the MTP module left out."""
+    from tests.distributed.spawn import train_then_one_process
+    from trainer.checkpoint import load_full_model_weights
+    from trainer.hf import read_hf_config, read_hf_weights
+
+    ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--train.batch_size=4"]
+    _, resumed = run_distributed(train_then_one_process, world_size=2, args=(
+        [*ARGS, "--train.steps=2", "--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", *ckpt,
+         "--checkpoint.model_only=true", "--checkpoint.export_dtype=float32"],
+        [*ARGS, *STEPS, *VAL, *ckpt], str(tmp_path), "a", "a"))[0]
+    _, weights = load_full_model_weights(tmp_path / "a" / "checkpoint" / "step-2")
+    folder = tmp_path / "a" / "checkpoint" / "step-2-hf"
+    exported = read_hf_weights(folder, args=read_hf_config(folder))
+    assert sorted(exported) == sorted(k for k in weights if not k.startswith("layers.4."))
+    assert all(torch.equal(exported[k], weights[k]) for k in exported)
+    assert column(resumed, "step") == [1, 2, 3]
+    for key in ("loss", "mtp_loss_1", "grad_norm"):
+        assert column(resumed, key) == pytest.approx(column(reference, key), rel=1e-4), key
+    assert [r["val_loss"] for r in resumed if "val_loss" in r] == pytest.approx(
+        [r["val_loss"] for r in reference if "val_loss" in r], rel=1e-5)

@@ -221,11 +221,13 @@ def test_llama3_rope_scaling_is_refused_in_one_line():
 def test_the_pipeline_split_costs_sum_to_the_flops_per_token():
     from trainer.models import pipeline_costs
 
-    for name in FLAVORS:  # pipeline parallel runs without MTP modules (trainer.validate refuses them there)
-        args = replace(FLAVORS[name], mtp_layers=0)
-        embedding, blocks, head = pipeline_costs(args, 256)
-        assert embedding + sum(blocks) + head == pytest.approx(flops_per_token(args, 256), rel=1e-12), name
-        assert blocks[0] != blocks[-1]  # a dense block and an MoE block cost apart
+    for name in FLAVORS:  # the MTP modules count with the head: the last pipeline stage runs them
+        for args in (FLAVORS[name], replace(FLAVORS[name], mtp_layers=0), replace(FLAVORS[name], mtp_layers=2)):
+            embedding, blocks, head = pipeline_costs(args, 256)
+            assert embedding + sum(blocks) + head == pytest.approx(flops_per_token(args, 256), rel=1e-12), name
+            assert blocks[0] != blocks[-1]  # a dense block and an MoE block cost apart
+            assert len(blocks) == args.n_layers
+        assert head > pipeline_costs(replace(FLAVORS[name], mtp_layers=0), 256)[2]
 
 
 def test_the_attention_backends_reach_mla():

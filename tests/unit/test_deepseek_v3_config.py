@@ -40,9 +40,9 @@ def test_the_deepseek_v3_keys_set_the_shape_and_resolved_keys_rebuild_it() -> No
 
 
 @pytest.mark.parametrize("argv, world_size, message", [
-    (["--distributed.pp=2"], 2, "distributed.pp=2 with deepseek_v3.mtp_layers=1: the MTP modules and their loss need "
-                                "the main model's last states, embeddings and head on one stage; set "
-                                "deepseek_v3.mtp_layers=0 or distributed.pp=1"),
+    (["--distributed.pp=2", "--distributed.pipeline_schedule=ZBVZeroBubble"], 2,
+     "distributed.pipeline_schedule='ZBVZeroBubble' with deepseek_v3.mtp_layers=1: the V schedule puts the first and "
+     "the last stage on one rank"),
     (["--model.rope_scaling=llama3"], 1, "model.rope_scaling='llama3' with the DeepSeek-V3 flavor"),
     (["--model.head_dim=64"], 1, "model.head_dim=64 with the DeepSeek-V3 flavor 'debug_deepseek_v3': MLA has no such "
                                  "setting"),
@@ -63,8 +63,8 @@ def test_what_a_deepseek_v3_flavor_refuses_is_one_line_naming_the_key(argv, worl
         _args("--model.flavor=debug_deepseek_v3", *argv, world_size=world_size)
 
 
-def test_fsdp_ep_cp_tp_and_without_mtp_pp_layouts_are_accepted() -> None:
-    for layout in ("--distributed.ep=2", "--distributed.cp=2", "--distributed.tp=2"):
+def test_fsdp_ep_cp_tp_pp_layouts_are_accepted() -> None:
+    for layout in ("--distributed.ep=2", "--distributed.cp=2", "--distributed.tp=2", "--distributed.pp=2"):
         assert _args("--model.flavor=debug_deepseek_v3", layout, world_size=2).mtp_layers == 1
     for layout in ("--distributed.pp=2", "--distributed.cp=2", "--distributed.tp=2"):
         assert _args("--model.flavor=debug_deepseek_v3", "--deepseek_v3.mtp_layers=0", layout, world_size=2)

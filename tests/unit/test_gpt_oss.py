@@ -77,6 +77,32 @@ def test_context_parallel_chunks_attend_as_the_whole_sequence():
         assert torch.allclose(got, whole[:, :, 24:36], atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_cp_ranks_queries_under_a_document_mask_attend_as_the_whole_row():
+    """Context parallel with document masking: a rank's two query chunks at their global positions, against the
+    whole rows' keys, under causal and same document and (sliding layers) the window at those positions, with the
+    sink in the denominator: against a mask written out per (query, key) pair in Python and the float64 softmax,
+    and the rows of the whole sequence's attention; the dense (CPU) path and the BlockMask (GPU) path alike.
+    Documents cross the chunk boundaries (chunks of 12) and are longer than the window (5)."""
+    from trainer.models.documents import block_mask
+    from trainer.parallel.context_parallel import ContextParallel
+
+    q, k, v, sinks = _qkv(seq=48)
+    docs = document_ids(torch.tensor([[7] * 9 + [1] + [7] * 20 + [1] + [7] * 17, [7] * 47 + [1]]), eos_id=1)[0]
+    assert docs[0].tolist() == [0] * 10 + [1] * 21 + [2] * 17
+    for window in (0, 5):
+        whole = sink_attention(q, k, v, sinks, window=window, mask=attention_mask(docs))
+        for rank in (0, 1):
+            positions = ContextParallel(group=None, rank=rank, size=2).positions(24, q.device)
+            allowed = torch.tensor([[[kv <= p and docs[b, kv] == docs[b, p] and (not window or p - kv < window)
+                                      for kv in range(48)] for p in positions.tolist()] for b in range(2)])
+            expected = _reference(q[:, :, positions], k, v, sinks, allowed[:, None])
+            for mask in (attention_mask(docs, positions), block_mask(docs, positions)):
+                got = sink_attention(q[:, :, positions], k, v, sinks, window=window, mask=mask, positions=positions)
+                assert torch.allclose(got, expected, atol=1e-5), (window, rank, type(mask))
+                assert torch.allclose(got, whole[:, :, positions], atol=1e-5)
+
+
 def test_document_masking_composes_with_the_window():
     """A packed row of two documents gives each document's logits as if it were alone (window and all)."""
     args = replace(FLAVORS["debug_gpt_oss"], n_layers=2, sliding_window=6, max_seq_len=64)
@@ -176,8 +202,6 @@ MOE_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "train" / "de
      "float8.moe_experts='rowwise': the FP8 grouped GEMM takes no expert biases or clamped SwiGLU"),
     (1, ["--moe.n_shared_experts=1"], "moe.n_shared_experts=1 with model.flavor='debug_gpt_oss' (GPT-OSS): every "
                                       "GPT-OSS block is routed experts only"),
-    (2, ["--distributed.cp=2", "--data.document_masking=true"],
-     "distributed.cp=2 and data.document_masking=true: the sink attention's windows are not yet made"),
     # The keys that make blocks dense (MoEArgs.is_moe_layer): GptOssTransformer routes in every block.
     (1, ["--moe.n_dense_layers=1"], "moe.n_dense_layers=1 with model.flavor='debug_gpt_oss' (GPT-OSS): every GPT-OSS "
                                     "block is routed experts only; set moe.n_dense_layers=0"),

@@ -91,6 +91,10 @@ def test_stage_fqns_and_split_points() -> None:
         ("tok_embeddings", "layers.0", "layers.1"), ("layers.2", "layers.3", "norm", "output_head"))
     assert split_at(4, [1, 3]) == [1, 2, 1]
     assert stage_module_fqns(split_at(4, [0]))[0] == ("tok_embeddings",)
+    # DeepSeek-V3's MTP modules (layers.4, layers.5 after 4 main blocks) and a copy of the embeddings: the last stage.
+    assert stage_module_fqns([1, 2, 1], mtp_layers=2) == (
+        ("tok_embeddings", "layers.0"), ("layers.1", "layers.2"),
+        ("layers.3", "layers.4", "layers.5", "tok_embeddings", "norm", "output_head"))
 
 
 def test_stage_ids_loop_and_v() -> None:

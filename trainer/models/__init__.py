@@ -60,7 +60,7 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
     """Training FLOPs per token of (the embedding, each block, the final norm + output head): what the automatic
     pipeline split balances. They sum to `flops_per_token` (6 x the matmul parameters a token passes through,
     MoE blocks counting the top_k routed experts, plus the attention term per block); the embedding is a
-    lookup, 0 FLOPs."""
+    lookup, 0 FLOPs. DeepSeek-V3's MTP modules count with the head: the last stage runs them."""
     attn = args.dim * args.head_dim * (args.n_heads + 2 * args.n_kv_heads) + args.n_heads * args.head_dim * args.dim
     attention = 12 * args.n_heads * args.head_dim * seq_len
     if isinstance(args, DeepseekV3Args):  # MLA: its projections; QK^T over qk_head_dim, AV over v_head_dim
@@ -68,7 +68,10 @@ def pipeline_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], f
     norms = 2 * args.dim
     ffn_params = family_of(args).ffn_params
     blocks = [6.0 * (attn + ffn_params(args, i) + norms) + attention for i in range(args.n_layers)]
-    return 0.0, blocks, 6.0 * (args.dim + args.dim * args.vocab_size)
+    head = 6.0 * (args.dim + args.dim * args.vocab_size)
+    if getattr(args, "mtp_layers", 0):  # DeepSeek-V3's MTP modules run on the last stage, with the head
+        head += flops_per_token(args, seq_len) - flops_per_token(replace(args, mtp_layers=0), seq_len)
+    return 0.0, blocks, head
 
 
 __all__ = [

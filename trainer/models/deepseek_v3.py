@@ -141,15 +141,34 @@ class DeepseekV3(MoETransformer):
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the last main block [batch, seq, dim] (of this pipeline stage's blocks); in training
         with MTP modules, every depth's states for trainer.models.mtp.MTPLossFn: [(1 + mtp_layers) x batch, seq,
-        dim], the main ones first. documents: as Decoder.forward's."""
+        dim], the main ones first. documents: as Decoder.forward's; on the last pipeline stage, which holds the MTP
+        modules and a copy of the embeddings (trainer.parallel.pipeline), the rows' token ids the ids ahead are
+        cut from (`tokens` there are the previous stage's hidden states)."""
         mtp = [layer for name, layer in self.layers.items() if int(name) >= self.args.n_layers]
-        emb, ahead, rope, mask = self.embed_ahead(tokens, len(mtp) if self.training else 0, documents)
-        h = emb
+        depths = len(mtp) if self.training else 0
+        if tokens.is_floating_point():  # a later pipeline stage: its input is hidden states, not ids
+            h, rope, mask = self.embed(tokens, documents)
+            ahead = self.stage_embeddings_ahead(documents, depths, h.shape[1]) if depths else []
+        else:
+            h, ahead, rope, mask = self.embed_ahead(tokens, depths, documents)
         for name, layer in self.layers.items():
             if int(name) < self.args.n_layers:
                 h = layer(h, rope, *mask)
-        # (MTP runs with the whole model on one stage: trainer.validate refuses pp with it.)
         return mtp_forward(mtp, h, ahead, rope, mask) if ahead else h
+
+    def stage_embeddings_ahead(self, rows: torch.Tensor | None, depths: int, local_len: int) -> list[torch.Tensor]:
+        """The last pipeline stage's Emb(t_{i+k}) for each depth, from the rows' token ids (the whole rows under
+        context parallelism) and the stage's copy of the embeddings, at this rank's positions; zero past the end."""
+        assert rows is not None and not rows.is_floating_point(), (
+            "the MTP modules of a pipeline stage need the rows' token ids: Pipeline passes them as `documents`")
+        rows = rows.to(self.rope.device)
+        local = rows if self.cp is None else self.cp.shard(rows)
+        ids, keep = tokens_ahead(local, depths, self.cp, whole=rows)
+        ahead = self.lookup(ids[local.shape[0]:])  # the tokens' own rows are the previous stage's
+        if self.tp_group is not None:  # this rank's sequence shard of the whole sequences' masks
+            start = dist.get_rank(self.tp_group) * local_len
+            keep = [k[start:start + local_len] for k in keep]
+        return [e * k for e, k in zip(ahead.chunk(depths, dim=0), keep)]
 
     def embed_ahead(self, tokens: torch.Tensor, depths: int, documents: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, tuple]:

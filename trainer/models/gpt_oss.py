@@ -116,8 +116,10 @@ class GptOssAttention(Attention):
         sinks = _local(self.sinks)  # under tensor parallel, this rank's heads' (tp_plan shards them with the heads)
         core = self.attention_core
         if core is not None:  # context parallel (trainer.parallel.context_parallel.CPAttention): the whole K, V
-            assert mask is None, "GPT-OSS: document masking under cp"  # trainer.validate.layout refuses it
             k, v = core.gather(k, v)
+            if mask is not None:  # documents: the mask of this rank's queries, at their global positions
+                return sink_attention(q, k, v, sinks, window=self.window, mask=mask,
+                                      positions=core.cp.positions(q.shape[2], q.device))
             return chunk_sink_attention(q, k, v, sinks, window=self.window, chunks=core.cp.chunks())
         return sink_attention(q, k, v, sinks, window=self.window, mask=mask)
 

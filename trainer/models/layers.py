@@ -285,8 +285,8 @@ class Decoder(nn.Module):
         """Hidden states after the last block [batch, seq, dim]: what the loss needs (`trainer.loss.LossFn`
         applies the final norm and the output head), and what a pipeline stage hands to the next.
 
-        A pipeline stage (trainer.parallel.pipeline) has None for the modules of other stages:
-        without tok_embeddings it takes the previous stage's hidden states instead of tokens.
+        A pipeline stage (trainer.parallel.pipeline) has None for the modules of other stages; after the first
+        it takes the previous stage's hidden states (floating point) instead of token ids.
         Under context parallelism the tokens are this rank's chunks, and RoPE takes their global positions.
         documents: under document masking, the whole rows' token ids [batch, seq] when `tokens` is not them (a
         later pipeline stage's hidden states, this rank's context-parallel chunks); None: `tokens` are.
@@ -300,7 +300,18 @@ class Decoder(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor, tuple[BlockMask | torch.Tensor, ...]]:
         """(the first block's input, the RoPE table its tokens take, the blocks' document mask or ()): the
         embeddings, or a pipeline stage's input as it is. documents: as `forward`'s."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # A later pipeline stage takes the previous one's hidden states (the last may hold a copy of the
+        # embeddings for DeepSeek-V3's MTP modules: trainer.parallel.pipeline).
+        h = tokens if tokens.is_floating_point() else self.lookup(tokens)
+        rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
+        mask = ()  # the blocks' document mask, when there is one
+        if self.document_eos is not None:
+            rope, mask = self._document_rope_and_mask(tokens if documents is None else documents, h)
+        return h, rope, mask
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `ids`, a plain tensor (under tensor parallel this rank's sequence shard)."""
+        h = self.tok_embeddings(ids)
         if isinstance(h, DTensor):  # tensor parallel: the embeddings' sequence shard
             # Unwrapped here, not by the embeddings' own output hook, so that their FSDP2 unit returns no
             # view (trainer.parallel.tensor_parallel). The local shard is torch's AsyncCollectiveTensor (the
@@ -309,11 +320,7 @@ class Decoder(nn.Module):
             # which has no autograd history (torch 2.13's AOTAutograd, any backend): the embeddings' gradient
             # was zero under tp with train.compile_model (docs/distributed.md#compile-under-tensor-parallel).
             h = h.to_local().clone()
-        rope = self.rope if self.cp is None else self.rope.index_select(0, self.cp.positions(h.shape[1], h.device))
-        mask = ()  # the blocks' document mask, when there is one
-        if self.document_eos is not None:
-            rope, mask = self._document_rope_and_mask(tokens if documents is None else documents, h)
-        return h, rope, mask
+        return h
 
     def _document_rope_and_mask(self, rows: torch.Tensor, h: torch.Tensor
                                 ) -> tuple[torch.Tensor, tuple[BlockMask | torch.Tensor]]:

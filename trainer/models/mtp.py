@@ -152,16 +152,27 @@ class MTPLossFn(LossFn):
         return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum",
                                ignore_index=IGNORE_INDEX)
 
+    def pop_totals(self) -> torch.Tensor:
+        """[2, depths]: each depth's summed loss and its targets since the last call; resets them."""
+        totals = torch.stack([self.sums, self.counts])
+        self.sums.zero_()
+        self.counts.zero_()
+        return totals
+
     def pop_metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """Each depth's mean loss since the last call (`mtp_loss_1`, ...), over the tokens of `group`'s ranks (None:
         this rank's); resets them. note: a host sync, and a collective over `group`."""
-        totals = torch.stack([self.sums, self.counts])
+        return depth_means(self.pop_totals(), group)
+
+
+def depth_means(totals: torch.Tensor, *groups: dist.ProcessGroup | None) -> dict[str, float]:
+    """`mtp_loss_1`, ...: each depth's summed loss over its targets ([2, depths]), both summed over `groups`' ranks.
+    note: a host sync, and a collective over each group."""
+    for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(totals, group=group)
-        self.sums.zero_()
-        self.counts.zero_()
-        sums, counts = totals.tolist()
-        return {f"mtp_loss_{k}": s / c for k, (s, c) in enumerate(zip(sums, counts), 1) if c}
+    sums, counts = totals.tolist()
+    return {f"mtp_loss_{k}": s / c for k, (s, c) in enumerate(zip(sums, counts), 1) if c}
 
 
 def mtp_or_plain_loss_fn(model: nn.Module, args: ModelArgs, *, chunk_tokens: int, compile: bool) -> LossFn:
@@ -177,15 +188,25 @@ def mtp_or_plain_loss_fn(model: nn.Module, args: ModelArgs, *, chunk_tokens: int
 
 class MTPLossMetrics(StepHook):
     """The step hook (trainer/hooks.py) that logs each MTP depth's mean loss since the last log line, over the
-    data-parallel ranks (`group`): `mtp_loss_1`, ... in the metrics."""
+    data-parallel ranks (`group`): `mtp_loss_1`, ... in the metrics. Under pipeline parallelism the last stage's
+    ranks hold the losses (`loss_fn`; None on the others, which add zeros) and `pp_group` sums them to every rank."""
 
-    def __init__(self, loss_fn: MTPLossFn, *, group: dist.ProcessGroup | None):
-        self.loss_fn, self.group = loss_fn, group
+    def __init__(self, loss_fn: MTPLossFn | None, *, depths: int, group: dist.ProcessGroup | None,
+                 pp_group: dist.ProcessGroup | None, device: torch.device):
+        self.loss_fn, self.depths, self.group, self.pp_group, self.device = loss_fn, depths, group, pp_group, device
 
     @classmethod
-    def of(cls, loss_fn: LossFn | None, *, group: dist.ProcessGroup | None) -> list[MTPLossMetrics]:
-        """The hook where the loss is an MTPLossFn (on every rank of a job with MTP; at pp=1 only), else none."""
-        return [cls(loss_fn, group=group)] if isinstance(loss_fn, MTPLossFn) else []
+    def of(cls, loss_fn: LossFn | None, args: ModelArgs, parallel_dims, *, device: torch.device
+           ) -> list[MTPLossMetrics]:
+        """The hook on every rank of a job with MTP modules (args.mtp_layers), else none; its sums over the dp x cp
+        ranks of the stage and the pp ranks (parallel_dims: trainer.parallel.ParallelDims)."""
+        if not (depths := getattr(args, "mtp_layers", 0)):
+            return []
+        assert loss_fn is None or isinstance(loss_fn, MTPLossFn), type(loss_fn)
+        return [cls(loss_fn, depths=depths, group=parallel_dims.mesh("dp_cp").get_group(),
+                    pp_group=parallel_dims.mesh("pp").get_group(), device=device)]
 
     def on_log(self, step: int) -> dict[str, float]:
-        return self.loss_fn.pop_metrics(self.group)
+        totals = (self.loss_fn.pop_totals().to(self.device) if self.loss_fn is not None
+                  else torch.zeros(2, self.depths, device=self.device))
+        return depth_means(totals, self.group, self.pp_group)

@@ -60,6 +60,9 @@ class PipelineModel(nn.Module):
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
+        self.parts = tuple(parts)  # not submodules: their parameters are already these, under the same fqns
+        # The first stage's embeddings, or the last stage's copy of them (DeepSeek-V3's MTP modules; a rank holds
+        # no stage with either where they are not the same rank's: trainer.validate refuses the V schedule).
         first = next((p for p in parts if p.tok_embeddings is not None), None)
         last = next((p for p in parts if p.output_head is not None), None)
         self.tok_embeddings = first.tok_embeddings if first is not None else None
@@ -67,6 +70,13 @@ class PipelineModel(nn.Module):
         self.layers = nn.ModuleDict({name: blocks[name] for name in sorted(blocks, key=int)})
         self.norm = last.norm if last is not None else None
         self.output_head = last.output_head if last is not None else None
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        """The stage modules too: a model's forward may read its own `training` (DeepSeek-V3 runs its MTP modules
+        in training only)."""
+        for part in self.parts:
+            part.train(mode)
+        return super().train(mode)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a PipelineModel has no forward: run the pipeline schedule (Pipeline.forward_backward)")
@@ -140,6 +150,35 @@ class Pipeline:
         self.document_masking = build.document_eos is not None
         self.has_first = any(s.is_first for s in self._stages)
         self.has_last = any(s.is_last for s in self._stages)
+        # DeepSeek-V3's MTP modules on the last stage look up the tokens ahead in a copy of the embeddings: they and
+        # their ids (the rows' tokens, as `documents`) reach it; its gradient is summed with the first stage's.
+        self.mtp = bool(getattr(model_args, "mtp_layers", 0))
+        self.copied_params, self._copy_peer = self._embedding_copy(pp)
+
+    def _embedding_copy(self, pp: int) -> tuple[tuple[nn.Parameter, ...], int | None]:
+        """(the parameters this rank holds as a copy of another pp rank's, which the grad norm counts there; the
+        global rank that holds the embeddings' other end): the last stage's copy of the embeddings under MTP."""
+        if not self.mtp:
+            return (), None
+        assert not (self.has_first and self.has_last), "MTP under a V schedule: trainer.validate refuses it"
+        if not (self.has_first or self.has_last):
+            return (), None
+        peer = dist.get_global_rank(self.pp_group, pp - 1 if self.has_first else 0)
+        return ((self.model.tok_embeddings.weight,) if self.has_last else ()), peer
+
+    def _sum_embedding_grads(self) -> None:
+        """The embeddings' gradient of the first stage plus its copy's of the last (MTP): the same sum on both
+        ranks (a + b = b + a in floating point), so their AdamW updates keep the two tables equal. Each rank's
+        local shard: the two ends shard alike (the same dp x cp x tp coordinates over pp)."""
+        if self._copy_peer is None:
+            return
+        grad = self.model.tok_embeddings.weight.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        other = torch.empty_like(local)
+        for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, local, self._copy_peer),
+                                           dist.P2POp(dist.irecv, other, self._copy_peer)]):
+            req.wait()
+        local += other
 
     def _gather_float8_reports(self, reports: list[Float8Report | None]) -> Float8Report | None:
         """Every stage's FP8 report, from every pp rank, merged (`Float8Report.of_stages`): the whole model's,
@@ -214,6 +253,7 @@ class Pipeline:
         for inputs, labels, documents in microbatches:
             with loss_context():
                 losses += self._run_schedule(self.schedule.step, inputs, labels, documents)
+        self._sum_embedding_grads()
         return self._total_loss(losses) / loss_scale
 
     @torch.no_grad()
@@ -247,7 +287,9 @@ class Pipeline:
         args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
-        if self.document_masking:  # every pp rank reads the batch (the same data-parallel rank's): each stage's
+        # Document masking and the last stage's MTP modules read the rows' token ids (the whole rows under cp):
+        # every pp rank reads the batch (the same data-parallel rank's).
+        if self.document_masking or self.mtp:
             kwargs["documents"] = (inputs if documents is None else documents).to(self.device, non_blocking=True)
         run(*args, **kwargs, **self._step_kwargs)
         # Replicated DTensors under loss parallel: every TP rank holds the whole loss.

@@ -100,13 +100,16 @@ def parse_split_point(entry: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def stage_module_fqns(layer_counts: list[int]) -> tuple[tuple[str, ...], ...]:
-    """Top-level module fqns of each stage, from its block count: embedding first, norm and head last."""
-    stages, start = [], 0
+def stage_module_fqns(layer_counts: list[int], *, mtp_layers: int = 0) -> tuple[tuple[str, ...], ...]:
+    """Top-level module fqns of each stage, from its block count: embedding first, norm and head last. With
+    DeepSeek-V3's MTP modules (`layers.{n_layers + k}`), the last stage holds them after its blocks, and a copy of the
+    embeddings for their tokens ahead (trainer.parallel.pipeline sums its gradient with the first stage's)."""
+    stages, start, n_layers = [], 0, sum(layer_counts)
     for i, count in enumerate(layer_counts):
         fqns = [EMBEDDING] if i == 0 else []
         fqns += [f"layers.{j}" for j in range(start, start + count)]
         if i == len(layer_counts) - 1:
+            fqns += [f"layers.{n_layers + k}" for k in range(mtp_layers)] + [EMBEDDING] * bool(mtp_layers)
             fqns += list(HEAD)
         stages.append(tuple(fqns))
         start += count

@@ -173,6 +173,9 @@ class TrainStep:
         self.max_norm, self.fused, self.device = max_norm, fused, device
         self.loss_context = loss_context
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # A pipeline stage's copy of another stage's weight (MTP's embeddings) counts once in the norm, there.
+        copies = {id(p) for p in pipeline.copied_params} if pipeline is not None else set()
+        self.norm_params = [p for p in self.params if id(p) not in copies]
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
         self._pending_norms: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, grad norm, valid labels)
         self._valid_labels = torch.ones((), device=device)  # the last forward_backward's, over the dp x cp ranks
@@ -190,7 +193,7 @@ class TrainStep:
     def optimizer_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Grad norm, clipping, the non-finite skip and the update, then the gradients freed and the LR moved:
         (global grad norm, found_inf). What scripts/benchmark.py times as the optimizer step."""
-        norm = grad_norm(self.params, pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
+        norm = grad_norm(self.norm_params, pp_group=self.pipeline.pp_group if self.pipeline is not None else None)
         if self.scaler.enabled:
             norm = norm / self.scaler.scale
         overflow = ~torch.isfinite(norm)

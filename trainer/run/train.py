@@ -210,7 +210,7 @@ class Trainer:
         hooks += float8_step_hooks(self.model, self.float8, stats_freq=m.fp8_stats_freq, kurtosis_warn=m.kurtosis_warn,
                                    amax_group=self.parallel_dims.mesh("dp_cp").get_group())
         hooks += MixtureTokens.of(self.data_loader)  # a data mixture's tokens per source
-        hooks += MTPLossMetrics.of(self.loss_fn, group=self.parallel_dims.mesh("dp_cp").get_group())  # per depth
+        hooks += MTPLossMetrics.of(self.loss_fn, self.model_args, self.parallel_dims, device=self.device)  # per depth
         hooks += [ema] if (ema := EMAWeights.maybe(self.model, decay=run.ema_decay)) else []  # before an evaluation
         if job.validation_source is not None:
             v = job.validation

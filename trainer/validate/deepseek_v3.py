@@ -1,12 +1,10 @@
 """What a DeepSeek-V3 flavor allows of the layout and the config, and the [deepseek_v3] keys on other flavors: one
 line each, before any process group (trainer.validate.layout.check_model_layout calls this).
 
-Covered layouts (tests/distributed/test_deepseek_v3_layouts.py, against one process): FSDP2 (dp_shard, HSDP), expert
-parallelism (ep), activation checkpointing; pipeline and context parallelism without MTP modules. Refused: tensor
-parallel (MLA's projections have no plan yet: q_a_proj and kv_a_proj_with_mqa feed norms over their whole width, so
-they would stay replicated with gradients summed over tp, which no plan here does), and pipeline or context parallel
-with MTP modules (an MTP module needs the main model's last states, the embeddings and the head on one stage, and the
-embedding k tokens ahead, which under cp another rank's chunk holds).
+Covered layouts (tests/distributed/test_deepseek_v3_layouts.py, against one process): FSDP2 (dp_shard, HSDP), expert,
+tensor, context and pipeline parallelism, activation checkpointing, with MTP modules and without. Under pipeline
+parallelism the last stage holds the MTP modules and a copy of the embeddings, whose gradient is summed with the first
+stage's (trainer.parallel.pipeline); refused: the V schedule with MTP modules (it puts both ends on one rank).
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.model_values import DeepseekV3Args, ModelArgs
 from trainer.parallel import ParallelDims
+from trainer.parallel.pipeline_layout import V_SCHEDULES
 
 
 def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None:
@@ -28,10 +27,12 @@ def check_deepseek_v3(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                               f"model.flavor={cfg.model.flavor!r} is not a DeepSeek-V3 flavor; remove it or pick one "
                               "(debug_deepseek_v3, deepseek_v3_16b)")
         return
-    if pd.pp > 1 and args.mtp_layers:
-        raise ConfigError(f"distributed.pp={pd.pp} with deepseek_v3.mtp_layers={args.mtp_layers}: the MTP modules and "
-                          "their loss need the main model's last states, embeddings and head on one stage; set "
-                          "deepseek_v3.mtp_layers=0 or distributed.pp=1")
+    if pd.pp > 1 and args.mtp_layers and cfg.distributed.pipeline_schedule in V_SCHEDULES:
+        raise ConfigError(f"distributed.pipeline_schedule={cfg.distributed.pipeline_schedule!r} with "
+                          f"deepseek_v3.mtp_layers={args.mtp_layers}: the V schedule puts the first and the last stage "
+                          "on one rank, where the last stage's copy of the embeddings (for the MTP modules' tokens "
+                          "ahead) would be a second table of the same name; use 'Interleaved1F1B' or "
+                          "'InterleavedZeroBubble', or deepseek_v3.mtp_layers=0")
     if args.rope_scaling is not None:
         raise ConfigError(f"model.rope_scaling={args.rope_scaling.kind!r} with the DeepSeek-V3 flavor "
                           f"{cfg.model.flavor!r}: Llama 3's RoPE scaling is not DeepSeek-V3's; set "

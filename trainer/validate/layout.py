@@ -107,10 +107,6 @@ def _check_gpt_oss_layout(cfg: JobConfig, args: GptOssArgs) -> None:
         raise ConfigError(f"{flavor} with float8.moe_experts='{cfg.float8.moe_experts}': the FP8 grouped GEMM takes "
                           "no expert biases or clamped SwiGLU; set float8.moe_experts='off' (the attention "
                           "projections still run in FP8)")
-    if cfg.distributed.cp > 1 and cfg.data.document_masking:
-        raise ConfigError(f"{flavor} with distributed.cp={cfg.distributed.cp} and data.document_masking=true: the "
-                          "sink attention's windows are not yet made for a rank's query chunks against a document "
-                          "mask; set data.document_masking=false or distributed.cp=1")
     # Every block routes (GptOssTransformer builds no dense one, transformers' GptOss neither): the keys that make
     # some dense (MoEArgs.is_moe_layer) are refused, as is a shared expert.
     for field, value, fix, set_ in (
@@ -203,7 +199,8 @@ def resolve_pipeline(cfg: JobConfig, *, pp: int, args: ModelArgs) -> PipelineOpt
         )
     return PipelineOptions(schedule=d.pipeline_schedule, microbatch_size=d.pp_microbatch_size,
                            num_microbatches=num_microbatches, stages_per_rank=per_rank,
-                           stage_fqns=stage_module_fqns(counts), stage_costs=_stage_shares(costs, counts))
+                           stage_fqns=stage_module_fqns(counts, mtp_layers=getattr(args, "mtp_layers", 0)),
+                           stage_costs=_stage_shares(costs, counts))
 
 
 def _check_schedule(cfg: JobConfig) -> None:
