@@ -29,9 +29,9 @@ def _train_with_a_slow_rank(dump: str) -> None:
         if os.environ["RANK"] == "1":
             fetch = loader.next_batch
 
-            def next_batch():
+            def next_batch(*args):  # the microbatch count (train.batch_size_warmup_tokens' ramp) passes through
                 time.sleep(DELAY_S)
-                return fetch()
+                return fetch(*args)
 
             loader.next_batch = next_batch
         return loader
