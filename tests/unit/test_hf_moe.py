@@ -200,6 +200,10 @@ def test_import_checks_config_against_the_flavor(tmp_path):
     (out / "config.json").write_text(json.dumps({**config, "moe_norm_min": 0.5}))
     with pytest.raises(ExportError, match="moe_norm_min=0.5 has no equivalent in this trainer's MoE"):
         read_hf_config(out)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    (out / "config.json").write_text(json.dumps({**config, "rope_scaling": yarn}))
+    with pytest.raises(ExportError, match="rope_type='yarn' has no equivalent in this trainer"):
+        read_hf_config(out)  # not read as plain RoPE: its positions would be rotated otherwise than it was trained
 
 
 def test_load_model_returns_moe_models_from_dcp_checkpoints(tmp_path):

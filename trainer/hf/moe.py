@@ -299,6 +299,7 @@ def args_from_hf_config(config: dict, *, where: str) -> MoEArgs:
     if config.get("hidden_act", "silu") != "silu":
         raise ExportError(f"{where}: hidden_act={config['hidden_act']!r}; this trainer's MoE uses 'silu'")
     check_head_dim(config, args, where=where)
+    check_rope(config, args, where=where)  # a RoPE ours has not (a long-context "yarn") is refused, not read as plain
     return args
 
 
