@@ -60,6 +60,23 @@ def test_swapped_in_holds_the_average_and_restores_the_weights_bit_for_bit() -> 
         assert torch.equal(p, before[k])
 
 
+def test_what_derives_from_the_weights_is_refreshed_after_each_swap() -> None:
+    """fp8 all-gather's precomputed scales (Float8ScalePrecompute.refresh, wired by the trainer) follow the weights:
+    recomputed from the average once it is in, and from the trained weights once they are back."""
+    model = _model()
+    ema = EMAWeights(model, decay=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.after_optimizer_step(1, torch.tensor(False))
+    seen: list[torch.Tensor] = []
+    ema.after_swap = [lambda: seen.append(model[0].weight.detach().clone())]
+    trained = model[0].weight.detach().clone()
+    with ema.swapped_in():
+        assert len(seen) == 1 and torch.equal(seen[0], ema.ema["0.weight"])
+    assert len(seen) == 2 and torch.equal(seen[1], trained)
+
+
 @pytest.mark.parametrize("decay", ["1.0", "-0.1", "1.5"])
 def test_ema_decay_out_of_range_is_one_line_naming_the_key(decay: str) -> None:
     with pytest.raises(ConfigError, match=r"^train\.ema_decay=.* must be in \[0, 1\)") as e:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +43,9 @@ class EMAWeights(StepHook):
         # The average starts from the weights of the first step (after any load: a resume without an average,
         # checkpoint.initial_load_path's weights); a checkpoint's average, once loaded, is kept instead.
         self.restart = True
+        # Recomputes what derives from the weights (fp8 all-gather's precomputed scales: the trainer wires the hooks'
+        # `refresh`), after each swap: an evaluation of the average casts it with its own scales, not the trained ones.
+        self.after_swap: list[Callable[[], None]] = []
         self.ema: dict[str, torch.Tensor] = {}
         by_param: dict[int, torch.Tensor] = {}
         for name, p in self._params():
@@ -103,12 +106,16 @@ class EMAWeights(StepHook):
             saved = [w.clone() for w in weights]
             for w, ema in zip(weights, emas):
                 w.copy_(ema)
+            for refresh in self.after_swap:
+                refresh()
         try:
             yield
         finally:
             with torch.no_grad():
                 for w, s in zip(weights, saved):
                     w.copy_(s)
+                for refresh in self.after_swap:
+                    refresh()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.ema)

@@ -43,7 +43,7 @@ from trainer.optim import (
 from trainer.parallel.build import build_model_part
 from trainer.parallel.compile import CompileTimes
 from trainer.parallel.context_parallel import ContextParallel
-from trainer.parallel.float8 import Float8Report, float8_step_hooks
+from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
 from trainer.run.evaluate import Evaluator
 from trainer.run.tasks import TaskScorer
@@ -212,6 +212,8 @@ class Trainer:
         hooks += MixtureTokens.of(self.data_loader)  # a data mixture's tokens per source
         hooks += MTPLossMetrics.of(self.loss_fn, self.model_args, self.parallel_dims, device=self.device)  # per depth
         hooks += [ema] if (ema := EMAWeights.maybe(self.model, decay=run.ema_decay)) else []  # before an evaluation
+        if ema:  # fp8 all-gather's scales follow the weights swapped in and out
+            ema.after_swap = [h.refresh for h in hooks if isinstance(h, Float8ScalePrecompute)]
         if job.validation_source is not None:
             v = job.validation
             evaluator = Evaluator(

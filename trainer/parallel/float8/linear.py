@@ -359,4 +359,8 @@ class Float8ScalePrecompute(StepHook):
         self.model = model
 
     def after_optimizer_step(self, step: int, found_inf: torch.Tensor) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The scales of the weights as they are now (after a step, or an EMA swap: EMAWeights.after_swap)."""
         precompute_float8_scales(self.model)
