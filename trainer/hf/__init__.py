@@ -4,6 +4,7 @@ config.json.
     folder.py     the folder on disk: config.json, safetensors (sharded with an index above a size), 0644 files,
                   reading only safetensors and JSON; the tensors' headers (names, dtypes, shapes) before their data
     mxfp4.py      GPT-OSS's MXFP4 experts (quantization_config.quant_method "mxfp4"), dequantized on read
+    fp8.py        DeepSeek-V3's block-FP8 weights (quant_method "fp8", `X_scale_inv` per 128 x 128), dequantized on read
     config_values.py  every config.json value read, checked by type and range; the two RoPE spellings agree
     llama.py      dense Llama <-> LlamaForCausalLM (Qwen3ForCausalLM with qk_norm), names one to one
     moe.py        MoE <-> Ernie4_5_MoeForCausalLM (softmax scores) or Glm4MoeForCausalLM (sigmoid scores), or
@@ -16,7 +17,8 @@ config.json.
 A family's mapping is this package's module of the family's name (`trainer.models.family.ModelFamily.name`), found by
 that name: the model families' registry (`trainer.models.FAMILIES`) is the one list, so a new family is its model file
 and its mapping here, with no line added to this file. Each mapping names the config.json `MODEL_TYPES` it reads and
-its `KIND` for messages; one that reads quantized folders, their `QUANT_METHODS` and `packed_params` (GPT-OSS: MXFP4).
+its `KIND` for messages; one that reads quantized folders, their `QUANT_METHODS` and `packed_params` (GPT-OSS: MXFP4;
+DeepSeek-V3: block FP8).
 
 A folder is read by one reader, `open_hf_folder` (import, `load_model`, generate.py): config.json into ModelArgs,
 checked value by value, bound by the safetensors files' size, and every tensor's name, dtype and shape checked
@@ -40,14 +42,13 @@ from types import ModuleType
 
 import torch
 
-from trainer.hf import llama
+from trainer.hf import fp8, llama, mxfp4
 from trainer.hf.folder import (
     CAST_ON_READ, DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, SAFETENSORS_HINT, ExportError, Header, Spec, check_parts,
     join_tensors, max_difference, numel, plan_shards, read_config, read_headers, read_tensors, require_safetensors,
     safetensors_bytes, write_folder,
 )
 from trainer.hf.llama import LLAMA3_SCALED_CONTEXT, from_hf_name, to_hf_name
-from trainer.hf.mxfp4 import MXFP4
 from trainer.hf.tokenizer import ExportTokenizer, resolve_tokenizer, write_tokenizer_files
 from trainer.models.counts import files_fit_problem
 from trainer.models import FAMILIES, ModelFamily, family_of
@@ -104,9 +105,15 @@ def args_from_hf_config(config: dict, *, where: str) -> ModelArgs:
     return fam.args_from_hf_config(config, where=where)
 
 
+# The quantized formats a family may read (its QUANT_METHODS): each one's module, with the dtype name its merged
+# headers get (DTYPE) and the bytes 32 of its parameters take on disk at the least (BYTES_PER_32).
+PACKED_FORMATS: dict[str, ModuleType] = {"mxfp4": mxfp4, "fp8": fp8}
+
+
 def packed_method(config: dict, fam: ModuleType, *, where: str) -> str | None:
     """The quantization_config.quant_method of a folder whose family reads it (GPT-OSS's "mxfp4" experts,
-    trainer/hf/mxfp4.py), None for an unquantized one; any other: one ExportError line naming the key."""
+    trainer/hf/mxfp4.py; DeepSeek-V3's block "fp8", trainer/hf/fp8.py, whose other keys are checked here), None for
+    an unquantized one; any other: one ExportError line naming the key."""
     if (quant := config.get("quantization_config")) is None:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -116,6 +123,8 @@ def packed_method(config: dict, fam: ModuleType, *, where: str) -> str | None:
         raise ExportError(f"{where}: quantization_config.quant_method={method!r}: a quantized folder; this trainer "
                           f"reads {fam.KIND} weights in bf16, fp16 or fp32{also}: load it in transformers "
                           "dequantized and save_pretrained it first")
+    if method == "fp8" and (problem := fp8.config_problem(quant)):
+        raise ExportError(f"{where}: {problem}")
     return method
 
 
@@ -140,8 +149,8 @@ class HFFolder:
     path: Path
     args: ModelArgs
     data_bytes: int
-    """What its tensors take in memory once read, at the least: its safetensors files' size, and for MXFP4 tensors
-    the bfloat16 they are dequantized to (2 bytes a value, 17/32 on disk)."""
+    """What its tensors take in memory once read, at the least: its safetensors files' size, and for MXFP4 and FP8
+    tensors the bfloat16 they are dequantized to (2 bytes a value; 17/32 and 1 on disk)."""
     headers: dict[str, Header]
     sources: dict[str, str]
     """The Hugging Face name a tensor is read from where it is another (a tied head: the one table)."""
@@ -169,13 +178,16 @@ def open_hf_folder(folder: str | os.PathLike, *, args: ModelArgs | None = None) 
     where = str(folder / "config.json")
     config = read_config(folder)
     theirs = args_from_hf_config(config, where=where)
-    mxfp4 = packed_method(config, family(theirs), where=where) == "mxfp4"
+    method = packed_method(config, family(theirs), where=where)
+    packed = PACKED_FORMATS.get(method)
     config_tied = bool(config.get("tie_word_embeddings", family(theirs).tied_by_default(config)))
     data_bytes, files = safetensors_bytes(folder)
-    packed = family(theirs).packed_params(theirs) if mxfp4 else 0
-    if problem := files_fit_problem(theirs, data_bytes=data_bytes, files=files, tied=config_tied, packed=packed):
+    if problem := files_fit_problem(theirs, data_bytes=data_bytes, files=files, tied=config_tied,
+                                    packed=family(theirs).packed_params(theirs) if packed else 0,
+                                    packed_per_32=packed.BYTES_PER_32 if packed else 0):
         raise ExportError(f"{where}: {problem}")  # before anything of n_layers' size is built
-    headers = read_headers(folder, mxfp4=mxfp4)
+    headers = read_headers(folder, mxfp4=method == "mxfp4",
+                           fp8_block=fp8.block_size(config["quantization_config"]) if method == "fp8" else None)
     if skip := getattr(family(theirs), "skip_headers", None):  # tensors the family's model does not hold (MTP)
         headers = skip(headers, theirs, where=where)
     own_head = _own_head(folder, headers, where=where) if config_tied else ""
@@ -200,10 +212,12 @@ def open_hf_folder(folder: str | os.PathLike, *, args: ModelArgs | None = None) 
     if cast := sorted({CAST_ON_READ[h.dtype] for h in headers.values() if h.dtype in CAST_ON_READ}):
         logger.info("%s: the tensors stored as %s are read as float32 (as transformers loads them by default)",
                     folder, " and ".join(cast))
-    if n_packed := sum(h.dtype == MXFP4 for h in headers.values()):
-        data_bytes += sum(numel(h.shape) * 47 // 32 for h in headers.values() if h.dtype == MXFP4)
-        logger.info("%s: %d MXFP4 tensors (the experts) are dequantized to bfloat16 as they are read (exact; an "
-                    "export writes them in its own dtype, unquantized)", folder, n_packed)
+    if packed and (n_packed := sum(h.dtype == packed.DTYPE for h in headers.values())):
+        # Each value's bfloat16 once read, less what it takes on disk (counted in the files' size).
+        data_bytes += sum(numel(h.shape) * (64 - packed.BYTES_PER_32) // 32 for h in headers.values()
+                          if h.dtype == packed.DTYPE)
+        logger.info("%s: %d %s tensors (%s) are dequantized to bfloat16 as they are read (%s; an export writes them "
+                    "in its own dtype, unquantized)", folder, n_packed, packed.DTYPE, packed.WHICH, packed.ROUNDING)
     return HFFolder(folder, args, data_bytes, headers, sources)
 
 

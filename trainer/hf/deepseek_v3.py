@@ -20,6 +20,10 @@ Checked line by line against transformers' modeling_deepseek_v3.py, and by logit
 | mtp_layers (`layers.{n_layers + k}.*`) | num_nextn_predict_layers: not exported (transformers' model ignores `model.layers.{n}.*`, 0 is written); skipped on import with a note |
 
 Score function: sigmoid only (transformers' DeepseekV3TopkRouter); hidden_act silu; no attention bias.
+
+Released DeepSeek-V3/R1 folders are block FP8 (`quantization_config.quant_method` "fp8", `weight_block_size`
+[128, 128]): each quantized `X.weight` float8_e4m3fn with `X.weight_scale_inv` float32 per block, dequantized to
+bfloat16 on read (trainer/hf/fp8.py). An export is unquantized, in its own dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from trainer.hf import moe
 from trainer.hf.folder import ExportError, Header, Spec, rename
 from trainer.hf.llama import common_config, decoder_fields, to_hf_name
 from trainer.model_values import DeepseekV3Args, Rule, YarnScaling
+from trainer.models.counts import param_count
 from trainer.models.deepseek_v3 import FLAVORS
 
 logger = logging.getLogger("trainer.hf")
@@ -69,6 +74,19 @@ _MLA_NAMES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _OUR_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+# The quantized folders this family reads (trainer.hf.packed_method): block FP8, as DeepSeek-V3/R1 are released.
+QUANT_METHODS = ("fp8",)
+
+
+def packed_params(args: DeepseekV3Args) -> int:
+    """The parameters an FP8 folder may store in float8 (the size bound's): every matrix but the routers' gates.
+    DeepSeek's keep the embeddings and lm_head in bf16 too, but a folder may quantize them (transformers'
+    modules_to_convert), and a bound must hold for every folder."""
+    norms = args.dim + args.n_layers * (2 * args.dim + args.kv_lora_rank + args.q_lora_rank)
+    routers = args.n_moe_layers * args.n_experts * (args.dim + 1)  # the gate and the expert bias
+    return param_count(args) - norms - routers
 
 
 def architecture(args: DeepseekV3Args) -> str:

@@ -12,7 +12,8 @@ What each of our tensors is called there, and how it is cut or permuted, is the 
 (`trainer.hf.llama`, `trainer.hf.moe`): one `Spec` per tensor of ours.
 Needs the `safetensors` package (the `hf` extra). Reading runs no code from the folder:
 only safetensors and JSON are read, and only files that resolve inside the folder (trainer/files/confine.py).
-GPT-OSS's MXFP4 experts (two uint8 tensors each) are read as one and dequantized to bfloat16 (trainer/hf/mxfp4.py).
+GPT-OSS's MXFP4 experts (two uint8 tensors each) are read as one and dequantized to bfloat16 (trainer/hf/mxfp4.py),
+and so are DeepSeek-V3's block-FP8 weights with their `_scale_inv` (trainer/hf/fp8.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from trainer.errors import UserError
 from trainer.files.confine import outside_problem, special_file_problem
 from trainer.files.json_object import read_json_object
+import trainer.hf.fp8 as fp8
 from trainer.hf.mxfp4 import BLOCKS, MXFP4, SCALES, dequantize, dequantized_shape, packed_problem
 from trainer.hf.output_folder import EXPORT, prepare_output, publish_output
 
@@ -231,7 +233,10 @@ class Header:
     file: str
     """The safetensors file of the folder that holds it."""
     scales_file: str = ""
-    """MXFP4 (`X_blocks` and `X_scales` read as one tensor `X`, trainer/hf/mxfp4.py): the file of its scales."""
+    """MXFP4 (`X_blocks` and `X_scales` read as one tensor `X`, trainer/hf/mxfp4.py) or FP8 (`X` and `X_scale_inv`,
+    trainer/hf/fp8.py): the file of its scales."""
+    block: tuple[int, ...] = ()
+    """FP8: [rows, columns] of a block of one scale."""
 
 
 # The dtypes a model's weights are read in, by safetensors' names: float16 and float64 are read as float32 (as
@@ -245,10 +250,13 @@ _DTYPE_WORDS = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U1
 _COMPARE_BYTES = 64 * 2**20
 
 
-def read_headers(folder: Path, *, mxfp4: bool = False) -> dict[str, Header]:
+def read_headers(folder: Path, *, mxfp4: bool = False, fp8_block: tuple[int, int] | None = None
+                 ) -> dict[str, Header]:
     """Every tensor of the folder's safetensors files (by its Hugging Face name) as its header gives it; a one-line
     ExportError for a tensor in two files or of a dtype no model's weights have. mxfp4 (a folder whose
-    quantization_config says so): each `X_blocks` and `X_scales` pair is one tensor `X` of dtype MXFP4."""
+    quantization_config says so): each `X_blocks` and `X_scales` pair is one tensor `X` of dtype MXFP4. fp8_block
+    (its weight_block_size, where quant_method is "fp8"): each float8 `X` with its `X_scale_inv` one `X` of dtype
+    FP8."""
     require_safetensors("reading a Hugging Face model")
     from safetensors import SafetensorError, safe_open
 
@@ -268,8 +276,10 @@ def read_headers(folder: Path, *, mxfp4: bool = False) -> dict[str, Header]:
             raise ExportError(f"{path} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
     if mxfp4:
         headers = _merge_mxfp4(headers, folder)
+    if fp8_block is not None:
+        headers = _merge_fp8(headers, folder, fp8_block)
     for key, header in headers.items():
-        if header.dtype not in WEIGHT_DTYPES and header.dtype != MXFP4:
+        if header.dtype not in WEIGHT_DTYPES and header.dtype not in (MXFP4, fp8.FP8):
             word = _DTYPE_WORDS.get(header.dtype, header.dtype)
             raise ExportError(f"{folder / header.file}: {key} is stored as {word}, not a floating-point dtype of a "
                               f"model's weights ({', '.join(WEIGHT_DTYPES)}): not a model this trainer can load")
@@ -293,6 +303,26 @@ def _merge_mxfp4(headers: dict[str, Header], folder: Path) -> dict[str, Header]:
     if orphan := next((k for k in merged if k.endswith(SCALES) and merged[k].dtype == "U8"), None):
         raise ExportError(f"{folder / merged[orphan].file}: {orphan} has no {orphan.removesuffix(SCALES) + BLOCKS}: "
                           "not an MXFP4 tensor as transformers reads it")
+    return merged
+
+
+def _merge_fp8(headers: dict[str, Header], folder: Path, block: tuple[int, int]) -> dict[str, Header]:
+    """The headers with each block-FP8 weight and its `_scale_inv` as one tensor of dtype FP8."""
+    merged = dict(headers)
+    for key, scales in headers.items():
+        if not key.endswith(fp8.SCALE_INV):
+            continue
+        name = key.removesuffix(fp8.SCALE_INV)
+        if (weight := headers.get(name)) is None:
+            raise ExportError(f"{folder / scales.file}: {key} has no {name}: not a block-FP8 weight as transformers "
+                              "reads it")
+        if problem := fp8.pair_problem((weight.dtype, weight.shape), (scales.dtype, scales.shape), block):
+            raise ExportError(f"{folder / weight.file}: {name}: {problem}")
+        del merged[key]
+        merged[name] = Header(fp8.FP8, weight.shape, weight.file, scales.file, block)
+    if orphan := next((k for k, h in merged.items() if h.dtype == fp8.WEIGHT_DTYPE), None):
+        raise ExportError(f"{folder / merged[orphan].file}: {orphan} is float8_e4m3fn with no {orphan}{fp8.SCALE_INV}: "
+                          "a block-FP8 weight is read with its scales")
     return merged
 
 
@@ -345,7 +375,8 @@ def check_parts(headers: dict[str, Header], *, specs: dict[str, Spec], shapes: d
 
 def read_tensors(folder: Path, headers: dict[str, Header], names: set[str]) -> dict[str, torch.Tensor]:
     """The named tensors of the folder (checked by `read_headers`), by their Hugging Face names, in the dtypes of
-    WEIGHT_DTYPES (MXFP4: dequantized to bfloat16, exactly)."""
+    WEIGHT_DTYPES (MXFP4: dequantized to bfloat16, exactly; FP8: the float32 product, cast to bfloat16), one at a
+    time: what is held is the tensors read, plus one tensor's packed form."""
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -358,6 +389,11 @@ def read_tensors(folder: Path, headers: dict[str, Header], names: set[str]) -> d
                     if h.dtype == MXFP4:  # its scales may be in another file
                         tensors[name] = dequantize(f.get_tensor(name + BLOCKS), _read_one(folder, h.scales_file,
                                                                                             name + SCALES))
+                    elif h.dtype == fp8.FP8:  # its scales are in this file, as DeepSeek's are, or another one
+                        scale = name + fp8.SCALE_INV
+                        scales = f.get_tensor(scale) if h.scales_file == file else _read_one(folder, h.scales_file,
+                                                                                               scale)
+                        tensors[name] = fp8.dequantize(f.get_tensor(name), scales, h.block)
                     else:
                         tensors[name] = f.get_tensor(name).to(WEIGHT_DTYPES[h.dtype])
         except (SafetensorError, OSError) as e:

@@ -22,6 +22,8 @@ BLOCKS, SCALES = "_blocks", "_scales"
 # e2m1: sign, exponent (bias 1), mantissa; transformers' FP4_VALUES, in nibble order.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
+# As trainer.hf.PACKED_FORMATS reads a format: its headers' dtype, 32 parameters' bytes on disk, what its log says.
+DTYPE, BYTES_PER_32, WHICH, ROUNDING = MXFP4, 17, "the experts", "exact"
 
 
 def packed_problem(blocks: tuple[str, tuple[int, ...]], scales: tuple[str, tuple[int, ...]]) -> str | None:

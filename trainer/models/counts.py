@@ -63,17 +63,18 @@ def param_count(args: ModelArgs) -> int:
 
 
 def files_fit_problem(args: ModelArgs, *, data_bytes: int, files: str, tied: bool = False,
-                      packed: int = 0) -> str | None:
+                      packed: int = 0, packed_per_32: int = 0) -> str | None:
     """What is wrong when the parameters `args` imply, at 2 bytes each at least, exceed the `data_bytes` its weight
     files (`files`) hold, or None: the bound on every size a checkpoint.json or a config.json gives, checked in closed
     form before anything is built (a crafted n_layers of 1e8 would take as long as its layers to build).
 
     tied: the files hold the embeddings once for the head too (a tied Hugging Face model, whether or not `args`
-    ties them: param_count counts a tied table once). packed: how many of the parameters are stored in MXFP4, 17
-    bytes per 32 (GPT-OSS's experts, trainer/hf/mxfp4.py).
+    ties them: param_count counts a tied table once). packed: how many of the parameters may be stored quantized, in
+    `packed_per_32` bytes per 32 (GPT-OSS's MXFP4 experts, 17, trainer/hf/mxfp4.py; DeepSeek-V3's block-FP8 weights, 32,
+    trainer/hf/fp8.py).
     """
     n = param_count(args) - (args.vocab_size * args.dim if tied and not args.tie_word_embeddings else 0)
-    least = (n - packed) * MIN_BYTES_PER_PARAM + packed * 17 // 32
+    least = (n - packed) * MIN_BYTES_PER_PARAM + packed * packed_per_32 // 32
     if least <= data_bytes:
         return None
     return (f"the model arguments (dim={args.dim}, n_layers={args.n_layers}, vocab_size={args.vocab_size}) imply "
