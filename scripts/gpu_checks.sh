@@ -9,6 +9,9 @@
 #       8 layers per state dtype, OPTSTATES_RUNS=bf16m-auto,bf16m-fp8 to pick; PARITY_LEGS=fp8-exp-avg-fp8,fp8-exp-avg-sq-bf16
 #       ... parity1b for their parity legs)
 #   bash scripts/gpu_checks.sh coldstart  (time to step 1 with cold and warm compile caches; COLD_LAYERS=32 for the whole 8B)
+#   bash scripts/gpu_checks.sh weights_per_step  (1 GPU: float8.weights_per_step on vs off, dense 8B x 8 and moe_16b x 8
+#       layers, with and without gradient accumulation)
+#   bash scripts/gpu_checks.sh resume_check  (1 GPU: a resume's probe check against a resume without it, 8B x 8 layers)
 #   bash scripts/gpu_checks.sh blockwise_tests blockwise_bench  (blockwise FP8: its GPU tests, then 8B shapes x 8 layers bf16 / fp8 tensorwise /
 #       fp8 blockwise in one sitting; PARITY_LEGS=bf16,bf16-seed2,fp8-blockwise ... parity1b for its parity leg)
 #   bash scripts/gpu_checks.sh fp8knobs_tests fp8knobs  (1 GPU: our tensorwise FP8 linear's GPU tests, then 8B shapes x 8 layers,
@@ -142,6 +145,36 @@ for s in $STEPS; do case $s in
       $B --label "fp8roles $name: 8B shapes, 8 layers, batch 4, seq 4096" --precisions fp8 --warmup 6 --steps 10 \
         $BENCH_8B "$@" 2>&1 | tee "$OUT/bench8b_fp8roles_$name.log" | grep -v "^\[rank"
     done ;;
+  weights_per_step)  # issue 50 item 1: float8.weights_per_step=on against off, one GPU, in one sitting: 8B shapes x 8
+    # layers at 16K tokens a step as one microbatch of 4 and as 4 of 1, and moe_16b x 8 layers (FP8 experts rowwise) as 1
+    # microbatch of 2 and 2 of 1; step time and peak beside the plan (its row "FP8 weights kept through the step").
+    # WPS_RUNS="dense-accum4 moe-accum2" picks
+    MOE_8L="--config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 --distributed.ep=1 --data.source=synthetic
+            --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false --float8.moe_experts=rowwise --float8.enable_fsdp_float8_all_gather=false"
+    for v in "dense-accum1 $BENCH_8B" "dense-accum4 $BENCH_8B --train.batch_size=1 --train.grad_accum_steps=4" \
+             "moe-accum1 $MOE_8L --train.batch_size=2" "moe-accum2 $MOE_8L --train.batch_size=1 --train.grad_accum_steps=2"; do
+      set -- $v; name=$1; shift
+      case " ${WPS_RUNS:-$name} " in *" $name "*) ;; *) continue ;; esac
+      for w in on off; do
+        launch 1 scripts/benchmark.py --json $OUT/weights_per_step.jsonl --label "weights_per_step=$w $name" --precisions fp8 \
+          --warmup 6 --steps 10 "$@" --float8.weights_per_step=$w 2>&1 | tee "$OUT/wps_${name}_$w.log" | grep -v "^\[rank" \
+          || failed "weights_per_step $name $w" $?
+      done
+    done ;;
+  resume_check)  # issue 53 item 4's cost at a resume: 8B shapes x 8 layers saves at step 10, then two relaunches resume
+    # it for 2 more steps, with checkpoint.resume_check on and off; the log lines' times from "resumed from checkpoint" to
+    # "step 11" (the probe's forward is the difference)
+    RC="--config configs/train/llama3_8b.toml $SHAPE_8B --checkpoint.enable=true --checkpoint.interval=10
+        --metrics.log_freq=1 --metrics.enable_tensorboard=false --job.dump_folder=/tmp/resume_check_run"
+    rm -rf /tmp/resume_check_run
+    launch 1 scripts/train.py $RC --train.steps=10 > "$OUT/resume_check_save.log" 2>&1 || failed "resume_check save" $?
+    for c in true false; do
+      launch 1 scripts/train.py $RC --train.steps=12 --checkpoint.resume_check=$c > "$OUT/resume_check_$c.log" 2>&1 \
+        || failed "resume_check $c" $?
+      grep -E "resumed from checkpoint|resume check|step +11/" "$OUT/resume_check_$c.log" | cut -c1-200 | sed "s/^/[resume_check=$c] /"
+      rm -rf /tmp/resume_check_run/checkpoint/step-12 /tmp/resume_check_run/checkpoint/step-11
+    done
+    rm -rf /tmp/resume_check_run ;;
   coldstart)  # 8B shapes x 8 layers, batch 4 x 4096, the defaults: time from "training steps" to the end of step 1
     # with cold inductor and Triton caches, fp8 / bf16 x bf16 (default) / fp32 master weights, then the fp8 default
     # again on its warm caches; each line: step 1's time and its compile line, then the steps' TFLOP/s.
