@@ -232,11 +232,14 @@ class MoE(nn.Module):
         # note: a host sync, only with token dropping: the experts get the kept rows only.
         kept = order if keep is None else order[: n_tokens * k - int(dropped)]
         routed = self.experts(flat, counts, kept, inverse, k)
+        # The shared expert runs here, before the routed rows are read: under ep their combine all-to-all (a
+        # functional collective, waited for at its first use) is still in flight, and the shared expert's GEMMs
+        # overlap it. On x [batch, seq, dim]: under TP the shared expert gathers the sequence's slices (Shard(1)).
+        shared = self.shared_expert(x).reshape(-1, dim) if self.shared_expert is not None else None
         # Weighted and summed over each token's k experts in fp32, then back to the compute dtype.
         out = experts_to_tokens(routed, inverse, order, weights).to(x.dtype)
-        if self.shared_expert is not None:
-            # On x [batch, seq, dim]: under TP the shared expert gathers the sequence's slices (Shard(1)).
-            out = out + self.shared_expert(x).reshape(-1, dim)
+        if shared is not None:
+            out = out + shared
         if self.training:  # evaluation forwards must not move the balancing bias
             with torch.no_grad():
                 self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])
