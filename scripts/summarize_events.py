@@ -3,9 +3,10 @@
     python scripts/summarize_events.py DUMP_FOLDER [--skip-first 1]
 
 DUMP_FOLDER is the run's job.dump_folder (or its events/ folder). Per rank: the median, p90 and max step time, the
-medians of data wait, forward/backward, optimizer and exposed communication, and how far behind the fastest rank it
-is; then the run's start facts, checkpoints, stops and errors (trainer/metrics/event_summary.py). A last line that a
-crash cut short is skipped with a note. Exit status: 0, or 2 when the folder holds no event log.
+medians of data wait, forward/backward, optimizer and exposed communication (from the profiler window's trace where
+the run had profiling.enable too: marked *, with the rank that has the most of it), and how far behind the fastest
+rank it is; then the run's start facts, checkpoints, stops and errors (trainer/metrics/event_summary.py). A last
+line that a crash cut short is skipped with a note. Exit status: 0, or 2 when the folder holds no event log.
 """
 
 from __future__ import annotations

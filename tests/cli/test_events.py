@@ -1,6 +1,6 @@
 """metrics.event_log through the CLI (one process, CPU): a run stopped by SIGTERM leaves its run start with the hash of
-its resolved.toml, one step record per step whose times fit the step's wall time, checkpoint begin/end pairs and the
-stop; scripts/summarize_events.py reads it."""
+its resolved.toml, one step record per step whose times fit the step's wall time, the profiler window's profile record,
+checkpoint begin/end pairs and the stop; scripts/summarize_events.py reads it."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import tomllib
 from pathlib import Path
 
 from tests.helpers import FAST, REPO, TRAIN, env
+from trainer.metrics.events import CPU_TRACE
 
 
 def test_event_log_of_a_run_stopped_by_sigterm(tmp_path: Path) -> None:
     args = [*FAST, "--train.steps=100000", "--train.batch_size=2", "--checkpoint.enable=true",
-            "--checkpoint.interval=2", "--metrics.event_log=true", f"--job.dump_folder={tmp_path}"]
+            "--checkpoint.interval=2", "--metrics.event_log=true", f"--job.dump_folder={tmp_path}",
+            "--profiling.enable=true", "--profiling.start_step=2", "--profiling.end_step=3"]
     proc = subprocess.Popen([sys.executable, TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env(), cwd=REPO)
     try:
@@ -54,6 +56,13 @@ def test_event_log_of_a_run_stopped_by_sigterm(tmp_path: Path) -> None:
         assert r["comm_s"] == 0.0  # one rank: no communication
     assert [r["time"] for r in steps] == sorted(r["time"] for r in steps) and steps[0]["time"] >= start["time"]
 
+    # The profiler window's trace, summarized by the trainer into the log (a CPU trace: no communication timed).
+    [profile] = [r for r in records if r["event"] == "profile"]
+    trace = tmp_path / "profiler_traces" / "rank0_step2-3.pt.trace.json.gz"
+    assert profile == {**profile, "step": 3, "steps": [2, 3], "num_steps": 2, "trace": str(trace), "device": "cpu",
+                       "comm_s": None, "exposed_comm_s": None, "reason": CPU_TRACE}
+    assert trace.exists() and profile["wall_s"] > 0
+
     saves = [(r["event"], r["step"]) for r in records if r["event"].startswith("checkpoint_")]
     expected = sorted({*range(2, stopped + 1, 2), stopped})
     assert saves == [(e, s) for s in expected for e in ("checkpoint_begin", "checkpoint_end")]
@@ -70,3 +79,4 @@ def test_event_log_of_a_run_stopped_by_sigterm(tmp_path: Path) -> None:
     assert row[:2] == ["0", str(stopped - 1)]  # its first step left out
     assert f"rank 0: launch 1 stopped at step {stopped} by SIGTERM" in summary.stdout
     assert f"config sha256 {start['config_hash']}" in summary.stdout
+    assert f"the profiler trace of steps 2-3 times no communication: {CPU_TRACE}" in summary.stdout

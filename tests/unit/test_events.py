@@ -15,7 +15,9 @@ import torch
 from tests.helpers import REPO
 from trainer.metrics import events as events_module
 from trainer.metrics.event_summary import EventLogError, format_summary, quantile, read_run, summarize
-from trainer.metrics.events import EventLog, config_hash, events_file
+from trainer.metrics.events import CPU_TRACE, EventLog, config_hash, events_file, profile_record
+from trainer.metrics.profiling import TRACE_SUFFIX, maybe_enable_profiling
+from trainer.metrics.trace_summary import TraceSummary, load_trace_events, summarize_events
 
 LAYOUT = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 1, "pp": 1, "cp": 1, "world_size": 2}
 
@@ -212,3 +214,95 @@ def test_the_script_on_bad_input(tmp_path: Path, crafted: Path) -> None:
     ok = script(str(crafted / "events"))  # the events/ folder itself reads the same
     assert ok.returncode == 0, ok.stderr
     assert "straggler: rank 1" in ok.stdout and "is cut short" in ok.stdout
+
+
+# -- the profiler window's exposed communication ------------------------------------------------------------------
+
+def _trace_summary(device: str, *, wall_us: float, comm_us: float, exposed_us: float) -> TraceSummary:
+    return TraceSummary(device=device, num_steps=3, steps=(3, 5), total_us=0.0, wall_us=wall_us, busy_us=0.0,
+                        category_us={}, ops=[], num_gemm_calls=0, fp8_gemm_calls=0, fp8_gemm_names=[],
+                        gemm_dtypes={}, comm_us=comm_us, exposed_comm_us=exposed_us)
+
+
+def test_the_profile_record_is_the_trace_summary_in_seconds_per_step(tmp_path: Path, monkeypatch) -> None:
+    cuda = _trace_summary("cuda", wall_us=1_500_000.0, comm_us=750_000.0, exposed_us=375_000.0)
+    assert profile_record(cuda, "t/rank1_step3-5.pt.trace.json.gz") == {
+        "event": "profile", "step": 5, "steps": [3, 5], "num_steps": 3, "trace": "t/rank1_step3-5.pt.trace.json.gz",
+        "device": "cuda", "wall_s": 0.5, "comm_s": 0.25, "exposed_comm_s": 0.125, "reason": None}
+    # A CPU trace times aten ops on the host: its comm_us is 0 because nothing timed the collectives, so null.
+    cpu = profile_record(_trace_summary("cpu", wall_us=3_000_000.0, comm_us=0.0, exposed_us=0.0), "t")
+    assert (cpu["wall_s"], cpu["comm_s"], cpu["exposed_comm_s"], cpu["reason"]) == (1.0, None, None, CPU_TRACE)
+    # The log writes it (flushed at once) as maybe_enable_profiling's on_summary; a disabled log gives none.
+    log = EventLog(True, dump_folder=str(tmp_path), rank=1, device=torch.device("cpu"), layout=LAYOUT, config={})
+    assert EventLog(False, dump_folder=str(tmp_path), rank=1, device=torch.device("cpu"), layout=LAYOUT,
+                    config={}).on_profile is None
+    _fake_clock(monkeypatch, [], [700.0, 701.0, 702.0])  # run_start, profile, run_end
+    with log.recording(SimpleNamespace(step=0, preempted=False, stopped_by=None), nonfinite=NonFinite):
+        log.on_profile(cuda, "t/trace")
+        assert _lines(events_file(tmp_path, 1))[-1] == {
+            "event": "profile", "time": 701.0, "rank": 1, "step": 5, "steps": [3, 5], "num_steps": 3,
+            "trace": "t/trace", "device": "cuda", "wall_s": 0.5, "comm_s": 0.25, "exposed_comm_s": 0.125,
+            "reason": None}
+
+
+def test_a_cpu_profiler_window_writes_a_profile_record_on_every_rank(tmp_path: Path) -> None:
+    # The trainer's wiring on CPU, rank 1 of 2: maybe_enable_profiling hands its own trace's summary to the log.
+    log = EventLog(True, dump_folder=str(tmp_path), rank=1, device=torch.device("cpu"), layout=LAYOUT, config={})
+    weight = torch.randn(16, 16, requires_grad=True)
+    with log.recording(SimpleNamespace(step=0, preempted=False, stopped_by=None), nonfinite=NonFinite):
+        with maybe_enable_profiling(enable=True, start_step=2, end_step=3, trace_dir=str(tmp_path / "traces"), rank=1,
+                                    record_shapes=False, with_stack=False, profile_memory=False, expect_fp8=False,
+                                    on_summary=log.on_profile) as profiler:
+            for step in range(1, 5):
+                (torch.randn(8, 16) @ weight).square().sum().backward()
+                profiler.step(step)
+    log.close()
+    [record] = [r for r in _lines(events_file(tmp_path, 1)) if r["event"] == "profile"]
+    trace = str(tmp_path / "traces" / f"rank1_step2-3{TRACE_SUFFIX}")
+    wall_us = summarize_events(load_trace_events(trace), num_steps=2, steps=(2, 3)).wall_us
+    assert record == {"event": "profile", "time": record["time"], "rank": 1, "step": 3, "steps": [2, 3],
+                      "num_steps": 2, "trace": trace, "device": "cpu", "wall_s": wall_us / 1e6 / 2, "comm_s": None,
+                      "exposed_comm_s": None, "reason": CPU_TRACE}
+    assert record["wall_s"] > 0
+    assert not (tmp_path / "traces" / "summary_step2-3.txt").exists()  # rank 0's alone
+
+
+def _profile(rank: int, exposed: float | None, *, steps: tuple[int, int] = (3, 5)) -> dict:
+    return {"event": "profile", "time": 1050.0, "rank": rank, "step": steps[1], "steps": list(steps), "num_steps": 3,
+            "trace": f"t/rank{rank}.pt.trace.json.gz", "device": "cpu" if exposed is None else "cuda", "wall_s": 0.5,
+            "comm_s": None if exposed is None else 2 * exposed, "exposed_comm_s": exposed,
+            "reason": CPU_TRACE if exposed is None else None}
+
+
+def _two_ranks(folder: Path, profiles: dict[int, dict]) -> Path:
+    """Two ranks' files of 4 steps each (step records' comm_s null), with these profile records."""
+    for rank in (0, 1):
+        records = [_start(rank, 900.0), *_steps(rank, data=0.0, late=0.125 * rank, steps=[0.5, 0.5, 0.75]),
+                   profiles[rank], {"event": "run_end", "time": 1060.0, "rank": rank, "step": 4}]
+        _write(folder / "events" / f"rank-{rank:05d}.jsonl", records)
+    return folder
+
+
+def _comm_column(text: str) -> dict[str, str]:
+    return {row[0]: row[8] for line in text.splitlines() if (row := line.split())[:1] in (["0"], ["1"])}
+
+
+def test_the_comm_column_is_the_profiled_windows_exposed_communication(tmp_path: Path) -> None:
+    summary = summarize(read_run(_two_ranks(tmp_path / "a", {0: _profile(0, 0.0625), 1: _profile(1, 0.25)})))
+    assert [s.exposed_comm for s in summary.ranks] == [0.0625, 0.25] and summary.most_exposed == 1
+    assert [s.medians["comm_s"] for s in summary.ranks] == [None, None]  # the step records' own stay unknown
+    text = format_summary(summary)
+    assert _comm_column(text) == {"0": "0.062*", "1": "0.250*"}
+    assert ("*comm: exposed communication per step (no other kernel running beside it) in the profiler trace of "
+            "steps 3-5, not a median of the step records") in text.splitlines()
+    assert "most exposed communication: rank 1, 0.250 s/step in steps 3-5's trace, 50.0% of its wall" in text
+    # A tie goes to the lower rank; windows that differ are named per rank.
+    text = format_summary(summarize(read_run(_two_ranks(tmp_path / "b", {0: _profile(0, 0.25, steps=(6, 8)),
+                                                                          1: _profile(1, 0.25)}))))
+    assert "most exposed communication: rank 0, 0.250 s/step in steps 6-8's trace" in text
+    assert "in the profiler trace of steps 6-8 (rank 0), steps 3-5 (rank 1), not a median" in text
+    # CPU traces time no communication: the column stays n/a and says why.
+    text = format_summary(summarize(read_run(_two_ranks(tmp_path / "c", {0: _profile(0, None), 1: _profile(1, None)}))))
+    assert _comm_column(text) == {"0": "n/a", "1": "n/a"}
+    assert "most exposed" not in text and "*comm" not in text
+    assert f"the profiler trace of steps 3-5 times no communication: {CPU_TRACE}" in text.splitlines()

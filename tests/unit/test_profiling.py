@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.metrics import profiling as profiling_module
 from trainer.metrics.profiling import TRACE_SUFFIX, maybe_enable_profiling, maybe_record_memory_history
 from trainer.metrics.trace_summary import (
     classify, format_summary, fp8_warning, is_fp8_gemm, load_trace_events, profiler_steps, summarize_events,
@@ -41,12 +42,12 @@ def _fp8_step(model):
 
 
 def _train(trace_dir, *, num_steps=8, start_step=3, end_step=5, rank=0, body=_fp32_step,
-           expect_fp8=False, logger=None, first_step=1, record_shapes=False):
+           expect_fp8=False, logger=None, first_step=1, record_shapes=False, on_summary=None):
     model = _Model()
     with maybe_enable_profiling(enable=True, start_step=start_step, end_step=end_step,
                                 trace_dir=str(trace_dir), rank=rank, record_shapes=record_shapes,
                                 with_stack=False, profile_memory=False, expect_fp8=expect_fp8,
-                                logger=logger) as prof:
+                                logger=logger, on_summary=on_summary) as prof:
         for step in range(first_step, num_steps + 1):
             with torch.profiler.record_function(f"train_step_{step}"):
                 body(model)
@@ -103,6 +104,26 @@ def test_kineto_start_and_stop_lines_stay_off_the_console(tmp_path, capfd):
 def test_other_ranks_write_a_trace_but_no_summary(tmp_path):
     _train(tmp_path, rank=3)
     assert os.listdir(tmp_path) == [f"rank3_step3-5{TRACE_SUFFIX}"]
+
+
+def test_on_summary_gets_every_ranks_own_summary_and_other_ranks_read_no_trace_without_it(tmp_path, monkeypatch):
+    # The event log's on_summary: rank 3 summarizes its own trace, as rank 0 does, but writes no summary file.
+    got = []
+    _train(tmp_path / "with", rank=3, on_summary=lambda summary, trace: got.append((summary, trace)))
+    trace = str(tmp_path / "with" / f"rank3_step3-5{TRACE_SUFFIX}")
+    assert os.listdir(tmp_path / "with") == [f"rank3_step3-5{TRACE_SUFFIX}"]
+    [(summary, path)] = got
+    assert path == trace
+    assert summary == summarize_events(load_trace_events(trace), num_steps=3, steps=(3, 5))
+    assert (summary.device, summary.comm_us, summary.exposed_comm_us) == ("cpu", 0.0, 0.0)
+    # Without it, a rank other than 0 never reads its trace back; rank 0 still does (for its summary file).
+    read = []
+    real = profiling_module.summarize_events
+    monkeypatch.setattr(profiling_module, "summarize_events", lambda *a, **k: read.append(k["steps"]) or real(*a, **k))
+    _train(tmp_path / "without", rank=3)
+    assert read == []
+    _train(tmp_path / "rank0", rank=0)
+    assert read == [(3, 5)]
 
 
 def test_run_ending_inside_the_window_flushes_what_it_recorded(tmp_path, profiling_logger, caplog):

@@ -10,6 +10,9 @@ straggler is the rank latest at the median step: under synchronous collectives e
 (the others wait for the straggler inside their forward/backward, a wait no mark can tell from compute), so the step
 time alone does not name it; the lateness does, with the phase where it spends most beside the rank first ready.
 With one rank, or no step in common, there is no straggler: the rank whose median step is longest is named instead.
+Where a rank wrote a profile record (its profiler window's trace summary: metrics.event_log with profiling.enable), its
+comm column is the trace's exposed communication per step of that window, marked with a footnote naming the steps,
+and the rank with the most of it is named (step marks cannot time it: the step records' comm_s is null off one rank).
 The run-start facts are printed once (the lowest rank's latest run_start), with a note where the ranks' config hashes
 or devices differ; then every stop and error, and each launch that ended without a record (killed, or still running).
 
@@ -122,6 +125,13 @@ class RankStats:
     endings: list[str] = field(default_factory=list)
     """The stops and errors of its launches, one line each."""
     checkpoints: str = ""
+    profile: dict[str, Any] | None = None
+    """Its last profile record (the profiler window's trace summary), if it wrote one."""
+
+    @property
+    def exposed_comm(self) -> float | None:
+        """Exposed communication seconds per step of the profiled window; None without a timed trace."""
+        return _number((self.profile or {}).get("exposed_comm_s"))
 
 
 @dataclass
@@ -133,6 +143,8 @@ class Summary:
     straggler: int | None = None
     gap: str = ""
     """Where the straggler's median step loses most against the fastest's."""
+    most_exposed: int | None = None
+    """The rank with the most exposed communication in its profiled window (None: no rank's trace timed it)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -187,8 +199,9 @@ def rank_stats(log: RankLog, skip_first: int) -> RankStats:
         values = [_number(r.get(phase)) for r in steps]
         medians[phase] = statistics.median(values) if values and None not in values else None
     step = (statistics.median(times), quantile(times, 90), max(times)) if times else None
+    profile = next((r for r in reversed(log.records) if r["event"] == "profile"), None)
     return RankStats(log.rank, len(steps), step, medians, endings=_endings(log.records),
-                     checkpoints=_checkpoints(log.records))
+                     checkpoints=_checkpoints(log.records), profile=profile)
 
 
 def _lateness(run: RunLog, skip_first: int) -> dict[int, float]:
@@ -214,6 +227,8 @@ def summarize(run: RunLog, *, skip_first: int = 1) -> Summary:
     starts = [(log.rank, r) for log in run.ranks for r in log.records if r["event"] == "run_start"]
     first = min(starts, key=lambda x: (x[0], -(_number(x[1].get("time")) or 0.0)), default=(None, None))[1]
     summary = Summary(run_start=first, ranks=ranks, skip_first=skip_first, notes=list(run.notes))
+    if exposed := [s for s in ranks if s.exposed_comm is not None]:
+        summary.most_exposed = max(exposed, key=lambda s: (s.exposed_comm, -s.rank)).rank
     for key in ("config_hash", "device"):
         latest = {}
         for rank, r in starts:  # in file order: the last run_start of each rank wins
@@ -251,6 +266,46 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
+def _window(profile: dict[str, Any]) -> str:
+    steps = profile.get("steps")
+    ok = isinstance(steps, list) and len(steps) == 2 and all(isinstance(x, int) for x in steps)
+    return f"steps {steps[0]}-{steps[1]}" if ok else "the profiled steps"
+
+
+def _comm(r: RankStats) -> str:
+    """The comm column: the profiled window's exposed communication (marked *) where the rank's trace timed it."""
+    return _fmt(r.medians["comm_s"]) if r.exposed_comm is None else f"{r.exposed_comm:.3f}*"
+
+
+def _by_window(ranks: list[RankStats]) -> str:
+    """"steps 3-5" where the ranks share the window, else "steps 3-5 (ranks 0, 1), steps 7-9 (rank 2)"."""
+    windows: dict[str, list[int]] = {}
+    for r in ranks:
+        windows.setdefault(_window(r.profile or {}), []).append(r.rank)
+    if len(windows) == 1:
+        return next(iter(windows))
+    return ", ".join(f"{w} (rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))})" for w, rs in windows.items())
+
+
+def _profile_lines(s: Summary) -> list[str]:
+    """The comm column's footnote, the rank with the most exposed communication, and the traces that time none."""
+    lines, timed = [], [r for r in s.ranks if r.exposed_comm is not None]
+    if timed:
+        lines.append(f"*comm: exposed communication per step (no other kernel running beside it) in the profiler trace "
+                     f"of {_by_window(timed)}, not a median of the step records")
+    if s.most_exposed is not None:
+        top = next(r for r in s.ranks if r.rank == s.most_exposed)
+        wall = _number(top.profile.get("wall_s"))
+        share = f", {100 * top.exposed_comm / wall:.1f}% of its wall" if wall else ""
+        lines.append(f"most exposed communication: rank {top.rank}, {top.exposed_comm:.3f} s/step in "
+                     f"{_window(top.profile)}'s trace{share}")
+    untimed = [r for r in s.ranks if r.profile is not None and r.exposed_comm is None]
+    for reason in dict.fromkeys(str(r.profile.get("reason")) for r in untimed):
+        same = [r for r in untimed if str(r.profile.get("reason")) == reason]
+        lines.append(f"the profiler trace of {_by_window(same)} times no communication: {reason}")
+    return lines
+
+
 def format_run_start(r: dict[str, Any]) -> list[str]:
     layout, v = r.get("layout") or {}, r.get("versions") or {}
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_number(r.get("time")) or 0.0))
@@ -265,8 +320,8 @@ def format_run_start(r: dict[str, Any]) -> list[str]:
 def format_summary(s: Summary) -> str:
     lines = format_run_start(s.run_start) if s.run_start else ["no run_start record"]
     lines.append(f"steps: the first {s.skip_first} of each launch left out (compilation and warm-up); seconds, "
-                 "medians unless named; comm: exposed communication (n/a: not measured); late: after the first "
-                 "rank's batch was ready")
+                 "medians unless named; comm: exposed communication (n/a: not measured, *: from the profiler "
+                 "window); late: after the first rank's batch was ready")
     header = ("rank", "steps", "step", "p90", "max", "data", "fwd+bwd", "optimizer", "comm", "late", "behind fastest")
     rows = [header]
     base = next((x.step[0] for x in s.ranks if x.rank == s.fastest and x.step), None)
@@ -276,8 +331,8 @@ def format_summary(s: Summary) -> str:
             behind = f"+{r.behind:.3f}" + (f" (+{100 * r.behind / base:.1f}%)" if base > 0 else "")
             behind += "  fastest" if r.rank == s.fastest else ""
         behind += "  straggler" if r.rank == s.straggler else ""
-        rows.append((str(r.rank), str(r.steps), *map(_fmt, step), *(_fmt(r.medians[p]) for p in PHASES),
-                     _fmt(r.late), behind))
+        parts = (_fmt(r.medians[p]) for p in PHASES if p != "comm_s")
+        rows.append((str(r.rank), str(r.steps), *map(_fmt, step), *parts, _comm(r), _fmt(r.late), behind))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
     if s.straggler is not None:
@@ -287,6 +342,7 @@ def format_summary(s: Summary) -> str:
         lines.append(f"straggler: rank {s.straggler}, {when}" + (f"; {s.gap}" if s.gap else ""))
     elif not any(r.step for r in s.ranks):
         lines.append("no step records (the run ended before its first step was written)")
+    lines += _profile_lines(s)
     if ckpt := [f"  rank {r.rank}: {r.checkpoints}" for r in s.ranks if r.checkpoints]:
         lines += ["checkpoints:", *ckpt]
     if ends := [f"  rank {r.rank}: {e}" for r in s.ranks for e in r.endings]:

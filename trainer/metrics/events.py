@@ -8,6 +8,9 @@ Every record has "event", "time" (unix seconds, this host's wall clock) and "ran
                       layout (dp_replicate, dp_shard, tp, ep, pp, cp, world_size), device, config_hash (sha256 of the
                       resolved config: `config_hash`), resumed_step
     step              step, data_s, forward_backward_s, optimizer_s, step_s, comm_s ("time": when its batch was ready)
+    profile           step (the window's last), steps ([first, last]), num_steps, trace (its file), device, wall_s,
+                      comm_s, exposed_comm_s (seconds per step of the profiler window's trace), reason (why comm_s
+                      and exposed_comm_s are null: a CPU trace, which times no communication kernels; else null)
     checkpoint_begin  step, path
     checkpoint_end    step, path, seconds (begin to saved: a background save ends when it is complete), error (or null)
     stop              step, reason ("signal" with "signal", "nonfinite" with "message")
@@ -22,9 +25,10 @@ and written at log steps. On CUDA each time is the device's: data_s is how long 
 when the host fetched it while the device was still busy: the wait that was exposed), step_s from the data fetch's
 start to the optimizer's end on the device. comm_s is the exposed communication (the device waiting on a collective
 that no compute hides): with one rank there is none (0.0); otherwise it cannot be known from these marks (a
-collective's wait is inside forward/backward and the optimizer), so it is null: a profiler trace
-(scripts/summarize_trace.py) tells. Everything else is written and flushed when it happens, so a crash leaves the
-file readable up to it.
+collective's wait is inside forward/backward and the optimizer), so it is null. With the profiler window on as well
+([profiling] enable), every rank summarizes its own trace (trainer/metrics/trace_summary.py) and writes a profile
+record: the exposed communication the kernels' own times give, per step of the window. Everything else is written and
+flushed when it happens, so a crash leaves the file readable up to it.
 
 A fresh run (resumed_step 0) moves each rank's earlier file aside (rank-00000.jsonl.prev-N); a resumed run appends,
 after a run_start of its own. `trainer/metrics/event_summary.py` reads the files (scripts/summarize_events.py).
@@ -40,7 +44,7 @@ import json
 import platform
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +52,7 @@ import torch
 
 from trainer.hooks import StepHook
 from trainer.metrics.logger import set_aside
+from trainer.metrics.trace_summary import TraceSummary
 
 EVENTS_FOLDER = "events"
 # The two clocks, by name so tests can put their own in: the host's monotonic timer for CPU marks, the wall clock
@@ -90,6 +95,23 @@ def versions() -> dict[str, str | None]:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+CPU_TRACE = "a CPU trace: it times aten ops on the host, not the communication kernels"
+
+
+def profile_record(summary: TraceSummary, trace: str) -> dict[str, Any]:
+    """The profile record of one rank's trace summary: its microseconds as seconds per step of the window."""
+    n = summary.num_steps
+    timed = summary.device == "cuda"  # a CPU trace has no kernels: its comm_us is 0 because nothing timed it
+
+    def per_step(us: float) -> float | None:
+        return us / 1e6 / n if timed else None
+
+    return {"event": "profile", "step": summary.steps[1] if summary.steps else None,
+            "steps": list(summary.steps) if summary.steps else None, "num_steps": n, "trace": trace,
+            "device": summary.device, "wall_s": summary.wall_us / 1e6 / n, "comm_s": per_step(summary.comm_us),
+            "exposed_comm_s": per_step(summary.exposed_comm_us), "reason": None if timed else CPU_TRACE}
 
 
 class _RunState(Protocol):
@@ -184,6 +206,15 @@ class EventLog(StepHook):
             self.file.flush()
 
     # -- records written at once -------------------------------------------
+
+    @property
+    def on_profile(self) -> Callable[[TraceSummary, str], None] | None:
+        """maybe_enable_profiling's on_summary: every rank then summarizes its trace into a profile record. None when
+        the log is off (only rank 0 summarizes: reading a trace of a large model takes a while)."""
+        return self.profile if self.enabled else None
+
+    def profile(self, summary: TraceSummary, trace: str) -> None:
+        self._write(profile_record(summary, trace))
 
     def _write(self, record: dict[str, Any], *, flush: bool = True) -> None:
         if self.file is None:

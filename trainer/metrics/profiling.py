@@ -9,12 +9,14 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from trainer.metrics.trace_summary import format_summary, fp8_warning, load_trace_events, summarize_events
+from trainer.metrics.trace_summary import (
+    TraceSummary, format_summary, fp8_warning, load_trace_events, summarize_events,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -88,9 +90,10 @@ class _NoProfiler:
 class _WindowProfiler:
     def __init__(self, *, start_step: int, end_step: int, trace_dir: str, rank: int,
                  record_shapes: bool, with_stack: bool, profile_memory: bool, expect_fp8: bool,
-                 log: logging.Logger):
+                 log: logging.Logger, on_summary: Callable[[TraceSummary, str], None] | None = None):
         self.start_step, self.end_step = start_step, end_step
         self.trace_dir, self.rank, self.expect_fp8, self.log = trace_dir, rank, expect_fp8, log
+        self.on_summary = on_summary
         self.first_step: int | None = None
         self.recorded: list[int] = []
         self.crashed = False
@@ -140,12 +143,19 @@ class _WindowProfiler:
                              f"{first}-{last}{why}")
         self.log.info(f"Profiler trace of steps {first}-{last} written to {self.trace_path} "
                       "(open it in https://ui.perfetto.dev)")
-        if self.rank != 0:
-            return
+        if self.rank != 0 and self.on_summary is None:
+            return  # reading the trace back costs time (seconds for a large model's): only where it is used
         # Summarize the file just written, not prof.events(): the live summary and
         # scripts/summarize_trace.py then read the same events the same way.
         summary = summarize_events(load_trace_events(self.trace_path), num_steps=len(steps),
                                    steps=(first, last))
+        if self.rank == 0:
+            self._report(summary, first, last)
+        if self.on_summary is not None:
+            self.on_summary(summary, self.trace_path)
+
+    def _report(self, summary: TraceSummary, first: int, last: int) -> None:
+        """Rank 0's summary file and log lines."""
         text = format_summary(summary)
         with open(os.path.join(self.trace_dir, f"summary_step{first}-{last}.txt"), "w") as f:
             f.write(text + "\n")
@@ -159,13 +169,16 @@ class _WindowProfiler:
 @contextlib.contextmanager
 def maybe_enable_profiling(*, enable: bool, start_step: int, end_step: int, trace_dir: str, rank: int,
                            record_shapes: bool, with_stack: bool, profile_memory: bool,
-                           expect_fp8: bool, logger: logging.Logger | None = None) -> Iterator:
+                           expect_fp8: bool, logger: logging.Logger | None = None,
+                           on_summary: Callable[[TraceSummary, str], None] | None = None) -> Iterator:
     """Yields an object whose step(step) the loop calls right after each train step (1, 2, ...).
 
     When enabled, train steps start_step..end_step are traced into
     trace_dir/rank{rank}_step{start}-{end}.pt.trace.json.gz, and rank 0 writes the kernel summary
     to trace_dir/summary_step{start}-{end}.txt and logs it (with a warning block when expect_fp8
     and no FP8 GEMM ran). A run that ends inside the window still writes what was recorded.
+    With on_summary (the event log's EventLog.on_profile), every rank summarizes its own trace and
+    passes the summary and the trace's path to it; without it only rank 0 reads its trace back.
     """
     if not enable:
         yield _NoProfiler()
@@ -175,7 +188,8 @@ def maybe_enable_profiling(*, enable: bool, start_step: int, end_step: int, trac
     log = logger or _log
     window = _WindowProfiler(start_step=start_step, end_step=end_step, trace_dir=trace_dir, rank=rank,
                              record_shapes=record_shapes, with_stack=with_stack,
-                             profile_memory=profile_memory, expect_fp8=expect_fp8, log=log)
+                             profile_memory=profile_memory, expect_fp8=expect_fp8, log=log,
+                             on_summary=on_summary)
     log.info(f"Profiling steps {start_step}-{end_step} into {trace_dir} (record_shapes={record_shapes}, "
              f"with_stack={with_stack}, profile_memory={profile_memory})")
     try:

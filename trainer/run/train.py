@@ -311,7 +311,7 @@ class Trainer:
         profiling = maybe_enable_profiling(
             enable=p.enable, start_step=p.start_step, end_step=p.end_step, trace_dir=p.trace_dir,
             rank=self.env.rank, record_shapes=p.record_shapes, with_stack=p.with_stack,
-            profile_memory=p.profile_memory, expect_fp8=p.expect_fp8,
+            profile_memory=p.profile_memory, expect_fp8=p.expect_fp8, on_summary=self.events.on_profile,
         )
         memory = maybe_record_memory_history(
             enable=p.memory_snapshot, snapshot_dir=str(Path(p.trace_dir) / "memory_snapshot"), rank=self.env.rank
