@@ -1,6 +1,6 @@
 """float8.weights_per_step on 2 gloo ranks (spawned): HSDP replicas (each rank holds whole weights) and a 1F1B
 pipeline of 2 stages (each stage's Linears cast once per step, reused by every pipeline and accumulation
-microbatch) train bit for bit as casting per use. One process: tests/unit/test_float8_weights_per_step.py."""
+microbatch; tensorwise, and blockwise's 128x128 casts) train bit for bit as casting per use. One process: tests/unit/test_float8_weights_per_step.py."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ ARGS = ["--config", DEBUG_CONFIG, "--train.seq_len=64", "--metrics.log_freq=1", 
 
 @pytest.mark.slow  # 2 x 2 spawned ranks, 3 steps each
 @pytest.mark.parametrize("layout", [["--distributed.dp_replicate=2"],
-                                    ["--distributed.pp=2", "--distributed.pp_microbatch_size=1"]],
-                         ids=["replicas", "pipeline"])
+                                    ["--distributed.pp=2", "--distributed.pp_microbatch_size=1"],
+                                    ["--distributed.pp=2", "--distributed.pp_microbatch_size=1",
+                                     "--float8.recipe=blockwise"]],
+                         ids=["replicas", "pipeline", "blockwise-pipeline"])
 def test_kept_casts_train_as_casting_per_use_on_two_ranks(tmp_path: Path, layout: list[str]) -> None:
     def losses(setting: str) -> list[tuple[float, float]]:
         args = [*ARGS, *layout, f"--float8.weights_per_step={setting}"]

@@ -155,7 +155,7 @@ def test_auto_leaves_the_linears_casting_per_use_until_measured() -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--distributed.dp_shard=2"], "float8.weights_per_step='on' cannot run with distributed.dp_shard x cp = 2"),
-    (["--float8.recipe=blockwise"], "float8.weights_per_step='on' cannot run with float8.recipe='blockwise'"),
+    (["--float8.recipe=rowwise"], "float8.weights_per_step='on' cannot run with float8.recipe='rowwise'"),
     (["--float8.forward=bf16"], "float8.weights_per_step='on' cannot run with float8.forward='bf16'"),
 ])
 def test_on_where_it_cannot_run_names_the_key_in_one_line(args: list[str], message: str) -> None:

@@ -198,7 +198,8 @@ LAZY_IMPORTS: dict[str, dict[str, str]] = {
     "trainer.metrics.logger": {"torch.utils.tensorboard": TENSORBOARD},
     "trainer.metrics.wandb_run": {"wandb": _optional("wandb", "wandb")},
     "trainer.optim.adamw": {"trainer.optim.kernel": TRITON},
-    "trainer.parallel.float8.blockwise": {"torchao.prototype.blockwise_fp8_training.linear": TORCHAO_PROTOTYPE},
+    "trainer.parallel.float8.blockwise": {"torchao.prototype.blockwise_fp8_training.linear": TORCHAO_PROTOTYPE,
+                                          "torchao.prototype.blockwise_fp8_training.kernels": TORCHAO_PROTOTYPE},
     "trainer.parallel.float8.linear": {
         "torchao.float8": TORCHAO, "torchao.float8.config": TORCHAO, "torchao.float8.float8_linear": TORCHAO,
         "trainer.parallel.float8.tensorwise": TORCHAO_AT_TOP, "trainer.parallel.float8.delayed": TORCHAO_AT_TOP,

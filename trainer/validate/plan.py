@@ -45,6 +45,7 @@ from trainer.models import ModelArgs, family_of
 from trainer.models.activations import ActivationPolicy
 from trainer.optim.states import StateDtypes
 from trainer.parallel import BuildOptions, ParallelDims
+from trainer.parallel.float8.options import kept_weight_bytes
 from trainer.parallel.pipeline_layout import PipelineOptions
 
 GIB = 2**30
@@ -227,7 +228,8 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
     rows.append(activations)
     if build.float8 is not None and build.float8.weights_per_step:
-        rows.append(_kept_fp8_weights(args, build.float8.kept_weight_numel, stage, head=fp8.head))
+        rows.append(_kept_fp8_weights(args, build.float8.kept_weight_numel, stage, head=fp8.head,
+                                      blockwise=build.float8.recipe == "blockwise"))
     loss = _loss_bytes(args, pd, build, fp8, tokens=tokens, compute=compute) if stage.head else 0
     if stage.head:
         rows.append(MemoryRow("logits and loss", loss, _loss_how(build)))
@@ -283,13 +285,17 @@ def _stage_params(args: ModelArgs, stage: _Stage) -> int:
     return sum(n * params for n, (params, _) in zip(stage.blocks, _run_params(args))) + ends
 
 
-def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool) -> MemoryRow:
-    """float8.weights_per_step: 1 byte per converted weight element of the rank's stage, from the step's start to the
-    end of its backward (the Linears' weights are unsharded there); the blocks' share by their count."""
+def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool, blockwise: bool) -> MemoryRow:
+    """float8.weights_per_step: 1 byte per converted weight element of the rank's stage (blockwise: and one fp32 scale
+    per 128x128 block), from the step's start to the end of its backward (the Linears' weights are unsharded there);
+    the blocks' share by their count."""
     head_numel = args.vocab_size * args.dim if head else 0
     blocks = (numel - head_numel) * sum(stage.blocks) // max(1, args.n_layers)
-    return MemoryRow("FP8 weights kept through the step", blocks + (head_numel if stage.head else 0),
-                     "float8.weights_per_step: each converted Linear's weight cast once per step, 1 B per parameter")
+    return MemoryRow("FP8 weights kept through the step",
+                     kept_weight_bytes(blocks + (head_numel if stage.head else 0),
+                                       recipe="blockwise" if blockwise else "tensorwise"),
+                     "float8.weights_per_step: each converted Linear's weight cast once per step, 1 B per parameter"
+                     + (" and 4 B per 128x128 block" if blockwise else ""))
 
 
 def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int) -> MemoryRow:

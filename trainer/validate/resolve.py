@@ -168,7 +168,8 @@ def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> 
     trainer.parallel.float8.weights_per_step says where it can run and why)."""
     f8, t = cfg.float8, cfg.train
     why_not = next((why for why, bad in (
-        (f"float8.recipe='{f8.recipe}' (its weights are cast per use; tensorwise only)", f8.recipe != "tensorwise"),
+        (f"float8.recipe='{f8.recipe}' (its forward and input-gradient GEMMs cast the weight along different dims: "
+         "tensorwise and blockwise only)", f8.recipe not in ("tensorwise", "blockwise")),
         (f"float8.forward='{f8.forward}', float8.backward='{f8.backward}' (a bf16 GEMM multiplies the bf16 weight)",
          "bf16" in (f8.forward, f8.backward)),
         (f"distributed.dp_shard x cp = {pd.fsdp_shard}: FSDP2 shards the weights and gathers them per microbatch "

@@ -88,3 +88,10 @@ def resolve_format(recipe: str, requested: str = "auto") -> str:
     """float8.format resolved for `recipe`: "hybrid" (e5m2 gradients) where tensorwise keeps its default or asks
     for it, else "e4m3" (rowwise and blockwise cast every operand to e4m3; the config check refuses "hybrid")."""
     return "hybrid" if recipe == "tensorwise" and requested in ("auto", "hybrid") else "e4m3"
+
+
+def kept_weight_bytes(numel: int, *, recipe: str) -> int:
+    """float8.weights_per_step: what a kept cast of `numel` weight elements holds, 1 byte each, and under blockwise
+    one fp32 scale per 128x128 block (a converted blockwise weight is whole blocks); tensorwise's one scalar scale
+    per weight is not counted."""
+    return numel + (4 * numel // (128 * 128) if recipe == "blockwise" else 0)
