@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from tests.gpu.test_gpu import _profiled_run
+from trainer.parallel.float8.blockwise import BlockwiseFloat8Linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,3 +79,26 @@ def test_compiled_blockwise_train_runs_fp8_gemms(tmp_path: Path) -> None:
     assert "FP8 GEMMs ran: yes" in summary and "no FP8 GEMM ran" not in stdout
     share = float(re.search(r"GEMM time .*?, ([\d.]+)% of it in FP8 GEMMs", summary).group(1))
     assert share > 50, summary
+
+
+def test_weights_per_step_kept_cast_with_the_real_kernels_is_bit_equal_to_casting_per_use() -> None:
+    """H100/H200: torchao's kernels (cuBLAS blockwise scaled_mm) through the kept-cast ops give the per-use op's
+    output, input gradient and weight gradient bit for bit (the kept cast is the forward's own operand; the dgrad's
+    column-major copy of it is the bytes torchao's dgrad cast makes)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layer = BlockwiseFloat8Linear.from_linear(nn.Linear(512, 384, bias=False), emulate=False).cuda().bfloat16()
+        layers.append(layer)
+    x = torch.randn(3, 200, 512, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(3, 200, 384, device="cuda", dtype=torch.bfloat16)
+    layers[1].fp8_weight = layers[1].cast_weight(layers[1].weight.detach())
+    results = []
+    for layer in layers:
+        xg = x.clone().requires_grad_()
+        out = layer(xg)
+        out.backward(g)
+        results.append((out, xg.grad, layer.weight.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
