@@ -1,6 +1,7 @@
 """FP8 dispatch's quantization (trainer/models/moe_dispatch.py), the FP8 experts' byte-to-byte rowwise requantization
 of the received blocks, and moe.dispatch_dtype's refusals. The all-to-all itself (bytes, straight-through backward,
-ep=2 against bf16 dispatch and against the old dequantize-then-quantize path): tests/distributed/test_moe_dispatch_fp8.py."""
+ep=2 against bf16 dispatch and against the old dequantize-then-quantize path):
+tests/distributed/test_moe_dispatch_fp8.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.models.moe_permute import gather_rows, padded_layout, select_unique_rows
-
-if TYPE_CHECKING:  # moe_dispatch imports moe_fp8, which imports this module
-    from trainer.models.moe_dispatch import Fp8Blocks
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +142,7 @@ class ExpertRows:
     inverse: torch.Tensor
     counts: torch.Tensor
     k: int
-    blocks: Fp8Blocks | None = None
+    blocks: Any = None  # a moe_dispatch.Fp8Blocks (not imported: moe_dispatch imports moe_fp8, which imports this)
 
     def source_rows(self) -> torch.Tensor:
         """The source rows in the compute dtype: `source`, or the blocks dequantized (exact), differentiable."""

@@ -12,8 +12,11 @@ H = moe_ffn_dim, E local experts:
               gradient and the dequantized fp8 activations, i.e. the exact gradient of what the forward computed.
 
 The source is the tokens themselves at ep=1 (each row quantized once, not once per chosen expert: 1/top_k of
-the rows), or the rows the all-to-all received under EP. A rowwise scale depends on its row only, so gathering
-quantized rows equals quantizing gathered rows, bit for bit; the bf16 permuted copy never exists. Padding rows
+the rows), or the rows the all-to-all received under EP. With fp8 dispatch (`moe.dispatch_dtype = "fp8"`) those
+arrive as e4m3 with 1x128 block scales and are requantized rowwise byte to byte (`trainer.models.moe_dispatch.
+requantize_rowwise`, bit for bit the quantization of their bf16 copy, which is never made). A rowwise scale depends
+on its row only, so gathering quantized rows equals quantizing gathered rows, bit for bit; the bf16 permuted copy
+never exists. Padding rows
 get a dequantization scale of 0 (their fp8 bytes are some real row's, so finite), which zeroes them in every GEMM.
 
 Scales are powers of two (torchao's moe_training rounds them the same way): fp8 x 2^k is exact in bf16, so
