@@ -23,6 +23,18 @@ ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.steps=4", "--metr
 ROUNDING = 2**-4  # e4m3's relative rounding of a normal value (half an ulp of 3 mantissa bits)
 
 
+class _NoGradient(torch.autograd.Function):
+    """A scalar of its input (never read) whose backward gives the input no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 def exchange_bytes_and_gradients(dim: int) -> dict:
     """On each of 2 ranks: 24 random rows sent over AllToAllDispatcher's exchange with fp8 and bf16 dispatch; the
     bytes each c10d all-to-all moved (every rank's sum), and whether the fp8 path received exactly the sender's
@@ -58,12 +70,17 @@ def exchange_bytes_and_gradients(dim: int) -> dict:
         received.backward(grad_out[:received.shape[0]])
         results[dtype] = (received.detach(), x.grad.clone(), list(moved))
     dist.all_to_all_single = a2a
+    # A consumer that gives the received rows no gradient: the reverse all-to-all still runs on every rank (zeros).
+    x.grad = None
+    handle, _blocks, *_ = AllToAllDispatcher(mesh, 4, dispatch_dtype="fp8")._exchange(x, counts)
+    _NoGradient.apply(handle).backward()
+    no_gradient_is_zero = torch.equal(x.grad, torch.zeros_like(x))
     # What fp8 dispatch must receive: the senders' rows quantized, dequantized (bf16 dispatch moves them unchanged).
     expected = dequantize_blocks(*quantize_blocks(results["bf16"][0]), torch.bfloat16)
     sent = torch.tensor([x.shape[0]])
     dist.all_reduce(sent)
     return {"fp8_received_exactly": torch.equal(results["fp8"][0], expected),
-            "same_gradient": torch.equal(results["fp8"][1], results["bf16"][1]),
+            "same_gradient": torch.equal(results["fp8"][1], results["bf16"][1]), "no_gradient": no_gradient_is_zero,
             "fp8_moved": results["fp8"][2], "bf16_moved": results["bf16"][2], "rows": x.shape[0]}
 
 
@@ -73,6 +90,7 @@ def test_fp8_dispatch_moves_one_byte_per_element_and_four_per_block() -> None:
     for r in results:
         assert r["fp8_received_exactly"]  # the sender's e4m3 rows and scales, dequantized: nothing else rounds
         assert r["same_gradient"]  # straight-through: the quantization is the identity in backward
+        assert r["no_gradient"]
         # bf16 dispatch goes by the functional collective (not recorded); fp8's forward moves uint8 rows of
         # dim + 4 * dim / 128 bytes, its backward the bf16 gradient (2 bytes per element).
         assert r["bf16_moved"] == []
@@ -156,7 +174,6 @@ def with_blocks_counted(fn_name: str, args: list[str], dump: str, old_path: bool
     return getattr(spawn, fn_name)(args, dump), counts
 
 
-@pytest.mark.slow
 def test_fp8_experts_take_the_dispatched_bytes_bit_for_bit_as_the_bf16_copy(tmp_path: Path) -> None:
     # FP8 rowwise experts requantize fp8 dispatch's received e4m3 blocks rowwise without a bf16 copy
     # (trainer/models/moe_dispatch.py: the proof); the old path dequantized them to bf16 and quantized that. Losses of

@@ -134,11 +134,15 @@ class _Fp8AllToAll(torch.autograd.Function):
         received = _all_to_all(pack_rows(data, scale), recv_splits, send_splits, group)
         data, scale = unpack_rows(received, x.shape[1])
         ctx.mark_non_differentiable(data, scale)
-        return x.new_full((), float("nan")).expand(received.shape[0], x.shape[1]), data, scale
+        handle = x.new_full((), float("nan")).expand(received.shape[0], x.shape[1])
+        ctx.handle_meta = dict(size=handle.shape, dtype=handle.dtype, device=handle.device)
+        return handle, data, scale
 
     @staticmethod
     def backward(ctx, grad, _data, _scale):
         recv_splits, send_splits = ctx.splits
+        if grad is None:  # the handle got no gradient: zeros still cross, every rank runs the same collectives
+            grad = torch.zeros(**ctx.handle_meta)
         return _all_to_all(grad, send_splits, recv_splits, ctx.group), None, None, None
 
 
