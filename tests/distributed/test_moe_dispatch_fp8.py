@@ -23,6 +23,18 @@ ARGS = ["--config", MOE_CONFIG, "--train.seq_len=64", "--train.steps=4", "--metr
 ROUNDING = 2**-4  # e4m3's relative rounding of a normal value (half an ulp of 3 mantissa bits)
 
 
+class _NoGradient(torch.autograd.Function):
+    """A scalar of its input (never read) whose backward gives the input no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 def exchange_bytes_and_gradients(dim: int) -> dict:
     """On each of 2 ranks: 24 random rows sent over AllToAllDispatcher's exchange with fp8 and bf16 dispatch; the
     bytes each c10d all-to-all moved (every rank's sum), and whether the fp8 path received exactly the sender's
@@ -52,16 +64,23 @@ def exchange_bytes_and_gradients(dim: int) -> dict:
     for dtype in ("bf16", "fp8"):
         moved.clear()
         x.grad = None
-        received, *_ = AllToAllDispatcher(mesh, 4, dispatch_dtype=dtype)._exchange(x, counts)
+        received, blocks, *_ = AllToAllDispatcher(mesh, 4, dispatch_dtype=dtype)._exchange(x, counts)
+        if blocks is not None:  # fp8: a gradient handle and the received e4m3 blocks
+            received = blocks.dequantize(received)
         received.backward(grad_out[:received.shape[0]])
         results[dtype] = (received.detach(), x.grad.clone(), list(moved))
     dist.all_to_all_single = a2a
+    # A consumer that gives the received rows no gradient: the reverse all-to-all still runs on every rank (zeros).
+    x.grad = None
+    handle, _blocks, *_ = AllToAllDispatcher(mesh, 4, dispatch_dtype="fp8")._exchange(x, counts)
+    _NoGradient.apply(handle).backward()
+    no_gradient_is_zero = torch.equal(x.grad, torch.zeros_like(x))
     # What fp8 dispatch must receive: the senders' rows quantized, dequantized (bf16 dispatch moves them unchanged).
     expected = dequantize_blocks(*quantize_blocks(results["bf16"][0]), torch.bfloat16)
     sent = torch.tensor([x.shape[0]])
     dist.all_reduce(sent)
     return {"fp8_received_exactly": torch.equal(results["fp8"][0], expected),
-            "same_gradient": torch.equal(results["fp8"][1], results["bf16"][1]),
+            "same_gradient": torch.equal(results["fp8"][1], results["bf16"][1]), "no_gradient": no_gradient_is_zero,
             "fp8_moved": results["fp8"][2], "bf16_moved": results["bf16"][2], "rows": x.shape[0]}
 
 
@@ -71,6 +90,7 @@ def test_fp8_dispatch_moves_one_byte_per_element_and_four_per_block() -> None:
     for r in results:
         assert r["fp8_received_exactly"]  # the sender's e4m3 rows and scales, dequantized: nothing else rounds
         assert r["same_gradient"]  # straight-through: the quantization is the identity in backward
+        assert r["no_gradient"]
         # bf16 dispatch goes by the functional collective (not recorded); fp8's forward moves uint8 rows of
         # dim + 4 * dim / 128 bytes, its backward the bf16 gradient (2 bytes per element).
         assert r["bf16_moved"] == []
@@ -120,3 +140,59 @@ def test_fp8_dispatch_gradients_are_close_to_bf16_dispatch(experts: str, tmp_pat
         # that fall into e4m3's subnormals under the row scale (a block far below its row's amax) can round twice.
         # The experts compute what bf16 dispatch gives them (measured: every gradient bit for bit the same).
         assert max(errs.values()) < 1e-3, errs
+
+
+def with_blocks_counted(fn_name: str, args: list[str], dump: str, old_path: bool) -> tuple:
+    """spawn's `fn_name` (gradients_of_one_step or train_and_read_metrics) on this rank, with the FP8 experts'
+    handling of fp8 dispatch's rows counted: rowwise requantizations of the received blocks and dequantizations
+    to bf16. old_path: the kernel is handed the bf16 copy instead of the blocks, as before the requantization
+    (the dequantized rows through the same straight-through edge, then quantize_rows)."""
+    import dataclasses
+
+    from tests.distributed import spawn
+    from trainer.models.moe_dispatch import Fp8Blocks
+    from trainer.models.moe_fp8 import Fp8GroupedSwiGLU
+
+    counts = {"rowwise": 0, "dequantize": 0}
+
+    def counted(name: str):
+        original = getattr(Fp8Blocks, name)
+
+        def run(self, *a):
+            counts[name] += 1
+            return original(self, *a)
+        setattr(Fp8Blocks, name, run)
+
+    counted("rowwise")
+    counted("dequantize")
+    if old_path:
+        kernel = Fp8GroupedSwiGLU.__call__
+
+        def bf16_copy(self, rows, *weights):
+            return kernel(self, dataclasses.replace(rows, source=rows.source_rows(), blocks=None), *weights)
+        Fp8GroupedSwiGLU.__call__ = bf16_copy
+    return getattr(spawn, fn_name)(args, dump), counts
+
+
+def test_fp8_experts_take_the_dispatched_bytes_bit_for_bit_as_the_bf16_copy(tmp_path: Path) -> None:
+    # FP8 rowwise experts requantize fp8 dispatch's received e4m3 blocks rowwise without a bf16 copy
+    # (trainer/models/moe_dispatch.py: the proof); the old path dequantized them to bf16 and quantized that. Losses of
+    # 3 training steps and every gradient of one step: the same bits, with no dequantization in the new path.
+    args = [*ARGS, "--moe.dispatch_dtype=fp8", "--float8.moe_experts=rowwise", "--train.steps=3"]
+    runs = {}
+    for old in (False, True):
+        for fn in ("gradients_of_one_step", "train_and_read_metrics"):
+            runs[old, fn] = run_distributed(with_blocks_counted, world_size=2,
+                                            args=(fn, args, str(tmp_path / f"{fn}_{old}"), old))
+    grads, ref = runs[False, "gradients_of_one_step"][0][0], runs[True, "gradients_of_one_step"][0][0]
+    assert grads.keys() == ref.keys() and any("experts" in fqn for fqn in grads)
+    for fqn, g in ref.items():
+        assert torch.equal(grads[fqn], g), fqn
+    got, want = runs[False, "train_and_read_metrics"][0][0], runs[True, "train_and_read_metrics"][0][0]
+    assert column(got, "step") == column(want, "step") == [1, 2, 3]
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert column(got, key) == column(want, key), key
+    # Each MoE layer's forward (debug_moe: 3 per step) requantized the blocks, where the old path dequantized them.
+    for fn, steps in (("gradients_of_one_step", 1), ("train_and_read_metrics", 3)):
+        for (_, new), (_, old) in zip(runs[False, fn], runs[True, fn]):
+            assert new == {"rowwise": 3 * steps, "dequantize": 0} and old == {"rowwise": 0, "dequantize": 3 * steps}

@@ -117,7 +117,8 @@ ModelSection = shape_section(
     doc="The model's shapes: a flavor is a preset, and every key set here replaces its value.")
 _DISPATCH_DOC = ('What token rows cross the expert-parallel dispatch all-to-all as (ep > 1): "bf16", or "fp8": e4m3 '
                  "with one fp32 scale per 1x128 block (DeepSeek-V3's dispatch; needs train.mixed_precision='fp8' and "
-                 "a dim that is a multiple of 128); the combine stays bf16 (docs/moe.md).")
+                 "a dim that is a multiple of 128); FP8 rowwise experts (float8.moe_experts) requantize the received "
+                 "e4m3 rows rowwise without a bf16 copy; the combine stays bf16 (docs/moe.md).")
 
 MoESection = shape_section(
     "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],

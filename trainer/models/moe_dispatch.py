@@ -12,16 +12,53 @@ in e4m3's subnormal range (|v| * 2^s < 2^-6) by at most 2^-10 / 2^s (half its fi
 2^s > 224 / a, that absolute bound is below a * 2^-10 / 224 < 2^-17 * a: every element is within
 max(2^-4 |v|, 2^-17 a) of itself (tests/distributed/test_moe_dispatch_fp8.py holds the round trip to that).
 
+The receiver keeps the rows in FP8 (`fp8_all_to_all_blocks`): the all-to-all's uint8 buffer, viewed as e4m3 data
+and block scales (`Fp8Blocks`), and a gradient handle, a [N, D] tensor of the compute dtype with no memory behind it
+(zero strides) that carries the rows' autograd edge. What the experts' kernel does with them:
+
+- FP8 rowwise experts (`float8.moe_experts = "rowwise"`, `trainer.models.moe_fp8.Fp8GroupedSwiGLU`) requantize
+  them rowwise in the 1-byte domain (`requantize_rowwise`: e4m3 in, e4m3 out, one compiled kernel on CUDA), then
+  gather the byte rows and row scales into the padded expert order (`perm`, the received rows sorted by local
+  expert, applies there) as they gathered the rows they quantized before: no [N, D] bf16 copy of the received
+  rows is written or read, 2 * N * D bytes written (and read again) less per MoE layer and microbatch.
+- Every other kernel (bf16 experts, `float8.forward`/`backward` roles) dequantizes them to the compute dtype
+  (`Fp8Blocks.dequantize`, exact), as every kernel did before.
+
+Why the requantization is bit for bit the old dequantize-then-quantize (`quantize_rows(dequantize_blocks(...))`)
+for rows of finite values below 2^126: a block b holds e4m3 values q (|q| <= 448 < 2^9, at most 4 significant
+bits) and its dequantization scale 2^-s_b, a power of two (quantize_blocks: 2^s_b <= 448 / max(amax, 1e-12) <
+2^49, so 2^-s_b >= 2^-48; 2^s_b > 224 / amax, so 448 * 2^-s_b < 2 * amax).
+1. Dequantized, v = q * 2^-s_b exactly: at most 4 significant bits, 2^-57 <= |v| < 2^127 for q != 0, in bf16's
+   (fp32's) normal range. The bf16 copy held exactly these reals.
+2. The row's amax: old max |v| over the row; new max over blocks of (max |q|) * 2^-s_b, each product exact in fp32
+   by 1.: the same fp32 number, hence (`_pow2_scale`) the same row scale 2^s_row and dequantization scale
+   1 / 2^s_row. (s_row may exceed s_b by one: a block whose largest value rounded down to 224 * 2^-s_b.)
+3. Each element, r = q * 2^(s_row - s_b) = v * 2^s_row (a real): old fl(v * 2^s_row), new fl(q * fl(2^(s_row -
+   s_b))), then the same clamp to +-448 and the same cast to e4m3, the one rounding.
+   - |r| > 2^-11: 2^-20 < 2^(s_row - s_b) = |r / q| < 2^18 (|r| <= amax * 2^s_row, about 448; |q| >= 2^-9) is an
+     fp32 number (a power of two), and so is r (at most 4 significant bits, exponent > -12): both paths hold the
+     fp32 value r exactly, and the same clamp and cast round it the same way, e4m3's subnormals included (below
+     2^-6 it rounds to a multiple of 2^-9: the same real, the same rounding).
+   - |r| <= 2^-11: fl(2^(s_row - s_b)) <= 2^(s_row - s_b) (a power of two, exact or flushed to 0), so both fp32
+     values are at most 2^-11 in magnitude, with q's sign (or a zero of q's sign); the cast rounds anything below
+     2^-10 (half e4m3's smallest subnormal 2^-9) to the zero of that sign, in both.
+tests/unit/test_moe_dispatch.py holds the bytes equal on crafted rows (blocks 12 decades apart, subnormals after
+rescaling, zeros, -0, all-zero blocks) and random ones.
+
 Backward is straight-through (DeepSeek-V3): the quantization counts as the identity, and the gradient with
-respect to the dispatched rows goes back through the reverse all-to-all in the compute dtype (bf16).
+respect to the dispatched rows (the handle's) goes back through the reverse all-to-all in the compute dtype
+(bf16). The FP8 kernel's backward is unchanged: it saved the gathered FP8 rows before and still does (its weight
+gradient dequantizes them), so no bf16 copy of the received rows is needed in backward either.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from trainer.models.moe_fp8 import E4M3, _dequantize, _quantize
+from trainer.models.moe_fp8 import E4M3, E4M3_MAX, _dequantize, _fused_on_cuda, _pow2_scale, _quantize
 
 BLOCK = 128
 SCALE_BYTES = 4  # one fp32 per block
@@ -54,8 +91,25 @@ def pack_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_rows(packed: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """pack_rows' inverse for rows of `dim` elements."""
-    return packed[:, :dim].contiguous().view(E4M3), packed[:, dim:].contiguous().view(torch.float32)
+    """pack_rows' inverse for rows of `dim` elements: views of `packed`, no copy (rows are dim + dim / 32 bytes
+    apart and their scales start dim bytes in, both multiples of 4 for dim a multiple of 128: the float32 view is
+    aligned)."""
+    return packed[:, :dim].view(E4M3), packed[:, dim:].view(torch.float32)
+
+
+def _requantize_rowwise(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise e4m3 rows (data [N, D], fp32 scales [N, D / 128]) -> the rows quantized rowwise (e4m3 [N, D], fp32
+    scales [N]) without a bf16 copy: bit for bit `quantize_rows(dequantize_blocks(data, scale, bf16))` (module
+    docstring: the proof). On CUDA one compiled kernel that reads 1 byte and writes 1 byte an element."""
+    n, d = data.shape
+    q = data.view(n, scale.shape[1], d // scale.shape[1]).float()  # [N, D / 128, 128]: e4m3 values, exact
+    amax = (q.abs().amax(-1) * scale).amax(-1, keepdim=True)  # the dequantized row's amax, exact (docstring)
+    row = _pow2_scale(amax)  # 2^s_row, what quantize_rows computes from that amax
+    ratio = (scale * row).unsqueeze(-1)  # 2^(s_row - s_b) per block, a power of two
+    return (q * ratio).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(n, d), row.reciprocal().squeeze(-1)
+
+
+requantize_rowwise = _fused_on_cuda(_requantize_rowwise)
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -65,25 +119,75 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 
 
 class _Fp8AllToAll(torch.autograd.Function):
-    """Rows [N, D] -> the rows other ranks send here, moved as e4m3 + 1x128 scales and dequantized to x's dtype.
+    """Rows [N, D] -> (a gradient handle, e4m3 data, fp32 1x128 scales) of the rows other ranks send here.
 
-    Backward: the gradient goes back through the reverse all-to-all in its own dtype, the quantization taken
+    The handle is a [N_recv, D] tensor of x's dtype that holds no memory (one NaN, zero strides: whatever reads
+    its values by mistake gets NaN, not plausible numbers): the received rows' autograd edge. Backward: the
+    gradient w.r.t. the handle goes back through the reverse all-to-all in its own dtype, the quantization taken
     as the identity (straight-through)."""
 
     @staticmethod
     def forward(ctx, x, recv_splits: list[int], send_splits: list[int], group):
         ctx.splits, ctx.group = (recv_splits, send_splits), group
+        ctx.set_materialize_grads(False)  # no zero gradients allocated for the byte outputs
         data, scale = quantize_blocks(x)
         received = _all_to_all(pack_rows(data, scale), recv_splits, send_splits, group)
-        return dequantize_blocks(*unpack_rows(received, x.shape[1]), x.dtype)
+        data, scale = unpack_rows(received, x.shape[1])
+        ctx.mark_non_differentiable(data, scale)
+        handle = x.new_full((), float("nan")).expand(received.shape[0], x.shape[1])
+        ctx.handle_meta = dict(size=handle.shape, dtype=handle.dtype, device=handle.device)
+        return handle, data, scale
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _data, _scale):
         recv_splits, send_splits = ctx.splits
+        if grad is None:  # the handle got no gradient: zeros still cross, every rank runs the same collectives
+            grad = torch.zeros(**ctx.handle_meta)
         return _all_to_all(grad, send_splits, recv_splits, ctx.group), None, None, None
 
 
+class _DequantizeBlocks(torch.autograd.Function):
+    """(handle, data, scale) -> the rows in the handle's dtype; the gradient passes to the handle unchanged."""
+
+    @staticmethod
+    def forward(ctx, handle, data, scale):
+        return dequantize_blocks(data, scale, handle.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """Received rows as e4m3 data [N, D] and fp32 dequantization scales [N, D / 128], one per 1x128 block (views
+    of the all-to-all's uint8 buffer); `trainer.models.moe_experts.ExpertRows.blocks`."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @torch.compiler.disable  # eager, as the dequantization inside fp8_all_to_all was
+    def dequantize(self, handle: torch.Tensor) -> torch.Tensor:
+        """The rows in handle's dtype (exact), differentiable through `handle` (`fp8_all_to_all_blocks`'s)."""
+        return _DequantizeBlocks.apply(handle, self.data, self.scale)
+
+    def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows quantized rowwise, bit for bit `quantize_rows(self.dequantize(...))` (`requantize_rowwise`)."""
+        return requantize_rowwise(self.data, self.scale)
+
+
 @torch.compiler.disable  # a custom Function around c10d collectives with host-side split sizes: eager
+def fp8_all_to_all_blocks(x: torch.Tensor, recv_splits: list[int], send_splits: list[int],
+                          group) -> tuple[torch.Tensor, Fp8Blocks]:
+    """x's rows moved in FP8 as `all_to_all_single_autograd(x, recv_splits, send_splits)` moves them, kept in FP8:
+    (a gradient handle, the received blocks). The handle [N_recv, D] holds no values (`_Fp8AllToAll`); a kernel
+    gives it the gradient w.r.t. the received rows, which goes back to x straight-through."""
+    handle, data, scale = _Fp8AllToAll.apply(x, recv_splits, send_splits, group)
+    return handle, Fp8Blocks(data, scale)
+
+
 def fp8_all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
-    """`all_to_all_single_autograd(x, recv_splits, send_splits)` with the rows moved in FP8 (module docstring)."""
-    return _Fp8AllToAll.apply(x, recv_splits, send_splits, group)
+    """`all_to_all_single_autograd(x, recv_splits, send_splits)` with the rows moved in FP8 and dequantized to
+    x's dtype on arrival (module docstring)."""
+    handle, blocks = fp8_all_to_all_blocks(x, recv_splits, send_splits, group)
+    return blocks.dequantize(handle)

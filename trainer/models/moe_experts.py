@@ -132,6 +132,9 @@ class ExpertRows:
     source [S, dim]: the tokens (each copied k times, once per chosen expert) or, under EP, the rows the
     all-to-all received (k = 1); counts [E] rows per local expert; inverse[s * k + j]: where source row s's j-th
     copy sits in expert order (>= len(index) where that copy was dropped).
+    blocks: with fp8 dispatch, the received rows as e4m3 + 1x128 block scales (`trainer.models.moe_dispatch.
+    Fp8Blocks`); `source` is then only their gradient handle, with no values (NaN): read `source_rows()`, or
+    take the blocks (the FP8 kernel requantizes them rowwise without a bf16 copy).
     """
 
     source: torch.Tensor
@@ -139,10 +142,15 @@ class ExpertRows:
     inverse: torch.Tensor
     counts: torch.Tensor
     k: int
+    blocks: Any = None  # a moe_dispatch.Fp8Blocks (not imported: moe_dispatch imports moe_fp8, which imports this)
+
+    def source_rows(self) -> torch.Tensor:
+        """The source rows in the compute dtype: `source`, or the blocks dequantized (exact), differentiable."""
+        return self.source if self.blocks is None else self.blocks.dequantize(self.source)
 
     def gather(self) -> torch.Tensor:
         """source[index]; backward sums each source row's k copies by gathers (trainer.models.moe_permute)."""
-        return gather_rows(self.source, self.index, self.inverse, self.k)
+        return gather_rows(self.source_rows(), self.index, self.inverse, self.k)
 
 
 class ExpertKernel:

@@ -12,8 +12,11 @@ H = moe_ffn_dim, E local experts:
               gradient and the dequantized fp8 activations, i.e. the exact gradient of what the forward computed.
 
 The source is the tokens themselves at ep=1 (each row quantized once, not once per chosen expert: 1/top_k of
-the rows), or the rows the all-to-all received under EP. A rowwise scale depends on its row only, so gathering
-quantized rows equals quantizing gathered rows, bit for bit; the bf16 permuted copy never exists. Padding rows
+the rows), or the rows the all-to-all received under EP. With fp8 dispatch (`moe.dispatch_dtype = "fp8"`) those
+arrive as e4m3 with 1x128 block scales and are requantized rowwise byte to byte (`trainer.models.moe_dispatch.
+requantize_rowwise`, bit for bit the quantization of their bf16 copy, which is never made). A rowwise scale depends
+on its row only, so gathering quantized rows equals quantizing gathered rows, bit for bit; the bf16 permuted copy
+never exists. Padding rows
 get a dequantization scale of 0 (their fp8 bytes are some real row's, so finite), which zeroes them in every GEMM.
 
 Scales are powers of two (torchao's moe_training rounds them the same way): fp8 x 2^k is exact in bf16, so
@@ -260,10 +263,12 @@ class _Fp8SwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, src, w1, w2, w3, plan: RowPlan, weights: Fp8ExpertWeights, emulate: bool):
+    def forward(ctx, src, w1, w2, w3, plan: RowPlan, weights: Fp8ExpertWeights, emulate: bool, blocks):
         dtype = src.dtype
         w13_q, w2_q = weights.forward(w1, w2, w3)
-        data, scale = quantize_rows(src)
+        # With fp8 dispatch src is a gradient handle and the rows are blocks, requantized rowwise in FP8, bit for bit
+        # quantize_rows(their bf16 copy) (trainer.models.moe_dispatch), without that copy.
+        data, scale = quantize_rows(src) if blocks is None else blocks.rowwise()
         if src.shape[0] == 0:  # an EP rank that received no rows: padding only
             data = data.new_zeros(1, src.shape[1])
         xq = (data.index_select(0, plan.data_rows),
@@ -296,21 +301,22 @@ class _Fp8SwiGLU(torch.autograd.Function):
         if plan.dropped:
             dx = torch.cat([dx, dx.new_zeros(1, dx.shape[1])])  # dropped copies read this zero row
         d_src = _sum_copies(dx, plan.grad_rows, plan.k)
-        return d_src, dw1.to(w1.dtype), dw2.to(w2.dtype), dw3.to(w3.dtype), None, None, None
+        return d_src, dw1.to(w1.dtype), dw2.to(w2.dtype), dw3.to(w3.dtype), None, None, None, None
 
 
 @torch.compiler.disable
 def fp8_grouped_swiglu(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
                        w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, *, k: int, weights: Fp8ExpertWeights,
-                       emulate: bool, align: int) -> torch.Tensor:
+                       emulate: bool, align: int, blocks=None) -> torch.Tensor:
     """`grouped_swiglu(src[index], counts, w1, w2, w3)` with FP8 GEMMs, quantizing src's rows once before the
     gather. inverse[s * k + j]: the position of source row s's j-th copy in expert order (dropped: >= N).
+    blocks: fp8 dispatch's received rows (`ExpertRows.blocks`; src is their gradient handle), requantized rowwise.
 
     Eager inside compiled blocks (its elementwise parts are compiled kernels of their own): a custom
     autograd.Function holding a weight cache is nothing dynamo should trace.
     """
     plan = build_row_plan(counts, index, inverse, n_source=src.shape[0], k=k, align=align)
-    return _Fp8SwiGLU.apply(src, w1, w2, w3, plan, weights, emulate)
+    return _Fp8SwiGLU.apply(src, w1, w2, w3, plan, weights, emulate, blocks)
 
 
 class Fp8GroupedSwiGLU(ExpertKernel):
@@ -325,7 +331,7 @@ class Fp8GroupedSwiGLU(ExpertKernel):
 
     def __call__(self, rows: ExpertRows, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
         return fp8_grouped_swiglu(rows.source, rows.index, rows.inverse, rows.counts, w1, w2, w3, k=rows.k,
-                                  weights=self.weights, emulate=self.emulate, align=GROUP_ALIGN)
+                                  weights=self.weights, emulate=self.emulate, align=GROUP_ALIGN, blocks=rows.blocks)
 
 
 class _RolesSwiGLU(torch.autograd.Function):
@@ -362,4 +368,5 @@ class Fp8RolesSwiGLU(Fp8GroupedSwiGLU):
         fp8, bf16 = super().__call__, GroupedSwiGLU()
         kernels = (fp8, bf16) if self.forward == "fp8" else (bf16, fp8)
         rebuilt = functools.partial(ExpertRows, index=rows.index, inverse=rows.inverse, counts=rows.counts, k=rows.k)
-        return _RolesSwiGLU.apply(rows.source, w1, w2, w3, *kernels, rebuilt)
+        # fp8 dispatch's blocks dequantized: the bf16 kernel's backward reruns on the saved bf16 source rows.
+        return _RolesSwiGLU.apply(rows.source_rows(), w1, w2, w3, *kernels, rebuilt)

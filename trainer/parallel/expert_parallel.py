@@ -12,8 +12,9 @@ Token counts per expert are exchanged first (a small all-to-all, then one host s
 the split sizes); the token all-to-alls are differentiable
 (`all_to_all_single_autograd`), so backward sends the gradients the reverse way. With
 `moe.dispatch_dtype = "fp8"` the dispatch moves the rows as e4m3 with one fp32 scale per 1x128 block and the
-receiver dequantizes them (`trainer.models.moe_dispatch`: bytes, rounding, the straight-through backward); the
-combine stays in the compute dtype.
+receiver keeps them so (`ExpertRows.blocks`): FP8 rowwise experts requantize them rowwise byte to byte, other
+kernels dequantize them (`trainer.models.moe_dispatch`: bytes, rounding, the proof that the requantization is the
+old dequantize-then-quantize bit for bit, the straight-through backward); the combine stays in the compute dtype.
 FSDP2 later shards the expert weights over `expert_fsdp` (dp_shard / ep ranks), see
 `trainer.parallel.fsdp.apply_fsdp`.
 """
@@ -26,7 +27,7 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from trainer.models.moe_dispatch import BLOCK, fp8_all_to_all, fp8_bytes_per_token
+from trainer.models.moe_dispatch import BLOCK, fp8_all_to_all_blocks, fp8_bytes_per_token
 from trainer.models.moe_experts import ExpertDispatcher, ExpertRows
 from trainer.models.moe_permute import inverse_permutation, permute_rows, tokens_to_experts
 
@@ -48,18 +49,17 @@ class AllToAllDispatcher(ExpertDispatcher):
         this rank's experts as received, with the gather that sorts them by local expert; what combine needs).
 
         The copies cross the all-to-all in the compute dtype, or as e4m3 + 1x128 block scales with fp8 dispatch,
-        dequantized on arrival. An FP8 kernel then quantizes the received rows once per row, before that gather
-        (trainer/models/moe_fp8.py): with power-of-two scales that equals requantizing the blockwise data
-        rowwise (exact, but for elements of a block far below its row's amax that fall into e4m3's subnormals).
-        What the GPU path should become (docs/moe.md): the kernel takes the received e4m3 bytes and block scales
-        (a fused 1-byte-in, 1-byte-out rowwise requantization, or a 1x128-scaled grouped GEMM), not a bf16 copy."""
+        kept so on arrival (`ExpertRows.blocks`, `source` then their gradient handle): the FP8 kernel
+        (trainer/models/moe_fp8.py) requantizes the received bytes rowwise (1 byte in, 1 byte out) and gathers
+        the byte rows and row scales by `perm`; other kernels dequantize them (`ExpertRows.source_rows`)."""
         rows = tokens_to_experts(x, order, inverse, k)
-        received, perm, perm_inverse, local_counts, ctx = self._exchange(rows, counts)
-        return ExpertRows(received, perm, perm_inverse, local_counts, k=1), ctx
+        received, blocks, perm, perm_inverse, local_counts, ctx = self._exchange(rows, counts)
+        return ExpertRows(received, perm, perm_inverse, local_counts, k=1, blocks=blocks), ctx
 
     def _exchange(self, x: torch.Tensor, counts: torch.Tensor):
-        """x [N, dim] sorted by global expert, counts [n_experts] -> (rows as received, grouped by source rank;
-        perm, with received[perm] sorted by local expert; its inverse; counts [n_local]; what combine needs)."""
+        """x [N, dim] sorted by global expert, counts [n_experts] -> (rows as received, grouped by source rank, or
+        with fp8 dispatch their gradient handle; the received blocks or None; perm, with received[perm] sorted by
+        local expert; its inverse; counts [n_local]; what combine needs)."""
         ep, n_local = self.ep, self.n_local
         # recv[src, e]: rows rank `src` sends to this rank's local expert e.
         # wait_tensor, not .wait(): torch 2.11 on CUDA may hand back a plain tensor rather than an
@@ -69,9 +69,9 @@ class AllToAllDispatcher(ExpertDispatcher):
         sizes = torch.stack([counts.view(ep, n_local).sum(1), recv.sum(1)]).tolist()
         send_splits, recv_splits = sizes
         if self.fp8:
-            x_recv = fp8_all_to_all(x, recv_splits, send_splits, self.group)
+            x_recv, blocks = fp8_all_to_all_blocks(x, recv_splits, send_splits, self.group)
         else:
-            x_recv = all_to_all_single_autograd(x, recv_splits, send_splits, group=self.group)
+            x_recv, blocks = all_to_all_single_autograd(x, recv_splits, send_splits, group=self.group), None
         # Received rows are grouped by (source rank, local expert); the grouped GEMM wants them by expert.
         segment = torch.repeat_interleave(
             torch.arange(ep * n_local, device=x.device), recv.flatten(), output_size=x_recv.shape[0]
@@ -79,7 +79,7 @@ class AllToAllDispatcher(ExpertDispatcher):
         src, expert = segment // n_local, segment % n_local
         perm = torch.argsort(expert * ep + src, stable=True)
         inverse = inverse_permutation(perm)
-        return x_recv, perm, inverse, recv.sum(0), (perm, inverse, send_splits, recv_splits)
+        return x_recv, blocks, perm, inverse, recv.sum(0), (perm, inverse, send_splits, recv_splits)
 
     def combine(self, y: torch.Tensor, ctx: tuple) -> torch.Tensor:
         """Outputs for this rank's experts -> back to the ranks (and the order) the rows came from."""
