@@ -97,7 +97,20 @@ def _rank_main(fn: Callable, args: tuple, rank: int, world_size: int, port: int,
 
 
 def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), timeout: float = 300) -> list[Any]:
-    """fn(*args) on world_size spawned processes; returns every rank's result, in rank order."""
+    """fn(*args) on world_size spawned processes; returns every rank's result, in rank order. A launch that failed
+    because its rendezvous port was taken between `_free_port` and a bind (another test's processes, under
+    pytest-xdist) is launched again on a new port, twice at most (fn runs again from the start: every test's fn
+    writes under its own tmp folder, and a run started again moves its earlier files aside)."""
+    for attempt in range(3):
+        try:
+            return _run_distributed_once(fn, world_size=world_size, args=args, timeout=timeout)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_distributed_once(fn: Callable, *, world_size: int, args: tuple, timeout: float) -> list[Any]:
     # multiprocessing's resource tracker and fork server (one each per test session) start before the tag is set:
     # they are no ranks.
     from multiprocessing import resource_tracker
