@@ -205,11 +205,36 @@ def test_compiled_reads_the_kept_casts_as_inputs_bit_equal_and_compiles_once() -
     """torch.compile(fullgraph=True) over blocks under full AC: the kept casts (made eagerly, outside the graph) are
     graph inputs; 3 steps of 2 microbatches give the uncached compiled run's outputs and gradients bit for bit, and
     the cached model compiles one graph for all steps (no recompile when the next step's casts arrive)."""
+    per_use, per_step, _ = two_models(delayed=False)
+    assert_compiled_bit_equal_and_compiles_once(per_use, per_step, input_shape=(2, 8, 64))
+
+
+def test_a_resume_casts_the_loaded_weights(tmp_path: Path) -> None:
+    """4 steps of 4 microbatches with the kept casts == 2 steps, then a resume to 4: the first step after the load
+    casts the checkpoint's weights (a cast kept from before the load would break step 3's equality)."""
+    from trainer.run.train import train
+
+    def run(dump: Path, steps: int) -> list[float]:
+        train(load_job_config([*ARGS, f"--job.dump_folder={dump}", f"--train.steps={steps}",
+                               "--checkpoint.enable=true", "--checkpoint.interval=2",
+                               "--scheduler.decay_type=constant",  # the LR at a step does not depend on steps
+                               "--float8.weights_per_step=on"]))
+        return [r["loss"] for r in read_metrics(dump)]
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "resumed", 2)
+    assert run(tmp_path / "resumed", 4) == whole and len(whole) == 4
+
+
+def assert_compiled_bit_equal_and_compiles_once(per_use: nn.Module, per_step: nn.Module, *,
+                                                input_shape: tuple[int, ...]) -> None:
+    """3 steps of 2 microbatches through torch.compile(fullgraph=True): per_step (its casts kept by
+    Fp8WeightsPerStep) gives per_use's outputs and gradients bit for bit, and compiles one graph for all steps.
+    Also the blockwise test's (tests/unit/test_float8_weights_per_step_blockwise.py)."""
     from torch._dynamo.utils import counters
 
     from trainer.parallel.float8.weights_per_step import Fp8WeightsPerStep
 
-    per_use, per_step, _ = two_models(delayed=False)
     keep = Fp8WeightsPerStep(per_step, dtype=torch.bfloat16)
     runs = [torch.compile(m, fullgraph=True) for m in (per_use, per_step)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (per_use, per_step)]
@@ -221,7 +246,8 @@ def test_compiled_reads_the_kept_casts_as_inputs_bit_equal_and_compiles_once() -
             counters.clear()
             with keep.step_context(step) if uses_cache else torch.enable_grad():
                 for micro in range(2):
-                    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(micro))
+                    x = torch.randn(*input_shape, dtype=torch.bfloat16,
+                                    generator=torch.Generator().manual_seed(micro))
                     out = run(x * step)
                     (out.float() ** 2).mean().backward()
                     outs.append(out)
@@ -235,19 +261,3 @@ def test_compiled_reads_the_kept_casts_as_inputs_bit_equal_and_compiles_once() -
             opt.step()
             opt.zero_grad()
     assert graphs == [1, 0, 0]
-
-
-def test_a_resume_casts_the_loaded_weights(tmp_path: Path) -> None:
-    """4 steps of 4 microbatches with the kept casts == 2 steps, then a resume to 4: the first step after the load
-    casts the checkpoint's weights (a cast kept from before the load would break step 3's equality)."""
-    from trainer.run.train import train
-
-    def run(dump: Path, steps: int) -> list[float]:
-        train(load_job_config([*ARGS, f"--job.dump_folder={dump}", f"--train.steps={steps}",
-                               "--checkpoint.enable=true", "--checkpoint.interval=2",
-                               "--scheduler.decay_type=constant", "--float8.weights_per_step=on"]))  # the LR: not on steps
-        return [r["loss"] for r in read_metrics(dump)]
-
-    whole = run(tmp_path / "whole", 4)
-    run(tmp_path / "resumed", 2)
-    assert run(tmp_path / "resumed", 4) == whole and len(whole) == 4

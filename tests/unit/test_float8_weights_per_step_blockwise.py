@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import read_metrics
-from tests.unit.test_float8_weights_per_step import ARGS
+from tests.unit.test_float8_weights_per_step import ARGS, assert_compiled_bit_equal_and_compiles_once
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.parallel.float8.blockwise import BLOCK, BlockwiseFloat8Linear, convert_to_blockwise
@@ -130,36 +130,8 @@ def test_compiled_reads_the_kept_casts_as_inputs_bit_equal_and_compiles_once() -
     """torch.compile(fullgraph=True) over the blocks under full AC: the kept casts (made eagerly) are graph inputs;
     3 steps of 2 microbatches give the uncached compiled run's outputs and gradients bit for bit, and the cached
     model compiles one graph for all steps (no recompile when the next step's casts arrive)."""
-    from torch._dynamo.utils import counters
-
-    from trainer.parallel.float8.weights_per_step import Fp8WeightsPerStep
-
     per_use, per_step = two_models()
-    keep = Fp8WeightsPerStep(per_step, dtype=torch.bfloat16)
-    runs = [torch.compile(m, fullgraph=True) for m in (per_use, per_step)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (per_use, per_step)]
-    torch._dynamo.reset()
-    graphs = []
-    for step in (1, 2, 3):
-        outs = []
-        for run, uses_cache in zip(runs, (False, True)):
-            counters.clear()
-            with keep.step_context(step) if uses_cache else torch.enable_grad():
-                for micro in range(2):
-                    x = torch.randn(1, 128, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(micro))
-                    out = run(x * step)
-                    (out.float() ** 2).mean().backward()
-                    outs.append(out)
-            if uses_cache:
-                graphs.append(counters["stats"]["unique_graphs"])
-        for a, b in zip(outs[:2], outs[2:]):
-            assert torch.equal(a, b)
-        for a, b in zip(per_use.parameters(), per_step.parameters()):
-            assert torch.equal(a.grad, b.grad)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-    assert graphs == [1, 0, 0]
+    assert_compiled_bit_equal_and_compiles_once(per_use, per_step, input_shape=(1, 128, 128))
 
 
 def test_on_keeps_blockwise_casts_with_the_memory_plan_row_and_rowwise_is_refused(monkeypatch) -> None:
