@@ -225,7 +225,9 @@ def leg_slots(nproc: int) -> list[dict[str, str]]:
         count = 0
     if count == 0:
         return [{}] * max(1, (os.cpu_count() or 1) // nproc)
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(str(i * nproc + j) for j in range(nproc))}
+    # the GPUs this process may use, by the names the caller gave (CUDA_VISIBLE_DEVICES=1: the leg runs on GPU 1)
+    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g] or [str(i) for i in range(count)]
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(visible[i * nproc + j] for j in range(nproc))}
             for i in range(max(1, count // nproc))]
 
 

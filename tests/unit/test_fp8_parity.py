@@ -218,17 +218,23 @@ def test_an_inconclusive_verdict_exits_3_and_a_failing_one_1(tmp_path: Path, cap
         assert json.loads((tmp_path / "parity.json").read_text())["verdict"] == {3: "INCONCLUSIVE", 1: "FAIL"}[code]
 
 
-@pytest.mark.parametrize("gpus, cores, nproc, slots", [
-    (0, 2, 1, [{}, {}]),  # CPU: one single-thread leg per core
-    (0, 1, 2, [{}]),
-    (1, 16, 1, [{"CUDA_VISIBLE_DEVICES": "0"}]),  # one GPU: one leg at a time
-    (4, 16, 2, [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]),
+@pytest.mark.parametrize("gpus, cores, nproc, visible, slots", [
+    (0, 2, 1, None, [{}, {}]),  # CPU: one single-thread leg per core
+    (0, 1, 2, None, [{}]),
+    (1, 16, 1, None, [{"CUDA_VISIBLE_DEVICES": "0"}]),  # one GPU: one leg at a time
+    (4, 16, 2, None, [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]),
+    (1, 16, 1, "1", [{"CUDA_VISIBLE_DEVICES": "1"}]),  # the caller's GPU 1 stays GPU 1, not the machine's GPU 0
+    (2, 16, 1, "3,2", [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "2"}]),
 ])
-def test_legs_run_side_by_side_per_gpu_group_or_per_core(monkeypatch, gpus, cores, nproc, slots):
+def test_legs_run_side_by_side_per_gpu_group_or_per_core(monkeypatch, gpus, cores, nproc, visible, slots):
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(fp8_parity.os, "cpu_count", lambda: cores)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert fp8_parity.leg_slots(nproc) == slots
 
 
