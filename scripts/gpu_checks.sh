@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one call (a GPU machine's time is scarce: batch the steps).
+# Two one-GPU steps at once, one per GPU of a 2-GPU machine: scripts/gpu_tracks.sh.
 #   bash scripts/gpu_checks.sh [tests] [bench8b] [bench8b_bf16m] [bench8b_ce] [bench1b] [accuracy] [ac] [pp]   (default: tests bench8b bench1b accuracy ac)
 #   PARITY_LEGS=bf16,tensorwise bash scripts/gpu_checks.sh parity1b   (1B FP8 parity legs; needs data/py_bpe)
 #   ARGS_8B="--distributed.master_dtype=bf16" bash scripts/gpu_checks.sh trainlog8b bench8b bench8b_ce

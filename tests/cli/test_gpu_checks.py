@@ -36,3 +36,33 @@ def test_a_failing_step_makes_the_script_exit_1_and_names_it(tmp_path: Path) -> 
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "config error: unknown key [train].bach_size (did you mean batch_size?)" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "== FAILED steps: scaling_profile no_such_step =="
+
+
+def test_tracks_run_one_per_gpu_with_their_env_and_stop_at_the_limit(tmp_path: Path) -> None:
+    """scripts/gpu_tracks.sh: track i gets GPU i, its own OUT and its env (+ for a space), a seed folder copied in
+    first; a track still running at the limit is stopped with every process of its session, and the archive holds
+    both tracks' folders."""
+    import tarfile
+
+    stub = tmp_path / "checks.sh"  # stands for gpu_checks.sh: says what it got; the step "hang" never ends alone
+    stub.write_text('echo "gpu=$CUDA_VISIBLE_DEVICES out=$OUT ac=${PEER_AC:-} steps=$*"\n'
+                    'ls "$OUT"\n'
+                    'if [ "$1" = hang ]; then sleep 300 & echo $! > "$OUT/child.pid"; wait; fi\n')
+    (tmp_path / "seed" / "track0").mkdir(parents=True)
+    (tmp_path / "seed" / "track0" / "leg_done.txt").write_text("finished\n")
+    work, out = tmp_path / "work", tmp_path / "out"
+    e = env() | {"OUT": str(out), "GPU_CHECKS": str(stub), "GPU_TRACKS_WORK": str(work),
+                 "GPU_TRACKS_SEED": str(tmp_path / "seed"), "GPU_CHECKS_DRY_RUN": "1"}
+    proc = subprocess.run(["bash", "scripts/gpu_tracks.sh", "4", "PEER_AC=none+selective|families peer8b", "|hang"],
+                          capture_output=True, text=True, env=e, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, second = (work / "track0" / "track.log").read_text(), (work / "track1" / "track.log").read_text()
+    assert f"gpu=0 out={work}/track0 ac=none selective steps=families peer8b" in first
+    assert "leg_done.txt" in first and "[track 0] exit 0" in first
+    assert f"gpu=1 out={work}/track1 ac= steps=hang" in second and "[track 1] stopped at the 4 s limit" in second
+    child = int((work / "track1" / "child.pid").read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    with tarfile.open(out / "tracks.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"track0/track.log", "track0/leg_done.txt", "track1/track.log"} <= names
+    assert "[track 0] gpu=0" in proc.stdout and "[track 1] [track 1] stopped" in proc.stdout
