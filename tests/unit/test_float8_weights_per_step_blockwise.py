@@ -143,7 +143,8 @@ def test_on_keeps_blockwise_casts_with_the_memory_plan_row_and_rowwise_is_refuse
     f8 = job.build.float8
     assert f8.weights_per_step == 4 and f8.kept_weight_numel % (128 * 128) == 0 and f8.kept_weight_numel > 0
     rows = {r.what: r.bytes for r in job.memory_plan.rows}
-    assert rows["FP8 weights kept through the step"] == f8.kept_weight_numel + f8.kept_weight_numel // 4096
+    # the kept cast with its block scales, and the dgrad's column-major byte copy of it
+    assert rows["FP8 weights kept through the step"] == 2 * f8.kept_weight_numel + f8.kept_weight_numel // 4096
     assert validate_job(load_job_config(BLOCKWISE), world_size=1).build.float8.weights_per_step == 0  # auto: off
     monkeypatch.setattr("trainer.validate.resolve.LINEARS_BY_DEFAULT", True)  # auto's rule once measured: kept
     assert validate_job(load_job_config(BLOCKWISE), world_size=1).build.float8.weights_per_step == 4

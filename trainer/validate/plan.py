@@ -230,6 +230,9 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
     if build.float8 is not None and build.float8.weights_per_step:
         rows.append(_kept_fp8_weights(args, build.float8.kept_weight_numel, stage, head=fp8.head,
                                       blockwise=build.float8.recipe == "blockwise"))
+    if (build.float8 is not None and build.float8.expert_weights_per_step and build.float8.moe_experts != "off"
+            and not build.float8.experts_unavailable):
+        rows.append(_kept_expert_weights(args, pd, stage, both=cfg.train.grad_accum_steps > 1 or pd.pp > 1))
     loss = _loss_bytes(args, pd, build, fp8, tokens=tokens, compute=compute) if stage.head else 0
     if stage.head:
         rows.append(MemoryRow("logits and loss", loss, _loss_how(build)))
@@ -286,16 +289,37 @@ def _stage_params(args: ModelArgs, stage: _Stage) -> int:
 
 
 def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool, blockwise: bool) -> MemoryRow:
-    """float8.weights_per_step: 1 byte per converted weight element of the rank's stage (blockwise: and one fp32 scale
-    per 128x128 block), from the step's start to the end of its backward (the Linears' weights are unsharded there);
-    the blocks' share by their count."""
+    """float8.weights_per_step: what the rank's stage holds for its converted Linears at the start of backward, 2 bytes
+    per weight element: the kept cast (`Fp8WeightsPerStep`: e4m3 (out, in), 1 B, blockwise with one fp32 scale per
+    128x128 block) and the column-major byte copy of it that the input-gradient GEMM multiplies (torchao's
+    `preprocess_addmm` for tensorwise, blockwise.py's dgrad), made from the kept cast, not cast again. Measured 1x
+    H200 (torch 2.11, compiled, 2026-11-28): +2 B per converted element at accumulation 1 and 4 alike, so the copies
+    are alive at the peak for every Linear, not one Linear's at a time. The blocks' share by their count."""
     head_numel = args.vocab_size * args.dim if head else 0
-    blocks = (numel - head_numel) * sum(stage.blocks) // max(1, args.n_layers)
+    elements = (numel - head_numel) * sum(stage.blocks) // max(1, args.n_layers) + (head_numel if stage.head else 0)
     return MemoryRow("FP8 weights kept through the step",
-                     kept_weight_bytes(blocks + (head_numel if stage.head else 0),
-                                       recipe="blockwise" if blockwise else "tensorwise"),
+                     kept_weight_bytes(elements, recipe="blockwise" if blockwise else "tensorwise") + elements,
                      "float8.weights_per_step: each converted Linear's weight cast once per step, 1 B per parameter"
-                     + (" and 4 B per 128x128 block" if blockwise else ""))
+                     + (" and 4 B per 128x128 block" if blockwise else "")
+                     + ", and its column-major copy for the input-gradient GEMM, 1 B")
+
+
+def _kept_expert_weights(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, both: bool) -> MemoryRow:
+    """The FP8 routed experts' weights kept through the step (`Fp8ExpertWeights` with per_step): each MoE layer
+    quantizes its forward orientation (w13, w2) at its first forward and its dgrad orientation (w13_t, w2_t) at its
+    first backward, 1 B per expert parameter each, and keeps both until the step's forward/backward ends. With
+    more than one microbatch per step (accumulation, pipeline) an earlier backward has made the dgrad copies
+    before the peak's backward starts: 2 B. With one, the start of backward holds the forward copies only (1 B);
+    the dgrad copies arrive block by block as each block's backward frees its activations. Without per_step at most
+    one layer's copy is alive at a time (a transient the plan does not count, "off" or "on"). The rowwise scales (4 B
+    per row of 2048 or more elements) are not counted; the family's routed count includes the router's gate (under
+    0.1% more)."""
+    local = sum(k * routed // pd.ep for k, (_, routed) in zip(stage.blocks, _run_params(args)))
+    per_param = 2 if both else 1
+    return MemoryRow("FP8 expert weights kept through the step", local * per_param,
+                     "float8.weights_per_step: the routed experts quantized once per step, "
+                     + ("both orientations (forward and dgrad), 2 B per expert parameter" if both else
+                        "the forward orientation at the start of backward (one microbatch), 1 B per expert parameter"))
 
 
 def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int) -> MemoryRow:
