@@ -404,3 +404,45 @@ def test_the_edit_selection_names_tests_that_exist() -> None:
     defined = {name for source in (REPO / "tests").rglob("test_*.py")
                for name in re.findall(r"^def (test_\w+)\(", source.read_text(), flags=re.M)}
     assert left_out and sorted(n for n in left_out if not any(n in d for d in defined)) == []
+
+
+_FULL_8B = ["--config", "configs/train/llama3_8b.toml", "--train.batch_size=4", "--train.seq_len=4096",
+            "--train.activation_checkpointing=none", "--train.compile_model=true"]
+# The multi-GPU plans the pages quote (nothing of these ran on their GPUs, so the plan is all a reader has): each
+# (page, the quote with {} for the GiB, the job's arguments, its world size) is today's dry run, rounded to 0.1 GiB.
+# A change to the plan or to a default that moves one fails here until the page says the new figure.
+QUOTED_PLANS = [
+    ("docs/fp8.md", "({} GiB per GPU, 15.0 GiB of it", ["--config", "configs/train/7b_16gpu_fp8.toml"], 16),
+    ("docs/benchmarks.md", "planned at {} GiB per GPU (`--dry-run --world-size 16`)",
+     ["--config", "configs/train/7b_16gpu_fp8.toml"], 16),
+    ("docs/models.md", "plans {} GiB per GPU", ["--config", "configs/train/deepseek_v3_16b_16gpu_fp8.toml"], 16),
+    ("configs/train/deepseek_v3_16b_16gpu_fp8.toml", "the dry run plans {} GiB per GPU",
+     ["--config", "configs/train/deepseek_v3_16b_16gpu_fp8.toml"], 16),
+    ("README.md", "planned by the dry run at {} GiB per GPU",
+     ["--config", "configs/train/deepseek_v3_16b_16gpu_fp8.toml"], 16),
+    ("docs/moe.md", "at 8, ep=8, it plans {} GiB per GPU",
+     ["--config", "configs/train/moe_16b_4gpu_fp8.toml", "--distributed.ep=8"], 8),
+    ("docs/benchmarks.md", "its ep=8 job is planned by dry run at {} GiB per GPU",
+     ["--config", "configs/train/moe_16b_4gpu_fp8.toml", "--distributed.ep=8"], 8),
+    ("docs/benchmarks.md", "planned by dry run at {} GiB per GPU at 128K tokens",
+     ["--config", "configs/train/llama3_8b_128k_cp8.toml"], 8),
+    ("docs/benchmarks.md", "({} / ", [*_FULL_8B, "--train.mixed_precision=bf16"], 4),
+    ("docs/benchmarks.md", "/ {} GiB per GPU bf16 / fp8 at 4 GPUs", [*_FULL_8B, "--train.mixed_precision=fp8"], 4),
+    ("docs/benchmarks.md", "at 4 GPUs, {} / ", [*_FULL_8B, "--train.mixed_precision=bf16"], 8),
+    ("docs/benchmarks.md", " / {} at 8: today's defaults", [*_FULL_8B, "--train.mixed_precision=fp8"], 8),
+]
+
+
+@pytest.mark.parametrize("page, quote, argv, world_size", QUOTED_PLANS,
+                         ids=[f"{p}:{q[:24]}:{n}" for p, q, _, n in QUOTED_PLANS])
+def test_the_plans_the_pages_quote_are_todays_dry_run(page: str, quote: str, argv: list[str], world_size: int) -> None:
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+    from trainer.validate.memory import planned_gpus
+    from trainer.validate.plan import GIB
+
+    job = validate_job(load_job_config([*argv, "--data.source=synthetic"]), world_size=world_size,
+                       target=planned_gpus(1000))
+    planned = quote.format(f"{job.memory_plan.peak_bytes / GIB:.1f}")
+    if planned not in (REPO / page).read_text().replace("\n", " "):
+        pytest.fail(f"{page} should quote {planned!r} (the dry run of {' '.join(argv)} for {world_size} ranks)")
