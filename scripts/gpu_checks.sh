@@ -282,7 +282,11 @@ for s in $STEPS; do case $s in
           --precisions fp8 --warmup 6 --steps 10 --profile-dir /tmp/prof_dispatch_${dispatch}_$mode \
           --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 --distributed.ep=2 --data.source=synthetic \
           --moe.dispatch_dtype=$dispatch --float8.moe_experts=$mode ${MOE_ARGS:-} 2>&1 \
-          | tee "$OUT/bench_moe_dispatch_${dispatch}_$mode.log" | grep -E "^precision|^fp8|dispatched|Error|error"
+          | tee "$OUT/bench_moe_dispatch_${dispatch}_$mode.log" | grep -E "^precision|^fp8|dispatched|host blocked|Error|error"
+        # each rank's trace (under 1 MB each): where one rank's host lags the other's (docs/debug.md, host waits)
+        for f in /tmp/prof_dispatch_${dispatch}_$mode/fp8/trace*.json.gz; do
+          [ -f "$f" ] && cp "$f" "$OUT/prof_dispatch_${dispatch}_${mode}_$(basename "$f")"
+        done
       done
     done ;;
   moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8

@@ -158,6 +158,14 @@ class TraceSummary:
     exposed_comm_us: float = 0.0
     """Of comm_us, the time no other kernel ran beside it: communication the step waits for, not hidden behind
     compute. comm_us - exposed_comm_us is hidden, but the kernels beside it share the SMs with it."""
+    host_waits: tuple[OpStat, ...] = ()
+    """The host's blocking waits for the device (cudaStreamSynchronize, cudaDeviceSynchronize,
+    cudaEventSynchronize) by where they were called from (`host_wait_site`), longest first: `.item()`, `.tolist()`
+    or a D2H copy inside the step stalls the host there, and the device runs dry while the host catches up."""
+
+    @property
+    def host_wait_us(self) -> float:
+        return sum(s.total_us for s in self.host_waits)
 
     @property
     def fp8_gemm_ran(self) -> bool:
@@ -318,6 +326,7 @@ def summarize_events(events: list[dict], *, num_steps: int,
     # Nested CPU ops lie inside their parents, so the union over all of them is the top-level time.
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed])
     comm_us, exposed_us = _communication_us(timed) if device == "cuda" else (0.0, 0.0)
+    host_waits = _host_waits(events, cpu_ops) if device == "cuda" else ()
     return TraceSummary(
         device=device, num_steps=num_steps, steps=steps, total_us=sum(times),
         wall_us=(max(s for _, s in spans) - min(s for s, _ in spans)) if spans else 0.0,
@@ -330,7 +339,36 @@ def summarize_events(events: list[dict], *, num_steps: int,
         gemm_dtypes=dict(gemm_dtypes.most_common()),
         comm_us=comm_us,
         exposed_comm_us=exposed_us,
+        host_waits=host_waits,
     )
+
+
+# The CUDA runtime calls that block the host until the device has caught up (a pageable D2H copy, `.item()`,
+# `.tolist()` end in cudaStreamSynchronize).
+HOST_WAIT_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
+
+
+def _host_waits(events: list[dict], cpu_ops: list[dict]) -> tuple[OpStat, ...]:
+    """The host's blocking syncs, summed by `host_wait_site`, longest first (category "host wait")."""
+    waits = [e for e in events if e["cat"] == "cuda_runtime" and e["name"] in HOST_WAIT_CALLS]
+    totals: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
+    for w in waits:
+        site = host_wait_site(w, cpu_ops)
+        totals[site] += w["dur"]
+        calls[site] += 1
+    return tuple(sorted((OpStat(site, "host wait", calls[site], t) for site, t in totals.items()),
+                        key=lambda s: -s.total_us))
+
+
+def host_wait_site(wait: dict, cpu_ops: list[dict], *, depth: int = 3) -> str:
+    """Where a runtime call was made: the innermost `depth` CPU ops around it on its thread, outermost first
+    (`aten::to > aten::_to_copy > aten::copy_` for a `.tolist()`, `aten::item > aten::_local_scalar_dense` for an
+    `.item()`), or "(no op: the script's own sync)" outside every op."""
+    around = sorted((op for op in cpu_ops if op["tid"] == wait["tid"] and op["pid"] == wait["pid"]
+                     and op["ts"] <= wait["ts"] and wait["ts"] + wait["dur"] <= op["ts"] + op["dur"]),
+                    key=lambda op: (op["ts"], -op["dur"]))
+    return " > ".join(op["name"] for op in around[-depth:]) or "(no op: the script's own sync)"
 
 
 def _communication_us(kernels: list[dict]) -> tuple[float, float]:
@@ -395,6 +433,11 @@ def format_summary(summary: TraceSummary, *, top: int = 15) -> str:
         *([f"  communication {summary.comm_us / n / 1e3:.2f} ms/step, of it exposed (no other kernel running) "
            f"{summary.exposed_comm_us / n / 1e3:.2f} ms/step ({summary.exposed_comm_us / summary.wall_us:.1%} of wall)"]
           if summary.comm_us and summary.wall_us else []),
+        *([f"  host blocked on the device {summary.host_wait_us / n / 1e3:.2f} ms/step in "
+           f"{sum(w.calls for w in summary.host_waits) / n:.1f} syncs/step: "
+           + "; ".join(f"{w.total_us / n / 1e3:.2f} ms {w.name} ({w.calls / n:.1f}/step)"
+                       for w in summary.host_waits[:3])
+           + ("; ..." if len(summary.host_waits) > 3 else "")] if summary.host_waits else []),
         f"  {'ms/step':>9} {'calls/step':>10} {'share':>6}  {'category':<17}  name",
     ]
     for s in summary.ops[:top]:
