@@ -68,10 +68,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1
 DRY=${GPU_CHECKS_DRY_RUN:-}
-if [ -z "$DRY" ] && ! python3 -c "import torchao" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source scripts/gpu_torchao.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 STEPS=${@:-tests bench8b bench1b accuracy ac}
 if [ -n "$DRY" ]; then NGPU=$DRY GIB=${GPU_GIB:-139.8}; echo "dry run: $NGPU GPUs of $GIB GiB planned, nothing runs" > "$OUT/env.txt"

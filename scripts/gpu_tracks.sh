@@ -20,11 +20,7 @@ limit=$1; shift
 WORK=${GPU_TRACKS_WORK:-/tmp/gpu_tracks}
 mkdir -p "$OUT" "$WORK"; rm -rf "$WORK"/track*  # an earlier call's tracks
 start=$(date +%s)
-# torchao once, before the tracks: two pip installs into one folder at once could leave it half written
-if [ -z "${GPU_CHECKS_DRY_RUN:-}" ] && ! python3 -c "import torchao" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source scripts/gpu_torchao.sh || exit 1  # once, before the tracks (each track's gpu_checks.sh then finds it)
 pids=() i=0
 for spec in "$@"; do
   out="$WORK/track$i"
