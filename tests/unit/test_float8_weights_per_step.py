@@ -174,6 +174,16 @@ def test_startup_line_says_how_many_microbatches_reuse_the_cast() -> None:
     assert line.endswith(", FP8 weights cast once per step (4 microbatches reuse them, backward and recompute too)")
 
 
+def losses_and_casts(args: list[str], dump: Path, setting: str, casts: list) -> tuple[list[tuple[float, float]], int]:
+    """One training run of `args` with float8.weights_per_step=setting: every logged step's (loss, grad norm) and
+    how many weight casts it made (`casts`: a count_weight_casts list, emptied first)."""
+    from trainer.run.train import train
+
+    casts.clear()
+    train(load_job_config([*args, f"--job.dump_folder={dump}", f"--float8.weights_per_step={setting}"]))
+    return [(r["loss"], r["grad_norm"]) for r in read_metrics(dump)], len(casts)
+
+
 def test_whole_run_with_grad_accumulation_is_bit_equal_to_casting_per_use(tmp_path: Path, caplog,
                                                                          monkeypatch) -> None:
     """The debug model, 3 steps of 4 microbatches: every step's loss and gradient norm bit-equal with and without
@@ -181,21 +191,14 @@ def test_whole_run_with_grad_accumulation_is_bit_equal_to_casting_per_use(tmp_pa
     per step fall from 4 x (forward, backward) to 1 per converted Linear."""
     import logging
 
-    from trainer.run.train import train
-
     casts = count_weight_casts(monkeypatch)
-
-    def run(dump: Path, setting: str) -> tuple[list[tuple[float, float]], int]:
-        casts.clear()
-        train(load_job_config([*ARGS, f"--job.dump_folder={dump}", f"--float8.weights_per_step={setting}"]))
-        return [(r["loss"], r["grad_norm"]) for r in read_metrics(dump)], len(casts)
-
     with caplog.at_level(logging.INFO, logger="trainer"):
-        kept, kept_casts = run(tmp_path / "kept", "on")
+        kept, kept_casts = losses_and_casts(ARGS, tmp_path / "kept", "on", casts)
     assert any("FP8 weights cast once per step (4 microbatches reuse them" in r.getMessage() for r in caplog.records)
-    torchaos, _ = run(tmp_path / "torchao", "off")  # off: torchao's Float8Linear, the default tensorwise path
+    # off: torchao's Float8Linear, the default tensorwise path
+    torchaos, _ = losses_and_casts(ARGS, tmp_path / "torchao", "off", casts)
     monkeypatch.setattr("trainer.parallel.float8.linear.OWN_TENSORWISE_LINEAR", True)  # ours, casting per use
-    per_use, per_use_casts = run(tmp_path / "per_use", "off")
+    per_use, per_use_casts = losses_and_casts(ARGS, tmp_path / "per_use", "off", casts)
     assert kept == per_use == torchaos and len(kept) == 3
     linears = 29  # the debug model's converted Linears (4 blocks x 7, and the head)
     assert (kept_casts, per_use_casts) == (3 * linears, 3 * linears * 4 * 2)

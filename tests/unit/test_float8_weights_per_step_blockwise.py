@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tests.helpers import read_metrics
-from tests.unit.test_float8_weights_per_step import ARGS, assert_compiled_bit_equal_and_compiles_once
+from tests.unit.test_float8_weights_per_step import (
+    ARGS, assert_compiled_bit_equal_and_compiles_once, losses_and_casts,
+)
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.parallel.float8.blockwise import BLOCK, BlockwiseFloat8Linear, convert_to_blockwise
@@ -160,20 +161,12 @@ def test_whole_run_with_grad_accumulation_is_bit_equal_to_casting_per_use(tmp_pa
     """The debug model under blockwise (emulated), 3 steps of 4 microbatches: every step's loss and gradient norm
     bit-equal with and without the kept casts, the startup line says it, and the weight casts per step fall from
     4 x (forward, input-gradient GEMM) to 1 per converted Linear."""
-    from trainer.run.train import train
-
     casts = count_weight_casts(monkeypatch)
-
-    def run(dump: Path, setting: str) -> tuple[list[tuple[float, float]], int]:
-        casts.clear()
-        train(load_job_config([*BLOCKWISE, f"--job.dump_folder={dump}", f"--float8.weights_per_step={setting}"]))
-        return [(r["loss"], r["grad_norm"]) for r in read_metrics(dump)], len(casts)
-
     with caplog.at_level(logging.INFO, logger="trainer"):
-        kept, kept_casts = run(tmp_path / "kept", "on")
+        kept, kept_casts = losses_and_casts(BLOCKWISE, tmp_path / "kept", "on", casts)
     assert any("recipe=BLOCKWISE" in r.getMessage()
                and "FP8 weights cast once per step (4 microbatches reuse them" in r.getMessage() for r in caplog.records)
-    per_use, per_use_casts = run(tmp_path / "per_use", "off")
+    per_use, per_use_casts = losses_and_casts(BLOCKWISE, tmp_path / "per_use", "off", casts)
     assert kept == per_use and len(kept) == 3
     linears = 21  # the debug model's Linears with both dims multiples of 128 (of 29)
     assert (kept_casts, per_use_casts) == (3 * linears, 3 * linears * 4 * 2)
