@@ -229,7 +229,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
     rows.append(activations)
     if build.float8 is not None and build.float8.weights_per_step:
         rows.append(_kept_fp8_weights(args, build.float8.kept_weight_numel, stage, head=fp8.head,
-                                      blockwise=build.float8.recipe == "blockwise"))
+                                      recipe=build.float8.recipe))
     if (build.float8 is not None and build.float8.expert_weights_per_step and build.float8.moe_experts != "off"
             and not build.float8.experts_unavailable):
         rows.append(_kept_expert_weights(args, pd, stage, both=cfg.train.grad_accum_steps > 1 or pd.pp > 1))
@@ -288,7 +288,7 @@ def _stage_params(args: ModelArgs, stage: _Stage) -> int:
     return sum(n * params for n, (params, _) in zip(stage.blocks, _run_params(args))) + ends
 
 
-def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool, blockwise: bool) -> MemoryRow:
+def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool, recipe: str) -> MemoryRow:
     """float8.weights_per_step: what the rank's stage holds for its converted Linears at the start of backward, 2 bytes
     per weight element: the kept cast (`Fp8WeightsPerStep`: e4m3 (out, in), 1 B, blockwise with one fp32 scale per
     128x128 block) and the column-major byte copy of it that the input-gradient GEMM multiplies (torchao's
@@ -298,9 +298,9 @@ def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool,
     head_numel = args.vocab_size * args.dim if head else 0
     elements = (numel - head_numel) * sum(stage.blocks) // max(1, args.n_layers) + (head_numel if stage.head else 0)
     return MemoryRow("FP8 weights kept through the step",
-                     kept_weight_bytes(elements, recipe="blockwise" if blockwise else "tensorwise") + elements,
+                     kept_weight_bytes(elements, recipe=recipe) + elements,
                      "float8.weights_per_step: each converted Linear's weight cast once per step, 1 B per parameter"
-                     + (" and 4 B per 128x128 block" if blockwise else "")
+                     + (" and 4 B per 128x128 block" if recipe == "blockwise" else "")
                      + ", and its column-major copy for the input-gradient GEMM, 1 B")
 
 
