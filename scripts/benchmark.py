@@ -59,6 +59,7 @@ from trainer.parallel.compile import CompileTimes
 import trainer.parallel.float8.linear as fp8_linear
 from trainer.run.dry_run import EXIT_DOES_NOT_FIT, dry_run
 from trainer.run.train import Trainer, build_trainer
+from trainer.validate.plan import plan_ranks
 
 
 
@@ -190,6 +191,15 @@ def bench_one(argv: list[str], precision: str, *, warmup: int, steps: int, profi
     return result
 
 
+def ranks_values(value: float, world: int) -> list[float]:
+    """Every rank's `value`, in rank order (all ranks call it; [value] in one process)."""
+    if world == 1:
+        return [value]
+    values: list = [None] * world
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
 def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, profile_dir: str | None,
                   emulate: tuple[int, float] | None):
     cfg = load_job_config([*argv, *precision_overrides(precision), "--train.precision_schedule=",
@@ -225,6 +235,7 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
         tps = tokens_per_gpu / step_s
         model_flops = tps * flops_per_token(runner.model_args, t.seq_len)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        job = runner.job
         return {
             "precision": precision,
             "world_size": world,
@@ -234,7 +245,12 @@ def _bench_runner(argv: list[str], precision: str, *, warmup: int, steps: int, p
             "model_tflops_per_gpu": model_flops / 1e12,
             "mfu_pct": mfu_pct(model_flops, device),
             "peak_memory_gib": peak,
-            "plan_memory_gib": runner.job.memory_plan.peak_bytes / 2**30,
+            "plan_memory_gib": job.memory_plan.peak_bytes / 2**30,
+            # Each rank's own peak, and the plan of each pipeline rank (one without pp): the pipeline's ranks differ.
+            "peak_memory_gib_ranks": ranks_values(peak, world),
+            "plan_memory_gib_pp_ranks": [p.peak_bytes / 2**30 for p in plan_ranks(
+                cfg, job.model_args, job.parallel_dims, job.build, job.pipeline, job.float8_layers,
+                cpu=device.type == "cpu")],
             "float8_converted": len(runner.float8.linears.converted) if runner.float8 else 0,
             "first_step_s": warmup_times[0],
             "compile_s": compiled.seconds,
@@ -373,6 +389,11 @@ def main() -> int:
               f"{r['plan_memory_gib']:8.2f} {r['speedup']:7.2f}x {r['first_step_s']:8.1f} {r['compile_s']:9.1f}")
     print("plan GiB: the dry run's estimate of the peak (trainer/validate/plan.py); peak GiB: measured, steps after "
           "the warm-up")
+    for r in results:
+        if r["world_size"] > 1:
+            print(f"{r['precision']:<13} peak GiB by rank: {', '.join(f'{g:.2f}' for g in r['peak_memory_gib_ranks'])}"
+                  + (f"; plan by pipeline rank: {', '.join(f'{g:.2f}' for g in r['plan_memory_gib_pp_ranks'])}"
+                     if len(r["plan_memory_gib_pp_ranks"]) > 1 else ""))
     print("step 1 s: the first step, compilation included; compile s: torch.compile's graphs, inductor's autotuning "
           "and the AdamW kernel during the warm-up (a warm TORCHINDUCTOR_CACHE_DIR and Triton cache make them shorter)")
     for r in results:

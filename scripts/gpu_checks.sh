@@ -96,13 +96,17 @@ FULL_8B="--config configs/train/llama3_8b.toml -- --train.batch_size=4 --train.s
 BENCH_1B="--config configs/train/llama3_1b.toml -- --train.batch_size=8 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false"
 FAILED=()  # steps whose command failed: the script's exit status is 1 when any did
 failed() { FAILED+=("$1"); echo "[gpu_checks] step $1 FAILED (exit $2)"; }
-run_variants() {  # run_variants STEP "GPUS PRECISIONS LABEL [OVERRIDES...];...": scaling_variants' job under each setting
+run_variants() {  # run_variants STEP "GPUS PRECISIONS LABEL [OVERRIDES...];...": scaling_variants' job under each setting;
+  # VARIANT_PROFILE="LABEL ..." (or all): those also trace 2 steps per rank (the kernel summaries in their logs). The runs' dump folder is
+  # this process's own, so that two tracks of scripts/gpu_tracks.sh running variants at once do not share one.
   local step=$1 v n precisions label; local -a variants
   IFS=';' read -ra variants <<< "$2"
   for v in "${variants[@]}"; do
     set -- $v; n=$1; precisions=$2; label=$3; shift 3
+    local prof=(); case " ${VARIANT_PROFILE:-} " in *" $label "*|*" all "*) prof=(--profile-dir /tmp/variants_prof_$$/$label) ;; esac
     launch $n scripts/benchmark.py --json $OUT/variants.jsonl --label "$label" --precisions $precisions --warmup 6 \
-      --steps ${VARIANT_STEPS:-10} $BENCH_8B "$@" > "$OUT/variant_$label.log" 2>&1 || failed "$step $label" $?
+      --steps ${VARIANT_STEPS:-10} --dump-folder /tmp/variants_dump_$$ "${prof[@]}" \
+      $BENCH_8B "$@" > "$OUT/variant_$label.log" 2>&1 || failed "$step $label" $?
     grep -A3 "^precision" "$OUT/variant_$label.log" | grep -v "^precision" | sed "s/^/[$n GPU $label] /"
   done
 }
@@ -176,21 +180,27 @@ for s in $STEPS; do case $s in
   coldstart)  # 8B shapes x 8 layers, batch 4 x 4096, the defaults: time from "training steps" to the end of step 1
     # with cold inductor and Triton caches, fp8 / bf16 x bf16 (default) / fp32 master weights, then the fp8 default
     # again on its warm caches; each line: step 1's time and its compile line, then the steps' TFLOP/s.
-    # COLD_RUNS: other "precision master_dtype" pairs; COLD_ARGS: more overrides (COLD_LAYERS=32: the whole 8B);
-    # COLD_PY: the interpreter command (a wrapper that prints dynamo's compile-time table, say).
-    CS="--config configs/train/llama3_8b.toml $SHAPE_8B --model.n_layers=${COLD_LAYERS:-8} --train.steps=${COLD_STEPS:-30}
-        --metrics.log_freq=10 --metrics.enable_tensorboard=false ${COLD_ARGS:-}"
+    # COLD_RUNS: other "precision master_dtype" pairs; COLD_ARGS: more overrides (COLD_LAYERS=32: the whole 8B; "8 32":
+    # each in turn);
+    # COLD_PY: the interpreter command (a wrapper that prints dynamo's compile-time table, say); COLD_GPUS=N: FSDP2 over
+    # the first N visible GPUs (torchrun; COLD_PY unused), beside the peer's cold start (peer8b's "step 1 after" line).
     IFS=, read -ra runs <<< "${COLD_RUNS:-fp8 auto,bf16 auto,fp8 fp32,bf16 fp32,fp8 auto warm}"
-    for run in "${runs[@]}"; do set -- $run; p=$1; m=$2; cache=/tmp/coldstart_${p}_$m; layers=${COLD_LAYERS:-8}
-      tag="$p master=$m ${3:-cold}, $layers layers"; log="$OUT/coldstart_${p}_${m}_${layers}l${3:+_$3}.log"
+    ngpu=${COLD_GPUS:-1}; cmd=(${COLD_PY:-python3} scripts/train.py); [ "$ngpu" -gt 1 ] && cmd=(launch "$ngpu" scripts/train.py)
+    gpus=""; [ "$ngpu" -gt 1 ] && gpus="_${ngpu}gpu"
+    for layers in ${COLD_LAYERS:-8}; do
+    CS="--config configs/train/llama3_8b.toml $SHAPE_8B --model.n_layers=$layers --train.steps=${COLD_STEPS:-30}
+        --metrics.log_freq=10 --metrics.enable_tensorboard=false ${COLD_ARGS:-}"
+    for run in "${runs[@]}"; do set -- $run; p=$1; m=$2; cache=/tmp/coldstart_${p}_$m
+      tag="$p master=$m ${3:-cold}, $layers layers${gpus:+, $ngpu GPUs}"; log="$OUT/coldstart_${p}_${m}_${layers}l${gpus}${3:+_$3}.log"
       [ "${3:-}" = warm ] || rm -rf "$cache"
       start=$(date +%s.%N)
-      TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton ${COLD_PY:-python3} scripts/train.py $CS \
+      TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton "${cmd[@]}" $CS \
         --train.mixed_precision=$p --distributed.master_dtype=$m --job.dump_folder=/tmp/coldstart_run > "$log" 2>&1
       rc=$?; end=$(date +%s.%N)
       grep -E "step +(1|10|20|30)/|compiling|Error" "$log" | cut -c1-220 | sed "s/^/[coldstart $tag] /" | tee -a "$OUT/coldstart.log"
       echo "[coldstart $tag] exit $rc, process wall $(python3 -c "print(round($end - $start, 1))") s" | tee -a "$OUT/coldstart.log"
       rm -rf /tmp/coldstart_run
+    done
     done ;;
   optim8b)  # fp8, fp32 master weights: torch's fused AdamW kernel (optimizer.implementation=fused) vs our Triton one
     for impl in fused triton; do
@@ -474,7 +484,7 @@ for name, t in (('stdlib', StdlibTextSource(vocab_size=258).tokens), ('web-like'
     # docstring-parser 0.18.0, typeguard 4.6.1, dill 0.3.8, multiprocess 0.70.16; 1.5 MB); its tokenizer is a byte-level tokenizer.json written here, its data Python's own files as
     # c4_test-style JSON lines (the model's vocab stays 128,256). tok/s and TFLOP/s from its log line, steps 20-30.
     # PEER_FLAVOR=debugmodel checks the step on one GPU (torchtitan's whole 8B at batch 4 does not fit one).
-    if [ -n "$DRY" ] || [ -z "${PEER_WHEELS:-}" ]; then echo "[peer8b] skipped: ${DRY:+a dry run}${DRY:-no PEER_WHEELS}"; continue; fi
+    if [ -n "$DRY" ] || [ -z "${PEER_WHEELS:-}" ]; then echo "[peer8b] skipped: $([ -n "$DRY" ] && echo "a dry run" || echo "no PEER_WHEELS")"; continue; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer "$PEER_WHEELS"/*.whl || continue
     python3 - <<'PY'
 import glob, json, os, sysconfig
@@ -492,14 +502,16 @@ with open("/tmp/peer_c4/c4.json", "w") as f:
             break
 PY
     # PEER_LAYERS=N: its flavor's shapes with N layers (a flavor "<flavor>_NL" added before torchtitan's main runs), our
-    # 8-layer tables. PEER_MODEL: torchtitan's model (default llama3; deepseek_v3 with PEER_FLAVOR=16B for the MoE
-    # families' proxy, PEER_BATCH=2 as our families step); its args dict is <model>_args (deepseekv3_args).
-    model=${PEER_MODEL:-llama3}; base=${PEER_FLAVOR:-8B}; flavor=$base; entry=(-m torchtitan.train)
-    argsdict=${model//_/}_args
-    if [ -n "${PEER_LAYERS:-}" ]; then
-      flavor=${base}_${PEER_LAYERS}L; entry=(/tmp/peer_main.py)
+    # 8-layer tables ("8 all": 8 layers, then the flavor whole). PEER_MODEL: torchtitan's model (default llama3;
+    # deepseek_v3 with PEER_FLAVOR=16B for the MoE families' proxy, PEER_BATCH=2 as our families step); its args dict
+    # is <model>_args (deepseekv3_args).
+    model=${PEER_MODEL:-llama3}; base=${PEER_FLAVOR:-8B}; argsdict=${model//_/}_args
+    for layers in ${PEER_LAYERS:-all}; do
+    flavor=$base; entry=(-m torchtitan.train); tag=""
+    if [ "$layers" != all ]; then
+      flavor=${base}_${layers}L; entry=(/tmp/peer_main.py); tag="_${layers}l"
       printf '%s\n' "import dataclasses" "from torchtitan.models.$model import $argsdict" \
-        "$argsdict['$flavor'] = dataclasses.replace($argsdict['$base'], n_layers=${PEER_LAYERS})" \
+        "$argsdict['$flavor'] = dataclasses.replace($argsdict['$base'], n_layers=${layers})" \
         "from torchtitan.train import Trainer, main" "main(Trainer)" > /tmp/peer_main.py
     fi
     # PEER_AC: the AC modes to try in order, the next only when the last ran out of memory (default "none selective":
@@ -508,17 +520,20 @@ PY
       conv=(); [ $p = fp8 ] && conv=(--model.converters quantize.linear.float8 --quantize.linear.float8.enable_fsdp_float8_all_gather
                                    --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
       for ac in ${PEER_AC:-none selective}; do
-        rm -rf /tmp/peer_run
+        log="$OUT/peer8b_${p}_ac_$ac$tag.log"; label="[peer8b torchtitan $flavor $p, AC $ac] "
+        rm -rf /tmp/peer_run /tmp/peer_cache  # its caches cold each run, as coldstart's are (a cold start beside ours)
+        TORCHINDUCTOR_CACHE_DIR=/tmp/peer_cache/inductor TRITON_CACHE_DIR=/tmp/peer_cache/triton \
         PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
           --model.name $model --model.flavor $flavor \
           --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
           --training.local_batch_size ${PEER_BATCH:-4} --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
           --compile.enable --activation_checkpoint.mode $ac --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" \
-          > "$OUT/peer8b_${p}_ac_$ac.log" 2>&1
-        grep -E "step: +(10|20|30) |Traceback|rror:" "$OUT/peer8b_${p}_ac_$ac.log" | grep -v lspci \
-          | sed "s/^/[peer8b torchtitan $p, AC $ac] /" | cut -c1-250 | tee -a "$OUT/peer8b.log"
-        grep -q "OutOfMemoryError" "$OUT/peer8b_${p}_ac_$ac.log" || break
+          > "$log" 2>&1
+        grep -E "step: +(10|20|30) |Traceback|rror:" "$log" | grep -v lspci | sed "s/^/$label/" | cut -c1-250 | tee -a "$OUT/peer8b.log"
+        python3 scripts/peer_step1.py "$log" | sed "s/^/$label/" | tee -a "$OUT/peer8b.log"
+        grep -q "OutOfMemoryError" "$log" || break
       done
+    done
     done ;;
   scaling_profile)  # where dp_shard=2 loses against one GPU: 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC,
     # bf16 and fp8 on one GPU then dp_shard=2, each with 2 steps traced per rank and the kernel summary (communication and

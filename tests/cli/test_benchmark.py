@@ -95,6 +95,9 @@ def test_benchmark_under_torchrun_keeps_one_process_group_for_every_precision(tm
     assert [r["precision"] for r in records] == ["bf16", "fp8", "bf16"]
     for r in records:
         assert r["tokens_per_s_per_gpu"] * r["step_s"] == pytest.approx(2 * 64)
+        # every rank's own peak (NaN on a CPU), and one plan without a pipeline: the job's
+        assert len(r["peak_memory_gib_ranks"]) == 2
+        assert r["plan_memory_gib_pp_ranks"] == [pytest.approx(r["plan_memory_gib"])]
     assert records[1]["float8_converted"] == fp8_linear_counts(FLAVORS["debug"])[0]
 
 

@@ -66,3 +66,17 @@ def test_tracks_run_one_per_gpu_with_their_env_and_stop_at_the_limit(tmp_path: P
         names = set(tar.getnames())
     assert {"track0/track.log", "track0/leg_done.txt", "track1/track.log"} <= names
     assert "[track 0] gpu=0" in proc.stdout and "[track 1] [track 1] stopped" in proc.stdout
+
+
+def test_tracks_of_two_gpus_each(tmp_path: Path) -> None:
+    """GPU_TRACKS_GPUS=2: track i gets GPUs 2i and 2i+1 (two 2-GPU steps side by side on a 4-GPU machine)."""
+    stub = tmp_path / "checks.sh"
+    stub.write_text('echo "gpu=$CUDA_VISIBLE_DEVICES steps=$*"\n')
+    work = tmp_path / "work"
+    e = env() | {"OUT": str(tmp_path / "out"), "GPU_CHECKS": str(stub), "GPU_TRACKS_WORK": str(work),
+                 "GPU_TRACKS_GPUS": "2", "GPU_CHECKS_DRY_RUN": "1"}
+    proc = subprocess.run(["bash", "scripts/gpu_tracks.sh", "20", "|scaling_variants", "|pp_variants"],
+                          capture_output=True, text=True, env=e, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gpu=0,1 steps=scaling_variants" in (work / "track0" / "track.log").read_text()
+    assert "gpu=2,3 steps=pp_variants" in (work / "track1" / "track.log").read_text()

@@ -1,0 +1,41 @@
+"""The peer's cold start from its log: seconds from torchtitan's first "Training starts at step 1" line to its first
+"step:  1" line, as our train.py's `step 1 done N s after training started` counts ours (scripts/gpu_checks.sh's
+peer8b prints it beside coldstart's lines).
+
+    python scripts/peer_step1.py LOG
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from datetime import datetime
+
+_STAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+_STEP1 = re.compile(r"step:\s+1\s")
+
+
+def step1_seconds(lines: list[str]) -> float | None:
+    """Seconds between the first "Training starts at step 1" and the first step-1 line; None without both."""
+    start = None
+    for line in lines:
+        stamp = _STAMP.search(line)
+        if stamp is None:
+            continue
+        when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        if start is None and "Training starts at step 1" in line:
+            start = when
+        elif start is not None and _STEP1.search(re.sub(r"\x1b\[[0-9;]*m", "", line)):
+            return (when - start).total_seconds()
+    return None
+
+
+def main() -> int:
+    with open(sys.argv[1], errors="replace") as f:
+        seconds = step1_seconds(f.readlines())
+    print(f"step 1 after {seconds:.1f} s" if seconds is not None else "step 1 not reached")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""scripts/peer_step1.py: the peer's cold start read from its log's timestamps."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("peer_step1", REPO / "scripts" / "peer_step1.py")
+peer_step1 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(peer_step1)
+
+
+def test_from_the_first_training_start_to_the_first_step_1_line() -> None:
+    lines = [
+        "[titan] 2026-11-27 15:02:23,100 - root - INFO - Compiling each TransformerBlock with torch.compile\n",
+        "[titan] 2026-11-27 15:02:23,547 - root - INFO - Training starts at step 1\n",
+        "[titan] 2026-11-27 15:02:23,800 - root - INFO - Training starts at step 1\n",  # the second rank's
+        "[titan] 2026-11-27 15:02:30,000 - root - INFO - \x1b[31mstep: 10  \x1b[32mloss: 9.1\n",  # not step 1
+        "[titan] 2026-11-27 15:02:40,917 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss: 12.24043\n",
+        "[titan] 2026-11-27 15:02:41,000 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss: 12.24043\n",
+    ]
+    assert abs(peer_step1.step1_seconds(lines) - 17.37) < 1e-9
+
+
+def test_none_without_a_step_1_line() -> None:
+    lines = ["[titan] 2026-11-27 15:02:23,547 - root - INFO - Training starts at step 1\n",
+             "torch.OutOfMemoryError: CUDA out of memory.\n"]
+    assert peer_step1.step1_seconds(lines) is None
+
+
+def test_a_kept_peer_log() -> None:
+    """The 2026-11-27 dp_shard=2 run's logs (docs/benchmark_data): 17.4 s fp8, 9.8 s bf16."""
+    logs = REPO / "docs" / "benchmark_data" / "session_2026-11-27" / "defaults"
+    for name, seconds in (("peer8b_fp8.log", 17.4), ("peer8b_bf16.log", 9.8)):
+        got = peer_step1.step1_seconds((logs / name).read_text(errors="replace").splitlines())
+        assert round(got, 1) == seconds
