@@ -282,7 +282,7 @@ for s in $STEPS; do case $s in
     [ -n "$DRY" ] || cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
   moe_dispatch)  # FP8 token dispatch (issue 50 item 3): moe_16b x 8 layers, ep=2 on 2 GPUs, batch 2 x 4096 per GPU, compile,
     # no AC, fp8: moe.dispatch_dtype bf16 vs fp8, experts off (bf16) and rowwise; one sitting, profiles for the all-to-all
-    for mode in off rowwise; do
+    for mode in ${DISPATCH_EXPERTS:-off rowwise}; do  # DISPATCH_EXPERTS: the float8.moe_experts modes to run
       for dispatch in bf16 fp8; do
         launch 2 scripts/benchmark.py --json $OUT/bench.jsonl \
           --label "moe_16b x 8 layers, ep=2, batch 2, seq 4096, moe.dispatch_dtype=$dispatch, float8.moe_experts=$mode" \
@@ -394,7 +394,9 @@ for s in $STEPS; do case $s in
         | tee "$OUT/recipe7b_$label.log" | grep -v "^\[rank" | tail -4
     done ;;
   memory_peak)  # the peaks trainer/validate/plan.py was read against, with what is live at them
-    OUT=$OUT python3 scripts/memory_peak.py ${MEMORY_PEAK_CONFIGS:-} 2>&1 | tee "$OUT/memory_peak.log" | grep -E "^(RESULT|FAILED)" | cut -c1-200 ;;
+    # MEMORY_PEAK_GPUS=2: under torchrun (the pipeline configs; each rank's line)
+    mp=(python3 scripts/memory_peak.py); [ "${MEMORY_PEAK_GPUS:-1}" -gt 1 ] && mp=(launch "$MEMORY_PEAK_GPUS" scripts/memory_peak.py)
+    OUT=$OUT "${mp[@]}" ${MEMORY_PEAK_CONFIGS:-} 2>&1 | tee "$OUT/memory_peak.log" | grep -E "^(RESULT|FAILED)" | cut -c1-200 ;;
   docmask)
     python3 -m pytest -q -m gpu tests/gpu/test_documents_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_documents.log" | tail -5
     # Two corpora of byte tokens: the stdlib text (Python's files and pydoc topics: long documents) and web-like

@@ -1,6 +1,7 @@
 """Peak GPU memory of training configs, and what is live at the peak, grouped by the code that allocated it.
 
     python3 scripts/memory_peak.py [NAME ...]        (the names of CONFIGS below; default: all; one GPU)
+    torchrun --nproc_per_node=2 scripts/memory_peak.py bf16_8L_pp2_interleaved   (the pipeline configs: each rank)
 
 For each config: three steps of `Trainer.train_step` (compilation, allocator warm-up), then one step with the CUDA
 allocator's history recorded (for the configs marked True) and two more. Prints and appends to $OUT/memprobe.jsonl
@@ -54,7 +55,7 @@ def run(name: str, extra: list[str], breakdown: bool) -> None:
         r.train_step(r.data_loader.next_batch())
         torch.cuda.synchronize()
         peak1 = torch.cuda.max_memory_allocated(dev)
-        out = {"name": name, "extra": extra, "base_gib": base / 2**30, "peak_gib": peak1 / 2**30}
+        out = {"name": name, "rank": r.env.rank, "extra": extra, "base_gib": base / 2**30, "peak_gib": peak1 / 2**30}
         if breakdown:
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -100,6 +101,8 @@ _MOE = ["--config", "configs/train/moe_16b_4gpu_fp8.toml", "--model.n_layers=8",
 _LONG = ["--config", "configs/train/llama3_8b_128k_cp8.toml", "--model.n_layers=8", "--distributed.cp=1",
          "--checkpoint.restart_data=false"]
 
+_PP2 = ["--distributed.pp=2", "--distributed.dp_shard=1", "--distributed.pp_microbatch_size=1"]
+
 # name -> (overrides, record what is live at the peak)
 CONFIGS = {
     "bf16_8L_b4": (_dense(8, 4, "bf16"), True),
@@ -119,6 +122,10 @@ CONFIGS = {
     "bf16_8L_s32k_full": ([*_LONG, "--train.seq_len=32768"], True),
     "bf16_8L_s64k_full": ([*_LONG, "--train.seq_len=65536"], False),
     "bf16_8L_s128k_full": ([*_LONG, "--train.seq_len=131072"], True),
+    # 2 ranks (torchrun --nproc_per_node=2; each rank prints its own): pp=2, 8 microbatches of one sequence
+    "bf16_8L_pp2_1f1b": (_dense(8, 8, "bf16", "none", *_PP2, "--distributed.pipeline_schedule=1F1B"), True),
+    "bf16_8L_pp2_interleaved": (_dense(8, 8, "bf16", "none", *_PP2, "--distributed.pipeline_schedule=Interleaved1F1B"),
+                                True),
 }
 
 

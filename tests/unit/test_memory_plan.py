@@ -285,3 +285,49 @@ def test_the_plan_is_within_5_percent_of_the_measured_peak(name: str) -> None:
                 "--float8.weights_per_step": "off"}  # rows measured before it existed; the h200-*-weights_per_step-* rows name it
     _, plan = plan_of([*argv, *(f"{k}={v}" for k, v in defaults.items() if not any(a.startswith(k) for a in argv))])
     assert abs(plan.peak_bytes / GIB / measured - 1) < 0.05, (plan.peak_bytes / GIB, measured)
+
+
+# pp=2 on 2x H200, 2026-11-28 (torch 2.11, torchao 0.18; 8B shapes x 8 layers, 8 microbatches of one 4,096-token
+# sequence, compile, no AC): each pipeline rank's own peak (docs/benchmarks.md, "Pipeline parallelism"). Rank 0 of
+# Interleaved1F1B holds its two stages' warm-up chunks (3 of stage 0, 2 of stage 2: 13 block-chunks, 2.6 microbatches
+# of its 5 blocks) and 24 receive buffers; the plan was 7.4-7.8% under before it counted both.
+PP2_8L = [*L8, "--train.batch_size=8", "--data.source=synthetic", "--checkpoint.enable=false", "--train.seq_len=4096",
+          "--train.activation_checkpointing=none", "--distributed.pp=2", "--distributed.dp_shard=1",
+          "--distributed.pp_microbatch_size=1"]
+PIPELINE_MEASURED = {
+    ("1F1B", "bf16"): (21.07, 14.94), ("1F1B", "fp8"): (19.54, 14.40),
+    ("Interleaved1F1B", "bf16"): (23.78, 17.03), ("Interleaved1F1B", "fp8"): (21.56, 15.97),
+}
+
+
+@pytest.mark.parametrize("schedule,precision", list(PIPELINE_MEASURED))
+def test_each_pipeline_ranks_plan_is_within_5_percent_of_its_measured_peak(schedule: str, precision: str) -> None:
+    argv = [*PP2_8L, f"--distributed.pipeline_schedule={schedule}", f"--train.mixed_precision={precision}"]
+    job, _ = plan_of(argv, world_size=2)
+    ranks = plan_ranks(load_job_config(argv), job.model_args, job.parallel_dims, job.build, job.pipeline,
+                       job.float8_layers)
+    for plan, measured in zip(ranks, PIPELINE_MEASURED[schedule, precision], strict=True):
+        assert abs(plan.peak_bytes / GIB / measured - 1) < 0.05, (plan.pp_rank, plan.peak_bytes / GIB, measured)
+    buffers = [row(p, "pipeline buffers") for p in ranks]
+    hidden = 4096 * job.model_args.dim * 2  # one microbatch's bf16 hidden states
+    # 1F1B: each rank's one neighbour x 8 microbatches; Interleaved (stages 0, 2 | 1, 3): 3 neighbours on each rank
+    assert buffers == [8 * hidden] * 2 if schedule == "1F1B" else [24 * hidden] * 2
+
+
+def test_interleaved_chunks_in_flight_follow_torchs_warm_up_order() -> None:
+    """torch's Interleaved1F1B runs forward i of rank r on its local stage (i // microbatches per round) % v, for the
+    warm-up's (v - 1) x per round + 2 (pp - 1 - r) forwards and one steady forward (torch.distributed.pipelining
+    .schedules._get_warmup_ops, read against the installed torch)."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    from trainer.validate.plan import _chunks_in_flight
+
+    for pp, n, v in ((2, 8, 2), (4, 8, 2), (4, 6, 3), (2, 3, 2)):
+        pipeline = type("P", (), {"num_microbatches": n, "stages_per_rank": v, "schedule": "Interleaved1F1B",
+                                  "v_style": False})()
+        per_round = n // max(1, n // pp)
+        for rank in range(pp):
+            forwards = _get_warmup_ops(rank, v, per_round, pp, n) + 1
+            forwards = min(forwards, n * v)
+            expected = [sum(1 for i in range(forwards) if (i // per_round) % v == k) for k in range(v)]
+            assert _chunks_in_flight(pipeline, pp=pp, rank=rank) == expected

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import math
 
+import torch
+
 from trainer.config import GptOssSection, JobConfig, MoESection
 from trainer.errors import ConfigError
 from trainer.hf import ExportError, check_exportable
@@ -22,6 +24,16 @@ from trainer.parallel.pipeline_layout import (
 from trainer.validate.deepseek_v3 import check_deepseek_v3
 
 logger = logging.getLogger(__name__)
+
+ZERO_BUBBLE_MIN_TORCH = (2, 13)
+"""torch 2.11's zero-bubble weight-gradient pass (pipelining/_backward.py's stage_backward_weight) failed at its first
+W action on 2x H200, eager and fp32 too (2026-11-28: `'_input_metadata' is invalid for this instance of
+_C._FunctionBase`); torch 2.13's rewritten one passes the CPU tests (tests/distributed/test_pipeline.py)."""
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def resolve_parallel_dims(cfg: JobConfig, *, world_size: int) -> ParallelDims:
@@ -214,6 +226,12 @@ def _check_schedule(cfg: JobConfig) -> None:
         )
     if schedule in ZERO_BUBBLE_SCHEDULES:
         # Zero-bubble schedules run each stage's backward in two passes (input grads, then weight grads).
+        if torch_version() < ZERO_BUBBLE_MIN_TORCH:
+            raise ConfigError(
+                f"distributed.pipeline_schedule={schedule!r} needs torch >= "
+                f"{'.'.join(map(str, ZERO_BUBBLE_MIN_TORCH))} (this is {torch.__version__}): its weight-gradient pass "
+                "fails in older torch at the first step; use 'Interleaved1F1B' or upgrade torch"
+            )
         if t.compile_model:
             raise ConfigError(
                 f"distributed.pipeline_schedule={schedule!r} with train.compile_model=true: torch's zero-bubble "

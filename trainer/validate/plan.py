@@ -107,7 +107,11 @@ class _Stage:
     embeddings: bool
     head: bool
     microbatches_in_flight: float
-    """Microbatches whose activations this rank holds at once (one chunk of its stages' layers each)."""
+    """Microbatches whose activations this rank holds at once (one chunk of its stages' layers each): under an
+    interleaved schedule the stages' chunks in flight weighted by their blocks."""
+    receive_buffers: int = 0
+    """Microbatch-sized hidden states torch.distributed.pipelining keeps to receive into: one per microbatch for each
+    input from (and gradient from) a stage on another rank, allocated once and held for the run."""
 
 
 def _dtype_bytes(dtype: torch.dtype | None, default: int) -> int:
@@ -143,24 +147,40 @@ def _stages(args: ModelArgs, pd: ParallelDims, pipeline: PipelineOptions | None)
         loop, pos = divmod(s, pd.pp)
         rank = pd.pp - 1 - pos if pipeline.v_style and loop % 2 else pos  # V: the second stage of rank r is 2pp-1-r
         per_rank[rank].append(fqns)
+    rank_of = [pd.pp - 1 - pos if pipeline.v_style and loop % 2 else pos
+               for loop, pos in (divmod(s, pd.pp) for s in range(pipeline.num_stages))]
     stages = []
     for rank, groups in enumerate(per_rank):
         layers = [int(f.split(".")[1]) for fqns in groups for f in fqns if f.startswith("layers.")]
         blocks = tuple(sum(1 for i in layers if i in r) for r in runs)
+        per_stage = [sum(1 for f in fqns if f.startswith("layers.")) for fqns in groups]
         chunks = _chunks_in_flight(pipeline, pp=pd.pp, rank=rank)
+        in_flight = (sum(c * b for c, b in zip(chunks, per_stage)) / sum(per_stage) if sum(per_stage)
+                     else sum(chunks) / max(1, len(groups)))
+        mine = [s for s in range(pipeline.num_stages) if rank_of[s] == rank]
+        neighbours = sum((s > 0 and rank_of[s - 1] != rank) + (s < pipeline.num_stages - 1 and rank_of[s + 1] != rank)
+                         for s in mine)
         stages.append(_Stage(blocks, any("tok_embeddings" in f for f in groups),
-                             any("output_head" in f for f in groups), chunks / max(1, len(groups))))
+                             any("output_head" in f for f in groups), in_flight,
+                             receive_buffers=neighbours * pipeline.num_microbatches))
     return stages
 
 
-def _chunks_in_flight(pipeline: PipelineOptions, *, pp: int, rank: int) -> int:
-    """(Microbatch, stage) forwards whose activations rank `rank` holds before its first backward frees one."""
+def _chunks_in_flight(pipeline: PipelineOptions, *, pp: int, rank: int) -> list[float]:
+    """For each of rank `rank`'s stages (in model order), the microbatches whose activations it holds before the
+    rank's first backward frees one: the schedule's warm-up forwards and the first steady forward."""
     n, v = pipeline.num_microbatches, pipeline.stages_per_rank
     if pipeline.schedule == "GPipe":
-        return n
+        return [n] * v
     if v == 1:  # 1F1B: warm-up forwards, then one forward per backward
-        return min(n, pp - rank)
-    return min(n * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)  # interleaved and V schedules: their warm-up
+        return [min(n, pp - rank)]
+    if pipeline.v_style:  # V schedules: their warm-up, spread evenly over the rank's stages
+        return [min(n * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v] * v
+    # Interleaved: torch's warm-up ((v - 1) rounds of microbatches and 2 per hop from the last rank), forward i on
+    # local stage (i // microbatches per round) % v
+    per_round = n // max(1, n // pp)
+    forwards = min(n * v, (v - 1) * per_round + 2 * (pp - 1 - rank) + 1)
+    return [sum(1 for i in range(forwards) if (i // per_round) % v == k) for k in range(v)]
 
 
 @dataclass(frozen=True)
@@ -224,6 +244,10 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
             _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
     kept = len(rows) - 1  # weights, optimizer state and the EMA: held for the whole run
     tokens = microbatch_tokens(cfg) / pd.cp
+    buffers = [MemoryRow("pipeline buffers", int(stage.receive_buffers * tokens * args.dim * compute),
+                         f"{stage.receive_buffers} receive buffers of a microbatch's hidden states (one per "
+                         "microbatch for each neighbouring stage on another rank)")] if stage.receive_buffers else []
+    rows += buffers  # held for the whole run too
     policy = _policy(build, fp8, compute=compute, cpu=cpu)
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
     rows.append(activations)
@@ -243,11 +267,12 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
         rows.append(MemoryRow("block backward", recompute - loss,
                               ("one block's activations again and " if full_ac else "")
                               + "its MLP's gradients in its backward, beyond the loss's transient"))
-    optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan)) + sum(r.bytes for r in rows[2:kept])
+    optimizer_step = (int(local * (2 * master + sum(moments.values()) + kahan)) + sum(r.bytes for r in rows[2:kept])
+                      + sum(r.bytes for r in buffers))
     notes = (_SELECTIVE_KEEPS_ALL,) if _selective_saves_nothing(args, build, policy) else ()
     start_of_backward = sum(r.bytes for r in rows)
     if optimizer_step >= start_of_backward:
-        rows = rows[:kept] + [MemoryRow("gradients", local * master,
+        rows = rows[:kept] + buffers + [MemoryRow("gradients", local * master,
                                      f"{master} B each, complete from the end of backward to the optimizer step")]
         peak, at = optimizer_step, "the optimizer step"
     else:
