@@ -142,13 +142,12 @@ def _stages(args: ModelArgs, pd: ParallelDims, pipeline: PipelineOptions | None)
     runs = family_of(args).block_runs(args)
     if pipeline is None:
         return [_Stage(tuple(len(r) for r in runs), True, True, 1.0)]
-    per_rank: list[list[tuple[str, ...]]] = [[] for _ in range(pd.pp)]
-    for s, fqns in enumerate(pipeline.stage_fqns):
-        loop, pos = divmod(s, pd.pp)
-        rank = pd.pp - 1 - pos if pipeline.v_style and loop % 2 else pos  # V: the second stage of rank r is 2pp-1-r
-        per_rank[rank].append(fqns)
+    # The rank of each stage; V schedules: the second stage of rank r is 2pp-1-r.
     rank_of = [pd.pp - 1 - pos if pipeline.v_style and loop % 2 else pos
                for loop, pos in (divmod(s, pd.pp) for s in range(pipeline.num_stages))]
+    per_rank: list[list[tuple[str, ...]]] = [[] for _ in range(pd.pp)]
+    for s, fqns in enumerate(pipeline.stage_fqns):
+        per_rank[rank_of[s]].append(fqns)
     stages = []
     for rank, groups in enumerate(per_rank):
         layers = [int(f.split(".")[1]) for fqns in groups for f in fqns if f.startswith("layers.")]
