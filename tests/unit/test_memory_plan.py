@@ -320,11 +320,12 @@ def test_interleaved_chunks_in_flight_follow_torchs_warm_up_order() -> None:
     .schedules._get_warmup_ops, read against the installed torch)."""
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
+    from trainer.parallel.pipeline_layout import PipelineOptions
     from trainer.validate.plan import _chunks_in_flight
 
     for pp, n, v in ((2, 8, 2), (4, 8, 2), (4, 6, 3), (2, 3, 2)):
-        pipeline = type("P", (), {"num_microbatches": n, "stages_per_rank": v, "schedule": "Interleaved1F1B",
-                                  "v_style": False})()
+        pipeline = PipelineOptions(schedule="Interleaved1F1B", microbatch_size=1, num_microbatches=n,
+                                   stages_per_rank=v, stage_fqns=())
         per_round = n // max(1, n // pp)
         for rank in range(pp):
             forwards = _get_warmup_ops(rank, v, per_round, pp, n) + 1
