@@ -188,19 +188,19 @@ for s in $STEPS; do case $s in
     ngpu=${COLD_GPUS:-1}; cmd=(${COLD_PY:-python3} scripts/train.py); [ "$ngpu" -gt 1 ] && cmd=(launch "$ngpu" scripts/train.py)
     gpus=""; [ "$ngpu" -gt 1 ] && gpus="_${ngpu}gpu"
     for layers in ${COLD_LAYERS:-8}; do
-    CS="--config configs/train/llama3_8b.toml $SHAPE_8B --model.n_layers=$layers --train.steps=${COLD_STEPS:-30}
-        --metrics.log_freq=10 --metrics.enable_tensorboard=false ${COLD_ARGS:-}"
-    for run in "${runs[@]}"; do set -- $run; p=$1; m=$2; cache=/tmp/coldstart_${p}_$m
-      tag="$p master=$m ${3:-cold}, $layers layers${gpus:+, $ngpu GPUs}"; log="$OUT/coldstart_${p}_${m}_${layers}l${gpus}${3:+_$3}.log"
-      [ "${3:-}" = warm ] || rm -rf "$cache"
-      start=$(date +%s.%N)
-      TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton "${cmd[@]}" $CS \
-        --train.mixed_precision=$p --distributed.master_dtype=$m --job.dump_folder=/tmp/coldstart_run > "$log" 2>&1
-      rc=$?; end=$(date +%s.%N)
-      grep -E "step +(1|10|20|30)/|compiling|Error" "$log" | cut -c1-220 | sed "s/^/[coldstart $tag] /" | tee -a "$OUT/coldstart.log"
-      echo "[coldstart $tag] exit $rc, process wall $(python3 -c "print(round($end - $start, 1))") s" | tee -a "$OUT/coldstart.log"
-      rm -rf /tmp/coldstart_run
-    done
+      CS="--config configs/train/llama3_8b.toml $SHAPE_8B --model.n_layers=$layers --train.steps=${COLD_STEPS:-30}
+          --metrics.log_freq=10 --metrics.enable_tensorboard=false ${COLD_ARGS:-}"
+      for run in "${runs[@]}"; do set -- $run; p=$1; m=$2; cache=/tmp/coldstart_${p}_$m
+        tag="$p master=$m ${3:-cold}, $layers layers${gpus:+, $ngpu GPUs}"; log="$OUT/coldstart_${p}_${m}_${layers}l${gpus}${3:+_$3}.log"
+        [ "${3:-}" = warm ] || rm -rf "$cache"
+        start=$(date +%s.%N)
+        TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton "${cmd[@]}" $CS \
+          --train.mixed_precision=$p --distributed.master_dtype=$m --job.dump_folder=/tmp/coldstart_run > "$log" 2>&1
+        rc=$?; end=$(date +%s.%N)
+        grep -E "step +(1|10|20|30)/|compiling|Error" "$log" | cut -c1-220 | sed "s/^/[coldstart $tag] /" | tee -a "$OUT/coldstart.log"
+        echo "[coldstart $tag] exit $rc, process wall $(python3 -c "print(round($end - $start, 1))") s" | tee -a "$OUT/coldstart.log"
+        rm -rf /tmp/coldstart_run
+      done
     done ;;
   optim8b)  # fp8, fp32 master weights: torch's fused AdamW kernel (optimizer.implementation=fused) vs our Triton one
     for impl in fused triton; do
@@ -509,33 +509,33 @@ PY
     # is <model>_args (deepseekv3_args).
     model=${PEER_MODEL:-llama3}; base=${PEER_FLAVOR:-8B}; argsdict=${model//_/}_args
     for layers in ${PEER_LAYERS:-all}; do
-    flavor=$base; entry=(-m torchtitan.train); tag=""
-    if [ "$layers" != all ]; then
-      flavor=${base}_${layers}L; entry=(/tmp/peer_main.py); tag="_${layers}l"
-      printf '%s\n' "import dataclasses" "from torchtitan.models.$model import $argsdict" \
-        "$argsdict['$flavor'] = dataclasses.replace($argsdict['$base'], n_layers=${layers})" \
-        "from torchtitan.train import Trainer, main" "main(Trainer)" > /tmp/peer_main.py
-    fi
-    # PEER_AC: the AC modes to try in order, the next only when the last ran out of memory (default "none selective":
-    # the least AC that fits; its fp32 master weights and moments take 8 B per parameter more than our bf16 defaults)
-    for p in ${PEER_PRECISIONS:-bf16 fp8}; do
-      conv=(); [ $p = fp8 ] && conv=(--model.converters quantize.linear.float8 --quantize.linear.float8.enable_fsdp_float8_all_gather
-                                   --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
-      for ac in ${PEER_AC:-none selective}; do
-        log="$OUT/peer8b_${p}_ac_$ac$tag.log"; label="[peer8b torchtitan $flavor $p, AC $ac] "
-        rm -rf /tmp/peer_run /tmp/peer_cache  # its caches cold each run, as coldstart's are (a cold start beside ours)
-        TORCHINDUCTOR_CACHE_DIR=/tmp/peer_cache/inductor TRITON_CACHE_DIR=/tmp/peer_cache/triton \
-        PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
-          --model.name $model --model.flavor $flavor \
-          --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
-          --training.local_batch_size ${PEER_BATCH:-4} --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
-          --compile.enable --activation_checkpoint.mode $ac --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" \
-          > "$log" 2>&1
-        grep -E "step: +(10|20|30) |Traceback|rror:" "$log" | grep -v lspci | sed "s/^/$label/" | cut -c1-250 | tee -a "$OUT/peer8b.log"
-        python3 scripts/peer_step1.py "$log" | sed "s/^/$label/" | tee -a "$OUT/peer8b.log"
-        grep -q "OutOfMemoryError" "$log" || break
+      flavor=$base; entry=(-m torchtitan.train); tag=""
+      if [ "$layers" != all ]; then
+        flavor=${base}_${layers}L; entry=(/tmp/peer_main.py); tag="_${layers}l"
+        printf '%s\n' "import dataclasses" "from torchtitan.models.$model import $argsdict" \
+          "$argsdict['$flavor'] = dataclasses.replace($argsdict['$base'], n_layers=${layers})" \
+          "from torchtitan.train import Trainer, main" "main(Trainer)" > /tmp/peer_main.py
+      fi
+      # PEER_AC: the AC modes to try in order, the next only when the last ran out of memory (default "none selective":
+      # the least AC that fits; its fp32 master weights and moments take 8 B per parameter more than our bf16 defaults)
+      for p in ${PEER_PRECISIONS:-bf16 fp8}; do
+        conv=(); [ $p = fp8 ] && conv=(--model.converters quantize.linear.float8 --quantize.linear.float8.enable_fsdp_float8_all_gather
+                                     --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
+        for ac in ${PEER_AC:-none selective}; do
+          log="$OUT/peer8b_${p}_ac_$ac$tag.log"; label="[peer8b torchtitan $flavor $p, AC $ac] "
+          rm -rf /tmp/peer_run /tmp/peer_cache  # its caches cold each run, as coldstart's are (a cold start beside ours)
+          TORCHINDUCTOR_CACHE_DIR=/tmp/peer_cache/inductor TRITON_CACHE_DIR=/tmp/peer_cache/triton \
+          PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
+            --model.name $model --model.flavor $flavor \
+            --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
+            --training.local_batch_size ${PEER_BATCH:-4} --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
+            --compile.enable --activation_checkpoint.mode $ac --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" \
+            > "$log" 2>&1
+          grep -E "step: +(10|20|30) |Traceback|rror:" "$log" | grep -v lspci | sed "s/^/$label/" | cut -c1-250 | tee -a "$OUT/peer8b.log"
+          python3 scripts/peer_step1.py "$log" | sed "s/^/$label/" | tee -a "$OUT/peer8b.log"
+          grep -q "OutOfMemoryError" "$log" || break
+        done
       done
-    done
     done ;;
   scaling_profile)  # where dp_shard=2 loses against one GPU: 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC,
     # bf16 and fp8 on one GPU then dp_shard=2, each with 2 steps traced per rank and the kernel summary (communication and
