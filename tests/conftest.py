@@ -97,6 +97,17 @@ def trainer_logger_restored():
     log.propagate = saved[3]
 
 
+@pytest.fixture(autouse=True)
+def dynamo_config_restored():
+    """A run that compiles an MoE model sets torch._dynamo's capture_scalar_outputs for its process
+    (trainer.parallel.compile): a test run in-process gives the next test the dynamo config it found."""
+    import torch._dynamo
+
+    saved = torch._dynamo.config.save_config()
+    yield
+    torch._dynamo.config.load_config(saved)
+
+
 @pytest.fixture
 def on_h100(monkeypatch):
     """Validate as on 80 GB H100s (what the shipped GPU configs are written for), whatever this machine's memory:

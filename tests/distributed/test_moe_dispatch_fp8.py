@@ -37,11 +37,12 @@ class _NoGradient(torch.autograd.Function):
 
 def exchange_bytes_and_gradients(dim: int) -> dict:
     """On each of 2 ranks: 24 random rows sent over AllToAllDispatcher's exchange with fp8 and bf16 dispatch; the
-    bytes each c10d all-to-all moved (every rank's sum), and whether the fp8 path received exactly the sender's
+    bytes each of fp8 dispatch's all-to-alls moved (every rank's sum), and whether the fp8 path received exactly the sender's
     quantized rows and gave x the bf16 path's gradient."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from trainer.models import moe_dispatch
     from trainer.models.moe_dispatch import dequantize_blocks, quantize_blocks
     from trainer.parallel.expert_parallel import AllToAllDispatcher
 
@@ -53,13 +54,13 @@ def exchange_bytes_and_gradients(dim: int) -> dict:
     counts = torch.tensor([5, 7, 9, 3]) if rank == 0 else torch.tensor([2, 10, 4, 8])  # 4 experts, 2 per rank
     grad_out = torch.randn(48, dim, generator=g).bfloat16()  # the first rows received of them
     moved: list[tuple[torch.dtype, int]] = []
-    a2a = dist.all_to_all_single
+    a2a = moe_dispatch._all_to_all  # fp8 dispatch's all-to-alls, forward and backward (functional collectives)
 
-    def recording(out, inp, *args, **kwargs):
+    def recording(inp, *args, **kwargs):
         moved.append((inp.dtype, inp.numel() * inp.element_size()))
-        return a2a(out, inp, *args, **kwargs)
+        return a2a(inp, *args, **kwargs)
 
-    dist.all_to_all_single = recording
+    moe_dispatch._all_to_all = recording
     results = {}
     for dtype in ("bf16", "fp8"):
         moved.clear()
@@ -69,7 +70,7 @@ def exchange_bytes_and_gradients(dim: int) -> dict:
             received = blocks.dequantize(received)
         received.backward(grad_out[:received.shape[0]])
         results[dtype] = (received.detach(), x.grad.clone(), list(moved))
-    dist.all_to_all_single = a2a
+    moe_dispatch._all_to_all = a2a
     # A consumer that gives the received rows no gradient: the reverse all-to-all still runs on every rank (zeros).
     x.grad = None
     handle, _blocks, *_ = AllToAllDispatcher(mesh, 4, dispatch_dtype="fp8")._exchange(x, counts)
@@ -91,7 +92,7 @@ def test_fp8_dispatch_moves_one_byte_per_element_and_four_per_block() -> None:
         assert r["fp8_received_exactly"]  # the sender's e4m3 rows and scales, dequantized: nothing else rounds
         assert r["same_gradient"]  # straight-through: the quantization is the identity in backward
         assert r["no_gradient"]
-        # bf16 dispatch goes by the functional collective (not recorded); fp8's forward moves uint8 rows of
+        # bf16 dispatch goes by all_to_all_single_autograd (not recorded); fp8's forward moves uint8 rows of
         # dim + 4 * dim / 128 bytes, its backward the bf16 gradient (2 bytes per element).
         assert r["bf16_moved"] == []
         assert r["fp8_moved"] == [(torch.uint8, r["rows"] * (dim + 4 * dim // 128)), (torch.bfloat16, r["rows"] * dim * 2)]

@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 
 from trainer.models.moe_fp8 import E4M3, E4M3_MAX, _dequantize, _fused_on_cuda, _pow2_scale, _quantize
 
@@ -113,9 +113,8 @@ requantize_rowwise = _fused_on_cuda(_requantize_rowwise)
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty(sum(out_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+    # The functional collective: torch.compile traces it (split sizes as symbols), so the MoE layer stays one graph.
+    return wait_tensor(all_to_all_single(x.contiguous(), out_splits, in_splits, group=group))
 
 
 class _Fp8AllToAll(torch.autograd.Function):
@@ -166,7 +165,6 @@ class Fp8Blocks:
     data: torch.Tensor
     scale: torch.Tensor
 
-    @torch.compiler.disable  # eager, as the dequantization inside fp8_all_to_all was
     def dequantize(self, handle: torch.Tensor) -> torch.Tensor:
         """The rows in handle's dtype (exact), differentiable through `handle` (`fp8_all_to_all_blocks`'s)."""
         return _DequantizeBlocks.apply(handle, self.data, self.scale)
@@ -176,7 +174,6 @@ class Fp8Blocks:
         return requantize_rowwise(self.data, self.scale)
 
 
-@torch.compiler.disable  # a custom Function around c10d collectives with host-side split sizes: eager
 def fp8_all_to_all_blocks(x: torch.Tensor, recv_splits: list[int], send_splits: list[int],
                           group) -> tuple[torch.Tensor, Fp8Blocks]:
     """x's rows moved in FP8 as `all_to_all_single_autograd(x, recv_splits, send_splits)` moves them, kept in FP8:

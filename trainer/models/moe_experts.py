@@ -57,7 +57,7 @@ _warned_loop = False
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[g] for row groups ending at offs; w [G, N, K] (Linear layout, used transposed)."""
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and x.dtype != torch.bfloat16:
         return _cpu_grouped_mm(x, w, offs)
     if x.dtype != torch.bfloat16:
         # The CUDA grouped GEMM is bf16-only: fp32/fp16 runs on a GPU use a per-expert loop (said once).
@@ -73,7 +73,8 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 @torch.compiler.disable
 def _cpu_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     # Eager even inside a compiled block: torch.compile's shape check for _grouped_mm accepts
-    # bf16 only, while the CPU kernel also takes fp32 and fp16 (fp32 CPU runs and tests).
+    # bf16 only, while the CPU kernel also takes fp32 and fp16 (fp32 CPU runs and tests). bf16 on a CPU takes the
+    # GPU's path, compiled inside the block as there.
     if x.dtype == torch.float64:
         return _loop_mm(x, w, offs)  # the CPU kernel rejects float64 (float64 reference tests)
     return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))

@@ -9,6 +9,7 @@ no atomics, deterministic sums, and nothing that needs a host sync.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ class _TokensToExperts(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         n_copies, dim, k = inverse.numel(), grad.shape[1], ctx.k
-        if grad.shape[0] < n_copies:  # dropped copies (past capacity) give no gradient
+        if guard_or_true(grad.shape[0] < n_copies):  # dropped copies (past capacity) give no gradient
             grad = torch.cat([grad, grad.new_zeros(n_copies - grad.shape[0], dim)])
         grad = grad.index_select(0, inverse)
         # k = 1: a permutation's backward, one gather (a sum over one copy would only copy the rows).
@@ -91,7 +92,7 @@ def experts_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, order: torch.Te
     weights [tokens, k] fp32 -> [tokens, dim] fp32."""
     n_tokens, k = weights.shape
     n_assign, dim = inverse.numel(), rows.shape[1]
-    if rows.shape[0] < n_assign:
+    if guard_or_true(rows.shape[0] < n_assign):  # compiled with dropping the count is unknown: pad (maybe by 0)
         rows = torch.cat([rows, rows.new_zeros(n_assign - rows.shape[0], dim)])
     by_token = permute_rows(rows, inverse, order).view(n_tokens, k, dim)
     return (by_token.float() * weights.unsqueeze(-1)).sum(1)

@@ -19,12 +19,18 @@ def apply_compile(model: nn.Module, *, context_parallel: bool) -> str:
     round-trip to memory in fp32 (at vocab 128256 that is most of the step's elementwise traffic).
     context_parallel: the model's attention runs the K/V all-gather (trainer.parallel.context_parallel).
     """
+    moe = any(getattr(block, "moe", None) is not None for block in model.layers.values())
+    if moe:
+        # The host reads token counts in MoE blocks (EP's split sizes, token dropping's kept rows): traced as
+        # symbolic sizes rather than breaking the graph, so an MoE block under ep compiles as one graph (with
+        # bf16 experts; torchtitan sets the same flag), not as one piece per Python frame around each read.
+        torch._dynamo.config.capture_scalar_outputs = True
     for name, block in list(model.layers.named_children()):
-        # MoE blocks break the graph where the host needs token counts (EP split sizes,
-        # token dropping), context parallel around its attention; dense blocks compile whole.
+        # Not fullgraph: FP8 experts' kernel stays eager inside an MoE block, context parallel breaks the graph
+        # around its attention; dense blocks compile whole.
         fullgraph = getattr(block, "moe", None) is None and not context_parallel
         model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph))
-    return f"torch.compile: {len(model.layers)} blocks"
+    return f"torch.compile: {len(model.layers)} blocks" + ("; token counts traced (capture_scalar_outputs)" if moe else "")
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class AllToAllDispatcher(ExpertDispatcher):
         # note: a host sync: the split sizes of the token all-to-all must be known on the host.
         sizes = torch.stack([counts.view(ep, n_local).sum(1), recv.sum(1)]).tolist()
         send_splits, recv_splits = sizes
+        send_splits[-1] = x.shape[0] - sum(send_splits[:-1])  # the same number, in x's shape: compiled, the combine's output has x's rows
         if self.fp8:
             x_recv, blocks = fp8_all_to_all_blocks(x, recv_splits, send_splits, self.group)
         else:
