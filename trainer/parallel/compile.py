@@ -30,7 +30,8 @@ def apply_compile(model: nn.Module, *, context_parallel: bool) -> str:
         # around its attention; dense blocks compile whole.
         fullgraph = getattr(block, "moe", None) is None and not context_parallel
         model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph))
-    return f"torch.compile: {len(model.layers)} blocks" + ("; token counts traced (capture_scalar_outputs)" if moe else "")
+    traced = "; token counts traced (capture_scalar_outputs)" if moe else ""
+    return f"torch.compile: {len(model.layers)} blocks{traced}"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ checkpoints keep the global view (DCP reshards them to any ep). It then installs
       (sorted by local expert) --grouped GEMM--> outputs --all-to-all back--> original order
 
 Token counts per expert are exchanged first (a small all-to-all, then one host sync for
-the split sizes); the token all-to-alls are differentiable
+the split sizes; compiled, dynamo traces them as symbolic sizes and the block stays one graph,
+trainer.parallel.compile); the token all-to-alls are differentiable
 (`all_to_all_single_autograd`), so backward sends the gradients the reverse way. With
 `moe.dispatch_dtype = "fp8"` the dispatch moves the rows as e4m3 with one fp32 scale per 1x128 block and the
 receiver keeps them so (`ExpertRows.blocks`): FP8 rowwise experts requantize them rowwise byte to byte, other
@@ -68,7 +69,8 @@ class AllToAllDispatcher(ExpertDispatcher):
         # note: a host sync: the split sizes of the token all-to-all must be known on the host.
         sizes = torch.stack([counts.view(ep, n_local).sum(1), recv.sum(1)]).tolist()
         send_splits, recv_splits = sizes
-        send_splits[-1] = x.shape[0] - sum(send_splits[:-1])  # the same number, in x's shape: compiled, the combine's output has x's rows
+        # The same number written in x's rows: compiled, the combine's output then has x's shape, not an unknown one.
+        send_splits[-1] = x.shape[0] - sum(send_splits[:-1])
         if self.fp8:
             x_recv, blocks = fp8_all_to_all_blocks(x, recv_splits, send_splits, self.group)
         else:
