@@ -46,7 +46,7 @@ from trainer.models.activations import ActivationPolicy
 from trainer.optim.states import StateDtypes
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.float8.options import kept_weight_bytes
-from trainer.parallel.pipeline_layout import PipelineOptions
+from trainer.parallel.pipeline_layout import PipelineOptions, stage_ids
 
 GIB = 2**30
 
@@ -142,22 +142,17 @@ def _stages(args: ModelArgs, pd: ParallelDims, pipeline: PipelineOptions | None)
     runs = family_of(args).block_runs(args)
     if pipeline is None:
         return [_Stage(tuple(len(r) for r in runs), True, True, 1.0)]
-    # The rank of each stage; V schedules: the second stage of rank r is 2pp-1-r.
-    rank_of = [pd.pp - 1 - pos if pipeline.v_style and loop % 2 else pos
-               for loop, pos in (divmod(s, pd.pp) for s in range(pipeline.num_stages))]
-    per_rank: list[list[tuple[str, ...]]] = [[] for _ in range(pd.pp)]
-    for s, fqns in enumerate(pipeline.stage_fqns):
-        per_rank[rank_of[s]].append(fqns)
     stages = []
-    for rank, groups in enumerate(per_rank):
+    for rank in range(pd.pp):
+        mine = stage_ids(rank, pd.pp, pipeline.num_stages, v_style=pipeline.v_style)  # in model order
+        groups = [pipeline.stage_fqns[s] for s in mine]
         layers = [int(f.split(".")[1]) for fqns in groups for f in fqns if f.startswith("layers.")]
         blocks = tuple(sum(1 for i in layers if i in r) for r in runs)
         per_stage = [sum(1 for f in fqns if f.startswith("layers.")) for fqns in groups]
         chunks = _chunks_in_flight(pipeline, pp=pd.pp, rank=rank)
         in_flight = (sum(c * b for c, b in zip(chunks, per_stage)) / sum(per_stage) if sum(per_stage)
                      else sum(chunks) / max(1, len(groups)))
-        mine = [s for s in range(pipeline.num_stages) if rank_of[s] == rank]
-        neighbours = sum((s > 0 and rank_of[s - 1] != rank) + (s < pipeline.num_stages - 1 and rank_of[s + 1] != rank)
+        neighbours = sum((s > 0 and s - 1 not in mine) + (s < pipeline.num_stages - 1 and s + 1 not in mine)
                          for s in mine)
         stages.append(_Stage(blocks, any("tok_embeddings" in f for f in groups),
                              any("output_head" in f for f in groups), in_flight,
@@ -232,6 +227,10 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
     params = _stage_params(args, stage)
     shards = pd.fsdp_shard * pd.tp
     local = params // shards
+    tokens = microbatch_tokens(cfg) / pd.cp
+    buffers = [MemoryRow("pipeline buffers", int(stage.receive_buffers * tokens * args.dim * compute),
+                         f"{stage.receive_buffers} receive buffers of a microbatch's hidden states (one per "
+                         "microbatch for each neighbouring stage on another rank)")] if stage.receive_buffers else []
     rows = [MemoryRow("weights (sharded)", local * master, f"{_count(params)} parameters / {shards} rank"
                                                              f"{'s' if shards > 1 else ''} x {master} B "
                                                              f"({_name(master)} master weights)"),
@@ -240,13 +239,9 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
                       + (" + the 2 B Kahan buffer" if kahan else "")),
             *([MemoryRow("EMA weights", local * 4, f"train.ema_decay={cfg.train.ema_decay:g}: 4 B (fp32) per "
                                                      "parameter of the shard")] if cfg.train.ema_decay > 0 else []),
+            *buffers,
             _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
-    kept = len(rows) - 1  # weights, optimizer state and the EMA: held for the whole run
-    tokens = microbatch_tokens(cfg) / pd.cp
-    buffers = [MemoryRow("pipeline buffers", int(stage.receive_buffers * tokens * args.dim * compute),
-                         f"{stage.receive_buffers} receive buffers of a microbatch's hidden states (one per "
-                         "microbatch for each neighbouring stage on another rank)")] if stage.receive_buffers else []
-    rows += buffers  # held for the whole run too
+    kept = len(rows) - 1  # weights, optimizer state, the EMA and pipeline buffers: held for the whole run
     policy = _policy(build, fp8, compute=compute, cpu=cpu)
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
     rows.append(activations)
@@ -266,12 +261,11 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
         rows.append(MemoryRow("block backward", recompute - loss,
                               ("one block's activations again and " if full_ac else "")
                               + "its MLP's gradients in its backward, beyond the loss's transient"))
-    optimizer_step = (int(local * (2 * master + sum(moments.values()) + kahan)) + sum(r.bytes for r in rows[2:kept])
-                      + sum(r.bytes for r in buffers))
+    optimizer_step = int(local * (2 * master + sum(moments.values()) + kahan)) + sum(r.bytes for r in rows[2:kept])
     notes = (_SELECTIVE_KEEPS_ALL,) if _selective_saves_nothing(args, build, policy) else ()
     start_of_backward = sum(r.bytes for r in rows)
     if optimizer_step >= start_of_backward:
-        rows = rows[:kept] + buffers + [MemoryRow("gradients", local * master,
+        rows = rows[:kept] + [MemoryRow("gradients", local * master,
                                      f"{master} B each, complete from the end of backward to the optimizer step")]
         peak, at = optimizer_step, "the optimizer step"
     else:
