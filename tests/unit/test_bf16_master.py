@@ -133,6 +133,24 @@ def test_stochastic_rounding_is_unbiased_and_a_function_of_its_key() -> None:
     assert abs(bits.float().mean().item() / 65535 - 0.5) < 0.01  # uniform over 16 bits
 
 
+def test_the_three_streams_of_an_element_are_uniform_and_uncorrelated() -> None:
+    """The weights' and exp_avg's bits are the two halves of one hash, exp_avg_sq's a hash of it: over 2^20 elements
+    each stream's mean is within 6 standard errors of a uniform 16-bit draw's (sd 65536 / sqrt(12) / sqrt(n), 18.5)
+    and each pair's correlation within 6 / sqrt(n) (0.006) of zero, for two keys, one with a high half."""
+    n = 1 << 20
+    index = torch.arange(n) * 3 + (1 << 33)  # a global index past 2^32: only its low 32 bits enter the hash
+    for key in (torch.tensor(7), torch.tensor((5 << 40) + 123)):
+        streams = torch.stack([random_bits16(index, key, s).double() for s in range(3)])
+        sd_mean = 65536 / 12**0.5 / n**0.5
+        assert ((streams.mean(1) - 32767.5).abs() < 6 * sd_mean).all(), streams.mean(1)
+        corr = torch.corrcoef(streams)
+        assert (corr - torch.eye(3, dtype=corr.dtype)).abs().max() < 6 / n**0.5, corr
+        # the low 8 bits against the high 8 bits of one stream and across streams: no shared bits by construction
+        low, high = streams % 256, torch.div(streams, 256, rounding_mode="floor")
+        cross = torch.corrcoef(torch.cat([low, high]))
+        assert (cross - torch.eye(6, dtype=cross.dtype)).abs().max() < 6 / n**0.5, cross
+
+
 def test_rounding_is_keyed_by_fqn_so_a_pipeline_stage_rounds_as_the_whole_model() -> None:
     """A pipeline stage's optimizer holds some of the parameters, at other positions: keyed by the fqn
     (not the position), each parameter draws the same bits as in the whole model's optimizer."""

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from trainer.distributed import Layout
+from trainer.optim.update import STREAM_MIX as _MIX
 
 # Columns of the per-tensor table (int64). Where the tensors are (in elements from the launch's first tensor of
 # their kind: the kernel's base pointers; weights and Kahan buffers share one), then the local tensor as up to 3 dims
@@ -41,8 +42,9 @@ from trainer.distributed import Layout
 # scales are (from the launch's first scale tensor).
 _P, _G, _M, _V, _C, _STEP = (tl.constexpr(i) for i in range(6))
 _NUMEL, _N1, _N2, _O0, _O1, _O2, _S0, _S1, _S2, _BASE, _CONTIG = (tl.constexpr(i) for i in range(6, 17))
-_K0, _K1, _K2, _KHI, _S = (tl.constexpr(i) for i in range(17, 22))
-COLUMNS = 22
+_KLO, _KHI, _S = (tl.constexpr(i) for i in range(17, 20))
+COLUMNS = 20
+STREAM_MIX: tl.constexpr = tl.constexpr(_MIX)  # exp_avg_sq's bits: a hash of the element's 32 bits XOR this
 QB: tl.constexpr = tl.constexpr(128)  # an fp8 exp_avg's block: 1 x 128 elements (trainer.optim.states.QBLOCK)
 
 ROUND_NONE, ROUND_STOCHASTIC, ROUND_KAHAN = 0, 1, 2
@@ -63,10 +65,15 @@ def _hash32(x):
 
 
 @triton.jit
-def _bits16(lo, key_lo, key_hi):
-    """trainer.optim.update.random_bits16 with the host's (key + stream * c) & 0xFFFFFFFF and key >> 32."""
-    x = _hash32(lo ^ key_lo)
-    return (_hash32(x ^ key_hi) & 0xFFFF).to(tl.int32)
+def _bits32(lo, key_lo, key_hi):
+    """trainer.optim.update.random_bits16's 32-bit hash of (index, key), from the host's key & 0xFFFFFFFF and
+    key >> 32: its low half is the weights' stream, its high half exp_avg's."""
+    return _hash32(_hash32(lo ^ key_lo) ^ key_hi)
+
+
+@triton.jit
+def _low16(x):
+    return (x & 0xFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -247,8 +254,8 @@ def _update_block(
             index = ((i0 + tl.load(row + _O0)) * tl.load(row + _S0) + (i1 + tl.load(row + _O1)) * tl.load(row + _S1)
                      + (i2 + tl.load(row + _O2)) * tl.load(row + _S2))
         lo = (index & 0xFFFFFFFF).to(tl.uint32)
-        key_hi = tl.load(row + _KHI).to(tl.uint32)
-        m_bits = _bits16(lo, tl.load(row + _K1).to(tl.uint32), key_hi)
+        bits = _bits32(lo, tl.load(row + _KLO).to(tl.uint32), tl.load(row + _KHI).to(tl.uint32))
+        m_bits = (bits >> 16).to(tl.int32)
         if M_FP8:
             _store_fp8(m_ptr, s_ptr, m, m_bits, start, local, numel, mask, MASKED, BLOCK_SIZE)
         elif M_DTYPE == tl.bfloat16:
@@ -256,14 +263,13 @@ def _update_block(
         else:
             _store(m_ptr + local, m, mask, MASKED)
         if V_DTYPE == tl.bfloat16:
-            _store(v_ptr + local, _stochastic_round(v, _bits16(lo, tl.load(row + _K2).to(tl.uint32), key_hi)), mask,
-                   MASKED)
+            _store(v_ptr + local, _stochastic_round(v, _low16(_hash32(bits ^ STREAM_MIX))), mask, MASKED)
         else:
             _store(v_ptr + local, v, mask, MASKED)
         if P_DTYPE == tl.float32:  # fp32 master weights (moments of their own): no rounding to choose
             _store(p_ptr + local, p + delta, mask, MASKED)
         elif ROUND == 1:
-            new = _stochastic_round(p + delta, _bits16(lo, tl.load(row + _K0).to(tl.uint32), key_hi))
+            new = _stochastic_round(p + delta, _low16(bits))
             _store(p_ptr + local, new, mask, MASKED)
         else:  # Kahan: round to nearest, keep what rounding dropped (trainer.optim.update.update_rows)
             c_ptr = _tensor(p_base, row, _C, P_ALIGN)
@@ -423,11 +429,11 @@ def adamw_step(
         row = [p_offsets[0][i], g_offsets[i], m_offsets[i], v_offsets[i], p_offsets[1][i], step_offsets[i],
                p.numel()]
         if layouts is None:
-            row += [1, 1] + [0] * 8 + [0, 0, 0, 0]
+            row += [1, 1] + [0] * 8 + [0, 0]
         else:
-            key = keys[i]  # random_bits16's key per stream (0: weights, 1: exp_avg, 2: exp_avg_sq), and its high half
+            key = keys[i]  # random_bits16's key: its low and high halves
             row += _layout_columns(layouts[i], tuple(p.shape))
-            row += [(key + stream * 0x632BE5AB) & 0xFFFFFFFF for stream in range(3)] + [key >> 32]
+            row += [key & 0xFFFFFFFF, key >> 32]
         row.append(s_offsets[i])
         assert len(row) == COLUMNS, row
         rows.append(row)

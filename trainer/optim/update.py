@@ -72,10 +72,20 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+STREAM_MIX = 0x632BE5AB
+"""XORed into an element's 32 bits before the hash that gives the exp_avg_sq stream its own bits."""
+
+
 def random_bits16(index: torch.Tensor, key: torch.Tensor, stream: int) -> torch.Tensor:
-    """16 uniform random bits (int32) per element, a pure function of (index, key, stream)."""
-    x = _hash32((index & _M32) ^ ((key + stream * 0x632BE5AB) & _M32))
-    return (_hash32(x ^ (key >> 32)) & 0xFFFF).to(torch.int32)
+    """16 uniform random bits (int32) per element, a pure function of (index, key, stream): stream 0 (the weights)
+    and 1 (exp_avg) are the two halves of one 32-bit hash of (index, key), stream 2 (exp_avg_sq) a hash of that hash.
+    Three 32-bit hashes an element for all three streams, where one of its own per stream took six: the Triton
+    kernel's stochastic update is bound by this integer arithmetic on an H200 (docs/benchmarks.md, the optimizer
+    step)."""
+    x = _hash32(_hash32((index & _M32) ^ (key & _M32)) ^ (key >> 32))
+    if stream == 2:
+        x = _hash32(x ^ STREAM_MIX)
+    return ((x >> 16) if stream == 1 else (x & 0xFFFF)).to(torch.int32)
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor:
