@@ -25,6 +25,7 @@
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
+#   bash scripts/gpu_checks.sh parity_dispatch (2 GPUs: moe_small at ep=2, bf16 x2 seeds vs fp8 with moe.dispatch_dtype fp8 / bf16)
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 #   bash scripts/gpu_checks.sh moe_dispatch  (2 GPUs: moe_16b x 8 layers, ep=2, fp8: moe.dispatch_dtype bf16 vs fp8, with
 #       the experts bf16 and FP8 rowwise; tokens/s per GPU and the all-to-all's share of a profiled step; docs/moe.md)
@@ -347,6 +348,18 @@ for s in $STEPS; do case $s in
       --variant "experts-bf16=--float8.moe_experts=off" --variant "experts-fp8=--float8.moe_experts=rowwise" \
       ${PARITY_LEGS:+--legs $PARITY_LEGS} \
       2>&1 | tee "$OUT/parity_moe.log" | tail -12 ;;
+  parity_dispatch)  # FP8 token dispatch's accuracy (issue 50 item 3): moe_small at ep=2 on 2 GPUs, 4 x 2,048 tokens per GPU
+    # (parity_moe's 8 a step in all), 500 steps of the stdlib text: bf16 x2 seeds (bf16 dispatch) vs fp8 compute with
+    # moe.dispatch_dtype fp8 and with bf16 (what the dispatch alone changes); ~3 min a leg, so two calls (finished
+    # legs in docs/benchmark_data/parity_dispatch are reused; PARITY_LEGS picks)
+    [ -d docs/benchmark_data/parity_dispatch ] && cp -r docs/benchmark_data/parity_dispatch "$OUT/"
+    python3 scripts/fp8_parity.py --config configs/train/debug_moe.toml --out "$OUT/parity_dispatch" --seeds 1 --tolerance 0.01 \
+      --nproc-per-leg 2 --model.flavor=moe_small --distributed.ep=2 --train.steps=${PARITY_MOE_STEPS:-500} \
+      --train.batch_size=4 --train.seq_len=2048 --train.compile_model=true --scheduler.warmup_steps=50 --optimizer.lr=1e-3 \
+      --data.source=stdlib --validation.freq=100 --validation.steps=8 --metrics.log_freq=10 \
+      --metrics.enable_tensorboard=false --variant "dispatch-fp8=--moe.dispatch_dtype=fp8" \
+      --variant "dispatch-bf16=--moe.dispatch_dtype=bf16" ${PARITY_LEGS:+--legs $PARITY_LEGS} \
+      2>&1 | tee "$OUT/parity_dispatch.log" | tail -12 ;;
   parity1b)  # docs/fp8.md "Check that FP8 did not hurt": 1B, 1,000 steps x 16K tokens of BPE text (data/py_bpe, built
     # by scripts/build_tokenizer.py), bf16 x2 seeds vs each FP8 setting and bf16 master weights (the *-seed1 legs: the
     # two stochastic bf16-master legs again with train.seed=1, the seed of bf16-seed2; the variant's override comes

@@ -255,3 +255,22 @@ def test_the_gpu_checks_parity_step_parses(tmp_path: Path):
     fp8_parity.check_legs(args, [], parsed, tmp_path)  # every leg's overrides load as a config
     seed1 = fp8_parity.leg_commands(args, [], parsed, 0, Path("/tmp/x"))["fp8-bf16-master-seed1"]
     assert seed1[-1] == "--train.seed=1" and "--train.seed=0" in seed1  # its own seed comes last and wins
+
+
+def test_the_gpu_checks_dispatch_parity_step_loads_every_leg(tmp_path: Path):
+    """scripts/gpu_checks.sh's parity_dispatch step, as the shell would pass it: two processes a leg at ep=2, the
+    dispatch variants fp8 compute with moe.dispatch_dtype fp8 and bf16, every leg's config loads."""
+    import re
+    import shlex
+
+    script = (REPO / "scripts" / "gpu_checks.sh").read_text()
+    step = script[script.index("  parity_dispatch)"):]
+    step = step[:step.index(";;")]
+    command = step[step.index("python3 scripts/fp8_parity.py"):step.index("2>&1")].replace("\\\n", " ")
+    command = re.sub(r"\$\{PARITY_LEGS:\+[^}]*\}", "", command.replace("${PARITY_MOE_STEPS:-500}", "500"))
+    argv = shlex.split(command.replace('"$OUT/parity_dispatch"', str(tmp_path)))[2:]
+    args, overrides, variants = fp8_parity.parse_args(argv)
+    assert args.nproc_per_leg == 2 and args.seeds == 1 and "--distributed.ep=2" in overrides
+    assert variants == {"dispatch-fp8": ["--moe.dispatch_dtype=fp8"], "dispatch-bf16": ["--moe.dispatch_dtype=bf16"]}
+    cfg = fp8_parity.check_legs(args, overrides, variants, tmp_path)
+    assert cfg.model.flavor == "moe_small" and cfg.train.steps == 500
