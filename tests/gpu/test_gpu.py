@@ -136,3 +136,42 @@ def test_float8_model_close_to_bf16_on_gpu() -> None:
     fp8_err, emulated_err = grad_rel_err(fp8["grads"], bf16["grads"]), grad_rel_err(emulated["grads"], bf16["grads"])
     assert 0 < fp8_err < 0.5, fp8_err
     assert fp8_err < 1.25 * emulated_err, (fp8_err, emulated_err)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_training_step_never_waits_for_the_device(tmp_path: Path, precision: str) -> None:
+    """After the warm-up, Trainer.train_step (forward, backward, grad norm, clipping, the AdamW kernel, with FSDP2's
+    hooks) queues its work without a host sync, so each step's first kernels are queued while the last one runs:
+    torch's sync debug mode "error" raises on any synchronizing call (an .item(), a copy from pageable host memory
+    such as torch.tensor(x, device="cuda"), which the valid-label count made every step until 2026-11-28)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.helpers import REPO, env
+
+    code = textwrap.dedent(f"""
+        import torch
+        from trainer.config import load_job_config
+        from trainer.distributed import destroy_distributed
+        from trainer.run.train import build_trainer
+        cfg = load_job_config(["--config", "configs/train/llama3_1b.toml", "--model.n_layers=2", "--train.seq_len=1024",
+                               "--train.batch_size=2", "--train.steps=10", "--data.source=synthetic",
+                               "--checkpoint.enable=false", "--train.mixed_precision={precision}",
+                               "--train.precision_schedule=", "--metrics.enable_tensorboard=false",
+                               "--job.dump_folder={tmp_path}"])
+        runner = build_trainer(cfg)
+        for _ in range(3):  # compilation and first-use inits may sync
+            runner.train_step(runner.events.next_batch(runner.data_loader))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        for _ in range(2):
+            runner.train_step(runner.events.next_batch(runner.data_loader))
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        destroy_distributed()
+        print("2 steps, no host sync")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "2 steps, no host sync" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

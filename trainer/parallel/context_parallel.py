@@ -51,6 +51,7 @@ class ContextParallel:
     rank: int
     size: int
     _positions: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _orders: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of_mesh(cls, cp_mesh: DeviceMesh) -> ContextParallel:
@@ -73,8 +74,13 @@ class ContextParallel:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         batch, chunk = x.shape[0], x.shape[1] // 2
         slots = torch.stack(parts, dim=1).view(batch, 2 * self.size, chunk)  # rank order: chunks r and 2N-1-r
-        order = torch.tensor(gathered_chunk_order(self.size), device=x.device)
-        return slots.index_select(1, order).view(batch, 2 * self.size * chunk)
+        return slots.index_select(1, self._chunk_order(x.device)).view(batch, 2 * self.size * chunk)
+
+    def _chunk_order(self, device: torch.device) -> torch.Tensor:
+        """gathered_chunk_order on `device`, made once (a copy from the host waits for the device), cached."""
+        if (key := str(device)) not in self._orders:
+            self._orders[key] = torch.tensor(gathered_chunk_order(self.size), device=device)
+        return self._orders[key]
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's `local_len` tokens (for RoPE), cached."""

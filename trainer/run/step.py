@@ -237,7 +237,10 @@ class TrainStep:
         """N (module docstring) as a device tensor: counted on the host from this rank's labels, then summed over
         the dp x cp ranks (an asynchronous all-reduce of one number; no host sync)."""
         valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
-        count = torch.tensor(float(valid), device=self.device)
+        # A fill kernel with the count as its argument. Not torch.tensor(valid, device=...): that copies from pageable
+        # host memory and waits for the device to finish everything queued, the previous step whole, so the next
+        # step's first kernels reached an idle GPU late (one such wait a step in the 2026-11-27 dp_shard=2 traces).
+        count = torch.full((), float(valid), device=self.device)
         if self.dp_cp_group is not None:
             dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
         return count
