@@ -238,16 +238,19 @@ def test_legs_run_side_by_side_per_gpu_group_or_per_core(monkeypatch, gpus, core
     assert fp8_parity.leg_slots(nproc) == slots
 
 
+def _gpu_checks_step(name: str) -> str:
+    """scripts/gpu_checks.sh's step `name`: its case branch, up to its `;;`."""
+    script = (REPO / "scripts" / "gpu_checks.sh").read_text()
+    step = script[script.index(f"  {name})"):]
+    return step[:step.index(";;")]
+
+
 def test_the_gpu_checks_parity_step_parses(tmp_path: Path):
     """scripts/gpu_checks.sh's parity1b step: every --variant it passes is one fp8_parity accepts (a rule for names
     once refused the recorded -seed1 legs there, on the GPU, after the lease had started)."""
     import re
 
-    from tests.helpers import REPO
-
-    script = (REPO / "scripts" / "gpu_checks.sh").read_text()
-    step = script[script.index("  parity1b)"):]
-    step = step[:step.index(";;")]
+    step = _gpu_checks_step("parity1b")
     variants = [f"--variant={quoted or bare}" for quoted, bare in re.findall(r'--variant (?:"([^"]*)"|(\S+))', step)]
     assert len(variants) >= 10 and "--seeds 1 " in step  # the recorded legs: one seed each
     args, _, parsed = fp8_parity.parse_args(["--config", DEBUG_CONFIG, "--seeds", "1", *variants])
@@ -263,9 +266,7 @@ def test_the_gpu_checks_dispatch_parity_step_loads_every_leg(tmp_path: Path):
     import re
     import shlex
 
-    script = (REPO / "scripts" / "gpu_checks.sh").read_text()
-    step = script[script.index("  parity_dispatch)"):]
-    step = step[:step.index(";;")]
+    step = _gpu_checks_step("parity_dispatch")
     command = step[step.index("python3 scripts/fp8_parity.py"):step.index("2>&1")].replace("\\\n", " ")
     command = re.sub(r"\$\{PARITY_LEGS:\+[^}]*\}", "", command.replace("${PARITY_MOE_STEPS:-500}", "500"))
     argv = shlex.split(command.replace('"$OUT/parity_dispatch"', str(tmp_path)))[2:]

@@ -82,7 +82,16 @@ def random_bits16(index: torch.Tensor, key: torch.Tensor, stream: int) -> torch.
     Three 32-bit hashes an element for all three streams, where one of its own per stream took six: the Triton
     kernel's stochastic update is bound by this integer arithmetic on an H200 (docs/benchmarks.md, the optimizer
     step)."""
-    x = _hash32(_hash32((index & _M32) ^ (key & _M32)) ^ (key >> 32))
+    return _stream_bits(_element_hash(index, key), stream)
+
+
+def _element_hash(index: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash of (index, key) every stream of random_bits16 is drawn from."""
+    return _hash32(_hash32((index & _M32) ^ (key & _M32)) ^ (key >> 32))
+
+
+def _stream_bits(x: torch.Tensor, stream: int) -> torch.Tensor:
+    """random_bits16's `stream` from its element hash `x`."""
     if stream == 2:
         x = _hash32(x ^ STREAM_MIX)
     return ((x >> 16) if stream == 1 else (x & 0xFFFF)).to(torch.int32)
@@ -159,22 +168,23 @@ def update_rows(p, grad, m, m_scale, v, comp, index, key, lr, bc1, bc2_sqrt, gra
                                        bias_correction2_sqrt=bc2_sqrt, beta1=beta1, beta2=beta2, eps=eps,
                                        weight_decay=weight_decay)
     keep = None if found_inf is None else found_inf == 0  # a skipped step leaves every tensor as it was
+    bits32 = _element_hash(index, key)  # every stream's random bits are drawn from it
     if m_scale is not None:
-        q, s = quantize_blocks(m_new, random_bits16(index, key, 1))
+        q, s = quantize_blocks(m_new, _stream_bits(bits32, 1))
         if keep is not None:
             q, s = torch.where(keep, q.view(torch.uint8), m.view(torch.uint8)).view(m.dtype), torch.where(keep, s,
                                                                                                         m_scale)
         m.copy_(q)
         m_scale.copy_(s)
     else:
-        _store(m, m_new if keep is None else torch.where(keep, m_new, m_old), random_bits16(index, key, 1))
-    _store(v, v_new if keep is None else torch.where(keep, v_new, v_old), random_bits16(index, key, 2))
+        _store(m, m_new if keep is None else torch.where(keep, m_new, m_old), _stream_bits(bits32, 1))
+    _store(v, v_new if keep is None else torch.where(keep, v_new, v_old), _stream_bits(bits32, 2))
     if keep is not None:
         delta = torch.where(keep, delta, 0.0)
     if p.dtype == torch.float32:
         p.add_(delta)
     elif comp is None:
-        p.copy_(stochastic_round_to_bf16(p32 + delta, random_bits16(index, key, 0)))
+        p.copy_(stochastic_round_to_bf16(p32 + delta, _stream_bits(bits32, 0)))
     else:  # Kahan: round to nearest, keep what rounding dropped (exact in fp32)
         c_old = comp.float()
         y = delta + c_old
