@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO, env
 
@@ -36,6 +39,29 @@ def test_a_failing_step_makes_the_script_exit_1_and_names_it(tmp_path: Path) -> 
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "config error: unknown key [train].bach_size (did you mean batch_size?)" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "== FAILED steps: scaling_profile no_such_step =="
+
+
+@pytest.mark.parametrize("parity_exit, status, last", [
+    (3, 3, "== INCONCLUSIVE parity steps: parity_moe parity_dispatch =="),
+    (1, 1, "== FAILED steps: parity_moe parity_dispatch =="),
+])
+def test_an_inconclusive_parity_verdict_is_not_a_failure(tmp_path: Path, parity_exit: int, status: int,
+                                                         last: str) -> None:
+    """scripts/fp8_parity.py exits 3 for INCONCLUSIVE (no leg failed): the parity steps are listed as such and the
+    script exits 3, not 1; its exit 1 (a FAIL) stays a failed step. A python3 ahead on PATH stands for the parity
+    script and hands every other call to the real interpreter."""
+    shim = tmp_path / "bin" / "python3"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/usr/bin/env bash\nif [ "$1" = scripts/fp8_parity.py ]; then echo "verdict of $*"; '
+                    f'exit {parity_exit}; fi\nexec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    e = env() | {"GPU_CHECKS_DRY_RUN": "1", "OUT": str(tmp_path / "out"), "PATH": f"{shim.parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", "parity_moe", "parity_dispatch"], capture_output=True,
+                          text=True, env=e, cwd=REPO, timeout=120)
+    assert proc.returncode == status, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == last
+    assert "verdict of scripts/fp8_parity.py --config configs/train/debug_moe.toml" in proc.stdout
+    assert "FAILED (exit 3)" not in proc.stdout
 
 
 def test_tracks_run_one_per_gpu_with_their_env_and_stop_at_the_limit(tmp_path: Path) -> None:
