@@ -9,6 +9,9 @@ validated for N ranks and its memory plan printed, as `scripts/train.py --dry-ru
 the E GPUs emulated), exit 3 when a plan does not fit its GPU. scripts/gpu_checks.sh's GPU_CHECKS_DRY_RUN checks its
 multi-GPU steps this way.
 
+`--inductor KEY=VALUE` (repeatable) sets one of torch._inductor.config's options for every run, e.g.
+`--inductor triton.prefer_nd_tiling=true`: an inductor option measured before the trainer adopts it.
+
 A precision may name an FP8 recipe, `fp8:RECIPE` (e.g. `--precisions bf16,fp8,fp8:blockwise`): that run adds
 `--float8.recipe=RECIPE` after the overrides.
 
@@ -168,6 +171,41 @@ def reference_optimizer(shapes: list[tuple[int, ...]], dtype: torch.dtype, devic
         times.append(time.perf_counter() - start)
     del params, grads, opt
     return statistics.median(times)
+
+
+def inductor_options(items: list[str]) -> dict:
+    """`--inductor KEY=VALUE` items -> {key: value} for torch._inductor.config.patch, each key one of inductor's
+    options (`triton.prefer_nd_tiling=true`, `coordinate_descent_tuning=1`) and its value of that option's type;
+    a ValueError that names the bad item otherwise."""
+    import difflib
+
+    import torch._inductor.config as inductor
+
+    known, options = inductor.get_config_copy(), {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--inductor {item}: expected KEY=VALUE")
+        if key not in known:
+            near = difflib.get_close_matches(key, list(known), n=1)
+            raise ValueError(f"--inductor {item}: inductor has no option {key!r}"
+                             + (f" (did you mean {near[0]}?)" if near else ""))
+        current = known[key]
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"--inductor {item}: {key} is true or false")
+            options[key] = raw.lower() in ("true", "1")
+        elif isinstance(current, (int, float)) or current is None:
+            try:
+                options[key] = type(current)(raw) if current is not None else int(raw)
+            except ValueError:
+                raise ValueError(f"--inductor {item}: {key} is a number") from None
+        elif isinstance(current, str):
+            options[key] = raw
+        else:
+            raise ValueError(f"--inductor {item}: {key} holds a {type(current).__name__}; only booleans, numbers "
+                             "and strings can be set here")
+    return options
 
 
 def precision_overrides(precision: str) -> list[str]:
@@ -337,6 +375,9 @@ def main() -> int:
                         help="fp8 tensorwise through our Float8TensorwiseLinear (trainer/parallel/float8/tensorwise.py) "
                              "even with dynamic scaling and bf16 saved inputs: times it against torchao's Float8Linear, "
                              "whose numbers it computes")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="set one of torch._inductor.config's options for every run (repeatable), e.g. "
+                             "triton.prefer_nd_tiling=true: to measure an inductor option before the trainer adopts it")
     parser.add_argument("--gpu-memory-gib", type=float, default=79.6,
                         help="memory of each emulated GPU (default 79.6 GiB: an H100 80GB)")
     args, overrides = parser.parse_known_args()
@@ -348,6 +389,10 @@ def main() -> int:
         parser.error("--emulate-gpus caps CUDA memory: it needs a GPU")
     if args.emulate_gpus < 0 or args.gpu_memory_gib <= 0:
         parser.error("--emulate-gpus must be >= 0 and --gpu-memory-gib > 0")
+    try:
+        inductor = inductor_options(args.inductor)
+    except ValueError as e:
+        parser.error(str(e))
     overrides = [o for o in overrides if o != "--"]
     if any(o.startswith("--job.dump_folder") for o in overrides):
         parser.error("the benchmark's folder is --dump-folder DIR, not the override --job.dump_folder")
@@ -367,15 +412,19 @@ def main() -> int:
     ok = False
     try:
         emulate = (args.emulate_gpus, args.gpu_memory_gib) if args.emulate_gpus else None
-        results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir,
-                             emulate=emulate) for p in args.precisions.split(",")]
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(inductor):
+            results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir,
+                                 emulate=emulate) for p in args.precisions.split(",")]
         ok = True
     finally:
         destroy_distributed(barrier=ok)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 prints and writes for all
         return 0
     base = results[0]["tokens_per_s_per_gpu"]
-    print(f"\n{args.label or args.config}: {' '.join(overrides)}")
+    print(f"\n{args.label or args.config}: {' '.join(overrides)}"
+          + "".join(f" --inductor {k}={v}" for k, v in inductor.items()))
     if args.emulate_gpus:
         print(f"memory capped per process to {results[0]['memory_cap_gib']:.1f} GiB: one of {args.emulate_gpus} "
               f"GPUs of {args.gpu_memory_gib} GiB running this job")
@@ -383,7 +432,7 @@ def main() -> int:
           f"{'plan GiB':>8} {'vs ' + results[0]['precision']:>8} {'step 1 s':>8} {'compile s':>9}")
     for r in results:
         r["speedup"] = r["tokens_per_s_per_gpu"] / base
-        r["label"], r["overrides"] = args.label, overrides
+        r["label"], r["overrides"], r["inductor"] = args.label, overrides, inductor
         print(f"{r['precision']:<13} {r['step_s']:7.3f} {r['tokens_per_s_per_gpu']:10,.0f} "
               f"{r['model_tflops_per_gpu']:8.1f} {_pct(r['mfu_pct']):>6} {r['peak_memory_gib']:8.2f} "
               f"{r['plan_memory_gib']:8.2f} {r['speedup']:7.2f}x {r['first_step_s']:8.1f} {r['compile_s']:9.1f}")

@@ -29,6 +29,8 @@
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 #   bash scripts/gpu_checks.sh moe_dispatch  (2 GPUs: moe_16b x 8 layers, ep=2, fp8: moe.dispatch_dtype bf16 vs fp8, with
 #       the experts bf16 and FP8 rowwise; tokens/s per GPU and the all-to-all's share of a profiled step; docs/moe.md)
+#   bash scripts/gpu_checks.sh inductor_options  (1 GPU: 8B shapes x 8 layers fp8 under inductor options, each with a cold
+#       compile cache and its kernel summary; INDUCTOR_VARIANTS="LABEL [KEY=VALUE ...];..." picks)
 #   bash scripts/gpu_checks.sh memplan    (1 GPU: the dry run's memory estimate against the measured peak, other shapes)
 #   bash scripts/gpu_checks.sh families   (1 GPU: DeepSeek-V3, Qwen3-MoE and GPT-OSS published-size flavors x 8 layers,
 #       bf16 / fp8 tokens/s and peak beside the plan; then PEER_WHEELS=DIR PEER_MODEL=deepseek_v3 PEER_FLAVOR=16B
@@ -561,6 +563,17 @@ PY
         --precisions ${PROFILE_PRECISIONS:-bf16,fp8} --warmup 6 --steps 10 --profile-dir /tmp/prof_$n $BENCH_8B ${PROFILE_ARGS:-} 2>&1 \
         | tee "$OUT/profile_$n.log" | grep -v "^\[rank"
       for f in /tmp/prof_$n/fp8/trace*.json.gz; do [ -f "$f" ] && cp "$f" "$OUT/prof${n}_$(basename $f)"; done
+    done ;;
+  inductor_options)  # 1 GPU: 8B shapes x 8 layers, fp8, under inductor options (benchmark.py --inductor), each run with a
+    # cold compile cache of its own and 2 steps traced (the kernel summary in its log: the FP8 casts that transpose);
+    # INDUCTOR_VARIANTS="LABEL [KEY=VALUE ...];..." (default: the defaults, three tiling options, the defaults again)
+    IFS=';' read -ra ivs <<< "${INDUCTOR_VARIANTS:-defaults;nd-tiling triton.prefer_nd_tiling=true;block-ptr triton.use_block_ptr=true;max-tiles-3 triton.max_tiles=3;defaults-again}"
+    for v in "${ivs[@]}"; do
+      set -- $v; label=$1; shift; iflags=(); for o in "$@"; do iflags+=(--inductor "$o"); done
+      TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$label launch 1 scripts/benchmark.py --json $OUT/inductor.jsonl --label "$label" \
+        --precisions fp8 --warmup 6 --steps 20 --dump-folder /tmp/inductor_dump --profile-dir /tmp/inductor_prof_$label \
+        "${iflags[@]}" $BENCH_8B > "$OUT/inductor_$label.log" 2>&1 || failed "inductor_options $label" $?
+      grep -A1 "^precision" "$OUT/inductor_$label.log" | tail -1 | sed "s/^/[inductor $label] /"
     done ;;
   scaling_variants)  # one sitting of 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC, under several settings:
     # SCALING_VARIANTS="GPUS PRECISIONS LABEL [OVERRIDES...];..." (e.g. "1 bf16,fp8 one-gpu;2 fp8 never

@@ -69,6 +69,15 @@ def test_benchmark_refuses_a_dump_folder_override() -> None:
         "error: the benchmark's folder is --dump-folder DIR, not the override --job.dump_folder")
 
 
+def test_a_bad_inductor_option_is_refused_before_any_run() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG,
+                           "--inductor", "triton.prefer_nd_tilling=true"], capture_output=True, text=True, env=env(),
+                          cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --inductor triton.prefer_nd_tilling=true: inductor has no option 'triton.prefer_nd_tilling' (did you "
+        "mean triton.prefer_nd_tiling?)")
+
+
 def test_benchmark_config_error_is_one_line() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--",
                            "--train.bach_size=2"], capture_output=True, text=True, env=env(), cwd=REPO)

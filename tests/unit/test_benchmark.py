@@ -48,3 +48,22 @@ def test_memory_cap_gives_back_the_state_a_larger_job_would_not_hold() -> None:
     assert cap == 80 * 10**9 + 3 * 2_007_500_000 * 16 // 4
     # Emulating the same number of GPUs is no cap beyond the GPU itself.
     assert benchmark.memory_cap_bytes(local_params=10, bytes_per_param=16, world=4, emulate_gpus=4, gpu_bytes=1000) == 1000
+
+
+def test_inductor_options_take_inductors_keys_in_their_types() -> None:
+    benchmark = _load_benchmark()
+    assert benchmark.inductor_options(["triton.prefer_nd_tiling=true", "coordinate_descent_tuning=0",
+                                       "triton.max_tiles=3"]) == {
+        "triton.prefer_nd_tiling": True, "coordinate_descent_tuning": False, "triton.max_tiles": 3}
+    assert benchmark.inductor_options([]) == {}
+    for item, message in [
+        ("triton.prefer_nd_tilling=true", "--inductor triton.prefer_nd_tilling=true: inductor has no option "
+                                          "'triton.prefer_nd_tilling' (did you mean triton.prefer_nd_tiling?)"),
+        ("triton.prefer_nd_tiling=maybe", "--inductor triton.prefer_nd_tiling=maybe: triton.prefer_nd_tiling is "
+                                          "true or false"),
+        ("triton.max_tiles=two", "--inductor triton.max_tiles=two: triton.max_tiles is a number"),
+        ("triton.prefer_nd_tiling", "--inductor triton.prefer_nd_tiling: expected KEY=VALUE"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            benchmark.inductor_options([item])
+        assert str(e.value) == message
