@@ -36,6 +36,7 @@ of the bytes an AdamW step must move (read weight, gradient and two moments, wri
 from __future__ import annotations
 
 import argparse
+import difflib
 import gc
 import json
 import os
@@ -48,6 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch._inductor.config as inductor_config
 
 from trainer.cli import dry_run_flags
 from trainer.config import ConfigError, load_job_config
@@ -177,11 +179,7 @@ def inductor_options(items: list[str]) -> dict:
     """`--inductor KEY=VALUE` items -> {key: value} for torch._inductor.config.patch, each key one of inductor's
     options (`triton.prefer_nd_tiling=true`, `coordinate_descent_tuning=1`) and its value of that option's type;
     a ValueError that names the bad item otherwise."""
-    import difflib
-
-    import torch._inductor.config as inductor
-
-    known, options = inductor.get_config_copy(), {}
+    known, options = inductor_config.get_config_copy(), {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -412,8 +410,6 @@ def main() -> int:
     ok = False
     try:
         emulate = (args.emulate_gpus, args.gpu_memory_gib) if args.emulate_gpus else None
-        import torch._inductor.config as inductor_config
-
         with inductor_config.patch(inductor):
             results = [bench_one(argv, p, warmup=args.warmup, steps=args.steps, profile_dir=args.profile_dir,
                                  emulate=emulate) for p in args.precisions.split(",")]
