@@ -29,6 +29,8 @@
 #   bash scripts/gpu_checks.sh moe16b     (4+ GPUs: moe_16b with ep = every GPU, bf16 vs fp8; docs/moe.md)
 #   bash scripts/gpu_checks.sh moe_dispatch  (2 GPUs: moe_16b x 8 layers, ep=2, fp8: moe.dispatch_dtype bf16 vs fp8, with
 #       the experts bf16 and FP8 rowwise; tokens/s per GPU and the all-to-all's share of a profiled step; docs/moe.md)
+#   bash scripts/gpu_checks.sh fp8_casts  (1 GPU: the casts to e5m2 that also write a transposed copy, inductor's against
+#       Triton kernels of ours: scripts/bench_fp8_casts.py)
 #   bash scripts/gpu_checks.sh inductor_options  (1 GPU: 8B shapes x 8 layers fp8 under inductor options, each with a cold
 #       compile cache and its kernel summary; INDUCTOR_VARIANTS="LABEL [KEY=VALUE ...];..." picks)
 #   bash scripts/gpu_checks.sh memplan    (1 GPU: the dry run's memory estimate against the measured peak, other shapes)
@@ -564,6 +566,9 @@ PY
         | tee "$OUT/profile_$n.log" | grep -v "^\[rank"
       for f in /tmp/prof_$n/fp8/trace*.json.gz; do [ -f "$f" ] && cp "$f" "$OUT/prof${n}_$(basename $f)"; done
     done ;;
+  fp8_casts)  # 1 GPU: the FP8 casts that write a transposed copy, inductor's against Triton kernels of ours (the head's
+    # logits gradient, SwiGLU's backward; scripts/bench_fp8_casts.py)
+    python3 scripts/bench_fp8_casts.py 2>&1 | tee "$OUT/fp8_casts.log" ;;
   inductor_options)  # 1 GPU: 8B shapes x 8 layers, fp8, under inductor options (benchmark.py --inductor), each run with a
     # cold compile cache of its own and 2 steps traced (the kernel summary in its log: the FP8 casts that transpose);
     # INDUCTOR_VARIANTS="LABEL [KEY=VALUE ...];..." (default: the defaults, three tiling options, the defaults again)
