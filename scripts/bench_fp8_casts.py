@@ -13,7 +13,7 @@ it from the eager reference and as two kernels of ours (an amax pass, then one p
   swiglu  dh, gate, up [16384, 14336] bf16 -> d_gate, d_up (SwiGLU's backward) -> each e5m2 and its transpose
 
 Prints ms and GB/s of the bytes each job must move at least, and how many bytes of ours differ from inductor's
-(Triton's and torch's e5m2 rounding agree on the GPU; Triton's CPU interpreter rounds some values an ulp apart).
+(whether Triton's e5m2 rounding and torch's agree there; Triton's CPU interpreter rounds some values an ulp apart).
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
 
-E5M2 = torch.float8_e5m2
-E5M2_MAX = 57344.0
+E5M2 = torch.float8_e5m2  # the kernels below write e5m2's largest value, 57344.0, and torchao's EPS, 1e-12, as literals
 
 
-def scale_of(amax):
-    """torchao's amax_to_scale for e5m2: the fp32 scale that maps the (clamped) amax to e5m2's largest value."""
-    return (E5M2_MAX / torch.clamp(amax.float(), min=1e-12)).float()
+def cast_e5m2(t):
+    """torchao's tensorwise cast of t to e5m2 (its amax, scale and saturated cast): (data, scale)."""
+    s = amax_to_scale(tensor_to_amax(t), E5M2)
+    return to_fp8_saturated(t.float() * s, E5M2), s
 
 
 # ---- the head's job -------------------------------------------------------------------------------------------
 def head_ref(g):
     """The head's job as the trainer's graph states it: tensorwise e5m2 of g, and its transposed copy."""
-    s = scale_of(g.abs().amax())
-    q = (g.float() * s).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
+    q, s = cast_e5m2(g)
     return q, q.t().contiguous(), s
 
 
@@ -69,7 +69,7 @@ def head_ours(g, BM=128, BN=128, warps=8):
     y = torch.empty(M, N, device=g.device, dtype=E5M2)
     yt = torch.empty(N, M, device=g.device, dtype=E5M2)
     _cast_both_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](g, y, yt, amax, M, N, BM=BM, BN=BN, num_warps=warps)
-    return y, yt, scale_of(amax)
+    return y, yt, amax_to_scale(amax, E5M2)
 
 
 # ---- the SwiGLU backward's job --------------------------------------------------------------------------------
@@ -81,8 +81,7 @@ def swiglu_ref(dh, g, u):
     d_g = (dhf * uf * sig * (1 + gf * (1 - sig))).to(torch.bfloat16)
     out = []
     for d in (d_g, d_u):
-        s = scale_of(d.abs().amax())
-        q = (d.float() * s).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
+        q, _ = cast_e5m2(d)
         out += [q, q.t().contiguous()]
     return out
 
