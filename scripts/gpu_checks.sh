@@ -104,16 +104,20 @@ FAILED=()  # steps whose command failed: the script's exit status is 1 when any 
 INCONCLUSIVE=()  # parity steps whose verdict was INCONCLUSIVE (and none failed): exit status 3, as fp8_parity.py's
 failed() { FAILED+=("$1"); echo "[gpu_checks] step $1 FAILED (exit $2)"; }
 run_variants() {  # run_variants STEP "GPUS PRECISIONS LABEL [OVERRIDES...];...": scaling_variants' job under each setting;
-  # VARIANT_PROFILE="LABEL ..." (or all): those also trace 2 steps per rank (the kernel summaries in their logs). The runs' dump folder is
+  # an override --inductor=KEY=VALUE is benchmark.py's (an inductor option), the others the config's.
+  # VARIANT_PROFILE="LABEL ..." (or all): those also trace 2 steps per rank (the kernel summaries in their logs);
+  # VARIANT_COLD_CACHE=1: each run compiles with an empty inductor cache of its own. The runs' dump folder is
   # this process's own, so that two tracks of scripts/gpu_tracks.sh running variants at once do not share one.
-  local step=$1 v n precisions label; local -a variants
+  local step=$1 v n precisions label w cache; local -a variants bench config
   IFS=';' read -ra variants <<< "$2"
   for v in "${variants[@]}"; do
     set -- $v; n=$1; precisions=$2; label=$3; shift 3
+    bench=(); config=(); for w in "$@"; do case $w in --inductor=*) bench+=("$w") ;; *) config+=("$w") ;; esac; done
     local prof=(); case " ${VARIANT_PROFILE:-} " in *" $label "*|*" all "*) prof=(--profile-dir /tmp/variants_prof_$$/$label) ;; esac
-    launch $n scripts/benchmark.py --json $OUT/variants.jsonl --label "$label" --precisions $precisions --warmup 6 \
-      --steps ${VARIANT_STEPS:-10} --dump-folder /tmp/variants_dump_$$ "${prof[@]}" \
-      $BENCH_8B "$@" > "$OUT/variant_$label.log" 2>&1 || failed "$step $label" $?
+    cache=$TORCHINDUCTOR_CACHE_DIR; [ -z "${VARIANT_COLD_CACHE:-}" ] || cache=/tmp/variants_cache_$$/$label
+    TORCHINDUCTOR_CACHE_DIR=$cache launch $n scripts/benchmark.py --json $OUT/variants.jsonl --label "$label" \
+      --precisions $precisions --warmup 6 --steps ${VARIANT_STEPS:-10} --dump-folder /tmp/variants_dump_$$ "${prof[@]}" \
+      "${bench[@]}" $BENCH_8B "${config[@]}" > "$OUT/variant_$label.log" 2>&1 || failed "$step $label" $?
     grep -A3 "^precision" "$OUT/variant_$label.log" | grep -v "^precision" | sed "s/^/[$n GPU $label] /"
   done
 }
@@ -569,17 +573,13 @@ PY
   fp8_casts)  # 1 GPU: the FP8 casts that write a transposed copy, inductor's against Triton kernels of ours (the head's
     # logits gradient, SwiGLU's backward; scripts/bench_fp8_casts.py)
     python3 scripts/bench_fp8_casts.py 2>&1 | tee "$OUT/fp8_casts.log" ;;
-  inductor_options)  # 1 GPU: 8B shapes x 8 layers, fp8, under inductor options (benchmark.py --inductor), each run with a
-    # cold compile cache of its own and 2 steps traced (the kernel summary in its log: the FP8 casts that transpose);
-    # INDUCTOR_VARIANTS="LABEL [KEY=VALUE ...];..." (default: the defaults, three tiling options, the defaults again)
-    IFS=';' read -ra ivs <<< "${INDUCTOR_VARIANTS:-defaults;nd-tiling triton.prefer_nd_tiling=true;block-ptr triton.use_block_ptr=true;max-tiles-3 triton.max_tiles=3;defaults-again}"
-    for v in "${ivs[@]}"; do
-      set -- $v; label=$1; shift; iflags=(); for o in "$@"; do iflags+=(--inductor "$o"); done
-      TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$label launch 1 scripts/benchmark.py --json $OUT/inductor.jsonl --label "$label" \
-        --precisions fp8 --warmup 6 --steps 20 --dump-folder /tmp/inductor_dump --profile-dir /tmp/inductor_prof_$label \
-        "${iflags[@]}" $BENCH_8B > "$OUT/inductor_$label.log" 2>&1 || failed "inductor_options $label" $?
-      grep -A1 "^precision" "$OUT/inductor_$label.log" | tail -1 | sed "s/^/[inductor $label] /"
-    done ;;
+  inductor_options)  # 1 GPU: 8B shapes x 8 layers, fp8, under inductor options (benchmark.py --inductor), run_variants'
+    # runs with a cold compile cache each and 2 steps traced (the kernel summary in its log: the FP8 casts that
+    # transpose); INDUCTOR_VARIANTS="LABEL [KEY=VALUE ...];..." (default: the defaults, three tiling options, the
+    # defaults again)
+    spec=""; IFS=';' read -ra ivs <<< "${INDUCTOR_VARIANTS:-defaults;nd-tiling triton.prefer_nd_tiling=true;block-ptr triton.use_block_ptr=true;max-tiles-3 triton.max_tiles=3;defaults-again}"
+    for v in "${ivs[@]}"; do set -- $v; spec+="${spec:+;}1 fp8 $1"; shift; for o in "$@"; do spec+=" --inductor=$o"; done; done
+    VARIANT_STEPS=${VARIANT_STEPS:-20} VARIANT_PROFILE=all VARIANT_COLD_CACHE=1 run_variants inductor_options "$spec" ;;
   scaling_variants)  # one sitting of 8B shapes x 8 layers, batch 4 x 4096 per GPU, compile, no AC, under several settings:
     # SCALING_VARIANTS="GPUS PRECISIONS LABEL [OVERRIDES...];..." (e.g. "1 bf16,fp8 one-gpu;2 fp8 never
     # --distributed.reshard_after_forward=never"), each a benchmark.py process; the table at the end (tokens/s per GPU)
