@@ -147,7 +147,7 @@ def test_on_keeps_blockwise_casts_with_the_memory_plan_row_and_rowwise_is_refuse
     # the kept cast with its block scales, and the dgrad's column-major byte copy of it
     assert rows["FP8 weights kept through the step"] == 2 * f8.kept_weight_numel + f8.kept_weight_numel // 4096
     assert validate_job(load_job_config(BLOCKWISE), world_size=1).build.float8.weights_per_step == 0  # auto: off
-    monkeypatch.setattr("trainer.validate.resolve.LINEARS_BY_DEFAULT", True)  # auto's rule once measured: kept
+    monkeypatch.setattr("trainer.validate.resolve._linears_by_default", lambda pd: True)  # auto's rule where on
     assert validate_job(load_job_config(BLOCKWISE), world_size=1).build.float8.weights_per_step == 4
     with pytest.raises(ConfigError) as e:
         validate_job(load_job_config([*ARGS, "--float8.recipe=rowwise", "--float8.weights_per_step=on"]),

@@ -307,19 +307,23 @@ def _stage_params(args: ModelArgs, stage: _Stage) -> int:
 
 
 def _kept_fp8_weights(args: ModelArgs, numel: int, stage: _Stage, *, head: bool, recipe: str) -> MemoryRow:
-    """float8.weights_per_step: what the rank's stage holds for its converted Linears at the start of backward, 2 bytes
-    per weight element: the kept cast (`Fp8WeightsPerStep`: e4m3 (out, in), 1 B, blockwise with one fp32 scale per
-    128x128 block) and the column-major byte copy of it that the input-gradient GEMM multiplies (torchao's
-    `preprocess_addmm` for tensorwise, blockwise.py's dgrad), made from the kept cast, not cast again. Measured 1x
-    H200 (torch 2.11, compiled, 2026-11-28): +2 B per converted element at accumulation 1 and 4 alike, so the copies
-    are alive at the peak for every Linear, not one Linear's at a time. The blocks' share by their count."""
+    """float8.weights_per_step: what the rank's stage holds for its converted Linears at the start of backward: the
+    kept cast (`Fp8WeightsPerStep`: e4m3 (out, in), 1 B per weight element, blockwise with one fp32 scale per 128x128
+    block), and for each microbatch in flight the column-major byte copy of it that the input-gradient GEMM multiplies
+    (torchao's `preprocess_addmm` for tensorwise, blockwise.py's dgrad), made from the kept cast, not cast again:
+    compiled, each microbatch's forward makes its copy and saves it for its backward, 1 B per element. Measured on
+    H200s (torch 2.11, compiled, 2026-11-28): one GPU, +2 B per converted element at accumulation 1 and 4 alike (one
+    microbatch in flight at a time); pp=2 1F1B with 8 microbatches, +3 B on pipeline rank 0 (two in flight) and +2 B
+    on rank 1 (one). The blocks' share by their count."""
     head_numel = args.vocab_size * args.dim if head else 0
     elements = (numel - head_numel) * sum(stage.blocks) // max(1, args.n_layers) + (head_numel if stage.head else 0)
+    in_flight = stage.microbatches_in_flight
     return MemoryRow("FP8 weights kept through the step",
-                     kept_weight_bytes(elements, recipe=recipe) + elements,
+                     kept_weight_bytes(elements, recipe=recipe) + int(elements * in_flight),
                      "float8.weights_per_step: each converted Linear's weight cast once per step, 1 B per parameter"
                      + (" and 4 B per 128x128 block" if recipe == "blockwise" else "")
-                     + ", and its column-major copy for the input-gradient GEMM, 1 B")
+                     + ", and its column-major copy for the input-gradient GEMM, 1 B"
+                     + (f" x {in_flight:g} microbatches in flight" if in_flight != 1 else ""))
 
 
 def _kept_expert_weights(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, both: bool) -> MemoryRow:

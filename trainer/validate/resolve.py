@@ -158,10 +158,13 @@ def _keep_expert_weights(cfg: JobConfig, pd: ParallelDims) -> bool:
     return wanted and expert_fsdp == 1
 
 
-# Whether float8.weights_per_step='auto' keeps the Linears' casts (the routed experts' rule is older and measured):
-# no. Measured on 1x H200 (docs/fp8.md#fp8-weights-cast-once-per-step), kept casts made 8B shapes x 8 layers 0.94x
-# (one microbatch) and 0.98x (four) for +4.23 GiB; 'on' opts in.
-LINEARS_BY_DEFAULT = False
+def _linears_by_default(pd: ParallelDims) -> bool:
+    """Whether float8.weights_per_step='auto' keeps the Linears' casts (the routed experts' rule is older and
+    measured): under pipeline parallelism only. Measured on 2x H200 (docs/fp8.md#fp8-weights-cast-once-per-step), 8B
+    shapes x 16 layers, pp=2, 8 microbatches: 1F1B 1.025x for +1.8 GiB per pipeline rank's converted weights (x 2-3
+    with the microbatches in flight, the memory plan's row). On one GPU kept casts made 8B shapes x 8 layers 0.94x (one
+    microbatch) and 0.98x (four microbatches of accumulation) for +4.23 GiB: not there; 'on' opts in."""
+    return pd.pp > 1
 
 
 def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> int:
@@ -177,7 +180,7 @@ def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> 
          "(float8.enable_fsdp_float8_all_gather casts the shards)", pd.fsdp_shard > 1),
         ("float8.enable_fsdp_float8_all_gather (the weights arrive cast)", all_gather)) if bad), None)
     if f8.weights_per_step == "off" or (f8.weights_per_step == "auto" and (why_not or not _repeated(cfg, pd)
-                                                                           or not LINEARS_BY_DEFAULT)):
+                                                                           or not _linears_by_default(pd))):
         return 0
     if why_not:
         raise ConfigError(f"float8.weights_per_step='on' cannot run with {why_not}: set it 'auto' (or 'off')")
