@@ -308,9 +308,10 @@ PIPELINE_16L_MEASURED = {
 
 
 def _pipeline_ranks(argv: list[str]):
+    """The job of argv on 2 ranks, and each pipeline rank's plan."""
     job, _ = plan_of(argv, world_size=2)
-    return job, plan_ranks(load_job_config([*argv, "--data.source=synthetic"]), job.model_args, job.parallel_dims,
-                           job.build, job.pipeline, job.float8_layers)
+    return job, plan_ranks(load_job_config(argv), job.model_args, job.parallel_dims, job.build, job.pipeline,
+                           job.float8_layers)
 
 
 @pytest.mark.parametrize("schedule,weights_per_step", list(PIPELINE_16L_MEASURED))
@@ -328,9 +329,7 @@ def test_each_pipeline_ranks_plan_is_within_5_percent_with_fp8_weights_kept(sche
 def test_each_pipeline_ranks_plan_is_within_5_percent_of_its_measured_peak(schedule: str, precision: str) -> None:
     argv = [*PP2_8L, f"--distributed.pipeline_schedule={schedule}", f"--train.mixed_precision={precision}",
             "--float8.weights_per_step=off"]
-    job, _ = plan_of(argv, world_size=2)
-    ranks = plan_ranks(load_job_config(argv), job.model_args, job.parallel_dims, job.build, job.pipeline,
-                       job.float8_layers)
+    job, ranks = _pipeline_ranks(argv)
     for plan, measured in zip(ranks, PIPELINE_MEASURED[schedule, precision], strict=True):
         assert abs(plan.peak_bytes / GIB / measured - 1) < 0.05, (plan.pp_rank, plan.peak_bytes / GIB, measured)
     buffers = [row(p, "pipeline buffers") for p in ranks]

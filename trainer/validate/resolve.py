@@ -161,9 +161,10 @@ def _keep_expert_weights(cfg: JobConfig, pd: ParallelDims) -> bool:
 def _linears_by_default(pd: ParallelDims) -> bool:
     """Whether float8.weights_per_step='auto' keeps the Linears' casts (the routed experts' rule is older and
     measured): under pipeline parallelism only. Measured on 2x H200 (docs/fp8.md#fp8-weights-cast-once-per-step), 8B
-    shapes x 16 layers, pp=2, 8 microbatches: 1F1B 1.025x for +1.8 GiB per pipeline rank's converted weights (x 2-3
-    with the microbatches in flight, the memory plan's row). On one GPU kept casts made 8B shapes x 8 layers 0.94x (one
-    microbatch) and 0.98x (four microbatches of accumulation) for +4.23 GiB: not there; 'on' opts in."""
+    shapes x 16 layers, pp=2, 8 microbatches: 1F1B 1.020x and 1.025x in two calls, for +1.8 GiB per pipeline rank's
+    converted weights (x 2-3 with the microbatches in flight, the memory plan's row). On one GPU kept casts made 8B
+    shapes x 8 layers 0.94x (one microbatch) and 0.98x (four microbatches of accumulation) for +4.23 GiB: not there;
+    'on' opts in."""
     return pd.pp > 1
 
 
