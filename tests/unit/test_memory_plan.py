@@ -12,6 +12,7 @@ import torch
 from trainer.config import load_job_config
 from trainer.errors import ConfigError
 from trainer.models import build_model
+from trainer.parallel.pipeline_layout import stage_ids
 from trainer.validate import validate_job
 from trainer.validate.memory import Target, planned_gpus
 from trainer.validate.plan import GIB, plan_ranks
@@ -76,7 +77,10 @@ def test_pipeline_ranks_count_the_blocks_qwen3_moes_rule_makes_moe(rule: list[st
                        job.build, job.pipeline, job.float8_layers)
     with torch.device("meta"):
         model = build_model(job.model_args)
-    for plan, fqns in zip(ranks, job.pipeline.stage_fqns, strict=True):
+    pipe = job.pipeline
+    assert pipe.stages_per_rank == 2  # the auto schedule, Interleaved1F1B: a rank's blocks in two stages
+    for plan in ranks:
+        fqns = sum((pipe.stage_fqns[s] for s in stage_ids(plan.pp_rank, 2, pipe.num_stages, v_style=False)), ())
         assert plan.params_per_rank == sum(p.numel() for n, p in model.named_parameters() if n.startswith(fqns))
     assert sum(p.params_per_rank for p in ranks) == meta_params(job)
 

@@ -134,6 +134,29 @@ def test_validate_resolves_the_pipeline() -> None:
 
 
 @pytest.mark.parametrize(
+    "args, schedule, stages, why",
+    [
+        ([], "Interleaved1F1B", 4, "auto: 2 stages per rank, half 1F1B's bubble"),  # 4 blocks, 8 microbatches
+        (["--train.batch_size=6"], "Interleaved1F1B", 4, "auto: 2 stages per rank"),  # 3 rounds of 2
+        (["--train.batch_size=5"], "1F1B", 2, "auto: 5 microbatches do not make Interleaved1F1B's rounds of pp=2"),
+        (["--model.n_layers=3"], "1F1B", 2, "auto: 3 blocks cannot give each of 2 x pp=2 stages one"),
+        (["--distributed.pp_stages_per_rank=1"], "1F1B", 2, "auto: one stage per rank from distributed.pp_stages_per_rank"),
+        (["--distributed.pp_split_points=layers.2"], "1F1B", 2, "auto: one stage per rank from distributed.pp_split_points"),
+        (["--model.n_layers=6", "--distributed.pp_layers_per_stage=2"], "Interleaved1F1B", 4,
+         "auto: 2 stages per rank from distributed.pp_layers_per_stage"),
+        (["--distributed.pipeline_schedule=1F1B"], "1F1B", 2, ""),  # named: taken as it is
+    ],
+)
+def test_auto_schedule_is_interleaved_where_it_can_run(args: list[str], schedule: str, stages: int, why: str) -> None:
+    """The default (auto) runs Interleaved1F1B, the faster schedule on 2x H200 (docs/distributed.md), wherever each
+    of 2 x pp stages gets a block and torch's interleaved schedule takes the microbatch count; 1F1B otherwise, and
+    the pp_* keys that fix the stage count decide it. The startup line carries why."""
+    p = validate_job(_cfg("--distributed.pp=2", *args), world_size=2).pipeline
+    assert (p.schedule, p.num_stages) == (schedule, stages)
+    assert p.schedule_choice.startswith(why) and bool(p.schedule_choice) == bool(why)
+
+
+@pytest.mark.parametrize(
     "world_size, args, message",
     [
         (3, ["--distributed.pp=2"], "distributed.pp=2 does not divide the world size 3"),
@@ -144,7 +167,7 @@ def test_validate_resolves_the_pipeline() -> None:
         (2, ["--distributed.pp=2", "--distributed.pp_microbatch_size=3"],
          "distributed.pp_microbatch_size=3 does not divide train.batch_size=8"),
         (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=LoopedBFS"],
-         "distributed.pipeline_schedule='LoopedBFS' is not one of 'GPipe', '1F1B', 'Interleaved1F1B'"),
+         "distributed.pipeline_schedule='LoopedBFS' is not one of 'auto', 'GPipe', '1F1B', 'Interleaved1F1B'"),
         (2, ["--distributed.pp=2", "--distributed.pp_split_points=layers.9"],
          "distributed.pp_split_points entry 'layers.9' names no module"),
         (2, ["--distributed.pp=2", "--distributed.pp_split_points=norm"],
@@ -153,8 +176,16 @@ def test_validate_resolves_the_pipeline() -> None:
          "must be in increasing block order"),
         (2, ["--distributed.pp=2", "--distributed.pp_split_points=layers.1,layers.2"],
          "distributed.pp_split_points gives 3 pipeline stages, not a multiple of distributed.pp=2"),
-        (2, ["--distributed.pp=2", "--distributed.pp_stages_per_rank=2"],
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", "--distributed.pp_stages_per_rank=2"],
          "distributed.pipeline_schedule='1F1B' runs one stage per rank"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=1F1B", "--train.batch_size=1"],
+         "distributed.pipeline_schedule='1F1B' needs at least pp=2 microbatches, but train.batch_size=1 / "
+         "distributed.pp_microbatch_size=1 gives 1"),
+        (2, ["--distributed.pp=2", "--train.batch_size=2", "--distributed.pp_microbatch_size=2"],
+         "distributed.pipeline_schedule='auto' (1F1B here) needs at least pp=2 microbatches"),
+        (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B", "--train.batch_size=5"],
+         "distributed.pipeline_schedule='Interleaved1F1B' runs the microbatches in 2 rounds of about pp=2, but "
+         "train.batch_size=5 / distributed.pp_microbatch_size=1 gives 5, not a multiple of 2"),
         (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=Interleaved1F1B", "--distributed.pp_stages_per_rank=1"],
          "distributed.pipeline_schedule='Interleaved1F1B' needs at least 2 stages per rank"),
         (2, ["--distributed.pp=2", "--distributed.pipeline_schedule=ZBVZeroBubble", "--distributed.pp_stages_per_rank=3"],

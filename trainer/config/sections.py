@@ -59,7 +59,7 @@ class TrainSection:
     selective_ac_every: int = 0
     """With selective AC: 0 = the per-op policy (matmul and attention outputs kept); N = full AC every Nth block."""
     compile_model: bool = False
-    """torch.compile each transformer block and the output head with its loss."""
+    """torch.compile each transformer block and the output head with its loss. The blocks compile without inductor's pointwise autotuning (fp8 cold start 2-4 s shorter on 1x H200, steps within 0.44%: docs/benchmarks.md#cold-start)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """The kernel of causal attention: auto (on a GPU cuDNN's, else flash, efficient, math) or that kernel only."""
     loss_chunk_tokens: int = 0
@@ -203,8 +203,9 @@ class DistributedSection:
     """Pipeline-parallel degree: the model is split into stages over this many ranks (outermost mesh axis)."""
     cp: int = 1
     """Context-parallel degree: each sequence in 2 x cp chunks, K/V all-gathered in attention. Not with tp > 1."""
-    pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"
-    """With pp > 1: the torch.distributed.pipelining schedule; Interleaved*/ZBV run several stages per rank."""
+    pipeline_schedule: Literal["auto", "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                               "ZBVZeroBubble"] = "auto"
+    """With pp > 1: the torch.distributed.pipelining schedule; Interleaved*/ZBV run several stages per rank. auto = Interleaved1F1B with 2 stages per rank where every stage gets a block and the microbatches are a multiple of pp (8B shapes x 16 layers, pp=2, 8 microbatches, 2x H200: 1.016-1.021x 1F1B's step for +3-4 GiB on the first rank, docs/distributed.md), else 1F1B; a pp_stages_per_rank, pp_split_points or pp_layers_per_stage that gives one stage per rank means 1F1B, more means Interleaved1F1B."""
     pp_microbatch_size: int = 1
     """With pp > 1: sequences per pipeline microbatch; must divide train.batch_size."""
     pp_stages_per_rank: int = 0

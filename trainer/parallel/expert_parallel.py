@@ -115,7 +115,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         experts.use(dispatcher=AllToAllDispatcher(ep_mesh, n_experts, dispatch_dtype=dispatch_dtype))
         n_layers += 1
-    assert n_layers, "apply_ep on a model without MoE layers (trainer.validate refuses ep > 1 on dense flavors)"
+    if not n_layers:  # a pipeline stage of dense blocks (trainer.validate refuses ep > 1 on a dense model)
+        return f"expert parallel: ep={ep}, no MoE layer in this pipeline stage"
     line = (f"expert parallel: ep={ep}, {n_experts // ep} of {n_experts} routed experts per rank in "
             f"{n_layers} MoE layers, all-to-all dispatch over {ep_mesh.mesh_dim_names}")
     if dispatch_dtype == "fp8":

@@ -13,6 +13,7 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZe
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble",)
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")  # microbatches in rounds of pp
 EMBEDDING, HEAD = "tok_embeddings", ("norm", "output_head")
 _LAYER = re.compile(r"^layers\.(\d+)$")
 
@@ -30,6 +31,8 @@ class PipelineOptions:
     """Top-level module fqns of every stage in model order: tok_embeddings, layers.N, norm, output_head."""
     stage_costs: tuple[float, ...] = ()
     """Each stage's share of the model's training FLOPs per token (trainer.models.pipeline_costs)."""
+    schedule_choice: str = ""
+    """Why distributed.pipeline_schedule='auto' chose `schedule` ("" when the config named it), for the startup log."""
 
     @property
     def num_stages(self) -> int:
@@ -149,7 +152,8 @@ def describe_split(stage_fqns, costs, own: list[int], pp_rank: int) -> str:
 
 
 __all__ = [
-    "EMBEDDING", "HEAD", "SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES", "ZERO_BUBBLE_SCHEDULES",
+    "EMBEDDING", "HEAD", "INTERLEAVED_SCHEDULES", "SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
     "PipelineOptions", "balanced_split", "bubble_fraction", "cost_split", "default_stages_per_rank",
     "describe_split", "parse_split_point", "split_at", "stage_ids", "stage_module_fqns",
 ]
