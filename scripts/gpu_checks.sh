@@ -95,6 +95,10 @@ launch() {  # launch N SCRIPT ARGS...: SCRIPT on the first N visible GPUs (torch
   elif [ "$n" = 1 ]; then CUDA_VISIBLE_DEVICES=$visible python3 "$@"
   else CUDA_VISIBLE_DEVICES=$visible torchrun --standalone --nproc_per_node="$n" "$@"; fi
 }
+stamped() {  # stdin to stdout, each line prefixed "@EPOCH " as it arrives (scripts/peer_step1.py --launched reads them)
+  python3 -u -c 'import sys, time
+for line in sys.stdin: sys.stdout.write(f"@{time.time():.2f} {line}")'
+}
 B="python3 scripts/benchmark.py --json $OUT/bench.jsonl"
 SHAPE_8B="--model.n_layers=8 --train.batch_size=4 --train.seq_len=4096 --data.source=synthetic --train.activation_checkpointing=none --train.compile_model=true --checkpoint.enable=false ${ARGS_8B:-}"
 BENCH_8B="--config configs/train/llama3_8b.toml -- $SHAPE_8B"
@@ -205,11 +209,12 @@ for s in $STEPS; do case $s in
         tag="$p master=$m ${3:-cold}, $layers layers${gpus:+, $ngpu GPUs}"; log="$OUT/coldstart_${p}_${m}_${layers}l${gpus}${3:+_$3}.log"
         [ "${3:-}" = warm ] || rm -rf "$cache"
         start=$(date +%s.%N)
-        TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton "${cmd[@]}" $CS \
-          --train.mixed_precision=$p --distributed.master_dtype=$m --job.dump_folder=/tmp/coldstart_run > "$log" 2>&1
-        rc=$?; end=$(date +%s.%N)
+        PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton "${cmd[@]}" $CS \
+          --train.mixed_precision=$p --distributed.master_dtype=$m --job.dump_folder=/tmp/coldstart_run 2>&1 | stamped > "$log"
+        rc=${PIPESTATUS[0]}; end=$(date +%s.%N)
         grep -E "step +(1|10|20|30)/|compiling|Error" "$log" | cut -c1-220 | sed "s/^/[coldstart $tag] /" | tee -a "$OUT/coldstart.log"
-        echo "[coldstart $tag] exit $rc, process wall $(python3 -c "print(round($end - $start, 1))") s" | tee -a "$OUT/coldstart.log"
+        echo "[coldstart $tag] exit $rc, process wall $(python3 -c "print(round($end - $start, 1))") s;" \
+          "$(python3 scripts/peer_step1.py "$log" --launched "$start")" | tee -a "$OUT/coldstart.log"
         rm -rf /tmp/coldstart_run
       done
     done ;;
@@ -547,15 +552,16 @@ PY
         for ac in ${PEER_AC:-none selective}; do
           log="$OUT/peer8b_${p}_ac_$ac$tag.log"; label="[peer8b torchtitan $flavor $p, AC $ac] "
           rm -rf /tmp/peer_run /tmp/peer_cache  # its caches cold each run, as coldstart's are (a cold start beside ours)
-          TORCHINDUCTOR_CACHE_DIR=/tmp/peer_cache/inductor TRITON_CACHE_DIR=/tmp/peer_cache/triton \
+          start=$(date +%s.%N)
+          PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/peer_cache/inductor TRITON_CACHE_DIR=/tmp/peer_cache/triton \
           PYTHONPATH=/tmp/peer:$PYTHONPATH torchrun --standalone --nproc_per_node=$NGPU "${entry[@]}" \
             --model.name $model --model.flavor $flavor \
             --model.hf_assets_path /tmp/peer_assets --training.dataset c4_test --training.dataset_path /tmp/peer_c4 \
             --training.local_batch_size ${PEER_BATCH:-4} --training.seq_len 4096 --training.steps 30 --parallelism.data_parallel_shard_degree -1 \
             --compile.enable --activation_checkpoint.mode $ac --metrics.log_freq 10 --job.dump_folder /tmp/peer_run "${conv[@]}" \
-            > "$log" 2>&1
+            2>&1 | stamped > "$log"
           grep -E "step: +(10|20|30) |Traceback|rror:" "$log" | grep -v lspci | sed "s/^/$label/" | cut -c1-250 | tee -a "$OUT/peer8b.log"
-          python3 scripts/peer_step1.py "$log" | sed "s/^/$label/" | tee -a "$OUT/peer8b.log"
+          python3 scripts/peer_step1.py "$log" --launched "$start" | sed "s/^/$label/" | tee -a "$OUT/peer8b.log"
           grep -q "OutOfMemoryError" "$log" || break
         done
       done

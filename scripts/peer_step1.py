@@ -1,8 +1,11 @@
 """The peer's cold start from its log: seconds from torchtitan's first "Training starts at step 1" line to its first
 "step:  1" line, as our train.py's `step 1 done N s after training started` counts ours (scripts/gpu_checks.sh's
-peer8b prints it beside coldstart's lines).
+peer8b prints it beside coldstart's lines). With --launched EPOCH, also the seconds from the launch to the first
+step-1 line of either trainer (ours or torchtitan), read from the "@EPOCH " stamp that gpu_checks.sh's `stamped` puts
+on each line as it arrives: the whole cold start, imports and startup included, which each trainer's own clock leaves
+out in part.
 
-    python scripts/peer_step1.py LOG
+    python scripts/peer_step1.py LOG [--launched EPOCH]
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from datetime import datetime
 
 _STAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 _STEP1 = re.compile(r"step:\s+1\s")
+_ARRIVED = re.compile(r"^@(\d+(?:\.\d+)?) ")
+_OURS_STEP1 = re.compile(r"\] step 1 done ")
 
 
 def step1_seconds(lines: list[str]) -> float | None:
@@ -30,10 +35,27 @@ def step1_seconds(lines: list[str]) -> float | None:
     return None
 
 
+def launch_to_step1(lines: list[str], launched: float) -> float | None:
+    """Seconds from `launched` (epoch) to the arrival of the first step-1 line, ours or torchtitan's; None without one."""
+    for line in lines:
+        arrived = _ARRIVED.match(line)
+        if arrived is None:
+            continue
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", line)
+        if _OURS_STEP1.search(plain) or (_STAMP.search(plain) and _STEP1.search(plain)):
+            return float(arrived.group(1)) - launched
+    return None
+
+
 def main() -> int:
     with open(sys.argv[1], errors="replace") as f:
-        seconds = step1_seconds(f.readlines())
-    print(f"step 1 after {seconds:.1f} s" if seconds is not None else "step 1 not reached")
+        lines = f.readlines()
+    if "--launched" in sys.argv:
+        seconds = launch_to_step1(lines, float(sys.argv[sys.argv.index("--launched") + 1]))
+        print(f"launch to step 1: {seconds:.1f} s" if seconds is not None else "launch to step 1: not reached")
+    if any(_STAMP.search(line) for line in lines):
+        seconds = step1_seconds(lines)
+        print(f"step 1 after {seconds:.1f} s" if seconds is not None else "step 1 not reached")
     return 0
 
 

@@ -14,6 +14,7 @@ from trainer.loss import LossFn
 from trainer.models.counts import num_params_for, param_count
 from trainer.models import FLAVORS, Llama, build_model, flops_per_token, model_args_for, num_params
 from trainer.models.llama import ModelArgs, RopeScaling, rope_inv_freq
+from trainer.parallel.compile import apply_compile
 
 
 def test_module_names_are_the_contract() -> None:
@@ -191,3 +192,20 @@ def test_init_is_deterministic_and_depth_scaled() -> None:
     assert a.layers["0"].attention.o_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * n), rel=0.15)
     assert a.layers["0"].attention.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.15)
     assert torch.all(a.norm.weight == 1)
+
+
+def test_blocks_compile_without_pointwise_autotuning_and_nothing_else_changes(monkeypatch) -> None:
+    """The blocks' graphs skip inductor's pointwise autotuning (2-4 s of an fp8 cold start on 1x H200, steps within
+    0.44%: docs/benchmarks.md#cold-start), as an option of their own compile: inductor's process-wide default, which
+    the head-and-loss graph compiles with, stays on, and the compiled blocks compute what the eager ones do."""
+    model = Llama(FLAVORS["debug"])
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, FLAVORS["debug"].vocab_size, (2, 16))
+    eager = model(tokens)
+    compiles, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw) or real(fn, **kw))
+    assert "pointwise kernels not autotuned" in apply_compile(model, context_parallel=False)
+    assert len(compiles) == len(model.layers)
+    assert all(kw["options"] == {"triton.autotune_pointwise": False} for kw in compiles)
+    assert torch._inductor.config.triton.autotune_pointwise is True
+    torch.testing.assert_close(model(tokens), eager, rtol=1e-5, atol=1e-5)  # fp32: inductor reorders a few sums
