@@ -16,6 +16,7 @@ from datetime import datetime
 
 _STAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 _STEP1 = re.compile(r"step:\s+1\s")
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # torchtitan's log colours its step lines
 _ARRIVED = re.compile(r"^@(\d+(?:\.\d+)?) ")
 _OURS_STEP1 = re.compile(r"\] step 1 done ")
 
@@ -30,7 +31,7 @@ def step1_seconds(lines: list[str]) -> float | None:
         when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
         if start is None and "Training starts at step 1" in line:
             start = when
-        elif start is not None and _STEP1.search(re.sub(r"\x1b\[[0-9;]*m", "", line)):
+        elif start is not None and _STEP1.search(_COLOUR.sub("", line)):
             return (when - start).total_seconds()
     return None
 
@@ -41,7 +42,7 @@ def launch_to_step1(lines: list[str], launched: float) -> float | None:
         arrived = _ARRIVED.match(line)
         if arrived is None:
             continue
-        plain = re.sub(r"\x1b\[[0-9;]*m", "", line)
+        plain = _COLOUR.sub("", line)
         if _OURS_STEP1.search(plain) or (_STAMP.search(plain) and _STEP1.search(plain)):
             return float(arrived.group(1)) - launched
     return None

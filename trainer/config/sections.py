@@ -205,7 +205,7 @@ class DistributedSection:
     """Context-parallel degree: each sequence in 2 x cp chunks, K/V all-gathered in attention. Not with tp > 1."""
     pipeline_schedule: Literal["auto", "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
                                "ZBVZeroBubble"] = "auto"
-    """With pp > 1: the torch.distributed.pipelining schedule; Interleaved*/ZBV run several stages per rank. auto = Interleaved1F1B with 2 stages per rank where every stage gets a block and the microbatches are a multiple of pp (8B shapes x 16 layers, pp=2, 8 microbatches, 2x H200: 1.016-1.021x 1F1B's step for +3-4 GiB on the first rank, docs/distributed.md), else 1F1B; a pp_stages_per_rank, pp_split_points or pp_layers_per_stage that gives one stage per rank means 1F1B, more means Interleaved1F1B."""
+    """With pp > 1: the torch.distributed.pipelining schedule; Interleaved*/ZBV run several stages per rank. auto = Interleaved1F1B with 2 stages per rank where every stage gets a block and torch's interleaved schedule takes the microbatch count (at least pp, and a multiple of its rounds, microbatches // pp) (8B shapes x 16 layers, pp=2, 8 microbatches, 2x H200: 1.016-1.021x 1F1B's step for +3-4 GiB on the first rank, docs/distributed.md), else 1F1B; a pp_stages_per_rank, pp_split_points or pp_layers_per_stage that gives one stage per rank means 1F1B, more means Interleaved1F1B."""
     pp_microbatch_size: int = 1
     """With pp > 1: sequences per pipeline microbatch; must divide train.batch_size."""
     pp_stages_per_rank: int = 0

@@ -219,8 +219,7 @@ class Pipeline:
         logger.info(
             "pipeline: schedule=%s%s, %d stages (%d per rank), %d microbatches of %d sequences; "
             "bubble ~%.0f%% of the step", o.schedule, f" ({o.schedule_choice})" if o.schedule_choice else "",
-            o.num_stages, o.stages_per_rank, o.num_microbatches,
-            o.microbatch_size,
+            o.num_stages, o.stages_per_rank, o.num_microbatches, o.microbatch_size,
             100 * bubble_fraction(pp=pp, num_microbatches=o.num_microbatches, stages_per_rank=o.stages_per_rank),
         )
         return schedule
