@@ -33,6 +33,13 @@ IGNORE_INDEX = -100
 """A label that is not trained on (F.cross_entropy's default ignore_index)."""
 
 
+# Inductor options of the head-and-loss graphs: no autotuning of pointwise kernels, as the blocks'
+# (trainer/parallel/compile.py). On 1x H200 (8B shapes x 8 layers, fp8, cold caches, alternated with the default)
+# it cut autotuning from 1.7-2.0 s to 0.4 s, step 1 came 29.4-31.6 s after the launch against 34.3-40.1 s, and
+# the steps ran at the default's speed (docs/benchmarks.md#cold-start).
+LOSS_INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
+
+
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain tensor: under TP's loss_parallel it is a DTensor replicated over the tp ranks."""
     return loss.to_local() if isinstance(loss, DTensor) else loss
@@ -52,10 +59,11 @@ class LossFn:
             # every chunk's recomputed logits together in backward
             # (docs/benchmarks.md#memory-levers-chunked-loss-trainloss_chunk_tokens). dynamic=False:
             # a shorter last chunk gets a static graph of its own rather than a dynamic one for all.
-            self.chunk_loss = torch.compile(self._chunk_loss, fullgraph=True, dynamic=False)
+            self.chunk_loss = torch.compile(self._chunk_loss, fullgraph=True, dynamic=False,
+                                            options=LOSS_INDUCTOR_OPTIONS)
         elif compile:
             # Norm, head and loss in one graph: the fp32 upcast of the logits fuses into the cross-entropy.
-            self.head_loss = torch.compile(self._head_loss_sum, fullgraph=True)
+            self.head_loss = torch.compile(self._head_loss_sum, fullgraph=True, options=LOSS_INDUCTOR_OPTIONS)
 
     def sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed loss of the valid labels (a replicated DTensor under TP's loss_parallel)."""
@@ -109,7 +117,7 @@ def build_loss_fn(model: nn.Module, *, chunk_tokens: int, compile: bool) -> Loss
         logger.info("output head + loss: chunks of %d tokens, each activation-checkpointed (the head GEMM runs "
                     "again in backward)%s", chunk_tokens, ", compiled per chunk" if compile else "")
     elif compile:
-        logger.info("torch.compile: the final norm, output head and loss as one graph")
+        logger.info("torch.compile: the final norm, output head and loss as one graph (pointwise kernels not autotuned)")
     return LossFn(model.norm, model.output_head, chunk_tokens=chunk_tokens, compile=compile)
 
 

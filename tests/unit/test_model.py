@@ -194,18 +194,22 @@ def test_init_is_deterministic_and_depth_scaled() -> None:
     assert torch.all(a.norm.weight == 1)
 
 
-def test_blocks_compile_without_pointwise_autotuning_and_nothing_else_changes(monkeypatch) -> None:
-    """The blocks' graphs skip inductor's pointwise autotuning (2-4 s of an fp8 cold start on 1x H200, steps within
-    0.44%: docs/benchmarks.md#cold-start), as an option of their own compile: inductor's process-wide default, which
-    the head-and-loss graph compiles with, stays on, and the compiled blocks compute what the eager ones do."""
+def test_blocks_and_loss_compile_without_pointwise_autotuning_and_nothing_else_changes(monkeypatch) -> None:
+    """The blocks' graphs and the head-and-loss graph skip inductor's pointwise autotuning (seconds of an fp8 cold
+    start on 1x H200, steps at the same speed: docs/benchmarks.md#cold-start), as an option of their own compiles:
+    inductor's process-wide default stays on, and the compiled model and loss compute what the eager ones do."""
     model = Llama(FLAVORS["debug"])
     model.init_weights(seed=0)
     tokens = torch.randint(0, FLAVORS["debug"].vocab_size, (2, 16))
-    eager = model(tokens)
+    labels = torch.randint(0, FLAVORS["debug"].vocab_size, (2, 16))
+    h = torch.randn(2, 16, FLAVORS["debug"].dim)
+    eager, eager_loss = model(tokens), LossFn(model.norm, model.output_head)(h, labels)
     compiles, real = [], torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw) or real(fn, **kw))
     assert "pointwise kernels not autotuned" in apply_compile(model, context_parallel=False)
-    assert len(compiles) == len(model.layers)
+    loss_fn = LossFn(model.norm, model.output_head, compile=True)
+    assert len(compiles) == len(model.layers) + 1
     assert all(kw["options"] == {"triton.autotune_pointwise": False} for kw in compiles)
     assert torch._inductor.config.triton.autotune_pointwise is True
     torch.testing.assert_close(model(tokens), eager, rtol=1e-5, atol=1e-5)  # fp32: inductor reorders a few sums
+    torch.testing.assert_close(loss_fn(h, labels), eager_loss, rtol=1e-5, atol=1e-5)

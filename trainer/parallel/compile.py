@@ -12,8 +12,8 @@ from torch import nn
 
 # Inductor options of the blocks' graphs. No autotuning of pointwise kernels: on 1x H200 (8B shapes x 8 layers, fp8,
 # cold caches) it cost 1.5 s of autotuning and 2.0-4.0 s of compiling in all at the first step, and the steps ran within
-# 0.44% of it either way (mean -0.13% over four runs; docs/benchmarks.md#cold-start). Off everywhere (the head's
-# graph too) the steps were ~0.8% slower: the loss graph keeps inductor's default.
+# 0.44% of it either way (mean -0.13% over four runs; docs/benchmarks.md#cold-start). The head-and-loss graph compiles
+# with the same option (trainer/loss.py's LOSS_INDUCTOR_OPTIONS, measured on its own).
 BLOCK_INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
 
 
