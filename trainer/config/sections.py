@@ -59,7 +59,7 @@ class TrainSection:
     selective_ac_every: int = 0
     """With selective AC: 0 = the per-op policy (matmul and attention outputs kept); N = full AC every Nth block."""
     compile_model: bool = False
-    """torch.compile each transformer block and the output head with its loss. Neither compiles with inductor's pointwise autotuning (on 1x H200 an fp8 cold start reached step 1 29.4-31.6 s after the launch against 34.3-40.1 s, the steps at the same speed: docs/benchmarks.md#cold-start)."""
+    """torch.compile each transformer block and the output head with its loss. Neither compiles with inductor's pointwise autotuning (1x H200, fp8, cold caches: off in the blocks, 2.0-4.0 s less compiling; then off in the head-and-loss graph too, step 1 29.4-31.6 s after the launch against 34.3-40.1 s; the steps at the same speed each time: docs/benchmarks.md#cold-start)."""
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """The kernel of causal attention: auto (on a GPU cuDNN's, else flash, efficient, math) or that kernel only."""
     loss_chunk_tokens: int = 0
