@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -213,3 +217,29 @@ def test_blocks_and_loss_compile_without_pointwise_autotuning_and_nothing_else_c
     assert torch._inductor.config.triton.autotune_pointwise is True
     torch.testing.assert_close(model(tokens), eager, rtol=1e-5, atol=1e-5)  # fp32: inductor reorders a few sums
     torch.testing.assert_close(loss_fn(h, labels), eager_loss, rtol=1e-5, atol=1e-5)
+
+
+def test_start_compile_workers_starts_the_pool_inductor_then_finds() -> None:
+    """start_compile_workers (at the Trainer's start) starts inductor's own compile-worker pool early on a GPU with
+    compile, the one inductor's first graph then finds (docs/benchmarks.md#cold-start): where Triton is installed the
+    pool exists after it and inductor's own warm-up creates none; without Triton it starts nothing, as inductor
+    would not. In a process of its own: the pool lives until that process exits."""
+    code = textwrap.dedent("""
+        import torch._inductor.async_compile as ac
+        from torch.utils._triton import has_triton_package
+        from trainer.parallel.compile import start_compile_workers
+        start_compile_workers(compile=False, device_type="cuda")
+        start_compile_workers(compile=True, device_type="cpu")
+        assert ac.AsyncCompile.process_pool.cache_info().currsize == 0  # nothing without compile or off a GPU
+        start_compile_workers(compile=True, device_type="cuda")
+        started = ac.AsyncCompile.process_pool.cache_info().currsize
+        ac.maybe_warm_pool()  # what inductor's backend runs at its first graph
+        print(has_triton_package(), started, ac.AsyncCompile.process_pool.cache_info().misses)
+    """)
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"}
+    env.pop("TORCH_WARM_POOL", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    triton, started, created = out.stdout.split()
+    assert (started, created) == (("1", "1") if triton == "True" else ("0", "0")), out.stdout

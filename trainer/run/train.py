@@ -41,7 +41,7 @@ from trainer.optim import (
     OptimizerPart, SchedulerPart, build_lr_scheduler, build_optimizer, describe_optimizer_state, describe_param_groups,
 )
 from trainer.parallel.build import build_model_part
-from trainer.parallel.compile import CompileTimes
+from trainer.parallel.compile import CompileTimes, start_compile_workers
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.float8 import Float8Report, Float8ScalePrecompute, float8_step_hooks
 from trainer.parallel.pipeline import Pipeline
@@ -83,6 +83,7 @@ class Trainer:
         """`job` is what `validate_job` resolved from the config (every user error is found before the process
         group exists): the Trainer reads nothing else. It trains to `job.run.stop_step` and saves there."""
         self.job, run = job, job.run
+        start_compile_workers(compile=job.build.compile, device_type=run.device_type)
         self.parallel_dims, self.model_args = job.parallel_dims, job.model_args
         self.env: DistEnv = init_distributed(timeout_seconds=run.init_timeout_seconds)
         check_ranks_agree(job)  # before any model work: a rank with another job would train apart or hang the rest
@@ -119,8 +120,7 @@ class Trainer:
         self.steps_run = 0  # this process's steps (its skipped non-finite ones: metrics.num_nonfinite)
         self.checkpoint = self._build_checkpoint()
         self.checkpoint.save_events = self.events.checkpoint
-        # Resuming overwrites the fresh state of every piece above.
-        self.checkpoint.resume()
+        self.checkpoint.resume()  # overwrites the fresh state of every piece above
         self.resume_check.check(resumed_step=self.checkpoint.resumed_step)  # before step 1: the weights load as saved
         # After resume: a fresh run starts fresh metrics files, a resumed one continues them.
         m = job.metrics
