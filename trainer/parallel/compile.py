@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo.utils as dynamo_utils
+from torch._inductor.async_compile import maybe_warm_pool
 from torch import nn
 
 
@@ -23,15 +24,11 @@ def start_compile_workers(*, compile: bool, device_type: str) -> None:
     Inductor starts them at its first graph, and they took 8-12 s to be ready on 1x H200 (16 cores): until then it
     compiles each kernel in this process, one after another. Started at the Trainer's start, 2-18 of fp8's ~195
     kernels found them not ready instead of 34-41, and compiling and waiting for kernels cost 1.8-3.3 s of step 1
-    instead of 5.8-6.2
-    (docs/benchmarks.md#cold-start). Not earlier, before validation: a config error then waited 9-11 s for the
-    workers' shutdown. A no-op without compile, off a GPU, and where inductor would not start them
+    instead of 5.8-6.2 (docs/benchmarks.md#cold-start). Not earlier, before validation: a config error then waited
+    9-11 s for the workers' shutdown. A no-op without compile, off a GPU, and where inductor would not start them
     (TORCHINDUCTOR_COMPILE_THREADS=1, no Triton)."""
-    if not compile or device_type != "cuda":
-        return
-    from torch._inductor.async_compile import maybe_warm_pool
-
-    maybe_warm_pool()
+    if compile and device_type == "cuda":
+        maybe_warm_pool()
 
 
 def apply_compile(model: nn.Module, *, context_parallel: bool) -> str:
