@@ -120,9 +120,16 @@ _DISPATCH_DOC = ('What token rows cross the expert-parallel dispatch all-to-all 
                  "a dim that is a multiple of 128); FP8 rowwise experts (float8.moe_experts) requantize the received "
                  "e4m3 rows rowwise without a bf16 copy; the combine stays bf16 (docs/moe.md).")
 
+_DISPATCH_SIZES_DOC = ('How the expert-parallel all-to-alls learn their sizes (ep > 1): "sized" reads each rank\'s row counts '
+                       'on the host (one host sync per MoE layer), "padded" sends every rank a slot of all its rows, '
+                       'its own rows first and zeros after, so the host never waits: ep times the rows on the wire and '
+                       'in the routed experts\' activations (the dry run counts them); with moe.dispatch_dtype=\'bf16\' '
+                       'and without token dropping (docs/moe.md).')
+
 MoESection = shape_section(
     "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],
-    first=(("dispatch_dtype", Literal["bf16", "fp8"], "bf16", _DISPATCH_DOC),),
+    first=(("dispatch_dtype", Literal["bf16", "fp8"], "bf16", _DISPATCH_DOC),
+           ("dispatch", Literal["sized", "padded"], "sized", _DISPATCH_SIZES_DOC)),
     doc="Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value.")
 
 DeepseekV3Section = shape_section(

@@ -57,6 +57,9 @@ class ActivationPolicy:
     compute_bytes: int = 2
     """An activation's bytes: 2 (bf16 and fp8 runs) or 4 (fp32 runs)."""
     dense_mask_seq: int = 0
+    routed_slots: int = 1
+    """Copies of the routed rows the experts' buffers hold: ep under moe.dispatch='padded' (each rank receives a slot
+    of every rank's rows, most of them empty), else 1."""
     """Document masking on a CPU: the sequence length of the dense mask each block's attention saves (module
     docstring); 0 without (a GPU's BlockMask, or no document masking)."""
 
@@ -68,7 +71,7 @@ def block_activation_bytes(args: ModelArgs, policy: ActivationPolicy, *, ffn_dim
     MLP's width (0: none); `routed_rows` rows per token through routed experts of width `routed_dim`."""
     d, h = args.dim, args.n_heads
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    f, rows, hidden = ffn_dim, routed_rows, routed_dim
+    f, rows, hidden = ffn_dim, routed_rows * policy.routed_slots, routed_dim
     sdpa = 4 * q + 4 * kv + 4 * h  # q, k, v, out, lse
     # qk_norm: the q and k projections' outputs and the per-head norms' fp32 rstd (selective AC saves the former)
     qk_norm = 2 * q + 2 * kv + 4 * (h + args.n_kv_heads) if args.qk_norm else 0

@@ -101,17 +101,20 @@ def experts_to_tokens(rows: torch.Tensor, inverse: torch.Tensor, order: torch.Te
 def padded_layout(counts: torch.Tensor, n_rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where rows sorted by expert go in a buffer whose expert groups start at multiples of `align` rows.
 
-    counts [E] rows per expert (summing to n_rows) -> (dst [n_rows]: each row's buffer row, offs [E] int32:
-    the groups' ends, as grouped GEMMs take them, buffer rows). The buffer has n_rows + E * (align - 1) rows
-    rounded up to `align`, a size known without a host sync.
+    counts [E] rows per expert, summing to n_rows or fewer: rows past sum(counts) belong to no expert (the padded
+    all-to-all's empty rows, trainer.parallel.expert_parallel) and go after the last group, where grouped GEMMs
+    neither read nor write -> (dst [n_rows]: each row's buffer row, offs [E] int32: the groups' ends, as grouped
+    GEMMs take them, buffer rows). The buffer has n_rows + E * (align - 1) rows rounded up to `align`, a size known
+    without a host sync.
     """
     n_experts = counts.shape[0]
     counts = counts.to(torch.int64)
     padded = (counts + align - 1) // align * align
-    starts = torch.cumsum(counts, 0) - counts
-    padded_starts = torch.cumsum(padded, 0) - padded
-    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=counts.device), counts,
-                                            output_size=n_rows)
+    ends, padded_ends = torch.cumsum(counts, 0), torch.cumsum(padded, 0)
+    # Each row's expert; n_experts for a row past the last group, which moves by the last group's padding.
+    expert_of_row = torch.searchsorted(ends, torch.arange(n_rows, device=counts.device), right=True)
+    starts = torch.cat([ends - counts, ends[-1:]])
+    padded_starts = torch.cat([padded_ends - padded, padded_ends[-1:]])
     dst = torch.arange(n_rows, device=counts.device) - starts[expert_of_row] + padded_starts[expert_of_row]
     rows = n_rows + n_experts * (align - 1)
-    return dst, torch.cumsum(padded, 0).to(torch.int32), (rows + align - 1) // align * align
+    return dst, padded_ends.to(torch.int32), (rows + align - 1) // align * align

@@ -73,6 +73,8 @@ class BuildOptions:
     """SDPA's kernels in order of preference (SDPBackend names: "CUDNN_ATTENTION", ...); () = torch's choice."""
     moe_dispatch_dtype: str = "bf16"
     """moe.dispatch_dtype: what token rows cross the expert-parallel dispatch as, "bf16" or "fp8" (ep > 1 only)."""
+    moe_padded_dispatch: bool = False
+    """moe.dispatch='padded': the expert-parallel all-to-alls move fixed slots of rows, no host sync (ep > 1 only)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def build_parallel_model(
 
     # EP next: routed experts become DTensors over the ep axis, which FSDP2 shards further.
     if pd.ep > 1:
-        logger.info(apply_ep(model, pd.mesh("ep"), dispatch_dtype=o.moe_dispatch_dtype))
+        logger.info(apply_ep(model, pd.mesh("ep"), dispatch_dtype=o.moe_dispatch_dtype, padded=o.moe_padded_dispatch))
 
     # FP8 swaps nn.Linear classes and the experts' kernels, so it comes before AC/compile/FSDP wrap them.
     report = None

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trainer.models.moe_dispatch import BLOCK, fp8_all_to_all_blocks, fp8_bytes_per_token
 from trainer.models.moe_experts import ExpertDispatcher, ExpertRows
-from trainer.models.moe_permute import inverse_permutation, permute_rows, tokens_to_experts
+from trainer.models.moe_permute import inverse_permutation, permute_rows, select_unique_rows, tokens_to_experts
 
 
 class AllToAllDispatcher(ExpertDispatcher):
@@ -91,10 +91,45 @@ class AllToAllDispatcher(ExpertDispatcher):
         return all_to_all_single_autograd(y_recv_order, send_splits, recv_splits, group=self.group)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf16") -> str:
+class PaddedAllToAllDispatcher(AllToAllDispatcher):
+    """`moe.dispatch = "padded"`: the token all-to-alls move a fixed number of rows, so the host never waits for the
+    split sizes. Each rank sends every destination a slot of N rows (N: its expert-sorted rows, all of which may go
+    to one rank), its rows first and zeros after; the receiver sorts the rows it got by local expert, the empty
+    rows last, where the grouped GEMMs do not run them (`moe_permute.padded_layout`), and the combine sends the
+    slots back. The same rows, experts and sums as the sized all-to-all; ep times the rows on the wire and in the
+    experts' activation buffers (docs/moe.md)."""
+
+    def dispatch(self, x, counts, order, inverse, k):
+        rows = tokens_to_experts(x, order, inverse, k)
+        ep, n_local, n = self.ep, self.n_local, rows.shape[0]
+        per_rank = counts.view(ep, n_local).sum(1)
+        rank_of_row = torch.searchsorted(torch.cumsum(per_rank, 0), torch.arange(n, device=x.device), right=True)
+        # Row i's place in the send buffer: its destination's slot, after that destination's earlier rows.
+        slot = rank_of_row * n + torch.arange(n, device=x.device) - (torch.cumsum(per_rank, 0) - per_rank)[rank_of_row]
+        send = rows.new_zeros(ep * n, rows.shape[1]).index_copy(0, slot, rows)
+        recv = wait_tensor(all_to_all_single(counts.to(torch.int64), None, None, group=self.group)).view(ep, n_local)
+        splits = [n] * ep
+        x_recv = all_to_all_single_autograd(send, splits, splits, group=self.group)
+        # Received row j of source s's slot: its local expert, n_local past the source's rows (an empty row).
+        local = torch.searchsorted(torch.cumsum(recv, 1), torch.arange(n, device=x.device).expand(ep, n).contiguous(),
+                                   right=True)
+        source = torch.arange(ep, device=x.device).view(ep, 1)
+        perm = torch.argsort((local * ep + source).flatten(), stable=True)
+        perm_inverse = inverse_permutation(perm)
+        return ExpertRows(x_recv, perm, perm_inverse, recv.sum(0), k=1), (perm, perm_inverse, slot)
+
+    def combine(self, y: torch.Tensor, ctx: tuple) -> torch.Tensor:
+        """Outputs in expert order (empty rows' unwritten) -> the slots back to their ranks -> this rank's rows."""
+        perm, perm_inverse, slot = ctx
+        splits = [slot.shape[0]] * self.ep
+        back = all_to_all_single_autograd(permute_rows(y, perm_inverse, perm), splits, splits, group=self.group)
+        return select_unique_rows(back, slot)  # an empty row's output (garbage) is never read
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf16", padded: bool = False) -> str:
     """Shard every MoE layer's routed experts over ep_mesh and install the all-to-all dispatcher, in place.
     dispatch_dtype: moe.dispatch_dtype, what the token rows cross the dispatch all-to-all as ("bf16": the compute
-    dtype; "fp8": e4m3 with 1x128 block scales).
+    dtype; "fp8": e4m3 with 1x128 block scales). padded: moe.dispatch='padded' (`PaddedAllToAllDispatcher`, bf16).
 
     Runs on the meta-device model right after TP and before FP8/AC/compile/FSDP2, which
     see the expert weights as the DTensors they will shard further.
@@ -113,12 +148,16 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
                                     stride=param.stride())
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        experts.use(dispatcher=AllToAllDispatcher(ep_mesh, n_experts, dispatch_dtype=dispatch_dtype))
+        dispatcher = PaddedAllToAllDispatcher if padded else AllToAllDispatcher
+        experts.use(dispatcher=dispatcher(ep_mesh, n_experts, dispatch_dtype=dispatch_dtype))
         n_layers += 1
     if not n_layers:  # a pipeline stage of dense blocks (trainer.validate refuses ep > 1 on a dense model)
         return f"expert parallel: ep={ep}, no MoE layer in this pipeline stage"
     line = (f"expert parallel: ep={ep}, {n_experts // ep} of {n_experts} routed experts per rank in "
             f"{n_layers} MoE layers, all-to-all dispatch over {ep_mesh.mesh_dim_names}")
+    if padded:
+        line += (f"; padded all-to-all (moe.dispatch='padded'): {ep} slots of every rank's rows, no host sync for the "
+                 "split sizes")
     if dispatch_dtype == "fp8":
         dim = model.args.dim
         assert dim % BLOCK == 0, dim  # trainer.validate checked it

@@ -143,8 +143,11 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
         if cfg.moe.dispatch_dtype == "fp8":
             raise ConfigError(f"moe.dispatch_dtype='fp8' needs an MoE model, but model.flavor={m.flavor!r} is dense; "
                               "set moe.dispatch_dtype='bf16' or an MoE flavor (debug_moe, moe_small, moe_16b)")
+        if cfg.moe.dispatch == "padded":
+            raise ConfigError(f"moe.dispatch='padded' needs an MoE model, but model.flavor={m.flavor!r} is dense; "
+                              "set moe.dispatch='sized' or an MoE flavor (debug_moe, moe_small, moe_16b)")
         changed = [f for f in MoESection.__dataclass_fields__
-                   if f != "dispatch_dtype" and getattr(cfg.moe, f) is not None]
+                   if f not in ("dispatch_dtype", "dispatch") and getattr(cfg.moe, f) is not None]
         if changed:
             raise ConfigError(
                 f"moe.{changed[0]}={getattr(cfg.moe, changed[0])} has no effect: model.flavor={m.flavor!r} is dense; "
@@ -158,6 +161,8 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
     if cfg.moe.dispatch_dtype == "fp8" and pd.ep == 1:
         raise ConfigError("moe.dispatch_dtype='fp8' needs distributed.ep > 1: at ep=1 no token crosses an all-to-all; "
                           "set distributed.ep or moe.dispatch_dtype='bf16'")
+    if cfg.moe.dispatch == "padded":
+        _check_padded_dispatch(cfg, pd.ep, args.capacity_factor)
     if cfg.moe.dispatch_dtype == "fp8" and args.dim % 128:
         raise ConfigError(f"moe.dispatch_dtype='fp8' needs model.dim a multiple of 128 (one scale per 1x128 block of "
                           f"each token row), but it is {args.dim}; set moe.dispatch_dtype='bf16'")
@@ -183,6 +188,21 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
 
 _PP_KEYS = ("pp_split_points", "pp_layers_per_stage", "pp_stages_per_rank")
 
+
+
+def _check_padded_dispatch(cfg: JobConfig, ep: int, capacity_factor: float) -> None:
+    """moe.dispatch='padded' against the layout and the MoE keys."""
+    if ep == 1:
+        raise ConfigError("moe.dispatch='padded' needs distributed.ep > 1: at ep=1 no token crosses an all-to-all; "
+                          "set distributed.ep or moe.dispatch='sized'")
+    if cfg.moe.dispatch_dtype == "fp8":
+        raise ConfigError("moe.dispatch='padded' with moe.dispatch_dtype='fp8' is not supported yet (the fp8 "
+                          "dispatch's blocks are sized by the host); set moe.dispatch='sized' or "
+                          "moe.dispatch_dtype='bf16'")
+    if capacity_factor > 0:
+        raise ConfigError(f"moe.dispatch='padded' with moe.capacity_factor={capacity_factor}: token dropping reads "
+                          "the rows it keeps on the host, the sync the padded all-to-all removes; set "
+                          "moe.capacity_factor=0 or moe.dispatch='sized'")
 
 def resolve_pipeline(cfg: JobConfig, *, pp: int, args: ModelArgs) -> PipelineOptions | None:
     """The stage layout and schedule of distributed.pp > 1; None for pp=1 (where the pp_* keys must be unset)."""

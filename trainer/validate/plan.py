@@ -192,15 +192,16 @@ class _Fp8:
                    head=any(f.startswith("output_head.") for f in converted))
 
 
-def _policy(build: BuildOptions, fp8: _Fp8, *, compute: int, cpu: bool) -> ActivationPolicy:
+def _policy(build: BuildOptions, fp8: _Fp8, *, compute: int, cpu: bool, ep: int) -> ActivationPolicy:
     """What decides the bytes a block saves, from the build: full AC on every `selective_every`-th block is counted
     as blocks without AC and blocks with full AC (`_activations`); activations of `compute` bytes; on a CPU,
-    document masking's dense mask."""
+    document masking's dense mask; under moe.dispatch='padded' the routed experts' rows of all `ep` slots."""
     ac = build.ac.mode if build.ac.mode == "full" or not build.ac.selective_every else "none"
     return ActivationPolicy(compiled=build.compile, ac=ac, fp8_attention=fp8.attention, fp8_mlp=fp8.mlp,
                             fp8_delayed=build.float8 is not None and build.float8.delayed is not None,
                             compute_bytes=compute,
-                            dense_mask_seq=build.seq_len if cpu and build.document_eos is not None else 0)
+                            dense_mask_seq=build.seq_len if cpu and build.document_eos is not None else 0,
+                            routed_slots=ep if build.moe_padded_dispatch else 1)
 
 
 def _run_activations(args: ModelArgs, policy: ActivationPolicy) -> list[tuple[int, int]]:
@@ -242,7 +243,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
             *buffers,
             _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
     kept = len(rows) - 1  # weights, optimizer state, the EMA and pipeline buffers: held for the whole run
-    policy = _policy(build, fp8, compute=compute, cpu=cpu)
+    policy = _policy(build, fp8, compute=compute, cpu=cpu, ep=pd.ep)
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
     rows.append(activations)
     if build.float8 is not None and build.float8.weights_per_step:

@@ -319,6 +319,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         compile_loss=t.compile_model and pd.tp == 1 and not cfg.model.tie_word_embeddings,
         document_eos=eos_id(cfg.data.tokenizer) if cfg.data.document_masking else None,
         moe_dispatch_dtype=cfg.moe.dispatch_dtype,
+        moe_padded_dispatch=cfg.moe.dispatch == "padded",
     )
 
 
