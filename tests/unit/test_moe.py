@@ -676,3 +676,26 @@ def test_a_skipped_step_moves_no_expert_bias(tmp_path) -> None:
     finally:
         trainer.close()
         destroy_distributed()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_swiglu_leaves_rows_past_the_last_group_out(dtype: torch.dtype) -> None:
+    """Rows past sum(counts) belong to no expert (the padded all-to-all's empty rows, moe.dispatch='padded'): the
+    experts' rows give what they give alone, bit for bit, whatever the extra rows hold (here huge values), and no
+    gradient of a weight or of an expert's row depends on them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 16, generator=g).to(dtype)
+    w1, w3 = (torch.randn(3, 16, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    w2 = torch.randn(3, 16, 16, generator=g).to(dtype).requires_grad_()
+    counts = torch.tensor([5, 0, 8])
+    extra = torch.full((7, 16), 1e30).to(dtype)
+
+    def run(rows: torch.Tensor) -> list[torch.Tensor]:
+        rows = rows.clone().requires_grad_()
+        out = grouped_swiglu(rows, counts, w1, w2, w3)[:13]
+        grads = torch.autograd.grad(out.float().square().sum(), [rows, w1, w2, w3])
+        return [out, grads[0][:13], *grads[1:]]
+
+    alone, padded = run(x), run(torch.cat([x, extra]))
+    for a, p in zip(alone, padded):
+        assert torch.equal(a, p)

@@ -10,7 +10,8 @@ checkpoints keep the global view (DCP reshards them to any ep). It then installs
 
 Token counts per expert are exchanged first (a small all-to-all, then one host sync for
 the split sizes; compiled, dynamo traces them as symbolic sizes and the block stays one graph,
-trainer.parallel.compile); the token all-to-alls are differentiable
+trainer.parallel.compile; with `moe.dispatch = "padded"` no host sync: `PaddedAllToAllDispatcher` moves fixed
+slots of rows); the token all-to-alls are differentiable
 (`all_to_all_single_autograd`), so backward sends the gradients the reverse way. With
 `moe.dispatch_dtype = "fp8"` the dispatch moves the rows as e4m3 with one fp32 scale per 1x128 block and the
 receiver keeps them so (`ExpertRows.blocks`): FP8 rowwise experts requantize them rowwise byte to byte, other
