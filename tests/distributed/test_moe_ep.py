@@ -64,11 +64,14 @@ def test_compiled_moe_under_ep2_matches_eager_single_process(moe_ep_reference, t
     assert column(got, "grad_norm") == pytest.approx(column(ref, "grad_norm"), rel=1e-3)
 
 
-def compiled_moe_blocks_under_ep2(cases: list[tuple[str, float, str]]) -> list[dict]:
+def compiled_moe_blocks_under_ep2(cases: list[tuple[str, float, str]], padded: bool = False,
+                                  capture_host_reads: bool = True) -> list[dict]:
     """On each of 2 ranks, for each (dispatch, capacity_factor, dtype): debug_moe's first MoE block with its experts
-    split over ep=2 (`dispatch`: the moe.dispatch_dtype), run eagerly and then compiled by `apply_compile` as
-    training compiles it: the graphs and graph breaks dynamo made, and the compiled forward's output and gradients
-    against the eager ones (largest difference over each tensor's largest value)."""
+    split over ep=2 (`dispatch`: the moe.dispatch_dtype; `padded`: moe.dispatch='padded'), run eagerly and then
+    compiled by `apply_compile` as training compiles it: the graphs and graph breaks dynamo made, and the compiled
+    forward's output and gradients against the eager ones (largest difference over each tensor's largest value).
+    capture_host_reads=False: dynamo's capture of host reads turned off again after apply_compile turned it on, so
+    that every read of a device value on the host breaks the graph."""
     import torch._dynamo
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -86,7 +89,7 @@ def compiled_moe_blocks_under_ep2(cases: list[tuple[str, float, str]]) -> list[d
         args = moe_args_for("debug_moe", capacity_factor=capacity_factor)
         model = MoETransformer(args)
         model.init_weights(seed=0)
-        apply_ep(model, mesh, dispatch_dtype=dispatch)
+        apply_ep(model, mesh, dispatch_dtype=dispatch, padded=padded)
         model.to(getattr(torch, dtype))
         name = next(n for n, block in model.layers.items() if getattr(block, "moe", None) is not None)
         g = torch.Generator().manual_seed(dist.get_rank())
@@ -104,6 +107,7 @@ def compiled_moe_blocks_under_ep2(cases: list[tuple[str, float, str]]) -> list[d
         torch._dynamo.reset()
         counters.clear()
         apply_compile(model, context_parallel=False)
+        torch._dynamo.config.capture_scalar_outputs = capture_host_reads
         compiled = run(model.layers[name])
         results.append({"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
                         "error": max(((c.float() - e.float()).abs().max() / e.float().abs().max()).item()
@@ -129,6 +133,17 @@ def test_moe_block_under_ep2_compiles_as_one_graph_and_computes_what_eager_does(
         # fp8 dispatch rounds the same fp32 inputs to e4m3 in both runs, an input that moved by 1e-6 of itself
         # landing on the neighbouring e4m3 value at the most, one ulp of 3 mantissa bits: 2^-3 of that element.
         assert fp32_fp8_dispatch["error"] < 2**-3, rank
+
+
+def test_the_padded_moe_block_reads_nothing_on_the_host() -> None:
+    """moe.dispatch='padded' (tests/distributed/test_moe_ep_padded.py): compiled without capturing host reads, its
+    block is one graph with no break; the sized dispatch's breaks at its split sizes' read (what the padded
+    all-to-all removes: the host waits there)."""
+    bf16 = [("bf16", 0.0, "bfloat16")]
+    for rank in run_distributed(compiled_moe_blocks_under_ep2, world_size=2, args=(bf16, True, False)):
+        assert (rank[0]["graphs"], rank[0]["breaks"]) == (1, 0), rank
+    for rank in run_distributed(compiled_moe_blocks_under_ep2, world_size=2, args=(bf16, False, False)):
+        assert rank[0]["breaks"] > 0, rank
 
 
 def test_ep2_equals_single_process_in_float64_for_50_steps(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The padded all-to-all (moe.dispatch='padded', trainer.parallel.expert_parallel.PaddedAllToAllDispatcher) under
 ep=2 on gloo: the same rows reach the same experts in the same order as with the sized all-to-all, so every gradient
-is the sized dispatch's; the compiled MoE block reads nothing on the host; the config refusals and the memory plan.
+is the sized dispatch's; the config refusals and the memory plan. That the compiled MoE block reads nothing on the
+host: tests/distributed/test_moe_ep.py, beside the block's other compile tests.
 """
 
 from __future__ import annotations
@@ -39,47 +40,6 @@ def test_padded_dispatch_gives_the_sized_dispatchs_gradients(extra: list[str], t
         # The same GEMMs on the same rows; only the buffers around them are larger: expected bit for bit, 1e-6 of a
         # gradient's norm allows a kernel that blocks its sums by the buffer's size.
         assert (got[fqn] - g).norm() <= 1e-6 * g.norm(), fqn
-
-
-def compiled_block_graph_breaks(padded: bool) -> dict:
-    """On each of 2 ranks: debug_moe's first MoE block in bf16 with its experts split over ep=2 and compiled as
-    training compiles it, but with dynamo's capture of host reads off, so that every read of a device value on the
-    host breaks the graph: the graphs and breaks of one forward and backward."""
-    import torch._dynamo
-    import torch.distributed as dist
-    from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from trainer.models.layers import rope_cache
-    from trainer.models.moe import MoETransformer, moe_args_for
-    from trainer.parallel.compile import apply_compile
-    from trainer.parallel.expert_parallel import apply_ep
-
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-    args = moe_args_for("debug_moe", capacity_factor=0.0)
-    model = MoETransformer(args)
-    model.init_weights(seed=0)
-    apply_ep(model, mesh, padded=padded)
-    model.to(torch.bfloat16)
-    name = next(n for n, block in model.layers.items() if getattr(block, "moe", None) is not None)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(2, 64, args.dim, generator=g).bfloat16().requires_grad_()
-    torch._dynamo.reset()
-    counters.clear()
-    apply_compile(model, context_parallel=False)
-    torch._dynamo.config.capture_scalar_outputs = False  # apply_compile turned it on for MoE blocks
-    model.layers[name](x, rope_cache(args, 64)).sum().backward()
-    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
-
-
-def test_the_padded_moe_block_reads_nothing_on_the_host() -> None:
-    """Compiled without capturing host reads, the padded dispatch's block is one graph with no break; the sized
-    dispatch's breaks at its split sizes' read (what the padded all-to-all removes: the host waits there)."""
-    for rank in run_distributed(compiled_block_graph_breaks, world_size=2, args=(True,)):
-        assert rank == {"graphs": 1, "breaks": 0}, rank
-    for rank in run_distributed(compiled_block_graph_breaks, world_size=2, args=(False,)):
-        assert rank["breaks"] > 0, rank
 
 
 @pytest.mark.parametrize(

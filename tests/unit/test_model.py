@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import REPO
 from trainer.loss import LossFn
 from trainer.models.counts import num_params_for, param_count
 from trainer.models import FLAVORS, Llama, build_model, flops_per_token, model_args_for, num_params
@@ -239,7 +240,7 @@ def test_start_compile_workers_starts_the_pool_inductor_then_finds() -> None:
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"}
     env.pop("TORCH_WARM_POOL", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                         cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     triton, started, created = out.stdout.split()
     assert (started, created) == (("1", "1") if triton == "True" else ("0", "0")), out.stdout

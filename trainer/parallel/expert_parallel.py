@@ -63,10 +63,7 @@ class AllToAllDispatcher(ExpertDispatcher):
         with fp8 dispatch their gradient handle; the received blocks or None; perm, with received[perm] sorted by
         local expert; its inverse; counts [n_local]; what combine needs)."""
         ep, n_local = self.ep, self.n_local
-        # recv[src, e]: rows rank `src` sends to this rank's local expert e.
-        # wait_tensor, not .wait(): torch 2.11 on CUDA may hand back a plain tensor rather than an
-        # AsyncCollectiveTensor.
-        recv = wait_tensor(all_to_all_single(counts.to(torch.int64), None, None, group=self.group)).view(ep, n_local)
+        recv = self._received_counts(counts)
         # note: a host sync: the split sizes of the token all-to-all must be known on the host.
         sizes = torch.stack([counts.view(ep, n_local).sum(1), recv.sum(1)]).tolist()
         send_splits, recv_splits = sizes
@@ -84,6 +81,14 @@ class AllToAllDispatcher(ExpertDispatcher):
         perm = torch.argsort(expert * ep + src, stable=True)
         inverse = inverse_permutation(perm)
         return x_recv, blocks, perm, inverse, recv.sum(0), (perm, inverse, send_splits, recv_splits)
+
+    def _received_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts [n_experts] this rank sends -> recv [ep, n_local]: rows rank `src` sends to this rank's local
+        expert e (a small all-to-all; on the device)."""
+        # wait_tensor, not .wait(): torch 2.11 on CUDA may hand back a plain tensor rather than an
+        # AsyncCollectiveTensor.
+        recv = wait_tensor(all_to_all_single(counts.to(torch.int64), None, None, group=self.group))
+        return recv.view(self.ep, self.n_local)
 
     def combine(self, y: torch.Tensor, ctx: tuple) -> torch.Tensor:
         """Outputs for this rank's experts -> back to the ranks (and the order) the rows came from."""
@@ -104,16 +109,16 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         rows = tokens_to_experts(x, order, inverse, k)
         ep, n_local, n = self.ep, self.n_local, rows.shape[0]
         per_rank = counts.view(ep, n_local).sum(1)
-        rank_of_row = torch.searchsorted(torch.cumsum(per_rank, 0), torch.arange(n, device=x.device), right=True)
+        ends, row = torch.cumsum(per_rank, 0), torch.arange(n, device=x.device)
+        rank_of_row = torch.searchsorted(ends, row, right=True)
         # Row i's place in the send buffer: its destination's slot, after that destination's earlier rows.
-        slot = rank_of_row * n + torch.arange(n, device=x.device) - (torch.cumsum(per_rank, 0) - per_rank)[rank_of_row]
+        slot = rank_of_row * n + row - (ends - per_rank)[rank_of_row]
         send = rows.new_zeros(ep * n, rows.shape[1]).index_copy(0, slot, rows)
-        recv = wait_tensor(all_to_all_single(counts.to(torch.int64), None, None, group=self.group)).view(ep, n_local)
+        recv = self._received_counts(counts)
         splits = [n] * ep
         x_recv = all_to_all_single_autograd(send, splits, splits, group=self.group)
         # Received row j of source s's slot: its local expert, n_local past the source's rows (an empty row).
-        local = torch.searchsorted(torch.cumsum(recv, 1), torch.arange(n, device=x.device).expand(ep, n).contiguous(),
-                                   right=True)
+        local = torch.searchsorted(torch.cumsum(recv, 1), row.expand(ep, n).contiguous(), right=True)
         source = torch.arange(ep, device=x.device).view(ep, 1)
         perm = torch.argsort((local * ep + source).flatten(), stable=True)
         perm_inverse = inverse_permutation(perm)
