@@ -36,6 +36,10 @@ def env(tag: str | None = None) -> dict[str, str]:
     e = dict(os.environ)
     e[OWNER_VAR] = tag or new_tag()
     e["OMP_NUM_THREADS"] = "1"  # 2-4 processes on a 2-core machine
+    # A process that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack to the stderr a failing
+    # test shows: where it was, for an abort seen once in CI (test_precision_switch_by_relaunch, after "training
+    # finished") and never again in 42 local reruns.
+    e["PYTHONFAULTHANDLER"] = "1"
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path("/tmp") / "trainer_inductor_cache"))
     return e
