@@ -48,15 +48,31 @@ def launch_to_step1(lines: list[str], launched: float) -> float | None:
     return None
 
 
-def main() -> int:
-    with open(sys.argv[1], errors="replace") as f:
-        lines = f.readlines()
-    if "--launched" in sys.argv:
-        seconds = launch_to_step1(lines, float(sys.argv[sys.argv.index("--launched") + 1]))
-        print(f"launch to step 1: {seconds:.1f} s" if seconds is not None else "launch to step 1: not reached")
+def report(lines: list[str], launched: float | None) -> list[str]:
+    """What main prints: the launch-to-step-1 line (with `launched`), the peer's step-1 line (a log with torchtitan's
+    stamps), or one line saying the log has neither."""
+    out = []
+    if launched is not None:
+        seconds = launch_to_step1(lines, launched)
+        out.append(f"launch to step 1: {seconds:.1f} s" if seconds is not None else "launch to step 1: not reached")
     if any(_STAMP.search(line) for line in lines):
         seconds = step1_seconds(lines)
-        print(f"step 1 after {seconds:.1f} s" if seconds is not None else "step 1 not reached")
+        out.append(f"step 1 after {seconds:.1f} s" if seconds is not None else "step 1 not reached")
+    return out or ["no torchtitan line ('[titan] <date> <time>') in this log: for our trainer's log read its "
+                   "'step 1 done' line, or pass --launched EPOCH with a log that gpu_checks.sh stamped"]
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    launched = None
+    if "--launched" in args:
+        i = args.index("--launched")
+        launched, args = float(args[i + 1]), args[:i] + args[i + 2:]
+    if len(args) != 1:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    with open(args[0], errors="replace") as f:
+        print("\n".join(report(f.readlines(), launched)))
     return 0
 
 

@@ -50,3 +50,12 @@ def test_launch_to_step_1_of_either_trainer_from_the_arrival_stamps() -> None:
     assert peer_step1.launch_to_step1(titan, 1990.0) == 27.5
     assert abs(peer_step1.step1_seconds(titan) - 17.37) < 1e-9  # the stamps leave its own clock as it was
     assert peer_step1.launch_to_step1(ours[:2], 1000.0) is None
+
+
+def test_a_log_with_neither_says_so_in_one_line() -> None:
+    """Our trainer's log without --launched (no torchtitan stamps, no arrival stamps asked for): one line that says
+    why there is no number, not silence."""
+    ours = ["[rank0    30.2s] step 1 done 21.3 s after training started; 20.3 s compiling\n"]
+    (line,) = peer_step1.report(ours, None)
+    assert line.startswith("no torchtitan line") and "--launched" in line
+    assert peer_step1.report(["@1031.25 " + ours[0]], 1000.0) == ["launch to step 1: 31.2 s"]
