@@ -313,8 +313,10 @@ for s in $STEPS; do case $s in
       done
     done ;;
   moe_padded)  # moe.dispatch sized vs padded (docs/moe.md): moe_16b x 8 layers, batch 2 x 4096 per GPU, compile, no AC,
-    # fp8 (bf16 experts): ep=1 on one GPU, then ep=2 on 2 GPUs sized, padded, padded, sized (the run-to-run spread)
-    for run in "1 sized" "2 sized" "2 padded" "2 padded" "2 sized"; do set -- $run
+    # fp8 (bf16 experts): ep=1 on one GPU, then ep=2 on 2 GPUs sized, padded, padded, sized (the run-to-run spread);
+    # MOE_PADDED_RUNS: other "ep dispatch" pairs, comma-separated
+    IFS=, read -ra runs <<< "${MOE_PADDED_RUNS:-1 sized,2 sized,2 padded,2 padded,2 sized}"
+    for run in "${runs[@]}"; do set -- $run
       launch $1 scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b x 8 layers, ep=$1, batch 2, seq 4096, moe.dispatch=$2" \
         --precisions fp8 --warmup 6 --steps 10 --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 \
         --distributed.ep=$1 --data.source=synthetic --moe.dispatch=$2 ${MOE_ARGS:-} 2>&1 \
