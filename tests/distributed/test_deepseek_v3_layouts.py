@@ -1,7 +1,8 @@
 """DeepSeek-V3 (MLA with YaRN RoPE, group-limited routing, an MTP module) in the layouts it takes reproduces the 1-process run:
 FSDP2 (dp_shard=2), expert parallel (ep=2, with full activation checkpointing too), HSDP, context parallel (x expert
 parallel), tensor parallel (x FSDP2) and pipeline parallel (1F1B, Interleaved1F1B, x cp, x tp, x ep: the last stage
-holds the MTP module and a copy of the embeddings); without MTP modules, pipeline x expert and x tensor parallel too.
+holds the MTP module and a copy of the embeddings; x ep with the padded all-to-all too); without MTP modules,
+pipeline x expert and x tensor parallel too.
 
 Same seed, same global batch, fp32 on gloo: the loss (with the MTP term), each MTP depth's logged loss, the expert
 loads of every MoE block (the MTP module's included), the held-out loss and every gradient after one step agree to
@@ -77,9 +78,12 @@ def test_deepseek_v3_layout_matches_single_process(nproc: int, args: list[str], 
                                          (4, ["--distributed.pp=2", "--distributed.tp=2", "--train.batch_size=4"]),
                                          # The last stage's MTP module routes its tokens to the other ep rank's
                                          # experts; its embeddings' copy sums with the first stage's.
-                                         (4, ["--distributed.pp=2", "--distributed.ep=2", "--train.batch_size=2"])],
+                                         (4, ["--distributed.pp=2", "--distributed.ep=2", "--train.batch_size=2"]),
+                                         # The same with the padded all-to-all (fixed slots, no host sync).
+                                         (4, ["--distributed.pp=2", "--distributed.ep=2", "--train.batch_size=2",
+                                              "--moe.dispatch=padded"])],
                          ids=["fsdp2", "ep2", "cp2", "pp2-1f1b", "pp2-interleaved", "pp2-x-cp2", "pp2-x-tp2",
-                              "pp2-x-ep2"])
+                              "pp2-x-ep2", "pp2-x-ep2-padded"])
 def test_every_deepseek_v3_gradient_matches_single_process(nproc: int, args: list[str], tmp_path: Path) -> None:
     ref = run_distributed(gradients_of_one_step, world_size=1, args=([*ARGS, "--train.batch_size=4"],
                                                                       str(tmp_path / "ref")))[0]
