@@ -10,6 +10,8 @@
 #       8 layers per state dtype, OPTSTATES_RUNS=bf16m-auto,bf16m-fp8 to pick; PARITY_LEGS=fp8-exp-avg-fp8,fp8-exp-avg-sq-bf16
 #       ... parity1b for their parity legs)
 #   bash scripts/gpu_checks.sh coldstart  (time to step 1 with cold and warm compile caches; COLD_LAYERS=32 for the whole 8B)
+#   PEER_WHEELS=DIR bash scripts/gpu_checks.sh coldpeer  (every GPU: cold start from the launch beside torchtitan 0.2.2,
+#       alternated ours / peer / peer / ours / ours / peer, fp8 and bf16; COLD_ORDER, COLD_PRECISIONS, COLD_LAYERS)
 #   bash scripts/gpu_checks.sh weights_per_step  (1 GPU: float8.weights_per_step on vs off, dense 8B x 8 and moe_16b x 8
 #       layers, with and without gradient accumulation)
 #   bash scripts/gpu_checks.sh resume_check  (1 GPU: a resume's probe check against a resume without it, 8B x 8 layers)
@@ -218,6 +220,33 @@ for s in $STEPS; do case $s in
         rm -rf /tmp/coldstart_run
       done
     done ;;
+  coldpeer)  # cold start beside torchtitan 0.2.2, the two alternated: for each of COLD_PRECISIONS (default "fp8 bf16"),
+    # the runs in COLD_ORDER (default "ours peer peer ours ours peer": neither always first), each a coldstart run (its
+    # default master weights, 10 steps) or a peer8b run (PEER_AC, one mode, default none), both launched by torchrun on
+    # every GPU with empty compile caches, COLD_LAYERS of the 8B's layers (default 8; 32 the whole 8B); needs
+    # PEER_WHEELS. Each run's log: $OUT/coldpeer_P_I_WHO.log; the table (scripts/multigpu_tables.py coldpeer): each
+    # run's seconds to step 1 from the launch and from its own training start, and the mean of each trainer.
+    if [ -n "$DRY" ] || [ -z "${PEER_WHEELS:-}" ]; then echo "[coldpeer] skipped: $([ -n "$DRY" ] && echo "a dry run" || echo "no PEER_WHEELS")"; continue; fi
+    layers=${COLD_LAYERS:-8}; gpus=""; [ "$NGPU" -gt 1 ] && gpus="_${NGPU}gpu"
+    for p in ${COLD_PRECISIONS:-fp8 bf16}; do i=0
+      for who in ${COLD_ORDER:-ours peer peer ours ours peer}; do i=$((i+1)); log="$OUT/coldpeer_${p}_${i}_$who.log"
+        if [ "$who" = peer ]; then summary=$OUT/peer8b.log; made="$OUT/peer8b_${p}_ac_${PEER_AC:-none}_${layers}l.log"
+        else summary=$OUT/coldstart.log; made="$OUT/coldstart_${p}_auto_${layers}l$gpus.log"; fi
+        seen=$(cat "$summary" 2>/dev/null | wc -l)  # this run's launch line is the first after these
+        if [ "$who" = peer ]; then
+          PEER_LAYERS=$layers PEER_AC=${PEER_AC:-none} PEER_PRECISIONS=$p bash scripts/gpu_checks.sh peer8b
+        else
+          COLD_GPUS=$NGPU COLD_PY="torchrun --standalone --nproc_per_node=1" COLD_RUNS="$p auto" COLD_STEPS=10 \
+            COLD_LAYERS=$layers bash scripts/gpu_checks.sh coldstart
+        fi >> "$OUT/coldpeer_calls.log" 2>&1
+        mv "$made" "$log" || failed "coldpeer $p $i $who" 1
+        from_launch=$(tail -n +$((seen + 1)) "$summary" 2>/dev/null | grep -o -m1 "launch to step 1: [^;]*")
+        if [ "$who" = peer ]; then own=$(python3 scripts/peer_step1.py "$log" 2>/dev/null)
+        else own=$(grep -o -m1 "step 1 done [0-9.]* s" "$log" 2>/dev/null); fi
+        echo "[coldpeer $p $i $who] ${from_launch:-launch to step 1: no line}; own: ${own:-none}" | tee -a "$OUT/coldpeer.log"
+      done
+    done
+    python3 scripts/multigpu_tables.py coldpeer "$OUT/coldpeer.log" | tee "$OUT/coldpeer_table.md" ;;
   optim8b)  # fp8, fp32 master weights: torch's fused AdamW kernel (optimizer.implementation=fused) vs our Triton one
     for impl in fused triton; do
       $B --label "8B shapes, 8 layers, batch 4, seq 4096, fp8, fp32 master, optimizer $impl" --precisions fp8 --warmup 6 --steps 10 \
@@ -297,14 +326,14 @@ for s in $STEPS; do case $s in
       | shown "step +[0-9]+/|converted|MoE|expert parallel|FSDP2|Error|error" | tee "$OUT/moe16b_train.log"
     [ -n "$DRY" ] || cp /tmp/moe_run/metrics.jsonl "$OUT/moe16b_metrics.jsonl" ;;
   moe_dispatch)  # FP8 token dispatch (issue 50 item 3): moe_16b x 8 layers, ep=2 on 2 GPUs, batch 2 x 4096 per GPU, compile,
-    # no AC, fp8: moe.dispatch_dtype bf16 vs fp8, experts off (bf16) and rowwise; one sitting, profiles for the all-to-all
+    # no AC, fp8: moe.dispatch_dtype bf16 vs fp8 (both sized: fp8 is), experts off (bf16) and rowwise; one sitting, profiles
     for mode in ${DISPATCH_EXPERTS:-off rowwise}; do  # DISPATCH_EXPERTS: the float8.moe_experts modes to run
       for dispatch in bf16 fp8; do
         launch 2 scripts/benchmark.py --json $OUT/bench.jsonl \
           --label "moe_16b x 8 layers, ep=2, batch 2, seq 4096, moe.dispatch_dtype=$dispatch, float8.moe_experts=$mode" \
           --precisions fp8 --warmup 6 --steps 10 --profile-dir /tmp/prof_dispatch_${dispatch}_$mode \
           --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 --distributed.ep=2 --data.source=synthetic \
-          --moe.dispatch_dtype=$dispatch --float8.moe_experts=$mode ${MOE_ARGS:-} 2>&1 \
+          --moe.dispatch_dtype=$dispatch --moe.dispatch=sized --float8.moe_experts=$mode ${MOE_ARGS:-} 2>&1 \
           | tee "$OUT/bench_moe_dispatch_${dispatch}_$mode.log" | grep -E "^precision|^fp8|dispatched|host blocked|Error|error"
         # each rank's trace (under 1 MB each): where one rank's host lags the other's (docs/debug.md, host waits)
         for f in /tmp/prof_dispatch_${dispatch}_$mode/fp8/trace*.json.gz; do
@@ -379,7 +408,7 @@ for s in $STEPS; do case $s in
     # legs in docs/benchmark_data/parity_dispatch are reused; PARITY_LEGS picks)
     [ -d docs/benchmark_data/parity_dispatch ] && cp -r docs/benchmark_data/parity_dispatch "$OUT/"
     python3 scripts/fp8_parity.py --config configs/train/debug_moe.toml --out "$OUT/parity_dispatch" --seeds 1 --tolerance 0.01 \
-      --nproc-per-leg 2 --model.flavor=moe_small --distributed.ep=2 --train.steps=${PARITY_MOE_STEPS:-500} \
+      --nproc-per-leg 2 --model.flavor=moe_small --distributed.ep=2 --moe.dispatch=sized --train.steps=${PARITY_MOE_STEPS:-500} \
       --train.batch_size=4 --train.seq_len=2048 --train.compile_model=true --scheduler.warmup_steps=50 --optimizer.lr=1e-3 \
       --data.source=stdlib --validation.freq=100 --validation.steps=8 --metrics.log_freq=10 \
       --metrics.enable_tensorboard=false --variant "dispatch-fp8=--moe.dispatch_dtype=fp8" \
@@ -433,7 +462,9 @@ for s in $STEPS; do case $s in
     done ;;
   memory_peak)  # the peaks trainer/validate/plan.py was read against, with what is live at them
     # MEMORY_PEAK_GPUS=2: under torchrun (the pipeline configs; each rank's line)
+    # MEMORY_PEAK_FAKE_WORLD=N: one GPU as rank 0 of N (its --fake-world: the moe16b_*_ep2_* configs)
     mp=(python3 scripts/memory_peak.py); [ "${MEMORY_PEAK_GPUS:-1}" -gt 1 ] && mp=(launch "$MEMORY_PEAK_GPUS" scripts/memory_peak.py)
+    [ -n "${MEMORY_PEAK_FAKE_WORLD:-}" ] && mp+=(--fake-world "$MEMORY_PEAK_FAKE_WORLD")
     OUT=$OUT "${mp[@]}" ${MEMORY_PEAK_CONFIGS:-} 2>&1 | tee "$OUT/memory_peak.log" | grep -E "^(RESULT|FAILED)" | cut -c1-200 ;;
   docmask)
     python3 -m pytest -q -m gpu tests/gpu/test_documents_gpu.py -s 2>&1 | tee "$OUT/gpu_tests_documents.log" | tail -5
@@ -709,7 +740,7 @@ for f in "$OUT"/accuracy_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -
 [ -f "$OUT/moe_fp8_micro.log" ] && cat "$OUT/moe_fp8_micro.log"
 [ -f "$OUT/ckpt.log" ] && cat "$OUT/ckpt.log"
 [ -f "$OUT/coldstart.log" ] && cat "$OUT/coldstart.log"
-for f in peer8b.log scaling_table.md ckpt_stall_table.md ckpt_speed_table.md cp.log; do [ -f "$OUT/$f" ] && cat "$OUT/$f"; done
+for f in coldpeer_table.md peer8b.log scaling_table.md ckpt_stall_table.md ckpt_speed_table.md cp.log; do [ -f "$OUT/$f" ] && cat "$OUT/$f"; done
 if [ ${#FAILED[@]} -gt 0 ]; then echo "== FAILED steps: ${FAILED[*]} =="; exit 1; fi
 if [ ${#INCONCLUSIVE[@]} -gt 0 ]; then echo "== INCONCLUSIVE parity steps: ${INCONCLUSIVE[*]} =="; exit 3; fi
 exit 0

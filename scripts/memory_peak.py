@@ -2,6 +2,7 @@
 
     python3 scripts/memory_peak.py [NAME ...]        (the names of CONFIGS below; default: all; one GPU)
     torchrun --nproc_per_node=2 scripts/memory_peak.py bf16_8L_pp2_interleaved   (the pipeline configs: each rank)
+    python3 scripts/memory_peak.py --fake-world 2 moe16b_8L_b2_fp8_ep2_padded   (rank 0 of 2 on one GPU: below)
 
 For each config: three steps of `Trainer.train_step` (compilation, allocator warm-up), then one step with the CUDA
 allocator's history recorded (for the configs marked True) and two more. Prints and appends to $OUT/memprobe.jsonl
@@ -23,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from trainer.config import load_job_config  # noqa: E402
 from trainer.log import setup_logging  # noqa: E402
 from trainer.run.train import build_trainer  # noqa: E402
@@ -30,6 +32,26 @@ from trainer.run.train import build_trainer  # noqa: E402
 BASE = ["--train.seq_len=4096", "--data.source=synthetic",
         "--train.compile_model=true", "--checkpoint.enable=false", "--train.steps=20",
         "--metrics.enable_tensorboard=false", "--metrics.enable_jsonl=false", "--job.dump_folder=/tmp/mp"]
+
+
+def stand_for_rank0_of(world: int) -> None:
+    """--fake-world: this process as rank 0 of `world` ranks on torch's fake process group (the module docstring)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
+    from trainer.parallel.expert_parallel import AllToAllDispatcher
+
+    os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    new_group = dist.new_group
+    dist.new_group = lambda *a, backend=None, **k: new_group(*a, **k)  # a gloo group (the checkpoint's): fake as well
+
+    def balanced_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        rows = counts.to(torch.int64).sum().view(1, 1)  # the rows this rank sends; each source is taken to send as many
+        share = rows // (self.ep * self.n_local)
+        recv = share.expand(self.ep, self.n_local).clone()
+        recv[:, 0] += rows[0, 0] - share[0, 0] * self.ep * self.n_local  # the rest of a source's rows to one expert
+        return recv
+
+    AllToAllDispatcher._received_counts = balanced_counts
 
 
 def key_of(frames: list[dict]) -> str:
@@ -117,7 +139,12 @@ CONFIGS = {
     "fp8_8L_b4_chunk": (_dense(8, 4, "fp8", "none", "--train.loss_chunk_tokens=4096"), False),
     "fp8_8L_b4_fp32m": (_dense(8, 4, "fp8", "none", "--distributed.master_dtype=fp32"), False),
     "moe16b_8L_b2_bf16": ([*_MOE, "--train.mixed_precision=bf16"], True),
-    "moe16b_8L_b2_fp8": ([*_MOE, "--train.mixed_precision=fp8"], False),
+    "moe16b_8L_b2_fp8": ([*_MOE, "--train.mixed_precision=fp8"], True),
+    # --fake-world 2: rank 0 of moe_16b x 8 layers at ep=2 (over dp_shard=2), each all-to-all
+    "moe16b_8L_b2_fp8_ep2_sized": ([*_MOE, "--train.mixed_precision=fp8", "--distributed.ep=2", "--moe.dispatch=sized"],
+                                   True),
+    "moe16b_8L_b2_fp8_ep2_padded": ([*_MOE, "--train.mixed_precision=fp8", "--distributed.ep=2",
+                                     "--moe.dispatch=padded"], True),
     "fp8_32L_b1_full": (_dense(0, 1, "fp8", "full"), False),
     "bf16_8L_s32k_full": ([*_LONG, "--train.seq_len=32768"], True),
     "bf16_8L_s64k_full": ([*_LONG, "--train.seq_len=65536"], False),
@@ -131,7 +158,11 @@ CONFIGS = {
 
 if __name__ == "__main__":
     setup_logging(0)
-    names = sys.argv[1:] or list(CONFIGS)
+    names = sys.argv[1:]
+    if names[:1] == ["--fake-world"]:
+        stand_for_rank0_of(int(names[1]))
+        names = names[2:]
+    names = names or list(CONFIGS)
     for n in names:
         extra, bd = CONFIGS[n]
         try:

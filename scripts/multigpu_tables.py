@@ -6,6 +6,7 @@
                                                                    # beside dd's; what it blocked; the buffers' cost
     python3 scripts/multigpu_tables.py rank_bytes OUT/ckpt_speed.log   # the bytes a rank wrote (for that dd)
     python3 scripts/multigpu_tables.py losses REF_DIR OTHER_DIR    # two runs' training losses step by step
+    python3 scripts/multigpu_tables.py coldpeer OUT/coldpeer.log   # cold starts beside torchtitan: seconds to step 1
 
 scaling reads benchmark.py's --json lines (one per run and precision, with its world_size and overrides); a run
 with --float8.enable_fsdp_float8_all_gather=false is its own column. Efficiency: tokens/s per GPU at N GPUs over
@@ -32,6 +33,8 @@ ALLOCATED = re.compile(PREFIX + r"checkpoint: host buffers for ([\d.]+) GiB allo
 STEP = re.compile(PREFIX + r"step +(\d+)/\d+ .*?\| tps ([\d,]+)")
 PUBLISHED = re.compile(r"checkpoint step-(\d+): publishing blocked training ([\d.]+) s")
 DD = re.compile(r"^(\d+) bytes .* copied, ([\d.]+) s", re.MULTILINE)
+COLD_RUN = re.compile(r"^\[coldpeer (\S+) (\d+) (ours|peer)\] launch to step 1: (?:([\d.]+) s|.*?); own: "
+                      r"(?:step 1 (?:done|after) ([\d.]+) s)?")
 BLOCKED = re.compile(r"checkpoint step-(\d+): blocked training ([\d.]+) s(?: \(previous save ([\d.]+) s, "
                      r"preparing ([\d.]+) s, staging ([\d.]+) s\))?")
 
@@ -168,6 +171,37 @@ def loss_comparison(ref: Path, other: Path) -> str:
             f"({(b[last] - a[last]) / a[last]:+.3%})")
 
 
+def cold_table(log: str) -> tuple[str, list[str]]:
+    """gpu_checks.sh coldpeer's runs: per precision, each trainer's seconds to step 1 from the launch (run by run, in
+    the order they ran) and from its own training start, and the means; with the runs that never reached step 1."""
+    runs: dict[str, dict[str, list[tuple[int, float | None, float | None]]]] = {}
+    for line in log.splitlines():
+        m = COLD_RUN.match(line)
+        if m:
+            precision, i, who, launch, own = m.groups()
+            runs.setdefault(precision, {}).setdefault(who, []).append(
+                (int(i), float(launch) if launch else None, float(own) if own else None))
+    lines = ["| precision | trainer | from the launch, s (run: seconds) | mean | from its training start, s | mean |",
+             "|---|---|---|---|---|---|"]
+    missing = []
+
+    def cells(values: list[tuple[int, float | None]]) -> tuple[str, str]:
+        shown = ", ".join(f"{i}: {v:.1f}" if v is not None else f"{i}: -" for i, v in values)
+        got = [v for _, v in values if v is not None]
+        return shown, f"{statistics.mean(got):.1f}" if got else "-"
+
+    for precision, by_who in runs.items():
+        for who in ("ours", "peer"):
+            rows = by_who.get(who, [])
+            missing += [f"{precision} run {i} ({who})" for i, launch, own in rows if launch is None or own is None]
+            if rows:
+                launch, launch_mean = cells([(i, launch) for i, launch, _ in rows])
+                own, own_mean = cells([(i, own) for i, _, own in rows])
+                name = "ours" if who == "ours" else "torchtitan 0.2.2"
+                lines.append(f"| {precision} | {name} | {launch} | {launch_mean} | {own} | {own_mean} |")
+    return "\n".join(lines), missing
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "scaling":
         runs = [json.loads(line) for line in Path(argv[1]).read_text().splitlines() if line.strip()]
@@ -180,6 +214,12 @@ def main(argv: list[str]) -> int:
         print(rank_bytes(Path(argv[1]).read_text()))
     elif len(argv) == 3 and argv[0] == "losses":
         print(loss_comparison(Path(argv[1]), Path(argv[2])))
+    elif len(argv) == 2 and argv[0] == "coldpeer":
+        table, missing = cold_table(Path(argv[1]).read_text())
+        print(table)
+        if missing:
+            print(f"not reaching step 1 (see their coldpeer_*.log): {', '.join(missing)}")
+            return 1
     else:
         print(__doc__, file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ def test_padded_dispatch_gives_the_sized_dispatchs_gradients(extra: list[str], t
          "moe.dispatch='padded' with moe.capacity_factor=1.25: token dropping reads the rows it keeps on the host"),
         (["--model.flavor=debug", "--moe.dispatch=padded"],
          "moe.dispatch='padded' needs an MoE model, but model.flavor='debug' is dense"),
-        (["--distributed.ep=2", "--moe.dispatch=fixed"], "moe.dispatch='fixed' is not one of 'sized', 'padded'"),
+        (["--distributed.ep=2", "--moe.dispatch=fixed"], "moe.dispatch='fixed' is not one of 'sized', 'padded', 'auto'"),
     ],
 )
 def test_bad_padded_dispatch_configs_are_one_line_naming_the_keys(args: list[str], message: str) -> None:

@@ -189,3 +189,45 @@ def test_fp8_dispatch_is_handed_to_the_build() -> None:
     job = validate_job(load_job_config(["--config", MOE_CONFIG, "--distributed.ep=2", "--moe.dispatch_dtype=fp8", *FP8]),
                        world_size=2)
     assert job.build.moe_dispatch_dtype == "fp8"
+
+
+MOE_16B = ["--config", "configs/train/moe_16b_4gpu_fp8.toml", "--model.n_layers=8", "--float8.moe_experts=off",
+           "--train.batch_size=2", "--data.source=synthetic"]
+
+
+@pytest.mark.parametrize("ep, gib, extra, padded, why", [
+    (2, 139.8, [], True, "padded at ep=2, its memory plan 33.0 GiB (sized: 28.9 GiB) against 132.8 GiB, 95% of a "
+                         "139.8 GiB GPU"),
+    (2, 32, [], False, "sized, padded does not fit: its memory plan 33.0 GiB (sized: 28.9 GiB) against 30.4 GiB"),
+    (4, 139.8, [], False, "sized, ep=4: padded moves ep x the rows and was measured faster only at ep=2"),
+    (2, 139.8, ["--moe.dispatch_dtype=fp8"], False, "sized, moe.dispatch_dtype='fp8' sizes its blocks on the host"),
+    (2, 139.8, ["--moe.capacity_factor=1.25"], False, "sized, moe.capacity_factor=1.25: token dropping reads"),
+])
+def test_auto_dispatch_takes_padded_at_ep2_where_its_plan_fits(ep: int, gib: float, extra: list[str], padded: bool,
+                                                               why: str) -> None:
+    """moe.dispatch='auto' (the default): padded only at ep=2 on GPUs, with bf16 dispatch and no token dropping, and
+    only when the memory plan with it stays within 95% of the device; the plan is then the padded one."""
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+    from trainer.validate.memory import planned_gpus
+
+    job = validate_job(load_job_config([*MOE_16B, f"--distributed.ep={ep}", *extra]), world_size=ep,
+                       target=planned_gpus(gib))
+    assert job.build.moe_padded_dispatch == padded
+    assert job.build.moe_dispatch_note.startswith(f"moe.dispatch='auto': {why}"), job.build.moe_dispatch_note
+    chosen = validate_job(load_job_config([*MOE_16B, f"--distributed.ep={ep}", *extra,
+                                           f"--moe.dispatch={'padded' if padded else 'sized'}"]),
+                          world_size=ep, target=planned_gpus(gib))
+    assert job.memory_plan.peak_bytes == chosen.memory_plan.peak_bytes  # the plan of what runs
+
+
+def test_auto_dispatch_is_sized_on_a_cpu_and_silent_without_expert_parallelism() -> None:
+    from trainer.config import load_job_config
+    from trainer.validate import validate_job
+
+    cpu = validate_job(load_job_config(["--config", MOE_CONFIG, "--distributed.ep=2"]), world_size=2)
+    assert not cpu.build.moe_padded_dispatch
+    assert cpu.build.moe_dispatch_note == ("moe.dispatch='auto': sized, not on GPUs, where padded saves one host sync "
+                                           "per MoE layer")
+    one = validate_job(load_job_config(["--config", MOE_CONFIG]), world_size=2)
+    assert not one.build.moe_padded_dispatch and one.build.moe_dispatch_note == ""

@@ -136,3 +136,21 @@ def test_speed_table_reads_a_checkout_from_before_the_writer_as_a_baseline(table
     assert table[-1] == ("host buffers: 22.4 GiB allocated in the background in 8.8 s; tokens/s of the steps beside "
                          "it 3,000 (median of 1), of the others 8,000 (median of 1)")
     assert tables.rank_bytes(log) == int(45929.6 * 2**20 / 2)
+
+
+def test_cold_table_keeps_each_run_and_names_those_that_never_reached_step_1(tables) -> None:
+    log = "\n".join([
+        "[coldpeer fp8 1 ours] launch to step 1: 41.8 s; own: step 1 done 22.5 s",
+        "[coldpeer fp8 2 peer] launch to step 1: 36.3 s; own: step 1 after 17.8 s",
+        "[coldpeer fp8 3 peer] launch to step 1: not reached; own: step 1 not reached",
+        "[coldpeer fp8 4 ours] launch to step 1: 30.4 s; own: step 1 done 15.9 s",
+        "[coldpeer bf16 1 ours] launch to step 1: no line; own: none",
+        "[coldpeer bf16 2 peer] launch to step 1: 23.4 s; own: step 1 after 10.6 s",
+    ])
+    table, missing = tables.cold_table(log)
+    rows = table.splitlines()[2:]
+    assert rows[0] == "| fp8 | ours | 1: 41.8, 4: 30.4 | 36.1 | 1: 22.5, 4: 15.9 | 19.2 |"
+    assert rows[1] == "| fp8 | torchtitan 0.2.2 | 2: 36.3, 3: - | 36.3 | 2: 17.8, 3: - | 17.8 |"
+    assert rows[2] == "| bf16 | ours | 1: - | - | 1: - | - |"
+    assert rows[3] == "| bf16 | torchtitan 0.2.2 | 2: 23.4 | 23.4 | 2: 10.6 | 10.6 |"
+    assert missing == ["fp8 run 3 (peer)", "bf16 run 1 (ours)"]

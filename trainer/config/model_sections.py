@@ -124,12 +124,14 @@ _DISPATCH_SIZES_DOC = ('How the expert-parallel all-to-alls learn their sizes (e
                        'on the host (one host sync per MoE layer), "padded" sends every rank a slot of all its rows, '
                        'its own rows first and zeros after, so the host never waits: ep times the rows on the wire and '
                        'in the routed experts\' activations (the dry run counts them); with moe.dispatch_dtype=\'bf16\' '
-                       'and without token dropping (docs/moe.md).')
+                       'and without token dropping. "auto": padded at ep=2 on GPUs (where it was measured faster) when '
+                       'the memory plan with it stays within 95% of the device, sized otherwise; the startup line says '
+                       'which and why (docs/moe.md).')
 
 MoESection = shape_section(
     "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],
     first=(("dispatch_dtype", Literal["bf16", "fp8"], "bf16", _DISPATCH_DOC),
-           ("dispatch", Literal["sized", "padded"], "sized", _DISPATCH_SIZES_DOC)),
+           ("dispatch", Literal["sized", "padded", "auto"], "auto", _DISPATCH_SIZES_DOC)),
     doc="Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value.")
 
 DeepseekV3Section = shape_section(

@@ -78,8 +78,10 @@ def block_activation_bytes(args: ModelArgs, policy: ActivationPolicy, *, ffn_dim
     if not policy.compiled:
         full = 12 * d + 8 + sdpa + qk_norm + 8 * f + rows * (6 * d + 8 * hidden)
     else:  # 8: the two norms' fp32 rstd
+        # Each routed row: its d-wide row in token order (the output the router's weights scale) and, in each of the
+        # `routed_slots` copies, the experts' padded input and their three hidden-wide tensors (gate, up, product).
         full = ((4 if policy.fp8_attention else 6) * d + 8 + sdpa + qk_norm + (4 * f if fp8_mlp else 2 * d + 6 * f)
-                + rows * (6 * d + 6 * hidden))
+                + routed_rows * (2 * d + policy.routed_slots * (2 * d + 6 * hidden)))
         if policy.fp8_attention and policy.fp8_delayed:
             full += 3 * d  # tests/unit/test_float8_scaling_compile.py
     # A block's backward allocates its MLP's three gradients (of the gate, up and their product: compute dtype) on

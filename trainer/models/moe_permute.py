@@ -44,7 +44,11 @@ class _SelectUniqueRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.rows, grad.shape[1]).index_copy_(0, index, grad), None
+        # One row more than x, sliced off: a zeros tensor of x's shape would be the forward's zeros buffer (the one
+        # x was index_copy'd into: the padded dispatch's send buffer, the experts' padded input) to a compiled
+        # graph's common-subexpression pass, and its partitioner then keeps that buffer from forward to backward
+        # (materialized in backward: never recomputed), one more activation-sized tensor per MoE layer.
+        return grad.new_zeros(ctx.rows + 1, grad.shape[1])[: ctx.rows].index_copy_(0, index, grad), None
 
 
 def select_unique_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,10 @@ class BuildOptions:
     moe_dispatch_dtype: str = "bf16"
     """moe.dispatch_dtype: what token rows cross the expert-parallel dispatch as, "bf16" or "fp8" (ep > 1 only)."""
     moe_padded_dispatch: bool = False
-    """moe.dispatch='padded': the expert-parallel all-to-alls move fixed slots of rows, no host sync (ep > 1 only)."""
+    """moe.dispatch='padded' (or 'auto' choosing it): the expert-parallel all-to-alls move fixed slots of rows, no
+    host sync (ep > 1 only)."""
+    moe_dispatch_note: str = ""
+    """moe.dispatch='auto' at ep > 1: which all-to-all it chose and why, for the expert-parallel startup line."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ def build_parallel_model(
 
     # EP next: routed experts become DTensors over the ep axis, which FSDP2 shards further.
     if pd.ep > 1:
-        logger.info(apply_ep(model, pd.mesh("ep"), dispatch_dtype=o.moe_dispatch_dtype, padded=o.moe_padded_dispatch))
+        logger.info(apply_ep(model, pd.mesh("ep"), dispatch_dtype=o.moe_dispatch_dtype, padded=o.moe_padded_dispatch,
+                             note=o.moe_dispatch_note))
 
     # FP8 swaps nn.Linear classes and the experts' kernels, so it comes before AC/compile/FSDP wrap them.
     report = None

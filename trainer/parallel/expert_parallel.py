@@ -132,10 +132,12 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         return select_unique_rows(back, slot)  # an empty row's output (garbage) is never read
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf16", padded: bool = False) -> str:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf16", padded: bool = False,
+             note: str = "") -> str:
     """Shard every MoE layer's routed experts over ep_mesh and install the all-to-all dispatcher, in place.
     dispatch_dtype: moe.dispatch_dtype, what the token rows cross the dispatch all-to-all as ("bf16": the compute
     dtype; "fp8": e4m3 with 1x128 block scales). padded: moe.dispatch='padded' (`PaddedAllToAllDispatcher`, bf16).
+    note: moe.dispatch='auto''s choice and its reason, added to the returned startup line.
 
     Runs on the meta-device model right after TP and before FP8/AC/compile/FSDP2, which
     see the expert weights as the DTensors they will shard further.
@@ -162,8 +164,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch_dtype: str = "bf
     line = (f"expert parallel: ep={ep}, {n_experts // ep} of {n_experts} routed experts per rank in "
             f"{n_layers} MoE layers, all-to-all dispatch over {ep_mesh.mesh_dim_names}")
     if padded:
-        line += (f"; padded all-to-all (moe.dispatch='padded'): {ep} slots of every rank's rows, no host sync for the "
-                 "split sizes")
+        line += f"; padded all-to-all: {ep} slots of every rank's rows, no host sync for the split sizes"
+    if note:
+        line += f" ({note})"
     if dispatch_dtype == "fp8":
         dim = model.args.dim
         assert dim % BLOCK == 0, dim  # trainer.validate checked it

@@ -63,7 +63,10 @@ logger = logging.getLogger(__name__)
 
 GATHERED_FITS = 0.95
 """reshard_after_forward='default' keeps the weights gathered when the plan with them is at most this share of the
-device."""
+device; moe.dispatch='auto' takes the padded all-to-all under the same bound."""
+PADDED_EP = 2
+"""moe.dispatch='auto' takes the padded all-to-all at this ep only: measured faster than sized there (2x H200,
+docs/moe.md); it moves ep times the rows, which larger ep has not been measured to repay."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,9 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
                                                              ranks_per_node=target.ranks_per_node,
                                                              keep_gathered_fits=False))
         plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers, cpu=cpu)
+    if cfg.moe.dispatch == "auto" and pd.ep > 1:
+        build, plan = _auto_dispatch(cfg, args, pd, build, plan, target,
+                                     lambda padded: plan_memory(cfg, args, pd, padded, pipeline, float8_layers, cpu=cpu))
     if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:
         over = (f"memory plan: about {human_size(plan.peak_bytes)} per rank at its peak ({plan.peak_at}), more than "
                 f"the {human_size(target.memory[0])} of {target.memory[1]}")
@@ -158,6 +164,33 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
                        memory_plan=plan, unchecked_data=unchecked, model_source=shape.line if shape else None,
                        fsdp_choices=describe_fsdp_choices(cfg, pd, build, ranks_per_node=target.ranks_per_node),
                        batch_warmup=batch_warmup, **options)
+
+
+def _auto_dispatch(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions, plan: MemoryPlan,
+                   target: Target, plan_with) -> tuple[BuildOptions, MemoryPlan]:
+    """moe.dispatch='auto' at ep > 1: the padded all-to-all where it was measured faster (ep=PADDED_EP on GPUs, bf16
+    dispatch, no token dropping) and the plan with it (`plan_with(build)`) stays within GATHERED_FITS of the device;
+    the sized one otherwise. The build carries the choice and its reason for the expert-parallel startup line."""
+    if pd.ep != PADDED_EP:
+        why = f"ep={pd.ep}: padded moves ep x the rows and was measured faster only at ep={PADDED_EP}"
+    elif target.device_type != "cuda":
+        why = "not on GPUs, where padded saves one host sync per MoE layer"
+    elif cfg.moe.dispatch_dtype == "fp8":
+        why = "moe.dispatch_dtype='fp8' sizes its blocks on the host"
+    elif args.capacity_factor > 0:
+        why = f"moe.capacity_factor={args.capacity_factor}: token dropping reads the kept rows on the host"
+    elif target.memory is None:
+        why = "the device's memory is unknown"
+    else:
+        padded = dataclasses.replace(build, moe_padded_dispatch=True)
+        padded_plan, bound = plan_with(padded), GATHERED_FITS * target.memory[0]
+        sizes = (f"its memory plan {human_size(padded_plan.peak_bytes)} (sized: {human_size(plan.peak_bytes)}) "
+                 f"against {human_size(bound)}, {GATHERED_FITS:.0%} of {target.memory[1]}")
+        if padded_plan.peak_bytes <= bound:
+            note = f"moe.dispatch='auto': padded at ep={PADDED_EP}, {sizes}"
+            return dataclasses.replace(padded, moe_dispatch_note=note), padded_plan
+        why = f"padded does not fit: {sizes}"
+    return dataclasses.replace(build, moe_dispatch_note=f"moe.dispatch='auto': sized, {why}"), plan
 
 
 def with_config(job: ResolvedJob, cfg: JobConfig, *, run_cfg: JobConfig, stop_step: int = 0) -> ResolvedJob:
