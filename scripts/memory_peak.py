@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402  (importing it registers "fake")
 from trainer.config import load_job_config  # noqa: E402
 from trainer.log import setup_logging  # noqa: E402
+from trainer.parallel.expert_parallel import AllToAllDispatcher  # noqa: E402
 from trainer.run.train import build_trainer  # noqa: E402
 
 BASE = ["--train.seq_len=4096", "--data.source=synthetic",
@@ -36,9 +38,6 @@ BASE = ["--train.seq_len=4096", "--data.source=synthetic",
 
 def stand_for_rank0_of(world: int) -> None:
     """--fake-world: this process as rank 0 of `world` ranks on torch's fake process group (the module docstring)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
-    from trainer.parallel.expert_parallel import AllToAllDispatcher
-
     os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     new_group = dist.new_group
