@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,8 +142,9 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
                                                              keep_gathered_fits=False))
         plan = plan_memory(cfg, args, pd, build, pipeline, float8_layers, cpu=cpu)
     if cfg.moe.dispatch == "auto" and pd.ep > 1:
-        build, plan = _auto_dispatch(cfg, args, pd, build, plan, target,
-                                     lambda padded: plan_memory(cfg, args, pd, padded, pipeline, float8_layers, cpu=cpu))
+        build, plan = _auto_dispatch(
+            cfg, args, pd, build, plan, target,
+            lambda padded: plan_memory(cfg, args, pd, padded, pipeline, float8_layers, cpu=cpu))
     if target.memory and plan.peak_bytes > target.memory[0] and not target.planning:
         over = (f"memory plan: about {human_size(plan.peak_bytes)} per rank at its peak ({plan.peak_at}), more than "
                 f"the {human_size(target.memory[0])} of {target.memory[1]}")
@@ -167,7 +169,7 @@ def validate_job(cfg: JobConfig, *, world_size: int, target: Target | None = Non
 
 
 def _auto_dispatch(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOptions, plan: MemoryPlan,
-                   target: Target, plan_with) -> tuple[BuildOptions, MemoryPlan]:
+                   target: Target, plan_with: Callable[[BuildOptions], MemoryPlan]) -> tuple[BuildOptions, MemoryPlan]:
     """moe.dispatch='auto' at ep > 1: the padded all-to-all where it was measured faster (ep=PADDED_EP on GPUs, bf16
     dispatch, no token dropping) and the plan with it (`plan_with(build)`) stays within GATHERED_FITS of the device;
     the sized one otherwise. The build carries the choice and its reason for the expert-parallel startup line."""
