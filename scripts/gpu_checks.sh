@@ -343,12 +343,12 @@ for s in $STEPS; do case $s in
     done ;;
   moe_padded)  # moe.dispatch sized vs padded (docs/moe.md): moe_16b x 8 layers, batch 2 x 4096 per GPU, compile, no AC,
     # fp8 (bf16 experts): ep=1 on one GPU, then ep=2 on 2 GPUs sized, padded, padded, sized (the run-to-run spread);
-    # MOE_PADDED_RUNS: other "ep dispatch" pairs, comma-separated
+    # MOE_PADDED_RUNS: other "ep dispatch [overrides...]" runs, comma-separated (e.g. "2 auto --moe.overlap_all_to_all=false")
     IFS=, read -ra runs <<< "${MOE_PADDED_RUNS:-1 sized,2 sized,2 padded,2 padded,2 sized}"
     for run in "${runs[@]}"; do set -- $run
-      launch $1 scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b x 8 layers, ep=$1, batch 2, seq 4096, moe.dispatch=$2" \
+      launch $1 scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b x 8 layers, ep=$1, batch 2, seq 4096, moe.dispatch=$2 ${*:3}" \
         --precisions fp8 --warmup 6 --steps 10 --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 \
-        --distributed.ep=$1 --data.source=synthetic --moe.dispatch=$2 ${MOE_ARGS:-} 2>&1 \
+        --distributed.ep=$1 --data.source=synthetic --moe.dispatch=$2 "${@:3}" ${MOE_ARGS:-} 2>&1 \
         | tee -a "$OUT/bench_moe_padded.log" | grep -E "^precision|^fp8|host blocked|Error|error"
     done ;;
   moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8

@@ -146,6 +146,65 @@ def test_the_padded_moe_block_reads_nothing_on_the_host() -> None:
         assert rank[0]["breaks"] > 0, rank
 
 
+def compute_inside_all_to_alls(args: list[str], dump: str) -> list[list[int]]:
+    """The trainer's first forward and backward under `args` (ep=2, compiled, FSDP2 as training wraps it: the routed
+    experts a unit of their own): per inductor graph that holds all-to-alls, how many GEMMs run between each token
+    all-to-all's start and its wait, in the order of the waits."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from trainer.config import load_job_config
+    from trainer.distributed import destroy_distributed
+    from trainer.run.train import build_trainer
+
+    trainer = build_trainer(load_job_config([*args, f"--job.dump_folder={dump}"]))
+    try:
+        _, codes = run_and_get_code(lambda: trainer.step_fn.forward_backward(trainer.data_loader.next_batch()))
+    finally:
+        trainer.close()
+        destroy_distributed()
+    graphs = []
+    for code in codes:
+        windows, started = [], {}
+        for line in code[code.index("def call("):].split("\n"):  # the graph's body, after the kernels' sources
+            if line.strip().startswith("#"):
+                continue
+            start = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(", line)
+            wait = re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)
+            if start:
+                started[start.group(1)] = 0
+            elif wait and wait.group(1) in started:
+                windows.append(started.pop(wait.group(1)))
+            elif "extern_kernels.mm(" in line or "extern_kernels._grouped_mm(" in line:
+                started = {buf: n + 1 for buf, n in started.items()}
+        if windows:
+            graphs.append(windows)
+    return graphs
+
+
+@pytest.mark.parametrize("dispatch, overlaps", [("padded", (True, False)), ("sized", (True,))])
+def test_compiled_moe_block_runs_the_shared_experts_gemms_while_its_all_to_alls_cross(
+        dispatch: str, overlaps: tuple[bool, ...], tmp_path: Path) -> None:
+    """moe.overlap_all_to_all: dynamo puts each all-to-all's wait right after it, so as traced no compute overlaps the
+    rows crossing; the pass (trainer.parallel.comm_overlap) moves what does not need them inside. The shared expert
+    runs in the experts' graph (FSDP's hooks around the routed experts end the graphs before and after them). Forward,
+    beside the combine: the shared expert's gate and up projections (on a CPU inductor folds the residual add into its
+    down projection, an addmm that then needs the combined rows; on a GPU it keeps them apart). Backward, beside the
+    combine's gradient: the input and weight gradients of the shared expert's 3 projections (6 GEMMs); beside the
+    dispatch's gradient: the routed experts' 3 weight gradients (grouped GEMMs). Off, none."""
+    for overlap in overlaps:
+        args = [*ARGS, "--train.batch_size=2", "--distributed.ep=2", "--train.compile_model=true",
+                "--train.mixed_precision=bf16", f"--moe.dispatch={dispatch}", f"--moe.overlap_all_to_all={overlap}"]
+        for rank in run_distributed(compute_inside_all_to_alls, world_size=2, args=(args, str(tmp_path / str(overlap)))):
+            forward, backward = rank[0], rank[-1]  # one MoE block's graphs: every other block shares them
+            assert len(rank) == 2 and len(forward) >= 2 and len(backward) == 2, rank
+            if overlap:
+                assert max(forward) >= 2 and backward == [6, 3], rank
+            else:
+                assert max(forward) == max(backward) == 0, rank
+
+
 def test_ep2_equals_single_process_in_float64_for_50_steps(tmp_path: Path) -> None:
     # In fp32 an ep=2 run follows the 1-process run to ~1e-5 only until rounding flips a near-tied top-k
     # choice of some token (debug_moe at seq_len 128: first at step 11, an exact fp32 tie); each flip moves

@@ -128,10 +128,17 @@ _DISPATCH_SIZES_DOC = ('How the expert-parallel all-to-alls learn their sizes (e
                        'the memory plan with it stays within 95% of the device, sized otherwise; the startup line says '
                        'which and why (docs/moe.md).')
 
+_OVERLAP_DOC = ("Compiled MoE blocks under ep > 1: each all-to-all starts before, and is waited for after, the "
+                "compute that does not need its rows (forward: the shared experts, beside the combine; backward: "
+                "their backward beside the combine's gradient, the routed experts' weight gradients beside the "
+                "dispatch's), so the GEMMs run while the rows cross (an inductor pass, trainer.parallel.comm_overlap); "
+                "false: each wait right after its all-to-all, as dynamo traces it (docs/moe.md).")
+
 MoESection = shape_section(
     "MoESection", MoEArgs, [f for f in dataclasses.fields(MoEArgs) if f.name not in ModelArgs.__dataclass_fields__],
     first=(("dispatch_dtype", Literal["bf16", "fp8"], "bf16", _DISPATCH_DOC),
-           ("dispatch", Literal["sized", "padded", "auto"], "auto", _DISPATCH_SIZES_DOC)),
+           ("dispatch", Literal["sized", "padded", "auto"], "auto", _DISPATCH_SIZES_DOC),
+           ("overlap_all_to_all", bool, True, _OVERLAP_DOC)),
     doc="Experts, routing and load balancing of MoE flavors (docs/moe.md); every key set replaces the flavor's value.")
 
 DeepseekV3Section = shape_section(

@@ -231,11 +231,13 @@ class MoE(nn.Module):
         inverse = inverse_permutation(order)
         # note: a host sync, only with token dropping: the experts get the kept rows only.
         kept = order if keep is None else order[: n_tokens * k - int(dropped)]
-        routed = self.experts(flat, counts, kept, inverse, k)
-        # The shared expert runs here, before the routed rows are read: under ep their combine all-to-all (a
-        # functional collective, waited for at its first use) is still in flight, and the shared expert's GEMMs
-        # overlap it. On x [batch, seq, dim]: under TP the shared expert gathers the sequence's slices (Shard(1)).
-        shared = self.shared_expert(x).reshape(-1, dim) if self.shared_expert is not None else None
+        # The shared expert does not need the routed rows: it runs inside the experts' call, after their combine
+        # all-to-all starts, so that under ep its GEMMs run while the rows cross (eager: the wait comes at the rows'
+        # first use; compiled: moe.overlap_all_to_all). On x [batch, seq, dim]: under TP the shared expert gathers
+        # the sequence's slices (Shard(1)).
+        shared_expert = self.shared_expert
+        beside = (lambda: shared_expert(x).reshape(-1, dim)) if shared_expert is not None else (lambda: None)
+        routed, shared = self.experts(flat, counts, kept, inverse, k, beside=beside)
         # Weighted and summed over each token's k experts in fp32, then back to the compute dtype.
         out = experts_to_tokens(routed, inverse, order, weights).to(x.dtype)
         if shared is not None:

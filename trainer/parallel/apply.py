@@ -78,6 +78,9 @@ class BuildOptions:
     host sync (ep > 1 only)."""
     moe_dispatch_note: str = ""
     """moe.dispatch='auto' at ep > 1: which all-to-all it chose and why, for the expert-parallel startup line."""
+    moe_overlap_all_to_all: bool = False
+    """moe.overlap_all_to_all under ep > 1 and compile: the MoE blocks' graphs overlap the all-to-alls with compute
+    that does not need them (trainer.parallel.compile.OVERLAP_INDUCTOR_OPTIONS)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ def build_parallel_model(
 
     # Compile before FSDP so FSDP's hooks stay outside the compiled graphs.
     if o.compile:
-        logger.info(apply_compile(model, context_parallel=cp is not None))
+        logger.info(apply_compile(model, context_parallel=cp is not None, overlap_all_to_all=o.moe_overlap_all_to_all))
 
     # FSDP2 last: it shards whatever the model has become (DTensors from TP, Float8Linear weights).
     if o.fsdp.master_dtype != torch.float32:

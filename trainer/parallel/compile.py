@@ -10,12 +10,19 @@ import torch._dynamo.utils as dynamo_utils
 from torch._inductor.async_compile import maybe_warm_pool
 from torch import nn
 
+from trainer.parallel.comm_overlap import OverlapAllToAlls
+
 
 # Inductor options of the blocks' graphs. No autotuning of pointwise kernels: on 1x H200 (8B shapes x 8 layers, fp8,
 # cold caches) it cost 1.5 s of autotuning and 2.0-4.0 s of compiling in all at the first step, and the steps ran within
 # 0.44% of it either way (mean -0.13% over four runs; docs/benchmarks.md#cold-start). The head-and-loss graph compiles
 # with the same option (trainer/loss.py's LOSS_INDUCTOR_OPTIONS, measured on its own).
 BLOCK_INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
+
+# MoE blocks under expert parallelism (moe.overlap_all_to_all): the blocks' options plus the pass that puts the compute
+# that does not need an all-to-all's rows between its start and its wait (trainer.parallel.comm_overlap), and without
+# inductor's reordering for peak memory, which moved that compute back after the waits (on gloo).
+OVERLAP_INDUCTOR_OPTIONS = {"post_grad_custom_post_pass": OverlapAllToAlls(), "reorder_for_peak_memory": False}
 
 
 def start_compile_workers(*, compile: bool, device_type: str) -> None:
@@ -31,7 +38,7 @@ def start_compile_workers(*, compile: bool, device_type: str) -> None:
         maybe_warm_pool()
 
 
-def apply_compile(model: nn.Module, *, context_parallel: bool) -> str:
+def apply_compile(model: nn.Module, *, context_parallel: bool, overlap_all_to_all: bool = False) -> str:
     """Compile each block; identical blocks share one compiled graph.
 
     Blocks are compiled one by one, not the whole model, so FSDP2's per-block hooks stay
@@ -39,6 +46,8 @@ def apply_compile(model: nn.Module, *, context_parallel: bool) -> str:
     head and loss are compiled together by `trainer.loss.LossFn`, so the logits never
     round-trip to memory in fp32 (at vocab 128256 that is most of the step's elementwise traffic).
     context_parallel: the model's attention runs the K/V all-gather (trainer.parallel.context_parallel).
+    overlap_all_to_all: moe.overlap_all_to_all under expert parallelism: MoE blocks compile with
+    OVERLAP_INDUCTOR_OPTIONS.
     """
     moe = any(getattr(block, "moe", None) is not None for block in model.layers.values())
     if moe:
@@ -49,9 +58,13 @@ def apply_compile(model: nn.Module, *, context_parallel: bool) -> str:
     for name, block in list(model.layers.named_children()):
         # Not fullgraph: FP8 experts' kernel stays eager inside an MoE block, context parallel breaks the graph
         # around its attention; dense blocks compile whole.
-        fullgraph = getattr(block, "moe", None) is None and not context_parallel
-        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph, options=BLOCK_INDUCTOR_OPTIONS))
+        routes = getattr(block, "moe", None) is not None
+        fullgraph = not routes and not context_parallel
+        options = BLOCK_INDUCTOR_OPTIONS | (OVERLAP_INDUCTOR_OPTIONS if routes and overlap_all_to_all else {})
+        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph, options=options))
     traced = "; token counts traced (capture_scalar_outputs)" if moe else ""
+    if overlap_all_to_all and moe:
+        traced += "; all-to-alls overlapped with the compute that does not need them (moe.overlap_all_to_all)"
     return f"torch.compile: {len(model.layers)} blocks (pointwise kernels not autotuned){traced}"
 
 

@@ -147,7 +147,7 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
             raise ConfigError(f"moe.dispatch='padded' needs an MoE model, but model.flavor={m.flavor!r} is dense; "
                               "set moe.dispatch='sized' or an MoE flavor (debug_moe, moe_small, moe_16b)")
         changed = [f for f in MoESection.__dataclass_fields__
-                   if f not in ("dispatch_dtype", "dispatch") and getattr(cfg.moe, f) is not None]
+                   if f not in ("dispatch_dtype", "dispatch", "overlap_all_to_all") and getattr(cfg.moe, f) is not None]
         if changed:
             raise ConfigError(
                 f"moe.{changed[0]}={getattr(cfg.moe, changed[0])} has no effect: model.flavor={m.flavor!r} is dense; "

@@ -320,6 +320,7 @@ def resolve_build(cfg: JobConfig, pd: ParallelDims, float8: Float8Options | None
         document_eos=eos_id(cfg.data.tokenizer) if cfg.data.document_masking else None,
         moe_dispatch_dtype=cfg.moe.dispatch_dtype,
         moe_padded_dispatch=cfg.moe.dispatch == "padded",
+        moe_overlap_all_to_all=cfg.moe.overlap_all_to_all and pd.ep > 1 and t.compile_model,
     )
 
 
