@@ -233,15 +233,17 @@ class MoE(nn.Module):
         kept = order if keep is None else order[: n_tokens * k - int(dropped)]
         # The shared expert does not need the routed rows: it runs inside the experts' call, after their combine
         # all-to-all starts, so that under ep its GEMMs run while the rows cross (eager: the wait comes at the rows'
-        # first use; compiled: moe.overlap_all_to_all). On x [batch, seq, dim]: under TP the shared expert gathers
-        # the sequence's slices (Shard(1)).
+        # first use; compiled: moe.overlap_all_to_all). Its output comes back through `shared`, not as the experts':
+        # FSDP2 hooks (and under TP warns of, a view) every tensor an FSDP-wrapped module returns. On x [batch, seq,
+        # dim]: under TP the shared expert gathers the sequence's slices (Shard(1)).
+        shared: list[torch.Tensor] = []
         shared_expert = self.shared_expert
-        beside = (lambda: shared_expert(x).reshape(-1, dim)) if shared_expert is not None else (lambda: None)
-        routed, shared = self.experts(flat, counts, kept, inverse, k, beside=beside)
+        routed = self.experts(flat, counts, kept, inverse, k,
+                              beside=(lambda: shared.append(shared_expert(x))) if shared_expert is not None else None)
         # Weighted and summed over each token's k experts in fp32, then back to the compute dtype.
         out = experts_to_tokens(routed, inverse, order, weights).to(x.dtype)
-        if shared is not None:
-            out = out + shared
+        if shared:
+            out = out + shared[0].reshape(-1, dim)
         if self.training:  # evaluation forwards must not move the balancing bias
             with torch.no_grad():
                 self.stats += torch.cat([load, torch.stack([dropped.float(), aux.detach(), torch.ones_like(aux)])])

@@ -215,18 +215,20 @@ class GroupedExperts(nn.Module):
             self.kernel = kernel
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int,
-                beside: Callable[[], torch.Tensor | None] = lambda: None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                beside: Callable[[], None] | None = None) -> torch.Tensor:
         """Tokens x [T, dim]; their copies x[order[i] // k] sorted by expert, counts [n_experts] rows each
-        (`inverse` is the full sort's inverse) -> (expert outputs [len(order), dim] in that order, beside()).
+        (`inverse` is the full sort's inverse) -> expert outputs [len(order), dim] in that order.
 
-        `beside`: work that does not need the routed rows (the MoE layer's shared experts), run after the combine
-        starts. Compiled, it then lies in the graph that holds the all-to-alls (under FSDP this module is a unit of
-        its own, whose hooks end a graph before and after it), where moe.overlap_all_to_all runs it while the rows
-        cross (trainer.parallel.comm_overlap)."""
+        `beside`: work that does not need the routed rows (the MoE layer's shared experts; it keeps its own result),
+        run after the combine starts. Compiled, it then lies in the graph that holds the all-to-alls (under FSDP this
+        module is a unit of its own, whose hooks end a graph before and after it), where moe.overlap_all_to_all runs
+        it while the rows cross (trainer.parallel.comm_overlap)."""
         weights, options = self.local_weights()
         rows, ctx = self.dispatcher.dispatch(x, counts, order, inverse, k)
         routed = self.dispatcher.combine(self.kernel(rows, *weights, **options), ctx)
-        return routed, beside()
+        if beside is not None:
+            beside()
+        return routed
 
     def make_parameters(self, dim: int, hidden_dim: int, n_experts: int) -> None:
         """The expert weights (a subclass may store them otherwise: GPT-OSS's fused gate/up with biases)."""
