@@ -23,6 +23,8 @@ alone. Inductor's reordering for peak memory, which would undo it, is off in the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -37,7 +39,8 @@ def _fixed(node: fx.Node) -> bool:
     return node.is_impure() or (node.op == "call_function" and "_c10d_functional" in str(node.target))
 
 
-def _closure(start: fx.Node, step, within: set[fx.Node]) -> set[fx.Node]:
+def _closure(start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]], within: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of `within` reached from `start` by repeated `step` (inputs: ancestors; users: descendants)."""
     seen, todo = set(), [start]
     while todo:
         for nxt in step(todo.pop()):
