@@ -25,6 +25,8 @@
 #       all-FP8 at fp8knobs' shapes; FP8ROLES="all-fp8 bwd-bf16" picks; PARITY_LEGS=bf16,bf16-seed2,fp8-bwd-bf16,fp8-fwd-bf16,
 #       fp8-bf16-ends,fp8-decay-bf16 parity1b for their accuracy)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
+#   bash scripts/gpu_checks.sh moe_profile  (2 GPUs: moe_16b x 8 layers, fp8, ep=1 then ep=2, 2 steps traced per rank, the
+#       traces copied out; MOE_PROFILE_RUNS="1,2 --moe.dispatch=sized" picks)
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
 #   bash scripts/gpu_checks.sh parity_dispatch (2 GPUs: moe_small at ep=2, bf16 x2 seeds vs fp8 with moe.dispatch_dtype fp8 / bf16)
@@ -350,6 +352,18 @@ for s in $STEPS; do case $s in
         --precisions fp8 --warmup 6 --steps 10 --config configs/train/moe_16b_4gpu_fp8.toml -- --model.n_layers=8 \
         --distributed.ep=$1 --data.source=synthetic --moe.dispatch=$2 "${@:3}" ${MOE_ARGS:-} 2>&1 \
         | tee -a "$OUT/bench_moe_padded.log" | grep -E "^precision|^fp8|host blocked|Error|error"
+    done ;;
+  moe_profile)  # where ep=2 loses against ep=1 (docs/moe.md): moe_16b x 8 layers, batch 2 x 4096 per GPU, compile, no AC, fp8
+    # (bf16 experts), moe.dispatch auto: ep=1 on one GPU, then ep=2, each with 2 steps traced per rank; every trace is
+    # copied to $OUT (scripts/summarize_trace.py reads them: communication, exposed, device idle per rank);
+    # MOE_PROFILE_RUNS: other "ep [overrides...]" runs, comma-separated
+    IFS=, read -ra runs <<< "${MOE_PROFILE_RUNS:-1,2}"
+    i=0; for run in "${runs[@]}"; do set -- $run; i=$((i + 1)); rm -rf /tmp/prof_moe_$i
+      launch $1 scripts/benchmark.py --json $OUT/bench.jsonl --label "moe_16b x 8 layers, ep=$1, batch 2, seq 4096 ${*:2}" \
+        --precisions fp8 --warmup 6 --steps 10 --profile-dir /tmp/prof_moe_$i --config configs/train/moe_16b_4gpu_fp8.toml -- \
+        --model.n_layers=8 --distributed.ep=$1 --data.source=synthetic "${@:2}" ${MOE_ARGS:-} 2>&1 \
+        | tee "$OUT/moe_profile_$i.log" | grep -E "^precision|^fp8|host blocked|communication|device idle|Error|error"
+      for f in /tmp/prof_moe_$i/fp8/trace*.json.gz; do if [ -f "$f" ]; then cp "$f" "$OUT/prof_moe_${i}_ep$1_$(basename "$f")"; fi; done
     done ;;
   moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8
     # layers on one GPU (ep=1, batch 2 x 4096, compile, no AC): bf16, fp8 with the experts off, fp8 with rowwise: tokens/s, peak memory
