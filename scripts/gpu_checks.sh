@@ -26,7 +26,7 @@
 #       fp8-bf16-ends,fp8-decay-bf16 parity1b for their accuracy)
 #   bash scripts/gpu_checks.sh recipe7b   (4+ GPUs: the 16-GPU fp8 recipe under a 16x H100 memory cap)
 #   bash scripts/gpu_checks.sh moe_profile  (2 GPUs: moe_16b x 8 layers, fp8, ep=1 then ep=2, 2 steps traced per rank, the
-#       traces copied out; MOE_PROFILE_RUNS="1,2 --moe.dispatch=sized" picks)
+#       traces copied out, which rank the others wait for; MOE_PROFILE_RUNS="1,2 --moe.dispatch=sized" picks)
 #   bash scripts/gpu_checks.sh moe_fp8    (1 GPU: FP8 routed experts: GPU tests, micro-benchmark, moe_16b x 8 off vs rowwise)
 #   bash scripts/gpu_checks.sh parity_moe (1 GPU: moe_small, bf16 vs fp8 with bf16 / FP8 experts; PARITY_MOE_STEPS=500)
 #   bash scripts/gpu_checks.sh parity_dispatch (2 GPUs: moe_small at ep=2, bf16 x2 seeds vs fp8 with moe.dispatch_dtype fp8 / bf16)
@@ -364,6 +364,10 @@ for s in $STEPS; do case $s in
         --model.n_layers=8 --distributed.ep=$1 --data.source=synthetic "${@:2}" ${MOE_ARGS:-} 2>&1 \
         | tee "$OUT/moe_profile_$i.log" | grep -E "^precision|^fp8|host blocked|communication|device idle|Error|error"
       for f in /tmp/prof_moe_$i/fp8/trace*.json.gz; do if [ -f "$f" ]; then cp "$f" "$OUT/prof_moe_${i}_ep$1_$(basename "$f")"; fi; done
+      if [ "$1" -gt 1 ] && [ -z "$DRY" ]; then  # which rank the others wait for (docs/debug.md)
+        python3 scripts/summarize_trace.py --ranks --top 0 "$OUT"/prof_moe_${i}_ep$1_trace_rank*.json.gz \
+          | tail -n $(($1 + 2)) | tee -a "$OUT/moe_profile_$i.log"
+      fi
     done ;;
   moe_fp8)  # FP8 routed experts (float8.moe_experts; docs/fp8.md): GPU tests, the expert micro-benchmark, then moe_16b x 8
     # layers on one GPU (ep=1, batch 2 x 4096, compile, no AC): bf16, fp8 with the experts off, fp8 with rowwise: tokens/s, peak memory
