@@ -298,15 +298,19 @@ def test_the_plan_is_within_5_percent_of_the_measured_peak(name: str) -> None:
 # as rank 0 of 2 on torch's fake process group (scripts/memory_peak.py --fake-world 2), 2026-11-29. That method gave
 # 28.90 and 38.16 GiB before the experts' zeros fix where 2x H200 with real all-to-alls measured 28.96 and 38.17; the
 # plan was 4.4% over (sized) and 3.4% under (padded) before it counted each routed row's saved tensors per dispatch.
-EP2_MEASURED = {"sized": 28.90, "padded": 32.90}
+# With the recipe's FP8 all-gather left at "auto" (off on one machine, bf16 weights gathered): 33.16 GiB on each rank
+# of 2x H200, real all-to-alls (docs/benchmarks/2026-11-29-ep2-host-bound-2x-h200.md).
+EP2_MEASURED = {("sized", "true"): 28.90, ("padded", "true"): 32.90, ("padded", "auto"): 33.16}
 
 
-@pytest.mark.parametrize("dispatch", list(EP2_MEASURED))
-def test_the_plan_is_within_1_percent_of_an_expert_parallel_ranks_peak(dispatch: str) -> None:
+@pytest.mark.parametrize("dispatch, all_gather", list(EP2_MEASURED))
+def test_the_plan_is_within_1_percent_of_an_expert_parallel_ranks_peak(dispatch: str, all_gather: str) -> None:
     argv = [*MOE8, "--train.mixed_precision=fp8", "--train.compile_model=true", "--train.seq_len=4096",
-            "--train.activation_checkpointing=none", "--distributed.ep=2", f"--moe.dispatch={dispatch}"]
+            "--train.activation_checkpointing=none", "--distributed.ep=2", f"--moe.dispatch={dispatch}",
+            f"--float8.enable_fsdp_float8_all_gather={all_gather}"]
     _, plan = plan_of(argv, world_size=2)
-    assert abs(plan.peak_bytes / GIB / EP2_MEASURED[dispatch] - 1) < 0.01, (plan.peak_bytes / GIB, dispatch)
+    measured = EP2_MEASURED[dispatch, all_gather]
+    assert abs(plan.peak_bytes / GIB / measured - 1) < 0.01, (plan.peak_bytes / GIB, dispatch, all_gather)
 
 
 # pp=2 on 2x H200, 2026-11-28 (torch 2.11, torchao 0.18; 8B shapes x 8 layers, 8 microbatches of one 4,096-token
