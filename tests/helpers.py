@@ -3,6 +3,7 @@ shapes imply (parameters, Linear layers), so that tests expect what the model is
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -30,6 +31,14 @@ FAST = [
 # Every process a test starts carries this variable, "<pytest pid>.<launch id>" (inherited by torchrun's workers,
 # which run in sessions of their own and so escape a process-group kill): reap() finds them by it.
 OWNER_VAR = "TRAINER_TEST_OWNER"
+
+
+def load_script(name: str):
+    """scripts/<name>.py imported as a module (the scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def env(tag: str | None = None) -> dict[str, str]:

@@ -10,7 +10,6 @@ rank 0 alone as one process):
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from tests.distributed.spawn import run_distributed
-from tests.helpers import FAST, REPO, TRAIN, env
+from tests.helpers import FAST, REPO, TRAIN, env, load_script
 from trainer.run.resume_check import layout_tolerance
 
 ARGS = [*FAST, "--train.steps=4", "--train.seq_len=32", "--checkpoint.enable=true", "--checkpoint.interval=2",
@@ -95,10 +94,7 @@ def _check_line(log: list[str]) -> str:
 
 
 def _convert():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts" / "convert_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("convert_checkpoint")
 
 
 def test_ema_sharded_resumed_exported_and_the_resume_check(tmp_path: Path, capsys) -> None:

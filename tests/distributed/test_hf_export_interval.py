@@ -5,14 +5,13 @@ writing beside it (the checkpoint's own gloo group is busy while the export gath
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed.spawn import run_distributed
-from tests.helpers import FAST, REPO
+from tests.helpers import FAST, load_script
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +37,7 @@ def _train(args: list[str], dump: str) -> list[str]:
 
 
 def _convert(checkpoint: Path, out: Path) -> None:
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts" / "convert_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["export", str(checkpoint), str(out)]) == 0
+    assert load_script("convert_checkpoint").main(["export", str(checkpoint), str(out)]) == 0
 
 
 @pytest.mark.parametrize("layout", [["--distributed.dp_shard=2", "--train.batch_size=2"],

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib.util
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from tests.helpers import REPO, TRAIN, env, hooks_env, read_metrics
+from tests.helpers import REPO, TRAIN, env, hooks_env, load_script, read_metrics
 from trainer.checkpoint import CheckpointError, CheckpointManager, RunInfo, load_model, save_model_only
 from trainer.config import CheckpointSection
 from trainer.models.llama import FLAVORS
@@ -47,10 +46,7 @@ ARGS = [
 
 
 def _convert():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts" / "convert_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("convert_checkpoint")
 
 
 def _tree(folder: Path) -> dict[str, int]:

@@ -15,7 +15,6 @@ the file and the line):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.test_disk_and_lock import log  # noqa: F401 (a fixture)
-from tests.helpers import REPO
+from tests.helpers import REPO, load_script
 from trainer.config import load_job_config
 from trainer.metrics.logger import RunFileError, check_run_files, truncate_jsonl
 from trainer.metrics.wandb_run import RUN_FILE, _saved_id
@@ -139,10 +138,7 @@ def test_a_checkpoint_folder_inside_a_live_run_inside_this_ones_is_refused_howev
 
 
 def _generate():
-    spec = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("generate")
 
 
 def test_generate_flags_out_of_range_are_one_line(tmp_path, capsys):

@@ -3,20 +3,16 @@ Its runs as a command: tests/cli/test_benchmark.py."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
-from tests.helpers import REPO
+from tests.helpers import load_script
 from trainer.metrics.logger import PEAK_BF16_FLOPS
 
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark")
 
 
 @pytest.mark.parametrize(("gpu", "peak"), [("NVIDIA H100 80GB HBM3", 989.5e12), ("NVIDIA H100 PCIe", 756e12),

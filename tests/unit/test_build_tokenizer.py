@@ -7,18 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import load_script
 
 pytest.importorskip("tokenizers")
 
 
 def _script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("build_tokenizer", REPO / "scripts" / "build_tokenizer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_tokenizer")
 
 
 def test_added_sources_are_deduplicated_and_split_by_content(tmp_path: Path):

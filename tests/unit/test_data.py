@@ -7,22 +7,18 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import load_script
 from trainer.data import (
     ByteTokenizer, DataError, DefaultTextSource, HFTokenizer, ShardSource, SyntheticSource, TokenDataLoader,
     build_data_loader, build_source, build_tokenizer, open_shard, tokenizer_fingerprint, write_shard,
 )
 from trainer.data import shards
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "prepare_data.py"
 BYTE = ByteTokenizer.fingerprint
 
 
 def _load_prepare_data():
-    spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("prepare_data")
 
 
 prepare_data = _load_prepare_data()

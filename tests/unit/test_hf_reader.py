@@ -8,7 +8,6 @@ Llama in our export's layout; the logits against transformers are in tests/unit/
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO
+from tests.helpers import load_script
 from trainer.checkpoint import load_dcp_metadata, load_model
 from trainer.hf import ExportError, expected_shapes, hf_config, open_hf_folder, to_hf_name, write_hf_export
 from trainer.models.llama import ModelArgs
@@ -45,10 +44,7 @@ def make_folder(folder: Path, *, edit: dict | None = None, dtypes: dict[str, tor
 
 
 def _convert():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts" / "convert_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("convert_checkpoint")
 
 
 CONVERT = _convert()

@@ -3,24 +3,20 @@ from the lines benchmark.py, the checkpoint manager and metrics.jsonl write."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, load_script
 
 
 @pytest.fixture(scope="module")
 def tables():
     sys.path.insert(0, str(REPO / "scripts"))  # it imports fp8_parity's reader, as when run from scripts/
     try:
-        spec = importlib.util.spec_from_file_location("multigpu_tables", REPO / "scripts" / "multigpu_tables.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield load_script("multigpu_tables")
     finally:
         sys.path.remove(str(REPO / "scripts"))
 

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.helpers import REPO, load_script
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("peer_step1", REPO / "scripts" / "peer_step1.py")
-peer_step1 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer_step1)
+peer_step1 = load_script("peer_step1")
 
 
 def test_from_the_first_training_start_to_the_first_step_1_line() -> None:

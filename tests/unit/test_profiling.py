@@ -1,4 +1,3 @@
-import importlib.util
 import logging
 import os
 import re
@@ -7,14 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import load_script
 from trainer.metrics import profiling as profiling_module
 from trainer.metrics.profiling import TRACE_SUFFIX, maybe_enable_profiling, maybe_record_memory_history
 from trainer.metrics.trace_summary import (
     classify, format_summary, fp8_warning, is_fp8_gemm, load_trace_events, profiler_steps, summarize_events,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "summarize_trace.py"
 STEP_MARKER = re.compile(r"train_step_(\d+)$")
 
 
@@ -468,14 +466,7 @@ def test_summary_of_a_cpu_trace_counts_self_time():
 # --- scripts/summarize_trace.py -----------------------------------------------------------------
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("summarize_trace", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-summarize_trace = _load_script()
+summarize_trace = load_script("summarize_trace")
 
 
 def test_script_on_a_dir_without_traces_exits_2(tmp_path, capsys):

@@ -2,16 +2,14 @@
 ranks built here (Chrome-trace events as the profiler writes them: times in microseconds)."""
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import load_script
 from trainer.metrics.rank_lag import GAP_US, format_rank_lags, rank_lags
 from trainer.metrics.trace_summary import load_trace_events
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "summarize_trace.py"
 A2A, GATHER = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "ncclDevKernel_AllGather_RING_LL(x)"
 
 
@@ -86,10 +84,7 @@ def test_summarize_trace_ranks_orders_the_files_by_rank(tmp_path, capsys) -> Non
         with gzip.open(tmp_path / f"trace_rank{rank * 9 + 1}.json.gz", "wt") as f:
             json.dump({"traceEvents": traces[rank]}, f)
     assert len(load_trace_events(str(tmp_path / "trace_rank10.json.gz"))) == len(traces[1])
-    spec = importlib.util.spec_from_file_location("summarize_trace", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.main([str(tmp_path), "--ranks", "--top", "1"]) == 0
+    assert load_script("summarize_trace").main([str(tmp_path), "--ranks", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert out.index("trace_rank1.json.gz") < out.index("trace_rank10.json.gz")
     assert out.splitlines()[-1].startswith("  the others wait for rank 1 (up to 8.0 ms a step)")
