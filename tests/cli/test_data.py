@@ -8,8 +8,10 @@ import sys
 import numpy as np
 
 from tests.helpers import REPO
-from tests.unit.test_data import BYTE, SCRIPT
+from tests.unit.test_data import BYTE
 from trainer.data import ByteTokenizer, ShardSource
+
+SCRIPT = REPO / "scripts" / "prepare_data.py"
 
 
 def _run_prepare(*args):

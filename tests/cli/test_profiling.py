@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 from tests.helpers import REPO
-from tests.unit.test_profiling import SCRIPT
 from trainer.metrics.profiling import TRACE_SUFFIX
+
+SCRIPT = REPO / "scripts" / "summarize_trace.py"
 
 
 def _script(*args):
