@@ -337,6 +337,21 @@ def test_summary_of_a_gpu_trace():
     assert len(text.splitlines()) == 6 + 2 + 1
 
 
+def test_inductors_cast_kernels_named_after_scaled_mm_are_no_fp8_gemms():
+    # Compiled, inductor's launch of a fused cast kernel is a CPU record of the kernel's own name, which carries the
+    # op it feeds (seen on 2x H200, moe_16b fp8): neither that record nor its kernel is a GEMM.
+    cast = "triton_poi_fused__fused_rms_norm__scaled_mm__to_copy_clamp_clone_mul_reciprocal_t_view_2"
+    events = [
+        _event(cast, "cpu_op", 0, 5, external_id=7),
+        _event("aten::_scaled_mm", "cpu_op", 5, 5, external_id=8),
+        _event(cast, "kernel", 10, 20, external_id=7, tid=7),
+        _event("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_TNT", "kernel", 30, 50, external_id=8, tid=7),
+    ]
+    summary = summarize_events(events, num_steps=1)
+    assert summary.category_us == {"gemm_fp8": 50, "gemm": 0, "attention": 0, "communication": 0, "other": 20}
+    assert summary.fp8_gemm_calls == 1
+
+
 def test_exposed_communication_is_the_time_no_other_kernel_runs_beside_it():
     events = [
         _event("ProfilerStep#1", "user_annotation", 0, 400),

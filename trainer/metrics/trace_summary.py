@@ -277,9 +277,10 @@ def summarize_events(events: list[dict], *, num_steps: int,
         device, timed = "cuda", kernels
         times = [e["dur"] for e in kernels]
         # A kernel launched by aten::_scaled_mm is an FP8 GEMM whatever its name, so a cuBLAS
-        # naming scheme these patterns do not know yet still counts.
-        fp8_ids = {e["external_id"] for e in cpu_ops
-                   if e["external_id"] is not None and FP8_OP_PATTERN.search(e["name"])}
+        # naming scheme these patterns do not know yet still counts. Not one launched by a CPU record of
+        # inductor's cast kernels (`triton_poi_fused__scaled_mm_...`, named after the op they feed): no GEMM.
+        fp8_ids = {e["external_id"] for e in cpu_ops if e["external_id"] is not None
+                   and FP8_OP_PATTERN.search(e["name"]) and classify(e["name"]) == "gemm"}
     else:
         self_us, folded, layers = _self_times(cpu_ops)
         device = "cpu"
