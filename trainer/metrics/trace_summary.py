@@ -276,9 +276,8 @@ def summarize_events(events: list[dict], *, num_steps: int,
     if kernels:
         device, timed = "cuda", kernels
         times = [e["dur"] for e in kernels]
-        # A kernel launched by aten::_scaled_mm is an FP8 GEMM whatever its name, so a cuBLAS
-        # naming scheme these patterns do not know yet still counts. Not one launched by a CPU record of
-        # inductor's cast kernels (`triton_poi_fused__scaled_mm_...`, named after the op they feed): no GEMM.
+        # A kernel launched by aten::_scaled_mm is an FP8 GEMM whatever its name (a cuBLAS naming scheme these
+        # patterns do not know yet still counts); not one of inductor's casts (`triton_poi_fused__scaled_mm_...`).
         fp8_ids = {e["external_id"] for e in cpu_ops if e["external_id"] is not None
                    and FP8_OP_PATTERN.search(e["name"]) and classify(e["name"]) == "gemm"}
     else:
