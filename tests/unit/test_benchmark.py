@@ -3,7 +3,6 @@ Its runs as a command: tests/cli/test_benchmark.py."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

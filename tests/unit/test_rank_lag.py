@@ -80,11 +80,11 @@ def test_one_trace_or_a_cpu_trace_is_refused() -> None:
 
 def test_summarize_trace_ranks_orders_the_files_by_rank(tmp_path, capsys) -> None:
     traces = _ranks(late_gap_us=2000.0)
-    for rank in (1, 0):  # written in the other order: rank 10 sorts before rank 2 by name, not by number
-        with gzip.open(tmp_path / f"trace_rank{rank * 9 + 1}.json.gz", "wt") as f:
+    for rank, number in ((1, 10), (0, 2)):  # by name trace_rank10 comes before trace_rank2, by number after it
+        with gzip.open(tmp_path / f"trace_rank{number}.json.gz", "wt") as f:
             json.dump({"traceEvents": traces[rank]}, f)
     assert len(load_trace_events(str(tmp_path / "trace_rank10.json.gz"))) == len(traces[1])
     assert load_script("summarize_trace").main([str(tmp_path), "--ranks", "--top", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.index("trace_rank1.json.gz") < out.index("trace_rank10.json.gz")
+    assert out.index("trace_rank2.json.gz") < out.index("trace_rank10.json.gz")
     assert out.splitlines()[-1].startswith("  the others wait for rank 1 (up to 8.0 ms a step)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainer.metrics.trace_summary import classify
+from trainer.metrics.trace_summary import classify, merged_intervals, union_us
 
 GAP_US = 300.0
 """A device gap counts from 0.3 ms: shorter ones are the launch latency between kernels a busy host keeps up with."""
@@ -64,28 +64,16 @@ def _collectives_by_name(kernels: list[dict]) -> dict[str, list[float]]:
 
 
 def _device_gaps(kernels: list[dict]) -> list[float]:
-    gaps, end = [], kernels[0]["ts"] + kernels[0]["dur"]
-    for e in kernels[1:]:
-        if e["ts"] - end >= GAP_US:
-            gaps.append(e["ts"] - end)
-        end = max(end, e["ts"] + e["dur"])
-    return gaps
+    busy = merged_intervals([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    return [gap for (_, end), (start, _) in zip(busy, busy[1:]) if (gap := start - end) >= GAP_US]
 
 
 def _busiest_thread_us(events: list[dict]) -> float:
     by_thread: dict = {}
     for e in events:
         if e["cat"] in ("cpu_op", "user_annotation", "python_function"):
-            by_thread.setdefault(e["tid"], []).append(e)
-    busiest = 0.0
-    for ops in by_thread.values():
-        busy, end = 0.0, float("-inf")
-        for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
-            if e["ts"] >= end:  # outermost: nested ops are inside its time
-                busy += e["dur"]
-                end = e["ts"] + e["dur"]
-        busiest = max(busiest, busy)
-    return busiest
+            by_thread.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    return max(map(union_us, by_thread.values()), default=0.0)
 
 
 def format_rank_lags(lags: list[RankLag], *, num_steps: int = 1) -> str:

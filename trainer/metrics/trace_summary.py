@@ -234,11 +234,11 @@ def _self_times(ops: list[dict]) -> tuple[list[float], list[bool], list[str | No
     return [max(t, 0.0) for t in self_us], folded, layers
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    return sum(stop - start for start, stop in _merged(intervals))
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    return sum(stop - start for start, stop in merged_intervals(intervals))
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merged_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of intervals as disjoint ones, in order."""
     merged: list[tuple[float, float]] = []
     for start, stop in sorted(intervals):
@@ -250,7 +250,7 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """The time two unions of intervals (each disjoint and in order, as _merged returns them) share."""
+    """The time two unions of intervals (each disjoint and in order, as merged_intervals returns them) share."""
     shared, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         shared += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
@@ -324,7 +324,7 @@ def summarize_events(events: list[dict], *, num_steps: int,
     markers = [e for e in events if e["cat"] == "user_annotation" and _STEP_MARKER.match(e["name"])]
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in timed + markers]
     # Nested CPU ops lie inside their parents, so the union over all of them is the top-level time.
-    busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed])
+    busy = union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed])
     comm_us, exposed_us = _communication_us(timed) if device == "cuda" else (0.0, 0.0)
     host_waits = _host_waits(events, cpu_ops) if device == "cuda" else ()
     return TraceSummary(
@@ -376,7 +376,7 @@ def _communication_us(kernels: list[dict]) -> tuple[float, float]:
     comm, compute = [], []
     for e in kernels:
         (comm if classify(e["name"]) == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
-    comm, compute = _merged(comm), _merged(compute)
+    comm, compute = merged_intervals(comm), merged_intervals(compute)
     comm_us = sum(stop - start for start, stop in comm)
     return comm_us, comm_us - _overlap_us(comm, compute)
 
