@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.expect_fp8 and (warning := fp8_warning(summary)):
                 print(f"WARNING: {warning}")
                 status = 1
-            ranks.append(events)
+            if args.ranks:  # only then are the traces kept (one can be hundreds of MB)
+                ranks.append(events)
         if args.ranks:
             print(f"== {len(ranks)} ranks")
             print(format_rank_lags(rank_lags(ranks), num_steps=num_steps))
