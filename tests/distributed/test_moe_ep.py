@@ -147,9 +147,9 @@ def test_the_padded_moe_block_reads_nothing_on_the_host() -> None:
 
 
 def compute_inside_all_to_alls(args: list[str], dump: str) -> list[list[int]]:
-    """The trainer's first forward and backward under `args` (ep=2, compiled, FSDP2 as training wraps it: the routed
-    experts a unit of their own): per inductor graph that holds all-to-alls, how many GEMMs run between each token
-    all-to-all's start and its wait, in the order of the waits."""
+    """The trainer's first forward and backward under `args` (ep=2, compiled, FSDP2 as training wraps it): per inductor
+    graph that holds all-to-alls, how many GEMMs run between each token all-to-all's start and its wait, in the order
+    of the waits."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -187,12 +187,13 @@ def compute_inside_all_to_alls(args: list[str], dump: str) -> list[list[int]]:
 def test_compiled_moe_block_runs_the_shared_experts_gemms_while_its_all_to_alls_cross(
         dispatch: str, overlaps: tuple[bool, ...], tmp_path: Path) -> None:
     """moe.overlap_all_to_all: dynamo puts each all-to-all's wait right after it, so as traced no compute overlaps the
-    rows crossing; the pass (trainer.parallel.comm_overlap) moves what does not need them inside. The shared expert
-    runs in the experts' graph (FSDP's hooks around the routed experts end the graphs before and after them). Forward,
-    beside the combine: the shared expert's gate and up projections (on a CPU inductor folds the residual add into its
-    down projection, an addmm that then needs the combined rows; on a GPU it keeps them apart). Backward, beside the
+    rows crossing; the pass (trainer.parallel.comm_overlap) moves what does not need them inside. At ep = dp_shard the
+    routed experts are no FSDP2 unit (trainer.parallel.fsdp), so the whole block is one graph. Forward, beside the
+    combine: the shared expert's gate and up projections (on a CPU inductor folds the residual add into its down
+    projection, an addmm that then needs the combined rows; on a GPU it keeps them apart). Backward, beside the
     combine's gradient: the input and weight gradients of the shared expert's 3 projections (6 GEMMs); beside the
-    dispatch's gradient: the routed experts' 3 weight gradients (grouped GEMMs). Off, none."""
+    dispatch's gradient: the routed experts' 3 weight gradients (grouped GEMMs) and the router's weight gradient
+    (with the experts an FSDP2 unit of their own, whose hooks ended the graph there, it was outside). Off, none."""
     for overlap in overlaps:
         args = [*ARGS, "--train.batch_size=2", "--distributed.ep=2", "--train.compile_model=true",
                 "--train.mixed_precision=bf16", f"--moe.dispatch={dispatch}", f"--moe.overlap_all_to_all={overlap}"]
@@ -200,7 +201,7 @@ def test_compiled_moe_block_runs_the_shared_experts_gemms_while_its_all_to_alls_
             forward, backward = rank[0], rank[-1]  # one MoE block's graphs: every other block shares them
             assert len(rank) == 2 and len(forward) >= 2 and len(backward) == 2, rank
             if overlap:
-                assert max(forward) >= 2 and backward == [6, 3], rank
+                assert max(forward) >= 2 and backward == [6, 4], rank
             else:
                 assert max(forward) == max(backward) == 0, rank
 
@@ -275,6 +276,21 @@ def test_every_ep_gradient_matches_single_process(config: str, nproc: int, args:
     for fqn, g in ref.items():
         err = ((got[fqn] - g).norm() / g.norm()).item()
         assert err < 1e-5, (fqn, err)
+
+
+def test_experts_out_of_fsdp_divide_their_gradients_as_their_fsdp_unit_did(tmp_path: Path) -> None:
+    """bf16 at ep=2 over 2 ranks: with bf16 master weights the routed experts are no FSDP2 unit and divide their own
+    gradients (GroupedExperts.grad_divisor); with fp32 master weights their one-rank unit casts them and divides. Both
+    multiply the same bf16 weights (the fp32 master rounds to them) and the same bf16 activations, and halving a bf16
+    or fp32 gradient is exact, so the experts' gradients are equal; a missing or doubled division is off by 2x."""
+    bf16 = ["--train.mixed_precision=bf16", "--train.batch_size=2", "--distributed.ep=2"]
+    left_out = _grads(tmp_path, "bf16_master", 2, bf16)
+    unit = _grads(tmp_path, "fp32_master", 2, [*bf16, "--distributed.master_dtype=fp32"])
+    experts = [fqn for fqn in unit if ".moe.experts." in fqn]
+    assert experts and left_out.keys() == unit.keys()
+    for fqn in experts:
+        assert left_out[fqn].dtype == torch.bfloat16 and unit[fqn].dtype == torch.float32, fqn
+        assert torch.equal(left_out[fqn].float(), unit[fqn]), (fqn, (left_out[fqn].float() - unit[fqn]).abs().max())
 
 
 # FP8 experts (emulated) with every Linear left bf16: rowwise scales depend on a row alone, so the layout

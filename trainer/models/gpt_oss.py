@@ -85,7 +85,7 @@ class GptOssExperts(GroupedExperts):
         self.b2 = nn.Parameter(torch.empty(n_experts, dim))
 
     def local_weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]]:
-        w13, w2, b13, b2 = (_local(w) for w in (self.w13, self.w2, self.b13, self.b2))
+        w13, w2, b13, b2 = (self.local(w) for w in (self.w13, self.w2, self.b13, self.b2))
         hidden = w2.shape[-1]
         # Views of the one tensor: the grouped GEMM takes each expert's [hidden, dim] block as it lies.
         w1, w3 = w13[:, :hidden], w13[:, hidden:]

@@ -52,6 +52,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _DivideGrad(torch.autograd.Function):
+    """Identity whose backward divides the gradient by a constant (`GroupedExperts.grad_divisor`)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, divisor: float) -> torch.Tensor:
+        ctx.divisor = divisor
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.divisor, None
+
+
 _warned_loop = False
 
 
@@ -204,6 +217,11 @@ class GroupedExperts(nn.Module):
         # Plain objects, not modules: no parameters of their own, nothing in the module tree. Set through `use`.
         self.dispatcher: ExpertDispatcher = LocalDispatcher()
         self.kernel: ExpertKernel = GroupedSwiGLU()
+        self.grad_divisor = 1.0
+        """What the weights' gradients are divided by on their way out of the forward: the data-parallel degree
+        where FSDP2, which would divide them as it reduces them, leaves these weights alone (trainer.parallel.fsdp:
+        expert parallelism over the whole shard group; the all-to-all's backward already summed every rank's
+        tokens into them)."""
 
     def use(self, *, dispatcher: ExpertDispatcher | None = None, kernel: ExpertKernel | None = None) -> None:
         """Install a dispatcher (expert parallelism: apply_ep) and/or a kernel (FP8 experts: apply_float8)."""
@@ -220,8 +238,8 @@ class GroupedExperts(nn.Module):
         (`inverse` is the full sort's inverse) -> expert outputs [len(order), dim] in that order.
 
         `beside`: work that does not need the routed rows (the MoE layer's shared experts; it keeps its own result),
-        run after the combine starts. Compiled, it then lies in the graph that holds the all-to-alls (under FSDP this
-        module is a unit of its own, whose hooks end a graph before and after it), where moe.overlap_all_to_all runs
+        run after the combine starts. Compiled, it then lies in the graph that holds the all-to-alls (where FSDP2 makes
+        this module a unit of its own, its hooks end a graph before and after it), where moe.overlap_all_to_all runs
         it while the rows cross (trainer.parallel.comm_overlap)."""
         weights, options = self.local_weights()
         rows, ctx = self.dispatcher.dispatch(x, counts, order, inverse, k)
@@ -238,10 +256,16 @@ class GroupedExperts(nn.Module):
 
     def local_weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]]:
         """This rank's (w1, w2, w3), and the kernel's options beyond them (none here)."""
-        return (_local(self.w1), _local(self.w2), _local(self.w3)), {}
+        return tuple(self.local(w) for w in (self.w1, self.w2, self.w3)), {}
+
+    def local(self, w: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a weight (under EP the weights are DTensors sharded on dim 0 over the ep axis),
+        its gradient divided by `grad_divisor` on the way back."""
+        local = _local(w)
+        return _DivideGrad.apply(local, self.grad_divisor) if self.grad_divisor != 1.0 else local
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
-    """This rank's experts: under EP the weights are DTensors sharded on dim 0 over the ep axis."""
+    """A DTensor's local shard (this rank's experts, or under TP its heads), a plain tensor as it is."""
     return w.to_local() if isinstance(w, DTensor) else w
 

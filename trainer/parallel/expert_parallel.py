@@ -17,8 +17,8 @@ slots of rows); the token all-to-alls are differentiable
 receiver keeps them so (`ExpertRows.blocks`): FP8 rowwise experts requantize them rowwise byte to byte, other
 kernels dequantize them (`trainer.models.moe_dispatch`: bytes, rounding, the proof that the requantization is the
 old dequantize-then-quantize bit for bit, the straight-through backward); the combine stays in the compute dtype.
-FSDP2 later shards the expert weights over `expert_fsdp` (dp_shard / ep ranks), see
-`trainer.parallel.fsdp.apply_fsdp`.
+FSDP2 later shards the expert weights over `expert_fsdp` (dp_shard / ep ranks; at one rank it leaves them
+alone), see `trainer.parallel.fsdp.apply_fsdp`.
 """
 
 from __future__ import annotations

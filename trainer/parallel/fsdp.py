@@ -42,7 +42,9 @@ def apply_fsdp(
     routers_with_experts, under TP, its router too) get an FSDP unit of their own over it;
     their gradients already sum other ranks' tokens (EP: the all-to-all's backward; TP: the
     reduce-scatter over dp_shard x tp sums the tp ranks' sequence slices), so they are divided
-    by the data-parallel degree only, as the dense weights are.
+    by the data-parallel degree only, as the dense weights are. Where the expert mesh is one rank (EP over the
+    whole shard group) there is nothing to shard or reduce: the experts stay out of FSDP2 (`_unsharded_experts`) and
+    divide their own gradients (GroupedExperts.grad_divisor).
     """
     mp, comm = fsdp_policy(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     shard = functools.partial(_shard, mp=mp, comm=comm)
@@ -56,32 +58,16 @@ def apply_fsdp(
         shard(model.tok_embeddings, dp_mesh, reshard_after_forward)
         units.append("embeddings")
     blocks = list(model.layers.values())
-    num_expert_groups = 0
+    ignored, experts_line = _shard_experts(blocks, expert_mesh, dp_mesh, shard, param_dtype=param_dtype,
+                                           reshard_after_forward=reshard_after_forward,
+                                           with_routers=routers_with_experts)
     for i, block in enumerate(blocks):
         # The last block's weights are needed again right away by backward.
-        reshard = reshard_after_forward and i < len(blocks) - 1
-        moe = getattr(block, "moe", None)
-        if expert_mesh is not None and moe is not None:
-            for unit in ([moe.router, moe.experts] if routers_with_experts else [moe.experts]):
-                shard(unit, expert_mesh, reshard)
-                # Gradients that already sum other ranks' tokens: divide by every data-parallel
-                # rank, as the dense weights are, not by the expert mesh's size.
-                unit.set_gradient_divide_factor(float(dp_mesh.size()))
-                if expert_mesh.device_type == "cpu" and expert_mesh.size(expert_mesh.ndim - 1) > 1:
-                    # That factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: SUM, then divide.
-                    # Not with one rank per shard group: there FSDP2 (torch 2.13) already divides while
-                    # copying and would divide a second time after (tests/distributed/test_moe_ep.py).
-                    unit.set_force_sum_reduction_for_comms(True)
-            num_expert_groups += 1
-        shard(block, dp_mesh, reshard)
+        shard(block, dp_mesh, reshard_after_forward and i < len(blocks) - 1, ignored=ignored)
     # The root (final norm, output head) stays gathered from its forward to its backward: the loss
     # (trainer/loss.py) runs the head after the model's forward returns, and backward starts with it.
-    shard(model, dp_mesh, False)
+    shard(model, dp_mesh, False, ignored=ignored)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP2"
-    experts_line = (
-        f"; routed experts{' and routers' if routers_with_experts else ''} of {num_expert_groups} MoE layers over "
-        f"{expert_mesh.mesh_dim_names} (size {expert_mesh.size()})" if num_expert_groups else ""
-    )
     return (
         f"{kind}: {' + '.join([*units, f'{len(blocks)} blocks'])} + root over {dp_mesh.mesh_dim_names} "
         f"(size {dp_mesh.size()}){experts_line}, "
@@ -108,10 +94,61 @@ def fsdp_policy(model: nn.Module, *, param_dtype: torch.dtype | None, reduce_dty
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=master.pop()), Float8ReduceScatter(reduce_dtype)
 
 
+def _shard_experts(blocks: list[nn.Module], expert_mesh: DeviceMesh | None, dp_mesh: DeviceMesh, shard, *,
+                   param_dtype: torch.dtype | None, reshard_after_forward: bool, with_routers: bool
+                   ) -> tuple[set[nn.Parameter], str]:
+    """Each MoE layer's routed experts (with_routers: and its router) an FSDP2 unit over expert_mesh, or where that
+    mesh is one rank none (`_unsharded_experts`): (the parameters the blocks' units must leave alone, the startup
+    line's words)."""
+    unsharded = _unsharded_experts(blocks, expert_mesh, param_dtype) if not with_routers else []
+    for experts in unsharded:
+        # FSDP2 would divide their gradients by every data-parallel rank as it reduced them; they divide their own.
+        experts.grad_divisor = float(dp_mesh.size())
+    if unsharded:
+        return ({p for experts in unsharded for p in experts.parameters()},
+                f"; routed experts of {len(unsharded)} MoE layers left out (ep covers the shard group: nothing to "
+                f"shard or reduce; their gradients divided by {dp_mesh.size()} in their backward)")
+    layers = [(i, block.moe) for i, block in enumerate(blocks) if getattr(block, "moe", None) is not None]
+    if expert_mesh is None or not layers:
+        return set(), ""
+    for i, moe in layers:
+        for unit in ([moe.router, moe.experts] if with_routers else [moe.experts]):
+            shard(unit, expert_mesh, reshard_after_forward and i < len(blocks) - 1)
+            # Gradients that already sum other ranks' tokens: divide by every data-parallel
+            # rank, as the dense weights are, not by the expert mesh's size.
+            unit.set_gradient_divide_factor(float(dp_mesh.size()))
+            if expert_mesh.device_type == "cpu" and expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                # That factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: SUM, then divide.
+                # Not with one rank per shard group: there FSDP2 (torch 2.13) already divides while
+                # copying and would divide a second time after (tests/distributed/test_moe_ep.py).
+                unit.set_force_sum_reduction_for_comms(True)
+    return set(), (f"; routed experts{' and routers' if with_routers else ''} of {len(layers)} MoE layers over "
+                   f"{expert_mesh.mesh_dim_names} (size {expert_mesh.size()})")
+
+
+def _unsharded_experts(blocks: list[nn.Module], expert_mesh: DeviceMesh | None,
+                       param_dtype: torch.dtype | None) -> list[nn.Module]:
+    """The routed experts FSDP2 is kept off: every MoE layer's, where the expert mesh has one rank (ep = dp_shard x
+    cp, no replicas: ParallelDims.expert_fsdp == 1) and the weights already are in the compute dtype (bf16 master weights for bf16 compute; fp32 for
+    fp32), else none.
+
+    A unit over one rank shards nothing and reduces nothing, yet costs each layer a copy of its experts' weights
+    before the forward (FSDP2's one-rank all-gather), and after the backward the gradients cast to the reduce dtype,
+    concatenated, divided and copied back: measured on 2x H200, moe_16b at ep=2, ~2 ms of host time a layer, and
+    the unit's hooks split the compiled block in three graphs."""
+    if expert_mesh is None or expert_mesh.size() != 1:
+        return []
+    layers = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
+    if param_dtype is not None and any(p.dtype != param_dtype for e in layers for p in e.parameters()):
+        return []  # FSDP2's unit casts them to the compute dtype (fp32 master weights)
+    return layers
+
+
 def _shard(unit: nn.Module | list[nn.Module], mesh: DeviceMesh, reshard: bool, *, mp: MixedPrecisionPolicy,
-           comm: Float8ReduceScatter | None) -> FSDPModule:
-    """fully_shard one unit (a module, or a list of modules sharing one unit), with comm as its reduce-scatter."""
-    sharded = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+           comm: Float8ReduceScatter | None, ignored: set[nn.Parameter] | None = None) -> FSDPModule:
+    """fully_shard one unit (a module, or a list of modules sharing one unit), with comm as its reduce-scatter;
+    `ignored` parameters stay out of it (and of the units above it)."""
+    sharded = fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored or None)
     module = sharded[0] if isinstance(sharded, list) else sharded
     if comm is not None:
         module.set_custom_reduce_scatter(comm)

@@ -122,6 +122,14 @@ class ParallelDims:
         return self.dp_shard * self.cp // self.ep
 
     @property
+    def expert_fsdp(self) -> int:
+        """Ranks of the `expert_fsdp` mesh (FSDP2's group for the routed experts); at 1 (ep covers dp_shard x cp, no
+        replicas, no tp) FSDP2 leaves the experts alone where their weights need no cast (trainer.parallel.fsdp)."""
+        if self.tp > 1:
+            return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * (self.dp_shard_mod_ep if self.ep > 1 else self.fsdp_shard)
+
+    @property
     def layout(self) -> dict[str, int]:
         """Every degree by name and the world size: what checkpoint.json and the event log record."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep,

@@ -241,7 +241,8 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
             *([MemoryRow("EMA weights", local * 4, f"train.ema_decay={cfg.train.ema_decay:g}: 4 B (fp32) per "
                                                      "parameter of the shard")] if cfg.train.ema_decay > 0 else []),
             *buffers,
-            _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute)]
+            _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute,
+                      experts_left_out=pd.ep > 1 and pd.expert_fsdp == 1 and compute == master)]
     kept = len(rows) - 1  # weights, optimizer state, the EMA and pipeline buffers: held for the whole run
     policy = _policy(build, fp8, compute=compute, cpu=cpu, ep=pd.ep)
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)
@@ -345,12 +346,14 @@ def _kept_expert_weights(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, bo
                         "the forward orientation at the start of backward (one microbatch), 1 B per expert parameter"))
 
 
-def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int) -> MemoryRow:
+def _gathered(args: ModelArgs, pd: ParallelDims, stage: _Stage, *, all_units: bool, compute: int,
+              experts_left_out: bool) -> MemoryRow:
     """The compute-dtype weights FSDP2 has all-gathered at the start of backward: every unit where none is
-    resharded after forward, else the root (head; a tied table with it) and the two blocks a backward step holds."""
+    resharded after forward, else the root (head; a tied table with it) and the two blocks a backward step holds.
+    experts_left_out: FSDP2 does not manage the routed experts (trainer.parallel.fsdp), so makes no copy of them."""
     runs = _run_params(args)
-    # routed experts are split over ep, never gathered over it
-    not_gathered = [routed - routed // pd.ep for _, routed in runs]
+    # routed experts are split over ep, never gathered over it (and with no copy at all when left out of FSDP2)
+    not_gathered = [routed if experts_left_out else routed - routed // pd.ep for _, routed in runs]
     if all_units:
         n = _stage_params(args, stage) - sum(k * extra for k, extra in zip(stage.blocks, not_gathered))
         how = "every unit (kept gathered from forward to backward)"
