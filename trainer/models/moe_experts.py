@@ -218,7 +218,7 @@ class GroupedExperts(nn.Module):
         self.dispatcher: ExpertDispatcher = LocalDispatcher()
         self.kernel: ExpertKernel = GroupedSwiGLU()
         self.grad_divisor = 1.0
-        """What the weights' gradients are divided by on their way out of the forward: the data-parallel degree
+        """What the weights' gradients are divided by in the backward, as they leave the layer: the data-parallel degree
         where FSDP2, which would divide them as it reduces them, leaves these weights alone (trainer.parallel.fsdp:
         expert parallelism over the whole shard group; the all-to-all's backward already summed every rank's
         tokens into them)."""

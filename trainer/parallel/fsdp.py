@@ -129,13 +129,14 @@ def _shard_experts(blocks: list[nn.Module], expert_mesh: DeviceMesh | None, dp_m
 def _unsharded_experts(blocks: list[nn.Module], expert_mesh: DeviceMesh | None,
                        param_dtype: torch.dtype | None) -> list[nn.Module]:
     """The routed experts FSDP2 is kept off: every MoE layer's, where the expert mesh has one rank (ep = dp_shard x
-    cp, no replicas: ParallelDims.expert_fsdp == 1) and the weights already are in the compute dtype (bf16 master weights for bf16 compute; fp32 for
-    fp32), else none.
+    cp, no replicas: ParallelDims.expert_fsdp == 1) and the weights already are in the compute dtype (bf16 master
+    weights for bf16 compute; fp32 for fp32), else none.
 
     A unit over one rank shards nothing and reduces nothing, yet costs each layer a copy of its experts' weights
     before the forward (FSDP2's one-rank all-gather), and after the backward the gradients cast to the reduce dtype,
-    concatenated, divided and copied back: measured on 2x H200, moe_16b at ep=2, ~2 ms of host time a layer, and
-    the unit's hooks split the compiled block in three graphs."""
+    concatenated, divided and copied back: measured on 2x H200, moe_16b at ep=2, ~2 ms of host time a layer and
+    3.6 GiB of copies, and the unit's hooks cut the compiled block in five graphs
+    (docs/benchmarks/2026-11-29-experts-out-of-fsdp-2x-h200.md)."""
     if expert_mesh is None or expert_mesh.size() != 1:
         return []
     layers = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
