@@ -315,8 +315,10 @@ def profile_steps(runner: Trainer, trace_dir: Path, num_steps: int = 2) -> None:
     path = trace_dir / _trace_name("trace", runner)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(num_steps):
-            runner.train_step(runner.data_loader.next_batch())
+        for i in range(num_steps):
+            # Step markers: scripts/summarize_trace.py (and --ranks) count the trace's steps by them.
+            with torch.profiler.record_function(f"ProfilerStep#{i + 1}"):
+                runner.train_step(runner.data_loader.next_batch())
         sync(runner.device)
     prof.export_chrome_trace(str(path))
     print(_rank_header(runner) + format_summary(summarize_events(load_trace_events(str(path)), num_steps=num_steps),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DEBUG_CONFIG, REPO, dense_param_counts, env, fp8_linear_counts, new_tag, reap
+from trainer.metrics.trace_summary import load_trace_events, trace_steps
 from trainer.models import FLAVORS, flops_per_token, model_args_for
 
 
@@ -22,7 +23,7 @@ def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
     (training / "metrics.jsonl").write_text('{"step": 1}\n')
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", DEBUG_CONFIG, "--precisions", "bf16,fp8",
-         "--warmup", "1", "--steps", "2", "--json", str(out), "--",
+         "--warmup", "1", "--steps", "2", "--json", str(out), "--profile-dir", str(tmp_path / "prof"), "--",
          "--data.source=synthetic", "--train.seq_len=64", "--train.batch_size=2"],
         capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,6 +51,10 @@ def test_benchmark_reports_throughput_flops_and_ratio(tmp_path: Path) -> None:
         for key in ("optimizer", "reference_optimizer"):
             assert r[f"{key}_gbps"] == pytest.approx(numel * 2 * 8 / (r[f"{key}_ms"] / 1e3) / 1e9)
     assert sum("optimizer step (bfloat16 master weights)" in line for line in table) == 2
+    # --profile-dir: 2 more steps traced per precision, each marked, so a later summary counts them as 2 steps.
+    for precision in ("bf16", "fp8"):
+        trace = str(tmp_path / "prof" / precision / "trace.json.gz")
+        assert trace_steps(trace, load_trace_events(trace)) == (1, 2), precision
 
 
 def test_a_recipe_with_a_bad_override_is_a_config_error_before_any_run() -> None:
