@@ -22,6 +22,7 @@ from trainer.parallel.pipeline_layout import (
     default_stages_per_rank, parse_split_point, split_at, stage_module_fqns,
 )
 from trainer.validate.deepseek_v3 import check_deepseek_v3
+from trainer.validate.resolve import experts_outside_fsdp
 
 logger = logging.getLogger(__name__)
 
@@ -174,13 +175,17 @@ def _check_moe_layout(cfg: JobConfig, args: ModelArgs, pd: ParallelDims) -> None
                 f"each rank routes its own slice of it; set moe.capacity_factor=0 or distributed.{key}=1"
             )
     t = cfg.train
-    if pd.ep > 1 and t.activation_checkpointing == "selective" and t.selective_ac_every == 0:
+    if (pd.ep > 1 and t.activation_checkpointing == "selective" and t.selective_ac_every == 0
+            and not experts_outside_fsdp(cfg, pd)):
         # The experts' own FSDP2 unit runs different hooks in the recompute than in the forward,
-        # which the per-op policy's bookkeeping rejects during backward.
+        # which the per-op policy's bookkeeping rejects during backward. Without the unit (ep over the
+        # whole shard group) it runs: tests/distributed/test_moe_ep.py.
         raise ConfigError(
             f"train.activation_checkpointing='selective' with the per-op policy (train.selective_ac_every=0) does not "
-            f"work with distributed.ep={pd.ep}; set train.selective_ac_every=N (full AC every Nth block) or "
-            "train.activation_checkpointing='full'"
+            f"work with distributed.ep={pd.ep} while the routed experts are an FSDP2 unit of their own (ep below "
+            f"dp_shard x cp, dp_replicate > 1, or master weights not in the compute dtype); set "
+            "train.selective_ac_every=N (full AC every Nth block), train.activation_checkpointing='full', or ep = "
+            "dp_shard"
         )
 
 

@@ -188,6 +188,15 @@ def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> 
     return t.grad_accum_steps * (t.batch_size // cfg.distributed.pp_microbatch_size if pd.pp > 1 else 1)
 
 
+def experts_outside_fsdp(cfg: JobConfig, pd: ParallelDims) -> bool:
+    """Whether FSDP2 leaves the routed experts out (trainer.parallel.fsdp._unsharded_experts decides the same from the
+    meshes and the weights' dtype): expert parallelism over the whole shard group (ParallelDims.expert_fsdp == 1, no
+    tp) with the master weights already in the compute dtype (nothing for a unit to cast)."""
+    compute = _COMPUTE_DTYPE[cfg.train.mixed_precision] or torch.float32
+    master = torch.bfloat16 if uses_bf16_master(cfg) else torch.float32
+    return pd.ep > 1 and pd.tp == 1 and pd.expert_fsdp == 1 and compute == master
+
+
 def uses_bf16_master(cfg: JobConfig) -> bool:
     """distributed.master_dtype resolved: 'auto' is bf16 for bf16 and fp8 compute, fp32 for fp32 and fp16."""
     d = cfg.distributed
