@@ -92,40 +92,21 @@ def test_fp8_reduce_without_a_shard_group_to_sum_over_is_one_config_error(world,
     assert where in str(e.value) and "\n" not in str(e.value)
 
 
-class _Mesh:
-    """What `_unsharded_experts` reads of a mesh: its size."""
 
-    def __init__(self, size: int):
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
-def test_routed_experts_leave_fsdp_only_where_their_unit_would_shard_and_cast_nothing():
-    """A one-rank expert mesh (ep = dp_shard) with weights already in the compute dtype: FSDP2 leaves every MoE layer's
-    experts alone (trainer.parallel.fsdp); a larger mesh shards them, and fp32 master weights under bf16 compute need
-    the unit's cast. ParallelDims.expert_fsdp is the size the memory plan reads for the same rule."""
-    from trainer.models.moe import MoETransformer, moe_args_for
-    from trainer.parallel.fsdp import _unsharded_experts
-    from trainer.parallel.parallel_dims import ParallelDims
-
-    with torch.device("meta"):
-        model = MoETransformer(moe_args_for("debug_moe"))
-    blocks = list(model.layers.values())
-    moe_layers = [b.moe.experts for b in blocks if getattr(b, "moe", None) is not None]
-    assert 0 < len(moe_layers) < len(blocks)  # dense blocks are skipped
-    assert _unsharded_experts(blocks, _Mesh(1), None) == moe_layers  # fp32 compute, fp32 weights
-    assert _unsharded_experts(blocks, _Mesh(2), None) == []
-    assert _unsharded_experts(blocks, None, None) == []
-    assert _unsharded_experts(blocks, _Mesh(1), torch.bfloat16) == []  # fp32 master weights, bf16 compute
-    model.to(torch.bfloat16)
-    assert _unsharded_experts(blocks, _Mesh(1), torch.bfloat16) == moe_layers  # bf16 master weights
-
-    def pd(**kw) -> ParallelDims:
-        dims = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2, "pp": 1, "cp": 1, **kw}
-        return ParallelDims(world_size=dims["dp_replicate"] * dims["dp_shard"] * dims["tp"] * dims["pp"], **dims)
-
-    assert pd().expert_fsdp == 1
-    assert pd(dp_shard=4).expert_fsdp == 2 and pd(dp_replicate=2).expert_fsdp == 2
-    assert pd(ep=1).expert_fsdp == 2
+@pytest.mark.parametrize("world, args, outside", [
+    (2, ["--distributed.ep=2"], True),  # bf16 master weights, bf16 compute
+    (2, ["--distributed.ep=2", "--train.mixed_precision=fp32"], True),  # fp32 both
+    (2, ["--distributed.ep=2", "--distributed.master_dtype=fp32"], False),  # the unit casts them to bf16
+    (4, ["--distributed.ep=2"], False),  # sharded over dp_shard / ep = 2
+    (4, ["--distributed.ep=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=2"], False),  # HSDP replicas
+    (2, [], False),  # no expert parallelism
+])
+def test_routed_experts_leave_fsdp_only_where_their_unit_would_shard_and_cast_nothing(world, args, outside):
+    """A one-rank expert mesh (ep = dp_shard) with master weights already in the compute dtype: FSDP2 leaves every MoE
+    layer's experts alone (FSDPOptions.experts_outside, trainer.parallel.fsdp); a larger mesh shards them, replicas
+    reduce them, and fp32 master weights under bf16 compute need the unit's cast."""
+    cfg = load_job_config(["--config", str(REPO / "configs" / "train" / "debug_moe.toml"),
+                           "--train.mixed_precision=bf16", *args])
+    job = validate_job(cfg, world_size=world, target=planned_gpus(139.8))
+    assert job.build.fsdp.experts_outside is outside
+    assert (job.parallel_dims.expert_fsdp == 1) is (outside or "--distributed.master_dtype=fp32" in args)

@@ -49,6 +49,9 @@ class FSDPOptions:
     reshard_after_forward: bool
     reduces: bool = True
     """Gradients are summed: over ranks (dp, cp, tp) or microbatches (accumulation, pp). False: one of each."""
+    experts_outside: bool = False
+    """The routed experts are no FSDP2 unit (trainer.validate.resolve.experts_outside_fsdp: ep over the whole shard
+    group, master weights in the compute dtype); they divide their own gradients (trainer.parallel.fsdp)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ def build_parallel_model(
             model, pd.mesh("fsdp"), param_dtype=o.fsdp.param_dtype, reduce_dtype=o.fsdp.reduce_dtype,
             reshard_after_forward=o.fsdp.reshard_after_forward,
             expert_mesh=pd.mesh("expert_fsdp") if pd.ep > 1 or pd.tp > 1 else None, routers_with_experts=pd.tp > 1,
+            experts_outside=o.fsdp.experts_outside,
         )
     )
     return BuildResult(float8=report, cp=cp)

@@ -21,6 +21,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     expert_mesh: DeviceMesh | None = None,
     routers_with_experts: bool = False,
+    experts_outside: bool = False,
 ) -> str:
     """Shard the embeddings, every block, then the root (final norm, output head); tied embeddings and head
     (model.tie_word_embeddings) share one unit with the final norm.
@@ -42,9 +43,9 @@ def apply_fsdp(
     routers_with_experts, under TP, its router too) get an FSDP unit of their own over it;
     their gradients already sum other ranks' tokens (EP: the all-to-all's backward; TP: the
     reduce-scatter over dp_shard x tp sums the tp ranks' sequence slices), so they are divided
-    by the data-parallel degree only, as the dense weights are. Where the expert mesh is one rank (EP over the
-    whole shard group) there is nothing to shard or reduce: the experts stay out of FSDP2 (`_unsharded_experts`) and
-    divide their own gradients (GroupedExperts.grad_divisor).
+    by the data-parallel degree only, as the dense weights are. experts_outside (FSDPOptions.experts_outside: the
+    expert mesh is one rank, nothing to shard or reduce): the experts stay out of FSDP2 and divide their own gradients
+    (GroupedExperts.grad_divisor).
     """
     mp, comm = fsdp_policy(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     shard = functools.partial(_shard, mp=mp, comm=comm)
@@ -60,7 +61,7 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     ignored, experts_line = _shard_experts(blocks, expert_mesh, dp_mesh, shard, param_dtype=param_dtype,
                                            reshard_after_forward=reshard_after_forward,
-                                           with_routers=routers_with_experts)
+                                           with_routers=routers_with_experts, outside=experts_outside)
     for i, block in enumerate(blocks):
         # The last block's weights are needed again right away by backward.
         shard(block, dp_mesh, reshard_after_forward and i < len(blocks) - 1, ignored=ignored)
@@ -95,22 +96,24 @@ def fsdp_policy(model: nn.Module, *, param_dtype: torch.dtype | None, reduce_dty
 
 
 def _shard_experts(blocks: list[nn.Module], expert_mesh: DeviceMesh | None, dp_mesh: DeviceMesh, shard, *,
-                   param_dtype: torch.dtype | None, reshard_after_forward: bool, with_routers: bool
+                   param_dtype: torch.dtype | None, reshard_after_forward: bool, with_routers: bool, outside: bool
                    ) -> tuple[set[nn.Parameter], str]:
-    """Each MoE layer's routed experts (with_routers: and its router) an FSDP2 unit over expert_mesh, or where that
-    mesh is one rank none (`_unsharded_experts`): (the parameters the blocks' units must leave alone, the startup
-    line's words)."""
-    unsharded = _unsharded_experts(blocks, expert_mesh, param_dtype) if not with_routers else []
-    for experts in unsharded:
-        # FSDP2 would divide their gradients by every data-parallel rank as it reduced them; they divide their own.
-        experts.grad_divisor = float(dp_mesh.size())
-    if unsharded:
-        return ({p for experts in unsharded for p in experts.parameters()},
-                f"; routed experts of {len(unsharded)} MoE layers left out (ep covers the shard group: nothing to "
-                f"shard or reduce; their gradients divided by {dp_mesh.size()} in their backward)")
+    """Each MoE layer's routed experts (with_routers: and its router) an FSDP2 unit over expert_mesh, or with
+    `outside` none: (the parameters the blocks' units must leave alone, the startup line's words)."""
     layers = [(i, block.moe) for i, block in enumerate(blocks) if getattr(block, "moe", None) is not None]
     if expert_mesh is None or not layers:
         return set(), ""
+    if outside:
+        experts = [moe.experts for _, moe in layers]
+        # trainer.validate decided it (experts_outside_fsdp): a one-rank expert mesh, weights needing no cast.
+        assert expert_mesh.size() == 1 and not with_routers, (expert_mesh, with_routers)
+        assert param_dtype is None or all(p.dtype == param_dtype for e in experts for p in e.parameters()), param_dtype
+        for e in experts:
+            # FSDP2 would divide their gradients by every data-parallel rank as it reduced them; they divide their own.
+            e.grad_divisor = float(dp_mesh.size())
+        return ({p for e in experts for p in e.parameters()},
+                f"; routed experts of {len(experts)} MoE layers left out (ep covers the shard group: nothing to "
+                f"shard or reduce; their gradients divided by {dp_mesh.size()} in their backward)")
     for i, moe in layers:
         for unit in ([moe.router, moe.experts] if with_routers else [moe.experts]):
             shard(unit, expert_mesh, reshard_after_forward and i < len(blocks) - 1)
@@ -124,25 +127,6 @@ def _shard_experts(blocks: list[nn.Module], expert_mesh: DeviceMesh | None, dp_m
                 unit.set_force_sum_reduction_for_comms(True)
     return set(), (f"; routed experts{' and routers' if with_routers else ''} of {len(layers)} MoE layers over "
                    f"{expert_mesh.mesh_dim_names} (size {expert_mesh.size()})")
-
-
-def _unsharded_experts(blocks: list[nn.Module], expert_mesh: DeviceMesh | None,
-                       param_dtype: torch.dtype | None) -> list[nn.Module]:
-    """The routed experts FSDP2 is kept off: every MoE layer's, where the expert mesh has one rank (ep = dp_shard x
-    cp, no replicas: ParallelDims.expert_fsdp == 1) and the weights already are in the compute dtype (bf16 master
-    weights for bf16 compute; fp32 for fp32), else none.
-
-    A unit over one rank shards nothing and reduces nothing, yet costs each layer a copy of its experts' weights
-    before the forward (FSDP2's one-rank all-gather), and after the backward the gradients cast to the reduce dtype,
-    concatenated, divided and copied back: measured on 2x H200, moe_16b at ep=2, ~2 ms of host time a layer and
-    3.6 GiB of copies, and the unit's hooks cut the compiled block in five graphs
-    (docs/benchmarks/2026-11-29-experts-out-of-fsdp-2x-h200.md)."""
-    if expert_mesh is None or expert_mesh.size() != 1:
-        return []
-    layers = [block.moe.experts for block in blocks if getattr(block, "moe", None) is not None]
-    if param_dtype is not None and any(p.dtype != param_dtype for e in layers for p in e.parameters()):
-        return []  # FSDP2's unit casts them to the compute dtype (fp32 master weights)
-    return layers
 
 
 def _shard(unit: nn.Module | list[nn.Module], mesh: DeviceMesh, reshard: bool, *, mp: MixedPrecisionPolicy,

@@ -47,7 +47,6 @@ from trainer.optim.states import StateDtypes
 from trainer.parallel import BuildOptions, ParallelDims
 from trainer.parallel.float8.options import kept_weight_bytes
 from trainer.parallel.pipeline_layout import PipelineOptions, stage_ids
-from trainer.validate.resolve import experts_outside_fsdp
 
 GIB = 2**30
 
@@ -243,7 +242,7 @@ def _plan_rank(cfg: JobConfig, args: ModelArgs, pd: ParallelDims, build: BuildOp
                                                      "parameter of the shard")] if cfg.train.ema_decay > 0 else []),
             *buffers,
             _gathered(args, pd, stage, all_units=not fsdp.reshard_after_forward, compute=compute,
-                      experts_left_out=experts_outside_fsdp(cfg, pd))]
+                      experts_left_out=fsdp.experts_outside)]
     kept = len(rows) - 1  # weights, optimizer state, the EMA and pipeline buffers: held for the whole run
     policy = _policy(build, fp8, compute=compute, cpu=cpu, ep=pd.ep)
     activations, recompute = _activations(args, pd, build, policy, stage, tokens=tokens)

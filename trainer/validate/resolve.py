@@ -189,9 +189,13 @@ def _weights_per_step(cfg: JobConfig, pd: ParallelDims, *, all_gather: bool) -> 
 
 
 def experts_outside_fsdp(cfg: JobConfig, pd: ParallelDims) -> bool:
-    """Whether FSDP2 leaves the routed experts out (trainer.parallel.fsdp._unsharded_experts decides the same from the
-    meshes and the weights' dtype): expert parallelism over the whole shard group (ParallelDims.expert_fsdp == 1, no
-    tp) with the master weights already in the compute dtype (nothing for a unit to cast)."""
+    """Whether FSDP2 leaves the routed experts out (FSDPOptions.experts_outside, trainer.parallel.fsdp): expert
+    parallelism over the whole shard group (ParallelDims.expert_fsdp == 1, no tp) with the master weights already in
+    the compute dtype. A unit over one rank shards and reduces nothing, yet copies each layer's experts before the
+    forward (FSDP2's one-rank all-gather) and casts, concatenates, divides and copies their gradients after the
+    backward: on 2x H200, moe_16b at ep=2, ~2 ms of host time a layer and 3.6 GiB of copies, and its hooks cut the
+    compiled block in five graphs (docs/benchmarks/2026-11-29-experts-out-of-fsdp-2x-h200.md). With fp32 master
+    weights under bf16 compute the unit stays: it casts them."""
     compute = _COMPUTE_DTYPE[cfg.train.mixed_precision] or torch.float32
     master = torch.bfloat16 if uses_bf16_master(cfg) else torch.float32
     return pd.ep > 1 and pd.tp == 1 and pd.expert_fsdp == 1 and compute == master
@@ -258,7 +262,8 @@ def resolve_fsdp(cfg: JobConfig, pd: ParallelDims, *, bf16_master: bool, ranks_p
     else:
         reduce_dtype = torch.float32
     return FSDPOptions(param_dtype=compute, reduce_dtype=reduce_dtype, reduces=reduces,
-                       master_dtype=torch.bfloat16 if bf16_master else torch.float32, reshard_after_forward=reshard)
+                       master_dtype=torch.bfloat16 if bf16_master else torch.float32, reshard_after_forward=reshard,
+                       experts_outside=experts_outside_fsdp(cfg, pd))
 
 
 def describe_fsdp_choices(cfg: JobConfig, pd: ParallelDims, build: BuildOptions, *, ranks_per_node: int) -> str:
