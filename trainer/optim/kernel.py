@@ -5,7 +5,8 @@ The compiled updates this replaces (torch.compile of the update, one graph per b
 distinct shapes of a model. This kernel is compiled by Triton once per dtype and mode (about a second, then cached
 on disk like any Triton kernel) and finds every tensor of a launch in a table of offsets: program i updates
 BLOCK elements of one tensor, found in a block map built once per layout. One launch per step and dtype, whatever
-the model; the update moves its bytes at 2.1 TB/s (bf16, stochastic rounding) to 2.9 TB/s (fp32) on an H100.
+the model (two where tensor parallelism shards some weights by columns: adamw_step); the update moves its bytes at
+2.1 TB/s (bf16, stochastic rounding) to 2.9 TB/s (fp32) on an H100.
 
 Each state is read and written in its own dtype (trainer.optim.adamw.AdamW's: fp32 or bf16 weights,
 an fp32, bf16 or fp8 first moment, an fp32 or bf16 second moment); an fp8 first moment's program holds its 1024
@@ -204,10 +205,11 @@ def _update_block(
     lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2,
     P_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, M_FP8: tl.constexpr, ROUND: tl.constexpr,
     DEVICE_STEP: tl.constexpr, HAS_SCALE: tl.constexpr, P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr,
-    M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, CONTIG: tl.constexpr, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """AdamW on the elements `local` of one tensor (MASKED: those below numel; else all of them). M_FP8: `local` is
-    (BLOCK_SIZE / 128) x 128, one row per block of the fp8 exp_avg (its bytes at m_base, its scales at s_base)."""
+    (BLOCK_SIZE / 128) x 128, one row per block of the fp8 exp_avg (its bytes at m_base, its scales at s_base).
+    CONTIG: every tensor of the launch is one contiguous run of its global tensor (see adamw_step)."""
     mask = local < numel
     p_ptr = _tensor(p_base, row, _P, P_ALIGN)
     m_ptr = _tensor(m_base, row, _M, M_ALIGN)
@@ -243,7 +245,7 @@ def _update_block(
         _store(p_ptr + local, _to(p + delta, P_DTYPE), mask, MASKED)
     else:
         # The element's index in the global tensor: its random bits are the same in every layout.
-        if tl.load(row + _CONTIG) != 0:
+        if CONTIG:
             index = tl.load(row + _BASE) + local
         else:
             n1 = tl.load(row + _N1)
@@ -285,8 +287,8 @@ def _adamw_kernel(
     found_inf_ptr, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1,
     log2_beta2, P_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, M_FP8: tl.constexpr,
     ROUND: tl.constexpr, DEVICE_STEP: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-    P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, NCOLS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    P_ALIGN: tl.constexpr, G_ALIGN: tl.constexpr, M_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, CONTIG: tl.constexpr,
+    NCOLS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """Program i: block block_index[i] of tensor block_tensor[i], a row of `table`. A full block runs unmasked
     (vector loads need it: a mask against a runtime length is not known to be constant over a vector)."""
@@ -304,12 +306,12 @@ def _adamw_kernel(
         _update_block(row, start, local, numel, p_base, g_base, m_base, v_base, s_base, step_base, grad_scale_ptr, lr,
                       beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2,
                       P_DTYPE, M_DTYPE, V_DTYPE, M_FP8, ROUND, DEVICE_STEP, HAS_SCALE, P_ALIGN, G_ALIGN, M_ALIGN,
-                      V_ALIGN, MASKED=False, BLOCK_SIZE=BLOCK_SIZE)
+                      V_ALIGN, CONTIG, MASKED=False, BLOCK_SIZE=BLOCK_SIZE)
     else:
         _update_block(row, start, local, numel, p_base, g_base, m_base, v_base, s_base, step_base, grad_scale_ptr, lr,
                       beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, log2_beta1, log2_beta2,
                       P_DTYPE, M_DTYPE, V_DTYPE, M_FP8, ROUND, DEVICE_STEP, HAS_SCALE, P_ALIGN, G_ALIGN, M_ALIGN,
-                      V_ALIGN, MASKED=True, BLOCK_SIZE=BLOCK_SIZE)
+                      V_ALIGN, CONTIG, MASKED=True, BLOCK_SIZE=BLOCK_SIZE)
 
 
 def _log2(beta: float) -> float:
@@ -437,24 +439,34 @@ def adamw_step(
         row.append(s_offsets[i])
         assert len(row) == COLUMNS, row
         rows.append(row)
-    block_tensor, block_index = _block_map(tuple(p.numel() for p in params), device)
     host_step = step if step is not None else 1
     aligns = [_alignment(ts) for ts in (params + (comps or []), grads, exp_avgs, exp_avg_sqs)]
-    variant = (device, p_dtype, g_dtype, m_dtype, v_dtype, rounding, steps is not None, grad_scale is not None,
-               found_inf is not None, *aligns)
-    first = variant not in _launched
-    start = time.perf_counter()
-    _adamw_kernel[(len(block_tensor),)](
-        _device_table(rows, device), block_tensor, block_index, p_base, g_base, m_base, v_base,
-        scales[0] if fp8 else block_tensor, steps[0] if steps is not None else block_tensor,
-        grad_scale if grad_scale is not None else block_tensor, found_inf if found_inf is not None else block_tensor,
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-        1.0 - beta1 ** host_step, (1.0 - beta2 ** host_step) ** 0.5, _log2(beta1), _log2(beta2),
-        P_DTYPE=_TL_DTYPES[p_dtype], M_DTYPE=tl.uint8 if fp8 else _TL_DTYPES[m_dtype], V_DTYPE=_TL_DTYPES[v_dtype],
-        M_FP8=fp8, ROUND=rounding, DEVICE_STEP=steps is not None, HAS_SCALE=grad_scale is not None,
-        HAS_INF=found_inf is not None, P_ALIGN=aligns[0], G_ALIGN=aligns[1], M_ALIGN=aligns[2], V_ALIGN=aligns[3],
-        NCOLS=COLUMNS, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
-    )
-    if first:  # the first launch of a variant compiles it (or loads it from Triton's cache): host time
-        _launched.add(variant)
-        compile_seconds += time.perf_counter() - start
+    # One launch for the tensors that are one contiguous run of their global tensor (plain tensors, FSDP2's dim-0
+    # shards: nearly all), one for the rest (TP's column shards): the general index arithmetic (64-bit divisions),
+    # compiled into a launch that never runs it, cost the stochastic update a third of its speed (1x H200, 8B shapes
+    # x 8 layers at dp_shard=2: 7.47 ms against 5.43).
+    contig = [rounding == ROUND_NONE or bool(row[_CONTIG.value]) for row in rows]
+    for kind in (True, False):
+        group = [i for i, c in enumerate(contig) if c == kind]
+        if not group:
+            continue
+        block_tensor, block_index = _block_map(tuple(params[i].numel() for i in group), device)
+        variant = (device, p_dtype, g_dtype, m_dtype, v_dtype, rounding, steps is not None, grad_scale is not None,
+                   found_inf is not None, kind, *aligns)
+        first = variant not in _launched
+        start = time.perf_counter()
+        _adamw_kernel[(len(block_tensor),)](
+            _device_table([rows[i] for i in group], device), block_tensor, block_index, p_base, g_base, m_base,
+            v_base, scales[0] if fp8 else block_tensor, steps[0] if steps is not None else block_tensor,
+            grad_scale if grad_scale is not None else block_tensor,
+            found_inf if found_inf is not None else block_tensor,
+            float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+            1.0 - beta1 ** host_step, (1.0 - beta2 ** host_step) ** 0.5, _log2(beta1), _log2(beta2),
+            P_DTYPE=_TL_DTYPES[p_dtype], M_DTYPE=tl.uint8 if fp8 else _TL_DTYPES[m_dtype], V_DTYPE=_TL_DTYPES[v_dtype],
+            M_FP8=fp8, ROUND=rounding, DEVICE_STEP=steps is not None, HAS_SCALE=grad_scale is not None,
+            HAS_INF=found_inf is not None, P_ALIGN=aligns[0], G_ALIGN=aligns[1], M_ALIGN=aligns[2], V_ALIGN=aligns[3],
+            CONTIG=kind, NCOLS=COLUMNS, BLOCK_SIZE=BLOCK, num_warps=NUM_WARPS,
+        )
+        if first:  # the first launch of a variant compiles it (or loads it from Triton's cache): host time
+            _launched.add(variant)
+            compile_seconds += time.perf_counter() - start
