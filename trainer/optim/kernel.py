@@ -6,7 +6,7 @@ distinct shapes of a model. This kernel is compiled by Triton once per dtype and
 on disk like any Triton kernel) and finds every tensor of a launch in a table of offsets: program i updates
 BLOCK elements of one tensor, found in a block map built once per layout. One launch per step and dtype, whatever
 the model (two where tensor parallelism shards some weights by columns: adamw_step); the update moves its bytes at
-2.1 TB/s (bf16, stochastic rounding) to 2.9 TB/s (fp32) on an H100.
+3.3 TB/s (bf16, stochastic rounding) to 4.0 TB/s (fp32) on an H200 (docs/benchmarks.md, the optimizer step).
 
 Each state is read and written in its own dtype (trainer.optim.adamw.AdamW's: fp32 or bf16 weights,
 an fp32, bf16 or fp8 first moment, an fp32 or bf16 second moment); an fp8 first moment's program holds its 1024
@@ -381,6 +381,34 @@ def _device_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return table.pin_memory().to(device, non_blocking=True)
 
 
+def _table_rows(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                exp_avg_sqs: list[torch.Tensor], *, comps: list[torch.Tensor] | None, steps: list[torch.Tensor] | None,
+                scales: list[torch.Tensor] | None, layouts: list[Layout] | None, keys: list[int] | None
+                ) -> list[list[int]]:
+    """The kernel's table: a row of COLUMNS per tensor (offsets from each kind's first tensor, its layout in the
+    global tensor and its random keys; module comment at COLUMNS)."""
+    p_base = params[0]
+    p_offsets = [_offsets(ts, p_base) for ts in (params, comps or [p_base] * len(params))]
+    m_offsets, v_offsets = _offsets(exp_avgs, exp_avgs[0]), _offsets(exp_avg_sqs, exp_avg_sqs[0])
+    s_offsets = _offsets(scales, scales[0]) if scales is not None else [0] * len(params)
+    g_offsets = _offsets(grads, grads[0])
+    step_offsets = _offsets(steps, steps[0]) if steps is not None else [0] * len(params)
+    rows = []
+    for i, p in enumerate(params):
+        row = [p_offsets[0][i], g_offsets[i], m_offsets[i], v_offsets[i], p_offsets[1][i], step_offsets[i],
+               p.numel()]
+        if layouts is None:
+            row += [1, 1] + [0] * 8 + [0, 0]
+        else:
+            key = keys[i]  # random_bits16's key: its low and high halves
+            row += _layout_columns(layouts[i], tuple(p.shape))
+            row += [key & 0xFFFFFFFF, key >> 32]
+        row.append(s_offsets[i])
+        assert len(row) == COLUMNS, row
+        rows.append(row)
+    return rows
+
+
 def adamw_step(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -390,7 +418,7 @@ def adamw_step(
     layouts: list[Layout] | None = None, keys: list[int] | None = None, scales: list[torch.Tensor] | None = None,
 ) -> None:
     """One AdamW step of every tensor (plain, contiguous, one device; params and compensations of one dtype,
-    gradients of one, exp_avgs of one, exp_avg_sqs of one) in one launch.
+    gradients of one, exp_avgs of one, exp_avg_sqs of one) in one launch (two where some are column shards).
 
     Either `steps` (each parameter's fp32 step tensor on the device, already counting this step: the fused
     protocol) or `step` (the host's step, for all). rounding=ROUND_STOCHASTIC / ROUND_KAHAN: `layouts` and `keys`
@@ -421,24 +449,8 @@ def adamw_step(
     if fp8:
         exp_avgs = [m.view(torch.uint8) for m in exp_avgs]  # the kernel reads and writes e4m3 as bytes
     p_base, g_base, m_base, v_base = params[0], grads[0], exp_avgs[0], exp_avg_sqs[0]
-    p_offsets = [_offsets(ts, p_base) for ts in (params, comps or [p_base] * len(params))]
-    m_offsets, v_offsets = _offsets(exp_avgs, m_base), _offsets(exp_avg_sqs, v_base)
-    s_offsets = _offsets(scales, scales[0]) if fp8 else [0] * len(params)
-    g_offsets = _offsets(grads, g_base)
-    step_offsets = _offsets(steps, steps[0]) if steps is not None else [0] * len(params)
-    rows = []
-    for i, p in enumerate(params):
-        row = [p_offsets[0][i], g_offsets[i], m_offsets[i], v_offsets[i], p_offsets[1][i], step_offsets[i],
-               p.numel()]
-        if layouts is None:
-            row += [1, 1] + [0] * 8 + [0, 0]
-        else:
-            key = keys[i]  # random_bits16's key: its low and high halves
-            row += _layout_columns(layouts[i], tuple(p.shape))
-            row += [key & 0xFFFFFFFF, key >> 32]
-        row.append(s_offsets[i])
-        assert len(row) == COLUMNS, row
-        rows.append(row)
+    rows = _table_rows(params, grads, exp_avgs, exp_avg_sqs, comps=comps, steps=steps, scales=scales,
+                       layouts=layouts, keys=keys)
     host_step = step if step is not None else 1
     aligns = [_alignment(ts) for ts in (params + (comps or []), grads, exp_avgs, exp_avg_sqs)]
     # One launch for the tensors that are one contiguous run of their global tensor (plain tensors, FSDP2's dim-0
