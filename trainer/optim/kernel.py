@@ -397,8 +397,8 @@ def _table_rows(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     for i, p in enumerate(params):
         row = [p_offsets[0][i], g_offsets[i], m_offsets[i], v_offsets[i], p_offsets[1][i], step_offsets[i],
                p.numel()]
-        if layouts is None:
-            row += [1, 1] + [0] * 8 + [0, 0]
+        if layouts is None:  # no rounding, so no index: the tensor stands for its whole global tensor
+            row += [1, 1] + [0] * 7 + [1] + [0, 0]
         else:
             key = keys[i]  # random_bits16's key: its low and high halves
             row += _layout_columns(layouts[i], tuple(p.shape))
@@ -457,7 +457,7 @@ def adamw_step(
     # shards: nearly all), one for the rest (TP's column shards): the general index arithmetic (64-bit divisions),
     # compiled into a launch that never runs it, cost the stochastic update a third of its speed (1x H200, 8B shapes
     # x 8 layers at dp_shard=2: 7.47 ms against 5.43).
-    contig = [rounding == ROUND_NONE or bool(row[_CONTIG.value]) for row in rows]
+    contig = [bool(row[_CONTIG.value]) for row in rows]
     for kind in (True, False):
         group = [i for i, c in enumerate(contig) if c == kind]
         if not group:
