@@ -3,6 +3,8 @@ shapes imply (parameters, Linear layers), so that tests expect what the model is
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -31,6 +33,22 @@ FAST = [
 # Every process a test starts carries this variable, "<pytest pid>.<launch id>" (inherited by torchrun's workers,
 # which run in sessions of their own and so escape a process-group kill): reap() finds them by it.
 OWNER_VAR = "TRAINER_TEST_OWNER"
+
+
+@contextlib.contextmanager
+def under_triton_interpreter(module):
+    """`module` reloaded with TRITON_INTERPRET=1 (its @triton.jit kernels, built at import, then run by Triton's CPU
+    interpreter), then reloaded as it was."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield importlib.reload(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+        importlib.reload(module)
 
 
 def load_script(name: str):

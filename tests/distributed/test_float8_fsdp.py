@@ -34,3 +34,16 @@ def test_fp8_all_gather_two_ranks_match_one_rank(tmp_path: Path) -> None:
         str(tmp_path / "off")))[0]
     assert column(off, "loss")[0] == pytest.approx(column(two, "loss")[0], rel=2e-3)
     assert column(off, "loss") == pytest.approx(column(two, "loss"), rel=1e-2)
+
+
+@pytest.mark.slow
+def test_fp8_all_gather_compiled_two_ranks_match_one_rank(tmp_path: Path) -> None:
+    """Compiled, the loss hands the FP8 head its gradient already cast (trainer.loss.Float8HeadCrossEntropy), here
+    with the head's weight arriving from FSDP2's all-gather already in float8: 2 ranks still track 1 rank."""
+    compiled = [*ARGS, "--train.compile_model=true", "--float8.enable_fsdp_float8_all_gather=true"]
+    two, one = run_distributed(train_then_one_process, world_size=2, args=(
+        [*compiled, "--train.batch_size=2", "--distributed.dp_shard=2"],
+        [*compiled, "--train.batch_size=2", "--train.grad_accum_steps=2"],
+        str(tmp_path)))[0]
+    assert column(two, "loss") == pytest.approx(column(one, "loss"), rel=1e-3)
+    assert column(two, "grad_norm") == pytest.approx(column(one, "grad_norm"), rel=1e-2)

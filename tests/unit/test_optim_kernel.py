@@ -7,14 +7,12 @@ fused AdamW (fp32) and the eager update (bf16 master weights).
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton has no wheel for this platform (the `test` extra installs it on Linux)")
 
+from tests.helpers import under_triton_interpreter  # noqa: E402
 from trainer.optim.adamw import AdamW  # noqa: E402
 
 BETAS = (0.9, 0.95)
@@ -27,15 +25,8 @@ def interpreted_kernel():
     as it was."""
     import trainer.optim.kernel as kernel
 
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    importlib.reload(kernel)
-    yield kernel
-    if before is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = before
-    importlib.reload(kernel)
+    with under_triton_interpreter(kernel) as interpreted:
+        yield interpreted
 
 
 # Shapes over several of the kernel's 4096-element blocks (a tail included), 1-d and 3-d tensors.
