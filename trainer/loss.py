@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -140,7 +141,6 @@ def plain_float8_head(proj: nn.Module | None) -> type | None:
     else None."""
     if proj is None or "torchao" not in type(proj).__module__:
         return None
-    from torch.distributed.fsdp import FSDPModule
     from torchao.float8.config import ScalingGranularity, ScalingType, e4m3_dtype
     from torchao.float8.float8_linear import Float8Linear
 

@@ -176,6 +176,8 @@ TRITON = ("Triton: absent from CPU builds of torch; kernel.py imports it at its 
 TORCHAO = ("torchao.float8: ~0.2 s to import warm (more cold), and only an fp8 run converts; a bf16 run and a "
            "checkpoint load never import torchao (tests/cli/test_checkpoint.py pins the latter)")
 TORCHAO_AT_TOP = "imports torchao.float8 at its top (tensorwise.py): only an fp8 run of that recipe loads it"
+LOSS_TRITON = ("Triton: absent from CPU builds of torch; loss_kernels.py imports it at its top, so only the fused FP8 "
+               "head loss on a GPU (and the tests that run it in Triton's interpreter) load it")
 TORCHAO_PROTOTYPE = ("a torchao prototype (Triton kernels; a module that moves between torchao versions): only its "
                      "recipe or benchmark runs it")
 
@@ -194,6 +196,11 @@ LAZY_IMPORTS: dict[str, dict[str, str]] = {
     "trainer.data.tokenizer": {"tokenizers": _optional("tokenizers", "tokenizers")},
     "trainer.hf.folder": {
         "safetensors": _optional("safetensors", "hf"), "safetensors.torch": _optional("safetensors", "hf"),
+    },
+    "trainer.loss": {
+        "trainer.loss_kernels": LOSS_TRITON, "torchao.float8.config": TORCHAO, "torchao.float8.float8_linear": TORCHAO,
+        "torchao.float8.float8_training_tensor": TORCHAO, "torchao.float8.float8_utils": TORCHAO,
+        "torchao.float8.distributed_utils": TORCHAO, "torchao.float8.float8_scaling_utils": TORCHAO,
     },
     "trainer.metrics.logger": {"torch.utils.tensorboard": TENSORBOARD},
     "trainer.metrics.wandb_run": {"wandb": _optional("wandb", "wandb")},
