@@ -69,8 +69,8 @@ class LossFn:
         # Float8HeadCrossEntropy (module docstring) in the compiled whole-batch graph, where the head's Linear is
         # torchao's plain tensorwise one: its class, checked at each trace (an evaluation or a precision phase in
         # bf16 makes it a plain Linear, and the graph compiles again); None: the head and F.cross_entropy.
-        self.fused = compile and not chunk_tokens
-        self.fp8_head_class = plain_float8_head(getattr(output_head, "proj", None)) if self.fused else None
+        self.fp8_head_class = (plain_float8_head(getattr(output_head, "proj", None))
+                               if compile and not chunk_tokens else None)
         self.head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._head_loss_sum
         self.chunk_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._chunk_loss
         if compile and chunk_tokens:
@@ -122,9 +122,9 @@ class LossFn:
     def _head_loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """h [..., dim], labels [...]: the summed loss of the valid labels."""
         x = self.norm(h)
-        if self.fused and torch.compiler.is_compiling():  # eager (the FP8 health steps too): the reference
+        if self.fp8_head_class is not None and torch.compiler.is_compiling():  # eager (FP8 health steps too): the reference
             proj = getattr(self.output_head, "proj", None)
-            if self.fp8_head_class is not None and type(proj) is self.fp8_head_class:
+            if type(proj) is self.fp8_head_class:
                 grad = proj.config.cast_config_grad_output.target_dtype
                 return Float8HeadCrossEntropy.apply(x.flatten(0, -2), proj.weight, labels.flatten(),
                                                     proj.linear_mm_config, grad)
@@ -201,14 +201,19 @@ def _(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: torch.Te
     return logits.new_empty((n, vocab), dtype=dtype), logits.new_empty((vocab, n), dtype=dtype)
 
 
+def _targets(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid [n], target [n]: the label, 0 where ignored, one_hot [n, vocab] of target) for logits [n, vocab]."""
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0)
+    return valid, target, torch.arange(logits.shape[1], device=logits.device)[None, :] == target[:, None]
+
+
 def row_stats_reference(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ce_row_stats in torch (a CPU's implementation, and the kernel's reference)."""
     lf = logits.float()
-    valid = labels != IGNORE_INDEX
-    target = torch.where(valid, labels, 0)
+    valid, target, hot = _targets(lf, labels)
     lse = torch.logsumexp(lf, dim=-1)
     picked = lf.gather(1, target[:, None]).squeeze(1)
-    hot = torch.arange(lf.shape[1], device=lf.device)[None, :] == target[:, None]
     others = torch.where(hot, float("-inf"), lf).amax(dim=-1)
     amax = torch.maximum(torch.exp(others - lse), (torch.exp(picked - lse) - 1).abs())
     zero = torch.zeros((), device=lf.device)
@@ -219,9 +224,7 @@ def logits_grad_reference(logits: torch.Tensor, lse: torch.Tensor, labels: torch
                           scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """ce_logits_grad_fp8 in torch; without a scale, the gradient in the logits' dtype it casts."""
-    valid = labels != IGNORE_INDEX
-    target = torch.where(valid, labels, 0)
-    hot = torch.arange(logits.shape[1], device=logits.device)[None, :] == target[:, None]
+    valid, _, hot = _targets(logits, labels)
     d = torch.exp(logits.float() - lse[:, None]) - hot.float()
     grad = torch.where(valid[:, None], d * g.float(), torch.zeros((), device=logits.device)).to(logits.dtype)
     if scale is None:

@@ -8,8 +8,9 @@ the row statistics in 1.71 ms (2.5 TB/s; 1.72-2.22 ms for 1024-4096 logits a ste
 in 2.83 ms (3.0 TB/s of the 8.4 GB it must move; 2.85-4.15 ms for the other tiles timed); the benchmark record
 docs/benchmarks/2026-11-30-fused-fp8-head-loss-h200.md has them all.
 
-Roundings are integer arithmetic on the fp32 bits, as torch rounds (to nearest, ties to even), not Triton's casts,
-which its CPU interpreter truncates (tests/unit/test_loss_kernels.py runs these kernels there).
+On a GPU the roundings are the hardware's conversions (to nearest, ties to even, as torch's); under Triton's CPU
+interpreter, whose casts truncate, the same roundings are integer arithmetic on the fp32 bits
+(tests/unit/test_fused_head_loss.py runs the kernels there, tests/gpu/test_fused_head_loss_gpu.py on a GPU).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import triton
 import triton.language as tl
 
 IGNORE: tl.constexpr = tl.constexpr(-100)  # trainer.loss.IGNORE_INDEX
-# Triton's CPU interpreter truncates in its casts: there the roundings are integer arithmetic, which a GPU runs
-# slower than its own conversions (round to nearest even, as torch's); both give the same bytes
-# (tests/gpu/test_loss_kernels_gpu.py).
+# Under Triton's CPU interpreter (module docstring): integer roundings, which a GPU runs slower than its own
+# conversions; both give the same bytes (0 differed on 1x H200, docs/benchmarks/2026-11-30-fused-fp8-head-loss-h200.md).
 INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 ROW_BLOCK = 2048  # logits per loop step of the row kernel (4 warps: 16 per thread)

@@ -155,30 +155,37 @@ def run(loss_fn: LossFn, head: nn.Module, h0: torch.Tensor, labels: torch.Tensor
     return loss.detach(), h.grad, head.proj.weight.grad
 
 
-def test_compiled_fp8_head_loss_tracks_the_module_and_cross_entropy(monkeypatch) -> None:
-    """Compiled, the fused path (its row statistics called on every step) against the same compiled graph with the
-    module and F.cross_entropy: the same FP8 GEMMs; the loss within fp32 summation, the gradients within the FP8
-    gradient's rounding (an element whose bf16 gradient rounds the other way lands one e5m2 step apart)."""
-    calls = []
-    real = loss_module.row_stats_reference
-    monkeypatch.setattr(loss_module, "row_stats_reference", lambda *a: calls.append(1) or real(*a))
+def check_fused_tracks_the_module(dim: int, vocab: int, tokens: int, device: str = "cpu") -> None:
+    """The compiled loss with the fused path, then with it off (the same compiled graph with the module and
+    F.cross_entropy), on the same FP8 head: the same FP8 GEMMs, so the loss agrees within fp32 summation and the
+    gradients within the FP8 gradient's rounding (an element whose bf16 gradient rounds the other way lands one
+    e5m2 step apart)."""
     torch.manual_seed(1)
-    h0 = torch.randn(2, 150, 64).bfloat16() * 3
-    labels = torch.randint(0, 1000, (2, 150))
+    h0 = (torch.randn(2, tokens, dim) * 3).bfloat16().to(device)
+    labels = torch.randint(0, vocab, (2, tokens)).to(device)
     labels[0, :9] = IGNORE_INDEX
     results = {}
     for fused in (True, False):
-        head, norm = fp8_head()
+        head, norm = (m.to(device) for m in fp8_head(dim, vocab))
         loss_fn = LossFn(norm, head, compile=True)
         assert loss_fn.fp8_head_class is Float8Linear
-        loss_fn.fused = fused
+        if not fused:
+            loss_fn.fp8_head_class = None
         results[fused] = [run(loss_fn, head, h0, labels) for _ in range(2)][-1]
-    assert len(calls) == 2
     (loss, dh, dw), (ref_loss, ref_dh, ref_dw) = results[True], results[False]
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for ours, ref in ((dh, ref_dh), (dw, ref_dw)):
         assert ((ours.float() - ref.float()).norm() / ref.float().norm()) < 3e-2
         assert torch.isfinite(ours).all()
+
+
+def test_compiled_fp8_head_loss_tracks_the_module_and_cross_entropy(monkeypatch) -> None:
+    """check_fused_tracks_the_module on CPU tensors, its row statistics called on every fused step."""
+    calls = []
+    real = loss_module.row_stats_reference
+    monkeypatch.setattr(loss_module, "row_stats_reference", lambda *a: calls.append(1) or real(*a))
+    check_fused_tracks_the_module(64, 1000, 150)
+    assert len(calls) == 2
 
 
 def test_a_bf16_head_class_recompiles_to_the_module() -> None:
